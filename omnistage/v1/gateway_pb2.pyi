@@ -1,0 +1,105 @@
+# ruff: noqa
+from omnistage.v1 import stage_pb2 as _stage_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "messages", "want_audio", "speaker", "sampling", "mode", "request_id")
+    class SamplingEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _stage_pb2.SamplingParams
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    WANT_AUDIO_FIELD_NUMBER: _ClassVar[int]
+    SPEAKER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    want_audio: bool
+    speaker: str
+    sampling: _containers.MessageMap[str, _stage_pb2.SamplingParams]
+    mode: _stage_pb2.EdgeMode
+    request_id: str
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., want_audio: _Optional[bool] = ..., speaker: _Optional[str] = ..., sampling: _Optional[_Mapping[str, _stage_pb2.SamplingParams]] = ..., mode: _Optional[_Union[_stage_pb2.EdgeMode, str]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class TextDelta(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AudioChunk(_message.Message):
+    __slots__ = ("pcm_f32le", "sample_rate", "first_sample")
+    PCM_F32LE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    pcm_f32le: bytes
+    sample_rate: int
+    first_sample: int
+    def __init__(self, pcm_f32le: _Optional[bytes] = ..., sample_rate: _Optional[int] = ..., first_sample: _Optional[int] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens", "audio_frames", "audio_seconds")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    audio_frames: int
+    audio_seconds: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., audio_frames: _Optional[int] = ..., audio_seconds: _Optional[float] = ...) -> None: ...
+
+class StageTiming(_message.Message):
+    __slots__ = ("first_output_s", "total_s")
+    FIRST_OUTPUT_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    first_output_s: float
+    total_s: float
+    def __init__(self, first_output_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
+
+class Final(_message.Message):
+    __slots__ = ("usage", "timings")
+    class TimingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: StageTiming
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[StageTiming, _Mapping]] = ...) -> None: ...
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    usage: Usage
+    timings: _containers.MessageMap[str, StageTiming]
+    def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Mapping[str, StageTiming]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("text", "audio", "final")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    text: TextDelta
+    audio: AudioChunk
+    final: Final
+    def __init__(self, text: _Optional[_Union[TextDelta, _Mapping]] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
