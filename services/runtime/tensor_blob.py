@@ -1,0 +1,576 @@
+"""tensor_blob: torch tensors / numpy arrays <-> ``omnistage.v1.TensorBlob`` (DESIGN.md §3).
+
+Wire format: dtype enum, shape, and either ``raw`` (little-endian, row-major, no padding) or
+``shm`` (a reference into a same-host shared-memory segment of the sender, see
+``services/runtime/shm.py``). No pickle anywhere.
+
+Copies
+------
+* Decoding makes no copy of its own: tensors are ``torch.frombuffer`` / ``numpy.frombuffer``
+  views over the bytes protobuf hands back or over the mapped segment. Caveat: protobuf-python
+  (upb) materializes a bytes field as a fresh ``bytes`` object on every attribute access, so
+  ``decode`` reads ``blob.raw`` exactly once; that protobuf-internal copy is the only one on an
+  inline decode. The shared-memory path has none at all.
+* Encoding copies once: ``tobytes()`` (inline) or one ``copy_`` into the shared-memory slot (which
+  is also the device->host copy for a CUDA tensor). protobuf-python only accepts ``bytes`` for a
+  bytes field and copies it again internally when it is assigned; that is outside our control.
+* Tensors decoded from inline bytes share memory with a private ``bytes`` object: numpy marks
+  them read-only; torch cannot, so treat them as read-only (``.clone()`` before in-place ops).
+  Tensors decoded from shared memory are writable and stay valid until the sender releases the
+  request (``ShmPool.release_request``); keep them longer only as a copy.
+* bf16 travels as its 16-bit pattern and round-trips exactly; ``decode_numpy`` returns bf16 as
+  ``uint16`` bit patterns because numpy has no bfloat16.
+
+Large payloads: ``encode_chunks`` splits a logical chunk over several ``Chunk`` messages, each
+under ``max_bytes`` serialized, and ``ChunkAssembler`` puts them back together.
+
+Every malformed input raises ``TensorBlobError`` (a ``ValueError``; services map it to
+INVALID_ARGUMENT): unknown dtype, negative or overflowing shape, byte length disagreeing with
+dtype × shape, a missing segment or an out-of-range offset/nbytes, a broken split sequence.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from omnistage.v1 import tensor_pb2
+from omnistage.v1.tensor_pb2 import Chunk, Scalar, TensorBlob
+
+if TYPE_CHECKING:
+    from services.runtime.shm import ShmPool, ShmReader
+
+__all__ = [
+    "MAX_NBYTES",
+    "MAX_NDIM",
+    "ArrayLike",
+    "ChunkAssembler",
+    "DecodedChunk",
+    "ScalarValue",
+    "TensorBlobError",
+    "decode",
+    "decode_chunk",
+    "decode_numpy",
+    "encode",
+    "encode_chunk",
+    "encode_chunks",
+    "get_meta",
+    "set_meta",
+    "validate",
+]
+
+ArrayLike = torch.Tensor | np.ndarray
+ScalarValue = bool | int | float | str
+
+MAX_NDIM = 32
+MAX_NBYTES = 1 << 40  # one tensor, 1 TiB: anything larger is a corrupt or hostile shape
+_SHM_ALIGN = 64
+
+# torch warns (once per process) when it wraps a non-writable buffer such as ``bytes``; we do
+# that on purpose and document it. The filter only matches warnings raised from this module.
+warnings.filterwarnings(
+    "ignore", message="The given buffer is not writable", category=UserWarning, module=__name__
+)
+
+
+class TensorBlobError(ValueError):
+    """A TensorBlob / Chunk that cannot be decoded (services answer INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True)
+class _DType:
+    proto: int
+    torch: torch.dtype
+    wire: np.dtype  # little-endian numpy dtype of the bytes (bf16: its uint16 bit pattern)
+
+    @property
+    def itemsize(self) -> int:
+        return self.wire.itemsize
+
+
+_DTYPES = [
+    _DType(tensor_pb2.BF16, torch.bfloat16, np.dtype("<u2")),
+    _DType(tensor_pb2.F16, torch.float16, np.dtype("<f2")),
+    _DType(tensor_pb2.F32, torch.float32, np.dtype("<f4")),
+    _DType(tensor_pb2.F64, torch.float64, np.dtype("<f8")),
+    _DType(tensor_pb2.I64, torch.int64, np.dtype("<i8")),
+    _DType(tensor_pb2.I32, torch.int32, np.dtype("<i4")),
+    _DType(tensor_pb2.I16, torch.int16, np.dtype("<i2")),
+    _DType(tensor_pb2.I8, torch.int8, np.dtype("i1")),
+    _DType(tensor_pb2.U8, torch.uint8, np.dtype("u1")),
+    _DType(tensor_pb2.BOOL, torch.bool, np.dtype("?")),
+]
+_BY_PROTO = {d.proto: d for d in _DTYPES}
+_BY_TORCH = {d.torch: d for d in _DTYPES}
+_BY_NUMPY = {d.wire: d for d in _DTYPES if d.proto != tensor_pb2.BF16}
+
+
+def _dtype_of_proto(value: int) -> _DType:
+    try:
+        return _BY_PROTO[value]
+    except KeyError:
+        raise TensorBlobError(f"unknown dtype {value}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# encode
+# --------------------------------------------------------------------------------------------
+
+
+def _host_view(x: ArrayLike) -> tuple[_DType, np.ndarray | torch.Tensor]:
+    """(dtype, a host array in wire layout or the torch tensor itself when it is on a device)."""
+    if isinstance(x, torch.Tensor):
+        dt = _BY_TORCH.get(x.dtype)
+        if dt is None:
+            raise TensorBlobError(f"unsupported torch dtype {x.dtype}")
+        if x.layout != torch.strided:
+            raise TensorBlobError(f"unsupported tensor layout {x.layout}")
+        t = x.detach()
+        if t.device.type != "cpu":
+            return dt, t
+        if t.dtype == torch.bfloat16:
+            return dt, t.view(torch.int16).numpy().view(dt.wire)
+        return dt, t.numpy()
+    if isinstance(x, np.generic):
+        x = np.asarray(x)
+    if isinstance(x, np.ndarray):
+        if x.dtype.name == "bfloat16":  # ml_dtypes, if installed
+            return _BY_PROTO[tensor_pb2.BF16], x.view(np.uint16)
+        key = x.dtype.newbyteorder("<") if x.dtype.byteorder in "<>=" else x.dtype
+        dt = _BY_NUMPY.get(key)
+        if dt is None:
+            raise TensorBlobError(f"unsupported numpy dtype {x.dtype}")
+        return dt, x
+    raise TensorBlobError(f"cannot encode {type(x).__name__}; expected torch.Tensor or numpy.ndarray")
+
+
+def _to_wire_bytes(dt: _DType, arr: np.ndarray | torch.Tensor) -> bytes:
+    if isinstance(arr, torch.Tensor):  # on a device: the one device->host copy
+        arr = _host_view(arr.cpu())[1]
+        assert isinstance(arr, np.ndarray)
+    if arr.dtype != dt.wire:  # big-endian input (never on the little-endian hosts we run on)
+        arr = arr.astype(dt.wire)
+    return arr.tobytes()  # the one copy, straight from any strides into C order
+
+
+def _fill_slot(buffer: memoryview, dt: _DType, arr: np.ndarray | torch.Tensor) -> None:
+    if isinstance(arr, torch.Tensor):
+        dst_t = torch.frombuffer(buffer, dtype=dt.torch).view(arr.shape)
+        dst_t.copy_(arr)
+        return
+    dst = np.frombuffer(buffer, dtype=dt.wire).reshape(arr.shape)
+    np.copyto(dst, arr, casting="equiv")
+
+
+def encode(
+    x: ArrayLike,
+    *,
+    pool: ShmPool | None = None,
+    request_id: str | None = None,
+    out: TensorBlob | None = None,
+) -> TensorBlob:
+    """Encode a tensor or array into a TensorBlob.
+
+    With ``pool`` and ``request_id``, a tensor of at least ``pool.threshold_bytes`` goes into a
+    shared-memory slot held by that request and travels as a ``ShmRef``; when the pool is
+    disabled or full it travels inline. ``out`` fills an existing message (e.g. a map entry).
+    """
+    dt, arr = _host_view(x)
+    shape = tuple(int(d) for d in arr.shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize if shape else dt.itemsize
+    blob = TensorBlob() if out is None else out
+    blob.Clear()
+    blob.dtype = dt.proto  # type: ignore[assignment]
+    blob.shape.extend(shape)
+    if pool is not None and request_id is not None and pool.wants(nbytes):
+        slot = pool.allocate(request_id, nbytes)
+        if slot is not None:
+            _fill_slot(slot.buffer, dt, arr)
+            blob.shm.CopyFrom(slot.ref())
+            return blob
+    blob.raw = _to_wire_bytes(dt, arr)
+    return blob
+
+
+# --------------------------------------------------------------------------------------------
+# validate / decode
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    dtype: _DType
+    shape: tuple[int, ...]
+    numel: int
+    element_offset: int
+    count: int  # elements present in the data (== numel for a whole tensor)
+    buffer: bytes | memoryview
+
+
+def _check_shape(dims: list[int], itemsize: int) -> int:
+    if len(dims) > MAX_NDIM:
+        raise TensorBlobError(f"{len(dims)} dimensions (max {MAX_NDIM})")
+    numel = 1
+    for d in dims:
+        if d < 0:
+            raise TensorBlobError(f"negative dimension in shape {dims}")
+        numel *= d
+        if numel * itemsize > MAX_NBYTES:
+            raise TensorBlobError(f"shape {dims} exceeds {MAX_NBYTES} bytes")
+    return numel
+
+
+def _resolve(blob: TensorBlob, reader: ShmReader | None, *, allow_piece: bool) -> _Resolved:
+    dt = _dtype_of_proto(blob.dtype)
+    shape = tuple(blob.shape)
+    numel = _check_shape(list(shape), dt.itemsize)
+    eo = blob.element_offset
+    if eo != 0 and not allow_piece:
+        raise TensorBlobError("blob holds part of a split tensor (element_offset != 0); use ChunkAssembler")
+    kind = blob.WhichOneof("data")
+    buffer: bytes | memoryview
+    if kind == "raw":
+        buffer = blob.raw  # the one protobuf-internal copy; read the field once
+        nbytes = len(buffer)
+    elif kind == "shm":
+        ref = blob.shm
+        nbytes = ref.nbytes
+        if nbytes < 0 or nbytes > MAX_NBYTES:
+            raise TensorBlobError(f"shm nbytes {nbytes} out of range")
+        if ref.offset % dt.itemsize:
+            raise TensorBlobError(f"shm offset {ref.offset} not aligned to {dt.itemsize} bytes")
+        if reader is None:
+            from services.runtime.shm import default_reader
+
+            reader = default_reader()
+        buffer = reader.buffer(ref)
+    else:
+        buffer, nbytes = b"", 0
+    if nbytes % dt.itemsize:
+        raise TensorBlobError(f"{nbytes} bytes is not a whole number of {dt.itemsize}-byte elements")
+    count = nbytes // dt.itemsize
+    if allow_piece:
+        if eo < 0 or eo + count > numel:
+            raise TensorBlobError(f"piece [{eo}, {eo + count}) outside a tensor of {numel} elements")
+    elif count != numel:
+        raise TensorBlobError(
+            f"{nbytes} data bytes but dtype × shape {list(shape)} needs {numel * dt.itemsize}"
+        )
+    if dt.proto == tensor_pb2.BOOL and count and int(np.frombuffer(buffer, np.uint8, count).max()) > 1:
+        raise TensorBlobError("BOOL bytes must be 0 or 1")
+    return _Resolved(dt, shape, numel, eo, count, buffer)
+
+
+def validate(blob: TensorBlob, *, reader: ShmReader | None = None) -> tuple[torch.dtype, tuple[int, ...]]:
+    """Check a whole-tensor blob (maps its segment if any); return (torch dtype, shape)."""
+    r = _resolve(blob, reader, allow_piece=False)
+    return r.dtype.torch, r.shape
+
+
+def _numpy_view(r: _Resolved) -> np.ndarray:
+    return np.frombuffer(r.buffer, dtype=r.dtype.wire, count=r.count)
+
+
+def _torch_view(r: _Resolved) -> torch.Tensor:
+    if r.count == 0:
+        return torch.empty(0, dtype=r.dtype.torch)
+    buf = r.buffer
+    if isinstance(buf, bytes) and len(buf) <= 1:
+        # CPython shares 0- and 1-byte bytes objects process-wide; never alias them.
+        buf = bytearray(buf)
+    return torch.frombuffer(buf, dtype=r.dtype.torch, count=r.count)
+
+
+def decode(
+    blob: TensorBlob,
+    *,
+    reader: ShmReader | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """TensorBlob -> torch.Tensor, a view over the received bytes or the mapped segment.
+
+    ``device`` (e.g. "cuda:0") adds a plain ``.to(device)``; use ``cuda_copy.H2DCopier`` for an
+    asynchronous copy on a side stream.
+    """
+    r = _resolve(blob, reader, allow_piece=False)
+    t = _torch_view(r).view(r.shape)
+    return t if device is None else t.to(device)
+
+
+def decode_numpy(blob: TensorBlob, *, reader: ShmReader | None = None) -> np.ndarray:
+    """TensorBlob -> numpy array view (read-only for inline bytes). bf16 comes back as uint16."""
+    r = _resolve(blob, reader, allow_piece=False)
+    return _numpy_view(r).reshape(r.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# meta
+# --------------------------------------------------------------------------------------------
+
+
+def set_meta(target: MutableMapping[str, Scalar], values: Mapping[str, ScalarValue]) -> None:
+    """Write Python scalars into a ``map<string, Scalar>`` field (bool before int: bool is an int)."""
+    for key, value in values.items():
+        s = target[key]
+        if isinstance(value, bool | np.bool_):
+            s.bool_value = bool(value)
+        elif isinstance(value, int | np.integer):
+            s.int_value = int(value)
+        elif isinstance(value, float | np.floating):
+            s.double_value = float(value)
+        elif isinstance(value, str):
+            s.string_value = value
+        else:
+            raise TensorBlobError(f"meta {key!r}: unsupported type {type(value).__name__}")
+
+
+def get_meta(source: Mapping[str, Scalar]) -> dict[str, ScalarValue]:
+    """Read a ``map<string, Scalar>`` field into Python scalars."""
+    out: dict[str, ScalarValue] = {}
+    for key, s in source.items():
+        kind = s.WhichOneof("value")
+        if kind is None:
+            raise TensorBlobError(f"meta {key!r} has no value")
+        out[key] = getattr(s, kind)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# chunks
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DecodedChunk:
+    """A logical chunk after decoding (and reassembly, when it was split)."""
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, ScalarValue] = field(default_factory=dict)
+    offset: int = 0
+    seq: int = 0
+    finished: bool = False
+
+
+def encode_chunk(
+    tensors: Mapping[str, ArrayLike],
+    *,
+    offset: int = 0,
+    seq: int = 0,
+    finished: bool = False,
+    meta: Mapping[str, ScalarValue] | None = None,
+    pool: ShmPool | None = None,
+    request_id: str | None = None,
+) -> Chunk:
+    """One Chunk message with no size limit (see ``encode_chunks`` for a bounded one)."""
+    chunk = Chunk(offset=offset, seq=seq, finished=finished)
+    if meta:
+        set_meta(chunk.meta, meta)
+    for name, x in tensors.items():
+        encode(x, pool=pool, request_id=request_id, out=chunk.tensors[name])
+    return chunk
+
+
+_CHUNK_SLACK = 64  # part/parts/seq/finished/offset fields and map-entry framing
+
+
+def encode_chunks(
+    tensors: Mapping[str, ArrayLike],
+    *,
+    max_bytes: int,
+    offset: int = 0,
+    seq: int = 0,
+    finished: bool = False,
+    meta: Mapping[str, ScalarValue] | None = None,
+    pool: ShmPool | None = None,
+    request_id: str | None = None,
+) -> list[Chunk]:
+    """Encode a logical chunk as one or more Chunk messages, each at most ``max_bytes`` serialized.
+
+    When it does not fit in one message, it becomes ``parts`` messages (``part`` 0..parts-1,
+    consecutive ``seq`` from ``seq``, the same ``offset`` and ``meta``, ``finished`` only on
+    the last). Tensors too large for the room left are spread over several messages as flat
+    element ranges (``TensorBlob.element_offset``). Tensors that go to shared memory take a few
+    bytes each. The caller's next seq is ``seq + len(result)``.
+    """
+    if max_bytes < 4096:
+        raise ValueError("max_bytes must be at least 4096")
+    header = Chunk(offset=offset, seq=seq, finished=finished, part=1 << 30, parts=1 << 30)
+    if meta:
+        set_meta(header.meta, meta)
+    base = header.ByteSize() + _CHUNK_SLACK
+
+    # Encode each tensor's header (and shm-bound tensors entirely) first.
+    items: list[tuple[str, TensorBlob, _DType, np.ndarray | torch.Tensor | None]] = []
+    total = base
+    for name, x in tensors.items():
+        dt, arr = _host_view(x)
+        blob = TensorBlob(dtype=dt.proto, shape=[int(d) for d in arr.shape])  # type: ignore[arg-type]
+        numel = int(np.prod(arr.shape, dtype=np.int64)) if arr.shape else 1
+        if pool is not None and request_id is not None and pool.wants(numel * dt.itemsize):
+            slot = pool.allocate(request_id, numel * dt.itemsize)
+            if slot is not None:
+                _fill_slot(slot.buffer, dt, arr)
+                blob.shm.CopyFrom(slot.ref())
+                items.append((name, blob, dt, None))
+                total += blob.ByteSize() + len(name.encode()) + 24
+                continue
+        items.append((name, blob, dt, arr))
+        total += blob.ByteSize() + len(name.encode()) + 24 + numel * dt.itemsize
+
+    def fresh(part: int) -> Chunk:
+        c = Chunk()
+        c.CopyFrom(header)
+        c.seq, c.part = seq + part, part
+        return c
+
+    if total <= max_bytes:
+        chunk = fresh(0)
+        chunk.part = chunk.parts = 0
+        for name, blob, dt, arr in items:
+            entry = chunk.tensors[name]
+            entry.CopyFrom(blob)
+            if arr is not None:
+                entry.raw = _to_wire_bytes(dt, arr)
+        return [chunk]
+
+    messages = [fresh(0)]
+    room = max_bytes - base
+    for name, blob, dt, arr in items:
+        fixed = blob.ByteSize() + len(name.encode()) + 24 + 10  # + element_offset field
+        if arr is None:
+            if fixed > room:
+                messages.append(fresh(len(messages)))
+                room = max_bytes - base
+            messages[-1].tensors[name].CopyFrom(blob)
+            room -= fixed
+            continue
+        if isinstance(arr, torch.Tensor):
+            arr = _host_view(arr.cpu())[1]
+            assert isinstance(arr, np.ndarray)
+        flat = np.ascontiguousarray(arr).reshape(-1)
+        if flat.dtype != dt.wire:
+            flat = flat.astype(dt.wire)
+        start, numel = 0, flat.size
+        if max_bytes - base - fixed < dt.itemsize:
+            raise ValueError(f"max_bytes {max_bytes} too small for tensor {name!r}")
+        while True:
+            fit = max(0, (room - fixed) // dt.itemsize)
+            sliver = fit < numel - start and fit * dt.itemsize < (max_bytes - base) // 8
+            if messages[-1].tensors and (fit == 0 or sliver or name in messages[-1].tensors):
+                messages.append(fresh(len(messages)))  # open a new message rather than send a sliver
+                room = max_bytes - base
+                continue
+            n = min(fit, numel - start)
+            piece = messages[-1].tensors[name]
+            piece.CopyFrom(blob)
+            piece.element_offset = start
+            piece.raw = flat[start : start + n].tobytes()
+            room -= fixed + n * dt.itemsize
+            start += n
+            if start >= numel:
+                break
+    for m in messages:
+        m.parts = len(messages)
+        m.finished = False
+    messages[-1].finished = finished
+    return messages
+
+
+def decode_chunk(chunk: Chunk, *, reader: ShmReader | None = None) -> DecodedChunk:
+    """Decode an unsplit Chunk (parts 0 or 1) without copying tensor data."""
+    if chunk.parts > 1:
+        raise TensorBlobError("chunk is part of a split; feed it to a ChunkAssembler")
+    tensors = {name: decode(blob, reader=reader) for name, blob in chunk.tensors.items()}
+    return DecodedChunk(tensors, get_meta(chunk.meta), chunk.offset, chunk.seq, chunk.finished)
+
+
+@dataclass
+class _Pending:
+    parts: int
+    next_part: int
+    first: Chunk
+    done: dict[str, torch.Tensor] = field(default_factory=dict)
+    # name -> (dtype, shape, numel, destination bytes, elements filled so far)
+    filling: dict[str, tuple[_DType, tuple[int, ...], int, np.ndarray, int]] = field(default_factory=dict)
+
+
+class ChunkAssembler:
+    """Turns a stream of Chunk messages back into logical chunks.
+
+    ``push`` returns a ``DecodedChunk`` for every unsplit message (zero-copy) and for the last
+    part of a split one (split tensors are copied once into a fresh buffer), else ``None``.
+    ``max_bytes`` bounds the memory one split chunk may claim.
+    """
+
+    def __init__(self, *, reader: ShmReader | None = None, max_bytes: int = 8 << 30) -> None:
+        self._reader = reader
+        self._max_bytes = max_bytes
+        self._pending: _Pending | None = None
+
+    @property
+    def in_progress(self) -> bool:
+        return self._pending is not None
+
+    def push(self, chunk: Chunk) -> DecodedChunk | None:
+        try:
+            return self._push(chunk)
+        except TensorBlobError:
+            self._pending = None
+            raise
+
+    def _push(self, chunk: Chunk) -> DecodedChunk | None:
+        if chunk.parts <= 1:
+            if chunk.part != 0 or self._pending is not None:
+                raise TensorBlobError("unsplit chunk arrived inside a split sequence")
+            return decode_chunk(chunk, reader=self._reader)
+        p = self._pending
+        if p is None:
+            if chunk.part != 0:
+                raise TensorBlobError(f"split chunk starts at part {chunk.part}, not 0")
+            p = self._pending = _Pending(parts=chunk.parts, next_part=0, first=chunk)
+        if chunk.part != p.next_part or chunk.parts != p.parts or chunk.offset != p.first.offset:
+            raise TensorBlobError(
+                f"split chunk out of order: got part {chunk.part}/{chunk.parts} at offset {chunk.offset}, "
+                f"expected {p.next_part}/{p.parts} at offset {p.first.offset}"
+            )
+        if chunk.finished and chunk.part != p.parts - 1:
+            raise TensorBlobError("finished set before the last part of a split chunk")
+        for name, blob in chunk.tensors.items():
+            self._add(p, name, blob)
+        p.next_part += 1
+        if p.next_part < p.parts:
+            return None
+        self._pending = None
+        tensors = dict(p.done)
+        for name, (dt, shape, numel, dest, filled) in p.filling.items():
+            if filled != numel:
+                raise TensorBlobError(f"split tensor {name!r} incomplete: {filled} of {numel} elements")
+            tensors[name] = torch.frombuffer(dest, dtype=dt.torch).view(shape)
+        return DecodedChunk(tensors, get_meta(p.first.meta), p.first.offset, p.first.seq, chunk.finished)
+
+    def _add(self, p: _Pending, name: str, blob: TensorBlob) -> None:
+        if name in p.done:
+            raise TensorBlobError(f"tensor {name!r} repeated in a split chunk")
+        r = _resolve(blob, self._reader, allow_piece=True)
+        state = p.filling.get(name)
+        if state is None:
+            if r.element_offset == 0 and r.count == r.numel:  # whole tensor: no copy
+                p.done[name] = _torch_view(r).view(r.shape)
+                return
+            used = sum(s[2] * s[0].itemsize for s in p.filling.values())
+            if used + r.numel * r.dtype.itemsize > self._max_bytes:
+                raise TensorBlobError(f"split chunk exceeds {self._max_bytes} bytes")
+            state = (r.dtype, r.shape, r.numel, np.empty(r.numel * r.dtype.itemsize, np.uint8), 0)
+        dt, shape, numel, dest, filled = state
+        if r.dtype.proto != dt.proto or r.shape != shape:
+            raise TensorBlobError(f"pieces of {name!r} disagree on dtype or shape")
+        if r.element_offset != filled or r.count == 0:
+            raise TensorBlobError(f"piece of {name!r} at element {r.element_offset}, expected {filled}")
+        size = dt.itemsize
+        dest[filled * size : (filled + r.count) * size] = np.frombuffer(r.buffer, np.uint8, r.count * size)
+        p.filling[name] = (dt, shape, numel, dest, filled + r.count)
