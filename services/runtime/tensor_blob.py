@@ -71,11 +71,18 @@ MAX_NDIM = 32
 MAX_NBYTES = 1 << 40  # one tensor, 1 TiB: anything larger is a corrupt or hostile shape
 _SHM_ALIGN = 64
 
-# torch warns (once per process) when it wraps a non-writable buffer such as ``bytes``; we do
-# that on purpose and document it. The filter only matches warnings raised from this module.
-warnings.filterwarnings(
-    "ignore", message="The given buffer is not writable", category=UserWarning, module=__name__
-)
+
+
+def _spend_torch_frombuffer_warning() -> None:
+    """torch warns once per process when it wraps a non-writable buffer such as ``bytes``; we do
+    that on purpose (see the module docstring), so spend that one warning here, silenced, at
+    import. A warnings filter alone would not do: callers (pytest, -W error) put theirs first."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.frombuffer(b"\0\0", dtype=torch.uint8)
+
+
+_spend_torch_frombuffer_warning()
 
 
 class TensorBlobError(ValueError):

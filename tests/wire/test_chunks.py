@@ -1,0 +1,131 @@
+"""encode_chunks / ChunkAssembler: no message over the limit, exact reassembly, broken sequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.runtime import tensor_blob as tb
+from services.runtime.shm import ShmPool, ShmReader
+from services.runtime.tensor_blob import Chunk, ChunkAssembler, TensorBlobError
+
+
+def _payload() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "hidden": torch.randn(300, 257, generator=g).bfloat16(),
+        "embed": torch.randn(300, 64, generator=g),
+        "ids": torch.arange(300),
+        "wide": torch.randn(1, 9000, generator=g).double(),  # one row bigger than a message
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "mask": torch.rand(50, generator=g) > 0.5,
+    }
+
+
+def _assemble(chunks: list[Chunk], reader: ShmReader | None = None) -> list[tb.DecodedChunk]:
+    asm = ChunkAssembler(reader=reader)
+    out = []
+    for c in chunks:
+        d = asm.push(Chunk.FromString(c.SerializeToString()))
+        if d is not None:
+            out.append(d)
+    assert not asm.in_progress
+    return out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    def raw(t: torch.Tensor) -> bytes:
+        return bytes(t.reshape(-1).view(torch.uint8).numpy())
+
+    return a.dtype == b.dtype and a.shape == b.shape and raw(a) == raw(b)
+
+
+@pytest.mark.parametrize("max_bytes", [4096, 10_000, 65_536, 1 << 20, 64 << 20])
+def test_split_messages_stay_under_limit_and_reassemble(max_bytes: int) -> None:
+    tensors = _payload()
+    chunks = tb.encode_chunks(tensors, max_bytes=max_bytes, offset=40, seq=5, finished=True, meta={"m": "x"})
+    assert all(c.ByteSize() <= max_bytes for c in chunks)
+    assert [c.seq for c in chunks] == list(range(5, 5 + len(chunks)))
+    assert [c.finished for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    if len(chunks) > 1:
+        assert [c.part for c in chunks] == list(range(len(chunks)))
+        assert {c.parts for c in chunks} == {len(chunks)}
+    else:
+        assert chunks[0].parts == 0
+    (d,) = _assemble(chunks)
+    assert (d.offset, d.seq, d.finished, d.meta) == (40, 5, True, {"m": "x"})
+    assert set(d.tensors) == set(tensors)
+    for name, x in tensors.items():
+        assert _same(x, d.tensors[name]), name
+
+
+def test_stream_of_split_and_unsplit_chunks() -> None:
+    chunks: list[Chunk] = []
+    seq = 0
+    for i, n in enumerate([5, 2000, 1, 3000]):
+        part = tb.encode_chunks({"codes": torch.full((n, 16), i, dtype=torch.int64)}, max_bytes=50_000,
+                                offset=i * 10, seq=seq, finished=i == 3)
+        seq += len(part)
+        chunks += part
+    out = _assemble(chunks)
+    assert [d.offset for d in out] == [0, 10, 20, 30] and [d.finished for d in out] == [False] * 3 + [True]
+    assert [d.tensors["codes"].shape[0] for d in out] == [5, 2000, 1, 3000]
+    assert all(bool((d.tensors["codes"] == i).all()) for i, d in enumerate(out))
+
+
+def test_shm_tensors_are_not_split(pool: ShmPool, reader: ShmReader) -> None:
+    tensors = {"hidden": torch.randn(2000, 100), "ids": torch.arange(10)}
+    chunks = tb.encode_chunks(tensors, max_bytes=8192, pool=pool, request_id="r")
+    assert len(chunks) == 1 and chunks[0].tensors["hidden"].WhichOneof("data") == "shm"
+    (d,) = _assemble(chunks, reader)
+    assert torch.equal(d.tensors["hidden"], tensors["hidden"]) and torch.equal(d.tensors["ids"], tensors["ids"])
+    pool.release_request("r")
+
+
+def _split() -> list[Chunk]:
+    chunks = tb.encode_chunks({"x": torch.arange(5000, dtype=torch.int32)}, max_bytes=4096)
+    assert len(chunks) >= 4
+    return chunks
+
+
+def test_assembler_rejects_broken_sequences() -> None:
+    chunks = _split()
+    cases: list[list[Chunk]] = [
+        chunks[1:],  # starts mid-way
+        [chunks[0], chunks[2]],  # gap
+        [chunks[0], chunks[0]],  # repeat
+        [chunks[0], tb.encode_chunk({"y": torch.ones(1)})],  # unsplit inside a split
+    ]
+    bad_offset = Chunk()
+    bad_offset.CopyFrom(chunks[1])
+    bad_offset.offset = 99
+    cases.append([chunks[0], bad_offset])
+    missing_piece = Chunk()
+    missing_piece.CopyFrom(chunks[-1])
+    del missing_piece.tensors["x"]
+    cases.append([*chunks[:-1], missing_piece])
+    early_finish = Chunk()
+    early_finish.CopyFrom(chunks[0])
+    early_finish.finished = True
+    cases.append([early_finish])
+    for case in cases:
+        asm = ChunkAssembler()
+        with pytest.raises(TensorBlobError):
+            for c in case:
+                asm.push(c)
+        assert not asm.in_progress  # an error resets the assembler
+    with pytest.raises(TensorBlobError):
+        tb.decode_chunk(chunks[0])
+
+
+def test_assembler_memory_bound() -> None:
+    asm = ChunkAssembler(max_bytes=1000)
+    with pytest.raises(TensorBlobError):
+        for c in _split():
+            asm.push(c)
+
+
+def test_too_small_limit_is_refused() -> None:
+    with pytest.raises(ValueError):
+        tb.encode_chunks({"x": torch.ones(10)}, max_bytes=100)
