@@ -1,0 +1,381 @@
+"""The tiny built-in Qwen3-Omni checkpoint: real architecture, small sizes, seeded weights.
+
+`write_tiny_checkpoint(dir)` writes a Hugging Face-layout directory (config.json,
+generation_config.json, model.safetensors, tokenizer files) that
+`Qwen3OmniMoeForConditionalGeneration.from_pretrained` loads. Everything is derived from
+constants in this file, so two runs give byte-identical files.
+
+How the weights are made to say something (random init with transformers' 0.02 std makes
+every layer a near no-op, so greedy decoding repeats one token and code2wav is near silent):
+every matrix is redrawn from one seeded generator with std 1/sqrt(fan_in) (embeddings std 1),
+so activations keep unit scale through the stack. Then two rows are biased so that the stop
+conditions happen within a few dozen steps for some prompts and not others: the thinker's
+`<|im_end|>` row of lm_head and the talker's codec-EOS row of codec_head. The constants below
+were chosen by running the built-in prompts (see tests/test_tiny_checkpoint.py, which checks
+the output is non-trivial: text ids vary, codes vary across frames and groups, audio is not
+silent, and some prompts stop on EOS while others hit the token limit).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SEED = 20261121
+THINKER_VOCAB = 512
+CODEBOOK = 128  # code2wav codebook size; talker vocab = codebook + 1024 (reserved control range)
+TALKER_VOCAB = CODEBOOK + 1024
+HIDDEN = 64
+NUM_CODE_GROUPS = 16
+# Bias scales for the stop rows (see module docstring).
+THINKER_EOS_ROW_SCALE = 1.6
+TALKER_EOS_ROW_SCALE = 1.4
+# Output scale of code2wav's last convolution, so the waveform sits well inside [-1, 1].
+CODE2WAV_OUT_SCALE = 0.015
+
+# Special tokens, named as in Qwen3-Omni's tokenizer, placed right after the 256 byte tokens.
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|audio_start|>",
+    "<|audio_end|>",
+    "<|audio_pad|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|tts_pad|>",
+    "<|tts_text_bos|>",
+    "<|tts_text_eod|>",
+    "<|tts_text_bos_single|>",
+]
+# Role words are single ordinary tokens in Qwen's vocabulary; the config names their ids.
+ROLE_WORDS = ["system", "user", "assistant"]
+FIRST_SPECIAL_ID = 256
+
+
+def _special_id(name: str) -> int:
+    return FIRST_SPECIAL_ID + (SPECIAL_TOKENS + ROLE_WORDS).index(name)
+
+
+# Codec control ids keep the real checkpoint's offsets above the codebook (real: codebook 2048).
+def _codec_id(real_id: int) -> int:
+    return real_id - 2048 + CODEBOOK
+
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# A fixed English text the byte-level BPE merges are learnt from.
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. Hello, how are you today? I am fine, thank you.
+Speech models answer with text and with audio. The thinker writes the words, the talker turns
+them into codec frames, and the decoder turns the frames into a waveform that you can hear.
+Please tell me a short story about a robot who learns to sing. Once upon a time there was a
+small robot that lived in a quiet town by the sea. Every morning it listened to the birds and
+tried to sing their songs. What is the weather like in the city this afternoon? It is sunny and
+warm, with a light wind from the west. Can you explain how streaming works? Streaming means the
+first sound starts before the whole answer is ready, so the listener does not have to wait.
+Serving many requests at once means they share each step of the model on the same machine.
+Thank you for listening, and have a nice day. Where is the nearest train station from here?
+Numbers one two three four five six seven eight nine ten, and the letters of the alphabet.
+"""
+
+
+def thinker_eos_id() -> int:
+    return _special_id("<|im_end|>")
+
+
+def tiny_config_dict() -> dict[str, Any]:
+    """The full Qwen3OmniMoeConfig as a plain dict (what config.json will hold)."""
+    audio_token = _special_id("<|audio_pad|>")
+    image_token = _special_id("<|image_pad|>")
+    video_token = _special_id("<|video_pad|>")
+    vision_start = _special_id("<|vision_start|>")
+    audio_start = _special_id("<|audio_start|>")
+    text = {
+        "vocab_size": THINKER_VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 2048,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+    }
+    thinker = {
+        "text_config": text,
+        "audio_config": {
+            "num_mel_bins": 128,
+            "encoder_layers": 1,
+            "encoder_attention_heads": 2,
+            "encoder_ffn_dim": 64,
+            "d_model": 32,
+            "output_dim": HIDDEN,
+            "downsample_hidden_size": 16,
+            "max_source_positions": 1500,
+        },
+        "vision_config": {
+            "depth": 1,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": HIDDEN,
+            "num_position_embeddings": 256,
+            "deepstack_visual_indexes": [0],
+        },
+        "audio_token_id": audio_token,
+        "image_token_id": image_token,
+        "video_token_id": video_token,
+        "audio_start_token_id": audio_start,
+        "vision_start_token_id": vision_start,
+        "user_token_id": _special_id("user"),
+    }
+    talker = {
+        "text_config": {
+            "vocab_size": TALKER_VOCAB,
+            "hidden_size": HIDDEN,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+        },
+        "code_predictor_config": {
+            "vocab_size": CODEBOOK,
+            "hidden_size": HIDDEN,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "num_code_groups": NUM_CODE_GROUPS,
+            "max_position_embeddings": 64,
+        },
+        "num_code_groups": NUM_CODE_GROUPS,
+        "thinker_hidden_size": HIDDEN,
+        "accept_hidden_layer": 1,
+        "codec_eos_token_id": _codec_id(2150),
+        "codec_nothink_id": _codec_id(2155),
+        "codec_think_bos_id": _codec_id(2156),
+        "codec_think_eos_id": _codec_id(2157),
+        "codec_pad_id": _codec_id(2148),
+        "codec_bos_id": _codec_id(2149),
+        "audio_token_id": audio_token,
+        "image_token_id": image_token,
+        "video_token_id": video_token,
+        "vision_start_token_id": vision_start,
+        "audio_start_token_id": audio_start,
+        "spatial_merge_size": 2,
+        "speaker_id": {"chelsie": _codec_id(2301), "ethan": _codec_id(2302), "aiden": _codec_id(2303)},
+    }
+    code2wav = {
+        "codebook_size": CODEBOOK,
+        "hidden_size": HIDDEN,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_quantizers": NUM_CODE_GROUPS,
+        "sliding_window": 72,
+        "max_position_embeddings": 8000,
+        "upsample_rates": [8, 5, 4, 3],
+        "upsampling_ratios": [2, 2],
+        "decoder_dim": 64,
+        # the real 0.01 would make the pre-transformer a near no-op on random weights
+        "layer_scale_initial_scale": 0.5,
+    }
+    return {
+        "architectures": ["Qwen3OmniMoeForConditionalGeneration"],
+        "model_type": "qwen3_omni_moe",
+        "thinker_config": thinker,
+        "talker_config": talker,
+        "code2wav_config": code2wav,
+        "enable_audio_output": True,
+        "im_start_token_id": _special_id("<|im_start|>"),
+        "im_end_token_id": _special_id("<|im_end|>"),
+        "tts_pad_token_id": _special_id("<|tts_pad|>"),
+        "tts_bos_token_id": _special_id("<|tts_text_bos|>"),
+        "tts_eos_token_id": _special_id("<|tts_text_eod|>"),
+        "system_token_id": _special_id("system"),
+        "user_token_id": _special_id("user"),
+        "assistant_token_id": _special_id("assistant"),
+    }
+
+
+def _fan_in(name: str, shape: torch.Size) -> int:
+    if "experts" in name:  # [experts, out, in]
+        return int(shape[-1])
+    n = 1
+    for s in shape[1:]:
+        n *= int(s)
+    return max(n, 1)
+
+
+@torch.no_grad()
+def build_tiny_model() -> torch.nn.Module:
+    """Construct the tiny model in memory with its seeded weights."""
+    from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+    config = Qwen3OmniMoeConfig(**tiny_config_dict())
+    torch.manual_seed(SEED)
+    model = Qwen3OmniMoeForConditionalGeneration(config).eval()
+    gen = torch.Generator().manual_seed(SEED)
+    for name, param in sorted(model.named_parameters()):
+        if param.dim() < 2:
+            continue
+        std = 1.0 if "embed" in name else _fan_in(name, param.shape) ** -0.5
+        param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
+    lm_head = model.thinker.lm_head.weight
+    # Special tokens other than the stop token are rare in real replies: damp their rows.
+    lm_head[FIRST_SPECIAL_ID : FIRST_SPECIAL_ID + len(SPECIAL_TOKENS)] *= 0.3
+    lm_head[thinker_eos_id()] *= THINKER_EOS_ROW_SCALE / 0.3
+    codec_head = model.talker.codec_head.weight
+    codec_head[config.talker_config.codec_eos_token_id] *= TALKER_EOS_ROW_SCALE
+    model.code2wav.decoder[-1].conv.weight *= CODE2WAV_OUT_SCALE
+    for block in model.code2wav.upsample:  # ConvNeXt layer scale starts at 1e-6: let the block act
+        block[1].gamma.fill_(0.5)
+    return model
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs), strict=True))
+
+
+def _learn_merges(num_merges: int) -> list[tuple[str, str]]:
+    """Plain deterministic BPE on the fixed corpus (ties broken by the pair's text)."""
+    byte_map = _bytes_to_unicode()
+    words: dict[tuple[str, ...], int] = {}
+    for raw in _CORPUS.replace("\n", " ").split(" "):
+        if not raw:
+            continue
+        # byte-level pre-tokenization attaches the leading space to the word
+        word = tuple(byte_map[b] for b in (" " + raw).encode("utf-8"))
+        words[word] = words.get(word, 0) + 1
+    merges: list[tuple[str, str]] = []
+    for _ in range(num_merges):
+        pairs: dict[tuple[str, str], int] = {}
+        for word, count in words.items():
+            for a, b in itertools.pairwise(word):
+                pairs[(a, b)] = pairs.get((a, b), 0) + count
+        if not pairs:
+            break
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        merges.append(best)
+        new_words: dict[tuple[str, ...], int] = {}
+        for word, count in words.items():
+            out: list[str] = []
+            i = 0
+            while i < len(word):
+                if i + 1 < len(word) and (word[i], word[i + 1]) == best:
+                    out.append(word[i] + word[i + 1])
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            new_words[tuple(out)] = new_words.get(tuple(out), 0) + count
+        words = new_words
+    return merges
+
+
+def tokenizer_files() -> dict[str, str]:
+    """tokenizer.json and tokenizer_config.json contents for the tiny byte-level tokenizer."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    byte_map = _bytes_to_unicode()
+    vocab: dict[str, int] = {byte_map[b]: b for b in range(256)}
+    for name in SPECIAL_TOKENS + ROLE_WORDS:
+        vocab[name] = _special_id(name)
+    num_merges = THINKER_VOCAB - len(vocab)
+    merges = _learn_merges(num_merges)
+    for a, b in merges:
+        if a + b not in vocab:
+            vocab[a + b] = len(vocab)
+    # Fill any ids the corpus could not produce merges for, so every model id decodes.
+    filler = 0
+    while len(vocab) < THINKER_VOCAB:
+        vocab[f"<|reserved_{filler}|>"] = len(vocab)
+        filler += 1
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ROLE_WORDS])
+    reserved = [t for t in vocab if t.startswith("<|reserved_")]
+    if reserved:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in reserved])
+    tokenizer_json = tok.to_str(pretty=True)
+    tokenizer_config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "model_max_length": 2048,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "bos_token": None,
+        "add_prefix_space": False,
+        "chat_template": CHAT_TEMPLATE,
+        "extra_special_tokens": [t for t in SPECIAL_TOKENS if t not in ("<|im_end|>", "<|endoftext|>")],
+    }
+    return {
+        "tokenizer.json": tokenizer_json + "\n",
+        "tokenizer_config.json": json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n",
+    }
+
+
+def write_tiny_checkpoint(out_dir: Path | str) -> dict[str, Any]:
+    """Write the checkpoint into `out_dir` and return a summary (parameters, bytes, sha256)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_model()
+    config = model.config
+    config_dict = config.to_dict()
+    (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+    generation = {
+        "do_sample": False,
+        "eos_token_id": thinker_eos_id(),
+        "pad_token_id": _special_id("<|endoftext|>"),
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+    state = {k: v.detach().contiguous().clone() for k, v in sorted(model.state_dict().items())}
+    weights = out / "model.safetensors"
+    save_file(state, str(weights), metadata={"format": "pt"})
+    for name, text in tokenizer_files().items():
+        (out / name).write_text(text)
+    n_params = sum(p.numel() for p in model.parameters())
+    return {
+        "dir": str(out),
+        "parameters": n_params,
+        "safetensors_bytes": weights.stat().st_size,
+        "safetensors_sha256": hashlib.sha256(weights.read_bytes()).hexdigest(),
+    }
