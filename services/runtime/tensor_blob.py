@@ -72,7 +72,6 @@ MAX_NBYTES = 1 << 40  # one tensor, 1 TiB: anything larger is a corrupt or hosti
 _SHM_ALIGN = 64
 
 
-
 def _spend_torch_frombuffer_warning() -> None:
     """torch warns once per process when it wraps a non-writable buffer such as ``bytes``; we do
     that on purpose (see the module docstring), so spend that one warning here, silenced, at
@@ -222,12 +221,13 @@ class _Resolved:
 def _check_shape(dims: list[int], itemsize: int) -> int:
     if len(dims) > MAX_NDIM:
         raise TensorBlobError(f"{len(dims)} dimensions (max {MAX_NDIM})")
-    numel = 1
+    numel = span = 1  # span ignores zero dims: (0, 2**62) is empty but no library can shape it
     for d in dims:
         if d < 0:
             raise TensorBlobError(f"negative dimension in shape {dims}")
         numel *= d
-        if numel * itemsize > MAX_NBYTES:
+        span *= max(d, 1)
+        if span * itemsize > MAX_NBYTES:
             raise TensorBlobError(f"shape {dims} exceeds {MAX_NBYTES} bytes")
     return numel
 

@@ -64,8 +64,13 @@ def test_stream_of_split_and_unsplit_chunks() -> None:
     chunks: list[Chunk] = []
     seq = 0
     for i, n in enumerate([5, 2000, 1, 3000]):
-        part = tb.encode_chunks({"codes": torch.full((n, 16), i, dtype=torch.int64)}, max_bytes=50_000,
-                                offset=i * 10, seq=seq, finished=i == 3)
+        part = tb.encode_chunks(
+            {"codes": torch.full((n, 16), i, dtype=torch.int64)},
+            max_bytes=50_000,
+            offset=i * 10,
+            seq=seq,
+            finished=i == 3,
+        )
         seq += len(part)
         chunks += part
     out = _assemble(chunks)
@@ -79,7 +84,9 @@ def test_shm_tensors_are_not_split(pool: ShmPool, reader: ShmReader) -> None:
     chunks = tb.encode_chunks(tensors, max_bytes=8192, pool=pool, request_id="r")
     assert len(chunks) == 1 and chunks[0].tensors["hidden"].WhichOneof("data") == "shm"
     (d,) = _assemble(chunks, reader)
-    assert torch.equal(d.tensors["hidden"], tensors["hidden"]) and torch.equal(d.tensors["ids"], tensors["ids"])
+    assert torch.equal(d.tensors["hidden"], tensors["hidden"]) and torch.equal(
+        d.tensors["ids"], tensors["ids"]
+    )
     pool.release_request("r")
 
 

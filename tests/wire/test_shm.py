@@ -121,7 +121,9 @@ time.sleep(60)
 def _spawn_child() -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("OMNISTAGE_SHM", None)
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHILD], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()  # bounded: the child prints or dies
     assert line.strip() == "ready", line
@@ -196,7 +198,9 @@ def test_missing_segment_and_bad_ranges_raise(pool: ShmPool, reader: ShmReader) 
         ShmReader(enabled=True).buffer(ShmRef(segment=name, offset=0, nbytes=8))
 
 
-def test_handshake_accepts_and_declines(pool: ShmPool, reader: ShmReader, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_handshake_accepts_and_declines(
+    pool: ShmPool, reader: ShmReader, monkeypatch: pytest.MonkeyPatch
+) -> None:
     md = pool.invocation_metadata()
     assert md and md[0][0] == shm_mod.SHM_PROBE_KEY
     assert peer_accepts_shm(reader.accept(md))
@@ -227,8 +231,12 @@ def test_disabled_by_flag_and_env_falls_back_inline(monkeypatch: pytest.MonkeyPa
 
 def test_full_pool_and_request_cap_fall_back_inline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMNISTAGE_SHM", raising=False)
-    with ShmPool(threshold_bytes=1, segment_bytes=1 << 20, max_total_bytes=2 << 20, max_request_bytes=1 << 30) as p:
-        kinds = [tb.encode(torch.randn(200_000), pool=p, request_id=f"r{i}").WhichOneof("data") for i in range(4)]
+    with ShmPool(
+        threshold_bytes=1, segment_bytes=1 << 20, max_total_bytes=2 << 20, max_request_bytes=1 << 30
+    ) as p:
+        kinds = [
+            tb.encode(torch.randn(200_000), pool=p, request_id=f"r{i}").WhichOneof("data") for i in range(4)
+        ]
         assert kinds == ["shm", "shm", "raw", "raw"]
         p.release_request("r0")
         assert tb.encode(torch.randn(200_000), pool=p, request_id="r9").WhichOneof("data") == "shm"
