@@ -181,8 +181,10 @@ class H2DCopier:
         """Start copying host tensor ``x`` to the device; returns at once (after a host memcpy
         into a pinned slot when ``x`` is not pinned). Without CUDA, ``x`` passes through."""
         target = torch.device(device) if device is not None else self.device
-        if not self.enabled or target.type != "cuda" or x.device.type == "cuda":
-            return DeviceCopy(x if target.type != "cuda" or x.device == target else x.to(target))
+        if target.type != "cuda" or x.device.type == "cuda":
+            return DeviceCopy(x.to(target))  # no-op when already there
+        if not self.enabled:
+            return DeviceCopy(x)  # CPU-only build or machine: stay on the host
         if self._stream_obj is None:
             self._stream_obj = torch.cuda.Stream(device=target)
         stream = self._stream_obj
