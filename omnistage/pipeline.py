@@ -32,7 +32,7 @@ from omnistage.loader import (
     open_checkpoint,
     read_tensor_rows,
 )
-from services.code2wav.runner import Code2WavRunner
+from services.code2wav.runner import Code2WavRunner, StreamingMode
 from services.runtime.sampling import TALKER_DEFAULTS, SamplingParams
 from services.talker.runner import TalkerRunner
 from services.thinker.runner import ThinkerRunner, TokenOutput
@@ -70,6 +70,8 @@ class PipelineRequest:
     speaker: str = "ethan"
     chunk_frames: int = 25
     first_chunk_frames: int = 4
+    left_context_frames: int = 25
+    code2wav_streaming: StreamingMode = "exact"
 
 
 class InProcessPipeline:
@@ -129,6 +131,7 @@ def run_request(pipe: InProcessPipeline, req: PipelineRequest) -> Iterator[TextE
     yield TextEvent(tok.token_id, pipe.tokenizer.decode([tok.token_id]), time.perf_counter() - t0)
 
     talk = None
+    wav_stream = None
     stream_prompt = None  # layer-0 embeds of the prompt's assistant header
     frames: list[torch.Tensor] = []
     emitted_frames = 0
@@ -136,6 +139,7 @@ def run_request(pipe: InProcessPipeline, req: PipelineRequest) -> Iterator[TextE
     if req.want_audio:
         talk = pipe.talker.new_request(req.talker, req.speaker)
         stream_prompt = prompt.embeds[assistant_start(prompt.ids, spec) :]
+        wav_stream = pipe.code2wav.open_stream(req.code2wav_streaming, req.left_context_frames)
     talker_started = False
 
     def stream_element(k: int) -> tuple[torch.Tensor, bool] | None:
@@ -181,16 +185,14 @@ def run_request(pipe: InProcessPipeline, req: PipelineRequest) -> Iterator[TextE
 
     def flush_audio(final: bool) -> Iterator[AudioEvent]:
         nonlocal emitted_frames, emitted_samples
-        if len(frames) == emitted_frames and not final:
+        if len(frames) == emitted_frames or wav_stream is None:
             return
-        codes = torch.stack(frames, dim=1) if frames else torch.zeros((spec.num_code_groups, 0), dtype=torch.long)
-        # TODO(issue 7): replace the prefix re-decode by the exact incremental decoder.
-        wav = pipe.code2wav.decode(codes)
-        end = wav.shape[0] if final else max(0, (len(frames) - 1) * spec.samples_per_frame - spec.samples_per_frame)
-        if end > emitted_samples:
-            yield AudioEvent(wav[emitted_samples:end], emitted_samples, time.perf_counter() - t0)
-            emitted_samples = end
+        new = torch.stack(frames[emitted_frames:], dim=1)
+        pcm = pipe.code2wav.push([wav_stream], [new])[0]
         emitted_frames = len(frames)
+        if pcm.numel():
+            yield AudioEvent(pcm, emitted_samples, time.perf_counter() - t0)
+            emitted_samples += int(pcm.shape[0])
 
     while True:
         if talk is not None and not talk.finished:
@@ -207,6 +209,8 @@ def run_request(pipe: InProcessPipeline, req: PipelineRequest) -> Iterator[TextE
             yield from pump_talker(thinker_done=True)
         yield from flush_audio(final=True)
         pipe.talker.release(talk)
+    if wav_stream is not None:
+        pipe.code2wav.close(wav_stream)
     timings["total_s"] = time.perf_counter() - t0
     codes = torch.stack(frames, dim=1) if frames else torch.zeros((spec.num_code_groups, 0), dtype=torch.long)
     yield DoneEvent(

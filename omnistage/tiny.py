@@ -35,8 +35,11 @@ NUM_CODE_GROUPS = 16
 # Bias scales for the stop rows (see module docstring).
 THINKER_EOS_ROW_SCALE = 1.6
 TALKER_EOS_ROW_SCALE = 1.4
-# Output scale of code2wav's last convolution, so the waveform sits well inside [-1, 1].
-CODE2WAV_OUT_SCALE = 0.015
+# code2wav: residual units' second conv is damped so activations stay near unit scale through
+# the upsampling stack (undamped they grow ~4x per block and fp32 rounding of the large
+# intermediate values alone reaches 3e-5 at the output); the last conv sets the loudness.
+CODE2WAV_RESIDUAL_SCALE = 0.25
+CODE2WAV_OUT_SCALE = 0.3
 
 # Special tokens, named as in Qwen3-Omni's tokenizer, placed right after the 256 byte tokens.
 SPECIAL_TOKENS = [
@@ -252,6 +255,9 @@ def build_tiny_model() -> torch.nn.Module:
     lm_head[thinker_eos_id()] *= THINKER_EOS_ROW_SCALE / 0.3
     codec_head = model.talker.codec_head.weight
     codec_head[config.talker_config.codec_eos_token_id] *= TALKER_EOS_ROW_SCALE
+    for block in model.code2wav.decoder[1:-2]:
+        for unit in block.block[2:]:
+            unit.conv2.conv.weight *= CODE2WAV_RESIDUAL_SCALE
     model.code2wav.decoder[-1].conv.weight *= CODE2WAV_OUT_SCALE
     for block in model.code2wav.upsample:  # ConvNeXt layer scale starts at 1e-6: let the block act
         block[1].gamma.fill_(0.5)

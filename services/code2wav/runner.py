@@ -1,12 +1,34 @@
-"""code2wav runner: codec frames -> 24 kHz float32 PCM."""
+"""code2wav runner: codec frames -> 24 kHz float32 PCM, full or streamed.
+
+Streaming modes (`code2wav_streaming`):
+  * `exact` (default): the stateful incremental decoder (services/code2wav/streaming.py); the
+    concatenated stream equals a full decode of the same frames and each frame is computed once.
+  * `windowed`: each chunk is decoded from scratch with `left_context_frames` earlier frames
+    and the context's samples are dropped (what other stacks do; approximate, recomputes context).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 
 from omnistage.families.qwen3_omni import FamilySpec
+from services.code2wav.streaming import Code2WavStreamState, IncrementalCode2Wav
+
+StreamingMode = Literal["exact", "windowed"]
+
+
+@dataclass
+class Code2WavStream:
+    mode: StreamingMode
+    left_context_frames: int = 25
+    state: Code2WavStreamState | None = None  # exact mode
+    frames: list[torch.Tensor] = field(default_factory=list)  # windowed mode: frames seen so far
+    frames_in: int = 0
+    samples_out: int = 0
+    closed: bool = False
 
 
 class Code2WavRunner:
@@ -14,6 +36,7 @@ class Code2WavRunner:
         self.model = model
         self.spec = spec
         self.device = next(model.parameters()).device
+        self.incremental = IncrementalCode2Wav(model)
 
     def validate_codes(self, codes: torch.Tensor) -> None:
         if codes.dim() != 2 or codes.shape[0] != self.spec.num_code_groups:
@@ -30,3 +53,57 @@ class Code2WavRunner:
             return torch.zeros(0, dtype=torch.float32)
         wav = self.model(codes.unsqueeze(0).to(self.device))
         return wav.reshape(-1).float().cpu()
+
+    def open_stream(self, mode: StreamingMode = "exact", left_context_frames: int = 25) -> Code2WavStream:
+        if mode not in ("exact", "windowed"):
+            raise ValueError(f"code2wav_streaming must be 'exact' or 'windowed', got {mode!r}")
+        stream = Code2WavStream(mode=mode, left_context_frames=left_context_frames)
+        if mode == "exact":
+            stream.state = self.incremental.new_state()
+        return stream
+
+    @torch.no_grad()
+    def push(self, streams: list[Code2WavStream], codes: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Feed each stream its new frames `[num_code_groups, n_i]`; returns each stream's new
+        samples. Exact streams are decoded together in one batched step."""
+        for s, c in zip(streams, codes, strict=True):
+            if s.closed:
+                raise RuntimeError("push on a closed code2wav stream")
+            self.validate_codes(c)
+        out: list[torch.Tensor | None] = [None] * len(streams)
+        exact = [i for i, s in enumerate(streams) if s.mode == "exact"]
+        if exact:
+            pcm = self.incremental.step(
+                [streams[i].state for i in exact],  # type: ignore[misc]
+                [codes[i].to(self.device) for i in exact],
+            )
+            for i, p in zip(exact, pcm, strict=True):
+                out[i] = p.float().cpu()
+        for i, s in enumerate(streams):
+            if s.mode == "windowed":
+                out[i] = self._windowed(s, codes[i])
+        result = [o if o is not None else torch.zeros(0) for o in out]
+        for s, c, p in zip(streams, codes, result, strict=True):
+            s.frames_in += int(c.shape[1])
+            s.samples_out += int(p.shape[0])
+        return result
+
+    def _windowed(self, s: Code2WavStream, new: torch.Tensor) -> torch.Tensor:
+        if new.shape[1] == 0:
+            return torch.zeros(0)
+        context = s.frames[-s.left_context_frames :] if s.left_context_frames else []
+        s.frames.append(new)
+        ctx = torch.cat(context, dim=1)[:, -s.left_context_frames :] if context else new[:, :0]
+        if s.left_context_frames:  # keep only what the next window can use
+            kept = torch.cat(s.frames, dim=1)[:, -s.left_context_frames :]
+            s.frames = [kept]
+        wav = self.model(torch.cat((ctx, new), dim=1).unsqueeze(0).to(self.device)).reshape(-1)
+        return wav[ctx.shape[1] * self.spec.samples_per_frame :].float().cpu()
+
+    def close(self, stream: Code2WavStream) -> None:
+        """Free the stream's state (request finished, cancelled or failed)."""
+        if stream.state is not None:
+            self.incremental.close([stream.state])
+            stream.state = None
+        stream.frames = []
+        stream.closed = True

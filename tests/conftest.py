@@ -1,0 +1,95 @@
+"""Session fixtures: the tiny checkpoint (generated once), the staged pipeline and the
+monolithic reference model loaded from it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+# Two cores on CI: keep torch from oversubscribing when services run beside the tests.
+torch.set_num_threads(int(os.environ.get("OMNISTAGE_TEST_THREADS", "2")))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from omnistage.tiny import write_tiny_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny-qwen3-omni")
+    write_tiny_checkpoint(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def pipeline(tiny_dir: Path) -> Any:
+    from omnistage.pipeline import InProcessPipeline
+
+    return InProcessPipeline(tiny_dir)
+
+
+class RecordingReference:
+    """Monolithic `Qwen3OmniMoeForConditionalGeneration` whose code2wav call is recorded, so
+    the codes `generate()` produced can be compared, not only its waveform."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import Qwen3OmniMoeForConditionalGeneration
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        self.model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.last_codes: torch.Tensor | None = None
+        original = self.model.code2wav.chunked_decode
+
+        def recording(codes: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            self.last_codes = codes.clone()
+            return original(codes, *args, **kwargs)
+
+        self.model.code2wav.chunked_decode = recording
+
+    def generate(
+        self, prompt_ids: list[int], thinker_max: int, talker_max: int, eos_id: int, audio: bool = True
+    ) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+        """Greedy reference: (generated ids, codes [G, T] or None, wav [samples] or None)."""
+        self.last_codes = None
+        ids = torch.tensor([prompt_ids])
+        out = self.model.generate(
+            input_ids=ids,
+            thinker_max_new_tokens=thinker_max,
+            talker_max_new_tokens=talker_max,
+            talker_do_sample=False,
+            talker_repetition_penalty=1.0,
+            thinker_eos_token_id=eos_id,
+            return_audio=audio,
+        )
+        if not audio:
+            seq = out.sequences if hasattr(out, "sequences") else out
+            return seq[0, len(prompt_ids) :].tolist(), None, None
+        seq, wav = out
+        codes = self.last_codes[0] if self.last_codes is not None else None
+        return seq[0, len(prompt_ids) :].tolist(), codes, wav.reshape(-1)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_dir: Path) -> RecordingReference:
+    return RecordingReference(tiny_dir)
+
+
+@pytest.fixture
+def no_talker_calls(pipeline: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Records every talker or code2wav entry point the pipeline touches."""
+    calls: list[str] = []
+    for obj, names in ((pipeline.talker, ("new_request", "prefill", "residuals", "advance")),
+                       (pipeline.code2wav, ("decode",))):
+        for name in names:
+            original = getattr(obj, name)
+
+            def spy(*a: Any, _name: str = name, _orig: Any = original, **k: Any) -> Any:
+                calls.append(_name)
+                return _orig(*a, **k)
+
+            monkeypatch.setattr(obj, name, spy)
+    yield calls
