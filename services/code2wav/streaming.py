@@ -69,7 +69,7 @@ def tiny_code2wav_config(
     *,
     hidden_size: int = 32,
     num_hidden_layers: int = 2,
-    sliding_window: int = 8,
+    sliding_window: int = 72,
     decoder_dim: int = 64,
     num_quantizers: int = 16,
     codebook_size: int = 64,
