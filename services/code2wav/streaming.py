@@ -164,13 +164,19 @@ class Code2WavStreamState:
 
     Holds, in the model's dtype and device:
       * ``kv[layer] = (keys, values)``, each ``[num_kv_heads, n, head_dim]`` with keys after RoPE,
-        at most ``sliding_window - 1`` frames (the only ones a later frame can attend to);
+        at most ``sliding_window - 1`` frames (the only ones a later frame can attend to; a
+        ``full_attention`` layer, which Qwen3-Omni's code2wav does not have, would keep all);
       * ``conv_history[i]``: ``[channels, (kernel - 1) * dilation]`` last inputs of the i-th
         stateful causal convolution (zeros at the start = the model's zero left padding);
       * ``trans_tail[j]``: ``[channels, kernel - stride]`` partial sums (without bias) of the
         j-th transposed convolution's not-yet-final outputs (the held-back samples);
       * ``trans_drop[j]``: how many of the j-th transposed convolution's leading outputs are
         still to be trimmed (its left pad; non-zero only until its first output).
+
+    Size is fixed once the window is full (it does not grow with the stream).  ``close()`` (or
+    ``IncrementalCode2Wav.finish/close``) drops every tensor; the decoder itself keeps no
+    reference to any state.  A state must not be stepped from two threads at once, and if a
+    step raises, the states in it are in an undefined position and should be closed.
     """
 
     frames_seen: int = 0
