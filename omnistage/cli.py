@@ -10,6 +10,8 @@ from typing import Annotated
 import typer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Staged serving for speech-output omni models.")
+deploy_app = typer.Typer(no_args_is_help=True, help="Deployment files generated from the deploy YAML.")
+app.add_typer(deploy_app, name="deploy")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: every figure against a baseline from the same run.")
 app.add_typer(bench_app, name="bench")
 
@@ -41,6 +43,30 @@ def bench_code2wav(
     from benchmarks.code2wav import main
 
     main(json_out)
+
+
+@deploy_app.command("render")
+def deploy_render(
+    config: Annotated[Path | None, typer.Option("--config", help="Deploy YAML (default: built-in defaults).")] = None,
+    target: Annotated[str, typer.Option("--target", help="compose or k8s")] = "k8s",
+    out: Annotated[Path, typer.Option("--out", help="Directory to write into.")] = Path("deploy"),
+) -> None:
+    """Render docker-compose or Kubernetes files from the deploy YAML that `serve` reads."""
+    from omnistage.deploy_render import render_to_dir
+
+    for path in render_to_dir(config, target, out):
+        typer.echo(str(path))
+
+
+@app.command("health")
+def health(
+    target: Annotated[str, typer.Option("--target", help="HOST:PORT of any omnistage service.")] = "127.0.0.1:50051",
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for an answer.")] = 3.0,
+) -> None:
+    """grpc.health.v1 check (exit 0 when SERVING): the container and probe health check."""
+    from omnistage.healthcheck import check
+
+    raise typer.Exit(0 if check(target, timeout) else 1)
 
 
 if __name__ == "__main__":
