@@ -75,7 +75,7 @@ def test_unexpected_weight_in_part_is_refused(tiny_dir: Path, tmp_path: Path) ->
     weights = load_file(str(bad / "model.safetensors"))
     weights["talker.model.layers.0.mystery.weight"] = weights["talker.codec_head.weight"].clone()
     save_file(weights, str(bad / "model.safetensors"))
-    with pytest.raises(CheckpointError, match="unexpected weight.*mystery"):
+    with pytest.raises(CheckpointError, match=r"unexpected weight.*mystery"):
         load_part(open_checkpoint(bad), "talker")
 
 
