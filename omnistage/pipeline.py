@@ -16,9 +16,7 @@ from typing import Any
 import torch
 
 from omnistage.families.qwen3_omni import (
-    ASSISTANT_HEADER_LEN,
     SAMPLE_RATE,
-    assistant_start,
     build_prompt_ids,
     messages_from_prompt,
     tts_special_embeds,
@@ -32,10 +30,11 @@ from omnistage.loader import (
     open_checkpoint,
     read_tensor_rows,
 )
-from services.code2wav.runner import Code2WavRunner, StreamingMode
+from services.code2wav.runner import Code2WavRunner, Code2WavSession, StreamingMode
 from services.runtime.sampling import TALKER_DEFAULTS, SamplingParams
 from services.talker.runner import TalkerRunner
-from services.thinker.runner import ThinkerRunner, TokenOutput
+from services.talker.session import TalkerSession
+from services.thinker.runner import ThinkerRunner
 
 
 @dataclass
@@ -121,105 +120,67 @@ def default_thinker_sampling(ckpt: Checkpoint) -> SamplingParams:
 
 def run_request(pipe: InProcessPipeline, req: PipelineRequest) -> Iterator[TextEvent | AudioEvent | DoneEvent]:
     t0 = time.perf_counter()
-    spec = pipe.spec
     th = pipe.thinker.new_request(req.prompt_ids, req.thinker)
     timings: dict[str, float] = {}
-
-    prompt, tok = pipe.thinker.prefill(th)
-    timings["thinker_prefill_s"] = time.perf_counter() - t0
-    tokens: list[TokenOutput] = [tok]
-    yield TextEvent(tok.token_id, pipe.tokenizer.decode([tok.token_id]), time.perf_counter() - t0)
-
-    talk = None
-    wav_stream = None
-    stream_prompt = None  # layer-0 embeds of the prompt's assistant header
+    talk: TalkerSession | None = None
+    wav: Code2WavSession | None = None
     frames: list[torch.Tensor] = []
-    emitted_frames = 0
-    emitted_samples = 0
-    if req.want_audio:
-        talk = pipe.talker.new_request(req.talker, req.speaker)
-        stream_prompt = prompt.embeds[assistant_start(prompt.ids, spec) :]
-        wav_stream = pipe.code2wav.open_stream(req.code2wav_streaming, req.left_context_frames)
-    talker_started = False
 
-    def stream_element(k: int) -> tuple[torch.Tensor, bool] | None:
-        """Assistant-stream element k (prompt header, then generated tokens) and whether it is
-        the thinker's last token; None if the thinker has not produced it yet."""
-        assert stream_prompt is not None
-        if k < stream_prompt.shape[0]:
-            return stream_prompt[k], False
-        i = k - stream_prompt.shape[0]
-        if i < len(tokens):
-            return tokens[i].embed, tokens[i].is_last
-        return None
+    def audio(input_finished: bool) -> Iterator[AudioEvent]:
+        assert wav is not None
+        if wav.due(input_finished):
+            first, pcm = wav.decode_due()
+            if pcm.numel():
+                yield AudioEvent(pcm, first, time.perf_counter() - t0)
 
-    def pump_talker(thinker_done: bool) -> Iterator[AudioEvent]:
-        nonlocal talker_started, emitted_frames, emitted_samples
-        assert talk is not None and stream_prompt is not None
-        if not talker_started:
-            needed = [stream_element(k) for k in range(ASSISTANT_HEADER_LEN + 1)]
-            if any(e is None for e in needed):
-                return
-            if any(last for _, last in needed):  # the reference cannot speak a 1-token reply
-                talk.finished, talk.stopped_on = True, "no_text"
-                return
-            t = time.perf_counter()
-            pipe.talker.prefill(
-                talk, prompt.ids, prompt.embeds, prompt.hidden, torch.stack([e for e, _ in needed])
-            )
-            timings["talker_prefill_s"] = time.perf_counter() - t
-            talker_started = True
-        while not talk.finished:
-            if talk.pending_frame is None:  # the frame is ready before the next token is needed
-                talk.pending_frame = pipe.talker.residuals(talk)
-                frames.append(talk.pending_frame)
-                target = req.first_chunk_frames if emitted_frames == 0 else req.chunk_frames
-                if len(frames) - emitted_frames >= target:
-                    yield from flush_audio(final=False)
-            element = stream_element(ASSISTANT_HEADER_LEN + 1 + talk.step)
-            if element is None and not thinker_done:
-                return  # wait for thinker token g+1
-            embed, is_last = element if element is not None else (None, False)
-            pipe.talker.advance(talk, talk.pending_frame, pipe.talker.prompts.trailing_embed(embed, is_last))
-            talk.pending_frame = None
+    def pump_talker() -> Iterator[AudioEvent]:
+        assert talk is not None and wav is not None
+        while talk.can_progress():
+            frame = talk.step()
+            if frame is not None:
+                frames.append(frame)
+                wav.add_frame(frame)
+                yield from audio(input_finished=False)
 
-    def flush_audio(final: bool) -> Iterator[AudioEvent]:
-        nonlocal emitted_frames, emitted_samples
-        if len(frames) == emitted_frames or wav_stream is None:
-            return
-        new = torch.stack(frames[emitted_frames:], dim=1)
-        pcm = pipe.code2wav.push([wav_stream], [new])[0]
-        emitted_frames = len(frames)
-        if pcm.numel():
-            yield AudioEvent(pcm, emitted_samples, time.perf_counter() - t0)
-            emitted_samples += int(pcm.shape[0])
-
-    while True:
-        if talk is not None and not talk.finished:
-            yield from pump_talker(thinker_done=tok.is_last)
-        if tok.is_last:
-            break
-        tok = pipe.thinker.decode(th)
-        tokens.append(tok)
+    try:
+        prompt, tok = pipe.thinker.prefill(th)
+        timings["thinker_prefill_s"] = time.perf_counter() - t0
+        tokens = [tok.token_id]
         yield TextEvent(tok.token_id, pipe.tokenizer.decode([tok.token_id]), time.perf_counter() - t0)
-    timings["thinker_total_s"] = time.perf_counter() - t0
-    pipe.thinker.release(th)
-    if talk is not None:
-        while not talk.finished:
-            yield from pump_talker(thinker_done=True)
-        yield from flush_audio(final=True)
-        pipe.talker.release(talk)
-    if wav_stream is not None:
-        pipe.code2wav.close(wav_stream)
-    timings["total_s"] = time.perf_counter() - t0
-    codes = torch.stack(frames, dim=1) if frames else torch.zeros((spec.num_code_groups, 0), dtype=torch.long)
-    yield DoneEvent(
-        token_ids=[t.token_id for t in tokens],
-        codes=codes,
-        thinker_stopped_on=tokens[-1].stopped_on,
-        talker_stopped_on=talk.stopped_on if talk is not None else None,
-        timings=timings,
-    )
+        if req.want_audio:
+            talk = TalkerSession(pipe.talker, req.talker, req.speaker)
+            talk.set_prompt(prompt.ids, prompt.embeds, prompt.hidden)
+            wav = Code2WavSession(
+                pipe.code2wav, req.code2wav_streaming, req.chunk_frames, req.first_chunk_frames, req.left_context_frames
+            )
+        while True:
+            if talk is not None:
+                talk.add_token(tok.embed, tok.is_last)
+                yield from pump_talker()
+            if tok.is_last:
+                break
+            tok = pipe.thinker.decode(th)
+            tokens.append(tok.token_id)
+            yield TextEvent(tok.token_id, pipe.tokenizer.decode([tok.token_id]), time.perf_counter() - t0)
+        timings["thinker_total_s"] = time.perf_counter() - t0
+        if talk is not None:
+            yield from pump_talker()
+            yield from audio(input_finished=True)
+        timings["total_s"] = time.perf_counter() - t0
+        codes = torch.stack(frames, dim=1) if frames else torch.zeros((pipe.spec.num_code_groups, 0), dtype=torch.long)
+        yield DoneEvent(
+            token_ids=tokens,
+            codes=codes,
+            thinker_stopped_on=tok.stopped_on,
+            talker_stopped_on=talk.stopped_on if talk is not None else None,
+            timings=timings,
+        )
+    finally:
+        pipe.thinker.release(th)
+        if talk is not None:
+            talk.close()
+        if wav is not None:
+            wav.close()
 
 
 def write_wav(path: str | Path, pcm: torch.Tensor, sample_rate: int = SAMPLE_RATE) -> None:

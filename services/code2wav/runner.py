@@ -107,3 +107,44 @@ class Code2WavRunner:
             stream.state = None
         stream.frames = []
         stream.closed = True
+
+
+class Code2WavSession:
+    """One request's chunking policy: decode when `first_chunk_frames` (then `chunk_frames`) new
+    frames are waiting, or whatever is left once the input has finished."""
+
+    def __init__(
+        self,
+        runner: Code2WavRunner,
+        mode: StreamingMode = "exact",
+        chunk_frames: int = 25,
+        first_chunk_frames: int = 4,
+        left_context_frames: int = 25,
+    ) -> None:
+        self.runner = runner
+        self.stream = runner.open_stream(mode, left_context_frames)
+        self.chunk_frames = chunk_frames
+        self.first_chunk_frames = first_chunk_frames
+        self.pending: list[torch.Tensor] = []  # frames [num_code_groups] not yet decoded
+        self.samples_out = 0
+
+    def add_frame(self, frame: torch.Tensor) -> None:
+        self.pending.append(frame)
+
+    def due(self, input_finished: bool) -> bool:
+        if not self.pending:
+            return False
+        target = self.first_chunk_frames if self.stream.frames_in == 0 else self.chunk_frames
+        return input_finished or len(self.pending) >= target
+
+    def decode_due(self) -> tuple[int, torch.Tensor]:
+        """Decode the pending frames: `(first_sample, pcm)`."""
+        codes = torch.stack(self.pending, dim=1)
+        self.pending = []
+        first = self.samples_out
+        pcm = self.runner.push([self.stream], [codes])[0]
+        self.samples_out += int(pcm.shape[0])
+        return first, pcm
+
+    def close(self) -> None:
+        self.runner.close(self.stream)
