@@ -1,0 +1,177 @@
+"""The committed deploy files are the rendering of deploy/omnistage.yaml, and the render maps the
+config the same way onto compose and Kubernetes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from omnistage.deploy_render import MODEL_DIR, MODEL_PVC, container_config, render, render_to_dir
+from services.runtime.config import STAGES, DeployConfig, parse_config
+
+from .conftest import DEFAULT_YAML, DEPLOY, yaml_docs
+
+RERENDER = "stale: run `omnistage deploy render --config deploy/omnistage.yaml --target {t} --out deploy` and commit"
+
+
+@pytest.mark.parametrize("target", ["compose", "k8s"])
+def test_committed_files_are_fresh(default_cfg: DeployConfig, target: str) -> None:
+    files = render(default_cfg, target)
+    for rel, text in files.items():
+        path = DEPLOY / rel
+        assert path.is_file(), f"{path} missing; " + RERENDER.format(t=target)
+        assert path.read_bytes() == text.encode(), f"{path} " + RERENDER.format(t=target)
+    if target == "k8s":  # nothing left over from an older rendering
+        on_disk = {p.relative_to(DEPLOY).as_posix() for p in (DEPLOY / "k8s").rglob("*") if p.is_file()}
+        assert on_disk == set(files), f"unexpected files in deploy/k8s: {sorted(on_disk - set(files))}"
+
+
+def test_render_is_deterministic(gpu_cfg: DeployConfig) -> None:
+    for target in ("compose", "k8s"):
+        assert render(gpu_cfg, target) == render(gpu_cfg.model_copy(deep=True), target)
+
+
+def test_unknown_target_is_refused(default_cfg: DeployConfig) -> None:
+    with pytest.raises(ValueError, match="--target"):
+        render(default_cfg, "nomad")
+
+
+def _k8s(cfg: DeployConfig) -> dict[tuple[str, str], dict[str, Any]]:
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for rel, text in render(cfg, "k8s").items():
+        if rel.endswith("kustomization.yaml"):
+            continue
+        for doc in yaml_docs(text):
+            out[(doc["kind"], doc["metadata"]["name"])] = doc
+    return out
+
+
+def _compose(cfg: DeployConfig) -> dict[str, Any]:
+    return yaml.safe_load(render(cfg, "compose")["docker-compose.yaml"])["services"]
+
+
+def test_two_talker_replicas_reach_both_targets(default_cfg: DeployConfig) -> None:
+    data = default_cfg.model_dump()
+    data["talker"]["replicas"] = 2
+    cfg = parse_config(data)
+    compose = _compose(cfg)
+    assert compose["talker"]["deploy"]["replicas"] == 2
+    assert compose["talker-cpu"]["deploy"]["replicas"] == 2
+    assert compose["thinker"]["deploy"]["replicas"] == 1
+    k8s = _k8s(cfg)
+    assert k8s[("Deployment", "talker")]["spec"]["replicas"] == 2
+    assert k8s[("HorizontalPodAutoscaler", "talker")]["spec"]["minReplicas"] == 2
+    assert k8s[("Deployment", "thinker")]["spec"]["replicas"] == 1
+
+
+def test_compose_and_k8s_run_the_same_processes(gpu_cfg: DeployConfig) -> None:
+    compose = _compose(gpu_cfg)
+    k8s = _k8s(gpu_cfg)
+    for name in ("gateway", *STAGES):
+        container = k8s[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
+        assert compose[name]["command"] == container["args"]
+        port = gpu_cfg.gateway.port if name == "gateway" else gpu_cfg.stage(name).base_port
+        assert f"--port {port}" in " ".join(container["args"])
+        assert container["startupProbe"]["grpc"]["port"] == port
+        assert container["readinessProbe"]["grpc"]["port"] == port
+        assert container["livenessProbe"]["grpc"]["port"] == port
+        assert {"name": "metrics", "containerPort": 9100, "protocol": "TCP"} in container["ports"]
+        assert compose[name]["healthcheck"]["test"][-3] == f"127.0.0.1:{port}"
+    # the chain: gateway -> thinker -> talker -> code2wav, by DNS name
+    assert "dns:///thinker:7101" in compose["gateway"]["command"]
+    assert "dns:///talker:7201" in compose["thinker"]["command"]
+    assert "dns:///code2wav:7301" in compose["talker"]["command"]
+    assert "--downstream" not in compose["code2wav"]["command"]
+
+
+def test_gpu_stages_reserve_gpus(gpu_cfg: DeployConfig) -> None:
+    compose = _compose(gpu_cfg)
+    assert compose["thinker"]["deploy"]["resources"]["reservations"]["devices"] == [
+        {"driver": "nvidia", "capabilities": ["gpu"], "count": 1}
+    ]
+    assert compose["talker"]["deploy"]["resources"]["reservations"]["devices"] == [
+        {"driver": "nvidia", "capabilities": ["gpu"], "device_ids": ["1"]}
+    ]
+    assert "resources" not in compose["gateway"]["deploy"]
+    for name in ("gateway", *STAGES):  # the cpu profile never asks for a GPU
+        assert "resources" not in compose[f"{name}-cpu"]["deploy"]
+    k8s = _k8s(gpu_cfg)
+    for name in STAGES:
+        c = k8s[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
+        assert c["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    gw = k8s[("Deployment", "gateway")]["spec"]["template"]["spec"]["containers"][0]
+    assert "limits" not in gw["resources"]
+    # inside a container the one visible GPU is plain `cuda`
+    run = yaml.safe_load(k8s[("ConfigMap", "omnistage-config")]["data"]["omnistage.yaml"])
+    assert run["talker"]["device"] == "cuda" and run["host"] == "0.0.0.0" and run["model"] == MODEL_DIR
+
+
+def test_default_has_no_gpu_and_no_model_mount(default_cfg: DeployConfig) -> None:
+    compose = _compose(default_cfg)
+    for svc in compose.values():
+        assert "resources" not in svc["deploy"]
+        assert "--model" not in svc["command"]
+        assert svc["environment"]["OMNISTAGE_MODEL"] == ""  # tiny checkpoint, despite the image default
+    for (kind, _), doc in _k8s(default_cfg).items():
+        if kind == "Deployment":
+            volumes = doc["spec"]["template"]["spec"]["volumes"]
+            assert all("persistentVolumeClaim" not in v for v in volumes)
+
+
+def test_model_is_mounted_read_only(gpu_cfg: DeployConfig) -> None:
+    compose = _compose(gpu_cfg)
+    model_mount = {
+        "type": "bind",
+        "source": f"${{OMNISTAGE_MODEL_DIR:-{gpu_cfg.model}}}",
+        "target": MODEL_DIR,
+        "read_only": True,
+    }
+    assert model_mount in compose["thinker"]["volumes"]
+    assert all(v["target"] != MODEL_DIR for v in compose["thinker-cpu"]["volumes"])
+    assert compose["thinker"]["command"][-2:] == ["--model", MODEL_DIR]
+    pod = _k8s(gpu_cfg)[("Deployment", "talker")]["spec"]["template"]["spec"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": MODEL_PVC, "readOnly": True}} in pod["volumes"]
+    assert {"name": "model", "mountPath": MODEL_DIR, "readOnly": True} in pod["containers"][0]["volumeMounts"]
+
+
+def test_drain_and_headless_services(gpu_cfg: DeployConfig) -> None:
+    k8s = _k8s(gpu_cfg)
+    for name in STAGES:
+        pod = k8s[("Deployment", name)]["spec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] > gpu_cfg.timeouts.drain_grace_s + 5
+        assert pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+        assert k8s[("Service", name)]["spec"]["clusterIP"] == "None"
+        hpa = k8s[("HorizontalPodAutoscaler", name)]["spec"]
+        assert hpa["metrics"][0]["pods"]["metric"]["name"] == "omnistage_stage_queue_depth"
+        assert hpa["maxReplicas"] >= hpa["minReplicas"]
+    assert k8s[("Service", "gateway")]["spec"]["type"] == "ClusterIP"
+    assert ("HorizontalPodAutoscaler", "gateway") not in k8s
+
+
+def test_cpu_profile_config_is_tiny_on_cpu(gpu_cfg: DeployConfig) -> None:
+    cpu = container_config(gpu_cfg, cpu_only=True)
+    assert cpu.model is None
+    assert all(cpu.stage(n).device == "cpu" and cpu.stage(n).dtype == "float32" for n in STAGES)
+    files = render(gpu_cfg, "compose")
+    assert yaml.safe_load(files["compose/omnistage-cpu.yaml"]) == cpu.model_dump()
+
+
+def test_render_to_dir_and_cli(tmp_path: Path) -> None:
+    from omnistage.cli import app
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        app, ["deploy", "render", "--config", str(DEFAULT_YAML), "--target", "k8s", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    written = render_to_dir(DEFAULT_YAML, "compose", out)
+    assert (out / "docker-compose.yaml") in written
+    assert (out / "k8s" / "kustomization.yaml").is_file()
+    compose = yaml.safe_load((out / "docker-compose.yaml").read_text())
+    # the build context still points at the repository root from wherever the files land
+    context = Path(out, compose["services"]["thinker"]["build"]["context"]).resolve()
+    assert (context / "deploy" / "Dockerfile").is_file()
