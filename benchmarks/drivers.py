@@ -1,0 +1,293 @@
+"""Drivers: one way each of running a request, seen from the client.
+
+Every driver turns a ``BenchRequest`` into a list of ``StreamEvent``s stamped with
+``time.perf_counter()`` when the client saw them; the harness makes the figures from them.
+
+* ``InProcessDriver``: ``omnistage.pipeline.InProcessPipeline`` (streaming, no gRPC).
+* ``FullPayloadInProcessDriver``: the same runners with every edge in full-payload mode
+  (thinker to the end, then the talker, then one code2wav decode).
+* ``MonolithicDriver``: transformers' ``Qwen3OmniMoeForConditionalGeneration.generate``; it
+  does not stream, so text and audio are both seen when it returns.
+* ``GrpcDriver``: a thin adapter over ``gateway.client.stream_generate``.
+
+The in-process drivers are synchronous and run in one worker thread of their own, so several
+outstanding requests queue for it as they would for a one-engine server without batching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from benchmarks.stages import run_code2wav, run_talker, run_thinker
+from benchmarks.stats import RequestRecord
+from omnistage.families.qwen3_omni import SAMPLE_RATE
+from services.runtime.sampling import SamplingParams
+
+EventKind = Literal["text", "audio", "final"]
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    index: int
+    prompt_index: int
+    prompt: str
+    thinker_max_tokens: int
+    talker_max_tokens: int
+    want_audio: bool = True
+    mode: str | None = None  # "async_chunk" | "full_payload" (gRPC: per request)
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    kind: EventKind
+    t: float  # time.perf_counter() when the client saw it
+    token_ids: tuple[int, ...] = ()
+    samples: int = 0
+    sample_rate: int = SAMPLE_RATE
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Driver(ABC):
+    """Runs requests; ``streams`` says whether first token/audio are seen before the end."""
+
+    name: str = "driver"
+    streams: bool = True
+
+    @abstractmethod
+    async def run(self, req: BenchRequest) -> list[StreamEvent]: ...
+
+    async def warmup(self, req: BenchRequest) -> None:
+        await self.run(req)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+class SyncDriver(Driver):
+    """A driver whose requests run one at a time in a worker thread of its own."""
+
+    def __init__(self, threads: int = 1) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"bench-{self.name}", initializer=torch.set_num_threads,
+                                        initargs=(threads,))
+
+    @abstractmethod
+    def stream(self, req: BenchRequest) -> Iterator[StreamEvent]: ...
+
+    async def run(self, req: BenchRequest) -> list[StreamEvent]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: list(self.stream(req)))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _sampling(pipe: Any, req: BenchRequest) -> tuple[SamplingParams, SamplingParams]:
+    """Greedy thinker (the checkpoint's generation config, max_tokens set) and greedy talker."""
+    thinker = pipe.thinker_defaults().with_overrides(max_tokens=req.thinker_max_tokens)
+    if thinker.do_sample:
+        thinker = thinker.with_overrides(do_sample=False)
+    return thinker, SamplingParams(max_tokens=req.talker_max_tokens)
+
+
+class InProcessDriver(SyncDriver):
+    name = "inprocess"
+
+    def __init__(self, pipe: Any, threads: int = 1) -> None:
+        super().__init__(threads)
+        self.pipe = pipe
+
+    def stream(self, req: BenchRequest) -> Iterator[StreamEvent]:
+        from omnistage.pipeline import AudioEvent, DoneEvent, PipelineRequest, TextEvent
+
+        thinker, talker = _sampling(self.pipe, req)
+        ids = self.pipe.prompt_ids(req.prompt)
+        preq = PipelineRequest(ids, thinker=thinker, talker=talker, want_audio=req.want_audio)
+        for ev in self.pipe.run(preq):
+            now = time.perf_counter()
+            if isinstance(ev, TextEvent):
+                yield StreamEvent("text", now, token_ids=(ev.token_id,))
+            elif isinstance(ev, AudioEvent):
+                yield StreamEvent("audio", now, samples=int(ev.pcm.shape[0]))
+            elif isinstance(ev, DoneEvent):
+                yield StreamEvent(
+                    "final",
+                    now,
+                    info={
+                        "thinker_stopped_on": ev.thinker_stopped_on,
+                        "talker_stopped_on": ev.talker_stopped_on,
+                        "frames": int(ev.codes.shape[1]),
+                        "prompt_tokens": len(ids),
+                        "timings": dict(ev.timings),
+                    },
+                )
+
+
+class FullPayloadInProcessDriver(SyncDriver):
+    """Every edge full-payload: the talker starts when the thinker has finished, code2wav when
+    the talker has; text streams, audio arrives once."""
+
+    name = "inprocess-full"
+
+    def __init__(self, pipe: Any, threads: int = 1) -> None:
+        super().__init__(threads)
+        self.pipe = pipe
+
+    def stream(self, req: BenchRequest) -> Iterator[StreamEvent]:
+        thinker, talker = _sampling(self.pipe, req)
+        ids = self.pipe.prompt_ids(req.prompt)
+        seen: list[StreamEvent] = []
+        th = run_thinker(
+            self.pipe, ids, thinker, on_token=lambda t: seen.append(StreamEvent("text", time.perf_counter(),
+                                                                                 token_ids=(t.token_id,)))
+        )
+        yield from seen
+        frames = 0
+        if req.want_audio:
+            codes = run_talker(self.pipe, th, talker)
+            frames = int(codes.shape[1])
+            if frames:
+                pcm = run_code2wav(self.pipe, [codes], first_chunk=frames, chunk=frames)[0]
+                yield StreamEvent("audio", time.perf_counter(), samples=int(pcm.shape[0]))
+        yield StreamEvent("final", time.perf_counter(), info={"frames": frames, "prompt_tokens": len(ids)})
+
+
+@contextlib.contextmanager
+def _no_frames_is_clear() -> Iterator[None]:
+    try:
+        yield
+    except RuntimeError as e:
+        if "non-empty TensorList" in str(e):
+            raise RuntimeError("generate() cannot return audio for a reply with no codec frames") from e
+        raise
+
+
+class MonolithicDriver(SyncDriver):
+    """transformers' monolithic generate() on the same checkpoint (greedy, sequential)."""
+
+    name = "monolithic"
+    streams = False
+
+    def __init__(self, model_dir: Path, prompt_ids: Callable[[str], list[int]], eos_id: int, threads: int = 1) -> None:
+        super().__init__(threads)
+        from transformers import Qwen3OmniMoeForConditionalGeneration
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        self.prompt_ids = prompt_ids
+        self.eos_id = eos_id
+        self.model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def stream(self, req: BenchRequest) -> Iterator[StreamEvent]:
+        ids = self.prompt_ids(req.prompt)
+        with torch.no_grad(), _no_frames_is_clear():
+            out = self.model.generate(
+                input_ids=torch.tensor([ids]),
+                thinker_max_new_tokens=req.thinker_max_tokens,
+                talker_max_new_tokens=req.talker_max_tokens,
+                talker_do_sample=False,
+                talker_repetition_penalty=1.0,
+                thinker_eos_token_id=self.eos_id,
+                return_audio=req.want_audio,
+            )
+        now = time.perf_counter()
+        wav = None
+        if isinstance(out, tuple):
+            seq, wav = out
+        else:
+            seq = out.sequences if hasattr(out, "sequences") else out
+        generated = tuple(int(i) for i in seq[0, len(ids) :].tolist())
+        yield StreamEvent("text", now, token_ids=generated)
+        samples = int(wav.reshape(-1).shape[0]) if isinstance(wav, torch.Tensor) else 0
+        if samples:
+            yield StreamEvent("audio", now, samples=samples)
+        yield StreamEvent("final", now, info={"prompt_tokens": len(ids)})
+
+
+class GrpcDriver(Driver):
+    """A running stack's gateway, through ``gateway.client.stream_generate``."""
+
+    name = "grpc"
+
+    def __init__(self, target: str, timeout: float | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+
+    async def run(self, req: BenchRequest) -> list[StreamEvent]:
+        from gateway.client import stream_generate
+
+        events: list[StreamEvent] = []
+        async for ev in stream_generate(
+            self.target,
+            req.prompt,
+            want_audio=req.want_audio,
+            thinker_max_tokens=req.thinker_max_tokens,
+            talker_max_tokens=req.talker_max_tokens,
+            greedy=True,
+            mode=req.mode,
+            timeout=self.timeout,
+        ):
+            now = time.perf_counter()
+            kind = getattr(ev, "kind", None)
+            if kind == "text":
+                events.append(StreamEvent("text", now, token_ids=tuple(int(i) for i in (ev.token_ids or ()))))
+            elif kind == "audio":
+                pcm = ev.pcm
+                n = int(pcm.shape[0]) if pcm is not None else 0
+                events.append(StreamEvent("audio", now, samples=n, sample_rate=int(ev.sample_rate or SAMPLE_RATE)))
+            elif kind == "final":
+                info = {"usage": dict(ev.usage or {}), "timings": dict(ev.timings or {})}
+                events.append(StreamEvent("final", now, info=info))
+        return events
+
+
+def build_record(
+    config: str, req: BenchRequest, issued_at: float, t_submit: float, events: list[StreamEvent] | None,
+    error: BaseException | None = None,
+) -> RequestRecord:
+    """Figures of one request from what the client saw. Times are relative to ``t_submit``."""
+    rec = RequestRecord(
+        config=config,
+        index=req.index,
+        prompt_index=req.prompt_index,
+        prompt_chars=len(req.prompt),
+        issued_at=issued_at,
+    )
+    if error is not None or events is None:
+        rec.ok = False
+        rec.error = f"{type(error).__name__}: {error}" if error is not None else "no events"
+        return rec
+    final = [e for e in events if e.kind == "final"]
+    for e in events:
+        rel = e.t - t_submit
+        if e.kind == "text" and e.token_ids:
+            rec.text_times.append(rel)
+            rec.token_ids.extend(e.token_ids)
+        elif e.kind == "audio" and e.samples:
+            rec.audio_times.append(rel)
+            rec.audio_chunk_samples.append(e.samples)
+            rec.sample_rate = e.sample_rate
+    rec.text_tokens = len(rec.token_ids)
+    rec.audio_samples = sum(rec.audio_chunk_samples)
+    rec.ttft = rec.text_times[0] if rec.text_times else None
+    rec.ttfa = rec.audio_times[0] if rec.audio_times else None
+    if final:
+        rec.e2e = final[-1].t - t_submit
+        rec.info = dict(final[-1].info)
+        usage = rec.info.get("usage") or {}
+        if not rec.text_tokens and isinstance(usage.get("completion_tokens"), int):
+            rec.text_tokens = int(usage["completion_tokens"])
+    else:
+        rec.ok = False
+        rec.error = "stream ended without a final event"
+        rec.e2e = (events[-1].t - t_submit) if events else None
+    return rec

@@ -1,0 +1,527 @@
+"""``omnistage bench``: latency and throughput of the served pipeline, every headline figure a
+ratio against a baseline measured in the same run (DESIGN.md §10).
+
+System under test (SUT): a running stack (``--target HOST:PORT``), one started here
+(``--serve``), or, with neither, the in-process pipeline (no gRPC).
+
+Phases, in order:
+  1. SUT sweep: a closed loop at each ``--concurrency`` level and open-loop Poisson arrivals at
+     each ``--rate``, async_chunk mode, each bounded by ``--num-requests`` and ``--time-limit``;
+  2. SUT at c=1 in full_payload mode (per request over gRPC; emulated in-process), for TTFA;
+  (a started stack is stopped here, so the baselines have the machine to themselves)
+  3. the in-process staged pipeline at c=1 (framework overhead; only when the SUT is gRPC);
+  4. transformers' monolithic generate(), sequential;
+  5. each stage's runner alone over the same request mix -> the bottleneck stage.
+
+Baselines (2-5) run on the first ``--baseline-requests`` requests of the same sequence; the
+latency ratios compare the SUT's c=1 figures on exactly those requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import socket
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.drivers import (
+    BenchRequest,
+    Driver,
+    FullPayloadInProcessDriver,
+    GrpcDriver,
+    InProcessDriver,
+    MonolithicDriver,
+)
+from benchmarks.load import LevelResult, run_concurrency, run_poisson
+from benchmarks.prompts import load_prompts, request_sequence
+from benchmarks.stages import BATCHED_RUNNERS, stage_summary, time_stages
+from benchmarks.stats import RATIO_KEYS, RatioInputs, compute_ratios, percentile
+from services.runtime.sampling import SamplingParams
+
+SCHEMA = "omnistage.bench/1"
+
+
+@dataclass
+class BenchOptions:
+    target: str | None = None
+    serve: bool = False
+    config: Path | None = None
+    model: Path | None = None
+    replicas: str | None = None
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 8])
+    rates: list[float] = field(default_factory=list)
+    num_requests: int = 16
+    time_limit: float | None = 120.0
+    prompts: Path | None = None
+    seed: int = 0
+    thinker_max_tokens: int = 24
+    talker_max_tokens: int = 48
+    baseline_requests: int | None = None  # None: as many as --num-requests
+    monolithic: bool = True
+    inprocess: bool = True
+    full_payload: bool = True
+    stages: bool = True
+    code2wav_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    warmup: int = 1
+    threads: int = 1
+    request_timeout: float = 300.0
+    json_out: Path | None = None
+    plot_out: Path | None = None
+    markdown_out: Path | None = None
+    progress: bool = True
+    quiet: bool = False
+
+
+def parse_int_list(spec: str) -> list[int]:
+    """`1,4,8` -> [1, 4, 8]; empty -> []."""
+    return [int(p) for p in (x.strip() for x in spec.split(",")) if p]
+
+
+def parse_float_list(spec: str) -> list[float]:
+    return [float(p) for p in (x.strip() for x in spec.split(",")) if p]
+
+
+# ---- model directory ------------------------------------------------------------------------
+
+
+def default_model_dir() -> Path:
+    """The cached tiny checkpoint `omnistage serve` uses; until that exists, one generated once
+    per machine into the temp directory (deterministic, so it is the same checkpoint)."""
+    try:
+        from omnistage.serve import default_model_dir as serve_default
+
+        return Path(serve_default())
+    except (ImportError, AttributeError):
+        pass
+    from omnistage.tiny import write_tiny_checkpoint
+
+    out = Path(tempfile.gettempdir()) / f"omnistage-bench-tiny-{os.getuid()}"
+    if not (out / ".complete").is_file():
+        tmp = Path(tempfile.mkdtemp(prefix="omnistage-bench-tiny-"))
+        write_tiny_checkpoint(tmp)
+        (tmp / ".complete").write_text("ok\n")
+        with contextlib.suppress(OSError):
+            tmp.rename(out)
+        if not (out / ".complete").is_file():  # lost a race or could not rename: use ours
+            return tmp
+    return out
+
+
+# ---- machine and command -------------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "load_average_start": list(os.getloadavg()),
+    }
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    args = list(sys.argv if argv is None else argv)
+    if args and Path(args[0]).name in ("omnistage", "__main__.py", "cli.py"):
+        args[0] = "omnistage"
+    return shlex.join(args)
+
+
+# ---- stack -------------------------------------------------------------------------------
+
+
+def _port_free(port: int, host: str) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_blocks(sizes: Sequence[int], host: str = "127.0.0.1", start: int = 30000) -> list[int]:
+    """Base ports of non-overlapping blocks of free consecutive ports, one block per size."""
+    bases: list[int] = []
+    port = start + (os.getpid() * 37) % 20000
+    taken: set[int] = set()
+    for n in sizes:
+        while True:
+            block = list(range(port, port + n))
+            port += n
+            if port > 65000:
+                port = start
+            if all(p not in taken and _port_free(p, host) for p in block):
+                bases.append(block[0])
+                taken.update(block)
+                break
+    return bases
+
+
+def stack_config(opts: BenchOptions) -> Any:
+    from services.runtime.config import STAGES, apply_overrides, load_config, parse_replicas
+
+    cfg = load_config(opts.config)
+    overrides: dict[str, Any] = {}
+    if opts.model is not None:
+        overrides["model"] = str(opts.model)
+    if opts.replicas:
+        overrides.update(parse_replicas(opts.replicas))
+    cfg = apply_overrides(cfg, overrides)
+    # Free ports, so a bench stack never collides with another stack on this machine.
+    sizes = [cfg.gateway.replicas, *(cfg.stage(s).replicas for s in STAGES)]
+    bases = free_port_blocks(sizes, cfg.host)
+    port_overrides: dict[str, Any] = {"gateway.port": bases[0]}
+    for name, base in zip(STAGES, bases[1:], strict=True):
+        port_overrides[f"{name}.base_port"] = base
+    return apply_overrides(cfg, port_overrides)
+
+
+@contextlib.contextmanager
+def sut_target(opts: BenchOptions, log: Callable[[str], None]) -> Iterator[tuple[str | None, Any]]:
+    """(gateway address or None for in-process, the deploy config used or None)."""
+    if opts.target:
+        yield opts.target, None
+        return
+    if not opts.serve:
+        yield None, None
+        return
+    from omnistage.serve import start_stack
+
+    cfg = stack_config(opts)
+    log(f"starting stack (gateway port {cfg.gateway.port}) ...")
+    with start_stack(cfg) as stack:
+        log(f"stack up at {stack.gateway_address}")
+        yield stack.gateway_address, cfg
+    log("stack stopped")
+
+
+# ---- prompt encoding (monolithic) -----------------------------------------------------------
+
+
+class PromptEncoder:
+    """The chat template the pipeline uses, without loading the model parts."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from omnistage.loader import load_tokenizer, open_checkpoint
+
+        ckpt = open_checkpoint(model_dir)
+        self.spec = ckpt.spec
+        self.tokenizer = load_tokenizer(ckpt)
+
+    def __call__(self, prompt: str) -> list[int]:
+        from omnistage.families.qwen3_omni import build_prompt_ids, messages_from_prompt
+
+        return build_prompt_ids(self.tokenizer, messages_from_prompt(prompt))
+
+
+# ---- the run -------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    opts: BenchOptions
+    requests: list[BenchRequest]
+    baseline: list[BenchRequest]
+    levels: list[LevelResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    stage_baseline: dict[str, Any] | None = None
+
+    def log(self, msg: str) -> None:
+        if not self.opts.quiet:
+            tqdm.write(msg, file=sys.stderr)
+
+    def bar(self, desc: str, total: int) -> Any:
+        return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=not self.opts.progress,
+                    leave=True, dynamic_ncols=True)
+
+    async def warm(self, driver: Driver) -> None:
+        for i in range(self.opts.warmup):
+            req = self.requests[i % len(self.requests)]
+            try:
+                await driver.warmup(req)
+            except Exception as e:  # the timed requests will show it; do not stop the run
+                self.log(f"warm-up on {driver.name} failed: {type(e).__name__}: {e}")
+
+    async def level_concurrency(self, driver: Driver, name: str, role: str, reqs: Sequence[BenchRequest],
+                                c: int, mode: str | None, time_limit: float | None) -> LevelResult:
+        level = LevelResult(name=name, driver=driver.name, role=role, load={"type": "concurrency", "value": c},
+                            mode=mode)
+        with self.bar(name, len(reqs)) as bar:
+            await run_concurrency(driver, level, reqs, c, time_limit, bar.update)
+        self._finish_level(level)
+        return level
+
+    async def level_rate(self, driver: Driver, name: str, reqs: Sequence[BenchRequest], rate: float) -> LevelResult:
+        level = LevelResult(name=name, driver=driver.name, role="sut", load={"type": "poisson", "value": rate},
+                            mode="async_chunk")
+        with self.bar(name, len(reqs)) as bar:
+            await run_poisson(driver, level, reqs, rate, self.opts.time_limit, self.opts.seed, bar.update)
+        self._finish_level(level)
+        return level
+
+    def _finish_level(self, level: LevelResult) -> None:
+        failed = [r for r in level.records if not r.ok]
+        if failed:
+            level.notes.append(f"{len(failed)} request(s) failed, first: {failed[0].error}")
+            self.log(f"{level.name}: {len(failed)} failed; first error: {failed[0].error}")
+        if level.stopped_by_time_limit:
+            level.notes.append(f"time limit reached after {len(level.records)} request(s)")
+        self.levels.append(level)
+
+
+def _with_mode(reqs: Sequence[BenchRequest], mode: str) -> list[BenchRequest]:
+    return [BenchRequest(**{**asdict(r), "mode": mode}) for r in reqs]
+
+
+async def _sut_phase(run: Run, target: str | None, pipe: Any) -> None:
+    opts = run.opts
+    if target is not None:
+        driver: Driver = GrpcDriver(target, timeout=opts.request_timeout)
+        sut = "grpc"
+    else:
+        driver = InProcessDriver(pipe, opts.threads)
+        sut = "inprocess"
+    try:
+        await run.warm(driver)
+        for c in opts.concurrency:
+            await run.level_concurrency(driver, f"{sut} c={c}", "sut", _with_mode(run.requests, "async_chunk"), c,
+                                        "async_chunk", opts.time_limit)
+        for rate in opts.rates:
+            await run.level_rate(driver, f"{sut} rate={rate:g}/s", _with_mode(run.requests, "async_chunk"), rate)
+        if opts.full_payload:
+            full_driver = driver if target is not None else FullPayloadInProcessDriver(pipe, opts.threads)
+            try:
+                if full_driver is not driver:
+                    await run.warm(full_driver)
+                level = await run.level_concurrency(full_driver, f"{sut} full_payload c=1", "sut",
+                                                    _with_mode(run.baseline, "full_payload"), 1, "full_payload", None)
+                if target is None:
+                    level.notes.append("in-process full_payload is emulated: the thinker runs to the end, then the "
+                                       "talker, then one code2wav decode")
+            finally:
+                if full_driver is not driver:
+                    full_driver.close()
+    finally:
+        driver.close()
+
+
+async def _baseline_phase(run: Run, target: str | None, model_dir: Path, pipe: Any) -> None:
+    opts = run.opts
+    if opts.inprocess and target is not None:
+        driver = InProcessDriver(pipe, opts.threads)
+        try:
+            await run.warm(driver)
+            await run.level_concurrency(driver, "inprocess c=1", "baseline", run.baseline, 1, "async_chunk", None)
+        finally:
+            driver.close()
+    if opts.monolithic:
+        enc = PromptEncoder(model_dir)
+        mono = MonolithicDriver(model_dir, enc, enc.spec.im_end_id, opts.threads)
+        try:
+            await run.warm(mono)
+            level = await run.level_concurrency(mono, "monolithic sequential", "baseline", run.baseline, 1, None, None)
+            level.notes.append("generate() does not stream: its first token and first audio arrive at the end")
+        finally:
+            mono.close()
+
+
+def _stage_phase(run: Run, pipe: Any) -> None:
+    opts = run.opts
+    ids = [pipe.prompt_ids(r.prompt) for r in run.baseline]
+    thinker = pipe.thinker_defaults().with_overrides(max_tokens=opts.thinker_max_tokens)
+    if thinker.do_sample:
+        thinker = thinker.with_overrides(do_sample=False)
+    talker = SamplingParams(max_tokens=opts.talker_max_tokens)
+    if ids:  # warm-up, not timed
+        time_stages(pipe, ids[:1], thinker, talker, [1])
+    with run.bar("stages alone", len(ids)) as bar:
+        times = time_stages(pipe, ids, thinker, talker, opts.code2wav_batch_sizes, progress=bar.update)
+    summary = stage_summary(times)
+    unbatched = [k for k, v in BATCHED_RUNNERS.items() if not v]
+    summary["note"] = (
+        f"{', '.join(unbatched)}: no batched runner yet, so the best batch size is 1; "
+        f"code2wav: best of batch sizes {summary['stages'].get('code2wav', {}).get('batch_sizes_tried', [])}"
+    )
+    run.stage_baseline = summary
+
+
+def _median(records: Sequence[Any], key: str, indices: set[int] | None = None) -> float | None:
+    xs = [getattr(r, key) for r in records if r.ok and (indices is None or r.index in indices)]
+    return percentile([x for x in xs if x is not None], 50)
+
+
+def _find(levels: Sequence[LevelResult], pred: Callable[[LevelResult], bool]) -> LevelResult | None:
+    return next((lv for lv in levels if pred(lv)), None)
+
+
+def ratio_inputs(run: Run, sut: str) -> tuple[RatioInputs, dict[str, str]]:
+    lv = run.levels
+    base_idx = {r.index for r in run.baseline}
+    sweep = [x for x in lv if x.role == "sut" and x.load["type"] == "concurrency" and x.mode == "async_chunk"]
+    c1 = _find(sweep, lambda x: x.load["value"] == 1)
+    cmax = max(sweep, key=lambda x: x.load["value"]) if sweep else None
+    full = _find(lv, lambda x: x.role == "sut" and x.mode == "full_payload")
+    inproc = _find(lv, lambda x: x.role == "baseline" and x.driver == "inprocess")
+    mono = _find(lv, lambda x: x.driver == "monolithic")
+    cmax_rate = cmax.summary()["requests_per_s"] if cmax else None
+    x = RatioInputs(
+        ttfa_median_async_c1=_median(c1.records, "ttfa", base_idx) if c1 else None,
+        ttfa_median_full_c1=_median(full.records, "ttfa") if full else None,
+        monolithic_e2e_median=_median(mono.records, "e2e") if mono else None,
+        monolithic_requests_per_s=mono.summary()["requests_per_s"] if mono else None,
+        grpc_e2e_median_c1=_median(c1.records, "e2e", base_idx) if (c1 and sut == "grpc") else None,
+        inprocess_e2e_median_c1=_median(inproc.records, "e2e") if inproc else None,
+        requests_per_s_cmax=cmax_rate,
+        requests_per_s_c1=c1.summary()["requests_per_s"] if c1 else None,
+        bottleneck_stage_requests_per_s=(run.stage_baseline or {}).get("bottleneck_requests_per_s"),
+    )
+    cm = f"{sut} c={cmax.load['value']}" if cmax else "(no concurrency level)"
+    bn = (run.stage_baseline or {}).get("bottleneck")
+    basis = {
+        "ttfa_async_over_full": f"median TTFA, {sut} c=1 async_chunk / {sut} full_payload c=1 (same requests)",
+        "ttfa_over_monolithic_e2e": f"median TTFA {sut} c=1 / median E2E monolithic generate() (same requests)",
+        "e2e_grpc_over_inprocess_c1": "median E2E grpc c=1 / in-process pipeline c=1 (same requests)"
+        + ("" if sut == "grpc" else "; null: the system under test is the in-process pipeline"),
+        "throughput_cmax_over_sequential_monolithic": f"requests/s {cm} / monolithic generate() sequential",
+        "throughput_cmax_over_c1": f"requests/s {cm} / {sut} c=1",
+        "pipeline_over_bottleneck_stage": f"requests/s {cm} / slowest stage alone ({bn or 'not run'})",
+    }
+    return x, basis
+
+
+def consistency(levels: Sequence[LevelResult], eos_id: int | None) -> dict[str, Any]:
+    """Greedy everywhere: every configuration should produce the same text ids and the same
+    number of audio samples per prompt, so the ratios compare the same work."""
+    seen: dict[int, dict[str, tuple[tuple[int, ...], int]]] = {}
+    for lv in levels:
+        for r in lv.records:
+            if not r.ok:
+                continue
+            ids = list(r.token_ids)
+            if eos_id is not None and ids and ids[-1] == eos_id:
+                ids = ids[:-1]
+            seen.setdefault(r.prompt_index, {})[lv.name] = (tuple(ids), r.audio_samples)
+    mismatches: list[dict[str, Any]] = []
+    for p, by_cfg in sorted(seen.items()):
+        variants = {v for v in by_cfg.values()}
+        if len(variants) > 1:
+            mismatches.append({
+                "prompt_index": p,
+                "text_tokens": {k: len(v[0]) for k, v in by_cfg.items()},
+                "audio_samples": {k: v[1] for k, v in by_cfg.items()},
+                "text_ids_differ": len({v[0] for v in by_cfg.values()}) > 1,
+            })
+    return {"prompts_compared": len(seen), "mismatches": mismatches}
+
+
+async def _run_async(run: Run, model_dir: Path, pipe_box: dict[str, Any], log: Callable[[str], None]) -> str:
+    opts = run.opts
+    with sut_target(opts, log) as (target, cfg):
+        if cfg is not None and cfg.model and opts.model is None:
+            pipe_box["model_dir"] = Path(cfg.model)
+        if target is None:
+            pipe_box["pipe"] = _load_pipe(pipe_box)
+        await _sut_phase(run, target, pipe_box.get("pipe"))
+        sut = "grpc" if target is not None else "inprocess"
+    need_pipe = (opts.inprocess and sut == "grpc") or opts.stages
+    if need_pipe and "pipe" not in pipe_box:
+        pipe_box["pipe"] = _load_pipe(pipe_box)
+    await _baseline_phase(run, target, pipe_box["model_dir"], pipe_box.get("pipe"))
+    if opts.stages:
+        _stage_phase(run, pipe_box["pipe"])
+    return sut
+
+
+def _load_pipe(box: dict[str, Any]) -> Any:
+    from omnistage.pipeline import InProcessPipeline
+
+    return InProcessPipeline(box["model_dir"])
+
+
+def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
+    """Runs the benchmark, prints the table, writes --json/--plot/--markdown; returns the result."""
+    if opts.num_requests < 1:
+        raise ValueError("--num-requests must be >= 1")
+    if any(c < 1 for c in opts.concurrency):
+        raise ValueError(f"--concurrency levels must be >= 1, got {opts.concurrency}")
+    if opts.target and opts.serve:
+        raise ValueError("--target and --serve are exclusive: drive a running stack or start one")
+    torch.set_num_threads(opts.threads)
+    started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    machine = machine_info()
+    prompts = load_prompts(opts.prompts)
+    order = request_sequence(len(prompts), opts.num_requests, opts.seed)
+    requests = [
+        BenchRequest(i, p, prompts[p], opts.thinker_max_tokens, opts.talker_max_tokens) for i, p in enumerate(order)
+    ]
+    nb = opts.num_requests if opts.baseline_requests is None else max(1, min(opts.baseline_requests, len(requests)))
+    run = Run(opts, requests, requests[:nb])
+    model_dir = Path(opts.model) if opts.model is not None else default_model_dir()
+    box: dict[str, Any] = {"model_dir": model_dir}
+    sut = asyncio.run(_run_async(run, model_dir, box, run.log))
+    model_dir = box["model_dir"]
+
+    if opts.concurrency and 1 not in opts.concurrency:
+        run.notes.append("no c=1 level: the TTFA/E2E ratios against baselines are null")
+    inputs, basis = ratio_inputs(run, sut)
+    ratios = compute_ratios(inputs)
+    assert tuple(ratios) == RATIO_KEYS
+    if run.stage_baseline:
+        run.notes.append("stage baseline: " + run.stage_baseline["note"])
+    machine["load_average_end"] = list(os.getloadavg())
+    eos = PromptEncoder(model_dir).spec.im_end_id if run.levels else None
+    result: dict[str, Any] = {
+        "schema": SCHEMA,
+        "command": command if command is not None else command_line(),
+        "started_at": started,
+        "machine": machine,
+        "model": str(model_dir),
+        "system_under_test": sut,
+        "target": opts.target,
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()},
+        "prompts": prompts,
+        "request_prompt_indices": order,
+        "baseline_request_indices": [r.index for r in run.baseline],
+        "configurations": [lv.to_json() for lv in run.levels],
+        "stage_baseline": run.stage_baseline,
+        "ratios": ratios,
+        "ratio_inputs": asdict(inputs),
+        "ratio_basis": basis,
+        "consistency": consistency(run.levels, eos),
+        "notes": run.notes,
+    }
+    from benchmarks.report import format_report, markdown_summary, plot
+
+    if not opts.quiet:
+        print(format_report(result))
+    if opts.json_out is not None:
+        opts.json_out.parent.mkdir(parents=True, exist_ok=True)
+        opts.json_out.write_text(json.dumps(result, indent=1) + "\n")
+    if opts.plot_out is not None:
+        opts.plot_out.parent.mkdir(parents=True, exist_ok=True)
+        plot(result, opts.plot_out)
+    if opts.markdown_out is not None:
+        opts.markdown_out.parent.mkdir(parents=True, exist_ok=True)
+        opts.markdown_out.write_text(
+            markdown_summary(
+                result,
+                opts.json_out.name if opts.json_out else None,
+                opts.plot_out.name if opts.plot_out else None,
+            )
+        )
+    return result

@@ -1,0 +1,180 @@
+"""The end-of-run table, the markdown summary and the plot of ``omnistage bench``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+COLUMNS: tuple[tuple[str, str, str, str], ...] = (
+    # header, summary key, sub key, format
+    ("ok", "ok", "", "{:d}"),
+    ("TTFT p50", "ttft_s", "median", "{:.3f}"),
+    ("TTFT p99", "ttft_s", "p99", "{:.3f}"),
+    ("TTFA p50", "ttfa_s", "median", "{:.3f}"),
+    ("TTFA p99", "ttfa_s", "p99", "{:.3f}"),
+    ("E2E p50", "e2e_s", "median", "{:.3f}"),
+    ("E2E p99", "e2e_s", "p99", "{:.3f}"),
+    ("RTF p50", "rtf", "median", "{:.2f}"),
+    ("gap p50", "chunk_gap_s", "median", "{:.3f}"),
+    ("gap p99", "chunk_gap_s", "p99", "{:.3f}"),
+    ("req/s", "requests_per_s", "", "{:.2f}"),
+    ("audio s/s", "audio_s_per_s", "", "{:.2f}"),
+    ("tok/s", "text_tokens_per_s", "", "{:.1f}"),
+)
+
+
+def _cell(summary: dict[str, Any], key: str, sub: str, fmt: str) -> str:
+    value = summary.get(key)
+    if sub and isinstance(value, dict):
+        value = value.get(sub)
+    return "-" if value is None else fmt.format(value)
+
+
+def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    header = ["configuration", *(c[0] for c in COLUMNS)]
+    rows = [
+        [cfg["name"], *(_cell(cfg["summary"], k, s, f) for _, k, s, f in COLUMNS)] for cfg in result["configurations"]
+    ]
+    return header, rows
+
+
+def format_table(result: dict[str, Any]) -> str:
+    header, rows = table_rows(result)
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        pairs = enumerate(zip(cells, widths, strict=True))
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in pairs)
+
+    return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
+
+
+def format_stages(result: dict[str, Any]) -> str:
+    st = result.get("stage_baseline")
+    if not st:
+        return "stage baseline: skipped"
+    lines = ["stage alone (in-process runner, same request mix):"]
+    for name, s in st["stages"].items():
+        rate = s["requests_per_s"]
+        lines.append(
+            f"  {name:9s} best batch {s['best_batch_size']} of {s['batch_sizes_tried']}: "
+            f"{'-' if rate is None else f'{rate:.2f}'} req/s"
+        )
+    lines.append(f"  bottleneck: {st['bottleneck']}  ({st['note']})")
+    return "\n".join(lines)
+
+
+def format_ratios(result: dict[str, Any]) -> str:
+    lines = ["ratios (same run):"]
+    for key, value in result["ratios"].items():
+        basis = result["ratio_basis"].get(key, "")
+        shown = "null (baseline skipped)" if value is None else f"{value:.3f}"
+        lines.append(f"  {key:44s} {shown:>24s}   {basis}")
+    return "\n".join(lines)
+
+
+def format_report(result: dict[str, Any]) -> str:
+    parts = [format_table(result), "", format_stages(result), "", format_ratios(result)]
+    cons = result.get("consistency") or {}
+    if cons.get("mismatches"):
+        parts += ["", f"WARNING: outputs differ between configurations: {cons['mismatches'][:5]}"]
+    parts += ["", *(f"note: {n}" for n in result.get("notes", []))]
+    return "\n".join(parts)
+
+
+def markdown_summary(result: dict[str, Any], json_name: str | None, plot_name: str | None) -> str:
+    m = result["machine"]
+    header, rows = table_rows(result)
+    md = [
+        "# omnistage bench results",
+        "",
+        "Regenerate with `benchmarks/make_results.sh`. Every figure is from one run; ratios divide",
+        "figures of the same run (DESIGN.md §10).",
+        "",
+        "Command:",
+        "",
+        "```",
+        result["command"],
+        "```",
+        "",
+        f"Machine: {m['cpu_count']} CPUs ({m['platform']}), Python {m['python']}, torch {m['torch']} with "
+        f"{m['torch_threads']} thread(s) in the benchmark process, load average at start "
+        f"{', '.join(f'{x:.2f}' for x in m['load_average_start'])}, at end "
+        f"{', '.join(f'{x:.2f}' for x in m.get('load_average_end') or [])}. Model: {result['model']}. "
+        f"Started {result['started_at']}.",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" for _ in header) + "|",
+        *("| " + " | ".join(r) + " |" for r in rows),
+        "",
+        "Seconds unless stated; p50 = median; RTF = generation time / audio duration; gap = time between",
+        "consecutive audio chunks of a request.",
+        "",
+        "```",
+        format_stages(result),
+        "```",
+        "",
+        "| ratio | value | what it divides |",
+        "|---|---|---|",
+        *(
+            f"| `{k}` | {'null' if v is None else f'{v:.3f}'} | {result['ratio_basis'].get(k, '')} |"
+            for k, v in result["ratios"].items()
+        ),
+        "",
+    ]
+    if result.get("notes"):
+        md += ["Notes:", "", *(f"- {n}" for n in result["notes"]), ""]
+    files = [f for f in (json_name, plot_name) if f]
+    if files:
+        md += ["Files: " + ", ".join(f"`{f}`" for f in files) + " (raw per-request figures in the JSON).", ""]
+    return "\n".join(md)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Latency CDFs (TTFT, TTFA, E2E) per configuration and throughput vs concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
+    for ax, (key, title) in zip(
+        axes.flat[:3], (("ttft", "time to first token"), ("ttfa", "time to first audio"), ("e2e", "end-to-end")),
+        strict=True,
+    ):
+        for cfg in result["configurations"]:
+            xs = sorted(r[key] for r in cfg["requests"] if r["ok"] and r[key] is not None)
+            if not xs:
+                continue
+            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            ax.step(xs, ys, where="post", label=cfg["name"])
+        ax.set_title(f"{title} (CDF)")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("fraction of requests")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    ax = axes.flat[3]
+    sweep = [c for c in result["configurations"] if c["role"] == "sut" and c["load"].get("type") == "concurrency"
+             and c["mode"] != "full_payload"]
+    sweep.sort(key=lambda c: c["load"]["value"])
+    if sweep:
+        xs = [c["load"]["value"] for c in sweep]
+        ax.plot(xs, [c["summary"]["requests_per_s"] or 0 for c in sweep], "o-", label="requests/s")
+        ax.plot(xs, [c["summary"]["audio_s_per_s"] or 0 for c in sweep], "s--", label="audio s/s")
+    mono = next((c for c in result["configurations"] if c["driver"] == "monolithic"), None)
+    if mono and mono["summary"]["requests_per_s"]:
+        ax.axhline(mono["summary"]["requests_per_s"], color="gray", ls=":", label="monolithic sequential req/s")
+    st = result.get("stage_baseline")
+    if st and st.get("bottleneck_requests_per_s"):
+        ax.axhline(st["bottleneck_requests_per_s"], color="red", ls=":",
+                   label=f"bottleneck stage alone ({st['bottleneck']}) req/s")
+    ax.set_title("throughput vs concurrency")
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("per second")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.suptitle(f"omnistage bench — {result['model']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

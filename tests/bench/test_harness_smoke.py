@@ -1,0 +1,90 @@
+"""`omnistage bench` end to end, in-process only (no gRPC): 2 tiny requests, then the JSON's
+schema (keys, types, counts). No timing assertions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.harness import BenchOptions, main
+from benchmarks.stages import run_talker, run_thinker
+from benchmarks.stats import RATIO_KEYS, SUMMARY_KEYS
+from services.runtime.sampling import SamplingParams
+
+RECORD_KEYS = {
+    "config", "index", "prompt_index", "prompt_chars", "issued_at", "ok", "error", "ttft", "ttfa", "e2e",
+    "text_tokens", "token_ids", "audio_samples", "sample_rate", "audio_s", "rtf", "text_times", "audio_times",
+    "audio_chunk_samples", "chunk_gaps", "info",
+}
+
+
+def test_harness_in_process(tiny_dir: Path, tmp_path: Path) -> None:
+    opts = BenchOptions(
+        model=tiny_dir, concurrency=[1, 2], num_requests=2, thinker_max_tokens=8, talker_max_tokens=12,
+        code2wav_batch_sizes=[1, 2], json_out=tmp_path / "r.json", plot_out=tmp_path / "r.png",
+        markdown_out=tmp_path / "r.md", progress=False, quiet=True,
+    )
+    returned = main(opts, command="omnistage bench --test")
+    result: dict[str, Any] = json.loads((tmp_path / "r.json").read_text())
+    assert result == json.loads(json.dumps(returned))
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "omnistage bench --test" in (tmp_path / "r.md").read_text()
+
+    assert result["command"] == "omnistage bench --test"
+    assert result["system_under_test"] == "inprocess"
+    m = result["machine"]
+    assert isinstance(m["cpu_count"], int) and isinstance(m["platform"], str)
+    assert m["torch_threads"] == 1 and len(m["load_average_start"]) == 3
+
+    assert tuple(result["ratios"]) == RATIO_KEYS
+    assert result["ratios"]["e2e_grpc_over_inprocess_c1"] is None  # no gRPC in this run
+    for key in set(RATIO_KEYS) - {"e2e_grpc_over_inprocess_c1"}:
+        assert isinstance(result["ratios"][key], float), key
+        assert result["ratio_basis"][key]
+
+    names = [c["name"] for c in result["configurations"]]
+    assert names == ["inprocess c=1", "inprocess c=2", "inprocess full_payload c=1", "monolithic sequential"]
+    for cfg in result["configurations"]:
+        assert len(cfg["requests"]) == 2
+        s = cfg["summary"]
+        assert (s["requests"], s["ok"], s["failed"]) == (2, 2, 0)
+        for k in ("ttft_s", "ttfa_s", "e2e_s", "rtf", "audio_s", "chunk_gap_s"):
+            assert set(s[k]) == set(SUMMARY_KEYS)
+        assert s["ttfa_s"]["n"] == 2  # every built-in prompt speaks
+        for k in ("requests_per_s", "audio_s_per_s", "text_tokens_per_s", "wall_s"):
+            assert isinstance(s[k], float) and s[k] > 0
+        for r in cfg["requests"]:
+            assert set(r) == RECORD_KEYS
+            assert r["ok"] and r["error"] is None
+            assert 0 <= r["ttft"] <= r["e2e"] and 0 <= r["ttfa"] <= r["e2e"]
+            assert r["text_tokens"] == len(r["token_ids"]) > 0
+            assert r["audio_samples"] == sum(r["audio_chunk_samples"]) > 0
+            assert len(r["chunk_gaps"]) == max(0, len(r["audio_times"]) - 1)
+    # Greedy everywhere: the staged pipeline and generate() did the same work.
+    assert result["consistency"]["prompts_compared"] == len(set(result["request_prompt_indices"]))
+    assert result["consistency"]["mismatches"] == []
+
+    st = result["stage_baseline"]
+    assert set(st["stages"]) == {"thinker", "talker", "code2wav"}
+    assert st["bottleneck"] in st["stages"]
+    assert st["stages"]["thinker"]["best_batch_size"] == 1 and "batch size is 1" in st["note"]
+    assert st["stages"]["code2wav"]["batch_sizes_tried"] == [1, 2]
+
+
+def test_stage_replay_matches_pipeline(pipeline: Any) -> None:
+    """The standalone talker replay does the pipeline's work: the same codes."""
+    from omnistage.pipeline import DoneEvent, PipelineRequest
+
+    ids = pipeline.prompt_ids("Tell me a joke about cats.")
+    thinker = pipeline.thinker_defaults().with_overrides(max_tokens=8)
+    talker = SamplingParams(max_tokens=12)
+    done = list(pipeline.run(PipelineRequest(ids, thinker=thinker, talker=talker)))[-1]
+    assert isinstance(done, DoneEvent)
+    th = run_thinker(pipeline, ids, thinker)
+    assert th.token_ids == done.token_ids
+    codes = run_talker(pipeline, th, talker)
+    assert codes.shape[1] > 0
+    assert torch.equal(codes, done.codes)

@@ -1,0 +1,199 @@
+"""Statistics of `omnistage bench` on small synthetic inputs; expected values worked out by hand."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from benchmarks.drivers import BenchRequest, Driver, StreamEvent, build_record
+from benchmarks.harness import Run, ratio_inputs
+from benchmarks.load import LevelResult, poisson_offsets, run_concurrency
+from benchmarks.prompts import request_sequence
+from benchmarks.stages import chunk_schedule
+from benchmarks.stats import (
+    RATIO_KEYS,
+    RatioInputs,
+    RequestRecord,
+    compute_ratios,
+    gaps,
+    percentile,
+    real_time_factor,
+    summarize,
+    summarize_records,
+    throughput,
+    wall_time,
+)
+
+
+def test_percentile_linear_interpolation() -> None:
+    xs = [7, 3, 10, 1, 5, 2, 9, 4, 8, 6]  # 1..10, unsorted
+    # rank = (n - 1) * q / 100 over the sorted values, interpolated between neighbours
+    assert percentile(xs, 50) == pytest.approx(5.5)  # rank 4.5: 5 + 0.5 * (6 - 5)
+    assert percentile(xs, 90) == pytest.approx(9.1)  # rank 8.1: 9 + 0.1 * (10 - 9)
+    assert percentile(xs, 99) == pytest.approx(9.91)  # rank 8.91
+    assert percentile(xs, 0) == 1
+    assert percentile(xs, 100) == 10
+    assert percentile([4.2], 99) == 4.2
+    assert percentile([], 50) is None
+    with pytest.raises(ValueError):
+        percentile(xs, 101)
+
+
+def test_summarize_ignores_none() -> None:
+    s = summarize([4.0, None, 1.0, 3.0, 2.0])
+    assert s["n"] == 4
+    assert s["mean"] == pytest.approx(2.5)
+    assert s["median"] == pytest.approx(2.5)
+    assert s["p90"] == pytest.approx(3.7)  # rank 2.7: 3 + 0.7
+    assert s["p99"] == pytest.approx(3.97)  # rank 2.97
+    assert (s["min"], s["max"]) == (1.0, 4.0)
+    empty = summarize([None])
+    assert empty["n"] == 0 and empty["median"] is None and empty["p99"] is None
+
+
+def test_rtf_and_gaps() -> None:
+    assert real_time_factor(1.5, 3.0) == pytest.approx(0.5)
+    assert real_time_factor(2.0, 0.0) is None
+    assert real_time_factor(None, 1.0) is None
+    assert gaps([0.1, 0.3, 0.35, 1.0]) == pytest.approx([0.2, 0.05, 0.65])
+    assert gaps([0.4]) == []
+    assert gaps([]) == []
+
+
+def _req(i: int = 0) -> BenchRequest:
+    return BenchRequest(index=i, prompt_index=i, prompt="abc", thinker_max_tokens=4, talker_max_tokens=8)
+
+
+def test_record_from_events() -> None:
+    t0 = 100.0
+    events = [
+        StreamEvent("text", t0 + 0.1, token_ids=(5,)),
+        StreamEvent("text", t0 + 0.2, token_ids=(6, 7)),
+        StreamEvent("audio", t0 + 0.5, samples=2400, sample_rate=24000),
+        StreamEvent("audio", t0 + 0.9, samples=4800, sample_rate=24000),
+        StreamEvent("final", t0 + 1.2, info={"x": 1}),
+    ]
+    rec = build_record("cfg", _req(), 3.0, t0, events)
+    assert rec.ok and rec.issued_at == 3.0
+    assert rec.ttft == pytest.approx(0.1)
+    assert rec.ttfa == pytest.approx(0.5)
+    assert rec.e2e == pytest.approx(1.2)
+    assert rec.text_tokens == 3 and rec.token_ids == [5, 6, 7]
+    assert rec.audio_samples == 7200
+    assert rec.audio_s == pytest.approx(0.3)  # 7200 / 24000
+    assert rec.rtf == pytest.approx(4.0)  # 1.2 s to make 0.3 s
+    assert rec.chunk_gaps == pytest.approx([0.4])
+    assert rec.info == {"x": 1}
+
+
+def test_record_failures() -> None:
+    failed = build_record("cfg", _req(), 0.0, 0.0, None, RuntimeError("boom"))
+    assert not failed.ok and "boom" in (failed.error or "")
+    unfinished = build_record("cfg", _req(), 0.0, 0.0, [StreamEvent("text", 0.5, token_ids=(1,))])
+    assert not unfinished.ok and unfinished.e2e == pytest.approx(0.5)
+    text_only = build_record("cfg", _req(), 0.0, 0.0, [StreamEvent("final", 0.4)])
+    assert text_only.ok and text_only.ttfa is None and text_only.rtf is None
+
+
+def _rec(i: int, issued: float, e2e: float, tokens: int, samples: int, ok: bool = True) -> RequestRecord:
+    return RequestRecord(config="c", index=i, prompt_index=i, prompt_chars=1, issued_at=issued, ok=ok, e2e=e2e,
+                         ttft=e2e / 10, ttfa=e2e / 2, text_tokens=tokens, audio_samples=samples, sample_rate=1000)
+
+
+def test_throughput_and_wall() -> None:
+    recs = [_rec(0, 0.0, 1.0, 10, 2000), _rec(1, 0.5, 2.0, 30, 6000), _rec(2, 0.7, 9.0, 99, 99, ok=False)]
+    assert wall_time(recs) == pytest.approx(2.5)  # first issue 0.0, last finish 0.5 + 2.0; failed ignored
+    t = throughput(recs, 2.5)
+    assert t["requests_per_s"] == pytest.approx(2 / 2.5)
+    assert t["audio_s_per_s"] == pytest.approx((2.0 + 6.0) / 2.5)
+    assert t["text_tokens_per_s"] == pytest.approx(40 / 2.5)
+    assert throughput(recs, None)["requests_per_s"] is None
+    s = summarize_records(recs)
+    assert (s["requests"], s["ok"], s["failed"]) == (3, 2, 1)
+    assert s["e2e_s"]["median"] == pytest.approx(1.5)
+    assert s["ttfa_s"]["median"] == pytest.approx(0.75)
+    assert s["rtf"]["median"] == pytest.approx((0.5 + 2.0 / 6.0) / 2)  # 1 s for 2 s; 2 s for 6 s
+    assert s["wall_s"] == pytest.approx(2.5)
+
+
+def test_ratio_keys_and_nulls() -> None:
+    none = compute_ratios(RatioInputs())
+    assert tuple(none) == RATIO_KEYS and all(v is None for v in none.values())
+    some = compute_ratios(RatioInputs(ttfa_median_async_c1=0.2, ttfa_median_full_c1=0.8, requests_per_s_cmax=3.0,
+                                      requests_per_s_c1=1.5, monolithic_requests_per_s=0.0))
+    assert some["ttfa_async_over_full"] == pytest.approx(0.25)
+    assert some["throughput_cmax_over_c1"] == pytest.approx(2.0)
+    assert some["throughput_cmax_over_sequential_monolithic"] is None  # zero denominator
+    assert some["ttfa_over_monolithic_e2e"] is None
+    assert some["e2e_grpc_over_inprocess_c1"] is None
+    assert some["pipeline_over_bottleneck_stage"] is None
+
+
+def _level(name: str, driver: str, role: str, c: int, mode: str | None, recs: list[RequestRecord]) -> LevelResult:
+    return LevelResult(name=name, driver=driver, role=role, load={"type": "concurrency", "value": c}, mode=mode,
+                       records=recs, wall_s=wall_time(recs))
+
+
+def test_ratios_from_levels_with_skipped_baselines() -> None:
+    from benchmarks.harness import BenchOptions
+
+    reqs = [_req(0), _req(1)]
+    run = Run(BenchOptions(), reqs, reqs[:1])  # baselines ran on request 0 only
+    c1 = [_rec(0, 0.0, 1.0, 4, 1000), _rec(1, 1.0, 3.0, 4, 1000)]  # TTFA = e2e / 2
+    c4 = [_rec(0, 0.0, 1.0, 4, 1000), _rec(1, 0.0, 1.0, 4, 1000)]
+    full = [_rec(0, 0.0, 4.0, 4, 1000)]
+    run.levels = [
+        _level("grpc c=1", "grpc", "sut", 1, "async_chunk", c1),
+        _level("grpc c=4", "grpc", "sut", 4, "async_chunk", c4),
+        _level("grpc full_payload c=1", "grpc", "sut", 1, "full_payload", full),
+    ]
+    inputs, basis = ratio_inputs(run, "grpc")
+    ratios = compute_ratios(inputs)
+    assert set(basis) == set(RATIO_KEYS)
+    # Same requests only: c=1 request 0 has TTFA 0.5; full_payload request 0 has 2.0.
+    assert ratios["ttfa_async_over_full"] == pytest.approx(0.25)
+    # c=1: 2 requests over 4 s; c=4: 2 over 1 s.
+    assert ratios["throughput_cmax_over_c1"] == pytest.approx(2.0 / 0.5)
+    for skipped in ("ttfa_over_monolithic_e2e", "e2e_grpc_over_inprocess_c1",
+                    "throughput_cmax_over_sequential_monolithic", "pipeline_over_bottleneck_stage"):
+        assert ratios[skipped] is None
+
+
+def test_request_sequence_and_schedules() -> None:
+    seq = request_sequence(4, 10, seed=3)
+    assert seq == request_sequence(4, 10, seed=3)
+    assert sorted(seq[:4]) == [0, 1, 2, 3] and sorted(seq[4:8]) == [0, 1, 2, 3]
+    assert len(seq) == 10
+    offs = poisson_offsets(5, 2.0, seed=1)
+    assert offs == poisson_offsets(5, 2.0, seed=1) and offs == sorted(offs) and offs[0] > 0
+    assert chunk_schedule(30, 4, 25) == [(0, 4), (4, 29), (29, 30)]
+    assert chunk_schedule(3, 4, 25) == [(0, 3)]
+    assert chunk_schedule(0, 4, 25) == []
+
+
+class _FakeDriver(Driver):
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.most = 0
+
+    async def run(self, req: BenchRequest) -> list[StreamEvent]:
+        import time
+
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        await asyncio.sleep(0.001)
+        self.in_flight -= 1
+        return [StreamEvent("text", time.perf_counter(), token_ids=(1,)), StreamEvent("final", time.perf_counter())]
+
+
+@pytest.mark.parametrize("c", [1, 3])
+def test_closed_loop_keeps_concurrency(c: int) -> None:
+    drv = _FakeDriver()
+    level = LevelResult(name="fake", driver="fake", role="sut", load={}, mode=None)
+    asyncio.run(run_concurrency(drv, level, [_req(i) for i in range(7)], c, None))
+    assert sorted(r.index for r in level.records) == list(range(7))
+    assert drv.most == c
+    assert all(r.ok for r in level.records)
