@@ -72,6 +72,9 @@ class Driver(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
+    async def aclose(self) -> None:
+        self.close()
+
 
 class SyncDriver(Driver):
     """A driver whose requests run one at a time in a worker thread of its own."""
@@ -214,17 +217,23 @@ class MonolithicDriver(SyncDriver):
 
 
 class GrpcDriver(Driver):
-    """A running stack's gateway, through ``gateway.client.stream_generate``."""
+    """A running stack's gateway, through ``gateway.client.stream_generate``, over one channel
+    shared by all requests (as a real client keeps its connection)."""
 
     name = "grpc"
 
     def __init__(self, target: str, timeout: float | None = None) -> None:
         self.target = target
         self.timeout = timeout
+        self._channel: Any = None
 
     async def run(self, req: BenchRequest) -> list[StreamEvent]:
+        import grpc
+
         from gateway.client import stream_generate
 
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self.target)
         events: list[StreamEvent] = []
         async for ev in stream_generate(
             self.target,
@@ -235,19 +244,22 @@ class GrpcDriver(Driver):
             greedy=True,
             mode=req.mode,
             timeout=self.timeout,
+            channel=self._channel,
         ):
             now = time.perf_counter()
-            kind = getattr(ev, "kind", None)
-            if kind == "text":
-                events.append(StreamEvent("text", now, token_ids=tuple(int(i) for i in (ev.token_ids or ()))))
-            elif kind == "audio":
-                pcm = ev.pcm
-                n = int(pcm.shape[0]) if pcm is not None else 0
+            if ev.kind == "text":
+                events.append(StreamEvent("text", now, token_ids=tuple(int(i) for i in ev.token_ids)))
+            elif ev.kind == "audio":
+                n = int(ev.pcm.shape[0]) if ev.pcm is not None else 0
                 events.append(StreamEvent("audio", now, samples=n, sample_rate=int(ev.sample_rate or SAMPLE_RATE)))
-            elif kind == "final":
-                info = {"usage": dict(ev.usage or {}), "timings": dict(ev.timings or {})}
-                events.append(StreamEvent("final", now, info=info))
+            elif ev.kind == "final":
+                events.append(StreamEvent("final", now, info={"usage": dict(ev.usage), "timings": dict(ev.timings)}))
         return events
+
+    async def aclose(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
 
 
 def build_record(

@@ -29,6 +29,7 @@ import shlex
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -203,8 +204,9 @@ def sut_target(opts: BenchOptions, log: Callable[[str], None]) -> Iterator[tuple
     from omnistage.serve import start_stack
 
     cfg = stack_config(opts)
-    log(f"starting stack (gateway port {cfg.gateway.port}) ...")
-    with start_stack(cfg) as stack:
+    log_dir = Path(tempfile.mkdtemp(prefix="omnistage-bench-logs-"))
+    log(f"starting stack (gateway port {cfg.gateway.port}, logs in {log_dir}) ...")
+    with start_stack(cfg, log_dir=log_dir) as stack:
         log(f"stack up at {stack.gateway_address}")
         yield stack.gateway_address, cfg
     log("stack stopped")
@@ -240,10 +242,20 @@ class Run:
     levels: list[LevelResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     stage_baseline: dict[str, Any] | None = None
+    t0: float = field(default_factory=time.perf_counter)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
 
     def log(self, msg: str) -> None:
         if not self.opts.quiet:
-            tqdm.write(msg, file=sys.stderr)
+            tqdm.write(f"[bench {time.perf_counter() - self.t0:6.1f}s] {msg}", file=sys.stderr)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_seconds[name] = time.perf_counter() - t
 
     def bar(self, desc: str, total: int) -> Any:
         return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=not self.opts.progress,
@@ -315,9 +327,9 @@ async def _sut_phase(run: Run, target: str | None, pipe: Any) -> None:
                                        "talker, then one code2wav decode")
             finally:
                 if full_driver is not driver:
-                    full_driver.close()
+                    await full_driver.aclose()
     finally:
-        driver.close()
+        await driver.aclose()
 
 
 async def _baseline_phase(run: Run, target: str | None, model_dir: Path, pipe: Any) -> None:
@@ -328,7 +340,7 @@ async def _baseline_phase(run: Run, target: str | None, model_dir: Path, pipe: A
             await run.warm(driver)
             await run.level_concurrency(driver, "inprocess c=1", "baseline", run.baseline, 1, "async_chunk", None)
         finally:
-            driver.close()
+            await driver.aclose()
     if opts.monolithic:
         enc = PromptEncoder(model_dir)
         mono = MonolithicDriver(model_dir, enc, enc.spec.im_end_id, opts.threads)
@@ -337,7 +349,7 @@ async def _baseline_phase(run: Run, target: str | None, model_dir: Path, pipe: A
             level = await run.level_concurrency(mono, "monolithic sequential", "baseline", run.baseline, 1, None, None)
             level.notes.append("generate() does not stream: its first token and first audio arrive at the end")
         finally:
-            mono.close()
+            await mono.aclose()
 
 
 def _stage_phase(run: Run, pipe: Any) -> None:
@@ -431,7 +443,7 @@ def consistency(levels: Sequence[LevelResult], eos_id: int | None) -> dict[str, 
 
 async def _run_async(run: Run, model_dir: Path, pipe_box: dict[str, Any], log: Callable[[str], None]) -> str:
     opts = run.opts
-    with sut_target(opts, log) as (target, cfg):
+    with run.phase("system_under_test"), sut_target(opts, log) as (target, cfg):
         if cfg is not None and cfg.model and opts.model is None:
             pipe_box["model_dir"] = Path(cfg.model)
         if target is None:
@@ -439,11 +451,13 @@ async def _run_async(run: Run, model_dir: Path, pipe_box: dict[str, Any], log: C
         await _sut_phase(run, target, pipe_box.get("pipe"))
         sut = "grpc" if target is not None else "inprocess"
     need_pipe = (opts.inprocess and sut == "grpc") or opts.stages
-    if need_pipe and "pipe" not in pipe_box:
-        pipe_box["pipe"] = _load_pipe(pipe_box)
-    await _baseline_phase(run, target, pipe_box["model_dir"], pipe_box.get("pipe"))
+    with run.phase("baselines"):
+        if need_pipe and "pipe" not in pipe_box:
+            pipe_box["pipe"] = _load_pipe(pipe_box)
+        await _baseline_phase(run, target, pipe_box["model_dir"], pipe_box.get("pipe"))
     if opts.stages:
-        _stage_phase(run, pipe_box["pipe"])
+        with run.phase("stages_alone"):
+            _stage_phase(run, pipe_box["pipe"])
     return sut
 
 
@@ -504,6 +518,8 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
         "ratio_basis": basis,
         "consistency": consistency(run.levels, eos),
         "notes": run.notes,
+        "phase_seconds": run.phase_seconds,
+        "total_seconds": time.perf_counter() - run.t0,
     }
     from benchmarks.report import format_report, markdown_summary, plot
 

@@ -129,7 +129,7 @@ class RequestRecord:
 def throughput(records: Sequence[RequestRecord], wall_s: float | None) -> dict[str, float | None]:
     """Per-run rates over the wall time of the level (first issue to last completion)."""
     ok = [r for r in records if r.ok]
-    if not wall_s or wall_s <= 0:
+    if not ok or not wall_s or wall_s <= 0:  # nothing finished: no rate, not a rate of zero
         return {"requests_per_s": None, "audio_s_per_s": None, "text_tokens_per_s": None}
     return {
         "requests_per_s": len(ok) / wall_s,

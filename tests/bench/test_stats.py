@@ -109,6 +109,7 @@ def test_throughput_and_wall() -> None:
     assert t["audio_s_per_s"] == pytest.approx((2.0 + 6.0) / 2.5)
     assert t["text_tokens_per_s"] == pytest.approx(40 / 2.5)
     assert throughput(recs, None)["requests_per_s"] is None
+    assert throughput(recs[2:], 5.0)["requests_per_s"] is None  # nothing finished: no rate, not zero
     s = summarize_records(recs)
     assert (s["requests"], s["ok"], s["failed"]) == (3, 2, 1)
     assert s["e2e_s"]["median"] == pytest.approx(1.5)
