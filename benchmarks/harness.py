@@ -377,37 +377,54 @@ def _median(records: Sequence[Any], key: str, indices: set[int] | None = None) -
     return percentile([x for x in xs if x is not None], 50)
 
 
+def _paired(a: LevelResult | None, a_key: str, b: LevelResult | None, b_key: str) -> tuple[float | None, float | None]:
+    """Medians of a.a_key and b.b_key over the requests both measured (same prompts, same order),
+    so a ratio of them compares the same work."""
+    if a is None or b is None:
+        return None, None
+
+    def measured(lv: LevelResult, key: str) -> set[int]:
+        return {r.index for r in lv.records if r.ok and getattr(r, key) is not None}
+
+    common = measured(a, a_key) & measured(b, b_key)
+    if not common:
+        return None, None
+    return _median(a.records, a_key, common), _median(b.records, b_key, common)
+
+
 def _find(levels: Sequence[LevelResult], pred: Callable[[LevelResult], bool]) -> LevelResult | None:
     return next((lv for lv in levels if pred(lv)), None)
 
 
 def ratio_inputs(run: Run, sut: str) -> tuple[RatioInputs, dict[str, str]]:
     lv = run.levels
-    base_idx = {r.index for r in run.baseline}
     sweep = [x for x in lv if x.role == "sut" and x.load["type"] == "concurrency" and x.mode == "async_chunk"]
     c1 = _find(sweep, lambda x: x.load["value"] == 1)
     cmax = max(sweep, key=lambda x: x.load["value"]) if sweep else None
     full = _find(lv, lambda x: x.role == "sut" and x.mode == "full_payload")
     inproc = _find(lv, lambda x: x.role == "baseline" and x.driver == "inprocess")
     mono = _find(lv, lambda x: x.driver == "monolithic")
-    cmax_rate = cmax.summary()["requests_per_s"] if cmax else None
+    ttfa_async, ttfa_full = _paired(c1, "ttfa", full, "ttfa")
+    ttfa_sut, mono_e2e = _paired(c1, "ttfa", mono, "e2e")
+    grpc_e2e, inproc_e2e = _paired(c1 if sut == "grpc" else None, "e2e", inproc, "e2e")
     x = RatioInputs(
-        ttfa_median_async_c1=_median(c1.records, "ttfa", base_idx) if c1 else None,
-        ttfa_median_full_c1=_median(full.records, "ttfa") if full else None,
-        monolithic_e2e_median=_median(mono.records, "e2e") if mono else None,
+        ttfa_median_async_c1=ttfa_async,
+        ttfa_median_full_c1=ttfa_full,
+        ttfa_median_c1_vs_monolithic=ttfa_sut,
+        monolithic_e2e_median=mono_e2e,
         monolithic_requests_per_s=mono.summary()["requests_per_s"] if mono else None,
-        grpc_e2e_median_c1=_median(c1.records, "e2e", base_idx) if (c1 and sut == "grpc") else None,
-        inprocess_e2e_median_c1=_median(inproc.records, "e2e") if inproc else None,
-        requests_per_s_cmax=cmax_rate,
+        grpc_e2e_median_c1=grpc_e2e,
+        inprocess_e2e_median_c1=inproc_e2e,
+        requests_per_s_cmax=cmax.summary()["requests_per_s"] if cmax else None,
         requests_per_s_c1=c1.summary()["requests_per_s"] if c1 else None,
         bottleneck_stage_requests_per_s=(run.stage_baseline or {}).get("bottleneck_requests_per_s"),
     )
     cm = f"{sut} c={cmax.load['value']}" if cmax else "(no concurrency level)"
     bn = (run.stage_baseline or {}).get("bottleneck")
     basis = {
-        "ttfa_async_over_full": f"median TTFA, {sut} c=1 async_chunk / {sut} full_payload c=1 (same requests)",
-        "ttfa_over_monolithic_e2e": f"median TTFA {sut} c=1 / median E2E monolithic generate() (same requests)",
-        "e2e_grpc_over_inprocess_c1": "median E2E grpc c=1 / in-process pipeline c=1 (same requests)"
+        "ttfa_async_over_full": f"median TTFA, {sut} c=1 async_chunk / {sut} full_payload c=1 (requests both ran)",
+        "ttfa_over_monolithic_e2e": f"median TTFA {sut} c=1 / median E2E monolithic generate() (requests both ran)",
+        "e2e_grpc_over_inprocess_c1": "median E2E grpc c=1 / in-process pipeline c=1 (requests both ran)"
         + ("" if sut == "grpc" else "; null: the system under test is the in-process pipeline"),
         "throughput_cmax_over_sequential_monolithic": f"requests/s {cm} / monolithic generate() sequential",
         "throughput_cmax_over_c1": f"requests/s {cm} / {sut} c=1",

@@ -147,7 +147,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
             if not xs:
                 continue
             ys = [(i + 1) / len(xs) for i in range(len(xs))]
-            ax.step(xs, ys, where="post", label=cfg["name"])
+            ax.step([xs[0], *xs], [0.0, *ys], where="post", label=cfg["name"])
         ax.set_title(f"{title} (CDF)")
         ax.set_xlabel("seconds")
         ax.set_ylabel("fraction of requests")

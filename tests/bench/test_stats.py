@@ -198,3 +198,27 @@ def test_closed_loop_keeps_concurrency(c: int) -> None:
     assert sorted(r.index for r in level.records) == list(range(7))
     assert drv.most == c
     assert all(r.ok for r in level.records)
+
+
+def test_ratios_pair_requests_with_monolithic_and_inprocess() -> None:
+    from benchmarks.harness import BenchOptions
+
+    reqs = [_req(0), _req(1), _req(2)]
+    run = Run(BenchOptions(), reqs, reqs[:2])
+    c1 = [_rec(0, 0.0, 1.0, 4, 1000), _rec(1, 1.0, 3.0, 4, 1000), _rec(2, 4.0, 5.0, 4, 1000)]  # TTFA = e2e / 2
+    mono = [_rec(0, 0.0, 2.0, 4, 1000), _rec(1, 2.0, 4.0, 4, 1000, ok=False)]  # only request 0 finished
+    inproc = [_rec(0, 0.0, 0.5, 4, 1000), _rec(1, 0.5, 1.5, 4, 1000)]
+    run.levels = [
+        _level("grpc c=1", "grpc", "sut", 1, "async_chunk", c1),
+        _level("inprocess c=1", "inprocess", "baseline", 1, "async_chunk", inproc),
+        _level("monolithic sequential", "monolithic", "baseline", 1, None, mono),
+    ]
+    ratios = compute_ratios(ratio_inputs(run, "grpc")[0])
+    assert ratios["ttfa_over_monolithic_e2e"] == pytest.approx(0.5 / 2.0)  # request 0 only
+    assert ratios["e2e_grpc_over_inprocess_c1"] == pytest.approx(2.0 / 1.0)  # medians over requests 0 and 1
+    # c=1 is the highest level: 3 requests over 9 s; monolithic: 1 finished over 2 s.
+    assert ratios["throughput_cmax_over_c1"] == pytest.approx(1.0)
+    assert ratios["throughput_cmax_over_sequential_monolithic"] == pytest.approx((3 / 9) / (1 / 2))
+    assert ratios["ttfa_async_over_full"] is None and ratios["pipeline_over_bottleneck_stage"] is None
+    # The in-process pipeline as the system under test: no gRPC figure to divide.
+    assert compute_ratios(ratio_inputs(run, "inprocess")[0])["e2e_grpc_over_inprocess_c1"] is None
