@@ -1,0 +1,137 @@
+"""Client of `Gateway.Generate`: streams text and audio, records when each arrived."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+
+from omnistage.v1 import gateway_pb2, gateway_pb2_grpc, stage_pb2
+from services.runtime.sampling_wire import to_proto
+
+
+@dataclass
+class ClientEvent:
+    kind: str  # "text" | "audio" | "final"
+    t: float  # seconds since the call started
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    pcm: np.ndarray | None = None
+    sample_rate: int = 0
+    first_sample: int = 0
+    usage: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def build_request(
+    prompt: str,
+    *,
+    want_audio: bool = True,
+    thinker_max_tokens: int | None = None,
+    talker_max_tokens: int | None = None,
+    greedy: bool = True,
+    mode: str | None = None,
+    speaker: str = "",
+    system: str | None = None,
+    request_id: str = "",
+) -> gateway_pb2.GenerateRequest:
+    req = gateway_pb2.GenerateRequest(want_audio=want_audio, speaker=speaker, request_id=request_id)
+    if system:
+        req.messages.add(role="system", content=system)
+        req.messages.add(role="user", content=prompt)
+    else:
+        req.prompt = prompt
+    if mode is not None:
+        req.mode = stage_pb2.FULL_PAYLOAD if mode == "full_payload" else stage_pb2.ASYNC_CHUNK
+    thinker: dict[str, Any] = {"max_tokens": thinker_max_tokens}
+    talker: dict[str, Any] = {"max_tokens": talker_max_tokens}
+    if greedy:
+        thinker["do_sample"] = False
+        talker.update(do_sample=False, repetition_penalty=1.0)
+    req.sampling["thinker"].CopyFrom(to_proto(thinker))
+    req.sampling["talker"].CopyFrom(to_proto(talker))
+    return req
+
+
+async def stream_generate(
+    target: str,
+    prompt: str,
+    *,
+    timeout: float | None = None,
+    channel: grpc.aio.Channel | None = None,
+    **request_options: Any,
+) -> AsyncIterator[ClientEvent]:
+    """Yield ClientEvents as the gateway streams them. `request_options` go to `build_request`."""
+    request = build_request(prompt, **request_options)
+    own = channel is None
+    ch = channel or grpc.aio.insecure_channel(target)
+    t0 = time.perf_counter()
+    try:
+        call = gateway_pb2_grpc.GatewayStub(ch).Generate(request, timeout=timeout)
+        async for resp in call:
+            t = time.perf_counter() - t0
+            kind = resp.WhichOneof("kind")
+            if kind == "text":
+                yield ClientEvent("text", t, text=resp.text.text, token_ids=list(resp.text.token_ids))
+            elif kind == "audio":
+                pcm = np.frombuffer(resp.audio.pcm_f32le, dtype="<f4")
+                yield ClientEvent(
+                    "audio", t, pcm=pcm, sample_rate=resp.audio.sample_rate, first_sample=resp.audio.first_sample
+                )
+            elif kind == "final":
+                u = resp.final.usage
+                yield ClientEvent(
+                    "final",
+                    t,
+                    usage={
+                        "prompt_tokens": u.prompt_tokens,
+                        "completion_tokens": u.completion_tokens,
+                        "audio_frames": u.audio_frames,
+                        "audio_seconds": u.audio_seconds,
+                    },
+                    timings={k: {"first_output_s": v.first_output_s, "total_s": v.total_s}
+                             for k, v in resp.final.timings.items()},
+                )
+    finally:
+        if own:
+            await ch.close()
+
+
+@dataclass
+class Reply:
+    text: str
+    token_ids: list[int]
+    pcm: np.ndarray
+    sample_rate: int
+    ttft_s: float | None
+    ttfa_s: float | None
+    e2e_s: float
+    usage: dict[str, float]
+    timings: dict[str, dict[str, float]]
+
+
+async def generate(target: str, prompt: str, **options: Any) -> Reply:
+    """Collect one whole reply."""
+    text, ids, pcm_parts = [], [], []
+    ttft = ttfa = None
+    sr = 24000
+    final = ClientEvent("final", 0.0)
+    last = 0.0
+    async for ev in stream_generate(target, prompt, **options):
+        last = ev.t
+        if ev.kind == "text":
+            ttft = ev.t if ttft is None else ttft
+            text.append(ev.text)
+            ids.extend(ev.token_ids)
+        elif ev.kind == "audio" and ev.pcm is not None:
+            ttfa = ev.t if ttfa is None else ttfa
+            pcm_parts.append(ev.pcm)
+            sr = ev.sample_rate
+        elif ev.kind == "final":
+            final = ev
+    pcm = np.concatenate(pcm_parts) if pcm_parts else np.zeros(0, dtype=np.float32)
+    return Reply("".join(text), ids, pcm, sr, ttft, ttfa, last, final.usage, final.timings)

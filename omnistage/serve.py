@@ -1,0 +1,185 @@
+"""`omnistage serve`: the whole stack as local processes on loopback, same topology as
+production: one process per stage replica plus the gateway.
+
+Children are started in dependency order (code2wav, talker, thinker, gateway) with each
+upstream pointed at its downstream's replicas as an `ipv4:` address list (round_robin), and
+the parent waits until every one answers grpc.health.v1 SERVING. Children get SIGTERM (drain)
+when the parent stops and die with it if it is killed (PR_SET_PDEATHSIG), so no orphans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from omnistage.healthcheck import check
+from services.runtime.config import STAGES, DeployConfig
+
+TINY_VERSION = "v1"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("OMNISTAGE_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "omnistage")
+    return Path(base).expanduser()
+
+
+def default_model_dir() -> Path:
+    """The built-in tiny checkpoint, generated once into the cache dir (atomically)."""
+    from omnistage.tiny import write_tiny_checkpoint
+
+    target = cache_dir() / f"tiny-qwen3-omni-{TINY_VERSION}"
+    if (target / "model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
+    write_tiny_checkpoint(tmp)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process won the race
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(cfg: DeployConfig, model: str | None = None) -> Path:
+    chosen = model or cfg.model or os.environ.get("OMNISTAGE_MODEL")
+    return Path(chosen) if chosen else default_model_dir()
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Child:
+    name: str
+    address: str
+    proc: subprocess.Popen[bytes]
+
+
+@dataclass
+class Stack:
+    cfg: DeployConfig
+    model_dir: Path
+    children: list[Child] = field(default_factory=list)
+    log_dir: Path | None = None
+
+    @property
+    def gateway_address(self) -> str:
+        return f"{self.cfg.host}:{self.cfg.gateway.port}"
+
+    def addresses(self, name: str) -> list[str]:
+        return [c.address for c in self.children if c.name == name]
+
+    def child(self, name: str, index: int = 0) -> Child:
+        return [c for c in self.children if c.name == name][index]
+
+    def stop(self, timeout: float = 20.0) -> None:
+        for c in reversed(self.children):
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for c in self.children:
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                c.proc.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+        self.children.clear()
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        self.stop()
+
+
+def _spawn(args: list[str], log_path: Path | None, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "omnistage.cli", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+            env=env,
+        )
+    finally:
+        if log_path and out is not subprocess.DEVNULL:
+            out.close()  # type: ignore[union-attr]
+
+
+def start_stack(
+    cfg: DeployConfig, model: str | None = None, log_dir: Path | None = None, config_file: Path | None = None
+) -> Stack:
+    """Start every process and wait until all are healthy; raises (after cleanup) if one fails."""
+    model_dir = resolve_model(cfg, model)
+    from omnistage.loader import open_checkpoint
+
+    open_checkpoint(model_dir)  # fail here, with the checkpoint's problem, not in N children
+    stack = Stack(cfg=cfg, model_dir=model_dir, log_dir=log_dir)
+    env = dict(os.environ)
+    env.setdefault("OMNISTAGE_LOG_LEVEL", "INFO")
+    cfg_path = config_file
+    tmp_cfg = None
+    if cfg_path is None:
+        from services.runtime.config import dump_config
+
+        fd, name = tempfile.mkstemp(prefix="omnistage-", suffix=".yaml")
+        with os.fdopen(fd, "w") as f:
+            f.write(dump_config(cfg))
+        cfg_path = tmp_cfg = Path(name)
+    common = ["--config", str(cfg_path), "--model", str(model_dir), "--host", cfg.host]
+    try:
+        for name in reversed(STAGES):
+            downstream = {"thinker": cfg.stage_target("talker"), "talker": cfg.stage_target("code2wav")}.get(name)
+            for i, port in enumerate(cfg.stage_ports(name)):
+                args = ["stage", name, "--port", str(port), *common]
+                if downstream:
+                    args += ["--downstream", downstream]
+                log_path = log_dir / f"{name}-{i}.log" if log_dir else None
+                stack.children.append(Child(name, f"{cfg.host}:{port}", _spawn(args, log_path, env)))
+        args = ["gateway", "--port", str(cfg.gateway.port), "--thinker", cfg.stage_target("thinker"), *common]
+        log_path = log_dir / "gateway.log" if log_dir else None
+        stack.children.append(Child("gateway", stack.gateway_address, _spawn(args, log_path, env)))
+        _wait_healthy(stack, cfg.timeouts.startup_timeout_s)
+    except BaseException:
+        stack.stop()
+        raise
+    finally:
+        if tmp_cfg is not None:
+            # children have read it by the time they are healthy; on failure nobody needs it
+            with contextlib.suppress(OSError):
+                if not stack.children:
+                    tmp_cfg.unlink()
+    return stack
+
+
+def _wait_healthy(stack: Stack, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(stack.children)
+    while pending:
+        for c in list(pending):
+            code = c.proc.poll()
+            if code is not None:
+                where = f" (see {stack.log_dir}/)" if stack.log_dir else ""
+                raise RuntimeError(f"{c.name} at {c.address} exited with code {code} during start-up{where}")
+            if check(c.address, timeout=1.0):
+                pending.remove(c)
+        if pending and time.monotonic() > deadline:
+            names = ", ".join(f"{c.name}@{c.address}" for c in pending)
+            raise TimeoutError(f"not healthy after {timeout:.0f} s: {names}")
+        if pending:
+            time.sleep(0.2)

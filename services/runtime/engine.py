@@ -1,0 +1,300 @@
+"""The engine thread of a stage: owns the model and every request's state.
+
+The gRPC side (asyncio) only moves messages: it feeds decoded input chunks into a request's
+inbox and forwards what the engine emits. The engine loop asks the worker which requests can
+make progress, runs one step for each, and hands outputs back to the event loop with
+`call_soon_threadsafe`. All model state (KV caches, code2wav stream state) is created and
+freed on this thread, including on abort, so nothing is freed while a step uses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import enum
+import logging
+import threading
+import time
+import traceback
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from omnistage.v1 import stage_pb2
+from services.runtime.tensor_blob import DecodedChunk, TensorBlobError
+
+log = logging.getLogger(__name__)
+
+
+class RequestState(enum.Enum):
+    WAITING = "WAITING"  # admitted, no step run yet
+    RUNNING = "RUNNING"
+    WAITING_FOR_INPUT = "WAITING_FOR_INPUT"
+    FINISHED = "FINISHED"
+    ABORTED = "ABORTED"
+    FAILED = "FAILED"
+
+
+DONE_STATES = (RequestState.FINISHED, RequestState.ABORTED, RequestState.FAILED)
+
+
+class StageError(Exception):
+    """Fails one request with a gRPC status; the message names the stage and the problem."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(message: str) -> StageError:
+    return StageError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass
+class OutChunk:
+    """A chunk before encoding; the gRPC side encodes it (inline or through shared memory)."""
+
+    tensors: dict[str, Any]
+    offset: int
+    n: int = 0  # stream positions it advances (tokens, frames, samples)
+    finished: bool = False
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Emit:
+    """What one worker step produced for one request."""
+
+    up: list[OutChunk] = field(default_factory=list)  # to the caller (client side)
+    down: list[OutChunk] = field(default_factory=list)  # to the downstream stage
+    open_downstream: stage_pb2.Start | None = None  # open the downstream call with this Start
+    done: bool = False  # this stage's own work for the request is complete
+    close_downstream: bool = False  # no more chunks go down (finished chunk already sent)
+
+
+class StageWorker(ABC):
+    """Stage-specific logic; all methods run on the engine thread."""
+
+    stage: str
+
+    @abstractmethod
+    def open(self, start: stage_pb2.Start) -> Any:
+        """Validate the Start and create per-request state (raise StageError)."""
+
+    @abstractmethod
+    def feed(self, state: Any, chunk: DecodedChunk) -> None:
+        """Validate and take one input chunk (raise StageError)."""
+
+    @abstractmethod
+    def ready(self, state: Any, input_finished: bool) -> bool:
+        """Can a step make progress now?"""
+
+    @abstractmethod
+    def step(self, state: Any, input_finished: bool) -> Emit:
+        """Run one step for this request."""
+
+    @abstractmethod
+    def close(self, state: Any) -> None:
+        """Free everything the request holds."""
+
+    def capacity(self) -> dict[str, int]:
+        return {}
+
+
+@dataclass
+class Request:
+    request_id: str
+    start: stage_pb2.Start
+    loop: asyncio.AbstractEventLoop
+    out_q: asyncio.Queue[Any]
+    down_q: asyncio.Queue[Any]
+    state: Any = None
+    status: RequestState = RequestState.WAITING
+    inbox: collections.deque[DecodedChunk | None] = field(default_factory=collections.deque)  # None: closed
+    input_finished: bool = False  # the caller sent `finished` (or closed its side)
+    all_input_fed: bool = False  # ...and the worker has taken every chunk before it
+    next_offset: int = 0
+    last_input: float = field(default_factory=time.monotonic)
+    abort_requested: bool = False
+    error: StageError | None = None
+    opened_at: float = field(default_factory=time.monotonic)
+    down_call: Any = None  # the gRPC side's downstream call for this request, if any
+
+
+# Sentinels on a request's out_q.
+SELF_DONE = object()
+
+
+class Engine:
+    def __init__(self, worker: StageWorker, input_wait_timeout_s: float = 600.0) -> None:
+        self.worker = worker
+        self.input_wait_timeout_s = input_wait_timeout_s
+        self._requests: dict[str, Request] = {}
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=f"{worker.stage}-engine", daemon=True)
+        self._thread.start()
+
+    # ---- called from the event loop -------------------------------------------------------
+
+    def open(self, start: stage_pb2.Start, loop: asyncio.AbstractEventLoop) -> Request:
+        if not start.request_id:
+            raise invalid(f"{self.worker.stage}: Start.request_id is empty")
+        with self._cond:
+            if start.request_id in self._requests:
+                raise invalid(f"{self.worker.stage}: Start.request_id {start.request_id!r} is already open")
+            req = Request(start.request_id, start, loop, asyncio.Queue(), asyncio.Queue())
+            self._requests[req.request_id] = req
+            self._cond.notify()
+        return req
+
+    def feed(self, req: Request, chunk: DecodedChunk) -> None:
+        """Order checks happen here so a bad chunk fails before it reaches the worker."""
+        stage = self.worker.stage
+        with self._cond:
+            if req.input_finished:
+                raise invalid(f"{stage}: chunk (offset {chunk.offset}) after the finished chunk")
+            if chunk.offset != req.next_offset:
+                raise invalid(f"{stage}: chunk offset {chunk.offset} out of order; expected {req.next_offset}")
+            req.next_offset = chunk.offset + _chunk_length(chunk)
+            req.input_finished = chunk.finished
+            req.inbox.append(chunk)
+            req.last_input = time.monotonic()
+            self._cond.notify()
+
+    def finish_input(self, req: Request) -> None:
+        with self._cond:
+            req.input_finished = True
+            req.inbox.append(None)
+            self._cond.notify()
+
+    def abort(self, req: Request) -> None:
+        with self._cond:
+            req.abort_requested = True
+            self._cond.notify()
+
+    def load(self) -> dict[str, int]:
+        with self._cond:
+            counts = collections.Counter(r.status for r in self._requests.values())
+            return {
+                "running": counts[RequestState.RUNNING],
+                "waiting": counts[RequestState.WAITING],
+                "waiting_for_input": counts[RequestState.WAITING_FOR_INPUT],
+                "open": len(self._requests),
+            }
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            for r in self._requests.values():
+                r.abort_requested = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    # ---- engine thread --------------------------------------------------------------------
+
+    def _post(self, req: Request, item: Any, queue: str = "out") -> None:
+        q = req.out_q if queue == "out" else req.down_q
+        with contextlib.suppress(RuntimeError):  # loop closed: the call is gone
+            req.loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _finish(self, req: Request, status: RequestState, error: StageError | None = None) -> None:
+        try:
+            if req.state is not None:
+                self.worker.close(req.state)
+        except Exception:  # closing must never take the engine down
+            log.exception("%s: close failed for %s", self.worker.stage, req.request_id)
+        req.state = None
+        req.status = status
+        req.error = error
+        with self._cond:
+            self._requests.pop(req.request_id, None)
+        if error is not None:
+            self._post(req, error)
+            self._post(req, None, "down")
+        elif status is RequestState.FINISHED:
+            self._post(req, SELF_DONE)
+        else:
+            self._post(req, None, "down")
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._stop and not self._requests:
+                    return
+                active = list(self._requests.values())
+            progressed = False
+            now = time.monotonic()
+            for req in active:
+                try:
+                    progressed |= self._service(req, now)
+                except StageError as e:
+                    self._finish(req, RequestState.FAILED, e)
+                except TensorBlobError as e:
+                    self._finish(req, RequestState.FAILED, invalid(f"{self.worker.stage}: {e}"))
+                except Exception as e:  # a bug must fail the request, not the service
+                    log.error("%s: request %s failed:\n%s", self.worker.stage, req.request_id, traceback.format_exc())
+                    err = StageError(grpc.StatusCode.INTERNAL, f"{self.worker.stage}: internal error: {e}")
+                    self._finish(req, RequestState.FAILED, err)
+            if not progressed:
+                with self._cond:
+                    if not any(r.inbox or r.abort_requested for r in self._requests.values()):
+                        self._cond.wait(timeout=0.05)
+
+    def _service(self, req: Request, now: float) -> bool:
+        worker = self.worker
+        if req.abort_requested:
+            self._finish(req, RequestState.ABORTED)
+            return True
+        if req.state is None:
+            req.state = worker.open(req.start)
+        progressed = False
+        while True:
+            with self._cond:
+                if not req.inbox:
+                    break
+                chunk = req.inbox.popleft()
+            progressed = True
+            if chunk is None:  # the caller closed its side
+                req.all_input_fed = True
+                continue
+            worker.feed(req.state, chunk)
+            if chunk.finished:
+                req.all_input_fed = True
+        if worker.ready(req.state, req.all_input_fed):
+            req.status = RequestState.RUNNING
+            emit = worker.step(req.state, req.all_input_fed)
+            for c in emit.up:
+                self._post(req, c)
+            if emit.open_downstream is not None:
+                self._post(req, ("open-downstream", emit.open_downstream))
+            for c in emit.down:
+                self._post(req, c, "down")
+            if emit.close_downstream:
+                self._post(req, None, "down")
+            if emit.done:
+                self._finish(req, RequestState.FINISHED)
+            return True
+        if req.all_input_fed:
+            raise invalid(f"{worker.stage}: the input ended before the request was complete")
+        req.status = RequestState.WAITING_FOR_INPUT
+        waited = now - req.last_input
+        if self.input_wait_timeout_s and waited > self.input_wait_timeout_s:
+            raise StageError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"{worker.stage}: no input for {waited:.1f} s (input_wait_timeout_s="
+                f"{self.input_wait_timeout_s:g}); request {req.request_id} starved",
+            )
+        return progressed
+
+
+def _chunk_length(chunk: DecodedChunk) -> int:
+    """How many stream positions (tokens, frames) a chunk advances the offset: meta `n`."""
+    n = chunk.meta.get("n", 0)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise invalid(f"chunk meta 'n' must be a non-negative integer, got {n!r}")
+    return n
