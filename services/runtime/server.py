@@ -75,6 +75,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         self.pool = ShmPool(enabled=shm)
         self.reader = default_reader() if shm else None
         self.open_streams = 0
+        self.requests_total = 0
         self.draining = False
         self._channel: grpc.aio.Channel | None = None
 
@@ -116,6 +117,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                 waiting_for_input=load["waiting_for_input"],
                 open_streams=self.open_streams,
                 shm_segments=self.pool.num_segments,
+                requests_total=self.requests_total,
             ),
         )
 
@@ -147,6 +149,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                 req = self.engine.open(first.start, asyncio.get_running_loop())
             except StageError as e:
                 await context.abort(e.code, e.message)
+            self.requests_total += 1
             tasks.append(asyncio.create_task(self._read_inputs(req, request_iterator)))
             pending = {"self"}
             seq = 0
