@@ -38,6 +38,7 @@ def build_request(
     speaker: str = "",
     system: str | None = None,
     request_id: str = "",
+    thinker_stop_ids: list[int] | None = None,
 ) -> gateway_pb2.GenerateRequest:
     req = gateway_pb2.GenerateRequest(want_audio=want_audio, speaker=speaker, request_id=request_id)
     if system:
@@ -47,7 +48,7 @@ def build_request(
         req.prompt = prompt
     if mode is not None:
         req.mode = stage_pb2.FULL_PAYLOAD if mode == "full_payload" else stage_pb2.ASYNC_CHUNK
-    thinker: dict[str, Any] = {"max_tokens": thinker_max_tokens}
+    thinker: dict[str, Any] = {"max_tokens": thinker_max_tokens, "stop_ids": thinker_stop_ids}
     talker: dict[str, Any] = {"max_tokens": talker_max_tokens}
     if greedy:
         thinker["do_sample"] = False

@@ -13,8 +13,8 @@ def from_proto(stage: str, msg: stage_pb2.SamplingParams | None, defaults: Sampl
     if msg is None:
         return defaults
     overrides = {f: getattr(msg, f) for f in _FIELDS if msg.HasField(f)}
-    if msg.stop_ids:
-        overrides["stop_ids"] = tuple(defaults.stop_ids) + tuple(int(i) for i in msg.stop_ids)
+    if msg.stop_ids:  # replaces the stage's default stop ids, as generate()'s *_eos_token_id does
+        overrides["stop_ids"] = tuple(int(i) for i in msg.stop_ids)
     try:
         return defaults.with_overrides(**overrides)
     except ValueError as e:

@@ -223,6 +223,8 @@ class StageService(stage_pb2_grpc.StageServicer):
             item = await req.down_q.get()
             if item is None:
                 return
+            if req.down_call is not None and req.down_call.done():
+                continue  # the downstream finished first (e.g. the talker hit its limit): drop
             if accepted is None:
                 accepted = False
                 if self.pool.enabled and req.down_call is not None:

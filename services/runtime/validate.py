@@ -14,15 +14,14 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def check_names(stage: str, chunk: DecodedChunk, required: set[str], optional: set[str] = frozenset()) -> None:
     names = set(chunk.tensors)
-    missing = required - names
-    if missing:
-        raise invalid(f"{stage}: chunk at offset {chunk.offset} lacks tensor(s) {sorted(missing)}")
-    unknown = names - required - optional
-    if unknown:
-        raise invalid(
-            f"{stage}: chunk at offset {chunk.offset} has unexpected tensor(s) {sorted(unknown)}; "
-            f"expected {sorted(required | optional)}"
-        )
+    problems = []
+    if required - names:
+        problems.append(f"missing tensor(s) {sorted(required - names)}")
+    if names - required - optional:
+        problems.append(f"unexpected tensor(s) {sorted(names - required - optional)}")
+    if problems:
+        expected = sorted(required | optional)
+        raise invalid(f"{stage}: chunk at offset {chunk.offset}: {', '.join(problems)}; expected {expected}")
 
 
 def tensor(

@@ -1,0 +1,105 @@
+"""A real multi-process stack on loopback (random free ports), started once per module."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from omnistage.serve import Stack, start_stack
+from omnistage.v1 import stage_pb2, stage_pb2_grpc
+from services.runtime.config import DeployConfig, parse_config
+from services.runtime.tensor_blob import ChunkAssembler, encode_chunk
+
+
+def free_port_block(n: int) -> int:
+    """A base port with n consecutive free ports on 127.0.0.1 (bounded search)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port block on 127.0.0.1")
+
+
+def stack_config(**overrides: Any) -> DeployConfig:
+    base = free_port_block(12)
+    data: dict[str, Any] = {
+        "gateway": {"port": base},
+        "thinker": {"base_port": base + 2},
+        "talker": {"base_port": base + 4, "replicas": 2},
+        "code2wav": {"base_port": base + 8},
+        "timeouts": {"input_wait_timeout_s": 5, "startup_timeout_s": 240, "drain_grace_s": 5},
+    }
+    for key, value in overrides.items():
+        data.setdefault(key, {}).update(value)
+    return parse_config(data, "test")
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    logs = tmp_path_factory.mktemp("stack-logs")
+    s = start_stack(stack_config(), model=str(tiny_dir), log_dir=logs)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+async def info(address: str) -> stage_pb2.InfoResponse:
+    async with grpc.aio.insecure_channel(address) as ch:
+        return await stage_pb2_grpc.StageStub(ch).Info(stage_pb2.InfoRequest(), timeout=5)
+
+
+async def stage_call(
+    address: str,
+    start: stage_pb2.Start,
+    chunks: list[Any],
+    timeout: float = 60,
+    hold_open: float = 0.0,
+) -> dict[str, list[Any]]:
+    """Drive one Stage.Stream call directly; returns decoded chunks grouped by producing stage.
+    `chunks` are Chunk messages (or StageRequests); `hold_open` keeps the request side open."""
+
+    async def messages() -> Any:
+        yield stage_pb2.StageRequest(start=start)
+        for c in chunks:
+            yield c if isinstance(c, stage_pb2.StageRequest) else stage_pb2.StageRequest(chunk=c)
+        if hold_open:
+            await asyncio.sleep(hold_open)
+
+    out: dict[str, list[Any]] = {}
+    asm: dict[str, ChunkAssembler] = {}
+    async with grpc.aio.insecure_channel(address) as ch:
+        call = stage_pb2_grpc.StageStub(ch).Stream(messages(), timeout=timeout)
+        async for resp in call:
+            d = asm.setdefault(resp.stage, ChunkAssembler()).push(resp.chunk)
+            if d is not None:
+                out.setdefault(resp.stage, []).append(d)
+    return out
+
+
+def prompt_chunk(ids: list[int]) -> Any:
+    import torch
+
+    return encode_chunk({"ids": torch.tensor(ids)}, offset=0, finished=True, meta={"n": len(ids)})

@@ -1,0 +1,234 @@
+"""The real multi-process stack on loopback: parity, streaming order, modes, routing,
+cancellation, timeouts and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from gateway.client import build_request, generate, stream_generate
+from omnistage.pipeline import AudioEvent, PipelineRequest
+from omnistage.serve import Stack, start_stack
+from omnistage.v1 import gateway_pb2_grpc, stage_pb2
+from services.runtime.sampling import SamplingParams
+from services.runtime.tensor_blob import encode_chunk
+from tests.integration.conftest import info, prompt_chunk, run, stack_config, stage_call
+
+PROMPT = "Tell me a short story about a robot who learns to sing."
+THINKER_MAX, TALKER_MAX = 40, 80
+
+
+def greedy_start(rid: str, want_audio: bool = True, mode: int = stage_pb2.ASYNC_CHUNK, **limits: int) -> Any:
+    start = stage_pb2.Start(request_id=rid, want_audio=want_audio, mode=mode)
+    start.sampling["thinker"].max_tokens = limits.get("thinker", THINKER_MAX)
+    start.sampling["talker"].max_tokens = limits.get("talker", TALKER_MAX)
+    start.sampling["talker"].do_sample = False
+    start.sampling["talker"].repetition_penalty = 1.0
+    return start
+
+
+def test_stack_matches_pipeline_and_generate(stack: Stack, pipeline: Any, reference: Any) -> None:
+    ids = pipeline.prompt_ids(PROMPT)
+    ref_ids, ref_codes, ref_wav = reference.generate(ids, THINKER_MAX, TALKER_MAX, pipeline.spec.im_end_id)
+    events = list(pipeline.run(PipelineRequest(ids, pipeline.thinker_defaults().with_overrides(max_tokens=THINKER_MAX),
+                                               SamplingParams(max_tokens=TALKER_MAX))))
+    in_process = events[-1]
+
+    # Straight into the thinker, as the gateway does: every stage's chunks come back up.
+    out = run(stage_call(stack.addresses("thinker")[0], greedy_start("parity-1"), [prompt_chunk(ids)]))
+    tokens = [int(i) for c in out["thinker"] for i in c.tensors["ids"].tolist()]
+    codes = torch.cat([c.tensors["codes"] for c in out["talker"] if "codes" in c.tensors], dim=1)
+    audio = torch.cat([c.tensors["audio"] for c in out["code2wav"] if "audio" in c.tensors])
+    assert tokens == ref_ids == in_process.token_ids
+    assert torch.equal(codes, ref_codes) and torch.equal(codes, in_process.codes)
+    assert audio.shape == ref_wav.shape
+    assert torch.allclose(audio, ref_wav, atol=1e-5, rtol=0)
+    streamed = torch.cat([e.pcm for e in events if isinstance(e, AudioEvent)])
+    assert torch.allclose(audio, streamed, atol=1e-5, rtol=0)
+
+    # Through the gateway: the same ids and the same audio.
+    reply = run(generate(stack.gateway_address, PROMPT, thinker_max_tokens=THINKER_MAX,
+                         talker_max_tokens=TALKER_MAX, timeout=60))
+    assert reply.token_ids == ref_ids
+    assert reply.sample_rate == 24000
+    assert np.allclose(reply.pcm, ref_wav.numpy(), atol=1e-5, rtol=0)
+    assert reply.usage["audio_frames"] == ref_codes.shape[1]
+
+
+def test_audio_starts_before_the_thinker_finishes(stack: Stack, pipeline: Any) -> None:
+    """async_chunk: a long reply (stop id that never comes, 300 tokens) while the talker speaks."""
+
+    async def go() -> tuple[float, float]:
+        first_audio = last_text = None
+        async for ev in stream_generate(stack.gateway_address, "hi", thinker_max_tokens=300, talker_max_tokens=20,
+                                        thinker_stop_ids=[pipeline.spec.tts_pad_id], timeout=120):
+            if ev.kind == "audio" and first_audio is None:
+                first_audio = ev.t
+            if ev.kind == "text":
+                last_text = ev.t
+        assert first_audio is not None and last_text is not None
+        return first_audio, last_text
+
+    first_audio, last_text = run(go())
+    assert first_audio < last_text
+
+
+def test_full_payload_gives_the_same_output(stack: Stack) -> None:
+    kwargs = {"thinker_max_tokens": THINKER_MAX, "talker_max_tokens": TALKER_MAX, "timeout": 60}
+    a = run(generate(stack.gateway_address, PROMPT, mode="async_chunk", **kwargs))
+    f = run(generate(stack.gateway_address, PROMPT, mode="full_payload", **kwargs))
+    assert a.token_ids == f.token_ids
+    assert a.pcm.shape == f.pcm.shape and a.pcm.size > 0
+    assert np.allclose(a.pcm, f.pcm, atol=1e-5, rtol=0)
+    # full_payload: code2wav starts only once the talker has finished.
+    assert f.timings["code2wav"]["first_output_s"] >= f.timings["talker"]["total_s"] - 1e-3
+
+
+def test_text_only_request_never_reaches_the_talker(stack: Stack) -> None:
+    before = [run(info(a)).load.requests_total for a in stack.addresses("talker")]
+    reply = run(generate(stack.gateway_address, PROMPT, want_audio=False, thinker_max_tokens=8, timeout=30))
+    assert reply.token_ids and reply.pcm.size == 0
+    after = [run(info(a)).load.requests_total for a in stack.addresses("talker")]
+    assert after == before
+
+
+def test_both_talker_replicas_receive_requests(stack: Stack) -> None:
+    for i in range(4):
+        run(generate(stack.gateway_address, f"hi {i}", thinker_max_tokens=4, talker_max_tokens=4, timeout=30))
+    totals = [run(info(a)).load.requests_total for a in stack.addresses("talker")]
+    assert len(totals) == 2 and all(t > 0 for t in totals), totals
+
+
+def _idle(address: str) -> bool:
+    load = run(info(address)).load
+    return (load.running, load.waiting, load.waiting_for_input, load.open_streams, load.shm_segments) == (0,) * 5
+
+
+def test_cancellation_frees_every_stage(stack: Stack, pipeline: Any) -> None:
+    async def cancel_after_first_audio() -> None:
+        req = build_request("hi", thinker_max_tokens=300, talker_max_tokens=200,
+                            thinker_stop_ids=[pipeline.spec.tts_pad_id])
+        async with grpc.aio.insecure_channel(stack.gateway_address) as ch:
+            call = gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=60)
+            async for resp in call:
+                if resp.WhichOneof("kind") == "audio":
+                    call.cancel()
+                    break
+
+    run(cancel_after_first_audio())
+    stages = stack.addresses("thinker") + stack.addresses("talker") + stack.addresses("code2wav")
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and not all(_idle(a) for a in stages):
+        time.sleep(0.2)
+    assert all(_idle(a) for a in stages), {a: str(run(info(a)).load) for a in stages}
+
+
+def test_deadline_exceeded_is_reported(stack: Stack, pipeline: Any) -> None:
+    async def go() -> None:
+        async for _ in stream_generate(stack.gateway_address, "hi", thinker_max_tokens=300, talker_max_tokens=300,
+                                       thinker_stop_ids=[pipeline.spec.tts_pad_id], timeout=0.3):
+            pass
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(go())
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_input_wait_timeout_names_the_stage(stack: Stack, pipeline: Any) -> None:
+    """A talker request that gets its prompt but never a token fails after input_wait_timeout_s (5 s)."""
+    ids = torch.tensor(pipeline.prompt_ids("hi"))
+    embeds = torch.zeros((ids.shape[0], pipeline.spec.thinker_hidden))
+    chunk = encode_chunk({"prompt_ids": ids, "prompt_embed": embeds}, offset=0, meta={"n": 0})
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(stage_call(stack.addresses("talker")[0], greedy_start("starved"), [chunk], timeout=30, hold_open=20))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "talker" in err.value.details() and "input_wait_timeout_s" in err.value.details()
+
+
+@pytest.mark.parametrize(
+    ("start", "chunks", "needle"),
+    [
+        (stage_pb2.Start(request_id=""), [], "request_id"),
+        (None, [], "first message must be Start"),
+        (stage_pb2.Start(request_id="bad-name"), ["wrong-name"], "unexpected tensor(s) ['tokens']"),
+        (stage_pb2.Start(request_id="bad-dtype"), ["float-ids"], "dtype"),
+        (stage_pb2.Start(request_id="after-fin"), ["prompt", "prompt"], "after the finished chunk"),
+        (stage_pb2.Start(request_id="offset"), ["offset"], "offset"),
+        (stage_pb2.Start(request_id="empty"), ["empty-prompt"], "empty prompt"),
+    ],
+)
+def test_malformed_input_is_invalid_argument_and_service_continues(
+    stack: Stack, pipeline: Any, start: Any, chunks: list[str], needle: str
+) -> None:
+    ids = torch.tensor(pipeline.prompt_ids("hi"))
+    made = {
+        "wrong-name": encode_chunk({"tokens": ids}, offset=0, finished=True, meta={"n": len(ids)}),
+        "float-ids": encode_chunk({"ids": ids.float()}, offset=0, finished=True, meta={"n": len(ids)}),
+        "prompt": prompt_chunk(ids.tolist()),
+        "offset": encode_chunk({"ids": ids}, offset=3, finished=True, meta={"n": len(ids)}),
+        "empty-prompt": encode_chunk({"ids": ids[:0]}, offset=0, finished=True, meta={"n": 0}),
+    }
+    messages: list[Any] = [made[c] for c in chunks]
+    if start is None:  # a chunk where Start belongs
+        start_msg: Any = made["prompt"]
+        messages = []
+    else:
+        start_msg = start
+
+    async def go() -> None:
+        async def gen() -> Any:
+            if isinstance(start_msg, stage_pb2.Start):
+                yield stage_pb2.StageRequest(start=start_msg)
+            else:
+                yield stage_pb2.StageRequest(chunk=start_msg)
+            for m in messages:
+                yield stage_pb2.StageRequest(chunk=m)
+            await asyncio.sleep(5)
+
+        from omnistage.v1 import stage_pb2_grpc
+
+        async with grpc.aio.insecure_channel(stack.addresses("thinker")[0]) as ch:
+            async for _ in stage_pb2_grpc.StageStub(ch).Stream(gen(), timeout=20):
+                pass
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(go())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert needle in err.value.details()
+    assert "thinker" in err.value.details()
+    # The service and its other requests continue.
+    reply = run(generate(stack.gateway_address, "hi", thinker_max_tokens=4, talker_max_tokens=4, timeout=30))
+    assert reply.token_ids
+
+
+def test_gateway_rejects_an_empty_prompt(stack: Stack) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(generate(stack.gateway_address, "   ", timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "empty prompt" in err.value.details()
+
+
+def test_downstream_down_is_unavailable_naming_the_stage(tiny_dir: Path, tmp_path: Path) -> None:
+    """A stack whose talker is gone: audio requests fail fast with UNAVAILABLE naming the talker."""
+    s = start_stack(stack_config(talker={"replicas": 1}), model=str(tiny_dir), log_dir=tmp_path)
+    try:
+        talker = s.child("talker")
+        talker.proc.kill()
+        talker.proc.wait()
+        t0 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            run(generate(s.gateway_address, PROMPT, thinker_max_tokens=8, talker_max_tokens=8, timeout=20))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "talker" in err.value.details()
+        assert time.monotonic() - t0 < 20
+        # Text-only requests do not need the talker and still work.
+        assert run(generate(s.gateway_address, "hi", want_audio=False, thinker_max_tokens=4, timeout=20)).token_ids
+    finally:
+        s.stop()
