@@ -52,7 +52,12 @@ def default_model_dir() -> Path:
 
 
 def resolve_model(cfg: DeployConfig, model: str | None = None) -> Path:
-    chosen = model or cfg.model or os.environ.get("OMNISTAGE_MODEL")
+    """--model, then the config's `model`, then $OMNISTAGE_MODEL when it holds a checkpoint
+    (the image sets it to an empty mount point when serving the tiny model), then tiny."""
+    chosen = model or cfg.model
+    env = os.environ.get("OMNISTAGE_MODEL")
+    if not chosen and env and (Path(env) / "config.json").is_file():
+        chosen = env
     return Path(chosen) if chosen else default_model_dir()
 
 

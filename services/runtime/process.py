@@ -12,6 +12,7 @@ import torch
 from omnistage.loader import open_checkpoint
 from services.runtime.config import DeployConfig, StageName
 from services.runtime.engine import Engine
+from services.runtime.metrics import start_metrics_server
 from services.runtime.server import StageServer, StageService
 
 DOWNSTREAM_OF: dict[str, str | None] = {"thinker": "talker", "talker": "code2wav", "code2wav": None}
@@ -40,6 +41,7 @@ def run_stage(
         shm=cfg.shm,
     )
     server = StageServer(service, host, port, cfg.timeouts.drain_grace_s)
+    start_metrics_server(name, engine.load)
 
     async def main() -> None:
         bound = await server.start()

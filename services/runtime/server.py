@@ -261,7 +261,14 @@ class StageServer:
     async def start(self) -> int:
         # created inside the running event loop (grpc.aio binds to it)
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=channel_options(self.service.max_message_bytes)[:2])
+        options = [
+            *channel_options(self.service.max_message_bytes)[:2],
+            # Clients re-resolve DNS when a connection ends: cycling connections lets new
+            # replicas (HPA scale-up) receive calls; in-flight calls get the grace to finish.
+            ("grpc.max_connection_age_ms", 60_000),
+            ("grpc.max_connection_age_grace_ms", int(1000 * max(self.drain_grace_s, 600))),
+        ]
+        self.server = grpc.aio.server(options=options)
         stage_pb2_grpc.add_StageServicer_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (
