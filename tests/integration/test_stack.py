@@ -215,20 +215,69 @@ def test_gateway_rejects_an_empty_prompt(stack: Stack) -> None:
     assert "empty prompt" in err.value.details()
 
 
-def test_downstream_down_is_unavailable_naming_the_stage(tiny_dir: Path, tmp_path: Path) -> None:
-    """A stack whose talker is gone: audio requests fail fast with UNAVAILABLE naming the talker."""
-    s = start_stack(stack_config(talker={"replicas": 1}), model=str(tiny_dir), log_dir=tmp_path)
+@pytest.fixture(scope="module")
+def spare_stack(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A second stack the fault tests may break."""
+    cfg = stack_config(talker={"replicas": 1}, timeouts={"drain_grace_s": 60})
+    s = start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("spare"))
     try:
-        talker = s.child("talker")
-        talker.proc.kill()
-        talker.proc.wait()
-        t0 = time.monotonic()
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            run(generate(s.gateway_address, PROMPT, thinker_max_tokens=8, talker_max_tokens=8, timeout=20))
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "talker" in err.value.details()
-        assert time.monotonic() - t0 < 20
-        # Text-only requests do not need the talker and still work.
-        assert run(generate(s.gateway_address, "hi", want_audio=False, thinker_max_tokens=4, timeout=20)).token_ids
+        yield s
     finally:
         s.stop()
+
+
+def test_downstream_down_is_unavailable_naming_the_stage(spare_stack: Stack) -> None:
+    """The talker is gone: audio requests fail fast with UNAVAILABLE naming the talker."""
+    s = spare_stack
+    talker = s.child("talker")
+    talker.proc.kill()
+    talker.proc.wait()
+    t0 = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(generate(s.gateway_address, PROMPT, thinker_max_tokens=8, talker_max_tokens=8, timeout=20))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "talker" in err.value.details()
+    assert time.monotonic() - t0 < 20
+    # Text-only requests do not need the talker and still work.
+    assert run(generate(s.gateway_address, "hi", want_audio=False, thinker_max_tokens=4, timeout=20)).token_ids
+
+
+def test_sigterm_drains_the_stage(spare_stack: Stack, pipeline: Any) -> None:
+    """SIGTERM: health goes NOT_SERVING, new calls are refused, the in-flight request finishes,
+    then the process exits."""
+    import signal
+    import threading
+
+    from omnistage.healthcheck import check
+
+    s = spare_stack
+    thinker = s.child("thinker")
+    results: dict[str, Any] = {}
+    first_text = threading.Event()
+
+    async def long_request() -> None:
+        ids: list[int] = []
+        async for ev in stream_generate(s.gateway_address, "hi", want_audio=False, thinker_max_tokens=600,
+                                        thinker_stop_ids=[pipeline.spec.tts_pad_id], timeout=120):
+            ids.extend(ev.token_ids)
+            first_text.set()
+        results["ids"] = ids
+
+    worker = threading.Thread(target=lambda: run(long_request()))
+    worker.start()
+    assert first_text.wait(60)
+    thinker.proc.send_signal(signal.SIGTERM)
+    saw_not_serving = False
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and thinker.proc.poll() is None:
+        if not check(thinker.address, timeout=0.5):
+            saw_not_serving = True
+            break
+        time.sleep(0.05)
+    assert saw_not_serving and thinker.proc.poll() is None, "NOT_SERVING while the request is still running"
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(generate(s.gateway_address, "hi", want_audio=False, thinker_max_tokens=2, timeout=10))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    worker.join(120)
+    assert len(results.get("ids", [])) == 600, "the in-flight request completed"
+    assert thinker.proc.wait(timeout=30) == 0
