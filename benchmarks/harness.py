@@ -514,6 +514,7 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
     assert tuple(ratios) == RATIO_KEYS
     if run.stage_baseline:
         run.notes.append("stage baseline: " + run.stage_baseline["note"])
+    run.notes += [f"{lv.name}: {n}" for lv in run.levels for n in lv.notes]
     machine["load_average_end"] = list(os.getloadavg())
     eos = PromptEncoder(model_dir).spec.im_end_id if run.levels else None
     result: dict[str, Any] = {

@@ -122,8 +122,23 @@ def markdown_summary(result: dict[str, Any], json_name: str | None, plot_name: s
         ),
         "",
     ]
-    if result.get("notes"):
-        md += ["Notes:", "", *(f"- {n}" for n in result["notes"]), ""]
+    notes = list(result.get("notes", []))
+    cons = result.get("consistency") or {}
+    if cons:
+        same = not cons.get("mismatches")
+        notes.insert(0, (
+            f"Same work everywhere: for each of the {cons.get('prompts_compared')} prompts, every configuration "
+            "produced the same text token ids and the same number of audio samples (greedy)."
+        ) if same else f"Outputs differ between configurations: {cons['mismatches'][:3]}")
+    start = m.get("load_average_start") or [0.0]
+    if m.get("cpu_count") and start[0] > 0.5 * m["cpu_count"]:
+        notes.append(
+            f"The machine was shared while this ran (1-minute load average {start[0]:.1f} on {m['cpu_count']} CPUs "
+            "at the start): phases run one after another, so a ratio divides figures taken minutes apart; "
+            "expect run-to-run noise of tens of percent."
+        )
+    if notes:
+        md += ["Notes:", "", *(f"- {n}" for n in notes), ""]
     files = [f for f in (json_name, plot_name) if f]
     if files:
         md += ["Files: " + ", ".join(f"`{f}`" for f in files) + " (raw per-request figures in the JSON).", ""]
@@ -147,7 +162,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
             if not xs:
                 continue
             ys = [(i + 1) / len(xs) for i in range(len(xs))]
-            ax.step([xs[0], *xs], [0.0, *ys], where="post", label=cfg["name"])
+            label = cfg["name"] + (" (not streamed)" if cfg["driver"] == "monolithic" else "")
+            ax.step([xs[0], *xs], [0.0, *ys], where="post", label=label)
         ax.set_title(f"{title} (CDF)")
         ax.set_xlabel("seconds")
         ax.set_ylabel("fraction of requests")
@@ -158,10 +174,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
     sweep = [c for c in result["configurations"] if c["role"] == "sut" and c["load"].get("type") == "concurrency"
              and c["mode"] != "full_payload"]
     sweep.sort(key=lambda c: c["load"]["value"])
+    ax2 = ax.twinx()
     if sweep:
         xs = [c["load"]["value"] for c in sweep]
-        ax.plot(xs, [c["summary"]["requests_per_s"] or 0 for c in sweep], "o-", label="requests/s")
-        ax.plot(xs, [c["summary"]["audio_s_per_s"] or 0 for c in sweep], "s--", label="audio s/s")
+        ax.plot(xs, [c["summary"]["requests_per_s"] or 0 for c in sweep], "o-", color="C0", label="requests/s")
+        ax2.plot(xs, [c["summary"]["audio_s_per_s"] or 0 for c in sweep], "s--", color="C1",
+                 label="audio s/s (right axis)")
     mono = next((c for c in result["configurations"] if c["driver"] == "monolithic"), None)
     if mono and mono["summary"]["requests_per_s"]:
         ax.axhline(mono["summary"]["requests_per_s"], color="gray", ls=":", label="monolithic sequential req/s")
@@ -169,11 +187,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
     if st and st.get("bottleneck_requests_per_s"):
         ax.axhline(st["bottleneck_requests_per_s"], color="red", ls=":",
                    label=f"bottleneck stage alone ({st['bottleneck']}) req/s")
+    for axis in (ax, ax2):
+        tops = [y for line in axis.get_lines() for y in line.get_ydata()]
+        axis.set_ylim(0, 1.15 * max(tops) if tops and max(tops) > 0 else 1.0)
+    ax2.set_ylabel("audio seconds per second")
+    lines, labels = ax.get_legend_handles_labels()
+    lines2, labels2 = ax2.get_legend_handles_labels()
+    ax.legend(lines + lines2, labels + labels2, fontsize=7, loc="lower right")
     ax.set_title("throughput vs concurrency")
     ax.set_xlabel("concurrent clients")
-    ax.set_ylabel("per second")
+    ax.set_ylabel("requests per second")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
     fig.suptitle(f"omnistage bench — {result['model']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
