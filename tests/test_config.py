@@ -1,0 +1,65 @@
+"""The deploy YAML: validated at start, errors name the field; CLI overrides apply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.runtime.config import (
+    ConfigError,
+    DeployConfig,
+    apply_overrides,
+    dump_config,
+    load_config,
+    parse_config,
+    parse_replicas,
+)
+
+
+def test_default_deploy_file_is_the_default_config() -> None:
+    path = Path(__file__).resolve().parents[1] / "deploy" / "omnistage.yaml"
+    assert load_config(path) == DeployConfig()
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"talker": {"replicas": 0}}, "talker.replicas"),
+        ({"talker": {"replica": 2}}, "talker.replica: unknown field"),
+        ({"bogus": 1}, "bogus: unknown field"),
+        ({"code2wav": {"streaming": "magic"}}, "code2wav.streaming"),
+        ({"edges": {"thinker_to_talker": "sometimes"}}, "edges.thinker_to_talker"),
+        ({"thinker": {"dtype": "int3"}}, "thinker.dtype"),
+        ({"thinker": {"device": "tpu"}}, "thinker.device"),
+        ({"timeouts": {"input_wait_timeout_s": -1}}, "timeouts.input_wait_timeout_s"),
+        ({"talker": {"base_port": 7101}}, "talker.base_port: port 7101"),
+    ],
+)
+def test_bad_fields_are_refused_by_name(data: dict, needle: str) -> None:
+    with pytest.raises(ConfigError, match="invalid deploy config") as err:
+        parse_config(data, "x.yaml")
+    assert needle in str(err.value)
+
+
+def test_yaml_round_trip_and_file_errors(tmp_path: Path) -> None:
+    cfg = apply_overrides(DeployConfig(), {"talker.replicas": 3, "gateway.port": 6000})
+    f = tmp_path / "d.yaml"
+    f.write_text(dump_config(cfg))
+    assert load_config(f) == cfg
+    (tmp_path / "bad.yaml").write_text("talker: [1, 2")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_cli_overrides() -> None:
+    assert parse_replicas("talker=2, code2wav=3") == {"talker.replicas": 2, "code2wav.replicas": 3}
+    for bad in ("talker", "painter=2", "talker=two"):
+        with pytest.raises(ConfigError, match="--replicas"):
+            parse_replicas(bad)
+    with pytest.raises(ConfigError, match=r"--nothing\.replicas: unknown field"):
+        apply_overrides(DeployConfig(), {"nothing.replicas": 2})
+    cfg = apply_overrides(DeployConfig(), {"talker.replicas": 2})
+    assert cfg.stage_target("talker") == "ipv4:127.0.0.1:7201,127.0.0.1:7202"
