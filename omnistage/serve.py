@@ -24,8 +24,6 @@ from types import TracebackType
 from omnistage.healthcheck import check
 from services.runtime.config import STAGES, DeployConfig
 
-TINY_VERSION = "v1"
-
 
 def cache_dir() -> Path:
     base = os.environ.get("OMNISTAGE_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "omnistage")
@@ -34,9 +32,14 @@ def cache_dir() -> Path:
 
 def default_model_dir() -> Path:
     """The built-in tiny checkpoint, generated once into the cache dir (atomically)."""
+    import hashlib
+
+    import omnistage.tiny
     from omnistage.tiny import write_tiny_checkpoint
 
-    target = cache_dir() / f"tiny-qwen3-omni-{TINY_VERSION}"
+    # Keyed by the generator's source: an edited tiny.py never serves a stale cached copy.
+    version = hashlib.sha256(Path(omnistage.tiny.__file__).read_bytes()).hexdigest()[:12]
+    target = cache_dir() / f"tiny-qwen3-omni-{version}"
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
