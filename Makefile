@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint protos clean
+.PHONY: install serve test lint protos clean bench-results
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,3 +32,7 @@ protos: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Regenerates benchmarks/results/ (JSON, PNG, markdown summary); extra ARGS go to `omnistage bench`.
+bench-results: $(STAMP)
+	bash benchmarks/make_results.sh $(ARGS)

@@ -23,16 +23,14 @@ from __future__ import annotations
 import copy
 import json
 import os
-import platform
-import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
+from benchmarks.common import machine_info, timed_median
 from services.code2wav.streaming import (
     IncrementalCode2Wav,
     exact_decode_stream,
@@ -81,33 +79,6 @@ def _load(checkpoint: Path | None) -> tuple[Qwen3OmniMoeCode2Wav, str]:
     return model, str(checkpoint)
 
 
-def _timed_median(fn: Callable[[], Any], reps: int) -> tuple[float, list[float], Any]:
-    result = fn()  # warm-up (allocator, oneDNN primitive caches)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), times, result
-
-
-def _machine() -> dict[str, Any]:
-    try:
-        loadavg = Path("/proc/loadavg").read_text().split()[:3]
-    except OSError:
-        loadavg = None
-    return {
-        "loadavg_at_end": loadavg,
-        "cpu_count": os.cpu_count(),
-        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
-
-
 def run(checkpoint: Path | None = None, reps: int = REPS) -> dict[str, Any]:
     t_start = time.perf_counter()
     model, source = _load(checkpoint)
@@ -116,9 +87,9 @@ def run(checkpoint: Path | None = None, reps: int = REPS) -> dict[str, Any]:
     codes = torch.randint(0, cfg.codebook_size, (cfg.num_quantizers, FRAMES), generator=gen)
     dec = IncrementalCode2Wav(model)
 
-    full_s, full_runs, ref = _timed_median(lambda: full_decode(model, codes), reps)
-    exact_s, exact_runs, exact_pieces = _timed_median(lambda: exact_decode_stream(dec, codes, CHUNK_FRAMES), reps)
-    win_s, win_runs, win_chunks = _timed_median(
+    full_s, full_runs, ref = timed_median(lambda: full_decode(model, codes), reps)
+    exact_s, exact_runs, exact_pieces = timed_median(lambda: exact_decode_stream(dec, codes, CHUNK_FRAMES), reps)
+    win_s, win_runs, win_chunks = timed_median(
         lambda: windowed_decode_stream(model, codes, CHUNK_FRAMES, LEFT_CONTEXT_FRAMES), reps
     )
 
@@ -168,7 +139,7 @@ def run(checkpoint: Path | None = None, reps: int = REPS) -> dict[str, Any]:
         "windowed_missing_samples": int(ref.shape[0] - windowed.shape[0]),
         "full_fp32_vs_fp64_max_abs_diff": (ref.double() - ref64).abs().max().item(),
         "output_std": ref.std().item(),
-        "machine": _machine(),
+        "machine": machine_info(),
         "command": "omnistage bench code2wav" + (f" (checkpoint {checkpoint})" if checkpoint else ""),
         "wall_s": time.perf_counter() - t_start,
     }

@@ -24,7 +24,6 @@ import contextlib
 import datetime as dt
 import json
 import os
-import platform
 import shlex
 import socket
 import sys
@@ -38,6 +37,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from benchmarks.common import machine_info
 from benchmarks.drivers import (
     BenchRequest,
     Driver,
@@ -99,41 +99,13 @@ def parse_float_list(spec: str) -> list[float]:
 
 
 def default_model_dir() -> Path:
-    """The cached tiny checkpoint `omnistage serve` uses; until that exists, one generated once
-    per machine into the temp directory (deterministic, so it is the same checkpoint)."""
-    try:
-        from omnistage.serve import default_model_dir as serve_default
+    """The cached tiny checkpoint `omnistage serve` uses."""
+    from omnistage.serve import default_model_dir as serve_default
 
-        return Path(serve_default())
-    except (ImportError, AttributeError):
-        pass
-    from omnistage.tiny import write_tiny_checkpoint
-
-    out = Path(tempfile.gettempdir()) / f"omnistage-bench-tiny-{os.getuid()}"
-    if not (out / ".complete").is_file():
-        tmp = Path(tempfile.mkdtemp(prefix="omnistage-bench-tiny-"))
-        write_tiny_checkpoint(tmp)
-        (tmp / ".complete").write_text("ok\n")
-        with contextlib.suppress(OSError):
-            tmp.rename(out)
-        if not (out / ".complete").is_file():  # lost a race or could not rename: use ours
-            return tmp
-    return out
+    return serve_default()
 
 
 # ---- machine and command -------------------------------------------------------------------
-
-
-def machine_info() -> dict[str, Any]:
-    return {
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "load_average_start": list(os.getloadavg()),
-    }
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:

@@ -99,7 +99,7 @@ def markdown_summary(result: dict[str, Any], json_name: str | None, plot_name: s
         "",
         f"Machine: {m['cpu_count']} CPUs ({m['platform']}), Python {m['python']}, torch {m['torch']} with "
         f"{m['torch_threads']} thread(s) in the benchmark process, load average at start "
-        f"{', '.join(f'{x:.2f}' for x in m['load_average_start'])}, at end "
+        f"{', '.join(f'{x:.2f}' for x in m['load_average'])}, at end "
         f"{', '.join(f'{x:.2f}' for x in m.get('load_average_end') or [])}. Model: {result['model']}. "
         f"Started {result['started_at']}.",
         "",
@@ -130,7 +130,7 @@ def markdown_summary(result: dict[str, Any], json_name: str | None, plot_name: s
             f"Same work everywhere: for each of the {cons.get('prompts_compared')} prompts, every configuration "
             "produced the same text token ids and the same number of audio samples (greedy)."
         ) if same else f"Outputs differ between configurations: {cons['mismatches'][:3]}")
-    start = m.get("load_average_start") or [0.0]
+    start = m.get("load_average") or [0.0]
     if m.get("cpu_count") and start[0] > 0.5 * m["cpu_count"]:
         notes.append(
             f"The machine was shared while this ran (1-minute load average {start[0]:.1f} on {m['cpu_count']} CPUs "

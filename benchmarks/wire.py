@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import pickle
-import platform
 import statistics
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ import grpc
 import numpy as np
 import torch
 
+from benchmarks.common import machine_info, timed_median
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from omnistage.v1.tensor_pb2 import TensorBlob
 from services.runtime import tensor_blob as tb
@@ -46,30 +46,6 @@ GRPC_BUDGET_S = 4.0
 
 def _reps(nbytes: int) -> int:
     return 25 if nbytes <= 1 << 20 else 7 if nbytes <= 16 << 20 else 5
-
-
-def _median(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _machine() -> dict[str, Any]:
-    return {
-        "cpu_count": os.cpu_count(),
-        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "grpc": grpc.__version__,
-    }
 
 
 # -- codec --------------------------------------------------------------------------------------
@@ -91,9 +67,9 @@ def _codec(x: torch.Tensor, reps: int) -> dict[str, float]:
 
     assert torch.equal(blob_rt(), x) and torch.equal(pickle_rt(), x) and torch.equal(torch_rt(), x)
     return {
-        "tensor_blob_s": _median(blob_rt, reps),
-        "pickle_s": _median(pickle_rt, reps),
-        "torch_save_s": _median(torch_rt, reps),
+        "tensor_blob_s": timed_median(blob_rt, reps)[0],
+        "pickle_s": timed_median(pickle_rt, reps)[0],
+        "torch_save_s": timed_median(torch_rt, reps)[0],
     }
 
 
@@ -103,9 +79,9 @@ def _decode_alone(x: torch.Tensor, pool: ShmPool, reader: ShmReader, reps: int) 
     via_shm = TensorBlob.FromString(tb.encode(x, pool=pool, request_id="decode").SerializeToString())
     assert via_shm.WhichOneof("data") == "shm"
     out = {
-        "decode_shm_s": _median(lambda: tb.decode(via_shm, reader=reader), max(reps, 25)),
-        "decode_inline_s": _median(lambda: tb.decode(inline), max(reps, 25)),
-        "frombuffer_wrap_s": _median(lambda: torch.frombuffer(received, dtype=torch.float32), max(reps, 25)),
+        "decode_shm_s": timed_median(lambda: tb.decode(via_shm, reader=reader), max(reps, 25))[0],
+        "decode_inline_s": timed_median(lambda: tb.decode(inline), max(reps, 25))[0],
+        "frombuffer_wrap_s": timed_median(lambda: torch.frombuffer(received, dtype=torch.float32), max(reps, 25))[0],
     }
     pool.release_request("decode")
     return out
@@ -129,8 +105,8 @@ def _shm_vs_memcpy(x: torch.Tensor, pool: ShmPool, reader: ShmReader, reps: int)
         assert y.shape == src.shape
         pool.release_request("bw")
 
-    t_mem = _median(memcpy, reps)
-    t_shm = _median(shm_transfer, reps)
+    t_mem = timed_median(memcpy, reps)[0]
+    t_shm = timed_median(shm_transfer, reps)[0]
     return {"memcpy_gbps": nbytes / t_mem / 1e9, "shm_gbps": nbytes / t_shm / 1e9}
 
 
@@ -162,12 +138,14 @@ def _grpc_throughput(address: str, pool: ShmPool | None) -> tuple[float, bool, i
     payload = torch.randn(GRPC_CHUNK_BYTES // 4)
     rid = f"bench-{time.monotonic_ns()}"
     holder: dict[str, Any] = {}
+    call_ready = threading.Event()  # gRPC may pull requests before Stream() has returned the call
     state = {"shm": False, "sent": 0}
     deadline = time.monotonic() + GRPC_BUDGET_S
 
     def requests() -> Iterator[stage_pb2.StageRequest]:
         yield stage_pb2.StageRequest(start=stage_pb2.Start(request_id=rid))
         use = None
+        call_ready.wait(10)
         if pool is not None and peer_accepts_shm(holder["call"].initial_metadata()):
             use, state["shm"] = pool, True
         for i in range(GRPC_CHUNKS):
@@ -187,6 +165,7 @@ def _grpc_throughput(address: str, pool: ShmPool | None) -> tuple[float, bool, i
         t0 = time.perf_counter()
         call = stub.Stream(requests(), metadata=md, timeout=60)
         holder["call"] = call
+        call_ready.set()
         (resp,) = list(call)
         elapsed = time.perf_counter() - t0
         if pool is not None:
@@ -258,7 +237,7 @@ def run() -> dict[str, Any]:
     return {
         "benchmark": "wire",
         "command": "omnistage bench wire --json FILE",
-        "machine": _machine(),
+        "machine": machine_info(),
         "statistic": "median",
         "sizes": sizes,
         "grpc": grpc_figs,

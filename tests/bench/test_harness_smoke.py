@@ -37,7 +37,7 @@ def test_harness_in_process(tiny_dir: Path, tmp_path: Path) -> None:
     assert result["system_under_test"] == "inprocess"
     m = result["machine"]
     assert isinstance(m["cpu_count"], int) and isinstance(m["platform"], str)
-    assert m["torch_threads"] == 1 and len(m["load_average_start"]) == 3
+    assert m["torch_threads"] == 1 and len(m["load_average"]) == 3
 
     assert tuple(result["ratios"]) == RATIO_KEYS
     assert result["ratios"]["e2e_grpc_over_inprocess_c1"] is None  # no gRPC in this run

@@ -1,0 +1,45 @@
+"""What every benchmark reports about where it ran, and one timing helper."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def machine_info() -> dict[str, Any]:
+    import grpc
+    import numpy as np
+
+    return {
+        "cpu_count": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "numpy": np.__version__,
+        "grpc": grpc.__version__,
+        "load_average": list(os.getloadavg()),
+    }
+
+
+def timed_median(fn: Callable[[], T], reps: int, warmup: int = 1) -> tuple[float, list[float], T]:
+    """Median wall time of `reps` calls after `warmup` untimed ones: (median, times, last result)."""
+    result = fn()
+    for _ in range(warmup - 1):
+        result = fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times, result
