@@ -87,6 +87,17 @@ def bench_wire(
     main(json_out)
 
 
+@bench_app.command("stage-times")
+def bench_stage_times(
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
+    model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: built-in tiny).")] = None,
+) -> None:
+    """Per-stage cost: thinker prefill/decode per token, talker per frame, code2wav per audio second."""
+    from benchmarks.stage_times import main
+
+    main(json_out, model)
+
+
 @bench_app.command("code2wav")
 def bench_code2wav(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write raw figures and ratios here.")] = None,
