@@ -125,8 +125,16 @@ class Request:
     down_call: Any = None  # the gRPC side's downstream call for this request, if any
 
 
-# Sentinels on a request's out_q.
+@dataclass
+class OpenDownstream:
+    """Posted on a request's out_q: open the downstream call with this Start."""
+
+    start: stage_pb2.Start
+
+
+# Sentinels on a request's out_q: this stage's own work is done / the downstream call is done.
 SELF_DONE = object()
+DOWN_DONE = object()
 
 
 class Engine:
@@ -271,7 +279,7 @@ class Engine:
             for c in emit.up:
                 self._post(req, c)
             if emit.open_downstream is not None:
-                self._post(req, ("open-downstream", emit.open_downstream))
+                self._post(req, OpenDownstream(emit.open_downstream))
             for c in emit.down:
                 self._post(req, c, "down")
             if emit.close_downstream:

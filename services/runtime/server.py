@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
-from services.runtime.engine import SELF_DONE, Engine, OutChunk, StageError, invalid
+from services.runtime.engine import DOWN_DONE, SELF_DONE, Engine, OpenDownstream, OutChunk, StageError, invalid
 from services.runtime.shm import ShmPool, default_reader, peer_accepts_shm
 from services.runtime.tensor_blob import ChunkAssembler, TensorBlobError, encode_chunks
 
@@ -41,12 +41,6 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
         ("grpc.lb_policy_name", "round_robin"),
         ("grpc.enable_retries", 0),
     ]
-
-
-class _DownstreamGone(Exception):
-    def __init__(self, error: StageError) -> None:
-        super().__init__(error.message)
-        self.error = error
 
 
 class StageService(stage_pb2_grpc.StageServicer):
@@ -157,7 +151,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                 item = await req.out_q.get()
                 if item is SELF_DONE:
                     pending.discard("self")
-                elif item == "down-done":
+                elif item is DOWN_DONE:
                     pending.discard("down")
                 elif isinstance(item, StageError):
                     await context.abort(item.code, item.message)
@@ -167,9 +161,9 @@ class StageService(stage_pb2_grpc.StageServicer):
                     for chunk in self._encode(item, seq, None, req.request_id):
                         seq += 1
                         yield stage_pb2.StageResponse(stage=self.stage, chunk=chunk)
-                elif isinstance(item, tuple) and item[0] == "open-downstream":
+                elif isinstance(item, OpenDownstream):
                     pending.add("down")
-                    down_call = self._open_downstream(req, item[1], context)
+                    down_call = self._open_downstream(req, item.start, context)
                     tasks.append(asyncio.create_task(self._relay(req, down_call)))
         finally:
             self.open_streams -= 1
@@ -238,11 +232,10 @@ class StageService(stage_pb2_grpc.StageServicer):
         try:
             async for resp in call:
                 req.out_q.put_nowait(resp)
-            req.out_q.put_nowait("down-done")
+            req.out_q.put_nowait(DOWN_DONE)
         except grpc.aio.AioRpcError as e:
+            # Also when we cancelled it ourselves: then nobody reads out_q any more.
             code = e.code()
-            if code == grpc.StatusCode.CANCELLED:
-                return
             detail = e.details() or ""
             if code in (grpc.StatusCode.UNAVAILABLE,) and not detail.startswith(self.downstream_name):
                 detail = f"{self.downstream_name} unavailable at {self.downstream}: {detail}"
