@@ -139,12 +139,21 @@ class Code2WavSession:
 
     def decode_due(self) -> tuple[int, torch.Tensor]:
         """Decode the pending frames: `(first_sample, pcm)`."""
-        codes = torch.stack(self.pending, dim=1)
-        self.pending = []
-        first = self.samples_out
-        pcm = self.runner.push([self.stream], [codes])[0]
-        self.samples_out += int(pcm.shape[0])
-        return first, pcm
+        return Code2WavSession.decode_many([self])[0]
+
+    @staticmethod
+    def decode_many(sessions: list[Code2WavSession]) -> list[tuple[int, torch.Tensor]]:
+        """Decode several requests' pending frames in one batched step (one runner, one push)."""
+        if not sessions:
+            return []
+        codes = [torch.stack(s.pending, dim=1) for s in sessions]
+        pcms = sessions[0].runner.push([s.stream for s in sessions], codes)
+        out = []
+        for s, pcm in zip(sessions, pcms, strict=True):
+            s.pending = []
+            out.append((s.samples_out, pcm))
+            s.samples_out += int(pcm.shape[0])
+        return out
 
     def close(self) -> None:
         self.runner.close(self.stream)

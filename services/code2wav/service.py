@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from omnistage.families.qwen3_omni import SAMPLE_RATE
 from omnistage.loader import Checkpoint, load_part
 from omnistage.v1 import stage_pb2
 from services.code2wav.runner import Code2WavRunner, Code2WavSession
@@ -17,7 +20,7 @@ from services.runtime.validate import INT_DTYPES, check_names, tensor
 class Code2WavState:
     session: Code2WavSession
     full_payload: bool
-    done: bool = False
+    pending_audio: tuple[int, torch.Tensor] | None = None  # decoded by step_batch for step
 
 
 class Code2WavWorker(StageWorker):
@@ -54,19 +57,30 @@ class Code2WavWorker(StageWorker):
 
     def step(self, state: Code2WavState, input_finished: bool) -> Emit:
         emit = Emit()
-        if state.session.due(input_finished):
-            first, pcm = state.session.decode_due()
-            emit.up.append(OutChunk({"audio": pcm}, offset=first, n=int(pcm.shape[0]), meta={"sample_rate": 24000}))
+        decoded, state.pending_audio = state.pending_audio, None
+        if decoded is None and state.session.due(input_finished):
+            decoded = state.session.decode_due()
+        if decoded is not None:
+            first, pcm = decoded
+            meta = {"sample_rate": SAMPLE_RATE}
+            emit.up.append(OutChunk({"audio": pcm}, offset=first, n=int(pcm.shape[0]), meta=meta))
         if input_finished and not state.session.pending:
             emit.up.append(OutChunk({}, offset=state.session.samples_out, finished=True))
             emit.done = True
         return emit
 
+    def step_batch(self, items: list[tuple[Code2WavState, bool]]) -> list[Emit | BaseException]:
+        """Every due request's frames go through one batched incremental decode."""
+        due = [st for st, fin in items if st.session.due(fin)]
+        for st, decoded in zip(due, Code2WavSession.decode_many([st.session for st in due]), strict=True):
+            st.pending_audio = decoded
+        return [self.step(st, fin) for st, fin in items]
+
     def close(self, state: Code2WavState) -> None:
         state.session.close()
 
     def capacity(self) -> dict[str, int]:
-        return {"max_num_seqs": 1}
+        return {"max_num_seqs": self.cfg.max_num_seqs}
 
 
 def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> Code2WavWorker:

@@ -101,6 +101,18 @@ class StageWorker(ABC):
     def close(self, state: Any) -> None:
         """Free everything the request holds."""
 
+    def step_batch(self, items: list[tuple[Any, bool]]) -> list[Emit | BaseException]:
+        """One engine step for every ready request `(state, input_finished)`. Stages that can
+        run several requests in one forward override this; the default steps them in turn.
+        A per-request failure is returned in that request's place."""
+        out: list[Emit | BaseException] = []
+        for state, finished in items:
+            try:
+                out.append(self.step(state, finished))
+            except Exception as e:
+                out.append(e)
+        return out
+
     def capacity(self) -> dict[str, int]:
         return {}
 
@@ -138,9 +150,10 @@ DOWN_DONE = object()
 
 
 class Engine:
-    def __init__(self, worker: StageWorker, input_wait_timeout_s: float = 600.0) -> None:
+    def __init__(self, worker: StageWorker, input_wait_timeout_s: float = 600.0, max_batch: int = 16) -> None:
         self.worker = worker
         self.input_wait_timeout_s = input_wait_timeout_s
+        self.max_batch = max_batch  # requests stepped per iteration (the stage's max_num_seqs)
         self._requests: dict[str, Request] = {}
         self._cond = threading.Condition()
         self._stop = False
@@ -229,44 +242,67 @@ class Engine:
         else:
             self._post(req, None, "down")
 
+    def _fail_with(self, req: Request, exc: BaseException) -> None:
+        """Fail one request with the status its exception maps to; the others go on."""
+        if isinstance(exc, StageError):
+            err = exc
+        elif isinstance(exc, TensorBlobError):
+            err = invalid(f"{self.worker.stage}: {exc}")
+        else:  # a bug must fail the request, not the service
+            trace = "".join(traceback.format_exception(exc))
+            log.error("%s: request %s failed:\n%s", self.worker.stage, req.request_id, trace)
+            err = StageError(grpc.StatusCode.INTERNAL, f"{self.worker.stage}: internal error: {exc}")
+        self._finish(req, RequestState.FAILED, err)
+
+    def _guarded(self, req: Request, fn: Any) -> Any:
+        """Run `fn()` for one request; any failure fails that request only (returns None)."""
+        try:
+            return fn()
+        except Exception as e:
+            self._fail_with(req, e)
+        return None
+
     def _run(self) -> None:
+        """One iteration = take every request's new input, then one step for all ready ones."""
         while True:
             with self._cond:
                 if self._stop and not self._requests:
                     return
                 active = list(self._requests.values())
-            progressed = False
             now = time.monotonic()
+            progressed = False
+            ready: list[Request] = []
             for req in active:
-                try:
-                    progressed |= self._service(req, now)
-                except StageError as e:
-                    self._finish(req, RequestState.FAILED, e)
-                except TensorBlobError as e:
-                    self._finish(req, RequestState.FAILED, invalid(f"{self.worker.stage}: {e}"))
-                except Exception as e:  # a bug must fail the request, not the service
-                    log.error("%s: request %s failed:\n%s", self.worker.stage, req.request_id, traceback.format_exc())
-                    err = StageError(grpc.StatusCode.INTERNAL, f"{self.worker.stage}: internal error: {e}")
-                    self._finish(req, RequestState.FAILED, err)
+                outcome = self._guarded(req, lambda r=req, t=now: self._prepare(r, t))
+                if outcome is not None:
+                    took_input, is_ready = outcome
+                    progressed |= took_input
+                    if is_ready:
+                        ready.append(req)
+            batch = ready[: self.max_batch]
+            if batch:
+                progressed = True
+                self._step(batch)
             if not progressed:
                 with self._cond:
                     if not any(r.inbox or r.abort_requested for r in self._requests.values()):
                         self._cond.wait(timeout=0.05)
 
-    def _service(self, req: Request, now: float) -> bool:
+    def _prepare(self, req: Request, now: float) -> tuple[bool, bool] | None:
+        """Abort, open, feed new input, check the input-wait timeout: (took input, ready)."""
         worker = self.worker
         if req.abort_requested:
             self._finish(req, RequestState.ABORTED)
-            return True
+            return None
         if req.state is None:
             req.state = worker.open(req.start)
-        progressed = False
+        took = False
         while True:
             with self._cond:
                 if not req.inbox:
                     break
                 chunk = req.inbox.popleft()
-            progressed = True
+            took = True
             if chunk is None:  # the caller closed its side
                 req.all_input_fed = True
                 continue
@@ -274,19 +310,7 @@ class Engine:
             if chunk.finished:
                 req.all_input_fed = True
         if worker.ready(req.state, req.all_input_fed):
-            req.status = RequestState.RUNNING
-            emit = worker.step(req.state, req.all_input_fed)
-            for c in emit.up:
-                self._post(req, c)
-            if emit.open_downstream is not None:
-                self._post(req, OpenDownstream(emit.open_downstream))
-            for c in emit.down:
-                self._post(req, c, "down")
-            if emit.close_downstream:
-                self._post(req, None, "down")
-            if emit.done:
-                self._finish(req, RequestState.FINISHED)
-            return True
+            return took, True
         if req.all_input_fed:
             raise invalid(f"{worker.stage}: the input ended before the request was complete")
         req.status = RequestState.WAITING_FOR_INPUT
@@ -297,7 +321,32 @@ class Engine:
                 f"{worker.stage}: no input for {waited:.1f} s (input_wait_timeout_s="
                 f"{self.input_wait_timeout_s:g}); request {req.request_id} starved",
             )
-        return progressed
+        return took, False
+
+    def _step(self, batch: list[Request]) -> None:
+        for req in batch:
+            req.status = RequestState.RUNNING
+        try:
+            emits: list[Emit | BaseException] = self.worker.step_batch([(r.state, r.all_input_fed) for r in batch])
+        except Exception as e:  # the shared forward failed: every request in it fails
+            emits = [e] * len(batch)
+        for req, emit in zip(batch, emits, strict=True):
+            if isinstance(emit, BaseException):
+                self._fail_with(req, emit)
+            else:
+                self._route(req, emit)
+
+    def _route(self, req: Request, emit: Emit) -> None:
+        for c in emit.up:
+            self._post(req, c)
+        if emit.open_downstream is not None:
+            self._post(req, OpenDownstream(emit.open_downstream))
+        for c in emit.down:
+            self._post(req, c, "down")
+        if emit.close_downstream:
+            self._post(req, None, "down")
+        if emit.done:
+            self._finish(req, RequestState.FINISHED)
 
 
 def _chunk_length(chunk: DecodedChunk) -> int:

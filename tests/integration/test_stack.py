@@ -62,6 +62,28 @@ def test_stack_matches_pipeline_and_generate(stack: Stack, pipeline: Any, refere
     assert reply.usage["audio_frames"] == ref_codes.shape[1]
 
 
+def test_concurrent_requests_match_their_solo_runs(stack: Stack, pipeline: Any) -> None:
+    """Requests sharing the stages at once (code2wav decodes them in one batched step) give
+    the tokens and audio each gives alone."""
+    prompts = [PROMPT, "Numbers one two three", "Where is the nearest train station from here?", "hi"]
+    solo = []
+    for p in prompts:
+        ids = pipeline.prompt_ids(p)
+        thinker = pipeline.thinker_defaults().with_overrides(max_tokens=24)
+        events = list(pipeline.run(PipelineRequest(ids, thinker, SamplingParams(max_tokens=40))))
+        audio = [e.pcm for e in events if isinstance(e, AudioEvent)]
+        solo.append((events[-1].token_ids, torch.cat(audio).numpy() if audio else np.zeros(0, np.float32)))
+
+    async def together() -> list[Any]:
+        return await asyncio.gather(*(generate(stack.gateway_address, p, thinker_max_tokens=24,
+                                               talker_max_tokens=40, timeout=120) for p in prompts))
+
+    for reply, (ids, audio) in zip(run(together()), solo, strict=True):
+        assert reply.token_ids == ids
+        assert reply.pcm.shape == audio.shape
+        assert np.allclose(reply.pcm, audio, atol=1e-5, rtol=0)
+
+
 def test_audio_starts_before_the_thinker_finishes(stack: Stack, pipeline: Any) -> None:
     """async_chunk: a long reply (stop id that never comes, 300 tokens) while the talker speaks."""
 
