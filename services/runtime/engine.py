@@ -132,8 +132,6 @@ class Request:
     next_offset: int = 0
     last_input: float = field(default_factory=time.monotonic)
     abort_requested: bool = False
-    error: StageError | None = None
-    opened_at: float = field(default_factory=time.monotonic)
     down_call: Any = None  # the gRPC side's downstream call for this request, if any
 
 
@@ -231,7 +229,6 @@ class Engine:
             log.exception("%s: close failed for %s", self.worker.stage, req.request_id)
         req.state = None
         req.status = status
-        req.error = error
         with self._cond:
             self._requests.pop(req.request_id, None)
         if error is not None:
