@@ -9,7 +9,8 @@ what is in its cache: input tokens consumed by prefill steps plus one per decode
 request is either
 
 * a *prefill* of ``n`` pending input tokens (``n`` up to the step's remaining token budget with
-  chunked prefill; the whole pending input otherwise), or
+  chunked prefill; otherwise the whole pending input, and a prompt larger than
+  ``max_num_batched_tokens`` is rejected at ``add``), or
 * a *decode* of exactly one token, which generates one token (``num_generated += 1``).
 
 ``schedule()`` advances these counters for what it returns (the engine runs every scheduled
@@ -480,7 +481,7 @@ class Scheduler:
         """Tokens of pending input to prefill now; 0 when (without chunking) it does not fit."""
         pending = req.num_pending_input
         if self.config.chunked_prefill:
-            return pending
+            return min(pending, budget)
         # Whole pending input, or wait. Streamed input that piled up past a full step's budget
         # could never fit, so it is taken max_num_batched_tokens at a time.
         n = min(pending, self.config.max_num_batched_tokens)
