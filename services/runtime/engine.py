@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import enum
 import logging
 import threading
 import time
@@ -24,21 +23,12 @@ from typing import Any
 import grpc
 
 from omnistage.v1 import stage_pb2
+from services.runtime.scheduler import DONE_STATES, RequestState
 from services.runtime.tensor_blob import DecodedChunk, TensorBlobError
 
+__all__ = ["DONE_STATES", "Emit", "Engine", "OutChunk", "RequestState", "StageError", "StageWorker", "invalid"]
+
 log = logging.getLogger(__name__)
-
-
-class RequestState(enum.Enum):
-    WAITING = "WAITING"  # admitted, no step run yet
-    RUNNING = "RUNNING"
-    WAITING_FOR_INPUT = "WAITING_FOR_INPUT"
-    FINISHED = "FINISHED"
-    ABORTED = "ABORTED"
-    FAILED = "FAILED"
-
-
-DONE_STATES = (RequestState.FINISHED, RequestState.ABORTED, RequestState.FAILED)
 
 
 class StageError(Exception):
