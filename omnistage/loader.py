@@ -21,7 +21,10 @@ from omnistage.families.qwen3_omni import (
     SPECIAL_TOKEN_TEXT,
     THINKER_SPECIAL_TOKEN_TEXT,
     FamilySpec,
+    tts_special_embeds,
+    tts_special_ids,
 )
+from services.runtime.sampling import SamplingParams
 
 Part = Literal["thinker", "talker", "code2wav"]
 PARTS: tuple[Part, ...] = ("thinker", "talker", "code2wav")
@@ -195,3 +198,26 @@ def read_tensor_rows(ckpt: Checkpoint, keys: tuple[str, ...], rows: list[int]) -
 
 # Where the thinker's token embedding lives (transformers 5 layout, then the original one).
 THINKER_EMBED_KEYS = ("thinker.model.language_model.embed_tokens.weight", "thinker.model.embed_tokens.weight")
+
+
+def talker_tts_embeds(ckpt: Checkpoint, talker: torch.nn.Module) -> torch.Tensor:
+    """The talker's projected tts_bos/eos/pad embeddings, from three rows of the thinker's
+    embedding table (the talker stage never loads the thinker)."""
+    rows = read_tensor_rows(ckpt, THINKER_EMBED_KEYS, tts_special_ids(ckpt.spec))
+    return tts_special_embeds(talker, rows)
+
+
+def thinker_sampling_defaults(ckpt: Checkpoint) -> SamplingParams:
+    """The checkpoint's generation_config for the thinker, stopping on `<|im_end|>`."""
+    gen_file = ckpt.path / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    sampled = bool(gen.get("do_sample", False))
+    return SamplingParams(
+        do_sample=sampled,
+        temperature=float(gen.get("temperature") or 1.0),
+        top_k=int(gen.get("top_k") or 0) if sampled else 0,
+        top_p=float(gen.get("top_p") or 1.0),
+        repetition_penalty=float(gen.get("repetition_penalty") or 1.0),
+        max_tokens=1024,
+        stop_ids=(ckpt.spec.im_end_id,),
+    )

@@ -11,7 +11,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -19,16 +18,14 @@ from omnistage.families.qwen3_omni import (
     SAMPLE_RATE,
     build_prompt_ids,
     messages_from_prompt,
-    tts_special_embeds,
-    tts_special_ids,
 )
 from omnistage.loader import (
-    THINKER_EMBED_KEYS,
     Checkpoint,
     load_part,
     load_tokenizer,
     open_checkpoint,
-    read_tensor_rows,
+    talker_tts_embeds,
+    thinker_sampling_defaults,
 )
 from services.code2wav.runner import Code2WavRunner, Code2WavSession, StreamingMode
 from services.runtime.sampling import TALKER_DEFAULTS, SamplingParams
@@ -82,15 +79,11 @@ class InProcessPipeline:
         self.tokenizer = load_tokenizer(self.checkpoint)
         self.thinker = ThinkerRunner(load_part(self.checkpoint, "thinker", dtype, device), self.spec)
         talker_model = load_part(self.checkpoint, "talker", dtype, device)
-        self.talker = TalkerRunner(talker_model, self.spec, self._tts_embeds(talker_model))
+        self.talker = TalkerRunner(talker_model, self.spec, talker_tts_embeds(self.checkpoint, talker_model))
         self.code2wav = Code2WavRunner(load_part(self.checkpoint, "code2wav", dtype, device), self.spec)
 
-    def _tts_embeds(self, talker_model: Any) -> torch.Tensor:
-        rows = read_tensor_rows(self.checkpoint, THINKER_EMBED_KEYS, tts_special_ids(self.spec))
-        return tts_special_embeds(talker_model, rows)
-
     def thinker_defaults(self) -> SamplingParams:
-        return default_thinker_sampling(self.checkpoint)
+        return thinker_sampling_defaults(self.checkpoint)
 
     def prompt_ids(self, prompt: str, system: str | None = None) -> list[int]:
         if not prompt.strip():
@@ -99,23 +92,6 @@ class InProcessPipeline:
 
     def run(self, req: PipelineRequest) -> Iterator[TextEvent | AudioEvent | DoneEvent]:
         return run_request(self, req)
-
-
-def default_thinker_sampling(ckpt: Checkpoint) -> SamplingParams:
-    """The checkpoint's generation_config for the thinker, stopping on `<|im_end|>`."""
-    import json
-
-    gen_file = ckpt.path / "generation_config.json"
-    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
-    return SamplingParams(
-        do_sample=bool(gen.get("do_sample", False)),
-        temperature=float(gen.get("temperature", 1.0) or 1.0),
-        top_k=int(gen.get("top_k", 0) or 0) if gen.get("do_sample") else 0,
-        top_p=float(gen.get("top_p", 1.0) or 1.0),
-        repetition_penalty=float(gen.get("repetition_penalty", 1.0) or 1.0),
-        max_tokens=1024,
-        stop_ids=(ckpt.spec.im_end_id,),
-    )
 
 
 def run_request(pipe: InProcessPipeline, req: PipelineRequest) -> Iterator[TextEvent | AudioEvent | DoneEvent]:

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from omnistage.families.qwen3_omni import tts_special_embeds, tts_special_ids
-from omnistage.loader import THINKER_EMBED_KEYS, Checkpoint, load_part, read_tensor_rows
+from omnistage.loader import Checkpoint, load_part, talker_tts_embeds
 from omnistage.v1 import stage_pb2
 from services.runtime.config import DeployConfig
 from services.runtime.engine import Emit, OutChunk, StageWorker, invalid
-from services.runtime.sampling import TALKER_DEFAULTS, SamplingParams
+from services.runtime.sampling import TALKER_DEFAULTS
 from services.runtime.sampling_wire import from_proto
 from services.runtime.tensor_blob import DecodedChunk
 from services.runtime.validate import FLOAT_DTYPES, INT_DTYPES, check_names, tensor
@@ -114,11 +111,6 @@ class TalkerWorker(StageWorker):
         return {"max_num_seqs": 1}
 
 
-def talker_tts_embeds(ckpt: Checkpoint, model: torch.nn.Module) -> torch.Tensor:
-    rows = read_tensor_rows(ckpt, THINKER_EMBED_KEYS, tts_special_ids(ckpt.spec))
-    return tts_special_embeds(model, rows)
-
-
 def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> TalkerWorker:
     stage = cfg.talker
     model = load_part(ckpt, "talker", stage.dtype, stage.device)
@@ -126,4 +118,4 @@ def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> TalkerWorker:
     return TalkerWorker(TalkerRunner(model, ckpt.spec, talker_tts_embeds(ckpt, model)), mode)
 
 
-__all__ = ["SamplingParams", "TalkerWorker", "build_worker"]
+__all__ = ["TalkerWorker", "build_worker"]

@@ -8,8 +8,7 @@ from typing import Any
 import grpc
 import torch
 
-from omnistage.loader import Checkpoint, load_part
-from omnistage.pipeline import default_thinker_sampling
+from omnistage.loader import Checkpoint, load_part, thinker_sampling_defaults
 from omnistage.v1 import stage_pb2
 from services.runtime.config import DeployConfig
 from services.runtime.engine import Emit, OutChunk, StageError, StageWorker, invalid
@@ -111,4 +110,4 @@ def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> ThinkerWorker:
     stage = cfg.thinker
     model = load_part(ckpt, "thinker", stage.dtype, stage.device)
     mode = stage_pb2.FULL_PAYLOAD if cfg.edges.thinker_to_talker == "full_payload" else stage_pb2.ASYNC_CHUNK
-    return ThinkerWorker(ThinkerRunner(model, ckpt.spec), default_thinker_sampling(ckpt), mode)
+    return ThinkerWorker(ThinkerRunner(model, ckpt.spec), thinker_sampling_defaults(ckpt), mode)
