@@ -21,7 +21,6 @@ random weights scaled so the waveform is O(0.3) and not clamped.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
-from benchmarks.common import machine_info, timed_median
+from benchmarks.common import machine_info, timed_median, write_json
 from services.code2wav.streaming import (
     IncrementalCode2Wav,
     exact_decode_stream,
@@ -58,6 +57,14 @@ def random_code2wav(seed: int = SEED, gain: float = WEIGHT_GAIN) -> Qwen3OmniMoe
     """
     torch.manual_seed(seed)
     model = Qwen3OmniMoeCode2Wav(tiny_code2wav_config()).eval()
+    scale_weights(model, gain)
+    return model
+
+
+def scale_weights(model: Qwen3OmniMoeCode2Wav, gain: float) -> None:
+    """Re-draw weights so the waveform is O(0.1-1) but not saturated (library init gives ~1e-7):
+    every matrix std gain/sqrt(fan_in), layer scales/gammas 0.5, SnakeBeta log-params N(0, 0.3),
+    last conv x10. Used by the benchmark and the streaming tests."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() > 1:
@@ -67,7 +74,6 @@ def random_code2wav(seed: int = SEED, gain: float = WEIGHT_GAIN) -> Qwen3OmniMoe
             elif name.endswith("alpha") or name.endswith("beta"):
                 p.normal_(0.0, 0.3)
         model.decoder[-1].conv.weight.mul_(10.0)
-    return model
 
 
 def _load(checkpoint: Path | None) -> tuple[Qwen3OmniMoeCode2Wav, str]:
@@ -178,9 +184,7 @@ def main(json_out: Path | None = None, checkpoint: Path | None = None) -> dict[s
         torch.set_num_threads(int(threads))
     res = run(checkpoint)
     print(_fmt_table(res))
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+    write_json(json_out, res)
     return res
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -43,3 +45,9 @@ def timed_median(fn: Callable[[], T], reps: int, warmup: int = 1) -> tuple[float
         result = fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), times, result
+
+
+def write_json(path: Path | None, result: dict[str, Any]) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

@@ -4,7 +4,6 @@ code predictor), code2wav per second of audio. Median over repetitions."""
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import machine_info
+from benchmarks.common import machine_info, write_json
 from omnistage.families.qwen3_omni import SAMPLE_RATE
 from services.runtime.sampling import SamplingParams
 from services.talker.session import TalkerSession
@@ -77,6 +76,5 @@ def main(json_out: Path | None = None, model_dir: Path | None = None) -> dict[st
         print(f"{k:<32} {v * 1000:8.2f} ms")
     print(f"(median of {res['reps']}, prompt {res['prompt_tokens']} tokens, {res['decode_tokens']} decoded, "
           f"{res['frames']} frames, torch threads 1)")
-    if json_out:
-        json_out.write_text(json.dumps(res, indent=2))
+    write_json(json_out, res)
     return res

@@ -17,7 +17,6 @@ Every figure is the median of several repetitions and comes with its baseline fr
 from __future__ import annotations
 
 import io
-import json
 import pickle
 import statistics
 import threading
@@ -31,7 +30,7 @@ import grpc
 import numpy as np
 import torch
 
-from benchmarks.common import machine_info, timed_median
+from benchmarks.common import machine_info, timed_median, write_json
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from omnistage.v1.tensor_pb2 import TensorBlob
 from services.runtime import tensor_blob as tb
@@ -282,9 +281,7 @@ def _fmt_table(res: dict[str, Any]) -> str:
 def main(json_out: Path | None = None) -> dict[str, Any]:
     res = run()
     print(_fmt_table(res))
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+    write_json(json_out, res)
     return res
 
 

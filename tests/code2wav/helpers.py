@@ -8,6 +8,7 @@ import torch
 from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
+from benchmarks.code2wav import scale_weights
 from services.code2wav.streaming import tiny_code2wav_config
 
 
@@ -32,25 +33,6 @@ CONFIGS = {"A": config_a, "B": config_b}
 # Per-config matrix gain: the largest that keeps the full decode's own fp32 rounding error
 # (vs float64) around 1e-6, with output std ~0.25-0.4 and almost no clamping.
 GAINS = {"A": 0.7, "B": 0.6}
-
-
-def scale_weights(model: Qwen3OmniMoeCode2Wav, gain: float) -> None:
-    """Re-draw weights so the waveform is O(0.1-1) but not saturated.
-
-    The library init (std 0.02, zero gammas/biases) gives ~1e-7 output.  Here every matrix
-    gets std gain/sqrt(fan_in) (gain below the chaotic regime, where fp32 rounding of the full
-    decode itself would blow up), layer scales/gammas 0.5, SnakeBeta log-params N(0, 0.3), and
-    the last conv is scaled by 10 so the output is O(0.3).
-    """
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, gain / p[0].numel() ** 0.5)
-            elif name.endswith("gamma") or name.endswith(".scale"):
-                p.fill_(0.5)
-            elif name.endswith("alpha") or name.endswith("beta"):
-                p.normal_(0.0, 0.3)
-        model.decoder[-1].conv.weight.mul_(10.0)
 
 
 @functools.cache
