@@ -121,6 +121,9 @@ class StageService(stage_pb2_grpc.StageServicer):
         self, request_iterator: AsyncIterator[stage_pb2.StageRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[stage_pb2.StageResponse]:
         if self.draining:
+            # Read what the caller already sent first: a call the server ends while the client
+            # is still writing surfaces as INTERNAL on the client instead of this status.
+            await self._discard_inputs(request_iterator, limit_s=2.0)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.stage}: draining, not accepting new requests")
         if self.reader is not None:
             await context.send_initial_metadata(self.reader.accept(context.invocation_metadata()))
@@ -165,6 +168,10 @@ class StageService(stage_pb2_grpc.StageServicer):
                     pending.add("down")
                     down_call = self._open_downstream(req, item.start, context)
                     tasks.append(asyncio.create_task(self._relay(req, down_call)))
+            # Done: end the call only once the caller has half-closed (same race as above; e.g.
+            # the talker reaching its frame limit while the thinker still sends tokens).
+            remaining = context.time_remaining()
+            await asyncio.wait({tasks[0]}, timeout=remaining if remaining is not None else 60.0)
         finally:
             self.open_streams -= 1
             if req is not None:
@@ -191,6 +198,15 @@ class StageService(stage_pb2_grpc.StageServicer):
             self._fail(req, e)
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass
+
+    @staticmethod
+    async def _discard_inputs(request_iterator: AsyncIterator[stage_pb2.StageRequest], limit_s: float) -> None:
+        async def drain() -> None:
+            async for _ in request_iterator:
+                pass
+
+        with contextlib.suppress(asyncio.TimeoutError, grpc.aio.AioRpcError, asyncio.CancelledError):
+            await asyncio.wait_for(drain(), timeout=limit_s)
 
     def _fail(self, req: Any, err: StageError) -> None:
         self.engine.abort(req)
