@@ -99,15 +99,10 @@ def thinker_eos_id() -> int:
     return _special_id("<|im_end|>")
 
 
-def tiny_config_dict() -> dict[str, Any]:
-    """The full Qwen3OmniMoeConfig as a plain dict (what config.json will hold)."""
-    audio_token = _special_id("<|audio_pad|>")
-    image_token = _special_id("<|image_pad|>")
-    video_token = _special_id("<|video_pad|>")
-    vision_start = _special_id("<|vision_start|>")
-    audio_start = _special_id("<|audio_start|>")
-    text = {
-        "vocab_size": THINKER_VOCAB,
+def _moe_text_config(vocab: int, max_positions: int, **extra: Any) -> dict[str, Any]:
+    """The thinker's and the talker's MoE text stacks share these small sizes."""
+    return {
+        "vocab_size": vocab,
         "hidden_size": HIDDEN,
         "intermediate_size": 128,
         "num_hidden_layers": 2,
@@ -117,9 +112,20 @@ def tiny_config_dict() -> dict[str, Any]:
         "moe_intermediate_size": 32,
         "num_experts": 4,
         "num_experts_per_tok": 2,
-        "max_position_embeddings": 2048,
+        "max_position_embeddings": max_positions,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+        **extra,
     }
+
+
+def tiny_config_dict() -> dict[str, Any]:
+    """The full Qwen3OmniMoeConfig as a plain dict (what config.json will hold)."""
+    audio_token = _special_id("<|audio_pad|>")
+    image_token = _special_id("<|image_pad|>")
+    video_token = _special_id("<|video_pad|>")
+    vision_start = _special_id("<|vision_start|>")
+    audio_start = _special_id("<|audio_start|>")
+    text = _moe_text_config(THINKER_VOCAB, max_positions=2048)
     thinker = {
         "text_config": text,
         "audio_config": {
@@ -149,21 +155,7 @@ def tiny_config_dict() -> dict[str, Any]:
         "user_token_id": _special_id("user"),
     }
     talker = {
-        "text_config": {
-            "vocab_size": TALKER_VOCAB,
-            "hidden_size": HIDDEN,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 64,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "max_position_embeddings": 4096,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-        },
+        "text_config": _moe_text_config(TALKER_VOCAB, max_positions=4096, shared_expert_intermediate_size=64),
         "code_predictor_config": {
             "vocab_size": CODEBOOK,
             "hidden_size": HIDDEN,
