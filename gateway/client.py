@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,8 +115,10 @@ class Reply:
     timings: dict[str, dict[str, float]]
 
 
-async def generate(target: str, prompt: str, **options: Any) -> Reply:
-    """Collect one whole reply."""
+async def generate(
+    target: str, prompt: str, on_text: Callable[[str], None] | None = None, **options: Any
+) -> Reply:
+    """Collect one whole reply; `on_text` sees each text delta as it arrives."""
     text, ids, pcm_parts = [], [], []
     ttft = ttfa = None
     sr = 24000
@@ -127,6 +129,8 @@ async def generate(target: str, prompt: str, **options: Any) -> Reply:
         if ev.kind == "text":
             ttft = ev.t if ttft is None else ttft
             text.append(ev.text)
+            if on_text is not None:
+                on_text(ev.text)
             ids.extend(ev.token_ids)
         elif ev.kind == "audio" and ev.pcm is not None:
             ttfa = ev.t if ttfa is None else ttfa

@@ -246,51 +246,32 @@ def client(
     import asyncio
 
     import grpc
+    import torch
 
-    from gateway.client import stream_generate
+    from gateway.client import generate
     from omnistage.pipeline import write_wav
 
-    async def run() -> dict[str, object]:
-        ids: list[int] = []
-        pcm_parts = []
-        ttft = ttfa = None
-        final: dict[str, object] = {}
-        async for ev in stream_generate(
-            target, prompt, want_audio=not no_audio, thinker_max_tokens=max_tokens,
-            talker_max_tokens=max_frames, greedy=True, mode=mode, timeout=timeout,
-        ):
-            if ev.kind == "text":
-                ttft = ev.t if ttft is None else ttft
-                ids.extend(ev.token_ids)
-                if not as_json:
-                    typer.echo(ev.text, nl=False)
-            elif ev.kind == "audio" and ev.pcm is not None:
-                ttfa = ev.t if ttfa is None else ttfa
-                pcm_parts.append(ev.pcm)
-            elif ev.kind == "final":
-                final = {"usage": ev.usage, "timings": ev.timings, "e2e_s": ev.t}
-        return {"token_ids": ids, "pcm": pcm_parts, "ttft_s": ttft, "ttfa_s": ttfa, **final}
-
     try:
-        result = asyncio.run(run())
+        reply = asyncio.run(generate(
+            target, prompt, on_text=None if as_json else (lambda t: typer.echo(t, nl=False)),
+            want_audio=not no_audio, thinker_max_tokens=max_tokens, talker_max_tokens=max_frames,
+            greedy=True, mode=mode, timeout=timeout,
+        ))
     except grpc.aio.AioRpcError as e:
         typer.echo(f"\nerror: {e.code().name}: {e.details()}", err=True)
         raise typer.Exit(1) from None
-    import numpy as np
-    import torch
-
-    parts = result.pop("pcm")
-    pcm = np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)  # type: ignore[arg-type]
     if not no_audio:
-        write_wav(out, torch.from_numpy(pcm.copy()))
-    summary = {**result, "audio_samples": int(pcm.shape[0]), "audio_seconds": pcm.shape[0] / 24000,
-               "wav": None if no_audio else str(out)}
+        write_wav(out, torch.from_numpy(reply.pcm.copy()))
+    summary = {
+        "token_ids": reply.token_ids, "ttft_s": reply.ttft_s, "ttfa_s": reply.ttfa_s, "e2e_s": reply.e2e_s,
+        "usage": reply.usage, "timings": reply.timings, "audio_samples": int(reply.pcm.shape[0]),
+        "audio_seconds": reply.pcm.shape[0] / reply.sample_rate, "wav": None if no_audio else str(out),
+    }
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
     else:
         typer.echo("")
-        ttft = summary["ttft_s"]
-        ttfa = summary["ttfa_s"]
+        ttft, ttfa = reply.ttft_s, reply.ttfa_s
         typer.echo(f"time to first token: {ttft * 1000:.0f} ms" if ttft is not None else "no text")
         if not no_audio:
             typer.echo(f"time to first audio: {ttfa * 1000:.0f} ms" if ttfa is not None else "no audio")

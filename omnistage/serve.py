@@ -9,7 +9,6 @@ when the parent stops and die with it if it is killed (PR_SET_PDEATHSIG), so no 
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import signal
@@ -139,7 +138,6 @@ def start_stack(
     open_checkpoint(model_dir)  # fail here, with the checkpoint's problem, not in N children
     stack = Stack(cfg=cfg, model_dir=model_dir, log_dir=log_dir)
     env = dict(os.environ)
-    env.setdefault("OMNISTAGE_LOG_LEVEL", "INFO")
     cfg_path = config_file
     tmp_cfg = None
     if cfg_path is None:
@@ -167,11 +165,8 @@ def start_stack(
         stack.stop()
         raise
     finally:
-        if tmp_cfg is not None:
-            # children have read it by the time they are healthy; on failure nobody needs it
-            with contextlib.suppress(OSError):
-                if not stack.children:
-                    tmp_cfg.unlink()
+        if tmp_cfg is not None:  # every child read it before it became healthy
+            tmp_cfg.unlink(missing_ok=True)
     return stack
 
 

@@ -168,9 +168,8 @@ def assistant_start(prompt_ids: torch.Tensor, spec: FamilySpec) -> int:
 class TalkerPromptBuilder:
     """Builds the talker's inputs from thinker outputs for one request, incrementally.
 
-    `talker` is a loaded `Qwen3OmniMoeTalkerForConditionalGeneration`; `thinker_embedding`
-    is the thinker's input embedding table (the talker stage receives the embeddings from the
-    thinker instead, through `prefill_embeds`).
+    `talker` is a loaded `Qwen3OmniMoeTalkerForConditionalGeneration`; `tts_special_embeds` is
+    `tts_special_embeds(talker, ...)`, `[1, 3, H]`. Thinker embeddings arrive as arguments.
     """
 
     def __init__(self, talker: Any, spec: FamilySpec, tts_special_embeds: torch.Tensor) -> None:

@@ -9,7 +9,7 @@ Streaming modes (`code2wav_streaming`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -25,7 +25,7 @@ class Code2WavStream:
     mode: StreamingMode
     left_context_frames: int = 25
     state: Code2WavStreamState | None = None  # exact mode
-    frames: list[torch.Tensor] = field(default_factory=list)  # windowed mode: frames seen so far
+    context: torch.Tensor | None = None  # windowed mode: the last left_context_frames frames
     frames_in: int = 0
     samples_out: int = 0
     closed: bool = False
@@ -91,12 +91,8 @@ class Code2WavRunner:
     def _windowed(self, s: Code2WavStream, new: torch.Tensor) -> torch.Tensor:
         if new.shape[1] == 0:
             return torch.zeros(0)
-        context = s.frames[-s.left_context_frames :] if s.left_context_frames else []
-        s.frames.append(new)
-        ctx = torch.cat(context, dim=1)[:, -s.left_context_frames :] if context else new[:, :0]
-        if s.left_context_frames:  # keep only what the next window can use
-            kept = torch.cat(s.frames, dim=1)[:, -s.left_context_frames :]
-            s.frames = [kept]
+        ctx = s.context if s.context is not None else new[:, :0]
+        s.context = torch.cat((ctx, new), dim=1)[:, max(0, ctx.shape[1] + new.shape[1] - s.left_context_frames) :]
         wav = self.model(torch.cat((ctx, new), dim=1).unsqueeze(0).to(self.device)).reshape(-1)
         return wav[ctx.shape[1] * self.spec.samples_per_frame :].float().cpu()
 
@@ -105,7 +101,7 @@ class Code2WavRunner:
         if stream.state is not None:
             self.incremental.close([stream.state])
             stream.state = None
-        stream.frames = []
+        stream.context = None
         stream.closed = True
 
 

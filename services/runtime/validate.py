@@ -40,9 +40,3 @@ def tensor(
         raise invalid(f"{stage}: tensor '{name}' has shape {list(t.shape)}; expected {pattern}")
     return t
 
-
-def meta_int(stage: str, chunk: DecodedChunk, key: str) -> int:
-    v = chunk.meta.get("n" if key == "n" else key, 0)
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise invalid(f"{stage}: chunk meta '{key}' must be an integer, got {v!r}")
-    return v

@@ -35,7 +35,6 @@ class TalkerRequest:
     history: list[int] = field(default_factory=list)  # generated code-0 ids (repetition penalty)
     step: int = 0  # talker decode step g (indexes trailing text)
     pending_frame: torch.Tensor | None = None  # completed frame not yet fed back
-    frames: int = 0
     finished: bool = False
     stopped_on: str | None = None
     chooser: TokenChooser | None = None
@@ -130,7 +129,6 @@ class TalkerRunner:
                 use_cache=True,
                 generation_steps=j,
             )
-        req.frames += 1
         return torch.tensor(codes, dtype=torch.long)
 
     @torch.no_grad()

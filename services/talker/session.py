@@ -25,7 +25,6 @@ class TalkerSession:
         self.tokens: list[tuple[torch.Tensor, bool]] = []  # generated tokens: (embed [H], is_last)
         self.thinker_done = False
         self.started = False
-        self.frames = 0
 
     # ---- inputs ---------------------------------------------------------------------------
 
@@ -83,7 +82,6 @@ class TalkerSession:
         new_frame = None
         if self.req.pending_frame is None:
             self.req.pending_frame = new_frame = runner.residuals(self.req)
-            self.frames += 1
         element = self._element(ASSISTANT_HEADER_LEN + 1 + self.req.step)
         if element is not None or self.thinker_done:
             embed, is_last = element if element is not None else (None, False)
