@@ -26,6 +26,7 @@ from omnistage.v1 import gateway_pb2, gateway_pb2_grpc, stage_pb2, stage_pb2_grp
 from services.runtime.config import DeployConfig
 from services.runtime.server import channel_options
 from services.runtime.tensor_blob import ChunkAssembler, TensorBlobError, encode_chunk
+from services.runtime.wire_view import stage_stream
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.thinker_target = thinker_target
         self.channel = grpc.aio.insecure_channel(thinker_target, options=channel_options(cfg.max_message_bytes))
         self.stub = stage_pb2_grpc.StageStub(self.channel)
+        self.stream = stage_stream(self.channel)  # Stage.Stream; responses parsed without copying tensors
         self.active = 0
         self.draining = False
 
@@ -121,7 +123,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             yield stage_pb2.StageRequest(chunk=chunk)
 
         self.active += 1
-        call = self.stub.Stream(messages(), timeout=timeout)
+        call = self.stream(messages(), timeout=timeout)
         assemblers: dict[str, ChunkAssembler] = {}
         detok = Detokenizer(self.tokenizer)
         timings: dict[str, gateway_pb2.StageTiming] = {}
@@ -129,19 +131,18 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         frames = 0
         samples = 0
         try:
-            async for resp in call:
+            async for received in call:
+                resp = received.message
                 now = time.perf_counter() - t0
                 timing = timings.setdefault(resp.stage, gateway_pb2.StageTiming(first_output_s=now))
                 timing.total_s = now
-                chunk = assemblers.setdefault(resp.stage, ChunkAssembler()).push(resp.chunk)
+                chunk = assemblers.setdefault(resp.stage, ChunkAssembler()).push(resp.chunk, received.views)
                 if chunk is None:
                     continue
                 if resp.stage == "thinker" and "ids" in chunk.tensors:
                     ids = [int(i) for i in chunk.tensors["ids"].tolist()]
                     completion += len(ids)
-                    yield gateway_pb2.GenerateResponse(
-                        text=gateway_pb2.TextDelta(text=detok.push(ids), token_ids=ids)
-                    )
+                    yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text=detok.push(ids), token_ids=ids))
                 elif resp.stage == "talker" and "codes" in chunk.tensors:
                     frames += int(chunk.tensors["codes"].shape[1])
                 elif resp.stage == "code2wav" and "audio" in chunk.tensors:

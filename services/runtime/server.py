@@ -6,6 +6,8 @@ Message flow for one request on a stage with a downstream:
   engine --up chunks--> out_q --> yielded to the caller (tagged with this stage)
   engine --Start, down chunks--> down_q --> downstream call
   downstream responses --> out_q (relayed unchanged) --> caller
+Received messages are parsed by wire_view (inline tensor payloads stay in the received bytes,
+decoded without a copy; a relayed response goes up as the bytes it came in).
 The call ends when this stage's own work and the downstream call have both finished. A
 cancelled or failed call aborts the request here (the engine frees its state) and cancels the
 downstream call, so the abort travels down the chain by itself.
@@ -29,6 +31,7 @@ from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from services.runtime.engine import DOWN_DONE, SELF_DONE, Engine, OpenDownstream, OutChunk, StageError, invalid
 from services.runtime.shm import ShmPool, default_reader, peer_accepts_shm
 from services.runtime.tensor_blob import ChunkAssembler, TensorBlobError, encode_chunks
+from services.runtime.wire_view import Received, add_stage_servicer, stage_stream
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +76,11 @@ class StageService(stage_pb2_grpc.StageServicer):
         self.draining = False
         self._channel: grpc.aio.Channel | None = None
 
-    def _downstream_stub(self) -> stage_pb2_grpc.StageStub:
+    def _downstream_stream(self) -> Any:
         if self._channel is None:
             assert self.downstream is not None
             self._channel = grpc.aio.insecure_channel(self.downstream, options=channel_options(self.max_message_bytes))
-        return stage_pb2_grpc.StageStub(self._channel)
+        return stage_stream(self._channel)
 
     def _encode(self, out: OutChunk, seq: int, pool: ShmPool | None, request_id: str) -> list[Any]:
         meta = dict(out.meta)
@@ -118,8 +121,8 @@ class StageService(stage_pb2_grpc.StageServicer):
     # ---- Stream ---------------------------------------------------------------------------
 
     async def Stream(
-        self, request_iterator: AsyncIterator[stage_pb2.StageRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[stage_pb2.StageResponse]:
+        self, request_iterator: AsyncIterator[Received[stage_pb2.StageRequest]], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[stage_pb2.StageResponse | Received[stage_pb2.StageResponse]]:
         if self.draining:
             # Read what the caller already sent first: a call the server ends while the client
             # is still writing surfaces as INTERNAL on the client instead of this status.
@@ -135,7 +138,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         down_call: Any = None
         try:
             try:
-                first = await anext(aiter(request_iterator))
+                first = (await anext(aiter(request_iterator))).message
             except StopAsyncIteration:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.stage}: stream closed before Start")
             if first.WhichOneof("kind") != "start":
@@ -158,7 +161,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                     pending.discard("down")
                 elif isinstance(item, StageError):
                     await context.abort(item.code, item.message)
-                elif isinstance(item, stage_pb2.StageResponse):  # relayed from downstream, unchanged
+                elif isinstance(item, Received | stage_pb2.StageResponse):  # relayed from downstream, unchanged
                     yield item
                 elif isinstance(item, OutChunk):
                     for chunk in self._encode(item, seq, None, req.request_id):
@@ -182,13 +185,13 @@ class StageService(stage_pb2_grpc.StageServicer):
             for t in tasks:
                 t.cancel()
 
-    async def _read_inputs(self, req: Any, request_iterator: AsyncIterator[stage_pb2.StageRequest]) -> None:
+    async def _read_inputs(self, req: Any, request_iterator: AsyncIterator[Received[stage_pb2.StageRequest]]) -> None:
         assembler = ChunkAssembler(reader=self.reader)
         try:
             async for msg in request_iterator:
-                if msg.WhichOneof("kind") != "chunk":
+                if msg.message.WhichOneof("kind") != "chunk":
                     raise invalid(f"{self.stage}: a second Start on one stream")
-                decoded = assembler.push(msg.chunk)
+                decoded = assembler.push(msg.message.chunk, msg.views)
                 if decoded is not None:
                     self.engine.feed(req, decoded)
             self.engine.finish_input(req)
@@ -200,7 +203,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             pass
 
     @staticmethod
-    async def _discard_inputs(request_iterator: AsyncIterator[stage_pb2.StageRequest], limit_s: float) -> None:
+    async def _discard_inputs(request_iterator: AsyncIterator[Any], limit_s: float) -> None:
         async def drain() -> None:
             async for _ in request_iterator:
                 pass
@@ -217,7 +220,7 @@ class StageService(stage_pb2_grpc.StageServicer):
     def _open_downstream(self, req: Any, start: stage_pb2.Start, context: grpc.aio.ServicerContext) -> Any:
         """One call per request to the downstream stage; its lifetime is this request's."""
         timeout = context.time_remaining()
-        call = self._downstream_stub().Stream(
+        call = self._downstream_stream()(
             self._down_messages(req, start),
             timeout=timeout,
             metadata=self.pool.invocation_metadata() if self.pool.enabled else None,
@@ -278,7 +281,7 @@ class StageServer:
             ("grpc.max_connection_age_grace_ms", int(1000 * max(self.drain_grace_s, 600))),
         ]
         self.server = grpc.aio.server(options=options)
-        stage_pb2_grpc.add_StageServicer_to_server(self.service, self.server)
+        add_stage_servicer(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (
             stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name,

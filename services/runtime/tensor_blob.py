@@ -6,11 +6,13 @@ Wire format: dtype enum, shape, and either ``raw`` (little-endian, row-major, no
 
 Copies
 ------
-* Decoding makes no copy of its own: tensors are ``torch.frombuffer`` / ``numpy.frombuffer``
-  views over the bytes protobuf hands back or over the mapped segment. Caveat: protobuf-python
-  (upb) materializes a bytes field as a fresh ``bytes`` object on every attribute access, so
-  ``decode`` reads ``blob.raw`` exactly once; that protobuf-internal copy is the only one on an
-  inline decode. The shared-memory path has none at all.
+* Decoding makes no copy: tensors are ``torch.frombuffer`` / ``numpy.frombuffer`` views over the
+  received message bytes or over the mapped segment. protobuf-python (upb) would copy an inline
+  payload when it parses the message and again whenever ``blob.raw`` is read, so received
+  messages are parsed by ``services/runtime/wire_view.py``, which leaves the payloads in the
+  received bytes and hands them over as memoryviews (the ``view`` / ``views`` arguments below).
+  Without a view, ``decode`` reads ``blob.raw`` exactly once (protobuf's copy). The
+  shared-memory path has no copy at all.
 * Encoding copies once: ``tobytes()`` (inline) or one ``copy_`` into the shared-memory slot (which
   is also the device->host copy for a CUDA tensor). protobuf-python only accepts ``bytes`` for a
   bytes field and copies it again internally when it is assigned; that is outside our control.
@@ -232,7 +234,9 @@ def _check_shape(dims: list[int], itemsize: int) -> int:
     return numel
 
 
-def _resolve(blob: TensorBlob, reader: ShmReader | None, *, allow_piece: bool) -> _Resolved:
+def _resolve(
+    blob: TensorBlob, reader: ShmReader | None, *, allow_piece: bool, view: memoryview | None = None
+) -> _Resolved:
     dt = _dtype_of_proto(blob.dtype)
     shape = tuple(blob.shape)
     numel = _check_shape(list(shape), dt.itemsize)
@@ -242,7 +246,8 @@ def _resolve(blob: TensorBlob, reader: ShmReader | None, *, allow_piece: bool) -
     kind = blob.WhichOneof("data")
     buffer: bytes | memoryview
     if kind == "raw":
-        buffer = blob.raw  # the one protobuf-internal copy; read the field once
+        # The received payload (wire_view), else protobuf's copy of it: read the field once.
+        buffer = view if view is not None else blob.raw
         nbytes = len(buffer)
     elif kind == "shm":
         ref = blob.shm
@@ -265,9 +270,7 @@ def _resolve(blob: TensorBlob, reader: ShmReader | None, *, allow_piece: bool) -
         if eo < 0 or eo + count > numel:
             raise TensorBlobError(f"piece [{eo}, {eo + count}) outside a tensor of {numel} elements")
     elif count != numel:
-        raise TensorBlobError(
-            f"{nbytes} data bytes but dtype × shape {list(shape)} needs {numel * dt.itemsize}"
-        )
+        raise TensorBlobError(f"{nbytes} data bytes but dtype × shape {list(shape)} needs {numel * dt.itemsize}")
     if dt.proto == tensor_pb2.BOOL and count and int(np.frombuffer(buffer, np.uint8, count).max()) > 1:
         raise TensorBlobError("BOOL bytes must be 0 or 1")
     return _Resolved(dt, shape, numel, eo, count, buffer)
@@ -298,20 +301,22 @@ def decode(
     *,
     reader: ShmReader | None = None,
     device: torch.device | str | None = None,
+    view: memoryview | None = None,
 ) -> torch.Tensor:
     """TensorBlob -> torch.Tensor, a view over the received bytes or the mapped segment.
 
-    ``device`` (e.g. "cuda:0") adds a plain ``.to(device)``; use ``cuda_copy.H2DCopier`` for an
-    asynchronous copy on a side stream.
+    ``view``: the blob's inline payload in the received bytes (``wire_view.Received.views``),
+    used instead of ``blob.raw``. ``device`` (e.g. "cuda:0") adds a plain ``.to(device)``; use
+    ``cuda_copy.H2DCopier`` for an asynchronous copy on a side stream.
     """
-    r = _resolve(blob, reader, allow_piece=False)
+    r = _resolve(blob, reader, allow_piece=False, view=view)
     t = _torch_view(r).view(r.shape)
     return t if device is None else t.to(device)
 
 
-def decode_numpy(blob: TensorBlob, *, reader: ShmReader | None = None) -> np.ndarray:
+def decode_numpy(blob: TensorBlob, *, reader: ShmReader | None = None, view: memoryview | None = None) -> np.ndarray:
     """TensorBlob -> numpy array view (read-only for inline bytes). bf16 comes back as uint16."""
-    r = _resolve(blob, reader, allow_piece=False)
+    r = _resolve(blob, reader, allow_piece=False, view=view)
     return _numpy_view(r).reshape(r.shape)
 
 
@@ -488,11 +493,16 @@ def encode_chunks(
     return messages
 
 
-def decode_chunk(chunk: Chunk, *, reader: ShmReader | None = None) -> DecodedChunk:
-    """Decode an unsplit Chunk (parts 0 or 1) without copying tensor data."""
+def decode_chunk(
+    chunk: Chunk, *, reader: ShmReader | None = None, views: Mapping[str, memoryview] | None = None
+) -> DecodedChunk:
+    """Decode an unsplit Chunk (parts 0 or 1) without copying tensor data.
+
+    ``views``: inline payloads by tensor name when the chunk came through ``wire_view``."""
     if chunk.parts > 1:
         raise TensorBlobError("chunk is part of a split; feed it to a ChunkAssembler")
-    tensors = {name: decode(blob, reader=reader) for name, blob in chunk.tensors.items()}
+    views = views or {}
+    tensors = {name: decode(blob, reader=reader, view=views.get(name)) for name, blob in chunk.tensors.items()}
     return DecodedChunk(tensors, get_meta(chunk.meta), chunk.offset, chunk.seq, chunk.finished)
 
 
@@ -523,18 +533,19 @@ class ChunkAssembler:
     def in_progress(self) -> bool:
         return self._pending is not None
 
-    def push(self, chunk: Chunk) -> DecodedChunk | None:
+    def push(self, chunk: Chunk, views: Mapping[str, memoryview] | None = None) -> DecodedChunk | None:
+        """``views``: the chunk's inline payloads by tensor name (``wire_view.Received.views``)."""
         try:
-            return self._push(chunk)
+            return self._push(chunk, views or {})
         except TensorBlobError:
             self._pending = None
             raise
 
-    def _push(self, chunk: Chunk) -> DecodedChunk | None:
+    def _push(self, chunk: Chunk, views: Mapping[str, memoryview]) -> DecodedChunk | None:
         if chunk.parts <= 1:
             if chunk.part != 0 or self._pending is not None:
                 raise TensorBlobError("unsplit chunk arrived inside a split sequence")
-            return decode_chunk(chunk, reader=self._reader)
+            return decode_chunk(chunk, reader=self._reader, views=views)
         p = self._pending
         if p is None:
             if chunk.part != 0:
@@ -548,7 +559,7 @@ class ChunkAssembler:
         if chunk.finished and chunk.part != p.parts - 1:
             raise TensorBlobError("finished set before the last part of a split chunk")
         for name, blob in chunk.tensors.items():
-            self._add(p, name, blob)
+            self._add(p, name, blob, views.get(name))
         p.next_part += 1
         if p.next_part < p.parts:
             return None
@@ -560,10 +571,10 @@ class ChunkAssembler:
             tensors[name] = torch.frombuffer(dest, dtype=dt.torch).view(shape)
         return DecodedChunk(tensors, get_meta(p.first.meta), p.first.offset, p.first.seq, chunk.finished)
 
-    def _add(self, p: _Pending, name: str, blob: TensorBlob) -> None:
+    def _add(self, p: _Pending, name: str, blob: TensorBlob, view: memoryview | None) -> None:
         if name in p.done:
             raise TensorBlobError(f"tensor {name!r} repeated in a split chunk")
-        r = _resolve(blob, self._reader, allow_piece=True)
+        r = _resolve(blob, self._reader, allow_piece=True, view=view)
         state = p.filling.get(name)
         if state is None:
             if r.element_offset == 0 and r.count == r.numel:  # whole tensor: no copy
