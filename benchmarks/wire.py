@@ -3,15 +3,19 @@
 Every figure is the median of several repetitions and comes with its baseline from the same run
 (DESIGN.md §10):
 
-* codec: tensor_blob encode+decode (with protobuf SerializeToString/ParseFromString) vs
-  ``pickle.dumps/loads`` of the tensor vs ``torch.save/torch.load`` through BytesIO;
-* decode alone: over shared memory (maps and wraps: no copy at all), over inline bytes (includes
-  the one copy protobuf-python makes when the ``raw`` field is read), and the frombuffer wrap
-  itself over already-received bytes;
+* codec: tensor_blob encode into a StageRequest + SerializeToString + the receive path
+  (``wire_view.parse_request`` + decode) vs ``pickle.dumps/loads`` of the tensor vs
+  ``torch.save/torch.load`` through BytesIO;
+* decode alone, each from the serialized StageRequest bytes as gRPC hands them to the
+  deserializer: inline through ``wire_view`` (the stages' path: no copy), inline through plain
+  protobuf ``FromString`` + decode (protobuf-python copies the payload at parse and again when
+  ``raw`` is read; the baseline), over shared memory (parse + map + wrap, no copy), and the
+  frombuffer wrap itself over already-received bytes;
 * shared memory: write into a pool slot + decode through a second mapping (a ShmReader) vs a
   plain ``numpy.copyto`` into a preallocated buffer, as bandwidth;
 * gRPC on 127.0.0.1 (random free port): Stage.Stream throughput of 4 MiB chunks inline vs via
-  shared memory (with the probe handshake), bounded in count and time.
+  shared memory (with the probe handshake), bounded in count and time; the sink is registered
+  with ``wire_view.add_stage_servicer`` like a real stage.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import pickle
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,7 @@ from benchmarks.common import machine_info, timed_median, write_json
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from omnistage.v1.tensor_pb2 import TensorBlob
 from services.runtime import tensor_blob as tb
+from services.runtime import wire_view as wv
 from services.runtime.shm import ShmPool, ShmReader, peer_accepts_shm
 
 SIZES = {"64kb": 64 << 10, "1mb": 1 << 20, "16mb": 16 << 20, "64mb": 64 << 20}
@@ -50,10 +55,22 @@ def _reps(nbytes: int) -> int:
 # -- codec --------------------------------------------------------------------------------------
 
 
+def _request_bytes(x: torch.Tensor, pool: ShmPool | None = None, request_id: str | None = None) -> bytes:
+    """One StageRequest carrying ``x`` as tensor "x", serialized (encoded in place: no extra copy)."""
+    req = stage_pb2.StageRequest()
+    tb.encode(x, pool=pool, request_id=request_id, out=req.chunk.tensors["x"])
+    return req.SerializeToString()
+
+
+def _receive(wire: bytes, reader: ShmReader | None = None) -> torch.Tensor:
+    """What a stage does with a received message: wire_view parse, then decode over the views."""
+    r = wv.parse_request(wire)
+    return tb.decode(r.message.chunk.tensors["x"], reader=reader, view=r.views.get("x"))
+
+
 def _codec(x: torch.Tensor, reps: int) -> dict[str, float]:
     def blob_rt() -> torch.Tensor:
-        wire = tb.encode(x).SerializeToString()
-        return tb.decode(TensorBlob.FromString(wire))
+        return _receive(_request_bytes(x))
 
     def pickle_rt() -> torch.Tensor:
         return pickle.loads(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL))
@@ -73,16 +90,62 @@ def _codec(x: torch.Tensor, reps: int) -> dict[str, float]:
 
 
 def _decode_alone(x: torch.Tensor, pool: ShmPool, reader: ShmReader, reps: int) -> dict[str, float]:
-    inline = TensorBlob.FromString(tb.encode(x).SerializeToString())
-    received = inline.raw
-    via_shm = TensorBlob.FromString(tb.encode(x, pool=pool, request_id="decode").SerializeToString())
-    assert via_shm.WhichOneof("data") == "shm"
+    inline = _request_bytes(x)
+    received = x.numpy().tobytes()
+
+    def inline_zero_copy() -> torch.Tensor:
+        return _receive(inline)
+
+    def inline_protobuf() -> torch.Tensor:
+        return tb.decode(stage_pb2.StageRequest.FromString(inline).chunk.tensors["x"])
+
+    # The measured paths must give the tensor, and the wire_view one must alias the received bytes.
+    t = inline_zero_copy()
+    base = np.frombuffer(inline, np.uint8).ctypes.data
+    assert torch.equal(t, x) and base <= t.data_ptr() < base + len(inline)
+    assert torch.equal(inline_protobuf(), x)
+    n = 201  # the size-independent paths take microseconds: many repetitions steady the median
     out = {
-        "decode_shm_s": timed_median(lambda: tb.decode(via_shm, reader=reader), max(reps, 25))[0],
-        "decode_inline_s": timed_median(lambda: tb.decode(inline), max(reps, 25))[0],
-        "frombuffer_wrap_s": timed_median(lambda: torch.frombuffer(received, dtype=torch.float32), max(reps, 25))[0],
+        "decode_inline_s": timed_median(inline_zero_copy, n)[0],
+        "decode_inline_protobuf_s": timed_median(inline_protobuf, max(reps, 25))[0],
+        "frombuffer_wrap_s": timed_median(lambda: torch.frombuffer(received, dtype=torch.float32), n)[0],
     }
-    pool.release_request("decode")
+    if pool.enabled:
+        via_shm = _request_bytes(x, pool, "decode")
+        assert stage_pb2.StageRequest.FromString(via_shm).chunk.tensors["x"].WhichOneof("data") == "shm"
+        assert torch.equal(_receive(via_shm, reader), x)
+        out["decode_shm_s"] = timed_median(lambda: _receive(via_shm, reader), n)[0]
+        pool.release_request("decode")
+    return out
+
+
+def _paired_ratio(big: Callable[[], Any], small: Callable[[], Any], reps: int = 401) -> float:
+    """median(big) / median(small), the two timed alternately: on a shared machine load drifts
+    over seconds, and timing the sizes apart from each other turns that drift into the ratio."""
+    times: tuple[list[float], list[float]] = ([], [])
+    big(), small()
+    for _ in range(reps):
+        for fn, acc in ((big, times[0]), (small, times[1])):
+            t0 = time.perf_counter()
+            fn()
+            acc.append(time.perf_counter() - t0)
+    return statistics.median(times[0]) / statistics.median(times[1])
+
+
+def _decode_ratios(pool: ShmPool, reader: ShmReader) -> dict[str, float | None]:
+    """64 MiB over 64 KiB decode from the serialized StageRequest, measured as pairs."""
+    big, small = (torch.randn(SIZES[k] // 4, generator=torch.Generator().manual_seed(0)) for k in ("64mb", "64kb"))
+    inline = _request_bytes(big), _request_bytes(small)
+    out: dict[str, float | None] = {
+        "decode_64mb_over_decode_64kb": _paired_ratio(lambda: _receive(inline[0]), lambda: _receive(inline[1])),
+        "decode_shm_64mb_over_decode_shm_64kb": None,
+    }
+    if pool.enabled:
+        shm = _request_bytes(big, pool, "pairs"), _request_bytes(small, pool, "pairs")
+        out["decode_shm_64mb_over_decode_shm_64kb"] = _paired_ratio(
+            lambda: _receive(shm[0], reader), lambda: _receive(shm[1], reader)
+        )
+        pool.release_request("pairs")
     return out
 
 
@@ -113,7 +176,8 @@ def _shm_vs_memcpy(x: torch.Tensor, pool: ShmPool, reader: ShmReader, reps: int)
 
 
 class _SinkStage(stage_pb2_grpc.StageServicer):
-    """Decodes every chunk (zero-copy) and answers once at the end with the byte count."""
+    """Decodes every chunk (zero-copy, requests parsed by wire_view) and answers once at the end
+    with the byte count."""
 
     def __init__(self, reader: ShmReader) -> None:
         self.reader = reader
@@ -122,10 +186,11 @@ class _SinkStage(stage_pb2_grpc.StageServicer):
         context.send_initial_metadata(self.reader.accept(context.invocation_metadata()))
         asm = tb.ChunkAssembler(reader=self.reader)
         total = 0
-        for req in request_iterator:
+        for received in request_iterator:
+            req = received.message
             if req.WhichOneof("kind") != "chunk":
                 continue
-            d = asm.push(req.chunk)
+            d = asm.push(req.chunk, received.views)
             if d is not None:
                 total += sum(t.numel() * t.element_size() for t in d.tensors.values())
         done = tb.encode_chunk({}, finished=True, meta={"bytes": total})
@@ -178,7 +243,7 @@ def _grpc(pool: ShmPool, reps: int = 3) -> dict[str, Any]:
     reader = ShmReader(enabled=True)
     opts = [("grpc.max_receive_message_length", GRPC_MAX_MSG), ("grpc.max_send_message_length", GRPC_MAX_MSG)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=opts)
-    stage_pb2_grpc.add_StageServicer_to_server(_SinkStage(reader), server)
+    wv.add_stage_servicer(_SinkStage(reader), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     address = f"127.0.0.1:{port}"
@@ -212,9 +277,10 @@ def run() -> dict[str, Any]:
             reps = _reps(nbytes)
             row: dict[str, float] = {"bytes": nbytes}
             row |= _codec(x, reps)
-            row |= _decode_alone(x, pool, reader, reps) if pool.enabled else {}
+            row |= _decode_alone(x, pool, reader, reps)
             row |= _shm_vs_memcpy(x, pool, reader, reps) if pool.enabled else {}
             sizes[label] = row
+        pairs = _decode_ratios(pool, reader)
         grpc_figs = _grpc(pool) if pool.enabled else {}
     finally:
         pool.close()
@@ -223,13 +289,11 @@ def run() -> dict[str, Any]:
     ratios: dict[str, float | None] = {
         "pickle_over_tensor_blob_16mb": s16["pickle_s"] / s16["tensor_blob_s"],
         "torch_save_over_tensor_blob_16mb": s16["torch_save_s"] / s16["tensor_blob_s"],
-        "decode_64mb_over_decode_64kb": (s64["decode_shm_s"] / s64k["decode_shm_s"]) if pool.enabled else None,
-        "decode_inline_64mb_over_decode_inline_64kb": s64["decode_inline_s"] / s64k["decode_inline_s"]
-        if pool.enabled
-        else None,
-        "frombuffer_64mb_over_frombuffer_64kb": s64["frombuffer_wrap_s"] / s64k["frombuffer_wrap_s"]
-        if pool.enabled
-        else None,
+        "decode_64mb_over_decode_64kb": pairs["decode_64mb_over_decode_64kb"],
+        "decode_protobuf_64mb_over_decode_protobuf_64kb": s64["decode_inline_protobuf_s"]
+        / s64k["decode_inline_protobuf_s"],
+        "decode_shm_64mb_over_decode_shm_64kb": pairs["decode_shm_64mb_over_decode_shm_64kb"],
+        "frombuffer_64mb_over_frombuffer_64kb": s64["frombuffer_wrap_s"] / s64k["frombuffer_wrap_s"],
         "shm_over_memcpy_bandwidth": (s64["shm_gbps"] / s64["memcpy_gbps"]) if pool.enabled else None,
         "grpc_shm_over_inline_throughput": (grpc_figs["shm_mb_s"] / grpc_figs["inline_mb_s"]) if grpc_figs else None,
     }
@@ -242,8 +306,13 @@ def run() -> dict[str, Any]:
         "grpc": grpc_figs,
         "ratios": ratios,
         "notes": {
-            "decode_64mb_over_decode_64kb": "tensor_blob.decode of a shared-memory blob (map + wrap, no copy)",
-            "decode_inline": "includes the copy protobuf-python (upb) makes whenever a bytes field is read",
+            "decode_64mb_over_decode_64kb": "inline payload from the serialized StageRequest bytes: "
+            "wire_view.parse_request + tensor_blob.decode over the received bytes (no copy); the two sizes "
+            "timed alternately, 401 pairs, ratio of medians (the per-size rows are timed separately)",
+            "decode_protobuf_64mb_over_decode_protobuf_64kb": "the same bytes through plain protobuf FromString + "
+            "decode: protobuf-python (upb) copies the payload at parse and again when raw is read",
+            "decode_shm_64mb_over_decode_shm_64kb": "shared-memory blob from the serialized StageRequest bytes "
+            "(parse + map + wrap, no copy), timed in pairs like the inline one",
             "shm_over_memcpy_bandwidth": "64 MiB: slot write + decode via a second mapping vs numpy.copyto",
         },
         "wall_s": time.perf_counter() - t_start,
@@ -255,8 +324,9 @@ def _fmt_table(res: dict[str, Any]) -> str:
         ("tensor_blob_s", "blob e+d ms", 1e3),
         ("pickle_s", "pickle ms", 1e3),
         ("torch_save_s", "torch.save ms", 1e3),
-        ("decode_shm_s", "dec shm us", 1e6),
         ("decode_inline_s", "dec inline us", 1e6),
+        ("decode_inline_protobuf_s", "dec protobuf us", 1e6),
+        ("decode_shm_s", "dec shm us", 1e6),
         ("frombuffer_wrap_s", "wrap us", 1e6),
         ("memcpy_gbps", "memcpy GB/s", 1),
         ("shm_gbps", "shm GB/s", 1),
