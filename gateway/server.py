@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from omnistage.families.qwen3_omni import SAMPLE_RATE, build_prompt_ids
 from omnistage.loader import Checkpoint, load_tokenizer
-from omnistage.v1 import gateway_pb2, gateway_pb2_grpc, stage_pb2, stage_pb2_grpc
+from omnistage.v1 import gateway_pb2, gateway_pb2_grpc, stage_pb2
 from services.runtime.config import DeployConfig
 from services.runtime.server import channel_options
 from services.runtime.tensor_blob import ChunkAssembler, TensorBlobError, encode_chunk
@@ -56,7 +56,6 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.tokenizer = load_tokenizer(ckpt)
         self.thinker_target = thinker_target
         self.channel = grpc.aio.insecure_channel(thinker_target, options=channel_options(cfg.max_message_bytes))
-        self.stub = stage_pb2_grpc.StageStub(self.channel)
         self.stream = stage_stream(self.channel)  # Stage.Stream; responses parsed without copying tensors
         self.active = 0
         self.draining = False
