@@ -82,7 +82,7 @@ def reference(tiny_dir: Path) -> RecordingReference:
 def no_talker_calls(pipeline: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """Records every talker or code2wav entry point the pipeline touches."""
     calls: list[str] = []
-    for obj, names in ((pipeline.talker, ("new_request", "prefill", "residuals", "advance")),
+    for obj, names in ((pipeline.talker, ("new_request", "forward_many", "residuals_many", "prefill_embeds")),
                        (pipeline.code2wav, ("decode",))):
         for name in names:
             original = getattr(obj, name)

@@ -1,4 +1,6 @@
-"""Talker runner: talker + code predictor, one codec frame per step, for one request.
+"""Talker runner: talker + code predictor, one codec frame per step, for many requests at
+once (one packed talker forward and one batched code-predictor pass per step; see
+services/runtime/packed.py for why a request's numbers do not depend on its batch).
 
 It follows `Qwen3OmniMoeForConditionalGeneration.generate` exactly:
   * prefill on the talker prompt gives code-0 of frame 0;
@@ -22,6 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from omnistage.families.qwen3_omni import FamilySpec, TalkerPromptBuilder
+from services.runtime.packed import PackedCache, packed, use_packed_kernels
 from services.runtime.sampling import CODE_PREDICTOR_SAMPLED, GREEDY, SamplingParams, TokenChooser
 
 
@@ -52,6 +55,7 @@ class TalkerRunner:
         self.code_predictor = cp
         self.codec_embedding = model.get_input_embeddings()
         self.residual_embeddings = cp.get_input_embeddings()
+        use_packed_kernels(model)
 
     def new_request(self, sampling: SamplingParams, speaker: str = "ethan") -> TalkerRequest:
         self.spec.speaker_id(speaker)  # unknown speaker: clear error before any model work
@@ -70,19 +74,36 @@ class TalkerRunner:
         pos = torch.arange(start, start + length, device=self.device)
         return pos.view(1, 1, -1).expand(4, 1, -1)
 
-    def _forward(self, req: TalkerRequest, embeds: torch.Tensor) -> None:
-        past = req.cache.get_seq_length()
-        out = self.model(
-            inputs_embeds=embeds,
-            position_ids=self._positions(past, embeds.shape[1]),
-            past_key_values=req.cache,
-            use_cache=True,
-            output_hidden_states=True,
-            generation_step=req.step,  # required by the talker's forward during decode
-        )
-        req.past_hidden = out.hidden_states[0][-1][:, -1:]
+    @torch.no_grad()
+    def forward_many(self, items: list[tuple[TalkerRequest, torch.Tensor]]) -> None:
+        """One packed talker forward over `(request, embeds [1, n, H])`: a talker prompt (n > 1)
+        or one fed-back frame. Afterwards each request's `code0` is its next frame's code-0."""
+        lengths = [int(e.shape[1]) for _, e in items]
+        positions = []
+        for (req, _), n in zip(items, lengths, strict=True):
+            if req.cache is None:
+                req.cache = DynamicCache(config=self.model.config.text_config)
+            positions.append(self._positions(req.cache.get_seq_length(), n))
+        cache = PackedCache([req.cache for req, _ in items], lengths)
+        with packed(lengths, cache):
+            out = self.model(
+                inputs_embeds=torch.cat([e for _, e in items], dim=1).to(self.model.dtype),
+                position_ids=torch.cat(positions, dim=-1),
+                past_key_values=cache,
+                use_cache=True,
+                output_hidden_states=True,
+                generation_step=0,  # only echoed back by the talker's forward
+            )
+        last_layer = out.hidden_states[0][-1]
+        end = 0
+        for (req, _), n in zip(items, lengths, strict=True):
+            end += n
+            req.past_hidden = last_layer[:, end - 1 : end]
+            self._choose_code0(req, out.logits[0, end - 1])
+
+    def _choose_code0(self, req: TalkerRequest, logits: torch.Tensor) -> None:
         assert req.chooser is not None
-        code0 = req.chooser.choose(out.logits[0, -1], torch.tensor(req.history, dtype=torch.long))
+        code0 = req.chooser.choose(logits, torch.tensor(req.history, dtype=torch.long))
         req.history.append(code0)
         if req.chooser.is_stop(code0):
             req.finished, req.stopped_on, req.code0 = True, "stop_id", None
@@ -91,57 +112,57 @@ class TalkerRunner:
         else:
             req.code0 = code0
 
-    @torch.no_grad()
-    def prefill(
+    def prefill_embeds(
         self,
         req: TalkerRequest,
         prompt_ids: torch.Tensor,
         prompt_embeds: torch.Tensor,
         prompt_hidden: torch.Tensor | None,
         assistant_stream_embeds: torch.Tensor,
-    ) -> None:
-        """Run the talker prompt; afterwards `req.code0` holds frame 0's code-0 (unless finished)."""
+    ) -> torch.Tensor:
+        """The talker prompt `[1, n, H]` for `forward_many`."""
         embeds, _ids = self.prompts.prefill_embeds(
             prompt_ids, prompt_embeds, prompt_hidden, assistant_stream_embeds, req.speaker
         )
-        req.cache = DynamicCache(config=self.model.config.text_config)
-        self._forward(req, embeds.to(self.model.dtype))
+        return embeds.to(self.model.dtype)
 
     @torch.no_grad()
-    def residuals(self, req: TalkerRequest) -> torch.Tensor:
-        """Complete the current frame: `[num_code_groups]` codes (code-0 then 15 residuals)."""
-        assert req.code0 is not None and req.past_hidden is not None and req.residual_chooser is not None
+    def residuals_many(self, reqs: list[TalkerRequest]) -> list[torch.Tensor]:
+        """Complete each request's current frame: `[num_code_groups]` codes (code-0 then the 15
+        residuals), the code predictor running all requests along its batch axis."""
+        for req in reqs:
+            assert req.code0 is not None and req.past_hidden is not None and req.residual_chooser is not None
         cp = self.code_predictor
-        code0 = torch.tensor([[req.code0]], device=self.device)
+        batch = len(reqs)
+        code0 = torch.tensor([[req.code0] for req in reqs], device=self.device)
         cache = DynamicCache(config=cp.config)
-        embeds = torch.cat((req.past_hidden, self.codec_embedding(code0)), dim=1)
-        codes = [req.code0]
-        out = cp(inputs_embeds=embeds, past_key_values=cache, use_cache=True)
+        embeds = torch.cat((torch.cat([req.past_hidden for req in reqs]), self.codec_embedding(code0)), dim=1)
+        codes = [code0.view(-1).tolist()]
+        with packed([2] * batch, batch_axis=True):
+            out = cp(inputs_embeds=embeds, past_key_values=cache, use_cache=True)
         empty = torch.empty(0, dtype=torch.long)
         for j in range(1, self.spec.num_code_groups):
-            code = req.residual_chooser.choose(out.logits[0, -1], empty)
-            codes.append(code)
+            step = [req.residual_chooser.choose(out.logits[b, -1], empty) for b, req in enumerate(reqs)]  # type: ignore[union-attr]
+            codes.append(step)
             if j == self.spec.num_code_groups - 1:
                 break
-            out = cp(
-                input_ids=torch.tensor([[code]], device=self.device),
-                past_key_values=cache,
-                use_cache=True,
-                generation_steps=j,
-            )
-        return torch.tensor(codes, dtype=torch.long)
+            with packed([1] * batch, batch_axis=True):
+                out = cp(
+                    input_ids=torch.tensor(step, device=self.device).view(batch, 1),
+                    past_key_values=cache,
+                    use_cache=True,
+                    generation_steps=j,
+                )
+        return list(torch.tensor(codes, dtype=torch.long).t().unbind(0))
 
-    @torch.no_grad()
-    def advance(self, req: TalkerRequest, frame: torch.Tensor, trailing: torch.Tensor) -> None:
-        """Feed the completed frame plus the step's trailing text (`[1, 1, H]`)."""
+    def advance_embeds(self, req: TalkerRequest, frame: torch.Tensor, trailing: torch.Tensor) -> torch.Tensor:
+        """The completed frame plus the step's trailing text (`[1, 1, H]`), for `forward_many`."""
         codes = frame.to(self.device)
         parts = [self.codec_embedding(codes[:1].view(1, 1))]
         for j in range(1, self.spec.num_code_groups):
             parts.append(self.residual_embeddings[j - 1](codes[j : j + 1].view(1, 1)))
         # Summed as generate() does: one [1, G, H] tensor reduced over G (same float order).
-        embeds = torch.cat(parts, dim=1).sum(1, keepdim=True) + trailing.to(self.model.dtype)
-        req.step += 1
-        self._forward(req, embeds)
+        return torch.cat(parts, dim=1).sum(1, keepdim=True) + trailing.to(self.model.dtype)
 
     def release(self, req: TalkerRequest) -> None:
         req.cache = None

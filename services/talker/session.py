@@ -64,30 +64,57 @@ class TalkerSession:
         return self.thinker_done or self._element(ASSISTANT_HEADER_LEN + 1 + self.req.step) is not None
 
     def step(self) -> torch.Tensor | None:
-        """One unit of progress; returns a newly completed frame `[num_code_groups]` or None."""
-        runner = self.runner
-        if not self.started:
-            needed = [self._element(k) for k in range(ASSISTANT_HEADER_LEN + 1)]
-            if any(e is None for e in needed) or any(last for _, last in needed):  # type: ignore[misc]
-                if self.thinker_done:
-                    # The reference cannot speak a reply of a single token: no audio, no error.
-                    self.req.finished, self.req.stopped_on = True, "no_text"
-                return None
-            assert self.prompt is not None
-            ids, embeds, hidden = self.prompt
-            runner.prefill(self.req, ids, embeds, hidden, torch.stack([e for e, _ in needed]))  # type: ignore[misc]
-            self.started = True
-            if self.finished:
-                return None
-        new_frame = None
-        if self.req.pending_frame is None:
-            self.req.pending_frame = new_frame = runner.residuals(self.req)
+        """One unit of progress alone; returns a newly completed frame or None."""
+        return step_sessions(self.runner, [self])[0]
+
+    def _prefill_rows(self) -> torch.Tensor | None:
+        """The talker prompt once the assistant stream has its header plus the first generated
+        token; None (and, if the thinker gave only one token, finished) before that."""
+        needed = [self._element(k) for k in range(ASSISTANT_HEADER_LEN + 1)]
+        if any(e is None for e in needed) or any(last for _, last in needed):  # type: ignore[misc]
+            if self.thinker_done:
+                # The reference cannot speak a reply of a single token: no audio, no error.
+                self.req.finished, self.req.stopped_on = True, "no_text"
+            return None
+        assert self.prompt is not None
+        ids, embeds, hidden = self.prompt
+        stream = torch.stack([e for e, _ in needed])  # type: ignore[misc]
+        return self.runner.prefill_embeds(self.req, ids, embeds, hidden, stream)
+
+    def _advance_rows(self) -> torch.Tensor | None:
+        """The pending frame fed back with trailing text g+1, once that text (or the end) is known."""
         element = self._element(ASSISTANT_HEADER_LEN + 1 + self.req.step)
-        if element is not None or self.thinker_done:
-            embed, is_last = element if element is not None else (None, False)
-            runner.advance(self.req, self.req.pending_frame, runner.prompts.trailing_embed(embed, is_last))
-            self.req.pending_frame = None
-        return new_frame
+        if element is None and not self.thinker_done:
+            return None
+        embed, is_last = element if element is not None else (None, False)
+        assert self.req.pending_frame is not None
+        trailing = self.runner.prompts.trailing_embed(embed, is_last)
+        rows = self.runner.advance_embeds(self.req, self.req.pending_frame, trailing)
+        self.req.pending_frame = None
+        self.req.step += 1
+        return rows
 
     def close(self) -> None:
         self.runner.release(self.req)
+
+
+def step_sessions(runner: TalkerRunner, sessions: list[TalkerSession]) -> list[torch.Tensor | None]:
+    """One step for many sessions: a batched code-predictor pass completes the frame of every
+    session that has a code-0, then one packed talker forward runs every talker prompt and every
+    completed frame whose trailing text is known. Returns each session's new frame or None."""
+    frames: list[torch.Tensor | None] = [None] * len(sessions)
+    due = [i for i, s in enumerate(sessions) if s.started and not s.finished and s.req.pending_frame is None]
+    if due:
+        for i, frame in zip(due, runner.residuals_many([sessions[i].req for i in due]), strict=True):
+            sessions[i].req.pending_frame = frames[i] = frame
+    rows = []
+    for s in sessions:
+        if s.finished:
+            continue
+        embeds = s._prefill_rows() if not s.started else s._advance_rows()
+        if embeds is not None:
+            s.started = True
+            rows.append((s.req, embeds))
+    if rows:
+        runner.forward_many(rows)
+    return frames
