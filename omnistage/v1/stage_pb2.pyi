@@ -94,7 +94,7 @@ class Capacity(_message.Message):
     def __init__(self, max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("running", "waiting", "waiting_for_input", "cache_usage", "open_streams", "shm_segments", "requests_total")
+    __slots__ = ("running", "waiting", "waiting_for_input", "cache_usage", "open_streams", "shm_segments", "requests_total", "steps_total", "step_requests_total")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_INPUT_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,8 @@ class Load(_message.Message):
     OPEN_STREAMS_FIELD_NUMBER: _ClassVar[int]
     SHM_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STEP_REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     waiting_for_input: int
@@ -109,7 +111,9 @@ class Load(_message.Message):
     open_streams: int
     shm_segments: int
     requests_total: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_for_input: _Optional[int] = ..., cache_usage: _Optional[float] = ..., open_streams: _Optional[int] = ..., shm_segments: _Optional[int] = ..., requests_total: _Optional[int] = ...) -> None: ...
+    steps_total: int
+    step_requests_total: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_for_input: _Optional[int] = ..., cache_usage: _Optional[float] = ..., open_streams: _Optional[int] = ..., shm_segments: _Optional[int] = ..., requests_total: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_requests_total: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
     __slots__ = ("model", "arch", "role", "capacity", "load", "device", "dtype")

@@ -11,7 +11,7 @@ from omnistage.loader import Checkpoint, load_part
 from omnistage.v1 import stage_pb2
 from services.code2wav.runner import Code2WavRunner, Code2WavSession
 from services.runtime.config import Code2WavConfig, DeployConfig
-from services.runtime.engine import Emit, OutChunk, StageWorker, invalid
+from services.runtime.engine import Emit, OutChunk, StageWorker, StepItem, invalid
 from services.runtime.tensor_blob import DecodedChunk
 from services.runtime.validate import INT_DTYPES, check_names, tensor
 
@@ -69,18 +69,16 @@ class Code2WavWorker(StageWorker):
             emit.done = True
         return emit
 
-    def step_batch(self, items: list[tuple[Code2WavState, bool]]) -> list[Emit | BaseException]:
+    def step_batch(self, items: list[StepItem]) -> list[Emit | BaseException]:
         """Every due request's frames go through one batched incremental decode."""
-        due = [st for st, fin in items if st.session.due(fin)]
+        due = [it.state for it in items if it.state.session.due(it.input_finished)]
         for st, decoded in zip(due, Code2WavSession.decode_many([st.session for st in due]), strict=True):
             st.pending_audio = decoded
-        return [self.step(st, fin) for st, fin in items]
+        return [self.step(it.state, it.input_finished) for it in items]
 
     def close(self, state: Code2WavState) -> None:
         state.session.close()
 
-    def capacity(self) -> dict[str, int]:
-        return {"max_num_seqs": self.cfg.max_num_seqs}
 
 
 def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> Code2WavWorker:

@@ -33,6 +33,10 @@ class StageConfig(_Strict):
     threads: int = Field(1, ge=1, le=256, description="torch intra-op threads per replica")
     max_num_seqs: int = Field(16, ge=1, le=4096, description="requests per engine step")
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget per engine step")
+    chunked_prefill: bool = Field(True, description="split a prompt larger than the step's budget over steps")
+    cache_capacity_tokens: int | None = Field(
+        None, ge=1, description="KV cache tokens over all admitted requests; null: unbounded"
+    )
 
 
 class Code2WavConfig(StageConfig):
@@ -63,7 +67,7 @@ class DeployConfig(_Strict):
     model: str | None = Field(None, description="checkpoint directory; None = the built-in tiny checkpoint")
     host: str = "127.0.0.1"
     gateway: GatewayConfig = GatewayConfig()
-    thinker: StageConfig = StageConfig(base_port=7101)
+    thinker: StageConfig = StageConfig(base_port=7101, cache_capacity_tokens=65536)
     talker: StageConfig = StageConfig(base_port=7201)
     code2wav: Code2WavConfig = Code2WavConfig(base_port=7301)
     edges: EdgesConfig = EdgesConfig()

@@ -1,8 +1,10 @@
 """The engine thread of a stage: owns the model and every request's state.
 
 The gRPC side (asyncio) only moves messages: it feeds decoded input chunks into a request's
-inbox and forwards what the engine emits. The engine loop asks the worker which requests can
-make progress, runs one step for each, and hands outputs back to the event loop with
+inbox and forwards what the engine emits. Each iteration of the engine loop takes every
+request's new input, tells the stage's `Scheduler` which requests can make progress, asks it
+for this step's batch (admission, token budget, chunked prefill, cache capacity), runs the
+worker's one batched step over that batch, and hands outputs back to the event loop with
 `call_soon_threadsafe`. All model state (KV caches, code2wav stream state) is created and
 freed on this thread, including on abort, so nothing is freed while a step uses it.
 """
@@ -23,10 +25,12 @@ from typing import Any
 import grpc
 
 from omnistage.v1 import stage_pb2
-from services.runtime.scheduler import DONE_STATES, RequestState
+from services.runtime.scheduler import DONE_STATES, RequestRejected, RequestState, Scheduler, SchedulerConfig
 from services.runtime.tensor_blob import DecodedChunk, TensorBlobError
 
-__all__ = ["DONE_STATES", "Emit", "Engine", "OutChunk", "RequestState", "StageError", "StageWorker", "invalid"]
+__all__ = [
+    "DONE_STATES", "Emit", "Engine", "OutChunk", "RequestState", "StageError", "StageWorker", "StepItem", "invalid",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +70,22 @@ class Emit:
     close_downstream: bool = False  # no more chunks go down (finished chunk already sent)
 
 
+@dataclass
+class StepItem:
+    """One request's part in an engine step."""
+
+    state: Any
+    input_finished: bool  # every input chunk has been fed
+    num_tokens: int  # what the scheduler gave it: prompt tokens to prefill, or 1 (a decode step)
+
+
 class StageWorker(ABC):
     """Stage-specific logic; all methods run on the engine thread."""
 
     stage: str
+    # Counted in tokens (a KV cache that grows per token: the thinker) or in steps (the talker:
+    # one code-0 per step; code2wav: one decode per step), for the scheduler.
+    counts_tokens: bool = False
 
     @abstractmethod
     def open(self, start: stage_pb2.Start) -> Any:
@@ -91,17 +107,28 @@ class StageWorker(ABC):
     def close(self, state: Any) -> None:
         """Free everything the request holds."""
 
-    def step_batch(self, items: list[tuple[Any, bool]]) -> list[Emit | BaseException]:
-        """One engine step for every ready request `(state, input_finished)`. Stages that can
-        run several requests in one forward override this; the default steps them in turn.
-        A per-request failure is returned in that request's place."""
+    def step_batch(self, items: list[StepItem]) -> list[Emit | BaseException]:
+        """One engine step for every scheduled request. Stages that run several requests in one
+        forward override this; the default steps them in turn. A per-request failure is
+        returned in that request's place."""
         out: list[Emit | BaseException] = []
-        for state, finished in items:
+        for item in items:
             try:
-                out.append(self.step(state, finished))
+                out.append(self.step(item.state, item.input_finished))
             except Exception as e:
                 out.append(e)
         return out
+
+    def demand(self, state: Any) -> tuple[int, int] | None:
+        """(input tokens, most new tokens) to queue the request with, once known (None before).
+        Step-counted stages: no input tokens, and a bound on the steps a request can take."""
+        return 0, self.max_steps(state)
+
+    def max_steps(self, state: Any) -> int:
+        return 1 << 30
+
+    def max_model_len(self) -> int:
+        return 1 << 31
 
     def capacity(self) -> dict[str, int]:
         return {}
@@ -120,6 +147,7 @@ class Request:
     input_finished: bool = False  # the caller sent `finished` (or closed its side)
     all_input_fed: bool = False  # ...and the worker has taken every chunk before it
     next_offset: int = 0
+    scheduled: bool = False  # added to the scheduler
     last_input: float = field(default_factory=time.monotonic)
     abort_requested: bool = False
     down_call: Any = None  # the gRPC side's downstream call for this request, if any
@@ -138,10 +166,27 @@ DOWN_DONE = object()
 
 
 class Engine:
-    def __init__(self, worker: StageWorker, input_wait_timeout_s: float = 600.0, max_batch: int = 16) -> None:
+    def __init__(
+        self,
+        worker: StageWorker,
+        input_wait_timeout_s: float = 600.0,
+        *,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 2048,
+        cache_capacity_tokens: int | None = None,
+        chunked_prefill: bool = True,
+    ) -> None:
         self.worker = worker
         self.input_wait_timeout_s = input_wait_timeout_s
-        self.max_batch = max_batch  # requests stepped per iteration (the stage's max_num_seqs)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=worker.max_model_len(),
+                cache_capacity_tokens=cache_capacity_tokens,
+                chunked_prefill=chunked_prefill,
+            )
+        )
         self._requests: dict[str, Request] = {}
         self._cond = threading.Condition()
         self._stop = False
@@ -186,13 +231,19 @@ class Engine:
             req.abort_requested = True
             self._cond.notify()
 
-    def load(self) -> dict[str, int]:
+    def load(self) -> dict[str, Any]:
+        """Queue metrics: the scheduler's, plus requests open but not yet queued (waiting)."""
+        stats = self.scheduler.stats()
         with self._cond:
-            counts = collections.Counter(r.status for r in self._requests.values())
+            unqueued = sum(1 for r in self._requests.values() if not r.scheduled)
             return {
-                "running": counts[RequestState.RUNNING],
-                "waiting": counts[RequestState.WAITING],
-                "waiting_for_input": counts[RequestState.WAITING_FOR_INPUT],
+                "running": int(stats["running"]),
+                "waiting": int(stats["waiting"]) + unqueued,
+                "waiting_for_input": int(stats["waiting_for_input"]),
+                "cache_usage": float(stats["cache_usage"]),
+                "reserved_tokens": int(stats["reserved_tokens"]),
+                "steps_total": int(stats["total_steps"]),
+                "step_requests_total": int(stats["total_scheduled_requests"]),
                 "open": len(self._requests),
             }
 
@@ -219,6 +270,13 @@ class Engine:
             log.exception("%s: close failed for %s", self.worker.stage, req.request_id)
         req.state = None
         req.status = status
+        if req.scheduled:
+            req.scheduled = False
+            end = {
+                RequestState.FINISHED: self.scheduler.finish,
+                RequestState.ABORTED: self.scheduler.abort,
+            }.get(status, self.scheduler.fail)
+            end(req.request_id)
         with self._cond:
             self._requests.pop(req.request_id, None)
         if error is not None:
@@ -250,7 +308,7 @@ class Engine:
         return None
 
     def _run(self) -> None:
-        """One iteration = take every request's new input, then one step for all ready ones."""
+        """One iteration = take every request's new input, then one step for the scheduled batch."""
         while True:
             with self._cond:
                 if self._stop and not self._requests:
@@ -258,29 +316,25 @@ class Engine:
                 active = list(self._requests.values())
             now = time.monotonic()
             progressed = False
-            ready: list[Request] = []
             for req in active:
-                outcome = self._guarded(req, lambda r=req, t=now: self._prepare(r, t))
-                if outcome is not None:
-                    took_input, is_ready = outcome
-                    progressed |= took_input
-                    if is_ready:
-                        ready.append(req)
-            batch = ready[: self.max_batch]
-            if batch:
+                took = self._guarded(req, lambda r=req, t=now: self._prepare(r, t))
+                progressed |= bool(took)
+            plan = self.scheduler.schedule()
+            if plan:
                 progressed = True
-                self._step(batch)
+                self._step(plan)
             if not progressed:
                 with self._cond:
                     if not any(r.inbox or r.abort_requested for r in self._requests.values()):
                         self._cond.wait(timeout=0.05)
 
-    def _prepare(self, req: Request, now: float) -> tuple[bool, bool] | None:
-        """Abort, open, feed new input, check the input-wait timeout: (took input, ready)."""
+    def _prepare(self, req: Request, now: float) -> bool:
+        """Abort, open, feed new input, queue with the scheduler, tell it whether the request
+        can step, check the input-wait timeout. Returns whether input was taken."""
         worker = self.worker
         if req.abort_requested:
             self._finish(req, RequestState.ABORTED)
-            return None
+            return False
         if req.state is None:
             req.state = worker.open(req.start)
         took = False
@@ -296,8 +350,22 @@ class Engine:
             worker.feed(req.state, chunk)
             if chunk.finished:
                 req.all_input_fed = True
+        if not req.scheduled:
+            demand = worker.demand(req.state)
+            if demand is not None:
+                try:
+                    self.scheduler.add(req.request_id, demand[0], demand[1])
+                except RequestRejected as e:
+                    status = grpc.StatusCode
+                    code = status.RESOURCE_EXHAUSTED if e.resource_exhausted else status.INVALID_ARGUMENT
+                    raise StageError(code, f"{worker.stage}: {e}") from None
+                req.scheduled = True
         if worker.ready(req.state, req.all_input_fed):
-            return took, True
+            if req.scheduled:
+                self.scheduler.mark_runnable(req.request_id)
+            return took
+        if req.scheduled:
+            self.scheduler.mark_waiting_for_input(req.request_id)
         if req.all_input_fed:
             raise invalid(f"{worker.stage}: the input ended before the request was complete")
         req.status = RequestState.WAITING_FOR_INPUT
@@ -308,20 +376,33 @@ class Engine:
                 f"{worker.stage}: no input for {waited:.1f} s (input_wait_timeout_s="
                 f"{self.input_wait_timeout_s:g}); request {req.request_id} starved",
             )
-        return took, False
+        return took
 
-    def _step(self, batch: list[Request]) -> None:
-        for req in batch:
+    def _step(self, plan: Any) -> None:
+        with self._cond:
+            batch = [(self._requests[item.request_id], item.num_tokens) for item in plan]
+        for req, _ in batch:
             req.status = RequestState.RUNNING
+        items = [StepItem(req.state, req.all_input_fed, n) for req, n in batch]
         try:
-            emits: list[Emit | BaseException] = self.worker.step_batch([(r.state, r.all_input_fed) for r in batch])
+            emits: list[Emit | BaseException] = self.worker.step_batch(items)
         except Exception as e:  # the shared forward failed: every request in it fails
             emits = [e] * len(batch)
-        for req, emit in zip(batch, emits, strict=True):
+        for (req, _), emit in zip(batch, emits, strict=True):
             if isinstance(emit, BaseException):
                 self._fail_with(req, emit)
-            else:
-                self._route(req, emit)
+                continue
+            self._route(req, emit)
+            if not emit.done:
+                sreq = self.scheduler.get(req.request_id)
+                if sreq is not None and sreq.is_exhausted:  # would never be scheduled again
+                    self._fail_with(
+                        req,
+                        StageError(
+                            grpc.StatusCode.INTERNAL,
+                            f"{self.worker.stage}: request {req.request_id} used its scheduled budget unfinished",
+                        ),
+                    )
 
     def _route(self, req: Request, emit: Emit) -> None:
         for c in emit.up:

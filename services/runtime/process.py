@@ -28,7 +28,14 @@ def run_stage(
         raise SystemExit(f"{name}: --downstream TARGET is required (the {DOWNSTREAM_OF[name]} stage)")
     ckpt = open_checkpoint(model_dir)
     worker = import_module(f"services.{name}.service").build_worker(cfg, ckpt)
-    engine = Engine(worker, cfg.timeouts.input_wait_timeout_s, max_batch=stage_cfg.max_num_seqs)
+    engine = Engine(
+        worker,
+        cfg.timeouts.input_wait_timeout_s,
+        max_num_seqs=stage_cfg.max_num_seqs,
+        max_num_batched_tokens=stage_cfg.max_num_batched_tokens,
+        cache_capacity_tokens=stage_cfg.cache_capacity_tokens,
+        chunked_prefill=stage_cfg.chunked_prefill,
+    )
     service = StageService(
         engine,
         model_name=str(model_dir),

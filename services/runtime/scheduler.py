@@ -217,7 +217,7 @@ class Scheduler:
         self._totals: dict[str, int] = dict.fromkeys(
             (
                 "added", "rejected", "admitted", "finished", "aborted", "failed",
-                "steps", "scheduled_tokens", "prefill_tokens", "decode_tokens",
+                "steps", "scheduled_requests", "scheduled_tokens", "prefill_tokens", "decode_tokens",
             ),
             0,
         )  # fmt: skip
@@ -474,6 +474,7 @@ class Scheduler:
             out.num_batched_tokens = cfg.max_num_batched_tokens - budget
             if out.scheduled:
                 self._totals["steps"] += 1
+                self._totals["scheduled_requests"] += len(out.scheduled)
                 self._totals["scheduled_tokens"] += out.num_batched_tokens
             return out
 

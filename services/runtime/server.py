@@ -101,6 +101,10 @@ class StageService(stage_pb2_grpc.StageServicer):
     async def Info(self, request: stage_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> stage_pb2.InfoResponse:
         load = self.engine.load()
         cap = self.engine.worker.capacity()
+        sched = self.engine.scheduler.config
+        cap.setdefault("max_num_seqs", sched.max_num_seqs)
+        cap.setdefault("max_num_batched_tokens", sched.max_num_batched_tokens)
+        cap.setdefault("kv_cache_tokens", sched.cache_capacity_tokens or 0)
         return stage_pb2.InfoResponse(
             model=self.model_name,
             arch=self.arch,
@@ -112,6 +116,9 @@ class StageService(stage_pb2_grpc.StageServicer):
                 running=load["running"],
                 waiting=load["waiting"],
                 waiting_for_input=load["waiting_for_input"],
+                cache_usage=load["cache_usage"],
+                steps_total=load["steps_total"],
+                step_requests_total=load["step_requests_total"],
                 open_streams=self.open_streams,
                 shm_segments=self.pool.num_segments,
                 requests_total=self.requests_total,

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from omnistage.loader import Checkpoint, load_part, talker_tts_embeds
 from omnistage.v1 import stage_pb2
 from services.runtime.config import DeployConfig
-from services.runtime.engine import Emit, OutChunk, StageWorker, invalid
+from services.runtime.engine import Emit, OutChunk, StageWorker, StepItem, invalid
 from services.runtime.sampling import TALKER_DEFAULTS
 from services.runtime.sampling_wire import from_proto
 from services.runtime.tensor_blob import DecodedChunk
 from services.runtime.validate import FLOAT_DTYPES, INT_DTYPES, check_names, tensor
 from services.talker.runner import TalkerRunner
-from services.talker.session import TalkerSession
+from services.talker.session import TalkerSession, step_sessions
 
 
 @dataclass
@@ -79,10 +81,30 @@ class TalkerWorker(StageWorker):
             return False
         return state.session.can_progress() or state.session.finished
 
+    def max_steps(self, state: TalkerState) -> int:
+        # A step runs the prompt, or completes a frame and/or feeds it back: at most two steps
+        # per code-0, plus the prompt.
+        return 2 * state.session.req.sampling.max_tokens + 1
+
     def step(self, state: TalkerState, input_finished: bool) -> Emit:
+        result = self.step_batch([StepItem(state, input_finished, 1)])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def step_batch(self, items: list[StepItem]) -> list[Emit | BaseException]:
+        """One batched code-predictor pass and one packed talker forward for every request."""
+        live = [i for i, item in enumerate(items) if not item.state.session.finished]
+        frames: list[torch.Tensor | None] = [None] * len(items)
+        if live:
+            new = step_sessions(self.runner, [items[i].state.session for i in live])
+            for i, frame in zip(live, new, strict=True):
+                frames[i] = frame
+        return [self._emit(item.state, frame) for item, frame in zip(items, frames, strict=True)]
+
+    def _emit(self, state: TalkerState, frame: torch.Tensor | None) -> Emit:
         emit = Emit()
         session = state.session
-        frame = None if session.finished else session.step()
         if frame is not None:
             if not state.opened_downstream:
                 start = stage_pb2.Start()
@@ -107,8 +129,6 @@ class TalkerWorker(StageWorker):
     def close(self, state: TalkerState) -> None:
         state.session.close()
 
-    def capacity(self) -> dict[str, int]:
-        return {"max_num_seqs": 1}
 
 
 def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> TalkerWorker:

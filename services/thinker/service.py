@@ -11,12 +11,12 @@ import torch
 from omnistage.loader import Checkpoint, load_part, thinker_sampling_defaults
 from omnistage.v1 import stage_pb2
 from services.runtime.config import DeployConfig
-from services.runtime.engine import Emit, OutChunk, StageError, StageWorker, invalid
+from services.runtime.engine import Emit, OutChunk, StageError, StageWorker, StepItem, invalid
 from services.runtime.sampling import SamplingParams
 from services.runtime.sampling_wire import from_proto
 from services.runtime.tensor_blob import DecodedChunk
 from services.runtime.validate import INT_DTYPES, check_names, tensor
-from services.thinker.runner import ThinkerRequest, ThinkerRunner, TokenOutput
+from services.thinker.runner import PromptOutput, ThinkerRequest, ThinkerRunner, TokenOutput
 
 
 @dataclass
@@ -29,6 +29,7 @@ class ThinkerState:
 
 class ThinkerWorker(StageWorker):
     stage = "thinker"
+    counts_tokens = True
 
     def __init__(self, runner: ThinkerRunner, defaults: SamplingParams, edge_mode: int) -> None:
         self.runner = runner
@@ -64,31 +65,61 @@ class ThinkerWorker(StageWorker):
         up = OutChunk({"ids": ids}, offset=tok.index, n=1, finished=tok.is_last, meta=meta)
         down = OutChunk(
             {"ids": ids, "embed": tok.embed.unsqueeze(0)},
-            offset=tok.index, n=1, finished=tok.is_last, meta={"last": tok.is_last},
+            offset=tok.index,
+            n=1,
+            finished=tok.is_last,
+            meta={"last": tok.is_last},
         )
         return up, down
 
+    def demand(self, state: ThinkerState) -> tuple[int, int] | None:
+        if state.prompt_ids is None:
+            return None
+        return len(state.prompt_ids), state.sampling.max_tokens
+
+    def max_model_len(self) -> int:
+        return self.runner.spec.max_positions
+
     def step(self, state: ThinkerState, input_finished: bool) -> Emit:
+        result = self.step_batch([StepItem(state, input_finished, 1 << 30)])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def step_batch(self, items: list[StepItem]) -> list[Emit | BaseException]:
+        """One packed forward: prefill chunks of the `num_tokens` the scheduler gave, and decodes."""
+        out: list[Emit | BaseException] = [Emit() for _ in items]
+        work: list[tuple[int, ThinkerRequest, int]] = []
+        for i, item in enumerate(items):
+            state: ThinkerState = item.state
+            if state.req is None:
+                if state.prompt_ids is None:
+                    out[i] = StageError(grpc.StatusCode.INVALID_ARGUMENT, "thinker: input finished without a prompt")
+                    continue
+                state.req = self.runner.new_request(state.prompt_ids, state.sampling)
+            work.append((i, state.req, item.num_tokens))
+        if work:
+            results = self.runner.step_many([(req, n) for _, req, n in work])
+            for (i, _, _), result in zip(work, results, strict=True):
+                out[i] = self._emit(items[i].state, result.prompt, result.token)
+        return out
+
+    def _emit(self, state: ThinkerState, prompt: PromptOutput | None, tok: TokenOutput | None) -> Emit:
         want_audio = state.start.want_audio
         emit = Emit()
-        if state.req is None:
-            if state.prompt_ids is None:
-                raise StageError(grpc.StatusCode.INVALID_ARGUMENT, "thinker: input finished without a prompt")
-            state.req = self.runner.new_request(state.prompt_ids, state.sampling)
-            prompt, tok = self.runner.prefill(state.req)
-            if want_audio:
-                start = stage_pb2.Start()
-                start.CopyFrom(state.start)
-                if state.start.mode != stage_pb2.FULL_PAYLOAD:
-                    start.mode = self.edge_mode  # type: ignore[assignment]
-                emit.open_downstream = start
-                tensors: dict[str, Any] = {"prompt_ids": prompt.ids, "prompt_embed": prompt.embeds}
-                mm = self.runner.spec.multimodal_ids
-                if any(int(i) in mm for i in prompt.ids.tolist()):
-                    tensors["prompt_hidden"] = prompt.hidden
-                emit.down.append(OutChunk(tensors, offset=0, n=0))
-        else:
-            tok = self.runner.decode(state.req)
+        if prompt is not None and want_audio:
+            start = stage_pb2.Start()
+            start.CopyFrom(state.start)
+            if state.start.mode != stage_pb2.FULL_PAYLOAD:
+                start.mode = self.edge_mode  # type: ignore[assignment]
+            emit.open_downstream = start
+            tensors: dict[str, Any] = {"prompt_ids": prompt.ids, "prompt_embed": prompt.embeds}
+            mm = self.runner.spec.multimodal_ids
+            if any(int(i) in mm for i in prompt.ids.tolist()):
+                tensors["prompt_hidden"] = prompt.hidden
+            emit.down.append(OutChunk(tensors, offset=0, n=0))
+        if tok is None:  # a prefill chunk that is not the last
+            return emit
         up, down = self._token_chunks(state, tok)
         emit.up.append(up)
         if want_audio:
@@ -103,7 +134,7 @@ class ThinkerWorker(StageWorker):
             self.runner.release(state.req)
 
     def capacity(self) -> dict[str, int]:
-        return {"max_num_seqs": 1, "max_model_len": self.runner.spec.max_positions}
+        return {"max_model_len": self.runner.spec.max_positions}
 
 
 def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> ThinkerWorker:

@@ -303,3 +303,53 @@ def test_sigterm_drains_the_stage(spare_stack: Stack, pipeline: Any) -> None:
     worker.join(120)
     assert len(results.get("ids", [])) == 600, "the in-flight request completed"
     assert thinker.proc.wait(timeout=30) == 0
+
+
+def test_parity_under_load_eight_concurrent_requests(stack: Stack, pipeline: Any) -> None:
+    """Eight different greedy requests at once give exactly the ids and codes each gives alone,
+    and they really shared forward steps (mean batch > 1 in the thinker and the talker)."""
+    prompts = [
+        "hi",
+        "Tell me about the sea.",
+        "What is two plus two?",
+        "Describe a red house on a hill in autumn.",
+        "ok",
+        "Name three colours.",
+        "Why is the sky blue? Answer briefly, please.",
+        "Sing!",
+    ]
+    ids = [pipeline.prompt_ids(p) for p in prompts]
+    thinker = stack.addresses("thinker")[0]
+
+    def unpack(out: dict[str, list[Any]]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        tokens = [int(i) for c in out["thinker"] for i in c.tensors["ids"].tolist()]
+        frames = [c.tensors["codes"] for c in out.get("talker", []) if "codes" in c.tensors]
+        audio = [c.tensors["audio"] for c in out.get("code2wav", []) if "audio" in c.tensors]
+        codes = torch.cat(frames, dim=1) if frames else torch.zeros((16, 0), dtype=torch.long)
+        return tokens, codes, torch.cat(audio) if audio else torch.zeros(0)
+
+    limits = {"thinker": 24, "talker": 40}
+    solo = [unpack(run(stage_call(thinker, greedy_start(f"solo-{i}", **limits), [prompt_chunk(x)])))
+            for i, x in enumerate(ids)]
+    assert sum(codes.shape[1] > 0 for _, codes, _ in solo) >= 4  # most of them speak
+
+    def load(stage: str) -> tuple[int, int]:
+        loads = [run(info(a)).load for a in stack.addresses(stage)]
+        return sum(x.steps_total for x in loads), sum(x.step_requests_total for x in loads)
+
+    before = {s: load(s) for s in ("thinker", "talker")}
+
+    async def together() -> list[Any]:
+        calls = (stage_call(thinker, greedy_start(f"load-{i}", **limits), [prompt_chunk(x)], timeout=180)
+                 for i, x in enumerate(ids))
+        return await asyncio.gather(*calls)
+
+    for i, (out, (ids_alone, codes_alone, audio_alone)) in enumerate(zip(run(together()), solo, strict=True)):
+        tokens, codes, audio = unpack(out)
+        assert tokens == ids_alone, f"request {i}: text ids differ under load"
+        assert torch.equal(codes, codes_alone), f"request {i}: codec codes differ under load"
+        assert audio.shape == audio_alone.shape
+        assert torch.allclose(audio, audio_alone, atol=1e-5, rtol=0)
+    for stage in ("thinker", "talker"):
+        steps, requests = (a - b for a, b in zip(load(stage), before[stage], strict=True))
+        assert steps > 0 and requests / steps > 1.5, f"{stage}: mean batch {requests / max(steps, 1):.2f}"
