@@ -338,7 +338,7 @@ def _stage_phase(run: Run, pipe: Any) -> None:
     summary = stage_summary(times)
     unbatched = [k for k, v in BATCHED_RUNNERS.items() if not v]
     summary["note"] = (
-        f"{', '.join(unbatched)}: no batched runner yet, so the best batch size is 1; "
+        f"{', '.join(unbatched)}: timed one request at a time (the stage-alone driver does not batch them); "
         f"code2wav: best of batch sizes {summary['stages'].get('code2wav', {}).get('batch_sizes_tried', [])}"
     )
     run.stage_baseline = summary

@@ -10,5 +10,5 @@ BIN=.venv/bin/omnistage
 OUT=benchmarks/results
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-"$BIN" bench --serve --concurrency 1,8 --num-requests 16 \
+"$BIN" bench --serve --concurrency 1,4,8,16 --num-requests 16 \
     --json "$OUT/bench.json" --plot "$OUT/bench.png" --markdown "$OUT/README.md" "$@"

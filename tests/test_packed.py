@@ -78,7 +78,8 @@ def test_thinker_requests_are_bitwise_the_same_alone_and_packed(pipeline: Any) -
         together = _thinker_run(pipeline, prompts, join_at)
         for a, b in zip(alone, together, strict=True):
             assert [t.token_id for t in a] == [t.token_id for t in b]
-            assert all(torch.equal(x.hidden, y.hidden) and torch.equal(x.embed, y.embed) for x, y in zip(a, b))
+            for x, y in zip(a, b, strict=True):
+                assert torch.equal(x.hidden, y.hidden) and torch.equal(x.embed, y.embed)
 
 
 def test_chunked_prefill_gives_the_same_tokens(pipeline: Any) -> None:
@@ -88,7 +89,7 @@ def test_chunked_prefill_gives_the_same_tokens(pipeline: Any) -> None:
     assert len(prompt) > 14
     assert [t.token_id for t in whole] == [t.token_id for t in chunked]
     # Different chunk shapes change the last bits (other GEMM shapes), not more.
-    assert max(float((a.hidden - b.hidden).abs().max()) for a, b in zip(whole, chunked)) < 1e-4
+    assert max(float((a.hidden - b.hidden).abs().max()) for a, b in zip(whole, chunked, strict=True)) < 1e-4
 
 
 def test_talker_steps_are_bitwise_the_same_alone_and_batched(pipeline: Any) -> None:
@@ -119,4 +120,4 @@ def test_talker_steps_are_bitwise_the_same_alone_and_batched(pipeline: Any) -> N
     assert any(alone[i] for i in alone)
     for i in range(3):
         assert [f for f, _ in alone[i]] == [f for f, _ in together[i]]
-        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(alone[i], together[i]))
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(alone[i], together[i], strict=True))
