@@ -70,7 +70,7 @@ def test_harness_in_process(tiny_dir: Path, tmp_path: Path) -> None:
     st = result["stage_baseline"]
     assert set(st["stages"]) == {"thinker", "talker", "code2wav"}
     assert st["bottleneck"] in st["stages"]
-    assert st["stages"]["thinker"]["best_batch_size"] == 1 and "batch size is 1" in st["note"]
+    assert st["stages"]["thinker"]["best_batch_size"] == 1 and "one request at a time" in st["note"]
     assert st["stages"]["code2wav"]["batch_sizes_tried"] == [1, 2]
 
 
