@@ -83,9 +83,6 @@ class StageWorker(ABC):
     """Stage-specific logic; all methods run on the engine thread."""
 
     stage: str
-    # Counted in tokens (a KV cache that grows per token: the thinker) or in steps (the talker:
-    # one code-0 per step; code2wav: one decode per step), for the scheduler.
-    counts_tokens: bool = False
 
     @abstractmethod
     def open(self, start: stage_pb2.Start) -> Any:
@@ -121,7 +118,8 @@ class StageWorker(ABC):
 
     def demand(self, state: Any) -> tuple[int, int] | None:
         """(input tokens, most new tokens) to queue the request with, once known (None before).
-        Step-counted stages: no input tokens, and a bound on the steps a request can take."""
+        Stages with a per-token KV cache (the thinker) count tokens; the others count steps
+        (no input tokens, and a bound on the steps a request can take)."""
         return 0, self.max_steps(state)
 
     def max_steps(self, state: Any) -> int:
@@ -142,7 +140,6 @@ class Request:
     out_q: asyncio.Queue[Any]
     down_q: asyncio.Queue[Any]
     state: Any = None
-    status: RequestState = RequestState.WAITING
     inbox: collections.deque[DecodedChunk | None] = field(default_factory=collections.deque)  # None: closed
     input_finished: bool = False  # the caller sent `finished` (or closed its side)
     all_input_fed: bool = False  # ...and the worker has taken every chunk before it
@@ -269,7 +266,6 @@ class Engine:
         except Exception:  # closing must never take the engine down
             log.exception("%s: close failed for %s", self.worker.stage, req.request_id)
         req.state = None
-        req.status = status
         if req.scheduled:
             req.scheduled = False
             end = {
@@ -368,7 +364,6 @@ class Engine:
             self.scheduler.mark_waiting_for_input(req.request_id)
         if req.all_input_fed:
             raise invalid(f"{worker.stage}: the input ended before the request was complete")
-        req.status = RequestState.WAITING_FOR_INPUT
         waited = now - req.last_input
         if self.input_wait_timeout_s and waited > self.input_wait_timeout_s:
             raise StageError(
@@ -381,8 +376,6 @@ class Engine:
     def _step(self, plan: Any) -> None:
         with self._cond:
             batch = [(self._requests[item.request_id], item.num_tokens) for item in plan]
-        for req, _ in batch:
-            req.status = RequestState.RUNNING
         items = [StepItem(req.state, req.all_input_fed, n) for req, n in batch]
         try:
             emits: list[Emit | BaseException] = self.worker.step_batch(items)

@@ -29,7 +29,6 @@ class ThinkerState:
 
 class ThinkerWorker(StageWorker):
     stage = "thinker"
-    counts_tokens = True
 
     def __init__(self, runner: ThinkerRunner, defaults: SamplingParams, edge_mode: int) -> None:
         self.runner = runner
