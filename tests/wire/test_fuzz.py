@@ -19,6 +19,7 @@ from omnistage.v1.tensor_pb2 import Chunk, ShmRef, TensorBlob
 from services.runtime import tensor_blob as tb
 from services.runtime.shm import ShmPool, ShmReader
 from services.runtime.tensor_blob import ChunkAssembler, TensorBlobError
+from tests.wire.mutation import BYTE_OPS, mutate_bytes
 
 FUZZ = settings(
     max_examples=1000,
@@ -125,22 +126,12 @@ def mutated(draw: st.DrawFn) -> list[bytes]:
     for _ in range(draw(st.integers(1, 4))):
         i = draw(st.integers(0, len(msgs) - 1))
         b = bytearray(msgs[i])
-        op = draw(st.sampled_from(["flip", "set", "cut", "insert", "delete", "swap"]))
-        pos = draw(st.integers(0, max(0, len(b) - 1)))
-        if op == "flip" and b:
-            b[pos] ^= 1 << draw(st.integers(0, 7))
-        elif op == "set" and b:
-            b[pos] = draw(st.integers(0, 255))
-        elif op == "cut":
-            b = b[:pos]
-        elif op == "insert":
-            b[pos:pos] = draw(st.binary(min_size=1, max_size=12))
-        elif op == "delete":
-            del b[pos : pos + draw(st.integers(1, 8))]
-        elif op == "swap":
+        op = draw(st.sampled_from([*BYTE_OPS, "swap"]))
+        if op == "swap":
             j = draw(st.integers(0, len(msgs) - 1))
             msgs[i], msgs[j] = msgs[j], msgs[i]
             continue
+        b = mutate_bytes(draw, b, op)
         msgs[i] = bytes(b)
     return msgs
 

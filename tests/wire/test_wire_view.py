@@ -25,6 +25,7 @@ from services.runtime import tensor_blob as tb
 from services.runtime import wire_view as wv
 from services.runtime.shm import ShmPool, ShmReader
 from services.runtime.tensor_blob import ChunkAssembler, TensorBlobError
+from tests.wire.mutation import BYTE_OPS, mutate_bytes
 from tests.wire.test_tensor_blob import TORCH_DTYPES, _bits_equal, _sample
 
 PROPS = settings(
@@ -358,20 +359,11 @@ def mutated(draw: st.DrawFn) -> tuple[str, bytes]:
     kind, data = draw(st.sampled_from(CORPUS))
     b = bytearray(data)
     for _ in range(draw(st.integers(1, 4))):
-        op = draw(st.sampled_from(["flip", "set", "cut", "insert", "delete", "append"]))
-        pos = draw(st.integers(0, max(0, len(b) - 1)))
-        if op == "flip" and b:
-            b[pos] ^= 1 << draw(st.integers(0, 7))
-        elif op == "set" and b:
-            b[pos] = draw(st.integers(0, 255))
-        elif op == "cut":
-            b = b[:pos]
-        elif op == "insert":
-            b[pos:pos] = draw(st.binary(min_size=1, max_size=12))
-        elif op == "delete":
-            del b[pos : pos + draw(st.integers(1, 8))]
-        elif op == "append":  # protobuf merges concatenated messages
+        op = draw(st.sampled_from([*BYTE_OPS, "append"]))
+        if op == "append":  # protobuf merges concatenated messages
             b += draw(st.sampled_from([d for k, d in CORPUS if k == kind]))
+        else:
+            b = mutate_bytes(draw, b, op)
     return kind, bytes(b)
 
 
