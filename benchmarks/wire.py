@@ -3,9 +3,10 @@
 Every figure is the median of several repetitions and comes with its baseline from the same run
 (DESIGN.md §10):
 
-* codec: tensor_blob encode into a StageRequest + SerializeToString + the receive path
-  (``wire_view.parse_request`` + decode) vs ``pickle.dumps/loads`` of the tensor vs
-  ``torch.save/torch.load`` through BytesIO;
+* codec: the send path (``encode_lazy_chunks`` + ``wire_view.serialize`` of a StageRequest) +
+  the receive path (``wire_view.parse_request`` + decode) vs ``pickle.dumps/loads`` of the
+  tensor vs ``torch.save/torch.load`` through BytesIO; encode alone vs plain protobuf
+  (``encode`` into the message + ``SerializeToString``);
 * decode alone, each from the serialized StageRequest bytes as gRPC hands them to the
   deserializer: inline through ``wire_view`` (the stages' path: no copy), inline through plain
   protobuf ``FromString`` + decode (protobuf-python copies the payload at parse and again when
@@ -46,6 +47,7 @@ GRPC_CHUNK_BYTES = 4 << 20
 GRPC_MAX_MSG = 8 << 20
 GRPC_CHUNKS = 24
 GRPC_BUDGET_S = 4.0
+_ONE_MESSAGE = 1 << 30  # codec figures: every size in one message (nothing here goes over gRPC)
 
 
 def _reps(nbytes: int) -> int:
@@ -56,10 +58,17 @@ def _reps(nbytes: int) -> int:
 
 
 def _request_bytes(x: torch.Tensor, pool: ShmPool | None = None, request_id: str | None = None) -> bytes:
-    """One StageRequest carrying ``x`` as tensor "x", serialized (encoded in place: no extra copy)."""
-    req = stage_pb2.StageRequest()
-    tb.encode(x, pool=pool, request_id=request_id, out=req.chunk.tensors["x"])
-    return req.SerializeToString()
+    """One StageRequest carrying ``x`` as tensor "x", serialized the way stages send: a lazy chunk
+    through ``wire_view.serialize`` (the payload copied once, from the tensor into the bytes)."""
+    (chunk,) = tb.encode_lazy_chunks({"x": x}, max_bytes=_ONE_MESSAGE, pool=pool, request_id=request_id)
+    return wv.serialize(wv.Outgoing(stage_pb2.StageRequest(), chunk))
+
+
+def _request_bytes_protobuf(x: torch.Tensor) -> bytes:
+    """The same message through plain protobuf (the encode baseline): the same chunk encoder, then
+    the payload copied into a ``bytes``, by protobuf into the message, and into the serialized bytes."""
+    (chunk,) = tb.encode_chunks({"x": x}, max_bytes=_ONE_MESSAGE)
+    return stage_pb2.StageRequest(chunk=chunk).SerializeToString()
 
 
 def _receive(wire: bytes, reader: ShmReader | None = None) -> torch.Tensor:
@@ -82,7 +91,10 @@ def _codec(x: torch.Tensor, reps: int) -> dict[str, float]:
         return torch.load(buf)
 
     assert torch.equal(blob_rt(), x) and torch.equal(pickle_rt(), x) and torch.equal(torch_rt(), x)
+    assert _request_bytes(x) == _request_bytes_protobuf(x)  # the same message, byte for byte
     return {
+        "encode_s": timed_median(lambda: _request_bytes(x), reps)[0],
+        "encode_protobuf_s": timed_median(lambda: _request_bytes_protobuf(x), reps)[0],
         "tensor_blob_s": timed_median(blob_rt, reps)[0],
         "pickle_s": timed_median(pickle_rt, reps)[0],
         "torch_save_s": timed_median(torch_rt, reps)[0],
@@ -214,27 +226,26 @@ def _grpc_throughput(address: str, pool: ShmPool | None) -> tuple[float, bool, i
             use, state["shm"] = pool, True
         for i in range(GRPC_CHUNKS):
             last = i == GRPC_CHUNKS - 1 or time.monotonic() > deadline
-            for c in tb.encode_chunks(
+            for c in tb.encode_lazy_chunks(
                 {"hidden": payload}, max_bytes=GRPC_MAX_MSG, seq=i, offset=i, finished=last, pool=use, request_id=rid
             ):
-                yield stage_pb2.StageRequest(chunk=c)
+                yield wv.Outgoing(stage_pb2.StageRequest(), c)
             state["sent"] += payload.numel() * 4
             if last:
                 return
 
     opts = [("grpc.max_receive_message_length", GRPC_MAX_MSG), ("grpc.max_send_message_length", GRPC_MAX_MSG)]
     with grpc.insecure_channel(address, options=opts) as channel:
-        stub = stage_pb2_grpc.StageStub(channel)
         md = pool.invocation_metadata() if pool is not None else []
         t0 = time.perf_counter()
-        call = stub.Stream(requests(), metadata=md, timeout=60)
+        call = wv.stage_stream(channel)(requests(), metadata=md, timeout=60)
         holder["call"] = call
         call_ready.set()
         (resp,) = list(call)
         elapsed = time.perf_counter() - t0
         if pool is not None:
             pool.release_request(rid)
-    got = int(tb.get_meta(resp.chunk.meta)["bytes"])
+    got = int(tb.get_meta(resp.message.chunk.meta)["bytes"])
     assert got == state["sent"], (got, state["sent"])
     return got / elapsed / 1e6, bool(state["shm"]), got
 
@@ -288,6 +299,7 @@ def run() -> dict[str, Any]:
     s16, s64, s64k = sizes["16mb"], sizes["64mb"], sizes["64kb"]
     ratios: dict[str, float | None] = {
         "pickle_over_tensor_blob_16mb": s16["pickle_s"] / s16["tensor_blob_s"],
+        "encode_protobuf_over_encode_16mb": s16["encode_protobuf_s"] / s16["encode_s"],
         "torch_save_over_tensor_blob_16mb": s16["torch_save_s"] / s16["tensor_blob_s"],
         "decode_64mb_over_decode_64kb": pairs["decode_64mb_over_decode_64kb"],
         "decode_protobuf_64mb_over_decode_protobuf_64kb": s64["decode_inline_protobuf_s"]
@@ -306,6 +318,9 @@ def run() -> dict[str, Any]:
         "grpc": grpc_figs,
         "ratios": ratios,
         "notes": {
+            "encode_protobuf_over_encode_16mb": "serialized StageRequest of one 16 MiB tensor: encode_chunks + "
+            "plain protobuf (copy to bytes, copy on assignment, copy on serialization) over the stages' send path "
+            "(encode_lazy_chunks + wire_view.serialize: one copy, from the tensor into the bytes)",
             "decode_64mb_over_decode_64kb": "inline payload from the serialized StageRequest bytes: "
             "wire_view.parse_request + tensor_blob.decode over the received bytes (no copy); the two sizes "
             "timed alternately, 401 pairs, ratio of medians (the per-size rows are timed separately)",
@@ -321,6 +336,8 @@ def run() -> dict[str, Any]:
 
 def _fmt_table(res: dict[str, Any]) -> str:
     cols = [
+        ("encode_s", "encode ms", 1e3),
+        ("encode_protobuf_s", "enc protobuf ms", 1e3),
         ("tensor_blob_s", "blob e+d ms", 1e3),
         ("pickle_s", "pickle ms", 1e3),
         ("torch_save_s", "torch.save ms", 1e3),

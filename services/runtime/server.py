@@ -30,8 +30,8 @@ from grpc_reflection.v1alpha import reflection
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from services.runtime.engine import DOWN_DONE, SELF_DONE, Engine, OpenDownstream, OutChunk, StageError, invalid
 from services.runtime.shm import ShmPool, default_reader, peer_accepts_shm
-from services.runtime.tensor_blob import ChunkAssembler, TensorBlobError, encode_chunks
-from services.runtime.wire_view import Received, add_stage_servicer, stage_stream
+from services.runtime.tensor_blob import ChunkAssembler, LazyChunk, TensorBlobError, encode_lazy_chunks
+from services.runtime.wire_view import Outgoing, Received, add_stage_servicer, stage_stream
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +82,10 @@ class StageService(stage_pb2_grpc.StageServicer):
             self._channel = grpc.aio.insecure_channel(self.downstream, options=channel_options(self.max_message_bytes))
         return stage_stream(self._channel)
 
-    def _encode(self, out: OutChunk, seq: int, pool: ShmPool | None, request_id: str) -> list[Any]:
+    def _encode(self, out: OutChunk, seq: int, pool: ShmPool | None, request_id: str) -> list[LazyChunk]:
         meta = dict(out.meta)
         meta["n"] = out.n
-        return encode_chunks(
+        return encode_lazy_chunks(
             out.tensors,
             max_bytes=self.max_message_bytes - 1024,
             offset=out.offset,
@@ -129,7 +129,7 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     async def Stream(
         self, request_iterator: AsyncIterator[Received[stage_pb2.StageRequest]], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[stage_pb2.StageResponse | Received[stage_pb2.StageResponse]]:
+    ) -> AsyncIterator[Outgoing | Received[stage_pb2.StageResponse] | stage_pb2.StageResponse]:
         if self.draining:
             # Read what the caller already sent first: a call the server ends while the client
             # is still writing surfaces as INTERNAL on the client instead of this status.
@@ -173,7 +173,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                 elif isinstance(item, OutChunk):
                     for chunk in self._encode(item, seq, None, req.request_id):
                         seq += 1
-                        yield stage_pb2.StageResponse(stage=self.stage, chunk=chunk)
+                        yield Outgoing(stage_pb2.StageResponse(stage=self.stage), chunk)
                 elif isinstance(item, OpenDownstream):
                     pending.add("down")
                     down_call = self._open_downstream(req, item.start, context)
@@ -235,7 +235,9 @@ class StageService(stage_pb2_grpc.StageServicer):
         req.down_call = call
         return call
 
-    async def _down_messages(self, req: Any, start: stage_pb2.Start) -> AsyncIterator[stage_pb2.StageRequest]:
+    async def _down_messages(
+        self, req: Any, start: stage_pb2.Start
+    ) -> AsyncIterator[stage_pb2.StageRequest | Outgoing]:
         yield stage_pb2.StageRequest(start=start)
         seq = 0
         accepted: bool | None = None  # shared memory, decided once the peer's metadata is known
@@ -252,7 +254,7 @@ class StageService(stage_pb2_grpc.StageServicer):
                         accepted = peer_accepts_shm(await req.down_call.initial_metadata())
             for chunk in self._encode(item, seq, self.pool if accepted else None, req.request_id):
                 seq += 1
-                yield stage_pb2.StageRequest(chunk=chunk)
+                yield Outgoing(stage_pb2.StageRequest(), chunk)
 
     async def _relay(self, req: Any, call: Any) -> None:
         try:

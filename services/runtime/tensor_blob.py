@@ -13,9 +13,16 @@ Copies
   received bytes and hands them over as memoryviews (the ``view`` / ``views`` arguments below).
   Without a view, ``decode`` reads ``blob.raw`` exactly once (protobuf's copy). The
   shared-memory path has no copy at all.
-* Encoding copies once: ``tobytes()`` (inline) or one ``copy_`` into the shared-memory slot (which
-  is also the device->host copy for a CUDA tensor). protobuf-python only accepts ``bytes`` for a
-  bytes field and copies it again internally when it is assigned; that is outside our control.
+* Encoding copies once. For the messages stages send (``encode_lazy_chunks``), an inline
+  payload of ``LAZY_BYTES`` or more stays a view of the tensor until ``wire_view.serialize``
+  copies it into the outgoing message bytes (one ``bytes.join``). Smaller payloads go through
+  protobuf as below: its copies of a few KiB cost less than the Python framing (the break-even
+  measured here lies between 16 and 64 KiB). A non-contiguous tensor is gathered first (a
+  second copy); a device tensor's device->host copy is the first. The shared-memory path
+  copies once: one ``copy_`` into the slot (which is also the device->host copy for a CUDA
+  tensor). ``encode``, ``encode_chunk`` and ``encode_chunks`` build plain protobuf messages:
+  ``tobytes()``, then protobuf copies the bytes into the message when they are assigned and
+  again when it is serialized.
 * Tensors decoded from inline bytes share memory with a private ``bytes`` object: numpy marks
   them read-only; torch cannot, so treat them as read-only (``.clone()`` before in-place ops).
   Tensors decoded from shared memory are writable and stay valid until the sender releases the
@@ -48,11 +55,13 @@ if TYPE_CHECKING:
     from services.runtime.shm import ShmPool, ShmReader
 
 __all__ = [
+    "LAZY_BYTES",
     "MAX_NBYTES",
     "MAX_NDIM",
     "ArrayLike",
     "ChunkAssembler",
     "DecodedChunk",
+    "LazyChunk",
     "ScalarValue",
     "TensorBlobError",
     "decode",
@@ -61,6 +70,7 @@ __all__ = [
     "encode",
     "encode_chunk",
     "encode_chunks",
+    "encode_lazy_chunks",
     "get_meta",
     "set_meta",
     "validate",
@@ -157,13 +167,22 @@ def _host_view(x: ArrayLike) -> tuple[_DType, np.ndarray | torch.Tensor]:
     raise TensorBlobError(f"cannot encode {type(x).__name__}; expected torch.Tensor or numpy.ndarray")
 
 
-def _to_wire_bytes(dt: _DType, arr: np.ndarray | torch.Tensor) -> bytes:
-    if isinstance(arr, torch.Tensor):  # on a device: the one device->host copy
+def _host_wire(dt: _DType, arr: np.ndarray | torch.Tensor) -> np.ndarray:
+    """``arr`` as a host array of the wire dtype: copies only a device tensor (the device->host
+    copy) or a big-endian array (never on the little-endian hosts we run on)."""
+    if isinstance(arr, torch.Tensor):
         arr = _host_view(arr.cpu())[1]
         assert isinstance(arr, np.ndarray)
-    if arr.dtype != dt.wire:  # big-endian input (never on the little-endian hosts we run on)
-        arr = arr.astype(dt.wire)
-    return arr.tobytes()  # the one copy, straight from any strides into C order
+    return arr if arr.dtype == dt.wire else arr.astype(dt.wire)
+
+
+def _to_wire_bytes(dt: _DType, arr: np.ndarray | torch.Tensor) -> bytes:
+    return _host_wire(dt, arr).tobytes()  # one copy, straight from any strides into C order
+
+
+def _flat_wire(dt: _DType, arr: np.ndarray | torch.Tensor) -> np.ndarray:
+    """The elements in wire layout, flat: a view of a contiguous CPU tensor, no copy."""
+    return np.ascontiguousarray(_host_wire(dt, arr)).reshape(-1)
 
 
 def _fill_slot(buffer: memoryview, dt: _DType, arr: np.ndarray | torch.Tensor) -> None:
@@ -388,6 +407,40 @@ def encode_chunk(
 
 
 _CHUNK_SLACK = 64  # part/parts/seq/finished/offset fields and map-entry framing
+LAZY_BYTES = 32 << 10  # inline payloads at least this large stay in the tensor until serialization
+
+
+@dataclass(frozen=True, slots=True)
+class LazyChunk:
+    """A Chunk message to send whose large inline payloads have not been copied yet.
+
+    ``chunk`` holds everything but the lazy tensors. Each entry of ``lazy`` is (name, the
+    tensor's TensorBlob without its data, its payload): the payload is a byte memoryview over
+    the sender's tensor itself. ``wire_view.serialize`` writes the message bytes with each
+    payload copied once, straight from the tensor; the tensors must not change until then.
+    ``message()`` builds the plain Chunk (in-process use and tests).
+    """
+
+    chunk: Chunk
+    lazy: tuple[tuple[str, TensorBlob, memoryview], ...] = ()
+
+    def message(self) -> Chunk:
+        if not self.lazy:
+            return self.chunk
+        out = Chunk()
+        out.CopyFrom(self.chunk)
+        for name, head, payload in self.lazy:
+            blob = out.tensors[name]
+            blob.CopyFrom(head)
+            blob.raw = bytes(payload)
+        return out
+
+
+_Building = tuple[Chunk, list[tuple[str, TensorBlob, memoryview]]]  # a message being filled, its lazy tensors
+
+
+def _payload(flat: np.ndarray) -> memoryview:
+    return memoryview(flat.view(np.uint8))
 
 
 def encode_chunks(
@@ -401,13 +454,40 @@ def encode_chunks(
     pool: ShmPool | None = None,
     request_id: str | None = None,
 ) -> list[Chunk]:
+    """``encode_lazy_chunks`` as plain Chunk messages (each payload copied into its message)."""
+    lazy = encode_lazy_chunks(
+        tensors,
+        max_bytes=max_bytes,
+        offset=offset,
+        seq=seq,
+        finished=finished,
+        meta=meta,
+        pool=pool,
+        request_id=request_id,
+    )
+    return [c.message() for c in lazy]
+
+
+def encode_lazy_chunks(
+    tensors: Mapping[str, ArrayLike],
+    *,
+    max_bytes: int,
+    offset: int = 0,
+    seq: int = 0,
+    finished: bool = False,
+    meta: Mapping[str, ScalarValue] | None = None,
+    pool: ShmPool | None = None,
+    request_id: str | None = None,
+) -> list[LazyChunk]:
     """Encode a logical chunk as one or more Chunk messages, each at most ``max_bytes`` serialized.
 
     When it does not fit in one message, it becomes ``parts`` messages (``part`` 0..parts-1,
     consecutive ``seq`` from ``seq``, the same ``offset`` and ``meta``, ``finished`` only on
     the last). Tensors too large for the room left are spread over several messages as flat
     element ranges (``TensorBlob.element_offset``). Tensors that go to shared memory take a few
-    bytes each. The caller's next seq is ``seq + len(result)``.
+    bytes each. Inline payloads of ``LAZY_BYTES`` or more stay views of the tensors (see
+    ``LazyChunk``); smaller ones are copied into the message. The caller's next seq is
+    ``seq + len(result)``.
     """
     if max_bytes < 4096:
         raise ValueError("max_bytes must be at least 4096")
@@ -434,21 +514,29 @@ def encode_chunks(
         items.append((name, blob, dt, arr))
         total += blob.ByteSize() + len(name.encode()) + 24 + numel * dt.itemsize
 
-    def fresh(part: int) -> Chunk:
+    def fresh(part: int) -> _Building:
         c = Chunk()
         c.CopyFrom(header)
         c.seq, c.part = seq + part, part
-        return c
+        return c, []
+
+    def put(msg: _Building, name: str, blob: TensorBlob, dt: _DType, flat: np.ndarray | None) -> None:
+        """Add ``blob`` with the elements ``flat`` (None: its data is already set)."""
+        chunk, lazy = msg
+        if flat is not None and flat.size * dt.itemsize >= LAZY_BYTES:
+            lazy.append((name, blob, _payload(flat)))
+            return
+        entry = chunk.tensors[name]
+        entry.CopyFrom(blob)
+        if flat is not None:
+            entry.raw = flat.tobytes()
 
     if total <= max_bytes:
-        chunk = fresh(0)
-        chunk.part = chunk.parts = 0
+        msg = fresh(0)
+        msg[0].part = msg[0].parts = 0
         for name, blob, dt, arr in items:
-            entry = chunk.tensors[name]
-            entry.CopyFrom(blob)
-            if arr is not None:
-                entry.raw = _to_wire_bytes(dt, arr)
-        return [chunk]
+            put(msg, name, blob, dt, None if arr is None else _flat_wire(dt, arr))
+        return [LazyChunk(msg[0], tuple(msg[1]))]
 
     messages = [fresh(0)]
     room = max_bytes - base
@@ -458,39 +546,37 @@ def encode_chunks(
             if fixed > room:
                 messages.append(fresh(len(messages)))
                 room = max_bytes - base
-            messages[-1].tensors[name].CopyFrom(blob)
+            put(messages[-1], name, blob, dt, None)
             room -= fixed
             continue
-        if isinstance(arr, torch.Tensor):
-            arr = _host_view(arr.cpu())[1]
-            assert isinstance(arr, np.ndarray)
-        flat = np.ascontiguousarray(arr).reshape(-1)
-        if flat.dtype != dt.wire:
-            flat = flat.astype(dt.wire)
+        flat = _flat_wire(dt, arr)
         start, numel = 0, flat.size
         if max_bytes - base - fixed < dt.itemsize:
             raise ValueError(f"max_bytes {max_bytes} too small for tensor {name!r}")
         while True:
             fit = max(0, (room - fixed) // dt.itemsize)
             sliver = fit < numel - start and fit * dt.itemsize < (max_bytes - base) // 8
-            if messages[-1].tensors and (fit == 0 or sliver or name in messages[-1].tensors):
+            chunk, lazy = messages[-1]
+            holds = bool(chunk.tensors) or bool(lazy)
+            holds_name = name in chunk.tensors or any(n == name for n, _, _ in lazy)
+            if holds and (fit == 0 or sliver or holds_name):
                 messages.append(fresh(len(messages)))  # open a new message rather than send a sliver
                 room = max_bytes - base
                 continue
             n = min(fit, numel - start)
-            piece = messages[-1].tensors[name]
+            piece = TensorBlob()
             piece.CopyFrom(blob)
             piece.element_offset = start
-            piece.raw = flat[start : start + n].tobytes()
+            put(messages[-1], name, piece, dt, flat[start : start + n])
             room -= fixed + n * dt.itemsize
             start += n
             if start >= numel:
                 break
-    for m in messages:
-        m.parts = len(messages)
-        m.finished = False
-    messages[-1].finished = finished
-    return messages
+    for chunk, _ in messages:
+        chunk.parts = len(messages)
+        chunk.finished = False
+    messages[-1][0].finished = finished
+    return [LazyChunk(chunk, tuple(lazy)) for chunk, lazy in messages]
 
 
 def decode_chunk(

@@ -1,6 +1,12 @@
-"""wire_view: parse received Stage messages without copying their inline tensor payloads (DESIGN.md §3).
+"""wire_view: Stage messages to and from wire bytes with no copy of their tensor payloads on
+receipt and one on sending (DESIGN.md §3).
 
-protobuf-python (upb) copies a ``bytes`` field into its arena when it parses a message and again
+Sending: ``serialize`` writes an ``Outgoing`` message (its chunk a ``tensor_blob.LazyChunk``)
+as protobuf's small parts plus the payloads joined straight from the tensors into the one
+outgoing ``bytes`` (gRPC's serializers must return ``bytes``; protobuf-python would first copy
+a payload into the message, then again into the serialized bytes).
+
+Receiving: protobuf-python (upb) copies a ``bytes`` field into its arena when it parses a message and again
 into a fresh ``bytes`` object every time the field is read, so decoding an inline ``TensorBlob``
 through a normal ``FromString`` costs two copies of the payload. Here the received bytes are
 walked with the protobuf wire format (tags, varints, length prefixes) down the one path that
@@ -29,7 +35,7 @@ The bytes on the wire are unchanged: a peer using the generated stubs interopera
 Lifetimes: a view keeps the whole received message alive, and tensors decoded from it are
 read-only in effect (``bytes`` is immutable; numpy marks them read-only, torch cannot).
 A ``Received.message`` has its inline payloads emptied: re-serializing it loses them, so relay
-``Received.wire`` instead (``serialize_response`` does).
+``Received.wire`` instead (``serialize`` does).
 """
 
 from __future__ import annotations
@@ -44,16 +50,17 @@ from google.protobuf.message import Message
 
 from omnistage.v1 import stage_pb2
 from omnistage.v1.tensor_pb2 import Chunk
-from services.runtime.tensor_blob import TensorBlobError
+from services.runtime.tensor_blob import LazyChunk, TensorBlobError
 
 __all__ = [
     "SMALL_BYTES",
+    "Outgoing",
     "Received",
     "add_stage_servicer",
     "parse_chunk",
     "parse_request",
     "parse_response",
-    "serialize_response",
+    "serialize",
     "stage_stream",
 ]
 
@@ -253,20 +260,73 @@ def parse_response(data: bytes) -> Received[stage_pb2.StageResponse]:
 # --------------------------------------------------------------------------------------------
 
 
-def serialize_response(response: stage_pb2.StageResponse | Received[stage_pb2.StageResponse]) -> bytes:
-    """A stage's own response, or one received from its downstream relayed as the bytes it came in."""
-    if isinstance(response, Received):
-        return response.wire
-    return response.SerializeToString()
+# --------------------------------------------------------------------------------------------
+# serialize
+# --------------------------------------------------------------------------------------------
+
+_CHUNK_TAG = b"\x12"  # StageRequest.chunk = StageResponse.chunk = 2, length-delimited
+_ENTRY_TAG = b"\x0a"  # Chunk.tensors = 1; in a map entry, key = 1
+_VALUE_TAG = b"\x12"  # map entry value = 2
+_RAW_TAG = b"\x1a"  # TensorBlob.raw = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """A StageRequest / StageResponse to send: ``head`` with no chunk set (a StageResponse's
+    ``stage``; an empty StageRequest) and the chunk as a ``LazyChunk``."""
+
+    head: stage_pb2.StageRequest | stage_pb2.StageResponse
+    chunk: LazyChunk
+
+
+def _chunk_pieces(chunk: LazyChunk) -> tuple[list[bytes | memoryview], int]:
+    """The Chunk's wire bytes as pieces (the lazy payloads as they are) and their total length.
+
+    protobuf writes everything but the lazy tensors; each lazy tensor follows as one more
+    ``tensors`` map entry whose TensorBlob is its header's bytes then the ``raw`` field.
+    Parsers accept fields in any order, so this is the message protobuf would write, up to the
+    order of map entries and of a blob's fields.
+    """
+    rest = chunk.chunk.SerializeToString()
+    pieces: list[bytes | memoryview] = [rest]
+    size = len(rest)
+    for name, head, payload in chunk.lazy:
+        key = name.encode()
+        n = payload.nbytes
+        blob_head = head.SerializeToString() + _RAW_TAG + _encode_varint(n)
+        entry_head = (
+            _ENTRY_TAG + _encode_varint(len(key)) + key + _VALUE_TAG + _encode_varint(len(blob_head) + n) + blob_head
+        )
+        entry_len = len(entry_head) + n
+        framing = _ENTRY_TAG + _encode_varint(entry_len) + entry_head
+        pieces += (framing, payload)
+        size += len(framing) + n
+    return pieces, size
+
+
+def serialize(message: Message | Received[Any] | Outgoing) -> bytes:
+    """The bytes to send for a Stage.Stream message (the gRPC serializer of both directions).
+
+    ``Outgoing``: the one copy of each lazy payload, straight from the tensor into the result.
+    ``Received`` (a response relayed from downstream): the bytes it arrived in. Otherwise
+    protobuf's ``SerializeToString``.
+    """
+    if isinstance(message, Outgoing):
+        head = message.head.SerializeToString()
+        pieces, size = _chunk_pieces(message.chunk)
+        return b"".join([head, _CHUNK_TAG, _encode_varint(size), *pieces])
+    if isinstance(message, Received):
+        return message.wire
+    return message.SerializeToString()
 
 
 def add_stage_servicer(servicer: Any, server: Any) -> None:
     """``stage_pb2_grpc.add_StageServicer_to_server`` with Stream requests parsed by
     ``parse_request`` (the handler gets ``Received`` messages) and responses serialized by
-    ``serialize_response``. Works for ``grpc.server`` and ``grpc.aio.server``."""
+    ``serialize``. Works for ``grpc.server`` and ``grpc.aio.server``."""
     handlers = {
         "Stream": grpc.stream_stream_rpc_method_handler(
-            servicer.Stream, request_deserializer=parse_request, response_serializer=serialize_response
+            servicer.Stream, request_deserializer=parse_request, response_serializer=serialize
         ),
         "Info": grpc.unary_unary_rpc_method_handler(
             servicer.Info,
@@ -283,7 +343,7 @@ def stage_stream(channel: Any) -> Any:
     the call yields ``Received[StageResponse]``."""
     return channel.stream_stream(
         STREAM_METHOD,
-        request_serializer=stage_pb2.StageRequest.SerializeToString,
+        request_serializer=serialize,
         response_deserializer=parse_response,
         _registered_method=True,
     )

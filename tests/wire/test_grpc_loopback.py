@@ -3,6 +3,7 @@ with the metadata handshake, the inline fallback, and TensorBlobError -> INVALID
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -83,11 +84,13 @@ def _run(address: str, payloads: list[dict[str, torch.Tensor]], pool: ShmPool | 
     """Stream the payloads as one request; return (responses, shm used)."""
     rid = "req-1"
     holder: dict[str, grpc.Call] = {}
+    call_ready = threading.Event()  # gRPC may pull requests before Stream() has returned the call
     used = {"shm": False}
 
     def requests() -> Iterator[stage_pb2.StageRequest]:
         yield stage_pb2.StageRequest(start=stage_pb2.Start(request_id=rid))
         use_pool = None
+        assert call_ready.wait(TIMEOUT_S)
         if pool is not None and peer_accepts_shm(holder["call"].initial_metadata()):
             use_pool, used["shm"] = pool, True
         seq = 0
@@ -106,6 +109,7 @@ def _run(address: str, payloads: list[dict[str, torch.Tensor]], pool: ShmPool | 
         md = pool.invocation_metadata() if pool is not None else []
         call = stub.Stream(requests(), metadata=md, timeout=TIMEOUT_S)
         holder["call"] = call
+        call_ready.set()
         try:
             responses = list(call)
         finally:

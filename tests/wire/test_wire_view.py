@@ -155,9 +155,9 @@ def test_small_messages_take_plain_protobuf() -> None:
 def test_relay_sends_the_received_bytes() -> None:
     data = _wrap("response", tb.encode_chunk({"audio": torch.randn(20_000)}, seq=4))
     r = wv.parse_response(data)
-    assert r.views and wv.serialize_response(r) is data
+    assert r.views and wv.serialize(r) is data
     own = stage_pb2.StageResponse(stage="talker", chunk=tb.encode_chunk({"codes": torch.zeros(2, 3)}))
-    assert wv.serialize_response(own) == own.SerializeToString()
+    assert wv.serialize(own) == own.SerializeToString()
 
 
 # --------------------------------------------------------------------------------------------
@@ -390,7 +390,9 @@ def test_mutated_bytes_parse_as_protobuf_or_fail_as_protobuf(case: tuple[str, by
 
 class RelayStage(stage_pb2_grpc.StageServicer):
     """Checks every received chunk decodes over the received bytes, then answers with the same
-    tensors the way a stage relays a downstream response: as a Received, sent as its bytes."""
+    tensors the two ways a stage answers: as its own chunk (an Outgoing, payloads copied once
+    from the tensors) on odd seq, as a relayed downstream response (a Received, sent as its
+    bytes) on even seq."""
 
     def __init__(self) -> None:
         self.aliased: list[bool] = []
@@ -404,8 +406,13 @@ class RelayStage(stage_pb2_grpc.StageServicer):
             if d is None:
                 continue
             self.aliased += [_inside(t.data_ptr(), received.wire) for t in d.tensors.values() if t.numel()]
-            answer = stage_pb2.StageResponse(stage="relay", chunk=tb.encode_chunk(d.tensors, seq=d.seq))
-            yield wv.parse_response(answer.SerializeToString())
+            if d.seq % 2:
+                (lazy,) = tb.encode_lazy_chunks(d.tensors, max_bytes=8 << 20, seq=d.seq)
+                assert lazy.lazy  # the payloads really go the lazy way
+                yield wv.Outgoing(stage_pb2.StageResponse(stage="relay"), lazy)
+            else:
+                answer = stage_pb2.StageResponse(stage="relay", chunk=tb.encode_chunk(d.tensors, seq=d.seq))
+                yield wv.parse_response(answer.SerializeToString())
 
     def Info(self, request: stage_pb2.InfoRequest, context: grpc.ServicerContext) -> stage_pb2.InfoResponse:
         return stage_pb2.InfoResponse(role="relay")
@@ -420,15 +427,20 @@ def test_grpc_stage_stream_zero_copy_and_interop() -> None:
     server.start()
     tensors = {"hidden": torch.randn(4, 9000).bfloat16(), "ids": torch.arange(20_000)}
 
-    def requests() -> Iterator[stage_pb2.StageRequest]:
+    def requests(lazy: bool = False) -> Iterator[stage_pb2.StageRequest | wv.Outgoing]:
+        """Start, then 3 chunks: plain protobuf, or (``lazy``) Outgoing from seq 1 on."""
         yield stage_pb2.StageRequest(start=stage_pb2.Start(request_id="g"))
         for seq in range(3):
-            yield stage_pb2.StageRequest(chunk=tb.encode_chunk(tensors, seq=seq))
+            if lazy and seq:
+                (chunk,) = tb.encode_lazy_chunks(tensors, max_bytes=8 << 20, seq=seq)
+                yield wv.Outgoing(stage_pb2.StageRequest(), chunk)
+            else:
+                yield stage_pb2.StageRequest(chunk=tb.encode_chunk(tensors, seq=seq))
 
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}", options=opts) as channel:
             assert stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=10).role == "relay"
-            received = list(wv.stage_stream(channel)(requests(), timeout=30))
+            received = list(wv.stage_stream(channel)(requests(lazy=True), timeout=30))
             plain = list(stage_pb2_grpc.StageStub(channel).Stream(requests(), timeout=30))
     finally:
         server.stop(grace=None)
