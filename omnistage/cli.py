@@ -305,4 +305,7 @@ def demo(
 
 
 if __name__ == "__main__":
+    from omnistage.serve import die_with_parent_if_asked
+
+    die_with_parent_if_asked()
     app()

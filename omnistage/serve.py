@@ -63,9 +63,29 @@ def resolve_model(cfg: DeployConfig, model: str | None = None) -> Path:
     return Path(chosen) if chosen else default_model_dir()
 
 
-def _die_with_parent() -> None:
+PARENT_PID_ENV = "OMNISTAGE_PARENT_PID"
+
+
+def child_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a child that should die with this process (see ``die_with_parent_if_asked``)."""
+    return {**env, PARENT_PID_ENV: str(os.getpid())}
+
+
+def die_with_parent_if_asked() -> None:
+    """In a child of ``omnistage serve``: get SIGTERM when the parent dies (PR_SET_PDEATHSIG).
+
+    The child sets this itself at start-up rather than in a ``preexec_fn``: a ``preexec_fn``
+    makes Popen use fork() instead of vfork(), which runs gRPC's fork handlers; while the
+    parent's gRPC threads are busy (pytest, ``bench --serve``) they leave a poller behind in the
+    child, which then aborts on exec ("epoll_wait error: Bad file descriptor", exit -6).
+    """
+    parent = os.environ.get(PARENT_PID_ENV)
+    if not parent:
+        return
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):  # the parent died before prctl: nobody will signal us
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @dataclass
@@ -120,8 +140,7 @@ def _spawn(args: list[str], log_path: Path | None, env: dict[str, str]) -> subpr
             [sys.executable, "-m", "omnistage.cli", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent,
-            env=env,
+            env=child_env(env),
         )
     finally:
         if log_path and out is not subprocess.DEVNULL:

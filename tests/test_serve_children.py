@@ -1,0 +1,51 @@
+"""Children of ``omnistage serve`` die with their parent, even when it is SIGKILLed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+# The parent: starts a child the way ``omnistage serve`` does (its env from child_env, no
+# preexec_fn), prints the child's pid, then waits to be killed.
+PARENT = """
+import os, subprocess, sys, time
+from omnistage.serve import child_env
+child = subprocess.Popen(
+    [sys.executable, "-c", "from omnistage.serve import die_with_parent_if_asked as d; d(); "
+     "print('armed', flush=True); import time; time.sleep(120)"],
+    env=child_env(dict(os.environ)), stdout=subprocess.PIPE, text=True,
+)
+assert child.stdout.readline().strip() == "armed"
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead: it waits for its reaper
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_child_dies_when_parent_is_killed() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child_pid = int(parent.stdout.readline())
+        assert _alive(child_pid)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(child_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child_pid)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
