@@ -40,6 +40,7 @@ dtype × shape, a missing segment or an out-of-range offset/nbytes, a broken spl
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -209,7 +210,7 @@ def encode(
     """
     dt, arr = _host_view(x)
     shape = tuple(int(d) for d in arr.shape)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize if shape else dt.itemsize
+    nbytes = math.prod(shape) * dt.itemsize
     blob = TensorBlob() if out is None else out
     blob.Clear()
     blob.dtype = dt.proto  # type: ignore[assignment]
@@ -502,7 +503,7 @@ def encode_lazy_chunks(
     for name, x in tensors.items():
         dt, arr = _host_view(x)
         blob = TensorBlob(dtype=dt.proto, shape=[int(d) for d in arr.shape])  # type: ignore[arg-type]
-        numel = int(np.prod(arr.shape, dtype=np.int64)) if arr.shape else 1
+        numel = math.prod(arr.shape)
         if pool is not None and request_id is not None and pool.wants(numel * dt.itemsize):
             slot = pool.allocate(request_id, numel * dt.itemsize)
             if slot is not None:
