@@ -6,9 +6,9 @@ as protobuf's small parts plus the payloads joined straight from the tensors int
 outgoing ``bytes`` (gRPC's serializers must return ``bytes``; protobuf-python would first copy
 a payload into the message, then again into the serialized bytes).
 
-Receiving: protobuf-python (upb) copies a ``bytes`` field into its arena when it parses a message and again
-into a fresh ``bytes`` object every time the field is read, so decoding an inline ``TensorBlob``
-through a normal ``FromString`` costs two copies of the payload. Here the received bytes are
+Receiving: protobuf-python (upb) copies a ``bytes`` field into its arena when it parses a
+message and again into a fresh ``bytes`` object every time the field is read, so decoding an
+inline ``TensorBlob`` through a normal ``FromString`` costs two copies of the payload. Here the received bytes are
 walked with the protobuf wire format (tags, varints, length prefixes) down the one path that
 carries tensor payloads::
 
@@ -312,6 +312,8 @@ def serialize(message: Message | Received[Any] | Outgoing) -> bytes:
     protobuf's ``SerializeToString``.
     """
     if isinstance(message, Outgoing):
+        if message.head.HasField("chunk"):  # protobuf would merge the two chunks
+            raise ValueError("Outgoing.head must not hold a chunk")
         head = message.head.SerializeToString()
         pieces, size = _chunk_pieces(message.chunk)
         return b"".join([head, _CHUNK_TAG, _encode_varint(size), *pieces])

@@ -155,12 +155,15 @@ def test_serialized_message_equals_plain_protobuf(kind: str) -> None:
         assert _bits_equal(d.tensors[name], x)
 
 
-def test_outgoing_head_must_not_hold_a_chunk_field_twice() -> None:
-    """A head's own fields come first; the lazy chunk is appended as field 2."""
+def test_outgoing_head_keeps_its_fields_and_must_not_hold_a_chunk() -> None:
+    """A head's own fields come first; the lazy chunk is appended as field 2, so a head that
+    already holds a chunk would be merged with it: refused."""
     (lazy,) = tb.encode_lazy_chunks({"x": torch.randn(20_000)}, max_bytes=1 << 20)
     data = wv.serialize(wv.Outgoing(stage_pb2.StageResponse(stage="code2wav"), lazy))
     m = stage_pb2.StageResponse.FromString(data)
     assert m.stage == "code2wav" and set(m.chunk.tensors) == {"x"}
+    with pytest.raises(ValueError, match="must not hold a chunk"):
+        wv.serialize(wv.Outgoing(stage_pb2.StageResponse(stage="code2wav", chunk=Chunk(seq=1)), lazy))
 
 
 @given(
