@@ -11,7 +11,8 @@ Phases, in order:
   (a started stack is stopped here, so the baselines have the machine to themselves)
   3. the in-process staged pipeline at c=1 (framework overhead; only when the SUT is gRPC);
   4. transformers' monolithic generate(), sequential;
-  5. each stage's runner alone over the same request mix -> the bottleneck stage.
+  5. each stage's runner alone over the same request mix, batched as its service batches, at
+     batch sizes 1-16 -> the bottleneck stage.
 
 Baselines (2-5) run on the first ``--baseline-requests`` requests of the same sequence; the
 latency ratios compare the SUT's c=1 figures on exactly those requests.
@@ -48,7 +49,7 @@ from benchmarks.drivers import (
 )
 from benchmarks.load import LevelResult, run_concurrency, run_poisson
 from benchmarks.prompts import load_prompts, request_sequence
-from benchmarks.stages import BATCHED_RUNNERS, stage_summary, time_stages
+from benchmarks.stages import STAGES, batch_sizes_for, stage_summary, time_stages
 from benchmarks.stats import RATIO_KEYS, RatioInputs, compute_ratios, percentile
 from services.runtime.sampling import SamplingParams
 
@@ -75,7 +76,7 @@ class BenchOptions:
     inprocess: bool = True
     full_payload: bool = True
     stages: bool = True
-    code2wav_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    stage_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     warmup: int = 1
     threads: int = 1
     request_timeout: float = 300.0
@@ -333,13 +334,14 @@ def _stage_phase(run: Run, pipe: Any) -> None:
     talker = SamplingParams(max_tokens=opts.talker_max_tokens)
     if ids:  # warm-up, not timed
         time_stages(pipe, ids[:1], thinker, talker, [1])
-    with run.bar("stages alone", len(ids)) as bar:
-        times = time_stages(pipe, ids, thinker, talker, opts.code2wav_batch_sizes, progress=bar.update)
-    summary = stage_summary(times)
-    unbatched = [k for k, v in BATCHED_RUNNERS.items() if not v]
+    runs = len(STAGES) * len(batch_sizes_for(len(ids), opts.stage_batch_sizes))
+    with run.bar("stages alone", runs) as bar:
+        times = time_stages(pipe, ids, thinker, talker, opts.stage_batch_sizes, progress=bar.update)
+    summary = stage_summary(times, len(ids))
     summary["note"] = (
-        f"{', '.join(unbatched)}: timed one request at a time (the stage-alone driver does not batch them); "
-        f"code2wav: best of batch sizes {summary['stages'].get('code2wav', {}).get('batch_sizes_tried', [])}"
+        "each stage alone over the request mix in batches of "
+        f"{batch_sizes_for(len(ids), opts.stage_batch_sizes)} requests run to their ends together "
+        "(thinker and talker: packed steps, code2wav: batched decode); its best batch size counts"
     )
     run.stage_baseline = summary
 

@@ -4,7 +4,9 @@ Used twice by the harness:
   * the full-payload in-process baseline (thinker to the end, then the talker, then code2wav);
   * the bottleneck-stage baseline: each stage's runner timed alone over the same request mix
     (thinker tokens, talker frames from the recorded thinker outputs, code2wav decode of the
-    recorded frames), converted to requests/s; the slowest stage bounds a pipeline of them.
+    recorded frames) at several batch sizes, the way its service batches (the thinker's and
+    talker's packed steps, code2wav's batched decode); its best rate in requests/s; the
+    slowest stage bounds a pipeline of them.
 
 The talker replay drives the same ``TalkerSession`` as ``omnistage.pipeline.run_request``, with
 every thinker token already there, so it produces the same codes.
@@ -20,11 +22,8 @@ from typing import Any
 import torch
 
 from services.runtime.sampling import SamplingParams
-from services.talker.session import TalkerSession
+from services.talker.session import TalkerSession, step_sessions
 from services.thinker.runner import PromptOutput, TokenOutput
-
-# Which stages have a runner that steps several requests together today.
-BATCHED_RUNNERS = {"thinker": False, "talker": False, "code2wav": True}
 
 
 @dataclass
@@ -59,24 +58,82 @@ def run_thinker(
     return ThinkerResult(prompt, tokens)
 
 
+def run_thinker_many(pipe: Any, prompts: Sequence[list[int]], sampling: SamplingParams) -> list[ThinkerResult]:
+    """Several requests to their ends together, one packed step for all of them at a time (each
+    prompt whole in its first step), as the thinker service batches them."""
+    runner = pipe.thinker
+    reqs = [runner.new_request(p, sampling) for p in prompts]
+    prompt_outs: list[PromptOutput | None] = [None] * len(reqs)
+    tokens: list[list[TokenOutput]] = [[] for _ in reqs]
+    live = list(range(len(reqs)))
+    try:
+        while live:
+            items = [(reqs[i], 1 if reqs[i].prefill_done else len(prompts[i])) for i in live]
+            for i, out in zip(live, runner.step_many(items), strict=True):
+                if out.prompt is not None:
+                    prompt_outs[i] = out.prompt
+                if out.token is not None:
+                    tokens[i].append(out.token)
+            live = [i for i in live if not (tokens[i] and tokens[i][-1].is_last)]
+    finally:
+        for r in reqs:
+            runner.release(r)
+    results = []
+    for p, t in zip(prompt_outs, tokens, strict=True):
+        assert p is not None
+        results.append(ThinkerResult(p, t))
+    return results
+
+
+def _talker_session(pipe: Any, th: ThinkerResult, sampling: SamplingParams, speaker: str) -> TalkerSession:
+    """A session with every thinker output already there."""
+    talk = TalkerSession(pipe.talker, sampling, speaker)
+    talk.set_prompt(th.prompt.ids, th.prompt.embeds, th.prompt.hidden)
+    for t in th.tokens:
+        talk.add_token(t.embed, t.is_last)
+    return talk
+
+
+def _stack_frames(pipe: Any, frames: list[torch.Tensor]) -> torch.Tensor:
+    if not frames:
+        return torch.zeros((pipe.spec.num_code_groups, 0), dtype=torch.long)
+    return torch.stack(frames, dim=1)
+
+
+def run_talker_many(
+    pipe: Any, ths: Sequence[ThinkerResult], sampling: SamplingParams, speaker: str = "ethan"
+) -> list[torch.Tensor]:
+    """``run_talker`` for several finished thinker outputs together, one batched step
+    (``step_sessions``) at a time, as the talker service batches them."""
+    sessions = [_talker_session(pipe, th, sampling, speaker) for th in ths]
+    frames: list[list[torch.Tensor]] = [[] for _ in sessions]
+    try:
+        while True:
+            live = [i for i, s in enumerate(sessions) if s.can_progress()]
+            if not live:
+                break
+            for i, frame in zip(live, step_sessions(pipe.talker, [sessions[i] for i in live]), strict=True):
+                if frame is not None:
+                    frames[i].append(frame)
+    finally:
+        for s in sessions:
+            s.close()
+    return [_stack_frames(pipe, f) for f in frames]
+
+
 def run_talker(pipe: Any, th: ThinkerResult, sampling: SamplingParams, speaker: str = "ethan") -> torch.Tensor:
     """All codec frames `[num_code_groups, frames]` for a finished thinker output, through the
     same ``TalkerSession`` the pipeline and the talker service use."""
-    talk = TalkerSession(pipe.talker, sampling, speaker)
+    talk = _talker_session(pipe, th, sampling, speaker)
     frames: list[torch.Tensor] = []
     try:
-        talk.set_prompt(th.prompt.ids, th.prompt.embeds, th.prompt.hidden)
-        for t in th.tokens:
-            talk.add_token(t.embed, t.is_last)
         while talk.can_progress():
             frame = talk.step()
             if frame is not None:
                 frames.append(frame)
     finally:
         talk.close()
-    if not frames:
-        return torch.zeros((pipe.spec.num_code_groups, 0), dtype=torch.long)
-    return torch.stack(frames, dim=1)
+    return _stack_frames(pipe, frames)
 
 
 def chunk_schedule(frames: int, first_chunk: int, chunk: int) -> list[tuple[int, int]]:
@@ -116,16 +173,26 @@ def run_code2wav(
     return [torch.cat(o) if o else torch.zeros(0) for o in outs]
 
 
+STAGES = ("thinker", "talker", "code2wav")
+
+
 @dataclass
 class StageTimes:
-    """Seconds each stage spent on each request of the mix, run alone."""
+    """Seconds each stage took over the whole request mix, alone, by batch size."""
 
-    thinker_s: list[float] = field(default_factory=list)
-    talker_s: list[float] = field(default_factory=list)
-    code2wav_s_by_batch: dict[int, float] = field(default_factory=dict)  # batch size -> total seconds
+    s_by_batch: dict[str, dict[int, float]] = field(default_factory=lambda: {k: {} for k in STAGES})
     thinker_tokens: list[int] = field(default_factory=list)
     talker_frames: list[int] = field(default_factory=list)
     audio_samples: list[int] = field(default_factory=list)
+
+
+def batch_sizes_for(n: int, batch_sizes: Sequence[int]) -> list[int]:
+    """The distinct batch sizes that differ for a mix of n requests."""
+    return sorted({max(1, min(b, n)) for b in batch_sizes}) if n else []
+
+
+def _batches(n: int, b: int) -> list[range]:
+    return [range(start, min(start + b, n)) for start in range(0, n, b)]
 
 
 def time_stages(
@@ -133,77 +200,87 @@ def time_stages(
     prompt_ids: Sequence[list[int]],
     thinker_sampling: SamplingParams,
     talker_sampling: SamplingParams,
-    code2wav_batch_sizes: Sequence[int] = (1, 2, 4, 8),
+    batch_sizes: Sequence[int] = (1, 2, 4, 8),
     first_chunk: int = 4,
     chunk: int = 25,
     left_context: int = 25,
     progress: Callable[[int], None] | None = None,
 ) -> StageTimes:
-    """Times every stage alone over the request mix. Thinker and talker run request by request
-    (their runners take one request at a time); code2wav runs at each batch size given."""
+    # progress: called once per (stage, batch size) timed, 3 * len(batch_sizes_for(...)) in all
+    """Times every stage alone over the request mix at each batch size: the mix in consecutive
+    batches of that many requests, each batch run to its end together. The talker replays the
+    thinker outputs and code2wav the codes of the first batch size; every batch size must give
+    the same tokens and codes (packed steps are batch-invariant)."""
     times = StageTimes()
+    n = len(prompt_ids)
+    sizes = batch_sizes_for(n, batch_sizes)
+    thinker_out: list[ThinkerResult] = []
     codes: list[torch.Tensor] = []
-    for ids in prompt_ids:
+    for b in sizes:
         t0 = time.perf_counter()
-        th = run_thinker(pipe, ids, thinker_sampling)
-        t1 = time.perf_counter()
-        c = run_talker(pipe, th, talker_sampling)
-        t2 = time.perf_counter()
-        times.thinker_s.append(t1 - t0)
-        times.talker_s.append(t2 - t1)
-        times.thinker_tokens.append(len(th.tokens))
-        times.talker_frames.append(int(c.shape[1]))
-        codes.append(c)
+        out = [
+            r
+            for batch in _batches(n, b)
+            for r in run_thinker_many(pipe, [prompt_ids[i] for i in batch], thinker_sampling)
+        ]
+        times.s_by_batch["thinker"][b] = time.perf_counter() - t0
         if progress is not None:
             progress(1)
-    n = len(codes)
-    for b in sorted({max(1, min(b, n)) for b in code2wav_batch_sizes}) if n else []:
+        if not thinker_out:
+            thinker_out = out
+        elif [r.token_ids for r in out] != [r.token_ids for r in thinker_out]:
+            raise RuntimeError(f"thinker at batch size {b} gave other tokens than at batch size {sizes[0]}")
+    for b in sizes:
         t0 = time.perf_counter()
-        pcm: list[torch.Tensor] = []
-        for start in range(0, n, b):
-            pcm += run_code2wav(pipe, codes[start : start + b], first_chunk, chunk, left_context)
-        times.code2wav_s_by_batch[b] = time.perf_counter() - t0
+        got = [
+            c
+            for batch in _batches(n, b)
+            for c in run_talker_many(pipe, [thinker_out[i] for i in batch], talker_sampling)
+        ]
+        times.s_by_batch["talker"][b] = time.perf_counter() - t0
+        if progress is not None:
+            progress(1)
+        if not codes:
+            codes = got
+        elif not all(torch.equal(x, y) for x, y in zip(got, codes, strict=True)):
+            raise RuntimeError(f"talker at batch size {b} gave other codes than at batch size {sizes[0]}")
+    for b in sizes:
+        t0 = time.perf_counter()
+        pcm = [
+            p
+            for batch in _batches(n, b)
+            for p in run_code2wav(pipe, [codes[i] for i in batch], first_chunk, chunk, left_context)
+        ]
+        times.s_by_batch["code2wav"][b] = time.perf_counter() - t0
         if not times.audio_samples:
             times.audio_samples = [int(p.shape[0]) for p in pcm]
+        if progress is not None:
+            progress(1)
+    times.thinker_tokens = [len(r.tokens) for r in thinker_out]
+    times.talker_frames = [int(c.shape[1]) for c in codes]
     return times
 
 
-def stage_summary(times: StageTimes) -> dict[str, Any]:
+def stage_summary(times: StageTimes, requests: int) -> dict[str, Any]:
     """requests/s of each stage at its best batch size and which stage is the bottleneck."""
-    n = len(times.thinker_s)
     stages: dict[str, Any] = {}
-    if not n:
-        return {"stages": stages, "bottleneck": None, "bottleneck_requests_per_s": None}
-
-    def rate(total: float) -> float | None:
-        return n / total if total > 0 else None
-
-    stages["thinker"] = {
-        "batch_sizes_tried": [1],
-        "best_batch_size": 1,
-        "total_s": sum(times.thinker_s),
-        "requests_per_s": rate(sum(times.thinker_s)),
-        "per_request_s": times.thinker_s,
-        "tokens": times.thinker_tokens,
-    }
-    stages["talker"] = {
-        "batch_sizes_tried": [1],
-        "best_batch_size": 1,
-        "total_s": sum(times.talker_s),
-        "requests_per_s": rate(sum(times.talker_s)),
-        "per_request_s": times.talker_s,
-        "frames": times.talker_frames,
-    }
-    if times.code2wav_s_by_batch:
-        best = min(times.code2wav_s_by_batch, key=lambda b: times.code2wav_s_by_batch[b])
-        stages["code2wav"] = {
-            "batch_sizes_tried": sorted(times.code2wav_s_by_batch),
+    for name, by_batch in times.s_by_batch.items():
+        if not by_batch or not requests:
+            continue
+        best = min(by_batch, key=lambda b: by_batch[b])
+        stages[name] = {
+            "batch_sizes_tried": sorted(by_batch),
             "best_batch_size": best,
-            "total_s": times.code2wav_s_by_batch[best],
-            "requests_per_s": rate(times.code2wav_s_by_batch[best]),
-            "requests_per_s_by_batch": {str(b): rate(s) for b, s in sorted(times.code2wav_s_by_batch.items())},
-            "audio_samples": times.audio_samples,
+            "total_s": by_batch[best],
+            "requests_per_s": requests / by_batch[best] if by_batch[best] > 0 else None,
+            "requests_per_s_by_batch": {str(b): requests / s if s > 0 else None for b, s in sorted(by_batch.items())},
         }
+    if "thinker" in stages:
+        stages["thinker"]["tokens"] = times.thinker_tokens
+    if "talker" in stages:
+        stages["talker"]["frames"] = times.talker_frames
+    if "code2wav" in stages:
+        stages["code2wav"]["audio_samples"] = times.audio_samples
     rated = {k: v["requests_per_s"] for k, v in stages.items() if v["requests_per_s"]}
     bottleneck = min(rated, key=lambda k: rated[k]) if rated else None
     return {
