@@ -195,6 +195,31 @@ def _batches(n: int, b: int) -> list[range]:
     return [range(start, min(start + b, n)) for start in range(0, n, b)]
 
 
+def _time_stage(
+    times: StageTimes,
+    name: str,
+    sizes: Sequence[int],
+    inputs: Sequence[Any],
+    run_batch: Callable[[list[Any]], list[Any]],
+    same: Callable[[list[Any], list[Any]], bool] | None,
+    progress: Callable[[int], None] | None,
+) -> list[Any]:
+    """Run ``inputs`` through one stage in batches of each size, timed; return the outputs of
+    the first size, which every other size must match (``same``) when given."""
+    first: list[Any] | None = None
+    for b in sizes:
+        t0 = time.perf_counter()
+        out = [o for batch in _batches(len(inputs), b) for o in run_batch([inputs[i] for i in batch])]
+        times.s_by_batch[name][b] = time.perf_counter() - t0
+        if progress is not None:
+            progress(1)
+        if first is None:
+            first = out
+        elif same is not None and not same(out, first):
+            raise RuntimeError(f"{name} at batch size {b} gave other outputs than at batch size {sizes[0]}")
+    return first or []
+
+
 def time_stages(
     pipe: Any,
     prompt_ids: Sequence[list[int]],
@@ -206,58 +231,30 @@ def time_stages(
     left_context: int = 25,
     progress: Callable[[int], None] | None = None,
 ) -> StageTimes:
-    # progress: called once per (stage, batch size) timed, 3 * len(batch_sizes_for(...)) in all
     """Times every stage alone over the request mix at each batch size: the mix in consecutive
     batches of that many requests, each batch run to its end together. The talker replays the
     thinker outputs and code2wav the codes of the first batch size; every batch size must give
-    the same tokens and codes (packed steps are batch-invariant)."""
+    the same tokens and codes (packed steps are batch-invariant). ``progress`` is called once
+    per (stage, batch size) timed."""
     times = StageTimes()
-    n = len(prompt_ids)
-    sizes = batch_sizes_for(n, batch_sizes)
-    thinker_out: list[ThinkerResult] = []
-    codes: list[torch.Tensor] = []
-    for b in sizes:
-        t0 = time.perf_counter()
-        out = [
-            r
-            for batch in _batches(n, b)
-            for r in run_thinker_many(pipe, [prompt_ids[i] for i in batch], thinker_sampling)
-        ]
-        times.s_by_batch["thinker"][b] = time.perf_counter() - t0
-        if progress is not None:
-            progress(1)
-        if not thinker_out:
-            thinker_out = out
-        elif [r.token_ids for r in out] != [r.token_ids for r in thinker_out]:
-            raise RuntimeError(f"thinker at batch size {b} gave other tokens than at batch size {sizes[0]}")
-    for b in sizes:
-        t0 = time.perf_counter()
-        got = [
-            c
-            for batch in _batches(n, b)
-            for c in run_talker_many(pipe, [thinker_out[i] for i in batch], talker_sampling)
-        ]
-        times.s_by_batch["talker"][b] = time.perf_counter() - t0
-        if progress is not None:
-            progress(1)
-        if not codes:
-            codes = got
-        elif not all(torch.equal(x, y) for x, y in zip(got, codes, strict=True)):
-            raise RuntimeError(f"talker at batch size {b} gave other codes than at batch size {sizes[0]}")
-    for b in sizes:
-        t0 = time.perf_counter()
-        pcm = [
-            p
-            for batch in _batches(n, b)
-            for p in run_code2wav(pipe, [codes[i] for i in batch], first_chunk, chunk, left_context)
-        ]
-        times.s_by_batch["code2wav"][b] = time.perf_counter() - t0
-        if not times.audio_samples:
-            times.audio_samples = [int(p.shape[0]) for p in pcm]
-        if progress is not None:
-            progress(1)
+    sizes = batch_sizes_for(len(prompt_ids), batch_sizes)
+    thinker_out = _time_stage(
+        times, "thinker", sizes, prompt_ids,
+        lambda batch: run_thinker_many(pipe, batch, thinker_sampling),
+        lambda a, b: [r.token_ids for r in a] == [r.token_ids for r in b], progress,
+    )  # fmt: skip
+    codes = _time_stage(
+        times, "talker", sizes, thinker_out,
+        lambda batch: run_talker_many(pipe, batch, talker_sampling),
+        lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), progress,
+    )  # fmt: skip
+    pcm = _time_stage(
+        times, "code2wav", sizes, codes,
+        lambda batch: run_code2wav(pipe, batch, first_chunk, chunk, left_context), None, progress,
+    )  # fmt: skip
     times.thinker_tokens = [len(r.tokens) for r in thinker_out]
     times.talker_frames = [int(c.shape[1]) for c in codes]
+    times.audio_samples = [int(p.shape[0]) for p in pcm]
     return times
 
 
