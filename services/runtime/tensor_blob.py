@@ -44,7 +44,7 @@ import math
 import warnings
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -444,29 +444,9 @@ def _payload(flat: np.ndarray) -> memoryview:
     return memoryview(flat.view(np.uint8))
 
 
-def encode_chunks(
-    tensors: Mapping[str, ArrayLike],
-    *,
-    max_bytes: int,
-    offset: int = 0,
-    seq: int = 0,
-    finished: bool = False,
-    meta: Mapping[str, ScalarValue] | None = None,
-    pool: ShmPool | None = None,
-    request_id: str | None = None,
-) -> list[Chunk]:
-    """``encode_lazy_chunks`` as plain Chunk messages (each payload copied into its message)."""
-    lazy = encode_lazy_chunks(
-        tensors,
-        max_bytes=max_bytes,
-        offset=offset,
-        seq=seq,
-        finished=finished,
-        meta=meta,
-        pool=pool,
-        request_id=request_id,
-    )
-    return [c.message() for c in lazy]
+def encode_chunks(tensors: Mapping[str, ArrayLike], **options: Any) -> list[Chunk]:
+    """``encode_lazy_chunks`` (same arguments) as plain Chunk messages, each payload copied in."""
+    return [c.message() for c in encode_lazy_chunks(tensors, **options)]
 
 
 def encode_lazy_chunks(

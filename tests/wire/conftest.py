@@ -46,3 +46,17 @@ def reader() -> Iterator[ShmReader]:
         yield r
     finally:
         r.close()
+
+
+@pytest.fixture(scope="module")
+def shm_pool() -> Iterator[tuple[ShmPool, ShmReader]]:
+    """A pool (2 KiB threshold) and a reader shared by a module's property tests."""
+    pool = ShmPool(enabled=True, threshold_bytes=2048, segment_bytes=4 << 20, max_total_bytes=64 << 20)
+    if not pool.enabled:
+        pytest.skip("shared memory unavailable")
+    reader = ShmReader(enabled=True)
+    try:
+        yield pool, reader
+    finally:
+        reader.close()
+        pool.close()

@@ -5,7 +5,6 @@ wire_view) read exactly as the plain protobuf encoding of the same chunk."""
 from __future__ import annotations
 
 import tracemalloc
-from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
@@ -42,19 +41,6 @@ def _parse(kind: str, data: bytes) -> Any:
 
 def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, np.uint8).ctypes.data)
-
-
-@pytest.fixture(scope="module")
-def shm_pool() -> Iterator[tuple[ShmPool, ShmReader]]:
-    pool = ShmPool(enabled=True, threshold_bytes=2048, segment_bytes=4 << 20, max_total_bytes=64 << 20)
-    if not pool.enabled:
-        pytest.skip("shared memory unavailable")
-    reader = ShmReader(enabled=True)
-    try:
-        yield pool, reader
-    finally:
-        reader.close()
-        pool.close()
 
 
 # --------------------------------------------------------------------------------------------

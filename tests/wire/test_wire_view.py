@@ -165,19 +165,6 @@ def test_relay_sends_the_received_bytes() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def shm_pool() -> Iterator[tuple[ShmPool, ShmReader]]:
-    pool = ShmPool(enabled=True, threshold_bytes=2048, segment_bytes=4 << 20, max_total_bytes=64 << 20)
-    if not pool.enabled:
-        pytest.skip("shared memory unavailable")
-    reader = ShmReader(enabled=True)
-    try:
-        yield pool, reader
-    finally:
-        reader.close()
-        pool.close()
-
-
 NAMES = ["embed", "hidden", "ids", "codes", "audio"]
 
 
