@@ -135,15 +135,11 @@ class InProcessDriver(SyncDriver):
                 )
 
 
-class FullPayloadInProcessDriver(SyncDriver):
+class FullPayloadInProcessDriver(InProcessDriver):
     """Every edge full-payload: the talker starts when the thinker has finished, code2wav when
     the talker has; text streams, audio arrives once."""
 
     name = "inprocess-full"
-
-    def __init__(self, pipe: Any, threads: int = 1) -> None:
-        super().__init__(threads)
-        self.pipe = pipe
 
     def stream(self, req: BenchRequest) -> Iterator[StreamEvent]:
         thinker, talker = _sampling(self.pipe, req)

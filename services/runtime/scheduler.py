@@ -356,17 +356,16 @@ class Scheduler:
         """Skip the request until ``extend_input`` or ``mark_runnable`` (e.g. the worker needs more
         input than one token to step: a full_payload edge, code2wav's chunk). Keeps its reservation.
         """
-        with self._lock:
-            req = self._get(request_id)
-            req.blocked = True
-            self._refresh(req)
-            return req
+        return self._set_blocked(request_id, True)
 
     def mark_runnable(self, request_id: str) -> SchedulerRequest:
         """Undo ``mark_waiting_for_input``; it runs again if it has input to consume or can decode."""
+        return self._set_blocked(request_id, False)
+
+    def _set_blocked(self, request_id: str, blocked: bool) -> SchedulerRequest:
         with self._lock:
             req = self._get(request_id)
-            req.blocked = False
+            req.blocked = blocked
             self._refresh(req)
             return req
 

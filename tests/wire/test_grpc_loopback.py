@@ -172,23 +172,24 @@ def test_receiver_that_declines_gets_inline_bytes(echo_no_shm: Server, monkeypat
         _check(responses, payloads, "raw")
 
 
-def test_bad_blob_maps_to_invalid_argument(echo: Server) -> None:
-    bad = tb.Chunk()
-    bad.tensors["x"].CopyFrom(tensor_pb2.TensorBlob(dtype=tensor_pb2.F32, shape=[3], raw=b"\0" * 5))
-    reqs = [stage_pb2.StageRequest(start=stage_pb2.Start(request_id="r")), stage_pb2.StageRequest(chunk=bad)]
-    with grpc.insecure_channel(echo.address) as channel:
+def _stream_error(address: str, chunk: tb.Chunk) -> grpc.RpcError:
+    """The error a Stream call of Start + ``chunk`` ends with."""
+    reqs = [stage_pb2.StageRequest(start=stage_pb2.Start(request_id="r")), stage_pb2.StageRequest(chunk=chunk)]
+    with grpc.insecure_channel(address) as channel:
         call = stage_pb2_grpc.StageStub(channel).Stream(iter(reqs), timeout=TIMEOUT_S)
         with pytest.raises(grpc.RpcError) as err:
             list(call)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "bytes" in (err.value.details() or "")
+    return err.value
+
+
+def test_bad_blob_maps_to_invalid_argument(echo: Server) -> None:
+    bad = tb.Chunk()
+    bad.tensors["x"].CopyFrom(tensor_pb2.TensorBlob(dtype=tensor_pb2.F32, shape=[3], raw=b"\0" * 5))
+    err = _stream_error(echo.address, bad)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "bytes" in (err.details() or "")
 
 
 def test_unsplit_oversized_message_is_refused_by_grpc(echo: Server) -> None:
     big = tb.encode_chunk({"x": torch.zeros(MAX_MSG // 4 + 1000)})
-    reqs = [stage_pb2.StageRequest(start=stage_pb2.Start(request_id="r")), stage_pb2.StageRequest(chunk=big)]
-    with grpc.insecure_channel(echo.address) as channel:
-        call = stage_pb2_grpc.StageStub(channel).Stream(iter(reqs), timeout=TIMEOUT_S)
-        with pytest.raises(grpc.RpcError) as err:
-            list(call)
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert _stream_error(echo.address, big).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
