@@ -28,7 +28,7 @@ test: $(STAMP) lint
 	$(PY) -m pytest -q
 
 protos: $(STAMP)
-	$(PY) -m omnistage.protogen
+	$(PY) -m omnistage.cli.protogen
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -30,7 +30,7 @@ import torch
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
 from benchmarks.common import machine_info, timed_median, write_json
-from services.code2wav.streaming import (
+from omnistage.models.qwen3_omni.code2wav_streaming import (
     IncrementalCode2Wav,
     exact_decode_stream,
     full_decode,
@@ -79,7 +79,7 @@ def scale_weights(model: Qwen3OmniMoeCode2Wav, gain: float) -> None:
 def _load(checkpoint: Path | None) -> tuple[Qwen3OmniMoeCode2Wav, str]:
     if checkpoint is None:
         return random_code2wav(), "tiny_code2wav_config() with seeded random weights"
-    from omnistage.loader import load_part, open_checkpoint
+    from omnistage.models.checkpoint import load_part, open_checkpoint
 
     model = load_part(open_checkpoint(checkpoint), "code2wav", dtype="float32")
     return model, str(checkpoint)

@@ -3,8 +3,8 @@
 Every driver turns a ``BenchRequest`` into a list of ``StreamEvent``s stamped with
 ``time.perf_counter()`` when the client saw them; the harness makes the figures from them.
 
-* ``InProcessDriver``: ``omnistage.pipeline.InProcessPipeline`` (streaming, no gRPC).
-* ``FullPayloadInProcessDriver``: the same runners with every edge in full-payload mode
+* ``InProcessDriver``: ``services.pipeline.InProcessPipeline`` (streaming, no gRPC).
+* ``FullPayloadInProcessDriver``: the same pipeline with every edge in full-payload mode
   (thinker to the end, then the talker, then one code2wav decode).
 * ``MonolithicDriver``: transformers' ``Qwen3OmniMoeForConditionalGeneration.generate``; it
   does not stream, so text and audio are both seen when it returns.
@@ -28,10 +28,8 @@ from typing import Any, Literal
 
 import torch
 
-from benchmarks.stages import run_code2wav, run_talker, run_thinker
 from benchmarks.stats import RequestRecord
-from omnistage.families.qwen3_omni import SAMPLE_RATE
-from services.runtime.sampling import SamplingParams
+from omnistage.models.sampling import SamplingParams
 
 EventKind = Literal["text", "audio", "final"]
 
@@ -53,7 +51,7 @@ class StreamEvent:
     t: float  # time.perf_counter() when the client saw it
     token_ids: tuple[int, ...] = ()
     samples: int = 0
-    sample_rate: int = SAMPLE_RATE
+    sample_rate: int = 0  # of the audio event
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -104,23 +102,26 @@ def _sampling(pipe: Any, req: BenchRequest) -> tuple[SamplingParams, SamplingPar
 
 class InProcessDriver(SyncDriver):
     name = "inprocess"
+    full_payload = False
 
     def __init__(self, pipe: Any, threads: int = 1) -> None:
         super().__init__(threads)
         self.pipe = pipe
 
     def stream(self, req: BenchRequest) -> Iterator[StreamEvent]:
-        from omnistage.pipeline import AudioEvent, DoneEvent, PipelineRequest, TextEvent
+        from services.pipeline import AudioEvent, DoneEvent, PipelineRequest, TextEvent
 
         thinker, talker = _sampling(self.pipe, req)
         ids = self.pipe.prompt_ids(req.prompt)
-        preq = PipelineRequest(ids, thinker=thinker, talker=talker, want_audio=req.want_audio)
+        preq = PipelineRequest(ids, thinker=thinker, talker=talker, want_audio=req.want_audio,
+                               full_payload=self.full_payload)  # fmt: skip
         for ev in self.pipe.run(preq):
             now = time.perf_counter()
             if isinstance(ev, TextEvent):
                 yield StreamEvent("text", now, token_ids=(ev.token_id,))
             elif isinstance(ev, AudioEvent):
-                yield StreamEvent("audio", now, samples=int(ev.pcm.shape[0]))
+                yield StreamEvent("audio", now, samples=int(ev.pcm.shape[0]),
+                                  sample_rate=self.pipe.checkpoint.sample_rate)  # fmt: skip
             elif isinstance(ev, DoneEvent):
                 yield StreamEvent(
                     "final",
@@ -140,24 +141,7 @@ class FullPayloadInProcessDriver(InProcessDriver):
     the talker has; text streams, audio arrives once."""
 
     name = "inprocess-full"
-
-    def stream(self, req: BenchRequest) -> Iterator[StreamEvent]:
-        thinker, talker = _sampling(self.pipe, req)
-        ids = self.pipe.prompt_ids(req.prompt)
-        seen: list[StreamEvent] = []
-        th = run_thinker(
-            self.pipe, ids, thinker, on_token=lambda t: seen.append(StreamEvent("text", time.perf_counter(),
-                                                                                 token_ids=(t.token_id,)))
-        )
-        yield from seen
-        frames = 0
-        if req.want_audio:
-            codes = run_talker(self.pipe, th, talker)
-            frames = int(codes.shape[1])
-            if frames:
-                pcm = run_code2wav(self.pipe, [codes], first_chunk=frames, chunk=frames)[0]
-                yield StreamEvent("audio", time.perf_counter(), samples=int(pcm.shape[0]))
-        yield StreamEvent("final", time.perf_counter(), info={"frames": frames, "prompt_tokens": len(ids)})
+    full_payload = True
 
 
 @contextlib.contextmanager
@@ -176,8 +160,10 @@ class MonolithicDriver(SyncDriver):
     name = "monolithic"
     streams = False
 
-    def __init__(self, model_dir: Path, prompt_ids: Callable[[str], list[int]], eos_id: int, threads: int = 1) -> None:
+    def __init__(self, model_dir: Path, prompt_ids: Callable[[str], list[int]], eos_id: int, sample_rate: int,
+                 threads: int = 1) -> None:  # fmt: skip
         super().__init__(threads)
+        self.sample_rate = sample_rate
         from transformers import Qwen3OmniMoeForConditionalGeneration
         from transformers.utils import logging as hf_logging
 
@@ -208,7 +194,7 @@ class MonolithicDriver(SyncDriver):
         yield StreamEvent("text", now, token_ids=generated)
         samples = int(wav.reshape(-1).shape[0]) if isinstance(wav, torch.Tensor) else 0
         if samples:
-            yield StreamEvent("audio", now, samples=samples)
+            yield StreamEvent("audio", now, samples=samples, sample_rate=self.sample_rate)
         yield StreamEvent("final", now, info={"prompt_tokens": len(ids)})
 
 
@@ -247,7 +233,7 @@ class GrpcDriver(Driver):
                 events.append(StreamEvent("text", now, token_ids=tuple(int(i) for i in ev.token_ids)))
             elif ev.kind == "audio":
                 n = int(ev.pcm.shape[0]) if ev.pcm is not None else 0
-                events.append(StreamEvent("audio", now, samples=n, sample_rate=int(ev.sample_rate or SAMPLE_RATE)))
+                events.append(StreamEvent("audio", now, samples=n, sample_rate=int(ev.sample_rate)))
             elif ev.kind == "final":
                 events.append(StreamEvent("final", now, info={"usage": dict(ev.usage), "timings": dict(ev.timings)}))
         return events

@@ -51,7 +51,7 @@ from benchmarks.load import LevelResult, run_concurrency, run_poisson
 from benchmarks.prompts import load_prompts, request_sequence
 from benchmarks.stages import STAGES, batch_sizes_for, stage_summary, time_stages
 from benchmarks.stats import RATIO_KEYS, RatioInputs, compute_ratios, percentile
-from services.runtime.sampling import SamplingParams
+from omnistage.models.sampling import SamplingParams
 
 SCHEMA = "omnistage.bench/1"
 
@@ -101,7 +101,7 @@ def parse_float_list(spec: str) -> list[float]:
 
 def default_model_dir() -> Path:
     """The cached tiny checkpoint `omnistage serve` uses."""
-    from omnistage.serve import default_model_dir as serve_default
+    from omnistage.cli.serve import default_model_dir as serve_default
 
     return serve_default()
 
@@ -147,7 +147,7 @@ def free_port_blocks(sizes: Sequence[int], host: str = "127.0.0.1", start: int =
 
 
 def stack_config(opts: BenchOptions) -> Any:
-    from services.runtime.config import STAGES, apply_overrides, load_config, parse_replicas
+    from omnistage.config import STAGES, apply_overrides, load_config, parse_replicas
 
     cfg = load_config(opts.config)
     overrides: dict[str, Any] = {}
@@ -174,7 +174,7 @@ def sut_target(opts: BenchOptions, log: Callable[[str], None]) -> Iterator[tuple
     if not opts.serve:
         yield None, None
         return
-    from omnistage.serve import start_stack
+    from omnistage.cli.serve import start_stack
 
     cfg = stack_config(opts)
     log_dir = Path(tempfile.mkdtemp(prefix="omnistage-bench-logs-"))
@@ -192,16 +192,15 @@ class PromptEncoder:
     """The chat template the pipeline uses, without loading the model parts."""
 
     def __init__(self, model_dir: Path) -> None:
-        from omnistage.loader import load_tokenizer, open_checkpoint
+        from omnistage.models.checkpoint import load_tokenizer, open_checkpoint
 
         ckpt = open_checkpoint(model_dir)
         self.spec = ckpt.spec
+        self.family = ckpt.family
         self.tokenizer = load_tokenizer(ckpt)
 
     def __call__(self, prompt: str) -> list[int]:
-        from omnistage.families.qwen3_omni import build_prompt_ids, messages_from_prompt
-
-        return build_prompt_ids(self.tokenizer, messages_from_prompt(prompt))
+        return self.family.prompt_ids(self.tokenizer, [{"role": "user", "content": prompt}])
 
 
 # ---- the run -------------------------------------------------------------------------------
@@ -316,7 +315,7 @@ async def _baseline_phase(run: Run, target: str | None, model_dir: Path, pipe: A
             await driver.aclose()
     if opts.monolithic:
         enc = PromptEncoder(model_dir)
-        mono = MonolithicDriver(model_dir, enc, enc.spec.im_end_id, opts.threads)
+        mono = MonolithicDriver(model_dir, enc, enc.spec.im_end_id, enc.family.sample_rate, opts.threads)
         try:
             await run.warm(mono)
             level = await run.level_concurrency(mono, "monolithic sequential", "baseline", run.baseline, 1, None, None)
@@ -453,7 +452,7 @@ async def _run_async(run: Run, model_dir: Path, pipe_box: dict[str, Any], log: C
 
 
 def _load_pipe(box: dict[str, Any]) -> Any:
-    from omnistage.pipeline import InProcessPipeline
+    from services.pipeline import InProcessPipeline
 
     return InProcessPipeline(box["model_dir"])
 

@@ -1,4 +1,4 @@
-"""Per-stage costs of one request on the runners, in process (`omnistage bench stage-times`):
+"""Per-stage costs of one request on the model parts, in process (`omnistage bench stage-times`):
 thinker prefill per prompt token, thinker decode per token, talker per frame (talker step +
 code predictor), code2wav per second of audio. Median over repetitions."""
 
@@ -12,9 +12,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import machine_info, write_json
-from omnistage.families.qwen3_omni import SAMPLE_RATE
-from services.runtime.sampling import SamplingParams
-from services.talker.session import TalkerSession
+from omnistage.models.sampling import SamplingParams
 
 PROMPT = (
     "Can you explain how streaming works? Streaming means the first sound starts before the whole answer "
@@ -23,8 +21,8 @@ PROMPT = (
 
 
 def measure(model_dir: Path | None = None, reps: int = 5, decode_tokens: int = 32, frames: int = 40) -> dict[str, Any]:
-    from omnistage.pipeline import InProcessPipeline
-    from omnistage.serve import default_model_dir
+    from omnistage.cli.serve import default_model_dir
+    from services.pipeline import InProcessPipeline
 
     torch.set_num_threads(1)
     pipe = InProcessPipeline(model_dir or default_model_dir())
@@ -33,36 +31,38 @@ def measure(model_dir: Path | None = None, reps: int = 5, decode_tokens: int = 3
     thinker = pipe.thinker_defaults().with_overrides(max_tokens=decode_tokens + 1, stop_ids=never)
     talker = SamplingParams(max_tokens=frames + 1, stop_ids=(-1,))  # no codec EOS: exactly `frames`
     prefill, decode, talk, c2w = [], [], [], []
+    rate = pipe.checkpoint.sample_rate
     for _ in range(reps + 1):  # the first round warms up
-        req = pipe.thinker.new_request(ids, thinker)
+        state = pipe.thinker.new_state(thinker)
+        pipe.thinker.set_prompt(state, ids)
         t0 = time.perf_counter()
-        prompt, tok = pipe.thinker.prefill(req)
+        (first,) = pipe.thinker.step([(state, 0, len(ids))])
         prefill.append((time.perf_counter() - t0) / len(ids))
-        tokens = [tok]
+        prompt, tokens = first.prompt, [first.token]
         t0 = time.perf_counter()
-        while not tok.is_last:
-            tok = pipe.thinker.decode(req)
-            tokens.append(tok)
+        while not tokens[-1].is_last:
+            (step,) = pipe.thinker.step([(state, len(ids) + len(tokens) - 1, 1)])
+            tokens.append(step.token)
         decode.append((time.perf_counter() - t0) / (len(tokens) - 1))
-        pipe.thinker.release(req)
+        pipe.thinker.release(state)
 
-        session = TalkerSession(pipe.talker, talker, "ethan")
-        session.set_prompt(prompt.ids, prompt.embeds, prompt.hidden)
+        talk_state = pipe.talker.new_state(talker, pipe.spec.default_speaker)
+        talk_state.set_prompt(prompt.ids, prompt.embeds, prompt.hidden, pipe.spec)
         for t in tokens:
-            session.add_token(t.embed, t.is_last)
+            talk_state.add_token(t.embed, t.is_last)
         out = []
         t0 = time.perf_counter()
-        while session.can_progress():
-            frame = session.step()
+        while talk_state.can_step(True):
+            (frame,) = pipe.talker.step([(talk_state, True)])
             if frame is not None:
                 out.append(frame)
         talk.append((time.perf_counter() - t0) / len(out))
-        session.close()
+        pipe.talker.release(talk_state)
 
         codes = torch.stack(out, dim=1)
         t0 = time.perf_counter()
         wav = pipe.code2wav.decode(codes)
-        c2w.append((time.perf_counter() - t0) / (wav.shape[0] / SAMPLE_RATE))
+        c2w.append((time.perf_counter() - t0) / (wav.shape[0] / rate))
     med = {k: statistics.median(v[1:]) for k, v in
            {"thinker_prefill_s_per_token": prefill, "thinker_decode_s_per_token": decode,
             "talker_s_per_frame": talk, "code2wav_s_per_audio_second": c2w}.items()}

@@ -1,143 +1,95 @@
-"""Each stage alone, in-process, on the runners of one ``InProcessPipeline``.
+"""Each stage alone, in process, on the workers of one ``InProcessPipeline``: the
+bottleneck-stage baseline of ``omnistage bench``.
 
-Used twice by the harness:
-  * the full-payload in-process baseline (thinker to the end, then the talker, then code2wav);
-  * the bottleneck-stage baseline: each stage's runner timed alone over the same request mix
-    (thinker tokens, talker frames from the recorded thinker outputs, code2wav decode of the
-    recorded frames) at several batch sizes, the way its service batches (the thinker's and
-    talker's packed steps, code2wav's batched decode); its best rate in requests/s; the
-    slowest stage bounds a pipeline of them.
-
-The talker replay drives the same ``TalkerSession`` as ``omnistage.pipeline.run_request``, with
-every thinker token already there, so it produces the same codes.
+A stage runs behind a fresh engine (no thread) around the pipeline's own worker, with every
+input already there: the thinker gets the prompts, the talker the thinker's recorded chunks,
+code2wav the talker's recorded frames. The request mix runs in consecutive batches of each
+batch size (``max_num_seqs`` = the batch size), as the stage's service batches them; its best
+rate in requests/s counts, and the slowest stage bounds a pipeline of them.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from services.runtime.sampling import SamplingParams
-from services.talker.session import TalkerSession, step_sessions
-from services.thinker.runner import PromptOutput, TokenOutput
+from omnistage.engine import Engine, OutChunk, Request, StepOutput
+from omnistage.models.sampling import SamplingParams
+from omnistage.topology import STAGES
+from omnistage.v1 import stage_pb2
+from services import edges
+from services.pipeline import received
 
 
 @dataclass
-class ThinkerResult:
-    prompt: PromptOutput
-    tokens: list[TokenOutput]
+class Recorded:
+    """What one request produced on one stage."""
 
-    @property
-    def token_ids(self) -> list[int]:
-        return [t.token_id for t in self.tokens]
+    up: list[OutChunk] = field(default_factory=list)
+    down: list[OutChunk] = field(default_factory=list)
+    detail: str = ""
 
-
-def run_thinker(
-    pipe: Any,
-    prompt_ids: list[int],
-    sampling: SamplingParams,
-    on_token: Callable[[TokenOutput], None] | None = None,
-) -> ThinkerResult:
-    """Prefill and decode one request to its end on the thinker runner alone."""
-    runner = pipe.thinker
-    req = runner.new_request(prompt_ids, sampling)
-    prompt, tok = runner.prefill(req)
-    tokens = [tok]
-    if on_token is not None:
-        on_token(tok)
-    while not tok.is_last:
-        tok = runner.decode(req)
-        tokens.append(tok)
-        if on_token is not None:
-            on_token(tok)
-    runner.release(req)
-    return ThinkerResult(prompt, tokens)
+    def tensors(self, name: str) -> list[torch.Tensor]:
+        return [c.tensors[name] for c in self.up if name in c.tensors]
 
 
-def run_thinker_many(pipe: Any, prompts: Sequence[list[int]], sampling: SamplingParams) -> list[ThinkerResult]:
-    """Several requests to their ends together, one packed step for all of them at a time (each
-    prompt whole in its first step), as the thinker service batches them."""
-    runner = pipe.thinker
-    reqs = [runner.new_request(p, sampling) for p in prompts]
-    prompt_outs: list[PromptOutput | None] = [None] * len(reqs)
-    tokens: list[list[TokenOutput]] = [[] for _ in reqs]
-    live = list(range(len(reqs)))
-    try:
-        while live:
-            items = [(reqs[i], 1 if reqs[i].prefill_done else len(prompts[i])) for i in live]
-            for i, out in zip(live, runner.step_many(items), strict=True):
-                if out.prompt is not None:
-                    prompt_outs[i] = out.prompt
-                if out.token is not None:
-                    tokens[i].append(out.token)
-            live = [i for i in live if not (tokens[i] and tokens[i][-1].is_last)]
-    finally:
-        for r in reqs:
-            runner.release(r)
-    results = []
-    for p, t in zip(prompt_outs, tokens, strict=True):
-        assert p is not None
-        results.append(ThinkerResult(p, t))
-    return results
+class _Recorder:
+    def __init__(self, rec: Recorded) -> None:
+        self.rec = rec
+
+    def on_output(self, req: Request, out: StepOutput) -> None:
+        self.rec.up += out.up
+        self.rec.down += out.down
+
+    def on_finished(self, req: Request) -> None:
+        if req.error is not None:
+            raise req.error
+        self.rec.detail = req.finish_detail
 
 
-def _talker_session(pipe: Any, th: ThinkerResult, sampling: SamplingParams, speaker: str) -> TalkerSession:
-    """A session with every thinker output already there."""
-    talk = TalkerSession(pipe.talker, sampling, speaker)
-    talk.set_prompt(th.prompt.ids, th.prompt.embeds, th.prompt.hidden)
-    for t in th.tokens:
-        talk.add_token(t.embed, t.is_last)
-    return talk
+def run_stage(
+    pipe: Any, name: str, inputs: Sequence[tuple[stage_pb2.Start, list[OutChunk]]], per_step: int | None = None
+) -> list[Recorded]:
+    """Run requests `(start, input chunks)` together on stage `name` alone, to their ends.
+    `per_step`: input chunks each request receives per engine iteration (None: all at once), to
+    let a stage that decodes what has arrived (code2wav) stream as it does in service."""
+    stage = pipe.cfg.stage(name)
+    engine = Engine(pipe.workers[name], 0, max_num_seqs=max(1, len(inputs)),
+                    max_num_batched_tokens=stage.max_num_batched_tokens, background=False)  # fmt: skip
+    records = [Recorded() for _ in inputs]
+    queues = []
+    for (start, chunks), rec in zip(inputs, records, strict=True):
+        queues.append((engine.open(start.request_id, start, _Recorder(rec)), list(chunks)))
+    while not engine.idle:
+        fed = False
+        for req, chunks in queues:
+            if chunks:
+                take = len(chunks) if per_step is None else per_step
+                for c in chunks[:take]:
+                    engine.feed(req, received(c))
+                del chunks[:take]
+                if not chunks:
+                    engine.close_input(req)
+                fed = True
+        if not engine.run_once() and not fed:
+            raise RuntimeError(f"{name} alone made no progress")
+    return records
 
 
-def _stack_frames(pipe: Any, frames: list[torch.Tensor]) -> torch.Tensor:
-    if not frames:
-        return torch.zeros((pipe.spec.num_code_groups, 0), dtype=torch.long)
-    return torch.stack(frames, dim=1)
-
-
-def run_talker_many(
-    pipe: Any, ths: Sequence[ThinkerResult], sampling: SamplingParams, speaker: str = "ethan"
-) -> list[torch.Tensor]:
-    """``run_talker`` for several finished thinker outputs together, one batched step
-    (``step_sessions``) at a time, as the talker service batches them."""
-    sessions = [_talker_session(pipe, th, sampling, speaker) for th in ths]
-    frames: list[list[torch.Tensor]] = [[] for _ in sessions]
-    try:
-        while True:
-            live = [i for i, s in enumerate(sessions) if s.can_progress()]
-            if not live:
-                break
-            for i, frame in zip(live, step_sessions(pipe.talker, [sessions[i] for i in live]), strict=True):
-                if frame is not None:
-                    frames[i].append(frame)
-    finally:
-        for s in sessions:
-            s.close()
-    return [_stack_frames(pipe, f) for f in frames]
-
-
-def run_talker(pipe: Any, th: ThinkerResult, sampling: SamplingParams, speaker: str = "ethan") -> torch.Tensor:
-    """All codec frames `[num_code_groups, frames]` for a finished thinker output, through the
-    same ``TalkerSession`` the pipeline and the talker service use."""
-    talk = _talker_session(pipe, th, sampling, speaker)
-    frames: list[torch.Tensor] = []
-    try:
-        while talk.can_progress():
-            frame = talk.step()
-            if frame is not None:
-                frames.append(frame)
-    finally:
-        talk.close()
-    return _stack_frames(pipe, frames)
+def make_start(thinker: SamplingParams, talker: SamplingParams, want_audio: bool = True) -> stage_pb2.Start:
+    start = stage_pb2.Start(request_id=uuid.uuid4().hex, want_audio=want_audio)
+    start.sampling["thinker"].CopyFrom(edges.sampling_proto(thinker))
+    start.sampling["talker"].CopyFrom(edges.sampling_proto(talker))
+    return start
 
 
 def chunk_schedule(frames: int, first_chunk: int, chunk: int) -> list[tuple[int, int]]:
-    """Frame spans code2wav is fed, as the pipeline feeds it: a small first chunk, then `chunk`."""
+    """Frame spans code2wav decodes, as its worker does: a small first chunk, then `chunk`."""
     spans: list[tuple[int, int]] = []
     pos = 0
     while pos < frames:
@@ -145,35 +97,6 @@ def chunk_schedule(frames: int, first_chunk: int, chunk: int) -> list[tuple[int,
         spans.append((pos, min(pos + n, frames)))
         pos += n
     return spans
-
-
-def run_code2wav(
-    pipe: Any, codes: Sequence[torch.Tensor], first_chunk: int = 4, chunk: int = 25, left_context: int = 25
-) -> list[torch.Tensor]:
-    """Streamed decode of several requests together (one batched step per chunk round);
-    returns each request's PCM."""
-    runner = pipe.code2wav
-    streams = [runner.open_stream("exact", left_context) for _ in codes]
-    plans = [chunk_schedule(int(c.shape[1]), first_chunk, chunk) for c in codes]
-    outs: list[list[torch.Tensor]] = [[] for _ in codes]
-    step = 0
-    while True:
-        active = [i for i, p in enumerate(plans) if step < len(p)]
-        if not active:
-            break
-        pcm = runner.push(
-            [streams[i] for i in active],
-            [codes[i][:, plans[i][step][0] : plans[i][step][1]] for i in active],
-        )
-        for i, p in zip(active, pcm, strict=True):
-            outs[i].append(p)
-        step += 1
-    for s in streams:
-        runner.close(s)
-    return [torch.cat(o) if o else torch.zeros(0) for o in outs]
-
-
-STAGES = ("thinker", "talker", "code2wav")
 
 
 @dataclass
@@ -226,35 +149,41 @@ def time_stages(
     thinker_sampling: SamplingParams,
     talker_sampling: SamplingParams,
     batch_sizes: Sequence[int] = (1, 2, 4, 8),
-    first_chunk: int = 4,
-    chunk: int = 25,
-    left_context: int = 25,
     progress: Callable[[int], None] | None = None,
 ) -> StageTimes:
     """Times every stage alone over the request mix at each batch size: the mix in consecutive
     batches of that many requests, each batch run to its end together. The talker replays the
-    thinker outputs and code2wav the codes of the first batch size; every batch size must give
-    the same tokens and codes (packed steps are batch-invariant). ``progress`` is called once
-    per (stage, batch size) timed."""
+    thinker outputs and code2wav the frames of the first batch size; every batch size must give
+    the same tokens and codes (exact batching). ``progress`` is called once per (stage, batch
+    size) timed."""
     times = StageTimes()
     sizes = batch_sizes_for(len(prompt_ids), batch_sizes)
+    starts = [make_start(thinker_sampling, talker_sampling) for _ in prompt_ids]
+    async_mode = edges.edge_mode("async_chunk")
+
+    def tokens(recs: list[Recorded]) -> list[list[int]]:
+        return [[int(i) for t in r.tensors(edges.IDS) for i in t.tolist()] for r in recs]
+
+    def codes(recs: list[Recorded]) -> list[list[list[int]]]:
+        return [[t.tolist() for t in r.tensors(edges.CODES)] for r in recs]
+
     thinker_out = _time_stage(
-        times, "thinker", sizes, prompt_ids,
-        lambda batch: run_thinker_many(pipe, batch, thinker_sampling),
-        lambda a, b: [r.token_ids for r in a] == [r.token_ids for r in b], progress,
+        times, "thinker", sizes, [(s, [edges.prompt_chunk(p)]) for s, p in zip(starts, prompt_ids, strict=True)],
+        lambda batch: run_stage(pipe, "thinker", batch), lambda a, b: tokens(a) == tokens(b), progress,
     )  # fmt: skip
-    codes = _time_stage(
-        times, "talker", sizes, thinker_out,
-        lambda batch: run_talker_many(pipe, batch, talker_sampling),
-        lambda a, b: all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), progress,
+    talker_in = [(edges.downstream_start(s, async_mode), r.down) for s, r in zip(starts, thinker_out, strict=True)]
+    talker_out = _time_stage(
+        times, "talker", sizes, talker_in,
+        lambda batch: run_stage(pipe, "talker", batch), lambda a, b: codes(a) == codes(b), progress,
     )  # fmt: skip
-    pcm = _time_stage(
-        times, "code2wav", sizes, codes,
-        lambda batch: run_code2wav(pipe, batch, first_chunk, chunk, left_context), None, progress,
-    )  # fmt: skip
-    times.thinker_tokens = [len(r.tokens) for r in thinker_out]
-    times.talker_frames = [int(c.shape[1]) for c in codes]
-    times.audio_samples = [int(p.shape[0]) for p in pcm]
+    c2w_in = [(s, r.down) for (s, _), r in zip(talker_in, talker_out, strict=True) if r.down]
+    pace = pipe.cfg.stage("code2wav").chunk_frames
+    c2w_out = _time_stage(
+        times, "code2wav", sizes, c2w_in, lambda batch: run_stage(pipe, "code2wav", batch, pace), None, progress
+    )
+    times.thinker_tokens = [len(t) for t in tokens(thinker_out)]
+    times.talker_frames = [sum(int(t.shape[1]) for t in r.tensors(edges.CODES)) for r in talker_out]
+    times.audio_samples = [sum(int(t.shape[0]) for t in r.tensors(edges.AUDIO)) for r in c2w_out]
     return times
 
 

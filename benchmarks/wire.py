@@ -38,9 +38,9 @@ import torch
 from benchmarks.common import machine_info, timed_median, write_json
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from omnistage.v1.tensor_pb2 import TensorBlob
-from services.runtime import tensor_blob as tb
-from services.runtime import wire_view as wv
-from services.runtime.shm import ShmPool, ShmReader, peer_accepts_shm
+from omnistage.wire import tensor_blob as tb
+from omnistage.wire import wire_view as wv
+from omnistage.wire.shm import ShmPool, ShmReader, peer_accepts_shm
 
 SIZES = {"64kb": 64 << 10, "1mb": 1 << 20, "16mb": 16 << 20, "64mb": 64 << 20}
 GRPC_CHUNK_BYTES = 4 << 20
@@ -60,15 +60,14 @@ def _reps(nbytes: int) -> int:
 def _request_bytes(x: torch.Tensor, pool: ShmPool | None = None, request_id: str | None = None) -> bytes:
     """One StageRequest carrying ``x`` as tensor "x", serialized the way stages send: a lazy chunk
     through ``wire_view.serialize`` (the payload copied once, from the tensor into the bytes)."""
-    (chunk,) = tb.encode_lazy_chunks({"x": x}, max_bytes=_ONE_MESSAGE, pool=pool, request_id=request_id)
+    (chunk,) = tb.encode_chunks({"x": x}, max_bytes=_ONE_MESSAGE, pool=pool, request_id=request_id)
     return wv.serialize(wv.Outgoing(stage_pb2.StageRequest(), chunk))
 
 
 def _request_bytes_protobuf(x: torch.Tensor) -> bytes:
     """The same message through plain protobuf (the encode baseline): the same chunk encoder, then
     the payload copied into a ``bytes``, by protobuf into the message, and into the serialized bytes."""
-    (chunk,) = tb.encode_chunks({"x": x}, max_bytes=_ONE_MESSAGE)
-    return stage_pb2.StageRequest(chunk=chunk).SerializeToString()
+    return stage_pb2.StageRequest(chunk=tb.encode_chunk({"x": x})).SerializeToString()
 
 
 def _receive(wire: bytes, reader: ShmReader | None = None) -> torch.Tensor:
@@ -226,7 +225,7 @@ def _grpc_throughput(address: str, pool: ShmPool | None) -> tuple[float, bool, i
             use, state["shm"] = pool, True
         for i in range(GRPC_CHUNKS):
             last = i == GRPC_CHUNKS - 1 or time.monotonic() > deadline
-            for c in tb.encode_lazy_chunks(
+            for c in tb.encode_chunks(
                 {"hidden": payload}, max_bytes=GRPC_MAX_MSG, seq=i, offset=i, finished=last, pool=use, request_id=rid
             ):
                 yield wv.Outgoing(stage_pb2.StageRequest(), c)

@@ -1,4 +1,6 @@
-"""Client of `Gateway.Generate`: streams text and audio, records when each arrived."""
+"""Client of `Gateway.Generate`: streams text and audio, records when each arrived.
+
+Imports only grpc, protobuf and numpy: a client process never loads torch or transformers."""
 
 from __future__ import annotations
 
@@ -11,7 +13,19 @@ import grpc
 import numpy as np
 
 from omnistage.v1 import gateway_pb2, gateway_pb2_grpc, stage_pb2
-from services.runtime.sampling_wire import to_proto
+
+
+def sampling_proto(params: dict[str, Any]) -> stage_pb2.SamplingParams:
+    """A stage's sampling message from plain values (None: the stage's default)."""
+    msg = stage_pb2.SamplingParams()
+    for key, value in params.items():
+        if value is None:
+            continue
+        if key == "stop_ids":
+            msg.stop_ids.extend(int(i) for i in value)
+        else:
+            setattr(msg, key, value)
+    return msg
 
 
 @dataclass
@@ -53,8 +67,8 @@ def build_request(
     if greedy:
         thinker["do_sample"] = False
         talker.update(do_sample=False, repetition_penalty=1.0)
-    req.sampling["thinker"].CopyFrom(to_proto(thinker))
-    req.sampling["talker"].CopyFrom(to_proto(talker))
+    req.sampling["thinker"].CopyFrom(sampling_proto(thinker))
+    req.sampling["talker"].CopyFrom(sampling_proto(talker))
     return req
 
 
@@ -140,3 +154,15 @@ async def generate(
             final = ev
     pcm = np.concatenate(pcm_parts) if pcm_parts else np.zeros(0, dtype=np.float32)
     return Reply("".join(text), ids, pcm, sr, ttft, ttfa, last, final.usage, final.timings)
+
+
+def write_wav(path: str, pcm: np.ndarray, sample_rate: int) -> None:
+    """16-bit PCM WAV (stdlib `wave`), the format every player reads."""
+    import wave
+
+    data = (np.clip(pcm, -1.0, 1.0) * 32767).round().astype("<i2").tobytes()
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sample_rate)
+        w.writeframes(data)

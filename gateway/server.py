@@ -9,24 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from omnistage.families.qwen3_omni import SAMPLE_RATE, build_prompt_ids
-from omnistage.loader import Checkpoint, load_tokenizer
+from omnistage.config import DeployConfig
+from omnistage.engine import OutChunk
+from omnistage.models import Checkpoint, load_tokenizer
+from omnistage.server.grpc_common import HealthState, channel_options, drain, new_server, stage_stream, wait_for_signal
+from omnistage.topology import STAGES
 from omnistage.v1 import gateway_pb2, gateway_pb2_grpc, stage_pb2
-from services.runtime.config import DeployConfig
-from services.runtime.server import channel_options
-from services.runtime.tensor_blob import ChunkAssembler, TensorBlobError, encode_chunk
-from services.runtime.wire_view import stage_stream
+from omnistage.wire import ChunkAssembler, TensorBlobError, encode_chunk
+from services import edges
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +51,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.cfg = cfg
         self.ckpt = ckpt
         self.tokenizer = load_tokenizer(ckpt)
+        self.sample_rate = ckpt.sample_rate
         self.thinker_target = thinker_target
         self.channel = grpc.aio.insecure_channel(thinker_target, options=channel_options(cfg.max_message_bytes))
         self.stream = stage_stream(self.channel)  # Stage.Stream; responses parsed without copying tensors
@@ -72,7 +70,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             if not request.prompt.strip():
                 raise ValueError("prompt: empty prompt")
             messages = [{"role": "user", "content": request.prompt}]
-        ids = build_prompt_ids(self.tokenizer, messages)
+        ids = self.ckpt.family.prompt_ids(self.tokenizer, messages)
         limit = self.ckpt.spec.max_positions - 1
         if len(ids) > limit:
             raise ValueError(f"prompt: {len(ids)} tokens exceeds the model maximum of {limit}")
@@ -106,7 +104,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             request_id=rid, want_audio=request.want_audio, mode=request.mode, speaker=request.speaker
         )
         for name, params in request.sampling.items():
-            if name not in ("thinker", "talker", "code2wav"):
+            if name not in STAGES:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"gateway: sampling: unknown stage {name!r}")
             start.sampling[name].CopyFrom(params)
         remaining = context.time_remaining()
@@ -117,9 +115,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
         async def messages() -> AsyncIterator[stage_pb2.StageRequest]:
             yield stage_pb2.StageRequest(start=start)
-            ids = torch.tensor(prompt_ids)
-            chunk = encode_chunk({"ids": ids}, offset=0, finished=True, meta={"n": len(prompt_ids)})
-            yield stage_pb2.StageRequest(chunk=chunk)
+            yield stage_pb2.StageRequest(chunk=_encode(edges.prompt_chunk(prompt_ids)))
 
         self.active += 1
         call = self.stream(messages(), timeout=timeout)
@@ -138,26 +134,26 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 chunk = assemblers.setdefault(resp.stage, ChunkAssembler()).push(resp.chunk, received.views)
                 if chunk is None:
                     continue
-                if resp.stage == "thinker" and "ids" in chunk.tensors:
-                    ids = [int(i) for i in chunk.tensors["ids"].tolist()]
+                if edges.IDS in chunk.tensors:
+                    ids = [int(i) for i in chunk.tensors[edges.IDS].tolist()]
                     completion += len(ids)
                     yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text=detok.push(ids), token_ids=ids))
-                elif resp.stage == "talker" and "codes" in chunk.tensors:
-                    frames += int(chunk.tensors["codes"].shape[1])
-                elif resp.stage == "code2wav" and "audio" in chunk.tensors:
-                    pcm = chunk.tensors["audio"].float().contiguous()
+                elif edges.CODES in chunk.tensors:
+                    frames += int(chunk.tensors[edges.CODES].shape[1])
+                elif edges.AUDIO in chunk.tensors:
+                    pcm = chunk.tensors[edges.AUDIO].float().contiguous()
                     samples += int(pcm.shape[0])
                     yield gateway_pb2.GenerateResponse(
                         audio=gateway_pb2.AudioChunk(
                             pcm_f32le=pcm.numpy().astype("<f4").tobytes(),
-                            sample_rate=SAMPLE_RATE,
+                            sample_rate=self.sample_rate,
                             first_sample=chunk.offset,
                         )
                     )
         except grpc.aio.AioRpcError as e:
             code = e.code()
             detail = e.details() or ""
-            if code == grpc.StatusCode.UNAVAILABLE and not detail.startswith(("thinker", "talker", "code2wav")):
+            if code == grpc.StatusCode.UNAVAILABLE and not detail.startswith(STAGES):
                 detail = f"thinker unavailable at {self.thinker_target}: {detail}"
             await context.abort(code, detail)
         except TensorBlobError as e:
@@ -170,7 +166,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             prompt_tokens=len(prompt_ids),
             completion_tokens=completion,
             audio_frames=frames,
-            audio_seconds=samples / SAMPLE_RATE,
+            audio_seconds=samples / self.sample_rate,
         )
         final = gateway_pb2.Final(usage=usage)
         for name, timing in timings.items():
@@ -179,38 +175,25 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         yield gateway_pb2.GenerateResponse(final=final)
 
 
+def _encode(chunk: OutChunk) -> stage_pb2.Chunk:
+    return encode_chunk(chunk.tensors, offset=chunk.offset, length=chunk.length, finished=chunk.finished)
+
+
 def run_gateway(cfg: DeployConfig, ckpt: Checkpoint, host: str, port: int, thinker_target: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s gateway:{port} %(levelname)s %(message)s")
 
     async def main() -> None:
         service = GatewayService(cfg, ckpt, thinker_target)
-        server = grpc.aio.server(options=channel_options(cfg.max_message_bytes)[:2])
+        server = new_server(cfg.max_message_bytes)
         gateway_pb2_grpc.add_GatewayServicer_to_server(service, server)
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        names = (
-            gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        )
-        reflection.enable_server_reflection(names, server)
+        health_state = HealthState(server, (gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,))
         if server.add_insecure_port(f"{host}:{port}") == 0:
             raise OSError(f"gateway: cannot listen on {host}:{port}")
         await server.start()
-        for name in ("", "omnistage.v1.Gateway"):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health_state.set(True)
         log.info("gateway serving on %s:%d -> thinker %s", host, port, thinker_target)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await wait_for_signal()
         service.draining = True
-        for name in ("", "omnistage.v1.Gateway"):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        deadline = time.monotonic() + cfg.timeouts.drain_grace_s
-        while service.active and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        await server.stop(grace=1.0)
+        await drain(health_state, lambda: service.active > 0, cfg.timeouts.drain_grace_s, server)
 
     asyncio.run(main())

@@ -17,7 +17,7 @@ torch.set_num_threads(int(os.environ.get("OMNISTAGE_TEST_THREADS", "2")))
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from omnistage.tiny import write_tiny_checkpoint
+    from omnistage.models.qwen3_omni.tiny import write_tiny_checkpoint
 
     out = tmp_path_factory.mktemp("tiny-qwen3-omni")
     write_tiny_checkpoint(out)
@@ -26,7 +26,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def pipeline(tiny_dir: Path) -> Any:
-    from omnistage.pipeline import InProcessPipeline
+    from services.pipeline import InProcessPipeline
 
     return InProcessPipeline(tiny_dir)
 
@@ -82,8 +82,8 @@ def reference(tiny_dir: Path) -> RecordingReference:
 def no_talker_calls(pipeline: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """Records every talker or code2wav entry point the pipeline touches."""
     calls: list[str] = []
-    for obj, names in ((pipeline.talker, ("new_request", "forward_many", "residuals_many", "prefill_embeds")),
-                       (pipeline.code2wav, ("decode",))):
+    for obj, names in ((pipeline.talker, ("new_state", "step")),
+                       (pipeline.code2wav, ("open_stream", "decode", "decode_pending"))):
         for name in names:
             original = getattr(obj, name)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.runtime.config import (
+from omnistage.config import (
     ConfigError,
     DeployConfig,
     apply_overrides,

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from omnistage.pipeline import AudioEvent, DoneEvent, PipelineRequest, TextEvent
-from services.runtime.sampling import SamplingParams
+from omnistage.models.sampling import SamplingParams
+from services.pipeline import AudioEvent, DoneEvent, PipelineRequest, TextEvent
 
 
 @dataclass(frozen=True)

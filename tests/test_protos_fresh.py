@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omnistage import protogen
+from omnistage.cli import protogen
 
 
 def _snapshot(directory: Path) -> dict[str, bytes]:

@@ -12,9 +12,9 @@ import time
 # preexec_fn), prints the child's pid, then waits to be killed.
 PARENT = """
 import os, subprocess, sys, time
-from omnistage.serve import child_env
+from omnistage.cli.serve import child_env
 child = subprocess.Popen(
-    [sys.executable, "-c", "from omnistage.serve import die_with_parent_if_asked as d; d(); "
+    [sys.executable, "-c", "from omnistage.cli.serve import die_with_parent_if_asked as d; d(); "
      "print('armed', flush=True); import time; time.sleep(120)"],
     env=child_env(dict(os.environ)), stdout=subprocess.PIPE, text=True,
 )

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file, save_file
 
-from omnistage.loader import CheckpointError, load_part, load_tokenizer, open_checkpoint
-from omnistage.tiny import write_tiny_checkpoint
+from omnistage.models.checkpoint import CheckpointError, load_part, load_tokenizer, open_checkpoint
+from omnistage.models.qwen3_omni.tiny import write_tiny_checkpoint
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -119,28 +119,31 @@ def test_bad_prompts_fail_before_model_work(pipeline: Any, monkeypatch: pytest.M
     monkeypatch.setattr(pipeline.thinker.model, "forward", boom)
     with pytest.raises(ValueError, match="empty prompt"):
         pipeline.prompt_ids("   ")
+    thinker = pipeline.thinker
     with pytest.raises(ValueError, match="empty prompt"):
-        pipeline.thinker.new_request([], pipeline.thinker_defaults())
+        thinker.set_prompt(thinker.new_state(pipeline.thinker_defaults()), [])
     too_long = [pipeline.spec.im_start_id] * pipeline.spec.max_positions
     with pytest.raises(ValueError, match=r"prompt of \d+ tokens exceeds the model maximum"):
-        pipeline.thinker.new_request(too_long, pipeline.thinker_defaults())
+        thinker.set_prompt(thinker.new_state(pipeline.thinker_defaults()), too_long)
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        pipeline.thinker.new_request([pipeline.spec.thinker_vocab + 5], pipeline.thinker_defaults())
+        thinker.set_prompt(thinker.new_state(pipeline.thinker_defaults()), [pipeline.spec.thinker_vocab + 5])
     with pytest.raises(ValueError, match="unknown speaker 'nobody'"):
-        pipeline.talker.new_request(pipeline.thinker_defaults(), speaker="nobody")
+        pipeline.talker.new_state(pipeline.thinker_defaults(), "nobody")
 
 
 def test_sampling_params_are_validated() -> None:
-    from services.runtime.sampling import SamplingParams
+    from omnistage.models.sampling import SamplingParams
 
-    for bad in ({"temperature": 0}, {"top_p": 0}, {"top_k": -1}, {"max_tokens": 0}, {"repetition_penalty": 0}):
+    nan = float("nan")
+    for bad in ({"temperature": 0}, {"top_p": 0}, {"top_k": -1}, {"max_tokens": 0}, {"repetition_penalty": 0},
+                {"temperature": nan}, {"top_p": nan}, {"repetition_penalty": nan}, {"temperature": float("inf")}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)  # type: ignore[arg-type]
 
 
 def test_sampling_with_a_seed_is_repeatable(pipeline: Any) -> None:
-    from omnistage.pipeline import PipelineRequest
-    from services.runtime.sampling import SamplingParams
+    from omnistage.models.sampling import SamplingParams
+    from services.pipeline import PipelineRequest
 
     ids = pipeline.prompt_ids("hi")
     params = SamplingParams(do_sample=True, temperature=0.9, top_k=50, top_p=0.95, seed=7, max_tokens=8,

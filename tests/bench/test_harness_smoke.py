@@ -10,9 +10,10 @@ from typing import Any
 import torch
 
 from benchmarks.harness import BenchOptions, main
-from benchmarks.stages import run_talker, run_thinker
+from benchmarks.stages import make_start, run_stage
 from benchmarks.stats import RATIO_KEYS, SUMMARY_KEYS
-from services.runtime.sampling import SamplingParams
+from omnistage.models.sampling import SamplingParams
+from services import edges
 
 RECORD_KEYS = {
     "config", "index", "prompt_index", "prompt_chars", "issued_at", "ok", "error", "ttft", "ttfa", "e2e",
@@ -76,33 +77,46 @@ def test_harness_in_process(tiny_dir: Path, tmp_path: Path) -> None:
     assert "batches of [1, 2]" in st["note"]
 
 
+def _replay(pipeline: Any, prompts: list[list[int]], thinker: SamplingParams, talker: SamplingParams) -> list[Any]:
+    """Thinker alone on the prompts together, then the talker alone on its recorded chunks."""
+    starts = [make_start(thinker, talker) for _ in prompts]
+    th = run_stage(pipeline, "thinker", [(s, [edges.prompt_chunk(p)]) for s, p in zip(starts, prompts, strict=True)])
+    mode = edges.edge_mode("async_chunk")
+    talker_in = [(edges.downstream_start(s, mode), r.down) for s, r in zip(starts, th, strict=True)]
+    tk = run_stage(pipeline, "talker", talker_in)
+    out = []
+    for t, k in zip(th, tk, strict=True):
+        ids = [int(i) for x in t.tensors(edges.IDS) for i in x.tolist()]
+        frames = k.tensors(edges.CODES)
+        empty = torch.zeros((pipeline.spec.num_code_groups, 0), dtype=torch.long)
+        codes = torch.cat(frames, dim=1) if frames else empty
+        out.append((ids, codes))
+    return out
+
+
 def test_stage_replay_matches_pipeline(pipeline: Any) -> None:
-    """The standalone talker replay does the pipeline's work: the same codes."""
-    from omnistage.pipeline import DoneEvent, PipelineRequest
+    """The standalone thinker and talker runs do the pipeline's work: the same ids and codes."""
+    from services.pipeline import DoneEvent, PipelineRequest
 
     ids = pipeline.prompt_ids("Tell me a joke about cats.")
     thinker = pipeline.thinker_defaults().with_overrides(max_tokens=8)
     talker = SamplingParams(max_tokens=12)
     done = list(pipeline.run(PipelineRequest(ids, thinker=thinker, talker=talker)))[-1]
     assert isinstance(done, DoneEvent)
-    th = run_thinker(pipeline, ids, thinker)
-    assert th.token_ids == done.token_ids
-    codes = run_talker(pipeline, th, talker)
+    ((tokens, codes),) = _replay(pipeline, [ids], thinker, talker)
+    assert tokens == done.token_ids
     assert codes.shape[1] > 0
     assert torch.equal(codes, done.codes)
 
 
 def test_batched_stage_replays_match_one_at_a_time(pipeline: Any) -> None:
     """The stage-alone baseline's batched thinker and talker do each request's own work."""
-    from benchmarks.stages import run_talker_many, run_thinker_many
-
     prompts = [pipeline.prompt_ids(p) for p in ("Tell me a joke about cats.", "hi there", "Name a colour.")]
     thinker = pipeline.thinker_defaults().with_overrides(max_tokens=8, do_sample=False)
     talker = SamplingParams(max_tokens=12)
-    alone = [run_thinker(pipeline, ids, thinker) for ids in prompts]
-    together = run_thinker_many(pipeline, prompts, thinker)
-    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
-    codes = run_talker_many(pipeline, together, talker)
-    for th, c in zip(alone, codes, strict=True):
-        assert torch.equal(c, run_talker(pipeline, th, talker))
-    assert any(c.shape[1] > 0 for c in codes)
+    alone = [_replay(pipeline, [ids], thinker, talker)[0] for ids in prompts]
+    together = _replay(pipeline, prompts, thinker, talker)
+    assert [t for t, _ in together] == [t for t, _ in alone]
+    for (_, a), (_, b) in zip(alone, together, strict=True):
+        assert torch.equal(a, b)
+    assert any(c.shape[1] > 0 for _, c in together)

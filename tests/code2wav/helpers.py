@@ -9,7 +9,7 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 
 from benchmarks.code2wav import scale_weights
-from services.code2wav.streaming import tiny_code2wav_config
+from omnistage.models.qwen3_omni.code2wav_streaming import tiny_code2wav_config
 
 
 def config_a() -> Qwen3OmniMoeCode2WavConfig:

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.code2wav.streaming import GroupBy, IncrementalCode2Wav, exact_decode_stream, full_decode
+from omnistage.models.qwen3_omni.code2wav_streaming import (
+    GroupBy,
+    IncrementalCode2Wav,
+    exact_decode_stream,
+    full_decode,
+)
 from tests.code2wav.helpers import make_model, random_codes
 
 # Three requests of different lengths, different chunk schedules and start steps, so steps mix

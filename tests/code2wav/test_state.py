@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from services.code2wav.streaming import IncrementalCode2Wav
+from omnistage.models.qwen3_omni.code2wav_streaming import IncrementalCode2Wav
 from tests.code2wav.helpers import make_model, random_codes
 
 

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from services.code2wav.streaming import (
+from omnistage.models.qwen3_omni.code2wav_streaming import (
     IncrementalCode2Wav,
     exact_decode_stream,
     full_decode,

@@ -1,5 +1,5 @@
 """Exact streaming on the tiny checkpoint's own code2wav (loaded like the service loads it),
-and the windowed option of the runner against the windowed reference."""
+and the windowed option against the windowed reference."""
 
 from __future__ import annotations
 
@@ -8,40 +8,45 @@ from pathlib import Path
 import pytest
 import torch
 
-from omnistage.loader import load_part, open_checkpoint
-from services.code2wav.runner import Code2WavRunner
-from services.code2wav.streaming import full_decode, windowed_decode_stream
+from omnistage.models.checkpoint import open_checkpoint
+from omnistage.models.qwen3_omni.code2wav import Code2Wav
+from omnistage.models.qwen3_omni.code2wav_streaming import full_decode, windowed_decode_stream
 
 
 @pytest.fixture(scope="module")
-def runner(tiny_dir: Path) -> Code2WavRunner:
+def runner(tiny_dir: Path) -> Code2Wav:
     ckpt = open_checkpoint(tiny_dir)
-    return Code2WavRunner(load_part(ckpt, "code2wav"), ckpt.spec)
+    return ckpt.family.code2wav(ckpt, "float32", "cpu")
 
 
-def _codes(runner: Code2WavRunner, frames: int, seed: int) -> torch.Tensor:
+def _codes(runner: Code2Wav, frames: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, runner.spec.codebook_size, (runner.spec.num_code_groups, frames), generator=g)
 
 
-def _stream(runner: Code2WavRunner, codes: torch.Tensor, chunk: int, mode: str = "exact") -> torch.Tensor:
+def _stream(runner: Code2Wav, codes: torch.Tensor, chunk: int, mode: str = "exact") -> torch.Tensor:
     stream = runner.open_stream(mode)  # type: ignore[arg-type]
-    parts = [runner.push([stream], [codes[:, s : s + chunk]])[0] for s in range(0, codes.shape[1], chunk)]
+    parts = []
+    for s in range(0, codes.shape[1], chunk):
+        stream.pending = list(codes[:, s : s + chunk].unbind(1))
+        first, pcm = runner.decode_pending([stream])[0]
+        assert first == sum(p.shape[0] for p in parts)
+        parts.append(pcm)
     runner.close(stream)
     return torch.cat(parts)
 
 
 @pytest.mark.parametrize(("frames", "chunk", "seed"), [(400, 25, 0), (400, 37, 1), (130, 1, 2), (97, 4, 3)])
-def test_exact_stream_equals_full_decode(runner: Code2WavRunner, frames: int, chunk: int, seed: int) -> None:
+def test_exact_stream_equals_full_decode(runner: Code2Wav, frames: int, chunk: int, seed: int) -> None:
     codes = _codes(runner, frames, seed)
     full = runner.decode(codes)
     streamed = _stream(runner, codes, chunk)
-    assert streamed.shape == full.shape == (frames * runner.spec.samples_per_frame - 555,)
+    assert streamed.shape == full.shape == (frames * runner.samples_per_frame - 555,)
     assert float((streamed - full).abs().max()) <= 1e-5
     assert float(full.abs().max()) > 0.05  # not a comparison of two silences
 
 
-def test_windowed_option_is_the_windowed_reference(runner: Code2WavRunner) -> None:
+def test_windowed_option_is_the_windowed_reference(runner: Code2Wav) -> None:
     codes = _codes(runner, 80, 4)
     reference = torch.cat(windowed_decode_stream(runner.model, codes, 25, 25))
     assert torch.allclose(_stream(runner, codes, 25, "windowed"), reference.float(), atol=1e-6, rtol=0)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from services.runtime.config import DeployConfig, load_config, parse_config
+from omnistage.config import DeployConfig, load_config, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

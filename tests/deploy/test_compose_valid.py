@@ -17,8 +17,8 @@ import jsonschema
 import pytest
 import yaml
 
-from omnistage.deploy_render import render
-from services.runtime.config import DeployConfig
+from omnistage.cli.deploy_render import render
+from omnistage.config import DeployConfig
 
 from .conftest import DEPLOY
 

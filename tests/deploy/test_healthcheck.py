@@ -1,4 +1,4 @@
-"""`omnistage.healthcheck.check`: grpc.health.v1 against a real server on 127.0.0.1."""
+"""`omnistage.server.grpc_common.check`: grpc.health.v1 against a real server on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from omnistage.healthcheck import check
+from omnistage.server.grpc_common import check
 
 
 def _free_port() -> int:

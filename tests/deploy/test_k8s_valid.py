@@ -11,8 +11,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from omnistage.deploy_render import render
-from services.runtime.config import DeployConfig
+from omnistage.cli.deploy_render import render
+from omnistage.config import DeployConfig
 
 from .conftest import DEPLOY, yaml_docs
 

@@ -10,8 +10,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from omnistage.deploy_render import MODEL_DIR, MODEL_PVC, container_config, render, render_to_dir
-from services.runtime.config import STAGES, DeployConfig, parse_config
+from omnistage.cli.deploy_render import MODEL_DIR, MODEL_PVC, container_config, render, render_to_dir
+from omnistage.config import STAGES, DeployConfig, parse_config
 
 from .conftest import DEFAULT_YAML, DEPLOY, yaml_docs
 
@@ -161,7 +161,7 @@ def test_cpu_profile_config_is_tiny_on_cpu(gpu_cfg: DeployConfig) -> None:
 
 
 def test_render_to_dir_and_cli(tmp_path: Path) -> None:
-    from omnistage.cli import app
+    from omnistage.cli.main import app
 
     out = tmp_path / "out"
     result = CliRunner().invoke(

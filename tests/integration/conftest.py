@@ -11,10 +11,10 @@ from typing import Any
 import grpc
 import pytest
 
-from omnistage.serve import Stack, start_stack
+from omnistage.cli.serve import Stack, start_stack
+from omnistage.config import DeployConfig, parse_config
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
-from services.runtime.config import DeployConfig, parse_config
-from services.runtime.tensor_blob import ChunkAssembler, encode_chunk
+from omnistage.wire.tensor_blob import ChunkAssembler, encode_chunk
 
 
 def free_port_block(n: int) -> int:

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from gateway.client import build_request, generate, stream_generate
-from omnistage.pipeline import AudioEvent, PipelineRequest
-from omnistage.serve import Stack, start_stack
+from omnistage.cli.serve import Stack, start_stack
+from omnistage.models.sampling import SamplingParams
 from omnistage.v1 import gateway_pb2_grpc, stage_pb2
-from services.runtime.sampling import SamplingParams
-from services.runtime.tensor_blob import encode_chunk
+from omnistage.wire.tensor_blob import encode_chunk
+from services.pipeline import AudioEvent, PipelineRequest
 from tests.integration.conftest import info, prompt_chunk, run, stack_config, stage_call
 
 PROMPT = "Tell me a short story about a robot who learns to sing."
@@ -270,7 +270,7 @@ def test_sigterm_drains_the_stage(spare_stack: Stack, pipeline: Any) -> None:
     import signal
     import threading
 
-    from omnistage.healthcheck import check
+    from omnistage.server.grpc_common import check
 
     s = spare_stack
     thinker = s.child("thinker")

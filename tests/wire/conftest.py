@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.runtime.shm import DEFAULT_DIR, ShmPool, ShmReader
+from omnistage.wire.shm import DEFAULT_DIR, ShmPool, ShmReader
 
 needs_dev_shm = pytest.mark.skipif(
     not (DEFAULT_DIR.is_dir() and os.access(DEFAULT_DIR, os.W_OK)), reason="no writable /dev/shm"

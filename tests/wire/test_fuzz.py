@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 
 from omnistage.v1 import tensor_pb2
 from omnistage.v1.tensor_pb2 import Chunk, ShmRef, TensorBlob
-from services.runtime import tensor_blob as tb
-from services.runtime.shm import ShmPool, ShmReader
-from services.runtime.tensor_blob import ChunkAssembler, TensorBlobError
+from omnistage.wire import tensor_blob as tb
+from omnistage.wire.shm import ShmPool, ShmReader
+from omnistage.wire.tensor_blob import ChunkAssembler, TensorBlobError
+from tests.wire.helpers import encode_messages
 from tests.wire.mutation import BYTE_OPS, mutate_bytes
 
 FUZZ = settings(
@@ -112,7 +113,7 @@ def _valid_chunks() -> list[bytes]:
     ]
     out += [
         c.SerializeToString()
-        for c in tb.encode_chunks({"x": torch.arange(3000, dtype=torch.int16)}, max_bytes=4096)
+        for c in encode_messages({"x": torch.arange(3000, dtype=torch.int16)}, max_bytes=4096)
     ]
     return out
 

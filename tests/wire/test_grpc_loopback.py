@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from omnistage.v1 import stage_pb2, stage_pb2_grpc, tensor_pb2
-from services.runtime import tensor_blob as tb
-from services.runtime.shm import ShmPool, ShmReader, list_segments, peer_accepts_shm
-from services.runtime.tensor_blob import ChunkAssembler, TensorBlobError
+from omnistage.wire import tensor_blob as tb
+from omnistage.wire.shm import ShmPool, ShmReader, list_segments, peer_accepts_shm
+from omnistage.wire.tensor_blob import ChunkAssembler, TensorBlobError
+from tests.wire.helpers import encode_messages
 
 MAX_MSG = 1 << 20
 TIMEOUT_S = 30
@@ -95,7 +96,7 @@ def _run(address: str, payloads: list[dict[str, torch.Tensor]], pool: ShmPool | 
             use_pool, used["shm"] = pool, True
         seq = 0
         for i, p in enumerate(payloads):
-            chunks = tb.encode_chunks(
+            chunks = encode_messages(
                 p, max_bytes=MAX_MSG, offset=i, seq=seq, finished=i == len(payloads) - 1,
                 pool=use_pool, request_id=rid,
             )  # fmt: skip

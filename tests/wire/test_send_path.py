@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 
 from omnistage.v1 import stage_pb2
 from omnistage.v1.tensor_pb2 import Chunk
-from services.runtime import tensor_blob as tb
-from services.runtime import wire_view as wv
-from services.runtime.shm import ShmPool, ShmReader
-from services.runtime.tensor_blob import ChunkAssembler
+from omnistage.wire import tensor_blob as tb
+from omnistage.wire import wire_view as wv
+from omnistage.wire.shm import ShmPool, ShmReader
+from omnistage.wire.tensor_blob import ChunkAssembler
+from tests.wire.helpers import encode_messages
 from tests.wire.test_tensor_blob import TORCH_DTYPES, _bits_equal, _sample
 from tests.wire.test_wire_view import PROPS, logical_chunks
 
@@ -51,7 +52,7 @@ def _address(view: memoryview) -> int:
 @pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
 def test_lazy_payload_is_the_tensor_memory(dtype: torch.dtype) -> None:
     x = _sample(dtype, (64, 1024))
-    (lazy,) = tb.encode_lazy_chunks({"hidden": x, "ids": torch.arange(3)}, max_bytes=8 << 20)
+    (lazy,) = tb.encode_chunks({"hidden": x, "ids": torch.arange(3)}, max_bytes=8 << 20)
     ((name, head, payload),) = lazy.lazy  # ids is small: inside the message
     assert name == "hidden" and head.WhichOneof("data") is None and list(head.shape) == [64, 1024]
     assert _address(payload) == x.data_ptr() and payload.nbytes == x.numel() * x.element_size()
@@ -60,7 +61,7 @@ def test_lazy_payload_is_the_tensor_memory(dtype: torch.dtype) -> None:
 
 def test_split_pieces_are_slices_of_the_tensor() -> None:
     x = torch.randn(300_000)
-    lazies = tb.encode_lazy_chunks({"hidden": x}, max_bytes=256 << 10)
+    lazies = tb.encode_chunks({"hidden": x}, max_bytes=256 << 10)
     assert len(lazies) > 1
     covered = 0
     for lazy in lazies:
@@ -72,7 +73,7 @@ def test_split_pieces_are_slices_of_the_tensor() -> None:
 
 def test_small_tensors_stay_in_the_message() -> None:
     small = torch.randn(tb.LAZY_BYTES // 4 - 1)
-    (lazy,) = tb.encode_lazy_chunks({"embed": small}, max_bytes=8 << 20)
+    (lazy,) = tb.encode_chunks({"embed": small}, max_bytes=8 << 20)
     assert lazy.lazy == () and lazy.chunk.tensors["embed"].WhichOneof("data") == "raw"
 
 
@@ -92,12 +93,12 @@ def _serialize_traced(message: wv.Outgoing) -> tuple[bytes, int]:
 def test_serialize_copies_each_payload_once() -> None:
     x = torch.randn(2 << 20)  # 8 MiB
     nbytes = x.numel() * 4
-    (lazy,) = tb.encode_lazy_chunks({"hidden": x}, max_bytes=16 << 20)
+    (lazy,) = tb.encode_chunks({"hidden": x}, max_bytes=16 << 20)
     # Nothing was copied when encoding: the message carries what the tensor holds when it is
     # serialized (which is why senders must not change it before).
     x.add_(1.0)
     data, peak = _serialize_traced(wv.Outgoing(stage_pb2.StageRequest(), lazy))
-    (plain,) = tb.encode_chunks({"hidden": x}, max_bytes=16 << 20)
+    (plain,) = encode_messages({"hidden": x}, max_bytes=16 << 20)
     assert data == stage_pb2.StageRequest(chunk=plain).SerializeToString()  # one tensor: even the same bytes
     # The result is the one copy, and no second payload-sized buffer ever lived beside it.
     assert nbytes <= peak <= nbytes + (64 << 10)
@@ -105,7 +106,7 @@ def test_serialize_copies_each_payload_once() -> None:
 
 def test_non_contiguous_tensor_is_gathered_once_before_serializing() -> None:
     x = torch.randn(512, 256).t()
-    (lazy,) = tb.encode_lazy_chunks({"hidden": x}, max_bytes=8 << 20)
+    (lazy,) = tb.encode_chunks({"hidden": x}, max_bytes=8 << 20)
     data = wv.serialize(wv.Outgoing(stage_pb2.StageRequest(), lazy))
     r = wv.parse_request(data)
     d = ChunkAssembler().push(r.message.chunk, r.views)
@@ -126,7 +127,7 @@ def test_serialized_message_equals_plain_protobuf(kind: str) -> None:
         "scalar": torch.tensor(2.5, dtype=torch.float64),
     }
     with mock.patch.object(tb, "LAZY_BYTES", 0):  # every tensor lazy, even the 0-d one
-        (lazy,) = tb.encode_lazy_chunks(tensors, max_bytes=8 << 20, offset=7, seq=3, meta={"n": 5, "last": True})
+        (lazy,) = tb.encode_chunks(tensors, max_bytes=8 << 20, offset=7, seq=3, meta={"n": 5, "last": True})
     assert {n for n, _, _ in lazy.lazy} == set(tensors)
     data = wv.serialize(wv.Outgoing(HEADS[kind](), lazy))
     plain = _plain(kind, lazy.message())
@@ -144,7 +145,7 @@ def test_serialized_message_equals_plain_protobuf(kind: str) -> None:
 def test_outgoing_head_keeps_its_fields_and_must_not_hold_a_chunk() -> None:
     """A head's own fields come first; the lazy chunk is appended as field 2, so a head that
     already holds a chunk would be merged with it: refused."""
-    (lazy,) = tb.encode_lazy_chunks({"x": torch.randn(20_000)}, max_bytes=1 << 20)
+    (lazy,) = tb.encode_chunks({"x": torch.randn(20_000)}, max_bytes=1 << 20)
     data = wv.serialize(wv.Outgoing(stage_pb2.StageResponse(stage="code2wav"), lazy))
     m = stage_pb2.StageResponse.FromString(data)
     assert m.stage == "code2wav" and set(m.chunk.tensors) == {"x"}
@@ -170,7 +171,7 @@ def test_random_chunks_serialize_as_plain_protobuf(
     tensors, options = case
     try:
         with mock.patch.object(tb, "LAZY_BYTES", lazy_bytes):
-            lazies = tb.encode_lazy_chunks(tensors, pool=pool if use_shm else None, request_id="send", **options)
+            lazies = tb.encode_chunks(tensors, pool=pool if use_shm else None, request_id="send", **options)
         cls = type(HEADS[kind]())
         asm, decoded = ChunkAssembler(reader=reader), []
         for lazy in lazies:

@@ -19,12 +19,14 @@ from google.protobuf.message import DecodeError, Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from omnistage.server.grpc_common import add_stage_servicer, stage_stream
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from omnistage.v1.tensor_pb2 import Chunk, ShmRef
-from services.runtime import tensor_blob as tb
-from services.runtime import wire_view as wv
-from services.runtime.shm import ShmPool, ShmReader
-from services.runtime.tensor_blob import ChunkAssembler, TensorBlobError
+from omnistage.wire import tensor_blob as tb
+from omnistage.wire import wire_view as wv
+from omnistage.wire.shm import ShmPool, ShmReader
+from omnistage.wire.tensor_blob import ChunkAssembler, TensorBlobError
+from tests.wire.helpers import encode_messages
 from tests.wire.mutation import BYTE_OPS, mutate_bytes
 from tests.wire.test_tensor_blob import TORCH_DTYPES, _bits_equal, _sample
 
@@ -203,7 +205,7 @@ def test_random_messages_parse_and_decode_as_with_protobuf(
 ) -> None:
     pool, reader = shm_pool
     tensors, options = case
-    chunks = tb.encode_chunks(tensors, pool=pool if use_shm else None, request_id="prop", **options)
+    chunks = encode_messages(tensors, pool=pool if use_shm else None, request_id="prop", **options)
     msgs = [_wrap(kind, c) for c in chunks]
     try:
         with _walk_always():
@@ -330,7 +332,7 @@ def _corpus() -> list[tuple[str, bytes]]:
             "m": torch.ones(2).bool(),
         }
         out.append((kind, _wrap(kind, tb.encode_chunk(tensors, offset=4, meta={"a": 1, "s": "x"}))))
-        split = tb.encode_chunks({"x": torch.arange(3000, dtype=torch.int16)}, max_bytes=4096, seq=2, finished=True)
+        split = encode_messages({"x": torch.arange(3000, dtype=torch.int16)}, max_bytes=4096, seq=2, finished=True)
         out += [(kind, _wrap(kind, c)) for c in split]
     out.append(
         ("request", stage_pb2.StageRequest(start=stage_pb2.Start(request_id="r", want_audio=True)).SerializeToString())
@@ -394,7 +396,7 @@ class RelayStage(stage_pb2_grpc.StageServicer):
                 continue
             self.aliased += [_inside(t.data_ptr(), received.wire) for t in d.tensors.values() if t.numel()]
             if d.seq % 2:
-                (lazy,) = tb.encode_lazy_chunks(d.tensors, max_bytes=8 << 20, seq=d.seq)
+                (lazy,) = tb.encode_chunks(d.tensors, max_bytes=8 << 20, seq=d.seq)
                 assert lazy.lazy  # the payloads really go the lazy way
                 yield wv.Outgoing(stage_pb2.StageResponse(stage="relay"), lazy)
             else:
@@ -409,7 +411,7 @@ def test_grpc_stage_stream_zero_copy_and_interop() -> None:
     service = RelayStage()
     opts = [("grpc.max_receive_message_length", 8 << 20), ("grpc.max_send_message_length", 8 << 20)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=opts)
-    wv.add_stage_servicer(service, server)
+    add_stage_servicer(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     tensors = {"hidden": torch.randn(4, 9000).bfloat16(), "ids": torch.arange(20_000)}
@@ -419,7 +421,7 @@ def test_grpc_stage_stream_zero_copy_and_interop() -> None:
         yield stage_pb2.StageRequest(start=stage_pb2.Start(request_id="g"))
         for seq in range(3):
             if lazy and seq:
-                (chunk,) = tb.encode_lazy_chunks(tensors, max_bytes=8 << 20, seq=seq)
+                (chunk,) = tb.encode_chunks(tensors, max_bytes=8 << 20, seq=seq)
                 yield wv.Outgoing(stage_pb2.StageRequest(), chunk)
             else:
                 yield stage_pb2.StageRequest(chunk=tb.encode_chunk(tensors, seq=seq))
@@ -427,15 +429,20 @@ def test_grpc_stage_stream_zero_copy_and_interop() -> None:
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}", options=opts) as channel:
             assert stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=10).role == "relay"
-            received = list(wv.stage_stream(channel)(requests(lazy=True), timeout=30))
+            received = list(stage_stream(channel)(requests(lazy=True), timeout=30))
             plain = list(stage_pb2_grpc.StageStub(channel).Stream(requests(), timeout=30))
+            relayed = list(stage_stream(channel, relay=True)(requests(), timeout=30))
     finally:
         server.stop(grace=None)
     assert service.aliased and all(service.aliased)  # the server decoded over the received bytes
-    assert len(received) == len(plain) == 3
+    assert len(received) == len(plain) == len(relayed) == 3
+    # a relaying stage gets the raw bytes: exactly what the generated stubs parse
+    assert all(isinstance(b, bytes) for b in relayed)
+    assert [stage_pb2.StageResponse.FromString(b) for b in relayed] == plain
     for r, p in zip(received, plain, strict=True):
         assert _restore(r) == p  # generated stubs read the same messages
         assert set(r.views) == {"hidden", "ids"}
-        d = tb.decode_chunk(r.message.chunk, views=r.views)
+        d = ChunkAssembler().push(r.message.chunk, r.views)
+        assert d is not None
         for name, x in tensors.items():
             assert _bits_equal(d.tensors[name], x) and _inside(d.tensors[name].data_ptr(), r.wire)

@@ -1,0 +1,91 @@
+"""`omnistage bench`: the benchmark commands, registered with the CLI through the
+`omnistage.commands` entry point group (pyproject.toml), so the package never imports them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: every figure against a baseline from the same run.")
+
+
+@bench_app.callback(invoke_without_command=True, no_args_is_help=False)
+def bench(
+    ctx: typer.Context,
+    target: Annotated[str | None, typer.Option("--target", help="HOST:PORT of a running gateway.")] = None,
+    serve: Annotated[bool, typer.Option("--serve", help="Start a stack (free ports) for the run.")] = False,
+    config: Annotated[Path | None, typer.Option("--config", help="Deploy YAML for --serve.")] = None,
+    model: Annotated[Path | None, typer.Option("--model", help="Checkpoint dir (default: the tiny one).")] = None,
+    replicas: Annotated[str | None, typer.Option("--replicas", help="For --serve, e.g. talker=2,code2wav=2.")] = None,
+    concurrency: Annotated[str, typer.Option("--concurrency", help="Closed-loop levels, e.g. 1,4,8,16.")] = "1,4,8",
+    rate: Annotated[str, typer.Option("--rate", help="Poisson arrival rates (req/s), e.g. 2.0 or 1,2.")] = "",
+    num_requests: Annotated[int, typer.Option("--num-requests", help="Requests per level.")] = 16,
+    time_limit: Annotated[float, typer.Option("--time-limit", help="Seconds per level (0: none).")] = 120.0,
+    prompts: Annotated[Path | None, typer.Option("--prompts", help="Prompt file, one per line.")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Request order and Poisson arrivals.")] = 0,
+    thinker_max_tokens: Annotated[int, typer.Option("--thinker-max-tokens")] = 24,
+    talker_max_tokens: Annotated[int, typer.Option("--talker-max-tokens")] = 48,
+    baseline_requests: Annotated[
+        int | None, typer.Option("--baseline-requests", help="Requests per baseline (default: --num-requests).")
+    ] = None,
+    monolithic: Annotated[bool, typer.Option("--monolithic/--no-monolithic", help="transformers generate().")] = True,
+    inprocess: Annotated[bool, typer.Option("--inprocess/--no-inprocess", help="In-process pipeline.")] = True,
+    full_payload: Annotated[bool, typer.Option("--full-payload/--no-full-payload", help="full_payload TTFA.")] = True,
+    stages: Annotated[bool, typer.Option("--stages/--no-stages", help="Each stage alone (bottleneck).")] = True,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed requests per driver.")] = 1,
+    threads: Annotated[int, typer.Option("--threads", help="torch threads in this process.")] = 1,
+    request_timeout: Annotated[float, typer.Option("--request-timeout", help="gRPC deadline, seconds.")] = 300.0,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Every raw figure, ratios, machine.")] = None,
+    plot_out: Annotated[Path | None, typer.Option("--plot", help="PNG: latency CDFs, throughput.")] = None,
+    markdown_out: Annotated[Path | None, typer.Option("--markdown", help="Short markdown summary.")] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+) -> None:
+    """Latency and throughput of the served pipeline, each figure against a same-run baseline."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from benchmarks.harness import BenchOptions, main, parse_float_list, parse_int_list
+
+    main(
+        BenchOptions(
+            target=target, serve=serve, config=config, model=model, replicas=replicas,
+            concurrency=parse_int_list(concurrency), rates=parse_float_list(rate), num_requests=num_requests,
+            time_limit=time_limit or None, prompts=prompts, seed=seed, thinker_max_tokens=thinker_max_tokens,
+            talker_max_tokens=talker_max_tokens, baseline_requests=baseline_requests, monolithic=monolithic,
+            inprocess=inprocess, full_payload=full_payload, stages=stages, warmup=warmup, threads=threads,
+            request_timeout=request_timeout, json_out=json_out, plot_out=plot_out, markdown_out=markdown_out,
+            progress=progress,
+        )
+    )
+
+
+@bench_app.command("wire")
+def bench_wire(
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write raw figures and ratios here.")] = None,
+) -> None:
+    """tensor_blob vs pickle vs torch.save; shared memory vs memcpy; gRPC inline vs shm."""
+    from benchmarks.wire import main
+
+    main(json_out)
+
+
+@bench_app.command("stage-times")
+def bench_stage_times(
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
+    model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: built-in tiny).")] = None,
+) -> None:
+    """Per-stage cost: thinker prefill/decode per token, talker per frame, code2wav per audio second."""
+    from benchmarks.stage_times import main
+
+    main(json_out, model)
+
+
+@bench_app.command("code2wav")
+def bench_code2wav(
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write raw figures and ratios here.")] = None,
+) -> None:
+    """Exact incremental streaming vs windowed streaming vs one full decode."""
+    from benchmarks.code2wav import main
+
+    main(json_out)

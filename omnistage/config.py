@@ -1,0 +1,183 @@
+"""The deploy file: one YAML describing the whole stack, validated by pydantic.
+
+`omnistage serve`, each `omnistage stage`/`gateway` process and `omnistage deploy render`
+read the same model. Unknown or bad fields are refused at start with the field's path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+
+from omnistage.topology import EDGES, PIPELINE, STAGES
+
+StageName = str  # one of topology.STAGES
+EdgeModeName = Literal["async_chunk", "full_payload"]
+
+
+class ConfigError(ValueError):
+    """A deploy file or flag that cannot be served; the message names the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class StageConfig(_Strict):
+    replicas: int = Field(1, ge=1, le=64)
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    base_port: int = Field(ge=1024, le=65535, description="replica i listens on base_port + i")
+    threads: int = Field(1, ge=1, le=256, description="torch intra-op threads per replica")
+    max_num_seqs: int = Field(16, ge=1, le=4096, description="requests per engine step")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget per engine step")
+    chunked_prefill: bool = Field(True, description="split a prompt larger than the step's budget over steps")
+    cache_capacity_tokens: int | None = Field(
+        None, ge=1, description="KV cache tokens over all admitted requests; null: unbounded"
+    )
+
+
+class Code2WavConfig(StageConfig):
+    chunk_frames: int = Field(25, ge=1, le=1000)
+    first_chunk_frames: int = Field(4, ge=1, le=1000)
+    left_context_frames: int = Field(25, ge=0, le=1000)
+    streaming: Literal["exact", "windowed"] = "exact"
+
+
+class GatewayConfig(_Strict):
+    port: int = Field(50051, ge=1, le=65535)
+    replicas: int = Field(1, ge=1, le=64)
+
+
+# One mode per edge of the topology: `thinker_to_talker`, `talker_to_code2wav`, ...
+EdgesConfig = create_model(  # type: ignore[call-overload]
+    "EdgesConfig", __base__=_Strict, **{edge: (EdgeModeName, "async_chunk") for edge in EDGES}
+)
+
+
+class TimeoutsConfig(_Strict):
+    input_wait_timeout_s: float = Field(600.0, ge=0, description="0 disables")
+    request_timeout_s: float = Field(600.0, gt=0, description="default deadline when the client sets none")
+    startup_timeout_s: float = Field(180.0, gt=0)
+    drain_grace_s: float = Field(30.0, ge=0)
+
+
+class _HeadConfig(_Strict):
+    model: str | None = Field(None, description="checkpoint directory; None = the built-in tiny checkpoint")
+    host: str = "127.0.0.1"
+    gateway: GatewayConfig = GatewayConfig()
+
+
+_SETTINGS: dict[str, type[StageConfig]] = {"stage": StageConfig, "code2wav": Code2WavConfig}
+# One settings block per stage of the topology, named after it (after the head fields).
+_StagesConfig = create_model(  # type: ignore[call-overload]
+    "_StagesConfig",
+    __base__=_HeadConfig,
+    **{
+        s.name: (_SETTINGS[s.settings], _SETTINGS[s.settings](base_port=s.default_port, **s.defaults))
+        for s in PIPELINE
+    },
+)
+
+
+class DeployConfig(_StagesConfig):  # type: ignore[misc,valid-type]
+    edges: EdgesConfig = EdgesConfig()  # type: ignore[valid-type]
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    max_message_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024, le=1024 * 1024 * 1024)
+    shm: bool = Field(True, description="same-host shared-memory path for large tensors")
+
+    @model_validator(mode="after")
+    def _ports_do_not_collide(self) -> DeployConfig:
+        used: dict[int, str] = {}
+        for i in range(self.gateway.replicas):
+            used[self.gateway.port + i] = f"gateway[{i}]"
+        for name in STAGES:
+            stage = self.stage(name)
+            for i in range(stage.replicas):
+                port = stage.base_port + i
+                if port in used:
+                    raise ValueError(f"{name}.base_port: port {port} of replica {i} collides with {used[port]}")
+                used[port] = f"{name}[{i}]"
+        return self
+
+    def stage(self, name: StageName) -> StageConfig:
+        if name not in STAGES:
+            raise KeyError(f"unknown stage {name!r}; expected one of {', '.join(STAGES)}")
+        return getattr(self, name)
+
+    def edge_mode(self, upstream: StageName, downstream: StageName) -> str:
+        return str(getattr(self.edges, f"{upstream}_to_{downstream}"))
+
+    def stage_ports(self, name: StageName) -> list[int]:
+        s = self.stage(name)
+        return [s.base_port + i for i in range(s.replicas)]
+
+    def stage_target(self, name: StageName) -> str:
+        """gRPC target that spreads calls over the stage's local replicas."""
+        return "ipv4:" + ",".join(f"{self.host}:{p}" for p in self.stage_ports(name))
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"{loc}: {msg}")
+    return f"{source}: invalid deploy config: " + "; ".join(lines)
+
+
+def parse_config(data: dict[str, Any] | None, source: str = "config") -> DeployConfig:
+    try:
+        return DeployConfig.model_validate(data or {})
+    except ValidationError as e:
+        raise ConfigError(_format_error(e, source)) from None
+
+
+def load_config(path: str | Path | None) -> DeployConfig:
+    if path is None:
+        return DeployConfig()
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"deploy config not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML ({e})") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{p}: the deploy config must be a mapping")
+    return parse_config(data, str(p))
+
+
+def apply_overrides(cfg: DeployConfig, overrides: dict[str, Any]) -> DeployConfig:
+    """Dotted-path overrides from CLI flags, e.g. {"talker.replicas": 2, "model": "/ckpt"}."""
+    data = cfg.model_dump()
+    for dotted, value in overrides.items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            if not isinstance(node.get(key), dict):
+                raise ConfigError(f"--{dotted}: unknown field")
+            node = node[key]
+        node[leaf] = value
+    return parse_config(data, "command line")
+
+
+def parse_replicas(spec: str) -> dict[str, int]:
+    """`talker=2,code2wav=3` -> {"talker.replicas": 2, "code2wav.replicas": 3}."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, count = part.partition("=")
+        if not sep or name not in (*STAGES, "gateway"):
+            raise ConfigError(f"--replicas: expected STAGE=N with STAGE in {', '.join(STAGES)}; got {part!r}")
+        try:
+            out[f"{name}.replicas"] = int(count)
+        except ValueError:
+            raise ConfigError(f"--replicas: {name} count must be an integer, got {count!r}") from None
+    return out
+
+
+def dump_config(cfg: DeployConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(), sort_keys=False)

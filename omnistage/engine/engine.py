@@ -1,0 +1,279 @@
+"""The engine thread of a stage: owns the model and every request's state.
+
+The transport side only moves messages: it opens requests, feeds decoded input chunks into a
+request's inbox, and receives what the engine emits through the request's sink. One iteration:
+
+    for every request: take its new input, queue it once its demand is known, note whether its
+                       worker can step (and fail it on a timeout or deadline)
+    batch = scheduler.schedule()
+    outputs = worker.execute(batch)
+    scheduler.update_from_output(batch, outputs); hand each output to its request's sink
+
+All model state is created and freed on this thread, on abort too, so nothing is freed while a
+step uses it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from omnistage.engine.request import FinishReason, Request, RequestStatus
+from omnistage.engine.scheduler import RequestRejected, ScheduledItem, Scheduler, SchedulerConfig
+from omnistage.engine.worker import StageWorker, StepOutput
+from omnistage.wire import Code, DecodedChunk, StageError, TensorBlobError, invalid
+
+__all__ = ["Engine", "EngineSink"]
+
+log = logging.getLogger(__name__)
+
+
+class EngineSink(Protocol):
+    """Receives one request's outputs; called on the engine thread (hand over, do not block)."""
+
+    def on_output(self, req: Request, out: StepOutput) -> None: ...
+
+    def on_finished(self, req: Request) -> None:
+        """The request ended: `req.status` says how and `req.error` why when it failed."""
+
+
+class Engine:
+    def __init__(
+        self,
+        worker: StageWorker,
+        input_wait_timeout_s: float = 600.0,
+        *,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 2048,
+        cache_capacity_tokens: int | None = None,
+        chunked_prefill: bool = True,
+        background: bool = True,
+    ) -> None:
+        """`background=False`: no engine thread; the owner calls `run_once()` (in-process use)."""
+        self.worker = worker
+        self.input_wait_timeout_s = input_wait_timeout_s
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=worker.max_model_len(),
+                cache_capacity_tokens=cache_capacity_tokens,
+                chunked_prefill=chunked_prefill,
+            )
+        )
+        self._requests: dict[str, Request] = {}
+        self._arrivals = 0
+        self._cond = threading.Condition()
+        self._stop = False
+        self.step_seconds_total = 0.0  # time in worker.execute, for metrics
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._run, name=f"{worker.name}-engine", daemon=True)
+            self._thread.start()
+
+    # ---- called from the transport side ---------------------------------------------------
+
+    def open(self, request_id: str, params: Any, sink: EngineSink, deadline: float | None = None) -> Request:
+        """A new request; `deadline` is a time.monotonic() value."""
+        name = self.worker.name
+        if not request_id:
+            raise invalid(f"{name}: Start.request_id is empty")
+        with self._cond:
+            if request_id in self._requests:
+                raise invalid(f"{name}: Start.request_id {request_id!r} is already open")
+            self._arrivals += 1
+            req = Request(request_id, params, arrival=self._arrivals, sink=sink, deadline=deadline)
+            self._requests[request_id] = req
+            self._cond.notify()
+        return req
+
+    def feed(self, req: Request, chunk: DecodedChunk) -> None:
+        """Order checks happen here, so a bad chunk fails before it reaches the worker."""
+        name = self.worker.name
+        with self._cond:
+            if req.input_closed:
+                raise invalid(f"{name}: chunk (offset {chunk.offset}) after the finished chunk")
+            if chunk.offset != req.next_offset:
+                raise invalid(f"{name}: chunk offset {chunk.offset} out of order; expected {req.next_offset}")
+            req.next_offset = chunk.offset + chunk.length
+            req.input_closed = chunk.finished
+            req.inbox.append(chunk)
+            req.last_input = time.monotonic()
+            self._cond.notify()
+
+    def close_input(self, req: Request) -> None:
+        """The caller closed its side: no more input will come."""
+        with self._cond:
+            req.input_closed = True
+            req.inbox.append(None)
+            self._cond.notify()
+
+    def abort(self, req: Request, error: StageError | None = None) -> None:
+        """Cancel (no error) or fail (`error`) the request; a no-op once it has ended."""
+        with self._cond:
+            if error is not None and req.error is None:
+                req.error = error
+            req.abort_requested = True
+            self._cond.notify()
+
+    def load(self) -> dict[str, Any]:
+        """Requests by status plus the scheduler's cache use and totals."""
+        with self._cond:
+            statuses = [r.status for r in self._requests.values()]
+        stats = self.scheduler.stats()
+        return {
+            "running": statuses.count(RequestStatus.RUNNING),
+            "waiting": statuses.count(RequestStatus.WAITING),
+            "waiting_for_input": statuses.count(RequestStatus.WAITING_FOR_INPUT),
+            "open": len(statuses),
+            "cache_usage": float(stats["cache_usage"]),
+            "reserved_tokens": int(stats["reserved_tokens"]),
+            "steps_total": int(stats["total_steps"]),
+            "step_requests_total": int(stats["total_scheduled_requests"]),
+            "step_seconds_total": self.step_seconds_total,
+        }
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            for r in self._requests.values():
+                r.abort_requested = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # ---- engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._stop and not self._requests:
+                    return
+            if not self.run_once():
+                with self._cond:
+                    if not any(r.inbox or r.abort_requested for r in self._requests.values()):
+                        self._cond.wait(timeout=0.05)
+
+    def run_once(self) -> bool:
+        """One iteration: every request's new input, then one step. Returns whether anything
+        happened (input taken or a step run)."""
+        with self._cond:
+            active = list(self._requests.values())
+        now = time.monotonic()
+        progressed = False
+        for req in active:
+            try:
+                progressed |= self._prepare(req, now)
+            except Exception as e:
+                self._fail(req, e)
+        batch = self.scheduler.schedule()
+        if batch:
+            progressed = True
+            self._step(batch)
+        return progressed
+
+    @property
+    def idle(self) -> bool:
+        """No request is open."""
+        with self._cond:
+            return not self._requests
+
+    def _prepare(self, req: Request, now: float) -> bool:
+        """Abort, open, feed new input, queue, note readiness, check timeouts. Returns whether
+        input was taken."""
+        worker = self.worker
+        if req.abort_requested:
+            self._end(req, FinishReason.ERROR if req.error else FinishReason.ABORT)
+            return False
+        if req.deadline is not None and now > req.deadline:
+            raise StageError(Code.DEADLINE_EXCEEDED, f"{worker.name}: request {req.request_id} passed its deadline")
+        if req.state is None:
+            worker.open(req)
+        took = False
+        while True:
+            with self._cond:
+                if not req.inbox:
+                    break
+                chunk = req.inbox.popleft()
+            took = True
+            if chunk is not None:
+                worker.feed(req, chunk)
+            if chunk is None or chunk.finished:
+                req.input_finished = True
+        if not req.queued:
+            demand = worker.demand(req)
+            if demand is not None:
+                try:
+                    self.scheduler.add(req, *demand)
+                except RequestRejected as e:
+                    code = Code.RESOURCE_EXHAUSTED if e.resource_exhausted else Code.INVALID_ARGUMENT
+                    raise StageError(code, f"{worker.name}: {e}") from None
+        ready = worker.ready(req)
+        if req.queued:
+            self.scheduler.set_ready(req, ready)
+        if ready:
+            return took
+        if req.input_finished:
+            raise invalid(f"{worker.name}: the input ended before the request was complete")
+        waited = now - req.last_input
+        if self.input_wait_timeout_s and waited > self.input_wait_timeout_s:
+            raise StageError(
+                Code.DEADLINE_EXCEEDED,
+                f"{worker.name}: no input for {waited:.1f} s (input_wait_timeout_s="
+                f"{self.input_wait_timeout_s:g}); request {req.request_id} starved",
+            )
+        return took
+
+    def _step(self, batch: Sequence[ScheduledItem]) -> None:
+        t0 = time.perf_counter()
+        try:
+            outputs: list[StepOutput | Exception] = self.worker.execute(batch)
+        except Exception as e:  # the shared forward failed: every request in it fails
+            outputs = [e] * len(batch)
+        self.step_seconds_total += time.perf_counter() - t0
+        reasons = [out.finished if isinstance(out, StepOutput) else FinishReason.ERROR for out in outputs]
+        self.scheduler.update_from_output(batch, reasons)
+        for item, out in zip(batch, outputs, strict=True):
+            req = item.request
+            if isinstance(out, Exception):
+                self._fail(req, out)
+                continue
+            req.sink.on_output(req, out)
+            if out.finished is not None:
+                req.finish_detail = out.detail
+                self._end(req, out.finished)
+            elif req.is_exhausted:  # would never be scheduled again
+                self._fail(req, StageError(Code.INTERNAL, f"{self.worker.name}: request {req.request_id} "
+                                                          "used its scheduled budget unfinished"))
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        """Fail one request with the status its exception maps to; the others go on."""
+        if isinstance(exc, StageError):
+            err = exc
+        elif isinstance(exc, TensorBlobError):
+            err = invalid(f"{self.worker.name}: {exc}")
+        else:  # a bug must fail the request, not the service
+            trace = "".join(traceback.format_exception(exc))
+            log.error("%s: request %s failed:\n%s", self.worker.name, req.request_id, trace)
+            err = StageError(Code.INTERNAL, f"{self.worker.name}: internal error: {exc}")
+        if req.error is None:
+            req.error = err
+        self._end(req, FinishReason.ERROR)
+
+    def _end(self, req: Request, reason: FinishReason) -> None:
+        """Free the request here and tell its sink; every ending goes through this once."""
+        try:
+            if req.state is not None:
+                self.worker.close(req)
+        except Exception:  # closing must never take the engine down
+            log.exception("%s: close failed for %s", self.worker.name, req.request_id)
+        req.state = None
+        self.scheduler.finish(req, reason)
+        with self._cond:
+            if self._requests.pop(req.request_id, None) is None:
+                return
+        req.sink.on_finished(req)

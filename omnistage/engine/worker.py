@@ -1,0 +1,81 @@
+"""The contract between the engine and a stage's model: one worker per stage process.
+
+Every method runs on the engine thread. `open`, `feed` and `execute` change state; `demand` and
+`ready` only look. A worker keeps no per-request objects of its own: what it needs per request
+hangs off `Request.state`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnistage.engine.request import FinishReason, Request
+from omnistage.engine.scheduler import ScheduledItem
+from omnistage.wire import DecodedChunk
+
+__all__ = ["OutChunk", "StageWorker", "StepOutput"]
+
+
+@dataclass
+class OutChunk:
+    """A chunk before encoding; the server encodes it (inline or through shared memory)."""
+
+    tensors: dict[str, Any]
+    offset: int  # stream position of its first token, frame or sample
+    length: int = 0  # stream positions it advances
+    finished: bool = False  # the sender's last chunk for this request
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request."""
+
+    up: list[OutChunk] = field(default_factory=list)  # to the caller
+    down: list[OutChunk] = field(default_factory=list)  # to the downstream stage (the first opens its call)
+    finished: FinishReason | None = None  # this stage's work for the request is complete
+    detail: str = ""  # what made it finish, e.g. "stop_id"
+
+
+class StageWorker(ABC):
+    """A stage's model behind the engine: validates input, runs batched steps."""
+
+    name: str
+
+    @abstractmethod
+    def open(self, req: Request) -> None:
+        """Validate `req.params` and create the request's model state (raise StageError)."""
+
+    @abstractmethod
+    def feed(self, req: Request, chunk: DecodedChunk) -> None:
+        """Validate and take one input chunk (raise StageError)."""
+
+    def demand(self, req: Request) -> tuple[int, int] | None:
+        """(prompt tokens, most decode steps) to queue the request with, once known (None before).
+        Stages with a per-token KV cache (the thinker) count tokens; the others count steps."""
+        return 0, self.max_steps(req)
+
+    def max_steps(self, req: Request) -> int:
+        return 1 << 30
+
+    @abstractmethod
+    def ready(self, req: Request) -> bool:
+        """Can a step make progress now? (A query: it changes nothing.)"""
+
+    @abstractmethod
+    def execute(self, batch: Sequence[ScheduledItem]) -> list[StepOutput | Exception]:
+        """One batched step over every scheduled request; a per-request failure is returned in
+        that request's place."""
+
+    @abstractmethod
+    def close(self, req: Request) -> None:
+        """Free everything the request holds (finished, aborted or failed)."""
+
+    def max_model_len(self) -> int:
+        return 1 << 31
+
+    def capacity(self) -> dict[str, int]:
+        return {}

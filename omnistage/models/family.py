@@ -1,0 +1,102 @@
+"""What a model family provides, and the registry that picks one from `config.json`.
+
+A family is one folder under `omnistage/models/` (like transformers' `models/<family>/`)
+exposing `FAMILY`, an instance of `Family`. Everything above the model layer asks the family
+for its parts and its prompt rules and never names a family itself; the family is chosen by the
+checkpoint's `model_type`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from omnistage.models.checkpoint import Checkpoint
+    from omnistage.models.sampling import SamplingParams
+
+__all__ = ["FAMILIES", "Family", "UnknownFamily", "family_for"]
+
+# model_type -> the module whose FAMILY serves it
+FAMILIES: dict[str, str] = {
+    "qwen3_omni_moe": "omnistage.models.qwen3_omni",
+}
+
+
+class UnknownFamily(ValueError):
+    pass
+
+
+class Family(ABC):
+    """One model family: its checkpoint layout, its parts and the glue `generate()` does
+    between them."""
+
+    model_type: str
+    display_name: str
+    sample_rate: int
+    # stage part -> the attribute of the full config holding that part's config
+    part_configs: ClassVar[dict[str, str]]
+
+    @abstractmethod
+    def load_config(self, path: Path) -> Any:
+        """The full model config from a checkpoint directory (no weights read)."""
+
+    @abstractmethod
+    def spec(self, config: Any) -> Any:
+        """The ids and sizes the stages agree on (see the family's `spec.py`)."""
+
+    @abstractmethod
+    def part_class(self, part: str) -> Any:
+        """The transformers class of one part."""
+
+    def key_mapping(self, part: str) -> dict[str, str] | None:
+        """Checkpoint-key renames `from_pretrained` needs for this part (None: none)."""
+        return None
+
+    def row_modules(self) -> tuple[type, ...]:
+        """Module types that call `F.linear` on their own weights (see models/batching.py)."""
+        return ()
+
+    @abstractmethod
+    def check_tokenizer(self, tokenizer: Any, config: Any) -> list[str]:
+        """Disagreements between the tokenizer's special ids and the config (empty: none)."""
+
+    @abstractmethod
+    def prompt_ids(self, tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+        """Chat messages -> prompt ids ending with the assistant header."""
+
+    @abstractmethod
+    def thinker(self, ckpt: Checkpoint, dtype: str, device: str) -> Any:
+        """The thinker part, ready to step many requests (see `qwen3_omni/thinker.py`)."""
+
+    @abstractmethod
+    def talker(self, ckpt: Checkpoint, dtype: str, device: str) -> Any:
+        """The talker part (with its code predictor), ready to step many requests."""
+
+    @abstractmethod
+    def code2wav(self, ckpt: Checkpoint, dtype: str, device: str) -> Any:
+        """The codes -> waveform part, full and streaming."""
+
+    @abstractmethod
+    def thinker_defaults(self, ckpt: Checkpoint) -> SamplingParams:
+        """Thinker sampling when a request sets none (the checkpoint's generation config)."""
+
+    @abstractmethod
+    def talker_defaults(self) -> SamplingParams:
+        """Talker sampling when a request sets none (`generate()`'s defaults)."""
+
+    @abstractmethod
+    def write_tiny(self, out_dir: Path, **options: Any) -> dict[str, Any]:
+        """Write this family's deterministic tiny checkpoint."""
+
+
+def family_for(model_type: object) -> Family:
+    """The family serving `model_type`; an unknown type is refused naming the supported ones."""
+    module = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if module is None:
+        known = ", ".join(repr(k) for k in sorted(FAMILIES))
+        raise UnknownFamily(f"unknown model family {model_type!r}; omnistage serves {known}")
+    family: Family = importlib.import_module(module).FAMILY
+    return family

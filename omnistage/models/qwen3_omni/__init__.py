@@ -1,0 +1,90 @@
+"""Qwen3-Omni (`qwen3_omni_moe`): thinker, talker with its code predictor, code2wav."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+from omnistage.models.checkpoint import Checkpoint, generation_defaults, load_part, read_tensor_rows
+from omnistage.models.family import Family
+from omnistage.models.qwen3_omni import prompt, spec
+from omnistage.models.sampling import TALKER_DEFAULTS, SamplingParams
+
+# Where the thinker's token embedding lives (transformers 5 layout, then the original one).
+THINKER_EMBED_KEYS = ("thinker.model.language_model.embed_tokens.weight", "thinker.model.embed_tokens.weight")
+
+
+class Qwen3Omni(Family):
+    model_type = spec.MODEL_TYPE
+    display_name = "Qwen3-Omni"
+    sample_rate = spec.SAMPLE_RATE
+    part_configs: ClassVar[dict[str, str]] = {
+        "thinker": "thinker_config", "talker": "talker_config", "code2wav": "code2wav_config"
+    }  # fmt: skip
+
+    def load_config(self, path: Path) -> Any:
+        from transformers import Qwen3OmniMoeConfig
+
+        return Qwen3OmniMoeConfig.from_pretrained(path, local_files_only=True)
+
+    def spec(self, config: Any) -> spec.FamilySpec:
+        return spec.FamilySpec.from_config(config)
+
+    def part_class(self, part: str) -> Any:
+        import transformers
+
+        return getattr(transformers, {
+            "thinker": "Qwen3OmniMoeThinkerForConditionalGeneration",
+            "talker": "Qwen3OmniMoeTalkerForConditionalGeneration",
+            "code2wav": "Qwen3OmniMoeCode2Wav",
+        }[part])  # fmt: skip
+
+    def key_mapping(self, part: str) -> dict[str, str] | None:
+        # code2wav's class has no prefix of its own in a full checkpoint
+        return {r"^code2wav\.": ""} if part == "code2wav" else None
+
+    def row_modules(self) -> tuple[type, ...]:
+        from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as m
+
+        return (m.Qwen3OmniMoeThinkerTextTopKRouter, m.Qwen3OmniMoeTalkerTextTopKRouter)
+
+    def check_tokenizer(self, tokenizer: Any, config: Any) -> list[str]:
+        return spec.check_tokenizer(tokenizer, config)
+
+    def prompt_ids(self, tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+        return prompt.build_prompt_ids(tokenizer, messages)
+
+    def thinker(self, ckpt: Checkpoint, dtype: str, device: str) -> Any:
+        from omnistage.models.qwen3_omni.thinker import Thinker
+
+        return Thinker(load_part(ckpt, "thinker", dtype, device), ckpt.spec, self.row_modules())
+
+    def talker(self, ckpt: Checkpoint, dtype: str, device: str) -> Any:
+        from omnistage.models.qwen3_omni.talker import Talker
+
+        model = load_part(ckpt, "talker", dtype, device)
+        # The talker's projected tts_bos/eos/pad embeddings, from three rows of the thinker's
+        # embedding table (the talker stage never loads the thinker).
+        rows = read_tensor_rows(ckpt, THINKER_EMBED_KEYS, prompt.tts_special_ids(ckpt.spec))
+        return Talker(model, ckpt.spec, prompt.tts_special_embeds(model, rows), self.row_modules())
+
+    def code2wav(self, ckpt: Checkpoint, dtype: str, device: str) -> Any:
+        from omnistage.models.qwen3_omni.code2wav import Code2Wav
+
+        return Code2Wav(load_part(ckpt, "code2wav", dtype, device), ckpt.spec)
+
+    def thinker_defaults(self, ckpt: Checkpoint) -> SamplingParams:
+        return generation_defaults(ckpt, stop_ids=(ckpt.spec.im_end_id,))
+
+    def talker_defaults(self) -> SamplingParams:
+        return TALKER_DEFAULTS
+
+    def write_tiny(self, out_dir: Path, **options: Any) -> dict[str, Any]:
+        from omnistage.models.qwen3_omni.tiny import write_tiny_checkpoint
+
+        return write_tiny_checkpoint(out_dir, **options)
+
+
+FAMILY = Qwen3Omni()
+
+__all__ = ["FAMILY", "THINKER_EMBED_KEYS", "Qwen3Omni"]

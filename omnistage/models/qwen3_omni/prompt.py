@@ -1,0 +1,180 @@
+"""Qwen3-Omni prompt glue: what the monolithic `generate()` does between the model parts.
+
+Talker prompt (mirrors `Qwen3OmniMoeForConditionalGeneration.generate`):
+  * user positions: every position of a user turn (system and earlier assistant turns are
+    dropped); text positions take `text_projection(embed)`, audio/image/video placeholders
+    take `hidden_projection(hidden[accept_hidden_layer])`;
+  * 9 assistant positions: text side `proj(<|im_start|> assistant \\n)`, 4 x tts_pad,
+    tts_bos, `proj(first generated token)`; codec side zeros(3) + codec embeddings of
+    [nothink, think_bos, think_eos, speaker, codec_pad, codec_bos];
+  * trailing text, one entry per talker decode step g: `proj(token g+1)` while token g+1 is
+    not the thinker's last token, `tts_eos` in place of the last token, then `tts_pad`.
+    The thinker's last token is never spoken (reference behaviour, kept for parity).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from omnistage.models.qwen3_omni.spec import FamilySpec
+
+# Number of fixed assistant positions at the end of the talker prefill.
+ASSISTANT_PREFIX_LEN = 9
+# Tokens of "<|im_start|>assistant\n" that precede the first generated token.
+ASSISTANT_HEADER_LEN = 3
+
+
+def text_positions(start: int, length: int, device: torch.device | str) -> torch.Tensor:
+    """M-RoPE position ids `[4, 1, length]` of text tokens: the same position on the text axis
+    and the three rotary axes."""
+    pos = torch.arange(start, start + length, device=device)
+    return pos.view(1, 1, -1).expand(4, 1, -1)
+
+
+def build_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Chat messages -> prompt ids ending with the assistant header, via the checkpoint's template."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    if out and isinstance(out[0], list):
+        out = out[0]
+    return [int(i) for i in out]
+
+
+def messages_from_prompt(prompt: str, system: str | None = None) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": prompt})
+    return messages
+
+
+def user_positions(prompt_ids: torch.Tensor, spec: FamilySpec) -> torch.Tensor:
+    """Indices of the prompt positions that belong to user turns, in order.
+
+    Same rule as `generate()`: a position belongs to the turn opened by the closest
+    `<|im_start|>` at or before it, and the turn's role is the token after that start.
+    """
+    ids = prompt_ids.view(1, -1)
+    n = ids.shape[1]
+    pos = torch.arange(n).unsqueeze(0)
+    starts = torch.where(ids == spec.im_start_id, pos, pos.new_full((), -1))
+    prev = torch.cummax(starts, dim=-1).values.clamp_min(0)
+    role = ids.gather(1, (prev + 1).clamp_max(n - 1))
+    return torch.nonzero((role == spec.user_id)[0], as_tuple=False).flatten()
+
+
+def assistant_start(prompt_ids: torch.Tensor, spec: FamilySpec) -> int:
+    """Position of the last `<|im_start|>assistant` in the prompt."""
+    ids = prompt_ids.view(-1)
+    mask = (ids[:-1] == spec.im_start_id) & (ids[1:] == spec.assistant_id)
+    hits = torch.nonzero(mask, as_tuple=False).flatten()
+    if hits.numel() == 0:
+        raise ValueError("prompt has no '<|im_start|>assistant' header: nothing for the talker to speak")
+    return int(hits[-1])
+
+
+class TalkerPromptBuilder:
+    """Builds the talker's inputs from thinker outputs for one request, incrementally.
+
+    `talker` is a loaded `Qwen3OmniMoeTalkerForConditionalGeneration`; `tts_special_embeds` is
+    `tts_special_embeds(talker, ...)`, `[1, 3, H]`. Thinker embeddings arrive as arguments.
+    """
+
+    def __init__(self, talker: Any, spec: FamilySpec, tts_special_embeds: torch.Tensor) -> None:
+        self.talker = talker
+        self.spec = spec
+        # proj(embed([tts_bos, tts_eos, tts_pad])) as [1, 3, H], computed once per stage.
+        self.tts_bos, self.tts_eos, self.tts_pad = tts_special_embeds.chunk(3, dim=1)
+
+    @torch.no_grad()
+    def prefill_embeds(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_embeds: torch.Tensor,
+        prompt_hidden: torch.Tensor | None,
+        assistant_stream_embeds: torch.Tensor,
+        speaker: str,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Talker prefill: `(inputs_embeds [1, U+9, H], talker_input_ids [1, U+9])`.
+
+        `prompt_embeds`/`prompt_hidden`: thinker layer-0 embeddings and accept-layer hidden
+        states of the prompt positions, `[L, Ht]`. `assistant_stream_embeds`: layer-0
+        embeddings of the assistant stream from its header up to and including the first
+        generated token (`[ASSISTANT_HEADER_LEN + 1, Ht]` for a prompt ending in the header).
+        """
+        spec = self.spec
+        talker = self.talker
+        dtype = talker.dtype
+        ids = prompt_ids.view(-1)
+        user_idx = user_positions(ids, spec)
+        mm_mask = torch.zeros(ids.shape[0], dtype=torch.bool)
+        for mm_id in spec.multimodal_ids:
+            mm_mask |= ids == mm_id
+        user_embeds = torch.empty((ids.shape[0], spec.talker_hidden), dtype=dtype, device=prompt_embeds.device)
+        if mm_mask.any():
+            if prompt_hidden is None:
+                raise ValueError("prompt has audio/image/video placeholders but no thinker hidden states")
+            user_embeds[mm_mask] = talker.hidden_projection(prompt_hidden[mm_mask].unsqueeze(0))[0].to(dtype)
+        user_embeds[~mm_mask] = talker.text_projection(prompt_embeds[~mm_mask].unsqueeze(0))[0].to(dtype)
+        user_part = user_embeds[user_idx].unsqueeze(0)
+        user_ids = ids[user_idx].unsqueeze(0)
+
+        assistant_hidden = talker.text_projection(assistant_stream_embeds[: ASSISTANT_HEADER_LEN + 1].unsqueeze(0))
+        text_side = torch.cat(
+            (
+                assistant_hidden[:, :3],
+                self.tts_pad.expand(1, 4, -1),
+                self.tts_bos,
+                assistant_hidden[:, 3:4],
+            ),
+            dim=1,
+        )
+        codec_ids = torch.tensor(
+            [
+                [
+                    spec.codec_nothink_id,
+                    spec.codec_think_bos_id,
+                    spec.codec_think_eos_id,
+                    spec.speaker_id(speaker),
+                    spec.codec_pad_id,
+                    spec.codec_bos_id,
+                ]
+            ],
+            device=text_side.device,
+        )
+        codec_side = torch.cat(
+            (
+                torch.zeros((1, 3, spec.talker_hidden), device=text_side.device, dtype=dtype),
+                talker.get_input_embeddings()(codec_ids),
+            ),
+            dim=1,
+        )
+        assistant_part = text_side + codec_side
+        assistant_ids = torch.full((1, ASSISTANT_PREFIX_LEN), spec.tts_pad_id, dtype=torch.long, device=ids.device)
+        return torch.cat((user_part, assistant_part), dim=1), torch.cat((user_ids, assistant_ids), dim=1)
+
+    @torch.no_grad()
+    def trailing_embed(self, token_embed: torch.Tensor | None, is_last: bool) -> torch.Tensor:
+        """Trailing text for one talker step, `[1, 1, H]`.
+
+        `token_embed`: the layer-0 embedding `[Ht]` of thinker token g+1 for step g, or None
+        once the thinker has no token g+1 (then tts_pad). `is_last`: token g+1 is the
+        thinker's final token, which is replaced by tts_eos.
+        """
+        if token_embed is None:
+            return self.tts_pad
+        if is_last:
+            return self.tts_eos
+        return self.talker.text_projection(token_embed.view(1, 1, -1))
+
+
+@torch.no_grad()
+def tts_special_embeds(talker: Any, thinker_rows: torch.Tensor) -> torch.Tensor:
+    """`text_projection` of the thinker embeddings of [tts_bos, tts_eos, tts_pad] (`[3, Ht]`
+    in that order, see `TTS_SPECIAL_ORDER`), as `[1, 3, H]`."""
+    return talker.text_projection(thinker_rows.to(talker.dtype).unsqueeze(0))
+
+
+def tts_special_ids(spec: FamilySpec) -> list[int]:
+    return [spec.tts_bos_id, spec.tts_eos_id, spec.tts_pad_id]

@@ -1,0 +1,126 @@
+"""Qwen3-Omni's ids and sizes: what the stages of one checkpoint must agree on, read from its
+config, and the tokenizer checks that keep the two in step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+MODEL_TYPE = "qwen3_omni_moe"
+SAMPLE_RATE = 24_000
+# `generate()`'s default voice; a checkpoint without it defaults to its first speaker.
+DEFAULT_SPEAKER = "ethan"
+
+# Token text for each special id the config names; the tokenizer must agree (checked at load).
+SPECIAL_TOKEN_TEXT = {
+    "im_start_token_id": "<|im_start|>",
+    "im_end_token_id": "<|im_end|>",
+    "tts_pad_token_id": "<|tts_pad|>",
+    "tts_bos_token_id": "<|tts_text_bos|>",
+    "tts_eos_token_id": "<|tts_text_eod|>",
+}
+THINKER_SPECIAL_TOKEN_TEXT = {
+    "audio_token_id": "<|audio_pad|>",
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+}
+ROLE_WORD_IDS = {"system_token_id": "system", "user_token_id": "user", "assistant_token_id": "assistant"}
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """The ids and sizes of one Qwen3-Omni checkpoint that the stages need to agree on."""
+
+    im_start_id: int
+    im_end_id: int
+    user_id: int
+    assistant_id: int
+    system_id: int
+    tts_pad_id: int
+    tts_bos_id: int
+    tts_eos_id: int
+    multimodal_ids: tuple[int, ...]
+    thinker_vocab: int
+    thinker_hidden: int
+    accept_hidden_layer: int
+    talker_vocab: int
+    talker_hidden: int
+    num_code_groups: int
+    codebook_size: int
+    codec_eos_id: int
+    codec_pad_id: int
+    codec_bos_id: int
+    codec_nothink_id: int
+    codec_think_bos_id: int
+    codec_think_eos_id: int
+    speakers: dict[str, int]
+    max_positions: int
+
+    @property
+    def default_speaker(self) -> str:
+        return DEFAULT_SPEAKER if DEFAULT_SPEAKER in self.speakers else min(self.speakers, default="")
+
+    @classmethod
+    def from_config(cls, config: Any) -> FamilySpec:
+        thinker = config.thinker_config
+        talker = config.talker_config
+        c2w = config.code2wav_config
+        return cls(
+            im_start_id=config.im_start_token_id,
+            im_end_id=config.im_end_token_id,
+            user_id=config.user_token_id,
+            assistant_id=config.assistant_token_id,
+            system_id=config.system_token_id,
+            tts_pad_id=config.tts_pad_token_id,
+            tts_bos_id=config.tts_bos_token_id,
+            tts_eos_id=config.tts_eos_token_id,
+            multimodal_ids=(thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id),
+            thinker_vocab=thinker.text_config.vocab_size,
+            thinker_hidden=thinker.text_config.hidden_size,
+            accept_hidden_layer=talker.accept_hidden_layer,
+            talker_vocab=talker.text_config.vocab_size,
+            talker_hidden=talker.text_config.hidden_size,
+            num_code_groups=talker.num_code_groups,
+            codebook_size=c2w.codebook_size,
+            codec_eos_id=talker.codec_eos_token_id,
+            codec_pad_id=talker.codec_pad_id,
+            codec_bos_id=talker.codec_bos_id,
+            codec_nothink_id=talker.codec_nothink_id,
+            codec_think_bos_id=talker.codec_think_bos_id,
+            codec_think_eos_id=talker.codec_think_eos_id,
+            speakers={k.lower(): int(v) for k, v in (talker.speaker_id or {}).items()},
+            max_positions=thinker.text_config.max_position_embeddings,
+        )
+
+    def talker_suppressed_ids(self) -> list[int]:
+        """`generate()` forbids the talker's control range except codec EOS."""
+        return [i for i in range(self.talker_vocab - 1024, self.talker_vocab) if i != self.codec_eos_id]
+
+    def speaker_id(self, speaker: str) -> int:
+        try:
+            return self.speakers[speaker.lower()]
+        except KeyError:
+            known = ", ".join(sorted(self.speakers)) or "none"
+            raise ValueError(f"unknown speaker {speaker!r} (this checkpoint has: {known})") from None
+
+
+
+
+def check_tokenizer(tok: Any, config: Any) -> list[str]:
+    """Where the tokenizer's special ids disagree with the config (empty: they agree)."""
+    expected: dict[str, tuple[str, int]] = {}
+    for field_name, text in SPECIAL_TOKEN_TEXT.items():
+        expected[field_name] = (text, getattr(config, field_name))
+    for field_name, text in THINKER_SPECIAL_TOKEN_TEXT.items():
+        expected[f"thinker_config.{field_name}"] = (text, getattr(config.thinker_config, field_name))
+    problems = []
+    for field_name, (text, want) in expected.items():
+        got = tok.convert_tokens_to_ids(text)
+        if got != want:
+            problems.append(f"{text} is id {got} in the tokenizer but {field_name}={want} in config.json")
+    for field_name, word in ROLE_WORD_IDS.items():
+        want = getattr(config, field_name)
+        got = tok.encode(word, add_special_tokens=False)
+        if got != [want]:
+            problems.append(f"{word!r} encodes to {got} but {field_name}={want} in config.json")
+    return problems

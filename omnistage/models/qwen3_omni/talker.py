@@ -1,0 +1,258 @@
+"""Qwen3-Omni's talker and code predictor, stepping many requests at once: one packed talker
+forward and one batched code-predictor pass per step (see models/batching.py for why a
+request's numbers do not depend on its batch).
+
+It follows `Qwen3OmniMoeForConditionalGeneration.generate` exactly:
+  * prefill on the talker prompt gives code-0 of frame 0;
+  * each step predicts the residual codes of the current frame with the code predictor
+    (input: the talker's last-layer hidden state of the last position and embed(code-0)),
+    then feeds the sum of the frame's code embeddings plus the step's trailing text to the
+    talker, which gives code-0 of the next frame;
+  * it stops when code-0 is a stop id (codec EOS; no frame for it) or when `max_tokens`
+    code-0 tokens exist (the last one gets no residuals, so max_tokens - 1 frames).
+
+Ordering, as thinker outputs arrive: the talker prefills once the assistant stream has its
+header plus the first generated token; talker step g needs assistant-stream element
+`HEADER + 1 + g` (thinker token g+1), or the knowledge that the thinker has finished (then
+tts_pad). A frame is handed out as soon as its residuals exist, before the next thinker token
+is needed, so the talker runs one token behind the thinker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from omnistage.models.batching import ExactBatching, PackedCache
+from omnistage.models.qwen3_omni.prompt import (
+    ASSISTANT_HEADER_LEN,
+    TalkerPromptBuilder,
+    assistant_start,
+    text_positions,
+)
+from omnistage.models.qwen3_omni.spec import FamilySpec
+from omnistage.models.sampling import CODE_PREDICTOR_SAMPLED, GREEDY, SamplingParams, TokenChooser
+
+__all__ = ["Talker", "TalkerState"]
+
+
+@dataclass
+class TalkerState:
+    """One request's talker state: what the thinker has sent so far and the talker's progress."""
+
+    sampling: SamplingParams
+    speaker: str
+    chooser: TokenChooser
+    residual_chooser: TokenChooser
+    # inputs
+    prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # ids, embeds, hidden
+    header: torch.Tensor | None = None  # layer-0 embeds of the prompt's assistant header
+    tokens: list[tuple[torch.Tensor, bool]] = field(default_factory=list)  # generated tokens: (embed, is_last)
+    # progress
+    started: bool = False  # the talker prompt has run
+    step: int = 0  # talker decode step g (indexes trailing text)
+    cache: Any = None
+    code0: int | None = None  # code-0 of the frame whose residuals come next
+    past_hidden: torch.Tensor | None = None  # [1, 1, H] talker last layer, last position
+    history: list[int] = field(default_factory=list)  # generated code-0 ids (repetition penalty)
+    pending_frame: torch.Tensor | None = None  # completed frame not yet fed back
+    frames: int = 0  # frames handed out
+    stopped_on: str | None = None  # "stop_id" | "max_tokens" | "no_text" once finished
+
+    @property
+    def finished(self) -> bool:
+        return self.stopped_on is not None
+
+    def set_prompt(
+        self, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None, spec: FamilySpec
+    ) -> None:
+        self.prompt = (ids, embeds, hidden)
+        self.header = embeds[assistant_start(ids, spec) :]
+
+    def add_token(self, embed: torch.Tensor, is_last: bool) -> None:
+        self.tokens.append((embed, is_last))
+
+    def _element(self, k: int) -> tuple[torch.Tensor, bool] | None:
+        assert self.header is not None
+        if k < self.header.shape[0]:
+            return self.header[k], False
+        i = k - self.header.shape[0]
+        return self.tokens[i] if i < len(self.tokens) else None
+
+    def can_step(self, text_done: bool) -> bool:
+        """Can a step make progress, given whether the thinker has sent its last token?"""
+        if self.finished or self.prompt is None:
+            return False
+        if not self.started:
+            return self._element(ASSISTANT_HEADER_LEN) is not None or text_done
+        if self.pending_frame is None:
+            return True
+        return text_done or self._element(ASSISTANT_HEADER_LEN + 1 + self.step) is not None
+
+
+class Talker:
+    def __init__(self, model: Any, spec: FamilySpec, tts_special_embeds: torch.Tensor,
+                 row_modules: tuple[type, ...] = ()) -> None:  # fmt: skip
+        self.model = model
+        self.spec = spec
+        self.device = next(model.parameters()).device
+        self.prompts = TalkerPromptBuilder(model, spec, tts_special_embeds.to(self.device, model.dtype))
+        self.suppress = spec.talker_suppressed_ids()
+        self.code_predictor = model.code_predictor
+        self.codec_embedding = model.get_input_embeddings()
+        self.residual_embeddings = self.code_predictor.get_input_embeddings()
+        self.batching = ExactBatching(model, row_modules)
+
+    def new_state(self, sampling: SamplingParams, speaker: str) -> TalkerState:
+        self.spec.speaker_id(speaker)  # unknown speaker: clear error before any model work
+        if not sampling.stop_ids:
+            sampling = sampling.with_overrides(stop_ids=[self.spec.codec_eos_id])
+        # The code predictor samples exactly when the talker does (as generate() mirrors it).
+        residual = CODE_PREDICTOR_SAMPLED if sampling.do_sample else GREEDY
+        if sampling.seed is not None:
+            residual = residual.with_overrides(seed=sampling.seed + 1)
+        return TalkerState(
+            sampling=sampling,
+            speaker=speaker,
+            chooser=TokenChooser(sampling, self.suppress, device=str(self.device)),
+            residual_chooser=TokenChooser(residual, device=str(self.device)),
+        )
+
+    # ---- one step for many requests ----------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, items: Sequence[tuple[TalkerState, bool]]) -> list[torch.Tensor | None]:
+        """One step for every `(state, text_done)`: a batched code-predictor pass completes the
+        frame of every state that has a code-0, then one packed talker forward runs every talker
+        prompt and every completed frame whose trailing text is known. Returns each state's new
+        frame (`[num_code_groups]` codes) or None."""
+        frames: list[torch.Tensor | None] = [None] * len(items)
+        due = [i for i, (s, _) in enumerate(items) if s.started and not s.finished and s.pending_frame is None]
+        if due:
+            for i, frame in zip(due, self._residuals([items[i][0] for i in due]), strict=True):
+                state = items[i][0]
+                state.pending_frame = frames[i] = frame
+                state.frames += 1
+        rows = []
+        for state, text_done in items:
+            if state.finished:
+                continue
+            embeds = self._prefill_rows(state, text_done) if not state.started else self._advance_rows(state, text_done)
+            if embeds is not None:
+                state.started = True
+                rows.append((state, embeds))
+        if rows:
+            self._forward(rows)
+        return frames
+
+    def _prefill_rows(self, state: TalkerState, text_done: bool) -> torch.Tensor | None:
+        """The talker prompt `[1, n, H]` once the assistant stream has its header plus the first
+        generated token; None (and, if the thinker gave only one token, finished) before that."""
+        needed = [state._element(k) for k in range(ASSISTANT_HEADER_LEN + 1)]
+        if any(e is None for e in needed) or any(last for _, last in needed):  # type: ignore[misc]
+            if text_done:
+                # The reference cannot speak a reply of a single token: no audio, no error.
+                state.stopped_on = "no_text"
+            return None
+        assert state.prompt is not None
+        ids, embeds, hidden = state.prompt
+        stream = torch.stack([e for e, _ in needed])  # type: ignore[misc]
+        prompt, _ids = self.prompts.prefill_embeds(ids, embeds, hidden, stream, state.speaker)
+        return prompt.to(self.model.dtype)
+
+    def _advance_rows(self, state: TalkerState, text_done: bool) -> torch.Tensor | None:
+        """The pending frame fed back with trailing text g+1, once that text (or the end) is known."""
+        element = state._element(ASSISTANT_HEADER_LEN + 1 + state.step)
+        if element is None and not text_done:
+            return None
+        embed, is_last = element if element is not None else (None, False)
+        assert state.pending_frame is not None
+        trailing = self.prompts.trailing_embed(embed, is_last)
+        rows = self.advance_embeds(state.pending_frame, trailing)
+        state.pending_frame = None
+        state.step += 1
+        return rows
+
+    def _forward(self, items: list[tuple[TalkerState, torch.Tensor]]) -> None:
+        """One packed talker forward over `(state, embeds [1, n, H])`: a talker prompt (n > 1)
+        or one fed-back frame. Afterwards each state's `code0` is its next frame's code-0."""
+        lengths = [int(e.shape[1]) for _, e in items]
+        positions = []
+        for (state, _), n in zip(items, lengths, strict=True):
+            if state.cache is None:
+                state.cache = DynamicCache(config=self.model.config.text_config)
+            positions.append(text_positions(state.cache.get_seq_length(), n, self.device))
+        cache = PackedCache([state.cache for state, _ in items], lengths)
+        with self.batching.step(lengths, cache):
+            out = self.model(
+                inputs_embeds=torch.cat([e for _, e in items], dim=1).to(self.model.dtype),
+                position_ids=torch.cat(positions, dim=-1),
+                past_key_values=cache,
+                use_cache=True,
+                output_hidden_states=True,
+                generation_step=0,  # only echoed back by the talker's forward
+            )
+        last_layer = out.hidden_states[0][-1]
+        end = 0
+        for (state, _), n in zip(items, lengths, strict=True):
+            end += n
+            state.past_hidden = last_layer[:, end - 1 : end]
+            self._choose_code0(state, out.logits[0, end - 1])
+
+    def _choose_code0(self, state: TalkerState, logits: torch.Tensor) -> None:
+        code0 = state.chooser.choose(logits, torch.tensor(state.history, dtype=torch.long))
+        state.history.append(code0)
+        state.code0 = None
+        if state.chooser.is_stop(code0):
+            state.stopped_on = "stop_id"
+        elif len(state.history) >= state.sampling.max_tokens:
+            state.stopped_on = "max_tokens"
+        else:
+            state.code0 = code0
+
+    def _residuals(self, states: list[TalkerState]) -> list[torch.Tensor]:
+        """Complete each state's current frame: `[num_code_groups]` codes (code-0 then the
+        residuals), the code predictor running all requests along its batch axis."""
+        cp = self.code_predictor
+        batch = len(states)
+        code0 = torch.tensor([[s.code0] for s in states], device=self.device)
+        cache = DynamicCache(config=cp.config)
+        embeds = torch.cat((torch.cat([s.past_hidden for s in states]), self.codec_embedding(code0)), dim=1)  # type: ignore[misc]
+        codes = [code0.view(-1).tolist()]
+        with self.batching.step([2] * batch, batch_axis=True):
+            out = cp(inputs_embeds=embeds, past_key_values=cache, use_cache=True)
+        empty = torch.empty(0, dtype=torch.long)
+        groups = self.spec.num_code_groups
+        for j in range(1, groups):
+            step = [s.residual_chooser.choose(out.logits[b, -1], empty) for b, s in enumerate(states)]
+            codes.append(step)
+            if j == groups - 1:
+                break
+            with self.batching.step([1] * batch, batch_axis=True):
+                out = cp(
+                    input_ids=torch.tensor(step, device=self.device).view(batch, 1),
+                    past_key_values=cache,
+                    use_cache=True,
+                    generation_steps=j,
+                )
+        return list(torch.tensor(codes, dtype=torch.long).t().unbind(0))
+
+    def advance_embeds(self, frame: torch.Tensor, trailing: torch.Tensor) -> torch.Tensor:
+        """The completed frame plus the step's trailing text (`[1, 1, H]`), for the next forward."""
+        codes = frame.to(self.device)
+        parts = [self.codec_embedding(codes[:1].view(1, 1))]
+        for j in range(1, self.spec.num_code_groups):
+            parts.append(self.residual_embeddings[j - 1](codes[j : j + 1].view(1, 1)))
+        # Summed as generate() does: one [1, G, H] tensor reduced over G (same float order).
+        return torch.cat(parts, dim=1).sum(1, keepdim=True) + trailing.to(self.model.dtype)
+
+    def release(self, state: TalkerState) -> None:
+        state.cache = None
+        state.past_hidden = None
+        state.pending_frame = None
+        if state.stopped_on is None:
+            state.stopped_on = "released"

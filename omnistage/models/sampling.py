@@ -1,0 +1,98 @@
+"""Per-stage sampling parameters and token choice, built on transformers' own logits processors
+(in the order `generate()` applies them), so greedy output matches the monolithic reference."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One stage's sampling. `max_tokens` counts generated tokens (thinker) or code-0 tokens
+    (talker, as `talker_max_new_tokens` does). `stop_ids` end generation when produced."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 1024
+    stop_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        # Written so that NaN fails every check (any comparison with NaN is False).
+        if not 0 < self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    def with_overrides(self, **overrides: Any) -> SamplingParams:
+        clean = {k: v for k, v in overrides.items() if v is not None}
+        if "stop_ids" in clean:
+            clean["stop_ids"] = tuple(int(i) for i in clean["stop_ids"])
+        return replace(self, **clean)
+
+
+# The monolithic `generate()` defaults for the talker (code-0) and its code predictor.
+TALKER_DEFAULTS = SamplingParams(
+    do_sample=True, temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05, max_tokens=4096
+)
+CODE_PREDICTOR_SAMPLED = SamplingParams(do_sample=True, top_k=50, top_p=0.8, max_tokens=1)
+GREEDY = SamplingParams()
+
+
+class TokenChooser:
+    """Applies one request's processors to a logits row and picks the next id."""
+
+    def __init__(self, params: SamplingParams, suppress_ids: list[int] | None = None, device: str = "cpu") -> None:
+        self.params = params
+        procs: list[Any] = []
+        if params.repetition_penalty != 1.0:
+            procs.append(RepetitionPenaltyLogitsProcessor(penalty=params.repetition_penalty))
+        if suppress_ids:
+            procs.append(SuppressTokensLogitsProcessor(suppress_ids, device=device))
+        if params.do_sample:
+            if params.temperature != 1.0:
+                procs.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k > 0:
+                procs.append(TopKLogitsWarper(top_k=params.top_k))
+            if params.top_p < 1.0:
+                procs.append(TopPLogitsWarper(top_p=params.top_p))
+        self.processors = LogitsProcessorList(procs)
+        self.generator: torch.Generator | None = None
+        if params.do_sample:
+            self.generator = torch.Generator(device=device)
+            if params.seed is not None:
+                self.generator.manual_seed(params.seed)
+            else:
+                self.generator.seed()
+
+    def choose(self, logits: torch.Tensor, history: torch.Tensor) -> int:
+        """`logits`: `[V]` (float); `history`: `[T]` ids seen so far (for the repetition penalty)."""
+        scores = self.processors(history.view(1, -1), logits.view(1, -1).float())
+        if not self.params.do_sample:
+            return int(torch.argmax(scores, dim=-1))
+        probs = torch.softmax(scores, dim=-1)
+        return int(torch.multinomial(probs, num_samples=1, generator=self.generator))
+
+    def is_stop(self, token: int) -> bool:
+        return token in self.params.stop_ids

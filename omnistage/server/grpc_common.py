@@ -1,0 +1,148 @@
+"""What every omnistage gRPC process shares: channel options, health, reflection, signals,
+drain, the Stage.Stream handlers and stub with the zero-copy codec, status mapping, and the
+health-check client (`omnistage health`, the Docker HEALTHCHECK, `serve`'s start-up wait)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from omnistage.v1 import stage_pb2
+from omnistage.wire import Code
+from omnistage.wire.wire_view import parse_request, parse_response, serialize
+
+__all__ = [
+    "STAGE_SERVICE",
+    "HealthState",
+    "add_stage_servicer",
+    "channel_options",
+    "check",
+    "grpc_code",
+    "new_server",
+    "stage_stream",
+    "wait_for_signal",
+]
+
+STAGE_SERVICE = "omnistage.v1.Stage"
+_STREAM_METHOD = f"/{STAGE_SERVICE}/Stream"
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Spread calls over every address of a target (replica list or headless Service).
+        ("grpc.lb_policy_name", "round_robin"),
+        ("grpc.enable_retries", 0),
+    ]
+
+
+def grpc_code(code: Code) -> grpc.StatusCode:
+    return grpc.StatusCode[code.name]
+
+
+def new_server(max_message_bytes: int, extra: Iterable[tuple[str, Any]] = ()) -> grpc.aio.Server:
+    """A grpc.aio server (create it inside the running event loop) with our message limits."""
+    return grpc.aio.server(options=[*channel_options(max_message_bytes)[:2], *extra])
+
+
+class HealthState:
+    """grpc.health.v1 and reflection for a server: `names` are the served service names."""
+
+    def __init__(self, server: grpc.aio.Server, names: tuple[str, ...]) -> None:
+        self.names = names
+        self.servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        reflection.enable_server_reflection(
+            (*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+        )
+
+    async def set(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.names):
+            await self.servicer.set(name, status)
+
+
+async def wait_for_signal() -> None:
+    """Until SIGTERM or SIGINT (then the caller drains)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def drain(
+    health_state: HealthState,
+    busy: Callable[[], bool],
+    grace_s: float,
+    server: grpc.aio.Server,
+    after: Callable[[], Awaitable[None] | None] | None = None,
+) -> None:
+    """Stop taking new calls (NOT_SERVING), let in-flight ones finish (up to the grace), stop."""
+    await health_state.set(False)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    while busy() and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await server.stop(grace=1.0)
+    if after is not None:
+        result = after()
+        if result is not None:
+            await result
+
+
+def add_stage_servicer(servicer: Any, server: grpc.aio.Server) -> None:
+    """`Stage` handlers whose Stream requests are parsed by `wire_view.parse_request` (the
+    handler gets `Received` messages, tensor payloads left in the received bytes) and whose
+    responses are serialized by `wire_view.serialize` (one copy; relayed bytes as they came)."""
+    handlers = {
+        "Stream": grpc.stream_stream_rpc_method_handler(
+            servicer.Stream, request_deserializer=parse_request, response_serializer=serialize
+        ),
+        "Info": grpc.unary_unary_rpc_method_handler(
+            servicer.Info,
+            request_deserializer=stage_pb2.InfoRequest.FromString,
+            response_serializer=stage_pb2.InfoResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(STAGE_SERVICE, handlers),))
+    server.add_registered_method_handlers(STAGE_SERVICE, handlers)
+
+
+def stage_stream(channel: Any, *, relay: bool = False) -> Any:
+    """Stage.Stream on `channel`. `relay=False`: responses parsed by `wire_view.parse_response`
+    (tensors as views of the received bytes); `relay=True`: responses are the raw bytes, for a
+    stage that only passes them up."""
+    return channel.stream_stream(
+        _STREAM_METHOD,
+        request_serializer=serialize,
+        response_deserializer=None if relay else parse_response,
+        _registered_method=True,
+    )
+
+
+def check(target: str, timeout: float = 3.0, service: str = "") -> bool:
+    """True when `target` answers SERVING for `service` within `timeout` seconds; False on
+    NOT_SERVING, UNKNOWN, a closed port, a timeout or any other error."""
+    return health_status(target, timeout, service) == "SERVING"
+
+
+def health_status(target: str, timeout: float = 3.0, service: str = "") -> str:
+    """`target`'s grpc.health.v1 answer for `service` ("SERVING", "NOT_SERVING", ...), or a
+    short reason it gave none ("UNAVAILABLE", "DEADLINE_EXCEEDED", ...)."""
+    try:
+        with grpc.insecure_channel(target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=max(timeout, 0.001))
+    except grpc.RpcError as e:
+        return e.code().name if isinstance(e, grpc.Call) else "ERROR"
+    except Exception:
+        return "ERROR"
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))

@@ -1,0 +1,58 @@
+"""Entry point of one stage process (`omnistage stage NAME ...`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from importlib import import_module
+from pathlib import Path
+
+import torch
+
+from omnistage.config import DeployConfig
+from omnistage.engine import Engine
+from omnistage.models import open_checkpoint
+from omnistage.server.metrics import start_metrics_server
+from omnistage.server.stage_server import StageServer, StageService
+from omnistage.topology import stage_def
+from services.edges import edge_mode
+
+
+def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: int, downstream: str | None) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name}:{port} %(levelname)s %(message)s")
+    definition = stage_def(name)
+    stage_cfg = cfg.stage(name)
+    torch.set_num_threads(stage_cfg.threads)
+    if definition.downstream is not None and not downstream:
+        raise SystemExit(f"{name}: --downstream TARGET is required (the {definition.downstream} stage)")
+    ckpt = open_checkpoint(model_dir)
+    worker = import_module(definition.worker).build_worker(cfg, ckpt)
+    engine = Engine(
+        worker,
+        cfg.timeouts.input_wait_timeout_s,
+        max_num_seqs=stage_cfg.max_num_seqs,
+        max_num_batched_tokens=stage_cfg.max_num_batched_tokens,
+        cache_capacity_tokens=stage_cfg.cache_capacity_tokens,
+        chunked_prefill=stage_cfg.chunked_prefill,
+    )
+    service = StageService(
+        engine,
+        model_name=str(model_dir),
+        arch=(ckpt.config.architectures or [ckpt.family.display_name])[0],
+        device=stage_cfg.device,
+        dtype=stage_cfg.dtype,
+        downstream=downstream,
+        downstream_name=definition.downstream,
+        edge_mode=edge_mode(cfg.edge_mode(name, definition.downstream)) if definition.downstream else 0,
+        max_message_bytes=cfg.max_message_bytes,
+        shm=cfg.shm,
+    )
+    server = StageServer(service, host, port, cfg.timeouts.drain_grace_s)
+    start_metrics_server(name, engine.load)
+
+    async def main() -> None:
+        bound = await server.start()
+        logging.getLogger(__name__).info("%s serving on %s:%d", name, host, bound)
+        await server.serve_forever()
+
+    asyncio.run(main())

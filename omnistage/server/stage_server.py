@@ -1,0 +1,352 @@
+"""The gRPC side of a stage: `Stage.Stream` (one bidirectional call per request), `Info`, the
+downstream call, relaying its chunks upward, and drain.
+
+Message flow for one request on a stage with a downstream:
+  caller --Start, chunks--> [reader task] --feed--> engine thread --execute--> worker
+  engine --StepOutput--> the call's queue: up chunks to the caller (tagged with this stage),
+                                          down chunks to the downstream call (opened by the first)
+  downstream responses --> relayed to the caller as the bytes they came in (never parsed here)
+The call ends when this stage's own work and the downstream call have both finished. A
+cancelled or failed call aborts the request here (the engine frees its state) and cancels the
+downstream call, so the abort travels down the chain by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from omnistage.engine import Engine, OutChunk, Request, StepOutput
+from omnistage.server.grpc_common import (
+    STAGE_SERVICE,
+    HealthState,
+    add_stage_servicer,
+    channel_options,
+    drain,
+    grpc_code,
+    new_server,
+    stage_stream,
+    wait_for_signal,
+)
+from omnistage.v1 import stage_pb2
+from omnistage.wire import ChunkAssembler, Code, LazyChunk, StageError, TensorBlobError, encode_chunks, invalid
+from omnistage.wire.shm import ShmPool, ShmReader, peer_accepts_shm
+from omnistage.wire.wire_view import Outgoing, Received
+from services.edges import downstream_start
+
+log = logging.getLogger(__name__)
+
+_DOWN_DONE = object()  # on a call's queue: the downstream call has ended well
+
+
+class _Finished:
+    """On a call's queue: the engine is done with the request (`error` when it failed)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: StageError | None) -> None:
+        self.error = error
+
+
+class _Call:
+    """One Stage.Stream call: where the engine's outputs for its request go (an EngineSink)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.out_q: asyncio.Queue[Any] = asyncio.Queue()
+        self.down_q: asyncio.Queue[OutChunk | None] = asyncio.Queue()
+        self.down_call: Any = None
+
+    def _post(self, item: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # loop closed: the call is gone
+            self.loop.call_soon_threadsafe(self.out_q.put_nowait, item)
+
+    def on_output(self, req: Request, out: StepOutput) -> None:
+        self._post(out)
+
+    def on_finished(self, req: Request) -> None:
+        self._post(_Finished(req.error))
+
+
+class StageService:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        model_name: str,
+        arch: str,
+        device: str,
+        dtype: str,
+        downstream: str | None,
+        downstream_name: str | None,
+        edge_mode: int,
+        max_message_bytes: int,
+        shm: bool,
+    ) -> None:
+        self.engine = engine
+        self.stage = engine.worker.name
+        self.model_name = model_name
+        self.arch = arch
+        self.device = device
+        self.dtype = dtype
+        self.downstream = downstream
+        self.downstream_name = downstream_name or "downstream"
+        self.edge_mode = edge_mode
+        self.max_message_bytes = max_message_bytes
+        self.pool = ShmPool(enabled=shm)
+        self.reader = ShmReader(enabled=shm)
+        self.open_streams = 0
+        self.requests_total = 0
+        self.draining = False
+        self._channel: grpc.aio.Channel | None = None
+
+    def _downstream_stream(self) -> Any:
+        if self._channel is None:
+            assert self.downstream is not None
+            self._channel = grpc.aio.insecure_channel(self.downstream, options=channel_options(self.max_message_bytes))
+        return stage_stream(self._channel, relay=True)
+
+    def _encode(self, out: OutChunk, seq: int, pool: ShmPool | None, request_id: str) -> list[LazyChunk]:
+        return encode_chunks(
+            out.tensors,
+            max_bytes=self.max_message_bytes - 1024,
+            offset=out.offset,
+            length=out.length,
+            seq=seq,
+            finished=out.finished,
+            meta=out.meta,
+            pool=pool,
+            request_id=request_id,
+        )
+
+    # ---- Info -----------------------------------------------------------------------------
+
+    async def Info(self, request: stage_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> stage_pb2.InfoResponse:
+        load = self.engine.load()
+        cap = self.engine.worker.capacity()
+        sched = self.engine.scheduler.config
+        cap.setdefault("max_num_seqs", sched.max_num_seqs)
+        cap.setdefault("max_num_batched_tokens", sched.max_num_batched_tokens)
+        cap.setdefault("kv_cache_tokens", sched.cache_capacity_tokens or 0)
+        return stage_pb2.InfoResponse(
+            model=self.model_name,
+            arch=self.arch,
+            role=self.stage,
+            device=self.device,
+            dtype=self.dtype,
+            capacity=stage_pb2.Capacity(max_message_bytes=self.max_message_bytes, **cap),
+            load=stage_pb2.Load(
+                running=load["running"],
+                waiting=load["waiting"],
+                waiting_for_input=load["waiting_for_input"],
+                cache_usage=load["cache_usage"],
+                steps_total=load["steps_total"],
+                step_requests_total=load["step_requests_total"],
+                open_streams=self.open_streams,
+                shm_segments=self.pool.num_segments,
+                requests_total=self.requests_total,
+            ),
+        )
+
+    # ---- Stream ---------------------------------------------------------------------------
+
+    async def Stream(
+        self, request_iterator: AsyncIterator[Received[stage_pb2.StageRequest]], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Outgoing | bytes]:
+        if self.draining:
+            # Read what the caller already sent first: a call the server ends while the client
+            # is still writing surfaces as INTERNAL on the client instead of this status.
+            await self._discard_inputs(request_iterator, limit_s=2.0)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.stage}: draining, not accepting new requests")
+        await context.send_initial_metadata(self.reader.accept(context.invocation_metadata()))
+        self.open_streams += 1
+        req: Request | None = None
+        call = _Call(asyncio.get_running_loop())
+        tasks: list[asyncio.Task[Any]] = []
+        try:
+            try:
+                first = (await anext(aiter(request_iterator))).message
+            except StopAsyncIteration:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.stage}: stream closed before Start")
+            if first.WhichOneof("kind") != "start":
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"{self.stage}: the first message must be Start, got a chunk"
+                )
+            start = first.start
+            deadline = None
+            if start.deadline_unix_s > 0:
+                deadline = time.monotonic() + (start.deadline_unix_s - time.time())
+            try:
+                req = self.engine.open(start.request_id, start, call, deadline)
+            except StageError as e:
+                await context.abort(grpc_code(e.code), e.message)
+            self.requests_total += 1
+            tasks.append(asyncio.create_task(self._read_inputs(req, call, request_iterator)))
+            pending = {"self"}
+            seq = 0
+            while pending:
+                item = await call.out_q.get()
+                if isinstance(item, bytes):  # relayed from downstream, unchanged
+                    yield item
+                elif isinstance(item, StepOutput):
+                    for out in item.up:
+                        for chunk in self._encode(out, seq, None, req.request_id):
+                            seq += 1
+                            yield Outgoing(stage_pb2.StageResponse(stage=self.stage), chunk)
+                    if item.down and call.down_call is None:
+                        pending.add("down")
+                        self._open_downstream(req, call, context)
+                        tasks.append(asyncio.create_task(self._relay(req, call)))
+                    for out in item.down:
+                        call.down_q.put_nowait(out)
+                        if out.finished:
+                            call.down_q.put_nowait(None)
+                elif isinstance(item, _Finished):
+                    if item.error is not None:
+                        await context.abort(grpc_code(item.error.code), item.error.message)
+                    pending.discard("self")
+                elif item is _DOWN_DONE:
+                    pending.discard("down")
+                elif isinstance(item, StageError):
+                    await context.abort(grpc_code(item.code), item.message)
+            # Done: end the call only once the caller has half-closed (same race as above; e.g.
+            # the talker reaching its frame limit while the thinker still sends tokens).
+            remaining = context.time_remaining()
+            await asyncio.wait({tasks[0]}, timeout=remaining if remaining is not None else 60.0)
+        finally:
+            self.open_streams -= 1
+            if req is not None:
+                self.engine.abort(req)  # no-op when already finished
+                self.pool.release_request(req.request_id)
+            if call.down_call is not None and not call.down_call.done():
+                call.down_call.cancel()
+            for t in tasks:
+                t.cancel()
+
+    async def _read_inputs(
+        self, req: Request, call: _Call, request_iterator: AsyncIterator[Received[stage_pb2.StageRequest]]
+    ) -> None:
+        assembler = ChunkAssembler(reader=self.reader)
+        try:
+            async for msg in request_iterator:
+                if msg.message.WhichOneof("kind") != "chunk":
+                    raise invalid(f"{self.stage}: a second Start on one stream")
+                decoded = assembler.push(msg.message.chunk, msg.views)
+                if decoded is not None:
+                    self.engine.feed(req, decoded)
+            self.engine.close_input(req)
+        except TensorBlobError as e:
+            self._fail(req, call, invalid(f"{self.stage}: {e}"))
+        except StageError as e:
+            self._fail(req, call, e)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+
+    @staticmethod
+    async def _discard_inputs(request_iterator: AsyncIterator[Any], limit_s: float) -> None:
+        async def drain_all() -> None:
+            async for _ in request_iterator:
+                pass
+
+        with contextlib.suppress(asyncio.TimeoutError, grpc.aio.AioRpcError, asyncio.CancelledError):
+            await asyncio.wait_for(drain_all(), timeout=limit_s)
+
+    def _fail(self, req: Request, call: _Call, err: StageError) -> None:
+        self.engine.abort(req, err)
+        call.out_q.put_nowait(err)
+
+    # ---- downstream -----------------------------------------------------------------------
+
+    def _open_downstream(self, req: Request, call: _Call, context: grpc.aio.ServicerContext) -> None:
+        """One call per request to the downstream stage; its lifetime is this request's."""
+        start = downstream_start(req.params, self.edge_mode)
+        call.down_call = self._downstream_stream()(
+            self._down_messages(req, call, start),
+            timeout=context.time_remaining(),
+            metadata=self.pool.invocation_metadata() if self.pool.enabled else None,
+        )
+
+    async def _down_messages(
+        self, req: Request, call: _Call, start: stage_pb2.Start
+    ) -> AsyncIterator[stage_pb2.StageRequest | Outgoing]:
+        yield stage_pb2.StageRequest(start=start)
+        seq = 0
+        accepted: bool | None = None  # shared memory, decided once the peer's metadata is known
+        while True:
+            item = await call.down_q.get()
+            if item is None:
+                return
+            if call.down_call.done():
+                continue  # the downstream finished first (e.g. the talker hit its limit): drop
+            if accepted is None:
+                accepted = False
+                if self.pool.enabled:
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        accepted = peer_accepts_shm(await call.down_call.initial_metadata())
+            for chunk in self._encode(item, seq, self.pool if accepted else None, req.request_id):
+                seq += 1
+                yield Outgoing(stage_pb2.StageRequest(), chunk)
+
+    async def _relay(self, req: Request, call: _Call) -> None:
+        try:
+            async for resp in call.down_call:
+                call.out_q.put_nowait(resp)
+            call.out_q.put_nowait(_DOWN_DONE)
+        except grpc.aio.AioRpcError as e:
+            # Also when we cancelled it ourselves: then nobody reads out_q any more.
+            code = e.code()
+            detail = e.details() or ""
+            if code == grpc.StatusCode.UNAVAILABLE and not detail.startswith(self.downstream_name):
+                detail = f"{self.downstream_name} unavailable at {self.downstream}: {detail}"
+            self._fail(req, call, StageError(Code[code.name], detail))
+
+
+class StageServer:
+    """A running stage process: server, health, reflection, engine; drains on SIGTERM."""
+
+    def __init__(self, service: StageService, host: str, port: int, drain_grace_s: float) -> None:
+        self.service = service
+        self.host = host
+        self.port = port
+        self.drain_grace_s = drain_grace_s
+
+    async def start(self) -> int:
+        # created inside the running event loop (grpc.aio binds to it)
+        self.server = new_server(
+            self.service.max_message_bytes,
+            [
+                # Clients re-resolve DNS when a connection ends: cycling connections lets new
+                # replicas (HPA scale-up) receive calls; in-flight calls get the grace to finish.
+                ("grpc.max_connection_age_ms", 60_000),
+                ("grpc.max_connection_age_grace_ms", int(1000 * max(self.drain_grace_s, 600))),
+            ],
+        )
+        add_stage_servicer(self.service, self.server)
+        self.health = HealthState(self.server, (STAGE_SERVICE,))
+        port = self.server.add_insecure_port(f"{self.host}:{self.port}")
+        if port == 0:
+            raise OSError(f"{self.service.stage}: cannot listen on {self.host}:{self.port}")
+        await self.server.start()
+        await self.health.set(True)
+        return port
+
+    async def drain(self) -> None:
+        """Stop taking new calls, let in-flight requests finish (up to the grace), then stop."""
+        self.service.draining = True
+
+        def shutdown() -> None:
+            self.service.engine.stop()
+            self.service.pool.close()
+
+        await drain(self.health, lambda: self.service.open_streams > 0, self.drain_grace_s, self.server, shutdown)
+
+    async def serve_forever(self) -> None:
+        await wait_for_signal()
+        log.info("%s: draining", self.service.stage)
+        await self.drain()

@@ -1,0 +1,79 @@
+"""code2wav stage: codec frames in; float32 audio chunks up.
+
+Chunking: a request's pending frames are decoded once `first_chunk_frames` (then
+`chunk_frames`) of them are waiting, or whatever is left once its input has finished; every
+request due in a step is decoded in one batched call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from omnistage.config import Code2WavConfig, DeployConfig
+from omnistage.engine import FinishReason, Request, ScheduledItem, StageWorker, StepOutput
+from omnistage.models import Checkpoint
+from omnistage.v1 import stage_pb2
+from omnistage.wire import DecodedChunk, invalid
+from services import edges
+
+
+class Code2WavWorker(StageWorker):
+    name = "code2wav"
+
+    def __init__(self, code2wav: Any, cfg: Code2WavConfig, sample_rate: int) -> None:
+        self.code2wav = code2wav  # the family's code2wav (e.g. omnistage/models/qwen3_omni/code2wav.py)
+        self.spec = code2wav.spec
+        self.cfg = cfg
+        self.sample_rate = sample_rate
+
+    def open(self, req: Request) -> None:
+        req.state = self.code2wav.open_stream(self.cfg.streaming, self.cfg.left_context_frames)
+
+    def feed(self, req: Request, chunk: DecodedChunk) -> None:
+        if edges.is_end(chunk):
+            return
+        codes = edges.read_frames(self.name, chunk, self.spec.num_code_groups)
+        try:
+            self.code2wav.validate_codes(codes)
+        except ValueError as e:
+            raise invalid(f"code2wav: tensor 'codes': {e}") from None
+        req.state.pending.extend(codes[:, t].clone() for t in range(codes.shape[1]))
+
+    def _due(self, req: Request) -> bool:
+        stream = req.state
+        if not stream.pending:
+            return False
+        target = self.cfg.first_chunk_frames if stream.frames_in == 0 else self.cfg.chunk_frames
+        return req.input_finished or len(stream.pending) >= target
+
+    def ready(self, req: Request) -> bool:
+        start: stage_pb2.Start = req.params
+        if start.mode == stage_pb2.FULL_PAYLOAD and not req.input_finished:
+            return False
+        return req.input_finished or self._due(req)
+
+    def execute(self, batch: Sequence[ScheduledItem]) -> list[StepOutput | Exception]:
+        """Every due request's frames go through one batched decode."""
+        due = [it.request for it in batch if self._due(it.request)]
+        decoded = dict(zip(due, self.code2wav.decode_pending([r.state for r in due]), strict=True))
+        outputs: list[StepOutput | Exception] = []
+        for item in batch:
+            req, out = item.request, StepOutput()
+            if req in decoded:
+                first, pcm = decoded[req]
+                out.up.append(edges.audio_chunk(first, pcm, self.sample_rate))
+            if req.input_finished and not req.state.pending:
+                out.up.append(edges.end_chunk(req.state.samples_out))
+                out.finished = FinishReason.STOP
+            outputs.append(out)
+        return outputs
+
+    def close(self, req: Request) -> None:
+        self.code2wav.close(req.state)
+
+
+def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> Code2WavWorker:
+    stage = cfg.stage("code2wav")
+    assert isinstance(stage, Code2WavConfig)
+    return Code2WavWorker(ckpt.family.code2wav(ckpt, stage.dtype, stage.device), stage, ckpt.sample_rate)

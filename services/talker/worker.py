@@ -1,0 +1,90 @@
+"""Talker stage: thinker chunks in (the prompt, then one token at a time); codec frames down to
+code2wav and up (for callers that want codes)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from omnistage.config import DeployConfig
+from omnistage.engine import FinishReason, Request, ScheduledItem, StageWorker, StepOutput
+from omnistage.models import Checkpoint, SamplingParams
+from omnistage.v1 import stage_pb2
+from omnistage.wire import DecodedChunk, invalid
+from services import edges
+
+# what made the talker stop -> the engine's finish reason
+_REASONS = {"stop_id": FinishReason.STOP, "no_text": FinishReason.STOP, "max_tokens": FinishReason.LENGTH}
+
+
+class TalkerWorker(StageWorker):
+    name = "talker"
+
+    def __init__(self, talker: Any, defaults: SamplingParams) -> None:
+        self.talker = talker  # the family's talker (e.g. omnistage/models/qwen3_omni/talker.py)
+        self.spec = talker.spec
+        self.defaults = defaults
+
+    def open(self, req: Request) -> None:
+        start: stage_pb2.Start = req.params
+        sampling = edges.sampling(self.name, start, self.defaults)
+        try:
+            req.state = self.talker.new_state(sampling, start.speaker or self.spec.default_speaker)
+        except ValueError as e:
+            raise invalid(f"talker: {e}") from None
+
+    def feed(self, req: Request, chunk: DecodedChunk) -> None:
+        state = req.state
+        hidden_size = self.spec.thinker_hidden
+        if state.prompt is None:
+            ids, embeds, hidden = edges.read_thinker_prompt(self.name, chunk, hidden_size)
+            try:
+                state.set_prompt(ids, embeds, hidden, self.spec)
+            except ValueError as e:
+                raise invalid(f"talker: {e}") from None
+            return
+        if edges.is_end(chunk):
+            return
+        embeds = edges.read_tokens(self.name, chunk, hidden_size)
+        for i, embed in enumerate(embeds):
+            state.add_token(embed, chunk.finished and i == len(embeds) - 1)
+
+    def max_steps(self, req: Request) -> int:
+        # A step runs the prompt, or completes a frame and/or feeds it back: at most two steps
+        # per code-0, plus the prompt.
+        return 2 * req.state.sampling.max_tokens + 1
+
+    def ready(self, req: Request) -> bool:
+        start: stage_pb2.Start = req.params
+        if start.mode == stage_pb2.FULL_PAYLOAD and not req.input_finished:
+            return False
+        return req.state.finished or req.state.can_step(req.input_finished)
+
+    def execute(self, batch: Sequence[ScheduledItem]) -> list[StepOutput | Exception]:
+        """One batched code-predictor pass and one packed talker forward for every request."""
+        live = [it.request for it in batch if not it.request.state.finished]
+        frames = dict(zip(live, self.talker.step([(r.state, r.input_finished) for r in live]), strict=True))
+        return [self._output(it.request, frames.get(it.request)) for it in batch]
+
+    def _output(self, req: Request, frame: Any) -> StepOutput:
+        state = req.state
+        out = StepOutput()
+        if frame is not None:
+            chunk = edges.frames_chunk(state.frames - 1, frame.view(-1, 1))
+            out.down.append(chunk)
+            out.up.append(chunk)
+        if state.finished:
+            out.up.append(edges.end_chunk(state.frames, state.stopped_on))
+            if state.frames:  # code2wav was opened by the first frame
+                out.down.append(edges.end_chunk(state.frames))
+            out.finished = _REASONS[state.stopped_on]
+            out.detail = state.stopped_on
+        return out
+
+    def close(self, req: Request) -> None:
+        self.talker.release(req.state)
+
+
+def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> TalkerWorker:
+    stage = cfg.stage("talker")
+    return TalkerWorker(ckpt.family.talker(ckpt, stage.dtype, stage.device), ckpt.family.talker_defaults())

@@ -1,0 +1,80 @@
+"""Thinker stage: prompt ids in; text token ids up; per-token embeddings down to the talker."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from omnistage.config import DeployConfig
+from omnistage.engine import FinishReason, Request, ScheduledItem, StageWorker, StepOutput
+from omnistage.models import Checkpoint, SamplingParams
+from omnistage.v1 import stage_pb2
+from omnistage.wire import DecodedChunk, invalid
+from services import edges
+
+# what made a thinker stop -> the engine's finish reason
+_REASONS = {"stop_id": FinishReason.STOP, "max_tokens": FinishReason.LENGTH}
+
+
+class ThinkerWorker(StageWorker):
+    name = "thinker"
+
+    def __init__(self, thinker: Any, defaults: SamplingParams) -> None:
+        self.thinker = thinker  # the family's thinker (e.g. omnistage/models/qwen3_omni/thinker.py)
+        self.spec = thinker.spec
+        self.defaults = defaults
+
+    def open(self, req: Request) -> None:
+        start: stage_pb2.Start = req.params
+        req.state = self.thinker.new_state(edges.sampling(self.name, start, self.defaults))
+
+    def feed(self, req: Request, chunk: DecodedChunk) -> None:
+        prompt = edges.read_prompt(self.name, chunk)
+        try:
+            self.thinker.set_prompt(req.state, prompt)
+        except ValueError as e:
+            raise invalid(f"thinker: {e}") from None
+
+    def demand(self, req: Request) -> tuple[int, int] | None:
+        state = req.state
+        return (len(state.prompt_ids), state.sampling.max_tokens) if state.prompt_ids else None
+
+    def ready(self, req: Request) -> bool:
+        return req.input_finished and bool(req.state.prompt_ids) and not req.state.finished
+
+    def max_model_len(self) -> int:
+        return int(self.spec.max_positions)
+
+    def capacity(self) -> dict[str, int]:
+        return {"max_model_len": self.max_model_len()}
+
+    def execute(self, batch: Sequence[ScheduledItem]) -> list[StepOutput | Exception]:
+        """One packed forward: prefill chunks of the tokens the scheduler gave, and decodes."""
+        steps = self.thinker.step([(it.request.state, it.request.num_computed_tokens, it.num_tokens) for it in batch])
+        return [self._output(item.request, step) for item, step in zip(batch, steps, strict=True)]
+
+    def _output(self, req: Request, step: Any) -> StepOutput:
+        start: stage_pb2.Start = req.params
+        out = StepOutput()
+        prompt, tok = step.prompt, step.token
+        if prompt is not None and start.want_audio:
+            mm = self.spec.multimodal_ids
+            has_mm = any(int(i) in mm for i in prompt.ids.tolist())
+            out.down.append(edges.thinker_prompt_chunk(prompt.ids, prompt.embeds, prompt.hidden if has_mm else None))
+        if tok is None:  # a prefill chunk that is not the last
+            return out
+        out.up.append(edges.text_chunk(tok.index, tok.token_id, tok.stopped_on))
+        if start.want_audio:
+            out.down.append(edges.token_chunk(tok.index, tok.token_id, tok.embed, tok.is_last))
+        if tok.is_last:
+            out.finished = _REASONS[tok.stopped_on]
+            out.detail = tok.stopped_on
+        return out
+
+    def close(self, req: Request) -> None:
+        self.thinker.release(req.state)
+
+
+def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> ThinkerWorker:
+    stage = cfg.stage("thinker")
+    return ThinkerWorker(ckpt.family.thinker(ckpt, stage.dtype, stage.device), ckpt.family.thinker_defaults(ckpt))

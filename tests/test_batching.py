@@ -1,0 +1,155 @@
+"""Exact batching: a request's numbers do not depend on what else is in the step.
+
+The kernel facts the design rests on are checked here too, on random weights at the alignment
+checkpoint weights have, so a torch upgrade that breaks them fails here first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omnistage.models.batching import ExactBatching, ExactLinear, grouped_linear
+from omnistage.models.sampling import SamplingParams
+
+
+def _at(shape: tuple[int, ...], misalign: int) -> torch.Tensor:
+    flat = torch.randn(shape[0] * shape[1] + 32)
+    skip = ((misalign - flat.data_ptr()) % 64) // 4
+    return flat[skip : skip + shape[0] * shape[1]].view(shape)
+
+
+@pytest.mark.parametrize("misalign", [0, 12])
+@pytest.mark.parametrize(("n", "k"), [(64, 64), (1152, 64), (64, 32), (4, 64), (1, 64)])
+def test_grouped_linear_gives_each_request_its_lone_result(n: int, k: int, misalign: int) -> None:
+    torch.manual_seed(n + k + misalign)
+    weight = _at((n, k), misalign)
+    lengths = [1, 5, 1, 1, 12, 2, 1]
+    x = torch.randn(sum(lengths), k)
+    got = grouped_linear(x, weight, None, lengths)
+    start = 0
+    for length in lengths:
+        alone = F.linear(x[start : start + length], weight)
+        assert torch.equal(got[start : start + length], alone)
+        start += length
+
+
+def test_plain_batching_would_not_be_exact() -> None:
+    """Why batching.py exists: on this CPU a GEMM row depends on the number of rows."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(64, 64), torch.randn(8, 64)
+    batched = F.linear(x, weight)
+    assert not all(torch.equal(batched[i : i + 1], F.linear(x[i : i + 1], weight)) for i in range(8))
+
+
+def test_a_linear_over_rows_it_cannot_place_is_refused() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    model.config = _NoSubConfigs()  # type: ignore[assignment]
+    model.set_attn_implementation = lambda name: None  # type: ignore[assignment]
+    batching = ExactBatching(model)
+    assert isinstance(model[0], ExactLinear)
+    with batching.step([2, 1]), pytest.raises(RuntimeError, match="expected 3"):
+        model(torch.randn(4, 8))
+
+
+class _NoSubConfigs:
+    sub_configs: ClassVar[dict[str, Any]] = {}
+    _attn_implementation = "sdpa"
+
+
+def test_exact_mode_is_explicit_and_self_tested(pipeline: Any) -> None:
+    """The loaded thinker owns its linear layers (no global intercept), its start-up self-test
+    probed every weight shape, and outside a packed step it computes exactly as loaded."""
+    thinker = pipeline.thinker
+    linears = [m for m in thinker.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(isinstance(m, ExactLinear) for m in linears)
+    report = thinker.batching.self_test()
+    assert report["linears"] == len(linears) and 0 < report["shapes"] <= len(linears)
+    x = torch.randn(3, linears[0].in_features)
+    assert torch.equal(linears[0](x), F.linear(x, linears[0].weight, linears[0].bias))
+
+
+def _thinker_run(pipeline: Any, prompts: list[list[int]], join_at: int, chunk: int | None = None) -> list[Any]:
+    """Greedy-decode several requests together; request i > 0 joins at step `join_at * i`."""
+    thinker = pipeline.thinker
+    states = []
+    for p in prompts:
+        state = thinker.new_state(SamplingParams(max_tokens=6))
+        thinker.set_prompt(state, p)
+        states.append(state)
+    done = [0] * len(prompts)  # tokens in each request's cache
+    outs: list[list[Any]] = [[] for _ in prompts]
+    step = 0
+    while not all(s.finished for s in states):
+        live = [i for i, s in enumerate(states) if not s.finished and step >= join_at * i]
+        items = []
+        for i in live:
+            left = len(prompts[i]) - done[i]
+            items.append((states[i], done[i], min(chunk or left, left) if left > 0 else 1))
+        for i, (_, _, n), result in zip(live, items, thinker.step(items), strict=True):
+            done[i] += n
+            if result.token is not None:
+                outs[i].append(result.token)
+        step += 1
+    for s in states:
+        thinker.release(s)
+    return outs
+
+
+def test_thinker_requests_are_bitwise_the_same_alone_and_packed(pipeline: Any) -> None:
+    prompts = [pipeline.prompt_ids(p) for p in ("hi", "Tell me about the sea.", "Name three colours.")]
+    alone = [_thinker_run(pipeline, [p], 0)[0] for p in prompts]
+    for join_at in (0, 2):  # all prefill together, or later ones prefill while others decode
+        together = _thinker_run(pipeline, prompts, join_at)
+        for a, b in zip(alone, together, strict=True):
+            assert [t.token_id for t in a] == [t.token_id for t in b]
+            for x, y in zip(a, b, strict=True):
+                assert torch.equal(x.hidden, y.hidden) and torch.equal(x.embed, y.embed)
+
+
+def test_chunked_prefill_gives_the_same_tokens(pipeline: Any) -> None:
+    prompt = pipeline.prompt_ids("Describe a red house on a hill in autumn, with a garden.")
+    whole = _thinker_run(pipeline, [prompt], 0)[0]
+    chunked = _thinker_run(pipeline, [prompt], 0, chunk=7)[0]
+    assert len(prompt) > 14
+    assert [t.token_id for t in whole] == [t.token_id for t in chunked]
+    # Different chunk shapes change the last bits (other GEMM shapes), not more.
+    assert max(float((a.hidden - b.hidden).abs().max()) for a, b in zip(whole, chunked, strict=True)) < 1e-4
+
+
+def test_talker_steps_are_bitwise_the_same_alone_and_batched(pipeline: Any) -> None:
+    talker = pipeline.talker
+    spec = pipeline.spec
+    prompts = [pipeline.prompt_ids(p) for p in ("hi", "Tell me about the sea.", "Name three colours.")]
+    hidden = spec.thinker_hidden
+    torch.manual_seed(3)
+    inputs = [(torch.tensor(p), torch.randn(len(p), hidden), [torch.randn(hidden) for _ in range(4)]) for p in prompts]
+
+    def run(group: list[int]) -> dict[int, list[Any]]:
+        states = {i: talker.new_state(SamplingParams(max_tokens=6), spec.default_speaker) for i in group}
+        for i in group:
+            ids, embeds, tokens = inputs[i]
+            states[i].set_prompt(ids, embeds, None, spec)
+            for k, t in enumerate(tokens):
+                states[i].add_token(t, k == len(tokens) - 1)
+        trace: dict[int, list[Any]] = {i: [] for i in group}
+        for _ in range(8):
+            live = [i for i in group if states[i].can_step(True)]
+            if not live:
+                break
+            frames = talker.step([(states[i], True) for i in live])
+            for i, frame in zip(live, frames, strict=True):
+                past = states[i].past_hidden
+                trace[i].append((None if frame is None else frame.tolist(), None if past is None else past.clone()))
+        return trace
+
+    alone = {i: run([i])[i] for i in range(3)}
+    together = run([0, 1, 2])
+    assert any(f is not None for i in alone for f, _ in alone[i])
+    for i in range(3):
+        assert [f for f, _ in alone[i]] == [f for f, _ in together[i]]
+        assert all((a is None and b is None) or torch.equal(a, b)
+                   for (_, a), (_, b) in zip(alone[i], together[i], strict=True))  # fmt: skip

@@ -1,0 +1,203 @@
+"""The engine loop with a scripted worker: one Request object per request, the worker contract
+(execute -> per-request outputs), and every way a request ends freeing what it held."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from omnistage.engine import (
+    Engine,
+    FinishReason,
+    OutChunk,
+    Request,
+    RequestStatus,
+    ScheduledItem,
+    StageWorker,
+    StepOutput,
+)
+from omnistage.wire import Code, DecodedChunk, StageError
+from omnistage.wire.tensor_blob import LENGTH_KEY
+
+
+class Counting(StageWorker):
+    """Emits one chunk per step until `steps` are done; `fail_at` makes a step raise."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.closed: list[str] = []
+        self.batches: list[int] = []
+
+    def open(self, req: Request) -> None:
+        if req.params.get("bad"):
+            raise StageError(Code.INVALID_ARGUMENT, "counting: bad start")
+        req.state = {"steps": req.params.get("steps", 2), "done": 0, "fed": 0}
+
+    def feed(self, req: Request, chunk: DecodedChunk) -> None:
+        req.state["fed"] += 1
+
+    def demand(self, req: Request) -> tuple[int, int] | None:
+        return 0, req.params.get("budget", 100)
+
+    def ready(self, req: Request) -> bool:
+        return req.input_finished or not req.params.get("needs_input", False)
+
+    def execute(self, batch: Sequence[ScheduledItem]) -> list[StepOutput | Exception]:
+        self.batches.append(len(batch))
+        out: list[StepOutput | Exception] = []
+        for item in batch:
+            state = item.request.state
+            if item.request.params.get("fail_at") == state["done"]:
+                out.append(RuntimeError("boom"))
+                continue
+            state["done"] += 1
+            step = StepOutput(up=[OutChunk({}, offset=state["done"] - 1, length=1)])
+            if state["done"] == state["steps"]:
+                step.finished, step.detail = FinishReason.STOP, "done"
+            out.append(step)
+        return out
+
+    def close(self, req: Request) -> None:
+        self.closed.append(req.request_id)
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.outputs: list[StepOutput] = []
+        self.ended = threading.Event()
+        self.req: Request | None = None
+
+    def on_output(self, req: Request, out: StepOutput) -> None:
+        self.outputs.append(out)
+
+    def on_finished(self, req: Request) -> None:
+        self.req = req
+        self.ended.set()
+
+
+def chunk(offset: int, n: int, finished: bool = False) -> DecodedChunk:
+    return DecodedChunk({}, {LENGTH_KEY: n}, offset, 0, finished)
+
+
+def run_until_idle(engine: Engine, limit: int = 100) -> None:
+    for _ in range(limit):
+        if engine.idle:
+            return
+        engine.run_once()
+    raise AssertionError("engine did not go idle")
+
+
+def test_requests_run_batched_to_their_end_and_are_freed() -> None:
+    worker = Counting()
+    engine = Engine(worker, background=False)
+    sinks = [Sink() for _ in range(3)]
+    for i, sink in enumerate(sinks):
+        engine.open(f"r{i}", {"steps": 2 + i}, sink)
+    run_until_idle(engine)
+    assert max(worker.batches) == 3  # the three shared steps
+    for i, sink in enumerate(sinks):
+        assert [o.up[0].offset for o in sink.outputs] == list(range(2 + i))
+        assert sink.req is not None and sink.req.status is RequestStatus.FINISHED_STOPPED
+        assert sink.req.finish_detail == "done" and sink.req.state is None
+    assert sorted(worker.closed) == ["r0", "r1", "r2"]
+    assert engine.load()["open"] == 0 and engine.scheduler.stats()["reserved_tokens"] == 0
+
+
+def test_one_failing_request_does_not_take_the_others_down() -> None:
+    worker = Counting()
+    engine = Engine(worker, background=False)
+    bad, good = Sink(), Sink()
+    engine.open("bad", {"steps": 3, "fail_at": 1}, bad)
+    engine.open("good", {"steps": 3}, good)
+    run_until_idle(engine)
+    assert bad.req is not None and bad.req.status is RequestStatus.FAILED
+    assert bad.req.error is not None and bad.req.error.code is Code.INTERNAL and "boom" in bad.req.error.message
+    assert good.req is not None and good.req.status is RequestStatus.FINISHED_STOPPED and len(good.outputs) == 3
+    assert sorted(worker.closed) == ["bad", "good"]
+
+
+def test_open_errors_and_duplicate_ids() -> None:
+    engine = Engine(Counting(), background=False)
+    sink = Sink()
+    engine.open("x", {"bad": True}, sink)
+    run_until_idle(engine)
+    assert sink.req is not None and sink.req.error is not None and sink.req.error.code is Code.INVALID_ARGUMENT
+    engine.open("y", {"needs_input": True}, Sink())
+    with pytest.raises(StageError, match="already open"):
+        engine.open("y", {}, Sink())
+    with pytest.raises(StageError, match="request_id is empty"):
+        engine.open("", {}, Sink())
+
+
+def test_input_order_is_checked_before_the_worker_sees_it() -> None:
+    engine = Engine(Counting(), background=False)
+    req = engine.open("r", {"needs_input": True}, Sink())
+    engine.feed(req, chunk(0, 2))
+    with pytest.raises(StageError, match="out of order; expected 2"):
+        engine.feed(req, chunk(5, 1))
+    engine.feed(req, chunk(2, 1, finished=True))
+    with pytest.raises(StageError, match="after the finished chunk"):
+        engine.feed(req, chunk(3, 1))
+    run_until_idle(engine)
+    assert req.status is RequestStatus.FINISHED_STOPPED
+
+
+def test_abort_frees_the_request_and_says_so() -> None:
+    worker = Counting()
+    engine = Engine(worker, background=False)
+    sink = Sink()
+    req = engine.open("r", {"needs_input": True}, sink)
+    engine.run_once()
+    assert req.status is RequestStatus.WAITING_FOR_INPUT and engine.load()["waiting_for_input"] == 1
+    engine.abort(req)
+    engine.run_once()
+    assert req.status is RequestStatus.FINISHED_ABORTED and req.finish_reason is FinishReason.ABORT
+    assert worker.closed == ["r"] and sink.ended.is_set() and engine.idle
+
+
+def test_input_wait_timeout_and_deadline_fail_with_their_status() -> None:
+    engine = Engine(Counting(), input_wait_timeout_s=0.05, background=False)
+    starved, late = Sink(), Sink()
+    engine.open("starved", {"needs_input": True}, starved)
+    engine.open("late", {"needs_input": True}, late, deadline=time.monotonic() - 1)
+    time.sleep(0.1)
+    run_until_idle(engine)
+    assert starved.req is not None and starved.req.error is not None
+    assert starved.req.error.code is Code.DEADLINE_EXCEEDED and "input_wait_timeout_s" in starved.req.error.message
+    assert late.req is not None and late.req.error is not None
+    assert late.req.error.code is Code.DEADLINE_EXCEEDED and "deadline" in late.req.error.message
+
+
+def test_a_request_that_uses_its_budget_unfinished_fails() -> None:
+    engine = Engine(Counting(), background=False)
+    sink = Sink()
+    engine.open("r", {"steps": 5, "budget": 2}, sink)
+    run_until_idle(engine)
+    assert sink.req is not None and sink.req.error is not None
+    assert sink.req.error.code is Code.INTERNAL and "budget" in sink.req.error.message
+    assert len(sink.outputs) == 2
+
+
+def test_the_engine_thread_serves_and_stops() -> None:
+    engine = Engine(Counting())
+    sinks = [Sink() for _ in range(4)]
+    for i, sink in enumerate(sinks):
+        engine.open(f"r{i}", {"steps": 3}, sink)
+    assert all(s.ended.wait(10) for s in sinks)
+    assert all(len(s.outputs) == 3 for s in sinks)
+    engine.stop()
+    assert engine.idle
+
+
+def test_request_status_follows_admission_and_readiness() -> None:
+    engine = Engine(Counting(), background=False)
+    req = engine.open("r", {"needs_input": True, "steps": 1}, Sink())
+    engine.run_once()
+    assert (req.status, req.admitted, req.ready) == (RequestStatus.WAITING_FOR_INPUT, False, False)
+    engine.close_input(req)
+    engine.run_once()  # ready now: queued, admitted and stepped in one iteration
+    assert req.status is RequestStatus.FINISHED_STOPPED
