@@ -89,3 +89,17 @@ def bench_code2wav(
     from benchmarks.code2wav import main
 
     main(json_out)
+
+
+@bench_app.command("relay")
+def bench_relay(
+    target: Annotated[str, typer.Option("--target", help="Gateway HOST:PORT.")] = "127.0.0.1:50051",
+    thinker: Annotated[str, typer.Option("--thinker", help="Thinker HOST:PORT (its Info is read).")] = "127.0.0.1:7101",
+    requests: Annotated[int, typer.Option("--requests", help="Requests per level.")] = 48,
+    concurrency: Annotated[int, typer.Option("--concurrency", help="Closed-loop concurrency.")] = 16,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
+) -> None:
+    """The thinker's mean step time with audio relayed through it vs text only, same load."""
+    from benchmarks.relay import main
+
+    main(target, thinker, requests, concurrency, json_out)

@@ -151,6 +151,7 @@ class StageService:
                 open_streams=self.open_streams,
                 shm_segments=self.pool.num_segments,
                 requests_total=self.requests_total,
+                step_seconds_total=load["step_seconds_total"],
             ),
         )
 

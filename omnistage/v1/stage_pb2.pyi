@@ -94,7 +94,7 @@ class Capacity(_message.Message):
     def __init__(self, max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("running", "waiting", "waiting_for_input", "cache_usage", "open_streams", "shm_segments", "requests_total", "steps_total", "step_requests_total")
+    __slots__ = ("running", "waiting", "waiting_for_input", "cache_usage", "open_streams", "shm_segments", "requests_total", "steps_total", "step_requests_total", "step_seconds_total")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_INPUT_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class Load(_message.Message):
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STEP_REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     waiting_for_input: int
@@ -113,7 +114,8 @@ class Load(_message.Message):
     requests_total: int
     steps_total: int
     step_requests_total: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_for_input: _Optional[int] = ..., cache_usage: _Optional[float] = ..., open_streams: _Optional[int] = ..., shm_segments: _Optional[int] = ..., requests_total: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_requests_total: _Optional[int] = ...) -> None: ...
+    step_seconds_total: float
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_for_input: _Optional[int] = ..., cache_usage: _Optional[float] = ..., open_streams: _Optional[int] = ..., shm_segments: _Optional[int] = ..., requests_total: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_requests_total: _Optional[int] = ..., step_seconds_total: _Optional[float] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
     __slots__ = ("model", "arch", "role", "capacity", "load", "device", "dtype")
