@@ -8,7 +8,7 @@ with the real upsampling (1920 samples per frame):
 * ``windowed``: 25 new frames per chunk, each decoded from scratch with 25 frames of left
   context whose samples are dropped (what other stacks do).
 
-Reported (DESIGN.md §10): median total compute time of each over several runs, the ratios
+Reported: median total compute time of each over several runs, the ratios
 against each other from the same run, and each stream's max |Δ| against the full decode, next
 to the full decode's own fp32 rounding error (fp32 vs float64), which is the floor any fp32
 method can reach.  Without a checkpoint the model is built from ``tiny_code2wav_config()``

@@ -1,5 +1,5 @@
 """``omnistage bench``: latency and throughput of the served pipeline, every headline figure a
-ratio against a baseline measured in the same run (DESIGN.md §10).
+ratio against a baseline measured in the same run.
 
 System under test (SUT): a running stack (``--target HOST:PORT``), one started here
 (``--serve``), or, with neither, the in-process pipeline (no gRPC).

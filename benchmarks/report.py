@@ -89,7 +89,7 @@ def markdown_summary(result: dict[str, Any], json_name: str | None, plot_name: s
         "# omnistage bench results",
         "",
         "Regenerate with `benchmarks/make_results.sh`. Every figure is from one run; ratios divide",
-        "figures of the same run (DESIGN.md §10).",
+        "figures of the same run.",
         "",
         "Command:",
         "",

@@ -1,7 +1,7 @@
 """Wire benchmark: ``omnistage bench wire [--json FILE]``.
 
 Every figure is the median of several repetitions and comes with its baseline from the same run
-(DESIGN.md §10):
+(every figure against a baseline from the same run):
 
 * codec: the send path (``encode_lazy_chunks`` + ``wire_view.serialize`` of a StageRequest) +
   the receive path (``wire_view.parse_request`` + decode) vs ``pickle.dumps/loads`` of the

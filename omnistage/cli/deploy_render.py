@@ -1,4 +1,4 @@
-"""Render docker-compose and Kubernetes files from the deploy YAML (DESIGN.md §8).
+"""Render docker-compose and Kubernetes files from the deploy YAML (docs/architecture.md, "Deployment").
 
 One source of truth: the files committed under `deploy/` are `render(load_config("deploy/omnistage.yaml"), ...)`
 written out by `omnistage deploy render --config deploy/omnistage.yaml --target compose|k8s --out deploy`,

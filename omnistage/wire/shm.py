@@ -1,4 +1,4 @@
-"""Same-host shared-memory path for large tensor blobs (DESIGN.md §3).
+"""Same-host shared-memory path for large tensor blobs (docs/architecture.md, "The wire").
 
 The *sender* owns a ``ShmPool``: a bounded set of fixed-size segments, plain files under
 ``/dev/shm`` mapped with ``mmap`` (no ``multiprocessing.shared_memory``, so no

@@ -11,9 +11,9 @@ every matrix is redrawn from one seeded generator with std 1/sqrt(fan_in) (embed
 so activations keep unit scale through the stack. Then two rows are biased so that the stop
 conditions happen within a few dozen steps for some prompts and not others: the thinker's
 `<|im_end|>` row of lm_head and the talker's codec-EOS row of codec_head. The constants below
-were chosen by running the built-in prompts (see tests/test_tiny_checkpoint.py, which checks
-the output is non-trivial: text ids vary, codes vary across frames and groups, audio is not
-silent, and some prompts stop on EOS while others hit the token limit).
+were chosen by running the built-in prompts (tests/test_parity.py checks the output is not
+trivial: text ids vary, codes vary across frames and groups, audio is not silent, and some
+prompts stop on EOS while others hit the token limit).
 """
 
 from __future__ import annotations
