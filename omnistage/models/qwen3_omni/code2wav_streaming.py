@@ -30,7 +30,6 @@ threaded through.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -127,7 +126,7 @@ def windowed_decode_stream(
     if chunk_frames <= 0 or left_context_frames < 0:
         raise ValueError("chunk_frames must be > 0 and left_context_frames >= 0")
     batch = _as_batch(codes)
-    total_upsample = _total_upsample(model.config)
+    total_upsample = int(model.total_upsample)
     out: list[Tensor] = []
     for start in range(0, batch.shape[-1], chunk_frames):
         end = min(start + chunk_frames, batch.shape[-1])
@@ -149,13 +148,6 @@ def place_windowed_chunks(chunks: Sequence[Tensor], chunk_frames: int, total_ups
 # --------------------------------------------------------------------------------------------
 # Incremental decoder
 # --------------------------------------------------------------------------------------------
-
-
-def _total_upsample(config: Qwen3OmniMoeCode2WavConfig) -> int:
-    total = 1
-    for f in itertools.chain(config.upsampling_ratios, config.upsample_rates):
-        total *= int(f)
-    return total
 
 
 @dataclass(eq=False)
@@ -279,7 +271,7 @@ class IncrementalCode2Wav:
         attn0 = pre.layers[0].self_attn
         self.num_kv_heads = int(attn0.k_proj.out_features // attn0.head_dim)
         self.head_dim = int(attn0.head_dim)
-        self.total_upsample = _total_upsample(self.config)
+        self.total_upsample = int(model.total_upsample)
 
         # Flat "program" for the conv part: validated against the module types we understand.
         self._conv_modules: list[Qwen3OmniMoeCausalConvNet] = []
