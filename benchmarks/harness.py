@@ -26,7 +26,6 @@ import datetime as dt
 import json
 import os
 import shlex
-import socket
 import sys
 import tempfile
 import time
@@ -119,17 +118,13 @@ def command_line(argv: Sequence[str] | None = None) -> str:
 # ---- stack -------------------------------------------------------------------------------
 
 
-def _port_free(port: int, host: str) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
+def free_port_blocks(
+    sizes: Sequence[int], host: str = "127.0.0.1", start: int = 30000, metrics_offset: int = 1000
+) -> list[int]:
+    """Base ports of non-overlapping blocks of free consecutive ports, one block per size, each
+    port's metrics port (`metrics_offset` above it) free too."""
+    from omnistage.server.grpc_common import port_free
 
-
-def free_port_blocks(sizes: Sequence[int], host: str = "127.0.0.1", start: int = 30000) -> list[int]:
-    """Base ports of non-overlapping blocks of free consecutive ports, one block per size."""
     bases: list[int] = []
     port = start + (os.getpid() * 37) % 20000
     taken: set[int] = set()
@@ -139,15 +134,17 @@ def free_port_blocks(sizes: Sequence[int], host: str = "127.0.0.1", start: int =
             port += n
             if port > 65000:
                 port = start
-            if all(p not in taken and _port_free(p, host) for p in block):
+            metrics = [p + metrics_offset for p in block]
+            if all(p not in taken and port_free(host, p) for p in block + metrics):
                 bases.append(block[0])
-                taken.update(block)
+                taken.update(block + metrics)
                 break
     return bases
 
 
 def stack_config(opts: BenchOptions) -> Any:
-    from omnistage.config import STAGES, apply_overrides, load_config, parse_replicas
+    from omnistage.config import apply_overrides, load_config, parse_replicas
+    from omnistage.topology import STAGES
 
     cfg = load_config(opts.config)
     overrides: dict[str, Any] = {}
@@ -158,7 +155,7 @@ def stack_config(opts: BenchOptions) -> Any:
     cfg = apply_overrides(cfg, overrides)
     # Free ports, so a bench stack never collides with another stack on this machine.
     sizes = [cfg.gateway.replicas, *(cfg.stage(s).replicas for s in STAGES)]
-    bases = free_port_blocks(sizes, cfg.host)
+    bases = free_port_blocks(sizes, cfg.host, metrics_offset=cfg.metrics.port_offset)
     port_overrides: dict[str, Any] = {"gateway.port": bases[0]}
     for name, base in zip(STAGES, bases[1:], strict=True):
         port_overrides[f"{name}.base_port"] = base

@@ -28,10 +28,15 @@ def sampling_proto(params: dict[str, Any]) -> stage_pb2.SamplingParams:
     return msg
 
 
+REQUEST_ID_KEY = "x-request-id"  # the gateway's initial metadata: the request's id
+MODES = {"async_chunk": stage_pb2.ASYNC_CHUNK, "full_payload": stage_pb2.FULL_PAYLOAD}
+
+
 @dataclass
 class ClientEvent:
-    kind: str  # "text" | "audio" | "final"
+    kind: str  # "start" (request_id known) | "text" | "audio" | "final"
     t: float  # seconds since the call started
+    request_id: str = ""
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     pcm: np.ndarray | None = None
@@ -53,7 +58,11 @@ def build_request(
     system: str | None = None,
     request_id: str = "",
     thinker_stop_ids: list[int] | None = None,
+    temperature: float | None = None,
+    seed: int | None = None,
 ) -> gateway_pb2.GenerateRequest:
+    """`greedy`: both stages greedy (what parity is checked on), unless `temperature` is set:
+    then the thinker samples at that temperature (the talker stays greedy)."""
     req = gateway_pb2.GenerateRequest(want_audio=want_audio, speaker=speaker, request_id=request_id)
     if system:
         req.messages.add(role="system", content=system)
@@ -61,11 +70,16 @@ def build_request(
     else:
         req.prompt = prompt
     if mode is not None:
-        req.mode = stage_pb2.FULL_PAYLOAD if mode == "full_payload" else stage_pb2.ASYNC_CHUNK
-    thinker: dict[str, Any] = {"max_tokens": thinker_max_tokens, "stop_ids": thinker_stop_ids}
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        req.mode = MODES[mode]  # type: ignore[assignment]
+    thinker: dict[str, Any] = {"max_tokens": thinker_max_tokens, "stop_ids": thinker_stop_ids, "seed": seed}
     talker: dict[str, Any] = {"max_tokens": talker_max_tokens}
-    if greedy:
+    if temperature is not None:
+        thinker.update(do_sample=True, temperature=temperature)
+    elif greedy:
         thinker["do_sample"] = False
+    if greedy:
         talker.update(do_sample=False, repetition_penalty=1.0)
     req.sampling["thinker"].CopyFrom(sampling_proto(thinker))
     req.sampling["talker"].CopyFrom(sampling_proto(talker))
@@ -87,6 +101,9 @@ async def stream_generate(
     t0 = time.perf_counter()
     try:
         call = gateway_pb2_grpc.GatewayStub(ch).Generate(request, timeout=timeout)
+        metadata = await call.initial_metadata()
+        rid = dict(metadata or ()).get(REQUEST_ID_KEY, "")
+        yield ClientEvent("start", time.perf_counter() - t0, request_id=str(rid))
         async for resp in call:
             t = time.perf_counter() - t0
             kind = resp.WhichOneof("kind")
@@ -118,6 +135,7 @@ async def stream_generate(
 
 @dataclass
 class Reply:
+    request_id: str
     text: str
     token_ids: list[int]
     pcm: np.ndarray
@@ -138,9 +156,12 @@ async def generate(
     sr = 24000
     final = ClientEvent("final", 0.0)
     last = 0.0
+    rid = ""
     async for ev in stream_generate(target, prompt, **options):
         last = ev.t
-        if ev.kind == "text":
+        if ev.kind == "start":
+            rid = ev.request_id
+        elif ev.kind == "text":
             ttft = ev.t if ttft is None else ttft
             text.append(ev.text)
             if on_text is not None:
@@ -153,7 +174,7 @@ async def generate(
         elif ev.kind == "final":
             final = ev
     pcm = np.concatenate(pcm_parts) if pcm_parts else np.zeros(0, dtype=np.float32)
-    return Reply("".join(text), ids, pcm, sr, ttft, ttfa, last, final.usage, final.timings)
+    return Reply(rid, "".join(text), ids, pcm, sr, ttft, ttfa, last, final.usage, final.timings)
 
 
 def write_wav(path: str, pcm: np.ndarray, sample_rate: int) -> None:

@@ -2,30 +2,49 @@
 audio streamed back as soon as the stages produce them.
 
 The gateway holds only the tokenizer: it renders the chat prompt, detokenizes the thinker's
-token ids incrementally, and turns code2wav's float32 chunks into AudioChunk messages.
+token ids incrementally, and turns code2wav's float32 chunks into AudioChunk messages. Each
+request's id goes back to the client in the initial metadata (`x-request-id`) and into one
+access-log line when it ends. Its health is NOT_SERVING while the thinker does not answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from omnistage.config import DeployConfig
 from omnistage.engine import OutChunk
 from omnistage.models import Checkpoint, load_tokenizer
-from omnistage.server.grpc_common import HealthState, channel_options, drain, new_server, stage_stream, wait_for_signal
+from omnistage.server.grpc_common import (
+    HealthState,
+    bind,
+    channel_options,
+    drain,
+    new_server,
+    stage_stream,
+    wait_for_signal,
+)
+from omnistage.server.metrics import serve_metrics
 from omnistage.topology import STAGES
 from omnistage.v1 import gateway_pb2, gateway_pb2_grpc, stage_pb2
 from omnistage.wire import ChunkAssembler, TensorBlobError, encode_chunk
 from services import edges
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("omnistage.access")
+
+REQUEST_ID_KEY = "x-request-id"  # initial metadata of every Generate call
+HEALTH_POLL_S = 1.0
 
 
 class Detokenizer:
@@ -46,17 +65,44 @@ class Detokenizer:
         return delta
 
 
+@dataclass
+class _Outcome:
+    """What the access log and the metrics say of one request."""
+
+    request_id: str
+    t0: float
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    audio_samples: int = 0
+    ttft: float | None = None
+    ttfa: float | None = None
+    status: str = "ok"
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("omnistage_gateway_requests", "Generate requests by outcome", ["outcome"],
+                                registry=self.registry)  # fmt: skip
+        self.in_flight = Gauge("omnistage_gateway_requests_in_flight", "Generate requests in flight",
+                               registry=self.registry)  # fmt: skip
+
+
 class GatewayService(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, cfg: DeployConfig, ckpt: Checkpoint, thinker_target: str) -> None:
         self.cfg = cfg
         self.ckpt = ckpt
         self.tokenizer = load_tokenizer(ckpt)
         self.sample_rate = ckpt.sample_rate
+        self.model_name = cfg.served_model_name or ckpt.path.name
         self.thinker_target = thinker_target
         self.channel = grpc.aio.insecure_channel(thinker_target, options=channel_options(cfg.max_message_bytes))
         self.stream = stage_stream(self.channel)  # Stage.Stream; responses parsed without copying tensors
+        self.metrics = GatewayMetrics()
         self.active = 0
         self.draining = False
+        self.thinker_serving = False
 
     def _prompt_ids(self, request: gateway_pb2.GenerateRequest) -> list[int]:
         if request.messages:
@@ -71,41 +117,92 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 raise ValueError("prompt: empty prompt")
             messages = [{"role": "user", "content": request.prompt}]
         ids = self.ckpt.family.prompt_ids(self.tokenizer, messages)
-        limit = self.ckpt.spec.max_positions - 1
+        limit = min(self.ckpt.spec.max_positions, self.cfg.max_model_len or self.ckpt.spec.max_positions) - 1
         if len(ids) > limit:
             raise ValueError(f"prompt: {len(ids)} tokens exceeds the model maximum of {limit}")
         return ids
 
     async def Info(self, request: stage_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> stage_pb2.InfoResponse:
         return stage_pb2.InfoResponse(
-            model=str(self.ckpt.path),
+            model=self.model_name,
             arch=(self.ckpt.config.architectures or [""])[0],
             role="gateway",
             load=stage_pb2.Load(running=self.active, open_streams=self.active),
         )
 
+    # ---- thinker health -----------------------------------------------------------------------
+
+    async def watch_thinker(self, health_state: HealthState) -> None:
+        """Keep the gateway's health in step with the thinker's: NOT_SERVING while it does not
+        answer SERVING (or while the gateway drains)."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        while True:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_POLL_S)
+                serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.aio.AioRpcError:
+                serving = False
+            if serving != self.thinker_serving:
+                log.info("thinker at %s is %s", self.thinker_target, "serving" if serving else "not serving")
+            self.thinker_serving = serving
+            await health_state.set(serving and not self.draining)
+            await asyncio.sleep(HEALTH_POLL_S)
+
+    # ---- Generate -----------------------------------------------------------------------------
+
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        rid = request.request_id or uuid.uuid4().hex
+        outcome = _Outcome(rid, time.perf_counter())
+        await context.send_initial_metadata(((REQUEST_ID_KEY, rid),))
+        self.active += 1
+        self.metrics.in_flight.inc()
+        try:
+            async for resp in self._generate(request, context, outcome):
+                yield resp
+        except asyncio.CancelledError:
+            outcome.status = "CANCELLED"
+            raise
+        except Exception:
+            if outcome.status == "ok":  # not one of ours (those set their status first)
+                outcome.status = "ERROR"
+            raise
+        finally:
+            self.active -= 1
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(outcome.status).inc()
+            self._access_log(outcome)
+
+    async def _abort(self, context: grpc.aio.ServicerContext, outcome: _Outcome, code: grpc.StatusCode,
+                     message: str) -> None:  # fmt: skip
+        outcome.status = code.name
+        await context.abort(code, message)
+
+    async def _generate(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext, outcome: _Outcome
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "gateway: draining, not accepting new requests")
+            await self._abort(context, outcome, grpc.StatusCode.UNAVAILABLE,
+                              "gateway: draining, not accepting new requests")  # fmt: skip
         try:
             prompt_ids = self._prompt_ids(request)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"gateway: {e}")
+            await self._abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT, f"gateway: {e}")
+        outcome.prompt_tokens = len(prompt_ids)
         if request.speaker and request.want_audio:
             try:
                 self.ckpt.spec.speaker_id(request.speaker)
             except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"gateway: speaker: {e}")
-        t0 = time.perf_counter()
-        rid = request.request_id or uuid.uuid4().hex
+                await self._abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT, f"gateway: speaker: {e}")
+        t0 = outcome.t0
         start = stage_pb2.Start(
-            request_id=rid, want_audio=request.want_audio, mode=request.mode, speaker=request.speaker
+            request_id=outcome.request_id, want_audio=request.want_audio, mode=request.mode, speaker=request.speaker
         )
         for name, params in request.sampling.items():
             if name not in STAGES:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"gateway: sampling: unknown stage {name!r}")
+                await self._abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"gateway: sampling: unknown stage {name!r}")  # fmt: skip
             start.sampling[name].CopyFrom(params)
         remaining = context.time_remaining()
         timeout = remaining if remaining is not None else self.cfg.timeouts.request_timeout_s
@@ -117,14 +214,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             yield stage_pb2.StageRequest(start=start)
             yield stage_pb2.StageRequest(chunk=_encode(edges.prompt_chunk(prompt_ids)))
 
-        self.active += 1
         call = self.stream(messages(), timeout=timeout)
         assemblers: dict[str, ChunkAssembler] = {}
         detok = Detokenizer(self.tokenizer)
         timings: dict[str, gateway_pb2.StageTiming] = {}
-        completion = 0
         frames = 0
-        samples = 0
         try:
             async for received in call:
                 resp = received.message
@@ -136,13 +230,15 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     continue
                 if edges.IDS in chunk.tensors:
                     ids = [int(i) for i in chunk.tensors[edges.IDS].tolist()]
-                    completion += len(ids)
+                    outcome.completion_tokens += len(ids)
+                    outcome.ttft = now if outcome.ttft is None else outcome.ttft
                     yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text=detok.push(ids), token_ids=ids))
                 elif edges.CODES in chunk.tensors:
                     frames += int(chunk.tensors[edges.CODES].shape[1])
                 elif edges.AUDIO in chunk.tensors:
                     pcm = chunk.tensors[edges.AUDIO].float().contiguous()
-                    samples += int(pcm.shape[0])
+                    outcome.audio_samples += int(pcm.shape[0])
+                    outcome.ttfa = now if outcome.ttfa is None else outcome.ttfa
                     yield gateway_pb2.GenerateResponse(
                         audio=gateway_pb2.AudioChunk(
                             pcm_f32le=pcm.numpy().astype("<f4").tobytes(),
@@ -155,18 +251,17 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             detail = e.details() or ""
             if code == grpc.StatusCode.UNAVAILABLE and not detail.startswith(STAGES):
                 detail = f"thinker unavailable at {self.thinker_target}: {detail}"
-            await context.abort(code, detail)
+            await self._abort(context, outcome, code, detail)
         except TensorBlobError as e:
-            await context.abort(grpc.StatusCode.INTERNAL, f"gateway: bad chunk from a stage: {e}")
+            await self._abort(context, outcome, grpc.StatusCode.INTERNAL, f"gateway: bad chunk from a stage: {e}")
         finally:
-            self.active -= 1
             if not call.done():
                 call.cancel()
         usage = gateway_pb2.Usage(
             prompt_tokens=len(prompt_ids),
-            completion_tokens=completion,
+            completion_tokens=outcome.completion_tokens,
             audio_frames=frames,
-            audio_seconds=samples / self.sample_rate,
+            audio_seconds=outcome.audio_samples / self.sample_rate,
         )
         final = gateway_pb2.Final(usage=usage)
         for name, timing in timings.items():
@@ -174,26 +269,48 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         final.timings["gateway"].CopyFrom(gateway_pb2.StageTiming(total_s=time.perf_counter() - t0))
         yield gateway_pb2.GenerateResponse(final=final)
 
+    def _access_log(self, o: _Outcome) -> None:
+        def ms(x: float | None) -> int | None:
+            return None if x is None else round(1000 * x)
+
+        fields = {
+            "request_id": o.request_id,
+            "outcome": o.status,
+            "ttft_ms": ms(o.ttft),
+            "ttfa_ms": ms(o.ttfa),
+            "e2e_ms": ms(time.perf_counter() - o.t0),
+            "prompt_tokens": o.prompt_tokens,
+            "completion_tokens": o.completion_tokens,
+            "audio_s": round(o.audio_samples / self.sample_rate, 3),
+        }
+        text = " ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items())
+        access_log.info("request %s", text, extra={"fields": fields})
+
 
 def _encode(chunk: OutChunk) -> stage_pb2.Chunk:
     return encode_chunk(chunk.tensors, offset=chunk.offset, length=chunk.length, finished=chunk.finished)
 
 
 def run_gateway(cfg: DeployConfig, ckpt: Checkpoint, host: str, port: int, thinker_target: str) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s gateway:{port} %(levelname)s %(message)s")
-
     async def main() -> None:
         service = GatewayService(cfg, ckpt, thinker_target)
         server = new_server(cfg.max_message_bytes)
         gateway_pb2_grpc.add_GatewayServicer_to_server(service, server)
         health_state = HealthState(server, (gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,))
-        if server.add_insecure_port(f"{host}:{port}") == 0:
-            raise OSError(f"gateway: cannot listen on {host}:{port}")
+        await health_state.set(False)  # until the thinker answers
+        bind(server, host, port, "gateway")
+        metrics_port = cfg.metrics_port(port)
+        if metrics_port is not None:
+            serve_metrics(service.metrics.registry, host, metrics_port, f"gateway at {host}:{port}")
         await server.start()
-        await health_state.set(True)
-        log.info("gateway serving on %s:%d -> thinker %s", host, port, thinker_target)
+        watcher = asyncio.create_task(service.watch_thinker(health_state))
+        log.info("gateway serving on %s:%d -> thinker %s (metrics on %s)", host, port, thinker_target,
+                 metrics_port or "off")  # fmt: skip
         await wait_for_signal()
         service.draining = True
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
         await drain(health_state, lambda: service.active > 0, cfg.timeouts.drain_grace_s, server)
 
     asyncio.run(main())

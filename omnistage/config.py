@@ -2,10 +2,20 @@
 
 `omnistage serve`, each `omnistage stage`/`gateway` process and `omnistage deploy render`
 read the same model. Unknown or bad fields are refused at start with the field's path.
+
+Which file: `--config FILE`, else `$OMNISTAGE_CONFIG`, else `deploy/omnistage.yaml` under the
+current directory, else the packaged copy of the repository's `deploy/omnistage.yaml`
+(`default_config_path`). Command-line flags override the file; the file overrides the
+built-in defaults.
+
+Ports: process `P` (the gateway or a stage replica) serves gRPC on `P` and Prometheus metrics
+on `P + metrics.port_offset` (1000 by default), both on `host`. `--port P` moves the whole
+stack: gateway `P`, the k-th stage of the topology `P + 100 * k` (replica i adds i).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,6 +62,11 @@ class GatewayConfig(_Strict):
     replicas: int = Field(1, ge=1, le=64)
 
 
+class MetricsConfig(_Strict):
+    enabled: bool = Field(True, description="each process serves Prometheus metrics")
+    port_offset: int = Field(1000, ge=1, le=60000, description="metrics port = the process's port + this")
+
+
 # One mode per edge of the topology: `thinker_to_talker`, `talker_to_code2wav`, ...
 EdgesConfig = create_model(  # type: ignore[call-overload]
     "EdgesConfig", __base__=_Strict, **{edge: (EdgeModeName, "async_chunk") for edge in EDGES}
@@ -67,6 +82,8 @@ class TimeoutsConfig(_Strict):
 
 class _HeadConfig(_Strict):
     model: str | None = Field(None, description="checkpoint directory; None = the built-in tiny checkpoint")
+    served_model_name: str | None = Field(None, description="the name clients see; None: the checkpoint's")
+    max_model_len: int | None = Field(None, ge=2, description="cap on prompt + generated tokens; None: the model's")
     host: str = "127.0.0.1"
     gateway: GatewayConfig = GatewayConfig()
 
@@ -88,20 +105,36 @@ class DeployConfig(_StagesConfig):  # type: ignore[misc,valid-type]
     timeouts: TimeoutsConfig = TimeoutsConfig()
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024, le=1024 * 1024 * 1024)
     shm: bool = Field(True, description="same-host shared-memory path for large tensors")
+    metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")
     def _ports_do_not_collide(self) -> DeployConfig:
         used: dict[int, str] = {}
-        for i in range(self.gateway.replicas):
-            used[self.gateway.port + i] = f"gateway[{i}]"
-        for name in STAGES:
-            stage = self.stage(name)
-            for i in range(stage.replicas):
-                port = stage.base_port + i
-                if port in used:
-                    raise ValueError(f"{name}.base_port: port {port} of replica {i} collides with {used[port]}")
-                used[port] = f"{name}[{i}]"
+        for port, role, field in self._ports():
+            if not 1 <= port <= 65535:
+                raise ValueError(f"{field}: {role} would listen on port {port}, outside 1..65535")
+            if port in used:
+                raise ValueError(f"{field}: port {port} of {role} collides with {used[port]}")
+            used[port] = role
         return self
+
+    def _ports(self) -> list[tuple[int, str, str]]:
+        """(port, role, the config field that sets it) of every port the stack listens on."""
+        out = [(self.gateway.port + i, f"gateway[{i}]", "gateway.port") for i in range(self.gateway.replicas)]
+        for name in STAGES:
+            out += [(p, f"{name}[{i}]", f"{name}.base_port") for i, p in enumerate(self.stage_ports(name))]
+        if self.metrics.enabled:
+            offset = self.metrics.port_offset
+            out += [(p + offset, f"{role} metrics", "metrics.port_offset") for p, role, _ in list(out)]
+        return out
+
+    def ports(self) -> list[tuple[int, str]]:
+        """Every port the stack listens on, with the role of its process: gRPC and metrics."""
+        return [(port, role) for port, role, _ in self._ports()]
+
+    def metrics_port(self, port: int) -> int | None:
+        """The metrics port of the process serving `port` (None: metrics are off)."""
+        return port + self.metrics.port_offset if self.metrics.enabled else None
 
     def stage(self, name: StageName) -> StageConfig:
         if name not in STAGES:
@@ -118,6 +151,28 @@ class DeployConfig(_StagesConfig):  # type: ignore[misc,valid-type]
     def stage_target(self, name: StageName) -> str:
         """gRPC target that spreads calls over the stage's local replicas."""
         return "ipv4:" + ",".join(f"{self.host}:{p}" for p in self.stage_ports(name))
+
+
+PORT_STRIDE = 100  # --port P: the k-th stage's replicas start at P + PORT_STRIDE * k
+
+
+def port_layout(port: int) -> dict[str, int]:
+    """Overrides that move the whole stack to `port`: the gateway there, each stage a stride up."""
+    out = {"gateway.port": port}
+    for k, name in enumerate(STAGES, start=1):
+        out[f"{name}.base_port"] = port + PORT_STRIDE * k
+    return out
+
+
+def default_config_path(cwd: Path | None = None) -> Path:
+    """The deploy file `serve` reads when given none (see the module docstring)."""
+    env = os.environ.get("OMNISTAGE_CONFIG")
+    if env:
+        return Path(env)
+    local = (cwd or Path.cwd()) / "deploy" / "omnistage.yaml"
+    if local.is_file():
+        return local
+    return Path(__file__).resolve().parent / "data" / "omnistage.yaml"
 
 
 def _format_error(err: ValidationError, source: str) -> str:

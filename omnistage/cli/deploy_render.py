@@ -11,9 +11,10 @@ Mapping (per stage thinker/talker/code2wav, plus the gateway):
   [--downstream dns:///NEXT:NEXT_PORT] [--model /models/omni]` and
   `omnistage gateway --host 0.0.0.0 --port GATEWAY_PORT --thinker dns:///thinker:THINKER_PORT ...`.
   Each replica has its own network namespace, so every replica of a stage listens on the stage's
-  `base_port` (where `omnistage serve` gives replica i `base_port + i` on loopback) and on 9100 for
-  Prometheus metrics. Upstreams reach all replicas through one DNS name (compose service name /
-  Kubernetes headless Service) with `dns:///` and round_robin.
+  `base_port` (where `omnistage serve` gives replica i `base_port + i` on loopback) and serves
+  Prometheus metrics on that port + `metrics.port_offset`, as under `omnistage serve`. Upstreams
+  reach all replicas through one DNS name (compose service name / Kubernetes headless Service)
+  with `dns:///` and round_robin.
 * `replicas` -> compose `deploy.replicas` and Deployment `replicas` (and the HPA's minReplicas).
 * `device: cuda[:N]` -> a compose GPU reservation (`capabilities: [gpu]`; `device_ids: [N]` for
   `cuda:N`) and `nvidia.com/gpu: 1` under Kubernetes limits; inside the container the one visible
@@ -48,7 +49,6 @@ from omnistage.topology import STAGES, stage_def
 __all__ = [
     "CONFIG_PATH",
     "HPA_QUEUE_DEPTH_TARGET",
-    "METRICS_PORT",
     "MODEL_DIR",
     "MODEL_PVC",
     "TARGETS",
@@ -66,7 +66,6 @@ IMAGE = "omnistage"  # Kubernetes: replaced through kustomize `images:`; compose
 MODEL_DIR = "/models/omni"
 CONFIG_DIR = "/etc/omnistage"
 CONFIG_PATH = f"{CONFIG_DIR}/omnistage.yaml"
-METRICS_PORT = 9100
 PRESTOP_SLEEP_S = 5
 TERMINATION_MARGIN_S = 10
 HPA_QUEUE_DEPTH_TARGET = "4"  # average queued requests per pod before the HPA adds one
@@ -138,7 +137,6 @@ def gateway_args(cfg: DeployConfig) -> list[str]:
 def _env(run_cfg: DeployConfig, port: int) -> dict[str, str]:
     return {
         "OMNISTAGE_PORT": str(port),  # the image's HEALTHCHECK probes 127.0.0.1:$OMNISTAGE_PORT
-        "OMNISTAGE_METRICS_PORT": str(METRICS_PORT),
         "OMNISTAGE_SHM": "0",
         # The image defaults OMNISTAGE_MODEL to /models/omni; empty = the built-in tiny checkpoint.
         "OMNISTAGE_MODEL": run_cfg.model or "",
@@ -203,7 +201,8 @@ def _compose_service(
         last = port + replicas - 1
         host = str(port) if replicas == 1 else f"{port}-{last}"
         svc["ports"] = [f"{host}:{port}"]
-    svc["expose"] = [str(port), str(METRICS_PORT)]
+    metrics = run_cfg.metrics_port(port)
+    svc["expose"] = [str(port)] + ([str(metrics)] if metrics else [])
     volumes: list[dict[str, Any]] = [
         {"type": "bind", "source": config_file, "target": CONFIG_PATH, "read_only": True},
     ]
@@ -359,16 +358,15 @@ def _deployment(
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": MODEL_PVC, "readOnly": True}})
     startup_failures = max(1, math.ceil(cfg.timeouts.startup_timeout_s / PROBE_PERIOD_S))
+    metrics = run_cfg.metrics_port(port)
     container: dict[str, Any] = {
         "name": component,
         "image": image,
         "imagePullPolicy": "IfNotPresent",
         "args": args,
         "env": [{"name": k, "value": v} for k, v in _env(run_cfg, port).items()],
-        "ports": [
-            {"name": "grpc", "containerPort": port, "protocol": "TCP"},
-            {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
-        ],
+        "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"}]
+        + ([{"name": "metrics", "containerPort": metrics, "protocol": "TCP"}] if metrics else []),
         "startupProbe": _grpc_probe(port, PROBE_PERIOD_S, startup_failures),
         "readinessProbe": _grpc_probe(port, PROBE_PERIOD_S, 1),
         "livenessProbe": _grpc_probe(port, 10, 3),
@@ -400,11 +398,8 @@ def _deployment(
             "template": {
                 "metadata": {
                     "labels": _labels(component),
-                    "annotations": {
-                        "omnistage.dev/config-sha256": config_sha,
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(METRICS_PORT),
-                    },
+                    "annotations": {"omnistage.dev/config-sha256": config_sha}
+                    | ({"prometheus.io/scrape": "true", "prometheus.io/port": str(metrics)} if metrics else {}),
                 },
                 "spec": pod_spec,
             },
@@ -412,7 +407,7 @@ def _deployment(
     }
 
 
-def _service(component: str, port: int, *, headless: bool) -> dict[str, Any]:
+def _service(component: str, port: int, metrics: int | None, *, headless: bool) -> dict[str, Any]:
     spec: dict[str, Any] = {}
     if headless:
         spec["clusterIP"] = "None"
@@ -420,9 +415,8 @@ def _service(component: str, port: int, *, headless: bool) -> dict[str, Any]:
         spec["type"] = "ClusterIP"
     spec["selector"] = _selector(component)
     spec["ports"] = [
-        {"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"},
-        {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics", "protocol": "TCP"},
-    ]
+        {"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"}
+    ] + ([{"name": "metrics", "port": metrics, "targetPort": "metrics", "protocol": "TCP"}] if metrics else [])
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -487,7 +481,8 @@ def render_k8s(cfg: DeployConfig) -> dict[str, str]:
         image=image,
         config_sha=config_sha,
     )
-    files["k8s/gateway.yaml"] = header + _docs(gateway, _service("gateway", cfg.gateway.port, headless=False))
+    gateway_svc = _service("gateway", cfg.gateway.port, run_cfg.metrics_port(cfg.gateway.port), headless=False)
+    files["k8s/gateway.yaml"] = header + _docs(gateway, gateway_svc)
     for name in STAGES:
         stage = cfg.stage(name)
         dep = _deployment(
@@ -502,7 +497,7 @@ def render_k8s(cfg: DeployConfig) -> dict[str, str]:
             image=image,
             config_sha=config_sha,
         )
-        svc = _service(name, stage.base_port, headless=True)
+        svc = _service(name, stage.base_port, run_cfg.metrics_port(stage.base_port), headless=True)
         files[f"k8s/{name}.yaml"] = header + _docs(dep, svc, _hpa(name, stage.replicas))
     resources = sorted(p.removeprefix("k8s/") for p in files)
     kustomization = {

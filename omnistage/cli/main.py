@@ -1,11 +1,21 @@
 """The `omnistage` command line. Each command imports its implementation lazily so that
-`omnistage --help` stays fast and a broken optional piece cannot break the others."""
+`omnistage --help` stays fast, a broken optional piece cannot break the others, and the client
+starts without torch.
+
+Errors: one line on stderr (`error: ...`) and a non-zero exit code: 2 for a bad argument,
+config or checkpoint, 1 for a failure at run time, 130 for Ctrl-C during start-up. With
+`--log-level debug` the traceback is printed too.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import json
+import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -15,6 +25,51 @@ if TYPE_CHECKING:
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Staged serving for speech-output omni models.")
 deploy_app = typer.Typer(no_args_is_help=True, help="Deployment files generated from the deploy YAML.")
 app.add_typer(deploy_app, name="deploy")
+
+
+class LogLevel(enum.StrEnum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+class LogFormat(enum.StrEnum):
+    text = "text"
+    json = "json"
+
+
+class Dtype(enum.StrEnum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Mode(enum.StrEnum):
+    async_chunk = "async_chunk"
+    full_payload = "full_payload"
+
+
+class RenderTarget(enum.StrEnum):
+    compose = "compose"
+    k8s = "k8s"
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"omnistage {version('omnistage')}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Staged serving for speech-output omni models."""
 
 
 def _add_plugins() -> None:
@@ -27,6 +82,85 @@ def _add_plugins() -> None:
 
 
 _add_plugins()
+
+
+# ---- one way to fail ------------------------------------------------------------------------------
+
+
+def _usage_errors() -> tuple[type[BaseException], ...]:
+    from omnistage.cli.serve import ModelNotLocal
+    from omnistage.config import ConfigError
+    from omnistage.models import CheckpointError
+
+    return ConfigError, CheckpointError, ModelNotLocal
+
+
+def _runtime_errors() -> tuple[type[BaseException], ...]:
+    """Failures whose message says it all (no traceback hint)."""
+    from omnistage.cli.serve import StartupError
+    from omnistage.server.grpc_common import PortTaken
+
+    return PortTaken, StartupError
+
+
+@contextlib.contextmanager
+def _errors(log_level: str = "info", *, interrupted_code: int = 130) -> Iterator[None]:
+    """Known failures as one line and an exit code; a traceback only at --log-level debug."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        raise typer.Exit(interrupted_code) from None
+    except Exception as e:
+        if log_level == "debug":
+            import traceback
+
+            traceback.print_exc()
+        usage = isinstance(e, _usage_errors())
+        known = usage or isinstance(e, _runtime_errors())
+        message = str(e) if known or isinstance(e, OSError | RuntimeError) else f"{type(e).__name__}: {e}"
+        hint = "" if known or log_level == "debug" else " (--log-level debug prints the traceback)"
+        typer.echo(f"error: {message}{hint}", err=True)
+        raise typer.Exit(2 if usage else 1) from None
+
+
+def _load_cfg(config: Path | None, overrides: dict[str, object], *, default: bool = False) -> DeployConfig:
+    """The deploy config: `config`, else (with `default`) the default file; then `overrides`."""
+    from omnistage.config import apply_overrides, default_config_path, load_config
+
+    path = config or (default_config_path() if default else None)
+    cfg = load_config(path)
+    clean = {k: v for k, v in overrides.items() if v is not None}
+    return apply_overrides(cfg, clean) if clean else cfg
+
+
+def _stage_overrides(stages: tuple[str, ...], dtype: Dtype | None, device: str | None) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for name in stages:
+        if dtype is not None:
+            out[f"{name}.dtype"] = dtype.value
+        if device is not None:
+            out[f"{name}.device"] = device
+    return out
+
+
+ModelArg = Annotated[
+    str | None, typer.Argument(help="Checkpoint directory (default: the config's, else the built-in tiny one).")
+]
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="Deploy YAML (default: deploy/omnistage.yaml).")]
+ModelOpt = Annotated[str | None, typer.Option("--model", help="Same as MODEL.")]
+HostOpt = Annotated[str | None, typer.Option("--host", help="Address to listen on (default from config).")]
+DtypeOpt = Annotated[Dtype | None, typer.Option("--dtype", help="Model dtype (all stages for serve).")]
+DeviceOpt = Annotated[str | None, typer.Option("--device", help="cpu, cuda or cuda:N (all stages for serve).")]
+NameOpt = Annotated[str | None, typer.Option("--served-model-name", help="Model name clients see.")]
+MaxLenOpt = Annotated[int | None, typer.Option("--max-model-len", help="Cap on prompt + generated tokens.")]
+LogLevelOpt = Annotated[LogLevel, typer.Option("--log-level", help="Log level (debug prints tracebacks).")]
+LogFormatOpt = Annotated[LogFormat, typer.Option("--log-format", help="text, or one JSON object per line.")]
+
+
+# ---- commands -------------------------------------------------------------------------------------
 
 
 @app.command("make-tiny")
@@ -48,86 +182,109 @@ def make_tiny(
 @deploy_app.command("render")
 def deploy_render(
     config: Annotated[Path | None, typer.Option("--config", help="Deploy YAML (default: built-in defaults).")] = None,
-    target: Annotated[str, typer.Option("--target", help="compose or k8s")] = "k8s",
+    target: Annotated[RenderTarget, typer.Option("--target", help="compose or k8s")] = RenderTarget.k8s,
     out: Annotated[Path, typer.Option("--out", help="Directory to write into.")] = Path("deploy"),
 ) -> None:
     """Render docker-compose or Kubernetes files from the deploy YAML that `serve` reads."""
     from omnistage.cli.deploy_render import render_to_dir
 
-    for path in render_to_dir(config, target, out):
-        typer.echo(str(path))
+    with _errors():
+        for path in render_to_dir(config, target.value, out):
+            typer.echo(str(path))
 
 
 @app.command("health")
 def health(
-    target: Annotated[str, typer.Option("--target", help="HOST:PORT of any omnistage service.")] = "127.0.0.1:50051",
-    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for an answer.")] = 3.0,
+    target: Annotated[
+        list[str] | None, typer.Option("--target", help="HOST:PORT to check (repeatable; default: the whole stack).")
+    ] = None,
+    config: ConfigOpt = None,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for each answer.")] = 3.0,
 ) -> None:
-    """grpc.health.v1 check (exit 0 when SERVING): the container and probe health check."""
-    from omnistage.server.grpc_common import check
+    """grpc.health.v1 status of each service (exit 0 only when every one is SERVING): by default
+    every process of the stack the deploy config describes."""
+    from omnistage.server.grpc_common import health_status
 
-    raise typer.Exit(0 if check(target, timeout) else 1)
-
-
-def _load_cfg(config: Path | None, overrides: dict[str, object]) -> DeployConfig:
-    from omnistage.config import ConfigError, apply_overrides, load_config
-
-    try:
-        cfg = load_config(config)
-        clean = {k: v for k, v in overrides.items() if v is not None}
-        return apply_overrides(cfg, clean) if clean else cfg
-    except ConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-
-
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="Deploy YAML (see deploy/omnistage.yaml).")]
-ModelOpt = Annotated[str | None, typer.Option("--model", help="Checkpoint directory (default: built-in tiny).")]
-HostOpt = Annotated[str | None, typer.Option("--host", help="Address to listen on (default from config).")]
+    with _errors():
+        if target:
+            checks = [(t, t) for t in target]
+        else:
+            cfg = _load_cfg(config, {}, default=True)
+            checks = [(role, f"{cfg.host}:{port}") for port, role in cfg.ports() if not role.endswith("metrics")]
+    ok = True
+    for role, address in checks:
+        status = health_status(address, timeout)
+        ok &= status == "SERVING"
+        typer.echo(f"{role:<14} {address:<22} {status}")
+    raise typer.Exit(0 if ok else 1)
 
 
 @app.command("serve")
 def serve(
-    config: ConfigOpt = None,
+    model_arg: ModelArg = None,
     model: ModelOpt = None,
+    config: ConfigOpt = None,
+    host: HostOpt = None,
+    port: Annotated[
+        int | None, typer.Option("--port", help="Move the whole stack: gateway P, stage k at P + 100k.")
+    ] = None,
     replicas: Annotated[str | None, typer.Option("--replicas", help="e.g. talker=2,code2wav=2")] = None,
-    port: Annotated[int | None, typer.Option("--port", help="Gateway port (default 50051).")] = None,
-    log_dir: Annotated[Path | None, typer.Option("--log-dir", help="Write each process's log here.")] = None,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    served_model_name: NameOpt = None,
+    max_model_len: MaxLenOpt = None,
+    log_dir: Annotated[
+        Path | None, typer.Option("--log-dir", help="Run folder (default: a new one in the cache).")
+    ] = None,
+    log_level: LogLevelOpt = LogLevel.info,
+    log_format: LogFormatOpt = LogFormat.text,
 ) -> None:
     """Run the whole stack locally: one process per stage replica plus the gateway, on loopback."""
     import signal
     import threading
 
+    from omnistage.cli.logs import setup_logging
     from omnistage.cli.serve import start_stack
-    from omnistage.config import ConfigError, parse_replicas
+    from omnistage.config import default_config_path, parse_replicas, port_layout
+    from omnistage.topology import STAGES
 
-    try:
-        overrides: dict[str, object] = dict(parse_replicas(replicas)) if replicas else {}
-    except ConfigError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    overrides["gateway.port"] = port
-    cfg = _load_cfg(config, overrides)
-    if log_dir:
-        log_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging("serve", log_level.value, log_format.value)
     stop = threading.Event()
+    with _errors(log_level.value):
+        overrides: dict[str, object] = dict(parse_replicas(replicas)) if replicas else {}
+        if port is not None:
+            overrides.update(port_layout(port))
+        overrides.update(_stage_overrides(STAGES, dtype, device))
+        overrides.update({"host": host, "served_model_name": served_model_name, "max_model_len": max_model_len})
+        cfg = _load_cfg(config, overrides, default=True)
+        typer.echo(f"config: {config or default_config_path()}" + (" + flags" if any(overrides.values()) else ""))
+        shown = model_arg or model or cfg.model or "built-in tiny checkpoint"
+        typer.echo(f"starting omnistage (model: {shown}) ...")
+        stack = start_stack(cfg, model=model_arg or model, log_dir=log_dir,
+                            log_level=log_level.value, log_format=log_format.value)  # fmt: skip
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    typer.echo("starting omnistage (model: %s) ..." % (model or cfg.model or "built-in tiny checkpoint"))
-    stack = start_stack(cfg, model=model, log_dir=log_dir, config_file=config)
+    code = 0
     try:
-        for c in stack.children:
-            typer.echo(f"  {c.name:<9} {c.address}  pid {c.proc.pid}")
+        typer.echo(f"logs: {stack.run_dir}")
+        typer.echo("\n".join(stack.status_lines()))
         typer.echo(f"omnistage gateway listening on {stack.gateway_address}")
         typer.echo(f'try: omnistage client "Hello" --target {stack.gateway_address}')
         while not stop.wait(0.5):
-            dead = [c for c in stack.children if c.proc.poll() is not None]
+            dead = stack.dead()
             if dead:
-                typer.echo(f"error: {dead[0].name} at {dead[0].address} exited; stopping", err=True)
+                c = dead[0]
+                reason = c.last_log_line() if (c.proc.returncode or 0) > 0 else ""  # a signal leaves no reason
+                why = f": {reason}" if reason else ""
+                typer.echo(f"error: {c.role} at {c.address} (pid {c.proc.pid}) {c.status()}{why} (log: {c.log}); "
+                           "stopping the stack", err=True)  # fmt: skip
+                typer.echo("\n".join(stack.status_lines()), err=True)
+                code = 1
                 break
     finally:
         typer.echo("stopping ...")
         stack.stop()
+    raise typer.Exit(code)
 
 
 @app.command("stage")
@@ -135,37 +292,58 @@ def stage(
     name: Annotated[str, typer.Argument(help="thinker, talker or code2wav")],
     port: Annotated[int, typer.Option("--port", help="Port to listen on.")],
     downstream: Annotated[str | None, typer.Option("--downstream", help="gRPC target of the next stage.")] = None,
-    config: ConfigOpt = None,
+    model_arg: ModelArg = None,
     model: ModelOpt = None,
+    config: ConfigOpt = None,
     host: HostOpt = None,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    served_model_name: NameOpt = None,
+    max_model_len: MaxLenOpt = None,
+    log_level: LogLevelOpt = LogLevel.info,
+    log_format: LogFormatOpt = LogFormat.text,
 ) -> None:
     """Run one stage service (what compose and Kubernetes run)."""
+    from omnistage.cli.logs import setup_logging
     from omnistage.cli.serve import resolve_model
     from omnistage.server.process import run_stage
     from omnistage.topology import STAGES
 
-    if name not in STAGES:
-        typer.echo(f"error: unknown stage {name!r}; expected one of {', '.join(STAGES)}", err=True)
-        raise typer.Exit(2)
-    cfg = _load_cfg(config, {})
-    run_stage(name, cfg, resolve_model(cfg, model), host or cfg.host, port, downstream)  # type: ignore[arg-type]
+    setup_logging(f"{name}:{port}", log_level.value, log_format.value)
+    with _errors(log_level.value, interrupted_code=0):
+        if name not in STAGES:
+            typer.echo(f"error: unknown stage {name!r}; expected one of {', '.join(STAGES)}", err=True)
+            raise typer.Exit(2)
+        overrides = {**_stage_overrides((name,), dtype, device), "served_model_name": served_model_name,
+                     "max_model_len": max_model_len}  # fmt: skip
+        cfg = _load_cfg(config, overrides)
+        run_stage(name, cfg, resolve_model(cfg, model_arg or model), host or cfg.host, port, downstream)
 
 
 @app.command("gateway")
 def gateway(
     thinker: Annotated[str, typer.Option("--thinker", help="gRPC target of the thinker stage.")],
     port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 50051,
-    config: ConfigOpt = None,
+    model_arg: ModelArg = None,
     model: ModelOpt = None,
+    config: ConfigOpt = None,
     host: HostOpt = None,
+    served_model_name: NameOpt = None,
+    max_model_len: MaxLenOpt = None,
+    log_level: LogLevelOpt = LogLevel.info,
+    log_format: LogFormatOpt = LogFormat.text,
 ) -> None:
     """Run the gateway (gRPC Gateway.Generate) in front of a thinker target."""
     from gateway.server import run_gateway
+    from omnistage.cli.logs import setup_logging
     from omnistage.cli.serve import resolve_model
     from omnistage.models import open_checkpoint
 
-    cfg = _load_cfg(config, {})
-    run_gateway(cfg, open_checkpoint(resolve_model(cfg, model)), host or cfg.host, port, thinker)
+    setup_logging(f"gateway:{port}", log_level.value, log_format.value)
+    with _errors(log_level.value, interrupted_code=0):
+        cfg = _load_cfg(config, {"served_model_name": served_model_name, "max_model_len": max_model_len})
+        ckpt = open_checkpoint(resolve_model(cfg, model_arg or model))
+        run_gateway(cfg, ckpt, host or cfg.host, port, thinker)
 
 
 @app.command("client")
@@ -174,13 +352,19 @@ def client(
     target: Annotated[str, typer.Option("--target", help="Gateway HOST:PORT.")] = "localhost:50051",
     out: Annotated[Path, typer.Option("--out", help="WAV file to write.")] = Path("reply.wav"),
     no_audio: Annotated[bool, typer.Option("--no-audio", help="Text only (the talker is not used).")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print ids, timings and audio length as JSON.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print request id, text, ids, timings as JSON.")] = False,
+    system: Annotated[str | None, typer.Option("--system", help="A system message before the prompt.")] = None,
+    speaker: Annotated[str, typer.Option("--speaker", help="Voice (default: the model's).")] = "",
+    temperature: Annotated[
+        float | None, typer.Option("--temperature", help="Sample the text at this temperature (default: greedy).")
+    ] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="Seed for sampled text.")] = None,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Thinker token limit.")] = None,
     max_frames: Annotated[int | None, typer.Option("--max-frames", help="Talker code-0 limit.")] = None,
-    mode: Annotated[str | None, typer.Option("--mode", help="async_chunk or full_payload")] = None,
+    mode: Annotated[Mode | None, typer.Option("--mode", help="Edge mode between stages.")] = None,
     timeout: Annotated[float | None, typer.Option("--timeout", help="Deadline in seconds.")] = None,
 ) -> None:
-    """Send one request to the gateway: print text as it streams, write a 24 kHz WAV."""
+    """Send one request to the gateway: print text as it streams, write a WAV."""
     import asyncio
 
     import grpc
@@ -191,27 +375,33 @@ def client(
         reply = asyncio.run(generate(
             target, prompt, on_text=None if as_json else (lambda t: typer.echo(t, nl=False)),
             want_audio=not no_audio, thinker_max_tokens=max_tokens, talker_max_tokens=max_frames,
-            greedy=True, mode=mode, timeout=timeout,
-        ))
+            greedy=True, mode=mode.value if mode else None, timeout=timeout, system=system, speaker=speaker,
+            temperature=temperature, seed=seed,
+        ))  # fmt: skip
     except grpc.aio.AioRpcError as e:
         typer.echo(f"\nerror: {e.code().name}: {e.details()}", err=True)
         raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        typer.echo("\ninterrupted", err=True)
+        raise typer.Exit(130) from None
     if not no_audio:
         write_wav(str(out), reply.pcm, reply.sample_rate)
-    summary = {
-        "token_ids": reply.token_ids, "ttft_s": reply.ttft_s, "ttfa_s": reply.ttfa_s, "e2e_s": reply.e2e_s,
-        "usage": reply.usage, "timings": reply.timings, "audio_samples": int(reply.pcm.shape[0]),
-        "audio_seconds": reply.pcm.shape[0] / reply.sample_rate, "wav": None if no_audio else str(out),
-    }
+    seconds = reply.pcm.shape[0] / reply.sample_rate if reply.sample_rate else 0.0
+    summary: dict[str, Any] = {
+        "request_id": reply.request_id, "text": reply.text, "token_ids": reply.token_ids, "ttft_s": reply.ttft_s,
+        "ttfa_s": reply.ttfa_s, "e2e_s": reply.e2e_s, "usage": reply.usage, "timings": reply.timings,
+        "audio_samples": int(reply.pcm.shape[0]), "audio_seconds": seconds, "wav": None if no_audio else str(out),
+    }  # fmt: skip
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
-    else:
-        typer.echo("")
-        ttft, ttfa = reply.ttft_s, reply.ttfa_s
-        typer.echo(f"time to first token: {ttft * 1000:.0f} ms" if ttft is not None else "no text")
-        if not no_audio:
-            typer.echo(f"time to first audio: {ttfa * 1000:.0f} ms" if ttfa is not None else "no audio")
-            typer.echo(f"wrote {out} ({summary['audio_seconds']:.2f} s at 24 kHz)")
+        return
+    typer.echo("")
+    ttft, ttfa = reply.ttft_s, reply.ttfa_s
+    typer.echo(f"request id: {reply.request_id}")
+    typer.echo(f"time to first token: {ttft * 1000:.0f} ms" if ttft is not None else "no text")
+    if not no_audio:
+        typer.echo(f"time to first audio: {ttfa * 1000:.0f} ms" if ttfa is not None else "no audio")
+        typer.echo(f"wrote {out} ({seconds:.2f} s at {reply.sample_rate} Hz)")
 
 
 @app.command("demo")
@@ -228,15 +418,24 @@ def demo(
     from omnistage.config import DeployConfig
     from services.pipeline import AudioEvent, InProcessPipeline, PipelineRequest, TextEvent
 
-    pipe = InProcessPipeline(resolve_model(DeployConfig(), model))
-    req = PipelineRequest(pipe.prompt_ids(prompt), pipe.thinker_defaults().with_overrides(max_tokens=64))
-    pcm = []
-    for ev in pipe.run(req):
-        if isinstance(ev, TextEvent):
-            typer.echo(ev.text, nl=False)
-        elif isinstance(ev, AudioEvent):
-            pcm.append(ev.pcm.numpy())
+    with _errors():
+        pipe = InProcessPipeline(resolve_model(DeployConfig(), model))
+        req = PipelineRequest(pipe.prompt_ids(prompt), pipe.thinker_defaults().with_overrides(max_tokens=64))
+        pcm = []
+        for ev in pipe.run(req):
+            if isinstance(ev, TextEvent):
+                typer.echo(ev.text, nl=False)
+            elif isinstance(ev, AudioEvent):
+                pcm.append(ev.pcm.numpy())
     audio = np.concatenate(pcm) if pcm else np.zeros(0, np.float32)
     rate = pipe.checkpoint.sample_rate
     write_wav(str(out), audio, rate)
     typer.echo(f"\nwrote {out} ({audio.shape[0] / rate:.2f} s at {rate} Hz)")
+
+
+def run() -> None:
+    """The console script: typer's app, with Ctrl-C before any command runs kept quiet."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)

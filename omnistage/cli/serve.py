@@ -1,16 +1,20 @@
 """`omnistage serve`: the whole stack as local processes on loopback, same topology as
 production: one process per stage replica plus the gateway.
 
+Before starting anything it checks that every port the stack needs (gRPC and metrics) is free.
 Children are started in dependency order (code2wav, talker, thinker, gateway) with each
 upstream pointed at its downstream's replicas as an `ipv4:` address list (round_robin), and
-the parent waits until every one answers grpc.health.v1 SERVING. Children get SIGTERM (drain)
-when the parent stops and die with it if it is killed (PR_SET_PDEATHSIG), so no orphans.
+the parent waits until every one answers grpc.health.v1 SERVING. Each child logs into the run
+folder (`<name>-<i>.log`), which also keeps the effective deploy config the children read.
+Children get SIGTERM (drain) when the parent stops and die with it if it is killed
+(PR_SET_PDEATHSIG), so no orphans.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +25,7 @@ from pathlib import Path
 from types import TracebackType
 
 from omnistage.config import DeployConfig
-from omnistage.server.grpc_common import check
+from omnistage.server.grpc_common import PortTaken, check, port_free
 from omnistage.topology import PIPELINE
 
 
@@ -54,14 +58,33 @@ def default_model_dir() -> Path:
     return target
 
 
+class ModelNotLocal(ValueError):
+    """A model that is not a local checkpoint directory (omnistage never downloads)."""
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
 def resolve_model(cfg: DeployConfig, model: str | None = None) -> Path:
-    """--model, then the config's `model`, then $OMNISTAGE_MODEL when it holds a checkpoint
-    (the image sets it to an empty mount point when serving the tiny model), then tiny."""
+    """MODEL / --model, then the config's `model`, then $OMNISTAGE_MODEL when it holds a
+    checkpoint (the image sets it to an empty mount point when serving the tiny model), then
+    the built-in tiny checkpoint. A name that is not a local directory is refused clearly."""
     chosen = model or cfg.model
     env = os.environ.get("OMNISTAGE_MODEL")
     if not chosen and env and (Path(env) / "config.json").is_file():
         chosen = env
-    return Path(chosen) if chosen else default_model_dir()
+    if not chosen:
+        return default_model_dir()
+    path = Path(chosen).expanduser()
+    if not path.is_dir():
+        if _HUB_ID.match(chosen) and not path.exists():
+            raise ModelNotLocal(
+                f"model {chosen!r} is not a local directory, and omnistage never downloads weights: fetch it once "
+                f"(e.g. `huggingface-cli download {chosen} --local-dir ./{chosen.split('/')[-1]}`) and pass that "
+                "directory"
+            )
+        raise ModelNotLocal(f"checkpoint directory not found: {path}")
+    return path
 
 
 PARENT_PID_ENV = "OMNISTAGE_PARENT_PID"
@@ -91,27 +114,61 @@ def die_with_parent_if_asked() -> None:
 
 @dataclass
 class Child:
-    name: str
+    name: str  # stage or "gateway"
+    index: int  # replica
     address: str
     proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def role(self) -> str:
+        return f"{self.name}[{self.index}]"
+
+    def status(self) -> str:
+        code = self.proc.poll()
+        if code is None:
+            return "running"
+        return f"exited with code {code}" + (f" ({signal.Signals(-code).name})" if code < 0 else "")
+
+    def last_log_line(self) -> str:
+        """The last line of its log that says something (the reason it stopped, usually)."""
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return next((line.strip() for line in reversed(lines) if line.strip()), "")
+
+
+class StartupError(RuntimeError):
+    """The stack could not start; the message says which process and why."""
 
 
 @dataclass
 class Stack:
     cfg: DeployConfig
     model_dir: Path
+    run_dir: Path
     children: list[Child] = field(default_factory=list)
-    log_dir: Path | None = None
 
     @property
     def gateway_address(self) -> str:
         return f"{self.cfg.host}:{self.cfg.gateway.port}"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.run_dir
 
     def addresses(self, name: str) -> list[str]:
         return [c.address for c in self.children if c.name == name]
 
     def child(self, name: str, index: int = 0) -> Child:
         return [c for c in self.children if c.name == name][index]
+
+    def dead(self) -> list[Child]:
+        return [c for c in self.children if c.proc.poll() is not None]
+
+    def status_lines(self) -> list[str]:
+        return [f"  {c.role:<12} {c.address:<22} pid {c.proc.pid:<8} {c.status()}" for c in self.children]
 
     def stop(self, timeout: float = 20.0) -> None:
         for c in reversed(self.children):
@@ -125,7 +182,6 @@ class Stack:
             except subprocess.TimeoutExpired:
                 c.proc.kill()
                 c.proc.wait()
-        self.children.clear()
 
     def __enter__(self) -> Stack:
         return self
@@ -134,40 +190,51 @@ class Stack:
         self.stop()
 
 
-def _spawn(args: list[str], log_path: Path | None, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
-    try:
-        return subprocess.Popen(
-            [sys.executable, "-m", "omnistage.cli", *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=child_env(env),
+def new_run_dir(log_dir: Path | None) -> Path:
+    """`log_dir`, or a fresh folder under the cache for this run."""
+    run = log_dir or cache_dir() / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    run.mkdir(parents=True, exist_ok=True)
+    return run
+
+
+def check_ports(cfg: DeployConfig) -> None:
+    """Refuse to start anything while a port of the stack is taken, naming each one."""
+    taken = [f"{port} ({role})" for port, role in cfg.ports() if not port_free(cfg.host, port)]
+    if taken:
+        raise PortTaken(
+            f"ports taken on {cfg.host}: {', '.join(taken)}; another stack or process listens there "
+            "(move this stack with --port P, or stop the other one)"
         )
-    finally:
-        if log_path and out is not subprocess.DEVNULL:
-            out.close()  # type: ignore[union-attr]
+
+
+def _spawn(args: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    with open(log_path, "ab") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            [sys.executable, "-m", "omnistage.cli", *args], stdout=out, stderr=subprocess.STDOUT, env=child_env(env)
+        )
 
 
 def start_stack(
-    cfg: DeployConfig, model: str | None = None, log_dir: Path | None = None, config_file: Path | None = None
+    cfg: DeployConfig,
+    model: str | None = None,
+    log_dir: Path | None = None,
+    *,
+    log_level: str = "info",
+    log_format: str = "text",
 ) -> Stack:
     """Start every process and wait until all are healthy; raises (after cleanup) if one fails."""
-    model_dir = resolve_model(cfg, model)
+    from omnistage.config import dump_config
     from omnistage.models import open_checkpoint
 
+    model_dir = resolve_model(cfg, model)
     open_checkpoint(model_dir)  # fail here, with the checkpoint's problem, not in N children
-    stack = Stack(cfg=cfg, model_dir=model_dir, log_dir=log_dir)
+    check_ports(cfg)
+    stack = Stack(cfg=cfg, model_dir=model_dir, run_dir=new_run_dir(log_dir))
+    cfg_path = stack.run_dir / "omnistage.yaml"  # what the children read, kept with their logs
+    cfg_path.write_text(dump_config(cfg))
     env = dict(os.environ)
-    cfg_path = config_file
-    tmp_cfg = None
-    if cfg_path is None:
-        from omnistage.config import dump_config
-
-        fd, name = tempfile.mkstemp(prefix="omnistage-", suffix=".yaml")
-        with os.fdopen(fd, "w") as f:
-            f.write(dump_config(cfg))
-        cfg_path = tmp_cfg = Path(name)
-    common = ["--config", str(cfg_path), "--model", str(model_dir), "--host", cfg.host]
+    common = ["--config", str(cfg_path), "--model", str(model_dir), "--host", cfg.host,
+              "--log-level", log_level, "--log-format", log_format]  # fmt: skip
     try:
         for definition in reversed(PIPELINE):  # downstream first: each upstream finds its target up
             name = definition.name
@@ -176,18 +243,15 @@ def start_stack(
                 args = ["stage", name, "--port", str(port), *common]
                 if downstream:
                     args += ["--downstream", downstream]
-                log_path = log_dir / f"{name}-{i}.log" if log_dir else None
-                stack.children.append(Child(name, f"{cfg.host}:{port}", _spawn(args, log_path, env)))
+                log_path = stack.run_dir / f"{name}-{i}.log"
+                stack.children.append(Child(name, i, f"{cfg.host}:{port}", _spawn(args, log_path, env), log_path))
         args = ["gateway", "--port", str(cfg.gateway.port), "--thinker", cfg.stage_target("thinker"), *common]
-        log_path = log_dir / "gateway.log" if log_dir else None
-        stack.children.append(Child("gateway", stack.gateway_address, _spawn(args, log_path, env)))
+        log_path = stack.run_dir / "gateway-0.log"
+        stack.children.append(Child("gateway", 0, stack.gateway_address, _spawn(args, log_path, env), log_path))
         _wait_healthy(stack, cfg.timeouts.startup_timeout_s)
     except BaseException:
         stack.stop()
         raise
-    finally:
-        if tmp_cfg is not None:  # every child read it before it became healthy
-            tmp_cfg.unlink(missing_ok=True)
     return stack
 
 
@@ -196,14 +260,17 @@ def _wait_healthy(stack: Stack, timeout: float) -> None:
     pending = list(stack.children)
     while pending:
         for c in list(pending):
-            code = c.proc.poll()
-            if code is not None:
-                where = f" (see {stack.log_dir}/)" if stack.log_dir else ""
-                raise RuntimeError(f"{c.name} at {c.address} exited with code {code} during start-up{where}")
+            if c.proc.poll() is not None:
+                reason = c.last_log_line()
+                raise StartupError(
+                    f"{c.role} at {c.address} {c.status()} during start-up"
+                    + (f": {reason}" if reason else "")
+                    + f" (log: {c.log})"
+                )
             if check(c.address, timeout=1.0):
                 pending.remove(c)
         if pending and time.monotonic() > deadline:
-            names = ", ".join(f"{c.name}@{c.address}" for c in pending)
-            raise TimeoutError(f"not healthy after {timeout:.0f} s: {names}")
+            names = ", ".join(f"{c.role}@{c.address} (log: {c.log})" for c in pending)
+            raise StartupError(f"not healthy after {timeout:.0f} s: {names}")
         if pending:
             time.sleep(0.2)

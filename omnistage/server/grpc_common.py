@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -20,11 +21,14 @@ from omnistage.wire.wire_view import parse_request, parse_response, serialize
 __all__ = [
     "STAGE_SERVICE",
     "HealthState",
+    "PortTaken",
     "add_stage_servicer",
+    "bind",
     "channel_options",
     "check",
     "grpc_code",
     "new_server",
+    "port_free",
     "stage_stream",
     "wait_for_signal",
 ]
@@ -48,8 +52,40 @@ def grpc_code(code: Code) -> grpc.StatusCode:
 
 
 def new_server(max_message_bytes: int, extra: Iterable[tuple[str, Any]] = ()) -> grpc.aio.Server:
-    """A grpc.aio server (create it inside the running event loop) with our message limits."""
-    return grpc.aio.server(options=[*channel_options(max_message_bytes)[:2], *extra])
+    """A grpc.aio server (create it inside the running event loop) with our message limits.
+    It binds exclusively: gRPC's default SO_REUSEPORT would let a second stack bind the same
+    ports and the kernel split the traffic between the two."""
+    return grpc.aio.server(options=[*channel_options(max_message_bytes)[:2], ("grpc.so_reuseport", 0), *extra])
+
+
+class PortTaken(OSError):
+    """A port this process must listen on is taken; the message names the port and the role."""
+
+
+def port_free(host: str, port: int) -> bool:
+    """Can a listener bind `host:port` now (no other process listening there)?"""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # ignore TIME_WAIT leftovers, as servers do
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def bind(server: grpc.aio.Server, host: str, port: int, role: str) -> int:
+    """Listen on `host:port`, or raise `PortTaken` naming the port and `role`."""
+    taken = PortTaken(f"{role}: cannot listen on {host}:{port}: the port is taken by another process")
+    if not port_free(host, port):
+        raise taken
+    try:
+        bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    except RuntimeError:
+        raise taken from None
+    if bound == 0:
+        raise taken
+    return bound
 
 
 class HealthState:

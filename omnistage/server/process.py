@@ -12,14 +12,15 @@ import torch
 from omnistage.config import DeployConfig
 from omnistage.engine import Engine
 from omnistage.models import open_checkpoint
-from omnistage.server.metrics import start_metrics_server
+from omnistage.server.metrics import serve_metrics, stage_metrics
 from omnistage.server.stage_server import StageServer, StageService
 from omnistage.topology import stage_def
 from services.edges import edge_mode
 
+log = logging.getLogger(__name__)
+
 
 def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: int, downstream: str | None) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name}:{port} %(levelname)s %(message)s")
     definition = stage_def(name)
     stage_cfg = cfg.stage(name)
     torch.set_num_threads(stage_cfg.threads)
@@ -37,7 +38,7 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
     )
     service = StageService(
         engine,
-        model_name=str(model_dir),
+        model_name=cfg.served_model_name or model_dir.name,
         arch=(ckpt.config.architectures or [ckpt.family.display_name])[0],
         device=stage_cfg.device,
         dtype=stage_cfg.dtype,
@@ -48,11 +49,13 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
         shm=cfg.shm,
     )
     server = StageServer(service, host, port, cfg.timeouts.drain_grace_s)
-    start_metrics_server(name, engine.load)
+    metrics_port = cfg.metrics_port(port)
 
     async def main() -> None:
         bound = await server.start()
-        logging.getLogger(__name__).info("%s serving on %s:%d", name, host, bound)
+        if metrics_port is not None:
+            serve_metrics(stage_metrics(name, engine.load), host, metrics_port, f"{name} at {host}:{port}")
+        log.info("%s serving on %s:%d (metrics on %s)", name, host, bound, metrics_port or "off")
         await server.serve_forever()
 
     asyncio.run(main())

@@ -27,6 +27,7 @@ from omnistage.server.grpc_common import (
     STAGE_SERVICE,
     HealthState,
     add_stage_servicer,
+    bind,
     channel_options,
     drain,
     grpc_code,
@@ -330,9 +331,7 @@ class StageServer:
         )
         add_stage_servicer(self.service, self.server)
         self.health = HealthState(self.server, (STAGE_SERVICE,))
-        port = self.server.add_insecure_port(f"{self.host}:{self.port}")
-        if port == 0:
-            raise OSError(f"{self.service.stage}: cannot listen on {self.host}:{self.port}")
+        port = bind(self.server, self.host, self.port, self.service.stage)
         await self.server.start()
         await self.health.set(True)
         return port

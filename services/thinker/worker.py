@@ -19,14 +19,15 @@ _REASONS = {"stop_id": FinishReason.STOP, "max_tokens": FinishReason.LENGTH}
 class ThinkerWorker(StageWorker):
     name = "thinker"
 
-    def __init__(self, thinker: Any, defaults: SamplingParams) -> None:
+    def __init__(self, thinker: Any, defaults: SamplingParams, max_model_len: int | None = None) -> None:
         self.thinker = thinker  # the family's thinker (e.g. omnistage/models/qwen3_omni/thinker.py)
         self.spec = thinker.spec
         self.defaults = defaults
+        self._max_model_len = min(int(self.spec.max_positions), max_model_len or 1 << 62)
 
     def open(self, req: Request) -> None:
         start: stage_pb2.Start = req.params
-        req.state = self.thinker.new_state(edges.sampling(self.name, start, self.defaults))
+        req.state = self.thinker.new_state(edges.sampling(self.name, start, self.defaults), self._max_model_len)
 
     def feed(self, req: Request, chunk: DecodedChunk) -> None:
         prompt = edges.read_prompt(self.name, chunk)
@@ -37,13 +38,15 @@ class ThinkerWorker(StageWorker):
 
     def demand(self, req: Request) -> tuple[int, int] | None:
         state = req.state
-        return (len(state.prompt_ids), state.sampling.max_tokens) if state.prompt_ids else None
+        if not state.prompt_ids:
+            return None
+        return len(state.prompt_ids), min(state.sampling.max_tokens, state.max_len - len(state.prompt_ids))
 
     def ready(self, req: Request) -> bool:
         return req.input_finished and bool(req.state.prompt_ids) and not req.state.finished
 
     def max_model_len(self) -> int:
-        return int(self.spec.max_positions)
+        return self._max_model_len
 
     def capacity(self) -> dict[str, int]:
         return {"max_model_len": self.max_model_len()}
@@ -77,4 +80,5 @@ class ThinkerWorker(StageWorker):
 
 def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> ThinkerWorker:
     stage = cfg.stage("thinker")
-    return ThinkerWorker(ckpt.family.thinker(ckpt, stage.dtype, stage.device), ckpt.family.thinker_defaults(ckpt))
+    thinker = ckpt.family.thinker(ckpt, stage.dtype, stage.device)
+    return ThinkerWorker(thinker, ckpt.family.thinker_defaults(ckpt), cfg.max_model_len)

@@ -79,7 +79,7 @@ def test_compose_and_k8s_run_the_same_processes(gpu_cfg: DeployConfig) -> None:
         assert container["startupProbe"]["grpc"]["port"] == port
         assert container["readinessProbe"]["grpc"]["port"] == port
         assert container["livenessProbe"]["grpc"]["port"] == port
-        assert {"name": "metrics", "containerPort": 9100, "protocol": "TCP"} in container["ports"]
+        assert {"name": "metrics", "containerPort": port + 1000, "protocol": "TCP"} in container["ports"]
         assert compose[name]["healthcheck"]["test"][-3] == f"127.0.0.1:{port}"
     # the chain: gateway -> thinker -> talker -> code2wav, by DNS name
     assert "dns:///thinker:7101" in compose["gateway"]["command"]

@@ -13,27 +13,22 @@ import pytest
 
 from omnistage.cli.serve import Stack, start_stack
 from omnistage.config import DeployConfig, parse_config
+from omnistage.server.grpc_common import port_free
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from omnistage.wire.tensor_blob import ChunkAssembler, encode_chunk
 
 
-def free_port_block(n: int) -> int:
-    """A base port with n consecutive free ports on 127.0.0.1 (bounded search)."""
+def free_port_block(n: int, metrics_offset: int = 1000) -> int:
+    """A base port with n consecutive free ports on 127.0.0.1, and free at `metrics_offset`
+    above each too (every process serves metrics there); bounded search."""
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             base = s.getsockname()[1]
-        if base + n >= 65535:
+        if base + n + metrics_offset >= 65535:
             continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
+        wanted = [*range(base, base + n), *range(base + metrics_offset, base + metrics_offset + n)]
+        if all(port_free("127.0.0.1", p) for p in wanted):
             return base
     raise RuntimeError("no free port block on 127.0.0.1")
 

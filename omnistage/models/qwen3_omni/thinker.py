@@ -49,6 +49,7 @@ class ThinkerState:
 
     sampling: SamplingParams
     chooser: TokenChooser
+    max_len: int  # prompt + generated tokens it may reach (the model's positions, or less)
     prompt_ids: list[int] = field(default_factory=list)  # empty until the prompt arrives
     cache: Any = None
     history: list[int] = field(default_factory=list)  # prompt then generated ids (repetition penalty)
@@ -74,25 +75,27 @@ class Thinker:
         self.embedding = model.get_input_embeddings()
         self.batching = ExactBatching(model, row_modules)
 
-    def validate_prompt(self, prompt_ids: Sequence[int]) -> None:
+    def validate_prompt(self, prompt_ids: Sequence[int], max_len: int | None = None) -> None:
         """Refuse a prompt before any model work: empty, too long, or out of vocabulary."""
+        limit = min(self.spec.max_positions, max_len or self.spec.max_positions)
         if not prompt_ids:
             raise ValueError("empty prompt: nothing to generate from")
-        if len(prompt_ids) >= self.spec.max_positions:
-            raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens exceeds the model maximum of {self.spec.max_positions - 1}"
-            )
+        if len(prompt_ids) >= limit:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds the model maximum of {limit - 1}")
         bad = [i for i in prompt_ids if not 0 <= i < self.spec.thinker_vocab]
         if bad:
             raise ValueError(f"prompt ids outside the vocabulary (0..{self.spec.thinker_vocab - 1}): {bad[:8]}")
 
-    def new_state(self, sampling: SamplingParams) -> ThinkerState:
-        return ThinkerState(sampling, TokenChooser(sampling, device=str(self.device)))
+    def new_state(self, sampling: SamplingParams, max_len: int | None = None) -> ThinkerState:
+        """`max_len`: a cap below the model's positions on prompt + generated tokens (it stops
+        there as at max_tokens)."""
+        limit = min(self.spec.max_positions, max_len or self.spec.max_positions)
+        return ThinkerState(sampling, TokenChooser(sampling, device=str(self.device)), limit)
 
     def set_prompt(self, state: ThinkerState, prompt_ids: Sequence[int]) -> None:
         if state.prompt_ids:
             raise ValueError("the prompt was already received")
-        self.validate_prompt(prompt_ids)
+        self.validate_prompt(prompt_ids, state.max_len)
         state.prompt_ids = list(prompt_ids)
 
     def _emit(self, state: ThinkerState, logits: torch.Tensor, hidden_row: torch.Tensor) -> TokenOutput:
@@ -102,7 +105,7 @@ class Thinker:
         stopped_on = None
         if state.chooser.is_stop(token):
             stopped_on = "stop_id"
-        elif state.generated >= state.sampling.max_tokens or len(state.history) >= self.spec.max_positions:
+        elif state.generated >= state.sampling.max_tokens or len(state.history) >= state.max_len:
             stopped_on = "max_tokens"
         state.finished = stopped_on is not None
         embed = self.embedding(torch.tensor([token], device=self.device))[0]

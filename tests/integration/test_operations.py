@@ -1,0 +1,223 @@
+"""First run and day-two operations, on `omnistage` processes started as a user starts them:
+exclusive ports and a second stack refused at once, the default deploy file honoured, metrics
+on every process, honest health and exit codes, request ids and the access log."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from omnistage.config import PORT_STRIDE
+from omnistage.server.grpc_common import health_status, port_free
+from tests.integration.conftest import free_port_block, info, run
+
+REPO = Path(__file__).resolve().parents[2]
+STARTUP_S = 240
+
+
+def omnistage(*args: str, cwd: Path | None = None, **kw: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "omnistage.cli", *args], cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)  # fmt: skip
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def wait_serving(proc: subprocess.Popen[str], address: str) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"serve exited with {proc.returncode}: {proc.stdout.read() if proc.stdout else ''}")
+        if health_status(address, 1.0) == "SERVING":
+            return
+        time.sleep(0.5)
+    raise AssertionError("stack did not come up")
+
+
+def stack_ports(base: int) -> dict[str, int]:
+    return {"gateway": base, "thinker": base + PORT_STRIDE, "talker": base + 2 * PORT_STRIDE,
+            "code2wav": base + 3 * PORT_STRIDE}  # fmt: skip
+
+
+def free_layout() -> int:
+    """A base port whose whole --port layout (gRPC and metrics) is free."""
+    for _ in range(50):
+        base = free_port_block(1)
+        ports = [*stack_ports(base).values()]
+        if base + 3 * PORT_STRIDE + 1000 < 65000 and all(port_free("127.0.0.1", p) for p in ports + [
+            p + 1000 for p in ports
+        ]):  # fmt: skip
+            return base
+    raise RuntimeError("no free port layout")
+
+
+@pytest.fixture(scope="module")
+def user_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding a changed deploy/omnistage.yaml, as a user's checkout would."""
+    d = tmp_path_factory.mktemp("checkout")
+    data = yaml.safe_load((REPO / "deploy" / "omnistage.yaml").read_text())
+    data["served_model_name"] = "from-the-yaml"
+    data["thinker"]["max_num_seqs"] = 3
+    (d / "deploy").mkdir()
+    (d / "deploy" / "omnistage.yaml").write_text(yaml.safe_dump(data))
+    return d
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir: Path, user_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    base = free_layout()
+    run_dir = tmp_path_factory.mktemp("run")
+    proc = omnistage("serve", str(tiny_dir), "--port", str(base), "--log-dir", str(run_dir), "--log-format", "json",
+                     cwd=user_dir)  # fmt: skip
+    try:
+        wait_serving(proc, f"127.0.0.1:{base}")
+        yield {"proc": proc, "base": base, "run_dir": run_dir, "ports": stack_ports(base)}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            finish(proc)
+
+
+def test_the_default_deploy_file_is_read_and_flags_override_it(served: dict[str, Any]) -> None:
+    thinker = run(info(f"127.0.0.1:{served['ports']['thinker']}"))
+    assert thinker.model == "from-the-yaml"  # from deploy/omnistage.yaml under the current directory
+    assert thinker.capacity.max_num_seqs == 3
+    assert served["ports"]["thinker"] == served["base"] + PORT_STRIDE  # --port moved every stage
+
+
+def test_a_second_stack_on_taken_ports_fails_at_once_and_the_first_serves_alone(
+    served: dict[str, Any], tiny_dir: Path
+) -> None:
+    t0 = time.monotonic()
+    code, out = finish(omnistage("serve", str(tiny_dir), "--port", str(served["base"]),
+                                 "--served-model-name", "second"), timeout=60)  # fmt: skip
+    assert code == 1, out
+    assert time.monotonic() - t0 < 30  # refused before any child started
+    assert f"{served['ports']['thinker']} (thinker[0])" in out and "taken" in out
+    assert "Traceback" not in out
+    models = {run(info(f"127.0.0.1:{served['ports']['thinker']}")).model for _ in range(20)}
+    assert models == {"from-the-yaml"}
+    assert health_status(f"127.0.0.1:{served['base']}") == "SERVING"
+
+
+def test_every_process_serves_its_metrics(served: dict[str, Any]) -> None:
+    for name, port in served["ports"].items():
+        with urllib.request.urlopen(f"http://127.0.0.1:{port + 1000}/metrics", timeout=10) as r:
+            body = r.read().decode()
+        assert ("omnistage_gateway_" if name == "gateway" else "omnistage_stage_queue_depth") in body, name
+
+
+def test_client_json_has_the_text_and_request_id_and_the_access_log_has_a_line(
+    served: dict[str, Any], tmp_path: Path
+) -> None:
+    code, out = finish(omnistage("client", "Hello", "--target", f"127.0.0.1:{served['base']}", "--json",
+                                 "--max-tokens", "6", "--max-frames", "6", "--out", str(tmp_path / "r.wav"),
+                                 "--speaker", "chelsie", "--system", "Be brief."))  # fmt: skip
+    assert code == 0, out
+    reply = json.loads(out[out.index("{") :])
+    assert reply["request_id"] and isinstance(reply["text"], str) and len(reply["token_ids"]) == 6
+    log_path = served["run_dir"] / "gateway-0.log"
+    deadline = time.monotonic() + 10
+    lines: list[dict[str, Any]] = []
+    while time.monotonic() < deadline and not lines:
+        records = [json.loads(x) for x in log_path.read_text().splitlines() if x.startswith("{")]
+        lines = [r for r in records if r.get("request_id") == reply["request_id"]]
+        time.sleep(0.2)
+    assert lines, "no access-log line for the request"
+    entry = lines[0]
+    assert entry["logger"] == "omnistage.access" and entry["outcome"] == "ok"
+    assert entry["completion_tokens"] == 6 and entry["ttft_ms"] is not None and entry["e2e_ms"] >= entry["ttft_ms"]
+
+
+def test_health_prints_each_service(served: dict[str, Any]) -> None:
+    targets = [arg for p in served["ports"].values() for arg in ("--target", f"127.0.0.1:{p}")]
+    code, out = finish(omnistage("health", *targets))
+    assert code == 0
+    assert out.count("SERVING") == 4
+    code, out = finish(omnistage("health", "--target", "127.0.0.1:1", "--timeout", "0.5"))
+    assert code == 1 and "UNAVAILABLE" in out
+
+
+def test_a_dead_child_is_reported_with_every_status_and_a_failing_exit(served: dict[str, Any]) -> None:
+    """Runs last in this module: it ends the stack."""
+    proc = served["proc"]
+    talker = subprocess.run(["pgrep", "-f", f"stage talker --port {served['ports']['talker']}"],
+                            capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    os.kill(int(talker[0]), signal.SIGKILL)
+    code, out = finish(proc, timeout=60)
+    assert code == 1
+    assert "talker[0]" in out and "SIGKILL" in out and "stopping the stack" in out
+    assert out.count("running") >= 1  # the status of every child
+
+
+def test_gateway_is_not_serving_while_its_thinker_is_unreachable(tiny_dir: Path) -> None:
+    port = free_port_block(1)
+    dead_thinker = free_port_block(1)
+    proc = omnistage("gateway", str(tiny_dir), "--port", str(port), "--thinker", f"127.0.0.1:{dead_thinker}")
+    try:
+        deadline = time.monotonic() + 60
+        status = ""
+        while time.monotonic() < deadline:
+            status = health_status(f"127.0.0.1:{port}", 1.0)
+            if status in ("SERVING", "NOT_SERVING"):
+                break
+            time.sleep(0.3)
+        time.sleep(2.5)  # a few polls of the thinker
+        assert health_status(f"127.0.0.1:{port}", 1.0) == "NOT_SERVING"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        finish(proc)
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "needle"),
+    [
+        (["client", "hi", "--mode", "bogus"], 2, "'bogus' is not one of"),
+        (["serve", "/no/such/checkpoint"], 2, "checkpoint directory not found"),
+        (["serve", "Qwen/Qwen3-Omni-30B-A3B-Instruct"], 2, "never downloads"),
+        (["serve", "--log-level", "loud"], 2, "'loud' is not one of"),
+        (["serve", "--config", "MISSING.yaml"], 2, "deploy config not found"),
+        (["serve", "--replicas", "talker=two"], 2, "--replicas: talker count must be an integer"),
+        (["stage", "nobody", "--port", "1"], 2, "unknown stage 'nobody'"),
+    ],
+)
+def test_bad_arguments_fail_with_one_line_and_a_usage_exit_code(args: list[str], code: int, needle: str) -> None:
+    got, out = finish(omnistage(*args))
+    assert got == code, out
+    assert needle in out
+    assert "Traceback" not in out
+
+
+def test_a_bad_config_field_is_named(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("thinker:\n  max_num_seqs: 0\n  mystery: 1\n")
+    got, out = finish(omnistage("serve", "--config", str(bad)))
+    assert got == 2 and "thinker.max_num_seqs" in out and "thinker.mystery: unknown field" in out
+
+
+def test_ctrl_c_stops_cleanly_during_start_up_and_after(tiny_dir: Path, tmp_path: Path) -> None:
+    base = free_layout()
+    starting = omnistage("serve", str(tiny_dir), "--port", str(base), "--log-dir", str(tmp_path / "a"))
+    time.sleep(3)
+    starting.send_signal(signal.SIGINT)
+    code, out = finish(starting)
+    assert code == 130 and "interrupted" in out and "Traceback" not in out
+    serving = omnistage("serve", str(tiny_dir), "--port", str(base), "--log-dir", str(tmp_path / "b"))
+    wait_serving(serving, f"127.0.0.1:{base}")
+    serving.send_signal(signal.SIGINT)
+    code, out = finish(serving)
+    assert code == 0 and "stopping" in out and "Traceback" not in out
+    assert health_status(f"127.0.0.1:{base}", 1.0) != "SERVING"
