@@ -88,3 +88,16 @@ def test_the_client_does_not_load_torch_or_transformers() -> None:
     code = "import gateway.client, sys; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_client_command_does_not_load_torch_or_transformers() -> None:
+    code = (
+        "import sys\n"
+        "from omnistage.cli.main import app\n"
+        "sys.argv = ['omnistage', 'client', 'x', '--target', '127.0.0.1:1', '--timeout', '0.3', '--no-audio']\n"
+        "try:\n    app()\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert "UNAVAILABLE" in out.stderr  # it did try the (closed) port
