@@ -25,6 +25,16 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_fused_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same checkpoint in the fused in-memory layout (one file, experts fused)."""
+    from omnistage.models.qwen3_omni.tiny import write_tiny_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny-qwen3-omni-fused")
+    write_tiny_checkpoint(out, layout="fused")
+    return out
+
+
+@pytest.fixture(scope="session")
 def pipeline(tiny_dir: Path) -> Any:
     from services.pipeline import InProcessPipeline
 
@@ -51,13 +61,20 @@ class RecordingReference:
         self.model.code2wav.chunked_decode = recording
 
     def generate(
-        self, prompt_ids: list[int], thinker_max: int, talker_max: int, eos_id: int, audio: bool = True
+        self, prompt_ids: list[int], thinker_max: int, talker_max: int, eos_id: int, audio: bool = True,
+        speaker: str | None = None, **inputs: Any,
     ) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
-        """Greedy reference: (generated ids, codes [G, T] or None, wav [samples] or None)."""
+        """Greedy reference: (generated ids, codes [G, T] or None, wav [samples] or None).
+        `speaker`: default the checkpoint's default voice; `inputs`: multimodal model inputs."""
+        from omnistage.models.qwen3_omni.spec import FamilySpec
+
         self.last_codes = None
         ids = torch.tensor([prompt_ids])
+        speaker = speaker or FamilySpec.from_config(self.model.config).default_speaker
         out = self.model.generate(
             input_ids=ids,
+            speaker=speaker,
+            **inputs,
             thinker_max_new_tokens=thinker_max,
             talker_max_new_tokens=talker_max,
             talker_do_sample=False,
@@ -76,6 +93,35 @@ class RecordingReference:
 @pytest.fixture(scope="session")
 def reference(tiny_dir: Path) -> RecordingReference:
     return RecordingReference(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_variant_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another valid checkpoint of the family (omnistage.models.qwen3_omni.tiny.VARIANT): other
+    special ids, widths, code groups, codebook, samples per frame and voices; small shards."""
+    from omnistage.models.qwen3_omni.tiny import VARIANT, write_tiny_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny-qwen3-omni-variant")
+    write_tiny_checkpoint(out, shape=VARIANT, shard_bytes=1 << 20)
+    return out
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tiny_dir: Path, tiny_fused_dir: Path, tiny_variant_dir: Path, pipeline: Any,
+                reference: RecordingReference) -> Any:  # fmt: skip
+    """(pipeline, reference) per checkpoint name, built on first use: 'published' (the default
+    tiny checkpoint), 'fused' (the same weights in the fused layout), 'variant'."""
+    from services.pipeline import InProcessPipeline
+
+    dirs = {"published": tiny_dir, "fused": tiny_fused_dir, "variant": tiny_variant_dir}
+    made: dict[str, Any] = {"published": (pipeline, reference)}
+
+    def get(name: str) -> tuple[Any, RecordingReference]:
+        if name not in made:
+            made[name] = (InProcessPipeline(dirs[name]), RecordingReference(dirs[name]))
+        return made[name]
+
+    return get
 
 
 @pytest.fixture

@@ -41,16 +41,20 @@ def _run(pipeline: Any, prompt_ids: list[int], case: Case, want_audio: bool = Tr
     return list(pipeline.run(req))
 
 
+@pytest.mark.parametrize("checkpoint", ["published", "fused", "variant"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.prompt[:18]}|{c.thinker_stop}/{c.talker_stop}")
-def test_staged_pipeline_matches_generate(pipeline: Any, reference: Any, case: Case) -> None:
+def test_staged_pipeline_matches_generate(checkpoints: Any, case: Case, checkpoint: str) -> None:
+    """On the published layout, the fused layout, and a checkpoint of other sizes and ids."""
+    pipeline, reference = checkpoints(checkpoint)
     prompt_ids = pipeline.prompt_ids(case.prompt, system=case.system)
     eos = pipeline.spec.im_end_id
     ref_ids, ref_codes, ref_wav = reference.generate(prompt_ids, case.thinker_max, case.talker_max, eos)
     assert ref_codes is not None and ref_wav is not None
+    assert ref_codes.shape[0] == pipeline.spec.num_code_groups
 
-    # The case covers the stop conditions it claims to (on the reference side).
-    assert (ref_ids[-1] == eos) == (case.thinker_stop == "eos")
-    assert (ref_codes.shape[1] < case.talker_max - 1) == (case.talker_stop == "eos")
+    if checkpoint != "variant":  # the case covers the stop conditions it claims to (reference side)
+        assert (ref_ids[-1] == eos) == (case.thinker_stop == "eos")
+        assert (ref_codes.shape[1] < case.talker_max - 1) == (case.talker_stop == "eos")
 
     events = _run(pipeline, prompt_ids, case)
     done = events[-1]
@@ -59,8 +63,8 @@ def test_staged_pipeline_matches_generate(pipeline: Any, reference: Any, case: C
     assert done.token_ids == ref_ids
     assert done.codes.shape == ref_codes.shape
     assert torch.equal(done.codes, ref_codes)
-    assert done.thinker_stopped_on == ("stop_id" if case.thinker_stop == "eos" else "max_tokens")
-    assert done.talker_stopped_on == ("stop_id" if case.talker_stop == "eos" else "max_tokens")
+    assert done.thinker_stopped_on == ("stop_id" if ref_ids[-1] == eos else "max_tokens")
+    assert done.talker_stopped_on == ("stop_id" if ref_codes.shape[1] < case.talker_max - 1 else "max_tokens")
 
     # The full decode of our codes is the reference waveform, bit for bit.
     ours = pipeline.code2wav.decode(done.codes)

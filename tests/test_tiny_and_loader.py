@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from omnistage.models.checkpoint import CheckpointError, load_part, load_tokenizer, open_checkpoint
@@ -20,17 +23,62 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_tiny_checkpoint_is_byte_identical_across_runs(tiny_dir: Path, tmp_path: Path) -> None:
-    again = tmp_path / "again"
-    summary = write_tiny_checkpoint(again)
-    names = sorted(p.name for p in tiny_dir.iterdir())
-    assert names == sorted(p.name for p in again.iterdir())
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json"} <= set(names)
+def _rewrite(ckpt: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """Apply `edit` to all the checkpoint's tensors and write them back in the same layout: the
+    same shards (new tensors into the first), the index kept in step."""
+    index = ckpt / "model.safetensors.index.json"
+    if not index.is_file():
+        weights = load_file(str(ckpt / "model.safetensors"))
+        edit(weights)
+        save_file(weights, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+        return
+    meta = json.loads(index.read_text())
+    shards = sorted(set(meta["weight_map"].values()))
+    weights: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        weights.update(load_file(str(ckpt / shard)))
+    edit(weights)
+    new_map = {k: meta["weight_map"].get(k, shards[0]) for k in weights}
+    for shard in shards:
+        kept = {k: v for k, v in weights.items() if new_map[k] == shard}
+        save_file(kept, str(ckpt / shard), metadata={"format": "pt"})
+    meta["weight_map"] = new_map
+    index.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("layout", ["published", "fused"])
+def test_tiny_checkpoint_is_byte_identical_across_runs(tmp_path: Path, layout: str) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    summary = write_tiny_checkpoint(one, layout=layout)
+    write_tiny_checkpoint(two, layout=layout)
+    names = sorted(p.name for p in one.iterdir())
+    assert names == sorted(p.name for p in two.iterdir())
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= set(names)
     for name in names:
-        assert (tiny_dir / name).read_bytes() == (again / name).read_bytes(), name
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
     assert 500_000 < summary["parameters"] < 5_000_000
     assert summary["safetensors_bytes"] < 20_000_000
+    if layout == "published":  # what save_pretrained writes: shards, an index, experts one by one
+        assert len(summary["weight_files"]) > 1 and "model.safetensors.index.json" in names
+        keys = json.loads((one / "model.safetensors.index.json").read_text())["weight_map"]
+        assert "talker.model.layers.0.mlp.experts.0.down_proj.weight" in keys
+        assert "thinker.model.layers.0.mlp.experts.3.gate_proj.weight" in keys
+    else:
+        assert summary["weight_files"] == ["model.safetensors"]
+
+
+def test_both_layouts_and_bf16_storage_load_the_same_weights(tiny_dir: Path, tiny_fused_dir: Path,
+                                                             tmp_path: Path) -> None:  # fmt: skip
+    bf16 = tmp_path / "bf16"
+    write_tiny_checkpoint(bf16, dtype="bfloat16")
+    for part in ("thinker", "talker", "code2wav"):
+        published = load_part(open_checkpoint(tiny_dir), part).state_dict()
+        fused = load_part(open_checkpoint(tiny_fused_dir), part).state_dict()
+        assert published.keys() == fused.keys()
+        assert all(torch.equal(published[k], fused[k]) for k in published), part
+        half = load_part(open_checkpoint(bf16), part, dtype="bfloat16").state_dict()
+        assert all(half[k].dtype == torch.bfloat16 and torch.equal(half[k], published[k].bfloat16())
+                   for k in published if published[k].is_floating_point()), part  # fmt: skip
 
 
 def test_tiny_tokenizer_knows_the_special_tokens(tiny_dir: Path) -> None:
@@ -50,16 +98,24 @@ def test_each_part_loads_alone_with_every_weight(tiny_dir: Path, part: str) -> N
     assert sum(p.numel() for p in model.parameters()) > 10_000
 
 
+@pytest.mark.parametrize("layout", ["published", "fused"])
 @pytest.mark.parametrize(
     ("dropped_prefix", "part"),
-    [("code2wav.decoder.", "code2wav"), ("talker.code_predictor.", "talker"), ("thinker.lm_head.", "thinker")],
-)
-def test_half_loaded_checkpoint_is_refused(tiny_dir: Path, tmp_path: Path, dropped_prefix: str, part: str) -> None:
-    half = _copy(tiny_dir, tmp_path / "half")
-    weights = load_file(str(half / "model.safetensors"))
-    kept = {k: v for k, v in weights.items() if not k.startswith(dropped_prefix)}
-    assert len(kept) < len(weights)
-    save_file(kept, str(half / "model.safetensors"))
+    [("code2wav.decoder.", "code2wav"), ("talker.code_predictor.", "talker"), ("thinker.lm_head.", "thinker"),
+     ("talker.model.layers.1.mlp.experts.", "talker")],
+)  # fmt: skip
+def test_half_loaded_checkpoint_is_refused(
+    tiny_dir: Path, tiny_fused_dir: Path, tmp_path: Path, dropped_prefix: str, part: str, layout: str
+) -> None:
+    half = _copy(tiny_dir if layout == "published" else tiny_fused_dir, tmp_path / "half")
+
+    def drop(weights: dict[str, torch.Tensor]) -> None:
+        gone = [k for k in weights if k.startswith(dropped_prefix)]
+        assert gone
+        for k in gone:
+            del weights[k]
+
+    _rewrite(half, drop)
     ckpt = open_checkpoint(half)
     with pytest.raises(CheckpointError, match=rf"refusing half-loaded {part}: \d+ missing weight") as err:
         load_part(ckpt, part)  # type: ignore[arg-type]
@@ -70,13 +126,85 @@ def test_half_loaded_checkpoint_is_refused(tiny_dir: Path, tmp_path: Path, dropp
     load_part(ckpt, other)  # type: ignore[arg-type]
 
 
-def test_unexpected_weight_in_part_is_refused(tiny_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("key", "part"), [("talker.model.layers.0.mystery.weight", "talker"),
+                                           ("thinker.model.bogus.weight", "thinker"),
+                                           ("code2wav.bogus.weight", "code2wav")])  # fmt: skip
+def test_unexpected_weight_in_part_is_refused(tiny_dir: Path, tmp_path: Path, key: str, part: str) -> None:
     bad = _copy(tiny_dir, tmp_path / "extra")
-    weights = load_file(str(bad / "model.safetensors"))
-    weights["talker.model.layers.0.mystery.weight"] = weights["talker.codec_head.weight"].clone()
-    save_file(weights, str(bad / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"unexpected weight.*mystery"):
-        load_part(open_checkpoint(bad), "talker")
+    _rewrite(bad, lambda w: w.__setitem__(key, torch.zeros(4)))
+    ckpt = open_checkpoint(bad)
+    with pytest.raises(CheckpointError, match=rf"half-loaded {part}: 1 unexpected weight.*{key.split('.')[-2]}"):
+        load_part(ckpt, part)
+    other = "code2wav" if part != "code2wav" else "thinker"
+    load_part(ckpt, other)  # the other parts are not blamed
+
+
+def test_a_wrong_shape_is_refused_by_name(tiny_dir: Path, tmp_path: Path) -> None:
+    bad = _copy(tiny_dir, tmp_path / "shape")
+    key = "thinker.model.layers.0.self_attn.q_proj.weight"
+    _rewrite(bad, lambda w: w.__setitem__(key, torch.zeros(3, 3)))
+    with pytest.raises(CheckpointError, match=r"wrong shape: .*layers\.0\.self_attn\.q_proj\.weight \(checkpoint "
+                                              r"\[3, 3\], model \[64, 64\]\)"):  # fmt: skip
+        load_part(open_checkpoint(bad), "thinker")
+
+
+@pytest.mark.parametrize(
+    ("damage", "needle"),
+    [
+        (lambda f: f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2]), "truncated"),
+        (lambda f: f.write_bytes(b""), "shorter than the 8-byte header length"),
+        (lambda f: f.write_bytes(b"\x10" + b"\0" * 7 + b"not json at all!" + b"\0" * 64), "not JSON"),
+        (lambda f: f.write_bytes(b"\xff" * 64), "header length"),
+    ],
+    ids=["truncated", "empty", "garbage-header", "garbage"],
+)
+def test_broken_weight_files_are_named_at_open(tiny_dir: Path, tmp_path: Path, damage: Any, needle: str) -> None:
+    bad = _copy(tiny_dir, tmp_path / "broken")
+    shard = sorted(bad.glob("*.safetensors"))[-1]
+    damage(shard)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError, match=needle) as err:
+        open_checkpoint(bad)
+    assert shard.name in str(err.value) and time.monotonic() - t0 < 5
+
+
+def test_an_index_out_of_step_with_its_shards_is_refused(tiny_dir: Path, tmp_path: Path) -> None:
+    bad = _copy(tiny_dir, tmp_path / "index")
+    index = bad / "model.safetensors.index.json"
+    meta = json.loads(index.read_text())
+    key = next(iter(meta["weight_map"]))
+    meta["weight_map"][key] = "model-00009-of-00009.safetensors"
+    index.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"model-00009-of-00009\.safetensors"):
+        open_checkpoint(bad)
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (lambda c: c["talker_config"]["code_predictor_config"].update(num_code_groups=10),
+         "number of code groups: talker_config.num_code_groups=16, "
+         "talker_config.code_predictor_config.num_code_groups=10"),
+        (lambda c: c["talker_config"].update(thinker_hidden_size=48), "thinker width"),
+        (lambda c: c["talker_config"].update(accept_hidden_layer=9), "accept_hidden_layer=9"),
+        (lambda c: c["talker_config"].update(codec_eos_token_id=99999), "codec_eos_token_id=99999 is outside"),
+        (lambda c: c.update(tts_pad_token_id=99999), "tts_pad_token_id=99999 is outside"),
+    ],
+    ids=["code-groups", "width", "accept-layer", "codec-id", "special-id"],
+)
+def test_a_config_whose_parts_disagree_is_refused(tiny_dir: Path, tmp_path: Path, edit: Any, needle: str) -> None:
+    bad = _copy(tiny_dir, tmp_path / "config")
+    _edit_config(bad, edit)
+    with pytest.raises(CheckpointError, match="the parts of the config disagree") as err:
+        open_checkpoint(bad)
+    assert needle in str(err.value)
+
+
+def test_a_config_that_does_not_match_the_weights_is_refused(tiny_dir: Path, tmp_path: Path) -> None:
+    bad = _copy(tiny_dir, tmp_path / "layers")
+    _edit_config(bad, lambda c: c["thinker_config"]["text_config"].update(num_hidden_layers=3))
+    with pytest.raises(CheckpointError, match=r"missing weight\(s\): .*layers\.2\."):
+        load_part(open_checkpoint(bad), "thinker")
 
 
 def _edit_config(path: Path, edit: Any) -> None:
@@ -92,7 +220,9 @@ def test_unknown_model_family_is_refused(tiny_dir: Path, tmp_path: Path) -> None
         open_checkpoint(bad)
 
 
-@pytest.mark.parametrize("missing", ["config.json", "model.safetensors", "tokenizer_config.json", "tokenizer.json"])
+@pytest.mark.parametrize(
+    "missing", ["config.json", "model.safetensors.index.json", "tokenizer_config.json", "tokenizer.json"]
+)
 def test_missing_files_are_named(tiny_dir: Path, tmp_path: Path, missing: str) -> None:
     bad = _copy(tiny_dir, tmp_path / "missing")
     (bad / missing).unlink()

@@ -438,4 +438,5 @@ def run() -> None:
     try:
         app()
     except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
         sys.exit(130)

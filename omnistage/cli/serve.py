@@ -44,7 +44,7 @@ def default_model_dir() -> Path:
     # Keyed by the generator's source: an edited tiny.py never serves a stale cached copy.
     version = hashlib.sha256(Path(tiny.__file__).read_bytes()).hexdigest()[:12]
     target = cache_dir() / f"tiny-qwen3-omni-{version}"
-    if (target / "model.safetensors").is_file():
+    if (target / "config.json").is_file():  # renamed into place whole: present means complete
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))

@@ -1,15 +1,25 @@
-"""Open a local checkpoint directory and load one stage's part of it, refusing a half-loaded one.
+"""Open a local checkpoint directory and load one stage's part of it, refusing a broken or
+half-loaded one by name.
 
-transformers leaves weights randomly initialised, with only a printed report, when a part's
-class is loaded from a full checkpoint whose keys it cannot map. So every load here asks
-`from_pretrained` for its loading info and refuses with the names of any missing, mismatched
-or (for this part) unexpected weight. Nothing is downloaded: `local_files_only` is forced.
+`open_checkpoint` reads no weights but checks, within seconds, what can be checked without
+them: the layout (one `model.safetensors` or shards named by `model.safetensors.index.json`),
+every safetensors file's header (a truncated, empty or corrupt file is named), the index
+against the shards, the model family, the tokenizer files, and whether the parts of the config
+agree with each other (the family's own checks).
+
+`load_part` builds one part with transformers' `from_pretrained` and its conversion machinery
+(the published layout stores MoE experts one by one; the family registers the conversion for
+its parts). transformers leaves weights randomly initialised, with only a printed report, when
+it cannot map keys, so every load asks for the loading info and refuses with the names of any
+missing, wrong-shape or unexpected weight of this part. Nothing is downloaded:
+`local_files_only` is forced.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +45,7 @@ class Checkpoint:
     family: Family
     config: Any  # the family's full config
     spec: Any  # the family's spec (ids and sizes the stages agree on)
+    tensors: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # name -> (dtype, shape)
 
     @property
     def sample_rate(self) -> int:
@@ -47,12 +58,91 @@ def weight_files(path: Path) -> list[Path]:
         return [single]
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(_index_map(index).values()))
         missing = [n for n in names if not (path / n).is_file()]
         if missing:
             raise CheckpointError(f"{path}: weight shards named in the index are missing: {', '.join(missing)}")
         return [path / n for n in names]
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def _index_map(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
+    return weight_map
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}  # fmt: skip
+
+
+def read_header(file: Path) -> dict[str, tuple[str, list[int]]]:
+    """A safetensors file's tensors (name -> dtype, shape), after checking the header and the
+    file's size agree; any problem is a CheckpointError naming the file."""
+
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{file}: not a valid safetensors file: {why}")
+
+    size = file.stat().st_size
+    if size < 8:
+        raise bad(f"{size} bytes, shorter than the 8-byte header length")
+    with open(file, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        if header_len > min(size - 8, 100 << 20):
+            raise bad(f"header length {header_len} does not fit a file of {size} bytes")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad(f"the header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise bad("the header is not a JSON object")
+    data_len = size - 8 - header_len
+    tensors: dict[str, tuple[str, list[int]]] = {}
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, stop) = entry["dtype"], list(entry["shape"]), entry["data_offsets"]
+            nbytes = _DTYPE_BYTES[dtype] * math.prod(shape)
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"tensor {name!r} has a malformed entry") from None
+        if stop - start != nbytes or start < 0:
+            raise bad(f"tensor {name!r}: {stop - start} bytes for dtype {dtype} and shape {shape}")
+        end = max(end, stop)
+        tensors[name] = (dtype, shape)
+    if end > data_len:
+        raise bad(f"truncated: the header places tensor data up to byte {end}, the file holds {data_len}")
+    return tensors
+
+
+def checkpoint_tensors(path: Path) -> dict[str, tuple[str, list[int]]]:
+    """Every tensor of the checkpoint (name -> dtype, shape), each file's header checked, and the
+    index (if sharded) checked against the shards."""
+    files = weight_files(path)
+    tensors: dict[str, tuple[str, list[int]]] = {}
+    where: dict[str, str] = {}
+    for f in files:
+        for name, entry in read_header(f).items():
+            if name in where:
+                raise CheckpointError(f"{path}: tensor {name!r} is stored twice ({where[name]}, {f.name})")
+            tensors[name] = entry
+            where[name] = f.name
+    index = path / "model.safetensors.index.json"
+    if len(files) > 1 or files[0].name != "model.safetensors":
+        weight_map = _index_map(index)
+        wrong = sorted(k for k, v in weight_map.items() if where.get(k) != v)
+        if wrong:
+            raise CheckpointError(f"{index}: {len(wrong)} tensor(s) not in the shard the index names: {_names(wrong)}")
+        unlisted = sorted(set(where) - set(weight_map))
+        if unlisted:
+            raise CheckpointError(f"{index}: {len(unlisted)} tensor(s) in the shards but not in the index: "
+                                  f"{_names(unlisted)}")  # fmt: skip
+    return tensors
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -71,13 +161,19 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         family = family_for(raw.get("model_type") if isinstance(raw, dict) else None)
     except UnknownFamily as e:
         raise CheckpointError(f"{cfg_file}: {e}") from None
-    weight_files(p)
+    tensors = checkpoint_tensors(p)
     if not (p / "tokenizer_config.json").is_file():
         raise CheckpointError(f"{p}: missing tokenizer_config.json")
     if not ((p / "tokenizer.json").is_file() or (p / "vocab.json").is_file()):
         raise CheckpointError(f"{p}: missing tokenizer files (tokenizer.json or vocab.json + merges.txt)")
-    config = family.load_config(p)
-    return Checkpoint(path=p, family=family, config=config, spec=family.spec(config))
+    try:
+        config = family.load_config(p)
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"{cfg_file}: not a valid {family.display_name} config ({e})") from None
+    problems = family.check_config(config)
+    if problems:
+        raise CheckpointError(f"{cfg_file}: the parts of the config disagree: " + "; ".join(problems))
+    return Checkpoint(path=p, family=family, config=config, spec=family.spec(config), tensors=tensors)
 
 
 def load_tokenizer(ckpt: Checkpoint) -> Any:
@@ -103,7 +199,7 @@ def load_part(
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     cls = family.part_class(part)
     part_config = getattr(ckpt.config, family.part_configs[part])
-    prefix = f"{part}."
+    family.register_conversions()
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # we report problems ourselves, as an error
     hf_logging.disable_progress_bar()
@@ -114,6 +210,7 @@ def load_part(
             dtype=torch_dtype,
             local_files_only=True,
             output_loading_info=True,
+            ignore_mismatched_sizes=True,  # so that a wrong shape is reported by name, then refused below
             key_mapping=family.key_mapping(part),
         )
     except (OSError, RuntimeError, ValueError) as e:
@@ -121,17 +218,17 @@ def load_part(
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
-    missing = sorted(info.get("missing_keys", []))
-    mismatched = sorted(str(k) for k in info.get("mismatched_keys", []))
+    # Tensors of the other parts are reported unexpected, under their own part's prefix (some
+    # renamed by the conversions): they are not this part's problem. Anything else is.
     others = tuple(f"{p}." for p in family.part_configs if p != part)
+    missing = sorted(info.get("missing_keys", []))
+    mismatched = sorted(_mismatch(m) for m in info.get("mismatched_keys", []))
     unexpected = sorted(k for k in info.get("unexpected_keys", []) if not k.startswith(others))
-    if family.key_mapping(part) is None:
-        unexpected = [k for k in unexpected if k.startswith(prefix)]
     problems = []
     if missing:
         problems.append(f"{len(missing)} missing weight(s): {_names(missing)}")
     if mismatched:
-        problems.append(f"{len(mismatched)} mismatched weight(s): {_names(mismatched)}")
+        problems.append(f"{len(mismatched)} weight(s) of the wrong shape: {_names(mismatched)}")
     if unexpected:
         problems.append(f"{len(unexpected)} unexpected weight(s): {_names(unexpected)}")
     if info.get("error_msgs"):
@@ -139,6 +236,14 @@ def load_part(
     if problems:
         raise CheckpointError(f"{ckpt.path}: refusing half-loaded {part}: " + "; ".join(problems))
     return model.to(device).eval()
+
+
+def _mismatch(entry: Any) -> str:
+    """transformers reports (name, shape in the checkpoint, shape the model wants)."""
+    if isinstance(entry, tuple | list) and len(entry) == 3:
+        name, got, want = entry
+        return f"{name} (checkpoint {list(got)}, model {list(want)})"
+    return str(entry)
 
 
 def _names(keys: list[str], limit: int = 8) -> str:

@@ -55,6 +55,14 @@ class Family(ABC):
         """Checkpoint-key renames `from_pretrained` needs for this part (None: none)."""
         return None
 
+    def register_conversions(self) -> None:  # noqa: B027 - most families need none
+        """Register with transformers the weight conversions its parts need to load the published
+        layout (idempotent)."""
+
+    def check_config(self, config: Any) -> list[str]:
+        """Where the parts of the config disagree with each other (empty: they agree)."""
+        return []
+
     def row_modules(self) -> tuple[type, ...]:
         """Module types that call `F.linear` on their own weights (see models/batching.py)."""
         return ()

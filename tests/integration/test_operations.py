@@ -211,9 +211,14 @@ def test_a_bad_config_field_is_named(tmp_path: Path) -> None:
 def test_ctrl_c_stops_cleanly_during_start_up_and_after(tiny_dir: Path, tmp_path: Path) -> None:
     base = free_layout()
     starting = omnistage("serve", str(tiny_dir), "--port", str(base), "--log-dir", str(tmp_path / "a"))
-    time.sleep(3)
+    assert starting.stdout is not None
+    lines = []
+    while not any("starting omnistage" in line for line in lines):  # start-up has begun
+        lines.append(starting.stdout.readline())
+    time.sleep(1)
     starting.send_signal(signal.SIGINT)
     code, out = finish(starting)
+    out = "".join(lines) + out
     assert code == 130 and "interrupted" in out and "Traceback" not in out
     serving = omnistage("serve", str(tiny_dir), "--port", str(base), "--log-dir", str(tmp_path / "b"))
     wait_serving(serving, f"127.0.0.1:{base}")

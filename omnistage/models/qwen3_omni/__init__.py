@@ -43,6 +43,21 @@ class Qwen3Omni(Family):
         # code2wav's class has no prefix of its own in a full checkpoint
         return {r"^code2wav\.": ""} if part == "code2wav" else None
 
+    def register_conversions(self) -> None:
+        # Published checkpoints store each MoE expert's weights apart; transformers fuses them
+        # for the full model and the thinker (model types it knows), not for the talker class.
+        from transformers.conversion_mapping import (
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+        )
+
+        name = "Qwen3OmniMoeTalkerForConditionalGeneration"
+        if get_checkpoint_conversion_mapping(name) is None:
+            register_checkpoint_conversion_mapping(name, get_checkpoint_conversion_mapping("qwen2_moe"))
+
+    def check_config(self, config: Any) -> list[str]:
+        return spec.check_config(config)
+
     def row_modules(self) -> tuple[type, ...]:
         from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as m
 

@@ -124,3 +124,39 @@ def check_tokenizer(tok: Any, config: Any) -> list[str]:
         if got != [want]:
             problems.append(f"{word!r} encodes to {got} but {field_name}={want} in config.json")
     return problems
+
+
+def check_config(config: Any) -> list[str]:
+    """Where the parts of a Qwen3-Omni config disagree (a served model would say nothing wrong
+    and sound wrong): code groups, codebooks, widths, layers and special ids each part assumes."""
+    thinker, talker, c2w = config.thinker_config, config.talker_config, config.code2wav_config
+    cp = talker.code_predictor_config
+    text = thinker.text_config
+    problems = []
+
+    def agree(what: str, values: dict[str, Any]) -> None:
+        if len(set(values.values())) > 1:
+            problems.append(f"{what}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+
+    agree("number of code groups", {"talker_config.num_code_groups": talker.num_code_groups,
+                                    "talker_config.code_predictor_config.num_code_groups": cp.num_code_groups,
+                                    "code2wav_config.num_quantizers": c2w.num_quantizers})  # fmt: skip
+    agree("codebook size", {"talker_config.code_predictor_config.vocab_size": cp.vocab_size,
+                            "code2wav_config.codebook_size": c2w.codebook_size})  # fmt: skip
+    agree("thinker width", {"thinker_config.text_config.hidden_size": text.hidden_size,
+                            "talker_config.thinker_hidden_size": talker.thinker_hidden_size})  # fmt: skip
+    if not 0 <= talker.accept_hidden_layer <= text.num_hidden_layers:
+        problems.append(f"talker_config.accept_hidden_layer={talker.accept_hidden_layer} is not a layer of the "
+                        f"thinker (0..{text.num_hidden_layers})")  # fmt: skip
+    talker_vocab = talker.text_config.vocab_size
+    codec_ids = {k: getattr(talker, k) for k in ("codec_eos_token_id", "codec_pad_id", "codec_bos_id",
+                                                   "codec_nothink_id", "codec_think_bos_id", "codec_think_eos_id")}
+    codec_ids |= {f"speaker_id.{k}": v for k, v in (talker.speaker_id or {}).items()}
+    for name, value in codec_ids.items():
+        if not 0 <= int(value) < talker_vocab:
+            problems.append(f"talker_config.{name}={value} is outside the talker vocabulary (0..{talker_vocab - 1})")
+    for name in (*SPECIAL_TOKEN_TEXT, *ROLE_WORD_IDS):
+        value = getattr(config, name)
+        if not 0 <= int(value) < text.vocab_size:
+            problems.append(f"{name}={value} is outside the thinker vocabulary (0..{text.vocab_size - 1})")
+    return problems

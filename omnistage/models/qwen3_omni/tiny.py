@@ -1,7 +1,7 @@
 """The tiny built-in Qwen3-Omni checkpoint: real architecture, small sizes, seeded weights.
 
 `write_tiny_checkpoint(dir)` writes a Hugging Face-layout directory (config.json,
-generation_config.json, model.safetensors, tokenizer files) that
+generation_config.json, the weights in the published (default) or fused layout, tokenizer files) that
 `Qwen3OmniMoeForConditionalGeneration.from_pretrained` loads. Everything is derived from
 constants in this file, so two runs give byte-identical files.
 
@@ -21,17 +21,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 SEED = 20261121
-THINKER_VOCAB = 512
-CODEBOOK = 128  # code2wav codebook size; talker vocab = codebook + 1024 (reserved control range)
-TALKER_VOCAB = CODEBOOK + 1024
-HIDDEN = 64
-NUM_CODE_GROUPS = 16
 # Bias scales for the stop rows (see module docstring).
 THINKER_EOS_ROW_SCALE = 1.6
 TALKER_EOS_ROW_SCALE = 1.4
@@ -41,7 +37,7 @@ TALKER_EOS_ROW_SCALE = 1.4
 CODE2WAV_RESIDUAL_SCALE = 0.25
 CODE2WAV_OUT_SCALE = 0.3
 
-# Special tokens, named as in Qwen3-Omni's tokenizer, placed right after the 256 byte tokens.
+# Special tokens, named as in Qwen3-Omni's tokenizer.
 SPECIAL_TOKENS = [
     "<|endoftext|>",
     "<|im_start|>",
@@ -60,16 +56,44 @@ SPECIAL_TOKENS = [
 ]
 # Role words are single ordinary tokens in Qwen's vocabulary; the config names their ids.
 ROLE_WORDS = ["system", "user", "assistant"]
-FIRST_SPECIAL_ID = 256
 
 
-def _special_id(name: str) -> int:
-    return FIRST_SPECIAL_ID + (SPECIAL_TOKENS + ROLE_WORDS).index(name)
+@dataclass(frozen=True)
+class TinyShape:
+    """What a tiny checkpoint can vary; the defaults are the built-in checkpoint. Every id and
+    size the stages use follows from these, so a second shape checks nothing is tuned to one."""
+
+    first_special_id: int = 256  # special tokens, then the role words, from here on
+    thinker_vocab: int = 512
+    hidden: int = 64  # thinker width (and the audio/vision towers' output)
+    talker_hidden: int = 64  # talker and code predictor width
+    codebook: int = 128  # code2wav codebook; talker vocab = codebook + 1024 (control range)
+    num_code_groups: int = 16
+    upsample_rates: tuple[int, ...] = (8, 5, 4, 3)
+    upsampling_ratios: tuple[int, ...] = (2, 2)
+    speakers: tuple[str, ...] = ("chelsie", "ethan", "aiden")
+
+    def special_id(self, name: str) -> int:
+        return self.first_special_id + (SPECIAL_TOKENS + ROLE_WORDS).index(name)
+
+    def codec_id(self, real_id: int) -> int:
+        """Codec control ids keep the real checkpoint's offsets above the codebook (real: 2048)."""
+        return real_id - 2048 + self.codebook
+
+    @property
+    def talker_vocab(self) -> int:
+        return self.codebook + 1024
 
 
-# Codec control ids keep the real checkpoint's offsets above the codebook (real: codebook 2048).
-def _codec_id(real_id: int) -> int:
-    return real_id - 2048 + CODEBOOK
+DEFAULT = TinyShape()
+# Another valid checkpoint of the family: other special ids, widths, code groups, codebook,
+# samples per frame and voices.
+VARIANT = TinyShape(first_special_id=300, thinker_vocab=560, hidden=48, talker_hidden=32, codebook=96,
+                    num_code_groups=8, upsample_rates=(8, 5, 3), upsampling_ratios=(2,), speakers=("vivian", "ryan"))
+
+
+def thinker_eos_id(shape: TinyShape = DEFAULT) -> int:
+    return shape.special_id("<|im_end|>")
 
 
 CHAT_TEMPLATE = (
@@ -95,15 +119,11 @@ Numbers one two three four five six seven eight nine ten, and the letters of the
 """
 
 
-def thinker_eos_id() -> int:
-    return _special_id("<|im_end|>")
-
-
-def _moe_text_config(vocab: int, max_positions: int, **extra: Any) -> dict[str, Any]:
+def _moe_text_config(vocab: int, hidden: int, max_positions: int, **extra: Any) -> dict[str, Any]:
     """The thinker's and the talker's MoE text stacks share these small sizes."""
     return {
         "vocab_size": vocab,
-        "hidden_size": HIDDEN,
+        "hidden_size": hidden,
         "intermediate_size": 128,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
@@ -118,14 +138,24 @@ def _moe_text_config(vocab: int, max_positions: int, **extra: Any) -> dict[str, 
     }
 
 
-def tiny_config_dict() -> dict[str, Any]:
-    """The full Qwen3OmniMoeConfig as a plain dict (what config.json will hold)."""
-    audio_token = _special_id("<|audio_pad|>")
-    image_token = _special_id("<|image_pad|>")
-    video_token = _special_id("<|video_pad|>")
-    vision_start = _special_id("<|vision_start|>")
-    audio_start = _special_id("<|audio_start|>")
-    text = _moe_text_config(THINKER_VOCAB, max_positions=2048)
+def merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `changes` merged in, nested dicts key by key."""
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def tiny_config_dict(shape: TinyShape = DEFAULT, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The full Qwen3OmniMoeConfig as a plain dict (what config.json will hold), with `overrides`
+    merged in."""
+    sid = shape.special_id
+    audio_token = sid("<|audio_pad|>")
+    image_token = sid("<|image_pad|>")
+    video_token = sid("<|video_pad|>")
+    vision_start = sid("<|vision_start|>")
+    audio_start = sid("<|audio_start|>")
+    text = _moe_text_config(shape.thinker_vocab, shape.hidden, max_positions=2048)
     thinker = {
         "text_config": text,
         "audio_config": {
@@ -134,7 +164,7 @@ def tiny_config_dict() -> dict[str, Any]:
             "encoder_attention_heads": 2,
             "encoder_ffn_dim": 64,
             "d_model": 32,
-            "output_dim": HIDDEN,
+            "output_dim": shape.hidden,
             "downsample_hidden_size": 16,
             "max_source_positions": 1500,
         },
@@ -143,7 +173,7 @@ def tiny_config_dict() -> dict[str, Any]:
             "hidden_size": 32,
             "intermediate_size": 64,
             "num_heads": 2,
-            "out_hidden_size": HIDDEN,
+            "out_hidden_size": shape.hidden,
             "num_position_embeddings": 256,
             "deepstack_visual_indexes": [0],
         },
@@ -152,70 +182,73 @@ def tiny_config_dict() -> dict[str, Any]:
         "video_token_id": video_token,
         "audio_start_token_id": audio_start,
         "vision_start_token_id": vision_start,
-        "user_token_id": _special_id("user"),
+        "user_token_id": sid("user"),
     }
+    cid = shape.codec_id
     talker = {
-        "text_config": _moe_text_config(TALKER_VOCAB, max_positions=4096, shared_expert_intermediate_size=64),
+        "text_config": _moe_text_config(
+            shape.talker_vocab, shape.talker_hidden, max_positions=4096, shared_expert_intermediate_size=64
+        ),
         "code_predictor_config": {
-            "vocab_size": CODEBOOK,
-            "hidden_size": HIDDEN,
+            "vocab_size": shape.codebook,
+            "hidden_size": shape.talker_hidden,
             "intermediate_size": 128,
             "num_hidden_layers": 1,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
             "head_dim": 16,
-            "num_code_groups": NUM_CODE_GROUPS,
+            "num_code_groups": shape.num_code_groups,
             "max_position_embeddings": 64,
         },
-        "num_code_groups": NUM_CODE_GROUPS,
-        "thinker_hidden_size": HIDDEN,
+        "num_code_groups": shape.num_code_groups,
+        "thinker_hidden_size": shape.hidden,
         "accept_hidden_layer": 1,
-        "codec_eos_token_id": _codec_id(2150),
-        "codec_nothink_id": _codec_id(2155),
-        "codec_think_bos_id": _codec_id(2156),
-        "codec_think_eos_id": _codec_id(2157),
-        "codec_pad_id": _codec_id(2148),
-        "codec_bos_id": _codec_id(2149),
+        "codec_eos_token_id": cid(2150),
+        "codec_nothink_id": cid(2155),
+        "codec_think_bos_id": cid(2156),
+        "codec_think_eos_id": cid(2157),
+        "codec_pad_id": cid(2148),
+        "codec_bos_id": cid(2149),
         "audio_token_id": audio_token,
         "image_token_id": image_token,
         "video_token_id": video_token,
         "vision_start_token_id": vision_start,
         "audio_start_token_id": audio_start,
         "spatial_merge_size": 2,
-        "speaker_id": {"chelsie": _codec_id(2301), "ethan": _codec_id(2302), "aiden": _codec_id(2303)},
+        "speaker_id": {name: cid(2301 + i) for i, name in enumerate(shape.speakers)},
     }
     code2wav = {
-        "codebook_size": CODEBOOK,
-        "hidden_size": HIDDEN,
+        "codebook_size": shape.codebook,
+        "hidden_size": 64,
         "num_attention_heads": 4,
         "num_key_value_heads": 4,
         "intermediate_size": 128,
         "num_hidden_layers": 2,
-        "num_quantizers": NUM_CODE_GROUPS,
+        "num_quantizers": shape.num_code_groups,
         "sliding_window": 72,
         "max_position_embeddings": 8000,
-        "upsample_rates": [8, 5, 4, 3],
-        "upsampling_ratios": [2, 2],
+        "upsample_rates": list(shape.upsample_rates),
+        "upsampling_ratios": list(shape.upsampling_ratios),
         "decoder_dim": 64,
         # the real 0.01 would make the pre-transformer a near no-op on random weights
         "layer_scale_initial_scale": 0.5,
     }
-    return {
+    return merge({
         "architectures": ["Qwen3OmniMoeForConditionalGeneration"],
         "model_type": "qwen3_omni_moe",
         "thinker_config": thinker,
         "talker_config": talker,
         "code2wav_config": code2wav,
         "enable_audio_output": True,
-        "im_start_token_id": _special_id("<|im_start|>"),
-        "im_end_token_id": _special_id("<|im_end|>"),
-        "tts_pad_token_id": _special_id("<|tts_pad|>"),
-        "tts_bos_token_id": _special_id("<|tts_text_bos|>"),
-        "tts_eos_token_id": _special_id("<|tts_text_eod|>"),
-        "system_token_id": _special_id("system"),
-        "user_token_id": _special_id("user"),
-        "assistant_token_id": _special_id("assistant"),
-    }
+        "im_start_token_id": sid("<|im_start|>"),
+        "im_end_token_id": sid("<|im_end|>"),
+        "tts_pad_token_id": sid("<|tts_pad|>"),
+        "tts_bos_token_id": sid("<|tts_text_bos|>"),
+        "tts_eos_token_id": sid("<|tts_text_eod|>"),
+        "system_token_id": sid("system"),
+        "user_token_id": sid("user"),
+        "assistant_token_id": sid("assistant"),
+    }, overrides or {})  # fmt: skip
 
 
 def _fan_in(name: str, shape: torch.Size) -> int:
@@ -228,11 +261,11 @@ def _fan_in(name: str, shape: torch.Size) -> int:
 
 
 @torch.no_grad()
-def build_tiny_model() -> torch.nn.Module:
+def build_tiny_model(shape: TinyShape = DEFAULT, overrides: dict[str, Any] | None = None) -> torch.nn.Module:
     """Construct the tiny model in memory with its seeded weights."""
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
-    config = Qwen3OmniMoeConfig(**tiny_config_dict())
+    config = Qwen3OmniMoeConfig(**tiny_config_dict(shape, overrides))
     torch.manual_seed(SEED)
     model = Qwen3OmniMoeForConditionalGeneration(config).eval()
     gen = torch.Generator().manual_seed(SEED)
@@ -243,8 +276,8 @@ def build_tiny_model() -> torch.nn.Module:
         param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
     lm_head = model.thinker.lm_head.weight
     # Special tokens other than the stop token are rare in real replies: damp their rows.
-    lm_head[FIRST_SPECIAL_ID : FIRST_SPECIAL_ID + len(SPECIAL_TOKENS)] *= 0.3
-    lm_head[thinker_eos_id()] *= THINKER_EOS_ROW_SCALE / 0.3
+    lm_head[shape.first_special_id : shape.first_special_id + len(SPECIAL_TOKENS)] *= 0.3
+    lm_head[thinker_eos_id(shape)] *= THINKER_EOS_ROW_SCALE / 0.3
     codec_head = model.talker.codec_head.weight
     codec_head[config.talker_config.codec_eos_token_id] *= TALKER_EOS_ROW_SCALE
     for block in model.code2wav.decoder[1:-2]:
@@ -305,24 +338,27 @@ def _learn_merges(num_merges: int) -> list[tuple[str, str]]:
     return merges
 
 
-def tokenizer_files() -> dict[str, str]:
-    """tokenizer.json and tokenizer_config.json contents for the tiny byte-level tokenizer."""
+def tokenizer_files(shape: TinyShape = DEFAULT) -> dict[str, str]:
+    """tokenizer.json and tokenizer_config.json contents for the tiny byte-level tokenizer: the
+    256 byte tokens, merges learnt from the corpus, the special tokens and role words from
+    `shape.first_special_id` on, reserved fillers up to the vocabulary size."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     byte_map = _bytes_to_unicode()
     vocab: dict[str, int] = {byte_map[b]: b for b in range(256)}
-    for name in SPECIAL_TOKENS + ROLE_WORDS:
-        vocab[name] = _special_id(name)
-    num_merges = THINKER_VOCAB - len(vocab)
-    merges = _learn_merges(num_merges)
-    for a, b in merges:
-        if a + b not in vocab:
-            vocab[a + b] = len(vocab)
-    # Fill any ids the corpus could not produce merges for, so every model id decodes.
+    named = SPECIAL_TOKENS + ROLE_WORDS
+    merges = _learn_merges(shape.thinker_vocab - 256 - len(named))
+    fresh = (a + b for a, b in merges)
     filler = 0
-    while len(vocab) < THINKER_VOCAB:
-        vocab[f"<|reserved_{filler}|>"] = len(vocab)
-        filler += 1
+    for i in range(256, shape.thinker_vocab):
+        if shape.first_special_id <= i < shape.first_special_id + len(named):
+            vocab[named[i - shape.first_special_id]] = i
+            continue
+        token = next((t for t in fresh if t not in vocab), None)
+        if token is None:  # the corpus gave no more merges: fillers, so every model id decodes
+            token, filler = f"<|reserved_{filler}|>", filler + 1
+        vocab[token] = i
+    merges = [(a, b) for a, b in merges if a + b in vocab]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -349,31 +385,62 @@ def tokenizer_files() -> dict[str, str]:
     }
 
 
-def write_tiny_checkpoint(out_dir: Path | str) -> dict[str, Any]:
-    """Write the checkpoint into `out_dir` and return a summary (parameters, bytes, sha256)."""
+LAYOUTS = ("published", "fused")
+
+
+def write_tiny_checkpoint(
+    out_dir: Path | str,
+    *,
+    shape: TinyShape = DEFAULT,
+    layout: str = "published",
+    dtype: str = "float32",
+    overrides: dict[str, Any] | None = None,
+    shard_bytes: int = 4 << 20,
+) -> dict[str, Any]:
+    """Write the checkpoint into `out_dir`; return a summary (parameters, files, bytes, sha256).
+
+    `layout`: `published` (what transformers' `save_pretrained` writes and published checkpoints
+    look like: MoE experts stored one by one, weights in shards of at most `shard_bytes` with a
+    `model.safetensors.index.json`) or `fused` (one `model.safetensors` in the in-memory layout,
+    experts fused). `dtype`: the storage dtype (`float32` or `bfloat16`). `overrides`: nested
+    changes to the config (other sizes, ids, code groups), merged into `tiny_config_dict()`.
+    """
     from safetensors.torch import save_file
 
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = build_tiny_model()
-    config = model.config
-    config_dict = config.to_dict()
+    model = build_tiny_model(shape, overrides).to(torch_dtype)
+    if layout == "published":
+        model.save_pretrained(out, max_shard_size=shard_bytes)
+    else:
+        state = {k: v.detach().contiguous().clone() for k, v in sorted(model.state_dict().items())}
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # Our own config and generation config (save_pretrained's would carry its version string).
+    config_dict = model.config.to_dict()
+    config_dict.pop("transformers_version", None)
+    config_dict["dtype"] = dtype
     (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     generation = {
         "do_sample": False,
-        "eos_token_id": thinker_eos_id(),
-        "pad_token_id": _special_id("<|endoftext|>"),
+        "eos_token_id": thinker_eos_id(shape),
+        "pad_token_id": shape.special_id("<|endoftext|>"),
     }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
-    state = {k: v.detach().contiguous().clone() for k, v in sorted(model.state_dict().items())}
-    weights = out / "model.safetensors"
-    save_file(state, str(weights), metadata={"format": "pt"})
-    for name, text in tokenizer_files().items():
+    for name, text in tokenizer_files(shape).items():
         (out / name).write_text(text)
-    n_params = sum(p.numel() for p in model.parameters())
+    weights = sorted(out.glob("*.safetensors"))
+    digest = hashlib.sha256()
+    for f in weights:
+        digest.update(f.read_bytes())
     return {
         "dir": str(out),
-        "parameters": n_params,
-        "safetensors_bytes": weights.stat().st_size,
-        "safetensors_sha256": hashlib.sha256(weights.read_bytes()).hexdigest(),
+        "layout": layout,
+        "dtype": dtype,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "weight_files": [f.name for f in weights],
+        "safetensors_bytes": sum(f.stat().st_size for f in weights),
+        "safetensors_sha256": digest.hexdigest(),
     }
