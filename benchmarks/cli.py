@@ -103,3 +103,14 @@ def bench_relay(
     from benchmarks.relay import main
 
     main(target, thinker, requests, concurrency, json_out)
+
+
+@bench_app.command("load")
+def bench_load(
+    model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: a synthetic large one).")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
+) -> None:
+    """Peak RSS of loading each stage's part alone against loading the whole model."""
+    from benchmarks.load_rss import main
+
+    main(model, json_out)

@@ -163,10 +163,24 @@ LogFormatOpt = Annotated[LogFormat, typer.Option("--log-format", help="text, or 
 # ---- commands -------------------------------------------------------------------------------------
 
 
+class Layout(enum.StrEnum):
+    published = "published"
+    fused = "fused"
+
+
+class StorageDtype(enum.StrEnum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
 @app.command("make-tiny")
 def make_tiny(
     out_dir: Annotated[Path, typer.Argument(help="Directory to write the checkpoint into.")],
     family: Annotated[str, typer.Option("--family", help="Model family (config.json model_type).")] = "qwen3_omni_moe",
+    layout: Annotated[
+        Layout, typer.Option("--layout", help="published (sharded, experts one by one) or fused (one file).")
+    ] = Layout.published,
+    dtype: Annotated[StorageDtype, typer.Option("--dtype", help="Storage dtype.")] = StorageDtype.float32,
 ) -> None:
     """Write a deterministic tiny checkpoint (Hugging Face layout) into OUT_DIR."""
     from omnistage.models.family import UnknownFamily, family_for
@@ -176,7 +190,7 @@ def make_tiny(
     except UnknownFamily as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(json.dumps(chosen.write_tiny(out_dir), indent=2))
+    typer.echo(json.dumps(chosen.write_tiny(out_dir, layout=layout.value, dtype=dtype.value), indent=2))
 
 
 @deploy_app.command("render")

@@ -204,8 +204,11 @@ def load_part(
     hf_logging.set_verbosity_error()  # we report problems ourselves, as an error
     hf_logging.disable_progress_bar()
     try:
+        # Only this part's tensors are read: handed a whole checkpoint, from_pretrained would read
+        # every tensor of every part (a stage process would peak at the whole model's size).
         model, info = cls.from_pretrained(
-            ckpt.path,
+            None,
+            state_dict=_part_tensors(ckpt, part),
             config=part_config,
             dtype=torch_dtype,
             local_files_only=True,
@@ -218,12 +221,9 @@ def load_part(
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
-    # Tensors of the other parts are reported unexpected, under their own part's prefix (some
-    # renamed by the conversions): they are not this part's problem. Anything else is.
-    others = tuple(f"{p}." for p in family.part_configs if p != part)
     missing = sorted(info.get("missing_keys", []))
     mismatched = sorted(_mismatch(m) for m in info.get("mismatched_keys", []))
-    unexpected = sorted(k for k in info.get("unexpected_keys", []) if not k.startswith(others))
+    unexpected = sorted(info.get("unexpected_keys", []))
     problems = []
     if missing:
         problems.append(f"{len(missing)} missing weight(s): {_names(missing)}")
@@ -236,6 +236,22 @@ def load_part(
     if problems:
         raise CheckpointError(f"{ckpt.path}: refusing half-loaded {part}: " + "; ".join(problems))
     return model.to(device).eval()
+
+
+def _part_tensors(ckpt: Checkpoint, part: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under `part.`, read from the files that hold them."""
+    from safetensors import safe_open
+
+    prefix = f"{part}."
+    out: dict[str, torch.Tensor] = {}
+    for f in weight_files(ckpt.path):
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if key.startswith(prefix):
+                    out[key] = handle.get_tensor(key)
+    if not out:
+        raise CheckpointError(f"{ckpt.path}: no weights of the {part} (no tensor name starts with {prefix!r})")
+    return out
 
 
 def _mismatch(entry: Any) -> str:
