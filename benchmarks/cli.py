@@ -114,3 +114,25 @@ def bench_load(
     from benchmarks.load_rss import main
 
     main(model, json_out)
+
+
+@bench_app.command("audio-in")
+def bench_audio_in(
+    target: Annotated[
+        str | None, typer.Option("--target", help="HOST:PORT of a running gateway (default: start a stack).")
+    ] = None,
+    model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: built-in tiny).")] = None,
+    clips: Annotated[str, typer.Option("--clips", help="Clip lengths in seconds.")] = "2,10",
+    requests: Annotated[int, typer.Option("--requests", help="Served requests per level.")] = 8,
+    concurrency: Annotated[str, typer.Option("--concurrency", help="Closed-loop levels.")] = "1,4",
+    baseline_requests: Annotated[int, typer.Option("--baseline-requests", help="generate() runs per clip.")] = 3,
+    thinker_max_tokens: Annotated[int, typer.Option("--thinker-max-tokens")] = 24,
+    talker_max_tokens: Annotated[int, typer.Option("--talker-max-tokens")] = 48,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
+) -> None:
+    """TTFT and TTFA with an audio clip in, against monolithic generate() on the same inputs."""
+    from benchmarks.audio_in import main
+    from benchmarks.harness import parse_float_list, parse_int_list
+
+    main(target, model, parse_float_list(clips), requests, parse_int_list(concurrency), baseline_requests,
+         thinker_max_tokens, talker_max_tokens, json_out)  # fmt: skip

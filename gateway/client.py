@@ -32,6 +32,48 @@ REQUEST_ID_KEY = "x-request-id"  # the gateway's initial metadata: the request's
 MODES = {"async_chunk": stage_pb2.ASYNC_CHUNK, "full_payload": stage_pb2.FULL_PAYLOAD}
 
 
+# ---- content parts (see gateway.proto: ContentPart) ------------------------------------------------
+
+
+def text_part(text: str) -> gateway_pb2.ContentPart:
+    return gateway_pb2.ContentPart(text=text)
+
+
+def audio_part(data: bytes) -> gateway_pb2.ContentPart:
+    """An encoded audio file (wav, flac, mp3, ogg/opus, ...)."""
+    return gateway_pb2.ContentPart(audio=gateway_pb2.AudioPart(file=data))
+
+
+def pcm_part(samples: np.ndarray, sample_rate: int) -> gateway_pb2.ContentPart:
+    """Raw mono samples at `sample_rate` (sent as float32 little-endian)."""
+    raw = gateway_pb2.RawAudio(f32le=np.asarray(samples, dtype="<f4").tobytes(), sample_rate=sample_rate)
+    return gateway_pb2.ContentPart(audio=gateway_pb2.AudioPart(pcm=raw))
+
+
+def image_part(data: bytes) -> gateway_pb2.ContentPart:
+    """An encoded image (png, jpeg, webp, ...)."""
+    return gateway_pb2.ContentPart(image=gateway_pb2.ImagePart(file=data))
+
+
+def video_part(data: bytes) -> gateway_pb2.ContentPart:
+    """A video file (mp4, webm, mkv, ...)."""
+    return gateway_pb2.ContentPart(video=gateway_pb2.VideoPart(file=data))
+
+
+def frames_part(images: list[bytes], fps: float) -> gateway_pb2.ContentPart:
+    """A video as its frames (encoded images of one size) at `fps`."""
+    return gateway_pb2.ContentPart(video=gateway_pb2.VideoPart(frames=gateway_pb2.VideoFrames(images=images, fps=fps)))
+
+
+def user_message(prompt: str, *, audio: list[bytes] = (), images: list[bytes] = (),  # type: ignore[assignment]
+                 videos: list[bytes] = ()) -> gateway_pb2.ChatMessage:  # type: ignore[assignment]  # fmt: skip
+    """A user turn: the media first (audio, images, videos, each in order), then the text."""
+    parts = [audio_part(a) for a in audio] + [image_part(i) for i in images] + [video_part(v) for v in videos]
+    if prompt:
+        parts.append(text_part(prompt))
+    return gateway_pb2.ChatMessage(role="user", parts=parts)
+
+
 @dataclass
 class ClientEvent:
     kind: str  # "start" (request_id known) | "text" | "audio" | "final"
@@ -60,13 +102,24 @@ def build_request(
     thinker_stop_ids: list[int] | None = None,
     temperature: float | None = None,
     seed: int | None = None,
+    audio: list[bytes] = (),  # type: ignore[assignment]
+    images: list[bytes] = (),  # type: ignore[assignment]
+    videos: list[bytes] = (),  # type: ignore[assignment]
+    use_audio_in_video: bool = False,
+    messages: list[gateway_pb2.ChatMessage] | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """`greedy`: both stages greedy (what parity is checked on), unless `temperature` is set:
-    then the thinker samples at that temperature (the talker stays greedy)."""
-    req = gateway_pb2.GenerateRequest(want_audio=want_audio, speaker=speaker, request_id=request_id)
-    if system:
-        req.messages.add(role="system", content=system)
-        req.messages.add(role="user", content=prompt)
+    then the thinker samples at that temperature (the talker stays greedy). `audio`, `images`,
+    `videos`: encoded files for the user turn, before its text. `messages`: the conversation
+    so far (earlier turns, any media in them); the prompt and media become its last user turn."""
+    req = gateway_pb2.GenerateRequest(want_audio=want_audio, speaker=speaker, request_id=request_id,
+                                      use_audio_in_video=use_audio_in_video)  # fmt: skip
+    if system or messages or audio or images or videos:
+        if system:
+            req.messages.add(role="system", content=system)
+        req.messages.extend(messages or [])
+        if prompt or audio or images or videos:
+            req.messages.append(user_message(prompt, audio=audio, images=images, videos=videos))
     else:
         req.prompt = prompt
     if mode is not None:

@@ -1,8 +1,10 @@
 """Gateway: client requests in (`Gateway.Generate`), one thinker call per request, text and
 audio streamed back as soon as the stages produce them.
 
-The gateway holds only the tokenizer: it renders the chat prompt, detokenizes the thinker's
-token ids incrementally, and turns code2wav's float32 chunks into AudioChunk messages. Each
+The gateway holds the tokenizer and the checkpoint's processor: it decodes the audio, images and
+video of a request (gateway/media.py, off the event loop), renders the chat prompt and builds the
+model inputs, detokenizes the thinker's token ids incrementally, and turns code2wav's float32
+chunks into AudioChunk messages. Each
 request's id goes back to the client in the initial metadata (`x-request-id`) and into one
 access-log line when it ends. Its health is NOT_SERVING while the thinker does not answer.
 """
@@ -22,9 +24,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from gateway.media import decode_messages
 from omnistage.config import DeployConfig
 from omnistage.engine import OutChunk
-from omnistage.models import Checkpoint, load_tokenizer
+from omnistage.models import Checkpoint, CheckpointError, load_tokenizer
 from omnistage.server.grpc_common import (
     HealthState,
     bind,
@@ -37,7 +40,7 @@ from omnistage.server.grpc_common import (
 from omnistage.server.metrics import serve_metrics
 from omnistage.topology import STAGES
 from omnistage.v1 import gateway_pb2, gateway_pb2_grpc, stage_pb2
-from omnistage.wire import ChunkAssembler, TensorBlobError, encode_chunk
+from omnistage.wire import ChunkAssembler, TensorBlobError, encode_chunks
 from services import edges
 
 log = logging.getLogger(__name__)
@@ -94,6 +97,18 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.cfg = cfg
         self.ckpt = ckpt
         self.tokenizer = load_tokenizer(ckpt)
+        self.inputs: Any = None  # the family's input builder (the checkpoint's processor)
+        self.no_media_reason = ""
+        try:
+            self.inputs = ckpt.family.input_builder(ckpt, self.tokenizer)
+        except CheckpointError as e:  # text still works; media requests get this reason
+            self.no_media_reason = ("this checkpoint's processor cannot be used, so audio, images and video are "
+                                    f"not accepted: {e}")
+            log.warning("%s", self.no_media_reason)
+        self.media_limits = cfg.media
+        if self.inputs is not None:  # never more audio than the feature extractor takes whole
+            seconds = min(cfg.media.max_audio_seconds, self.inputs.max_audio_seconds)
+            self.media_limits = cfg.media.model_copy(update={"max_audio_seconds": seconds})
         self.sample_rate = ckpt.sample_rate
         self.model_name = cfg.served_model_name or ckpt.path.name
         self.thinker_target = thinker_target
@@ -104,23 +119,36 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.draining = False
         self.thinker_serving = False
 
-    def _prompt_ids(self, request: gateway_pb2.GenerateRequest) -> list[int]:
+    def _prompt(self, request: gateway_pb2.GenerateRequest) -> edges.Prompt:
+        """The request as the thinker's prompt: ids, and the model inputs of its media (run in a
+        worker thread: decoding and the processor take a while). ValueError names the field."""
         if request.messages:
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            bad = [m["role"] for m in messages if m["role"] not in ("system", "user", "assistant")]
-            if bad:
-                raise ValueError(f"messages: unknown role(s) {bad}")
-            if not any(m["content"].strip() for m in messages if m["role"] == "user"):
+            messages, has_media = decode_messages(request, self.media_limits, self._audio_rate())
+            # (media come in user messages only; without media every content is text)
+            if not has_media and not any(m["content"].strip() for m in messages if m["role"] == "user"):
                 raise ValueError("messages: no user message with content")
         else:
             if not request.prompt.strip():
                 raise ValueError("prompt: empty prompt")
-            messages = [{"role": "user", "content": request.prompt}]
-        ids = self.ckpt.family.prompt_ids(self.tokenizer, messages)
+            messages, has_media = [{"role": "user", "content": request.prompt}], False
+        if has_media:
+            if self.inputs is None:
+                raise ValueError(f"messages: {self.no_media_reason}")
+            try:
+                ids, tensors = self.inputs.build(messages, request.use_audio_in_video)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"messages: cannot build the model inputs: {e}") from None
+            prompt = edges.Prompt(ids, tensors, request.use_audio_in_video)
+        else:
+            prompt = edges.Prompt(self.ckpt.family.prompt_ids(self.tokenizer, messages))
         limit = min(self.ckpt.spec.max_positions, self.cfg.max_model_len or self.ckpt.spec.max_positions) - 1
-        if len(ids) > limit:
-            raise ValueError(f"prompt: {len(ids)} tokens exceeds the model maximum of {limit}")
-        return ids
+        if len(prompt.ids) > limit:
+            raise ValueError(f"prompt: {len(prompt.ids)} tokens exceeds the model maximum of {limit}")
+        return prompt
+
+    def _audio_rate(self) -> int:
+        # without a processor media are refused after decoding (any rate will do until then)
+        return int(self.inputs.sampling_rate) if self.inputs is not None else 16_000
 
     async def Info(self, request: stage_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> stage_pb2.InfoResponse:
         return stage_pb2.InfoResponse(
@@ -186,9 +214,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             await self._abort(context, outcome, grpc.StatusCode.UNAVAILABLE,
                               "gateway: draining, not accepting new requests")  # fmt: skip
         try:
-            prompt_ids = self._prompt_ids(request)
+            prompt = await asyncio.to_thread(self._prompt, request)
         except ValueError as e:
             await self._abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT, f"gateway: {e}")
+        prompt_ids = prompt.ids
         outcome.prompt_tokens = len(prompt_ids)
         if request.speaker and request.want_audio:
             try:
@@ -210,9 +239,13 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             timeout = self.cfg.timeouts.request_timeout_s
         start.deadline_unix_s = time.time() + timeout
 
+        chunk = edges.prompt_chunk(prompt.ids, prompt.multimodal, prompt.use_audio_in_video)
+        del prompt  # the media tensors are in `chunk` now
+
         async def messages() -> AsyncIterator[stage_pb2.StageRequest]:
             yield stage_pb2.StageRequest(start=start)
-            yield stage_pb2.StageRequest(chunk=_encode(edges.prompt_chunk(prompt_ids)))
+            for piece in _encode(chunk, self.cfg.max_message_bytes - 1024):  # large prompts span messages
+                yield stage_pb2.StageRequest(chunk=piece)
 
         call = self.stream(messages(), timeout=timeout)
         assemblers: dict[str, ChunkAssembler] = {}
@@ -287,14 +320,17 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         access_log.info("request %s", text, extra={"fields": fields})
 
 
-def _encode(chunk: OutChunk) -> stage_pb2.Chunk:
-    return encode_chunk(chunk.tensors, offset=chunk.offset, length=chunk.length, finished=chunk.finished)
+def _encode(chunk: OutChunk, max_bytes: int) -> list[stage_pb2.Chunk]:
+    pieces = encode_chunks(chunk.tensors, max_bytes=max_bytes, offset=chunk.offset, length=chunk.length,
+                           finished=chunk.finished, meta=chunk.meta)  # fmt: skip
+    return [p.message() for p in pieces]
 
 
 def run_gateway(cfg: DeployConfig, ckpt: Checkpoint, host: str, port: int, thinker_target: str) -> None:
     async def main() -> None:
         service = GatewayService(cfg, ckpt, thinker_target)
-        server = new_server(cfg.max_message_bytes)
+        # clients send their media in the request: the receive limit is the media request limit
+        server = new_server(max(cfg.max_message_bytes, cfg.media.max_request_bytes))
         gateway_pb2_grpc.add_GatewayServicer_to_server(service, server)
         health_state = HealthState(server, (gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,))
         await health_state.set(False)  # until the thinker answers

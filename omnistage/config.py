@@ -62,6 +62,21 @@ class GatewayConfig(_Strict):
     replicas: int = Field(1, ge=1, le=64)
 
 
+class MediaConfig(_Strict):
+    """What the gateway accepts of audio, images and video in requests (checked before and after
+    decoding; a part over a limit fails its request with INVALID_ARGUMENT)."""
+
+    max_part_bytes: int = Field(20 * 1024 * 1024, ge=1024, le=1 << 30, description="encoded bytes of one part")
+    max_request_bytes: int = Field(64 * 1024 * 1024, ge=64 * 1024, le=1 << 31,
+                                   description="a whole Generate request (the gateway's receive limit)")  # fmt: skip
+    max_audio_seconds: float = Field(300.0, gt=0, description="one audio clip or a video's sound track "
+                                     "(and never more than the model's feature extractor takes)")  # fmt: skip
+    max_video_seconds: float = Field(600.0, gt=0)
+    video_fps: float = Field(2.0, gt=0, le=60, description="frames sampled per second of a video file")
+    max_video_frames: int = Field(128, ge=1, le=4096, description="frames of one video after sampling")
+    max_image_pixels: int = Field(64 * 1024 * 1024, ge=1, description="width x height of an image or frame")
+
+
 class MetricsConfig(_Strict):
     enabled: bool = Field(True, description="each process serves Prometheus metrics")
     port_offset: int = Field(1000, ge=1, le=60000, description="metrics port = the process's port + this")
@@ -106,6 +121,7 @@ class DeployConfig(_StagesConfig):  # type: ignore[misc,valid-type]
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024, le=1024 * 1024 * 1024)
     shm: bool = Field(True, description="same-host shared-memory path for large tensors")
     metrics: MetricsConfig = MetricsConfig()
+    media: MediaConfig = MediaConfig()
 
     @model_validator(mode="after")
     def _ports_do_not_collide(self) -> DeployConfig:

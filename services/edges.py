@@ -1,11 +1,18 @@
 """What each edge of the pipeline carries: the one place for tensor names, meta keys and the
 checks a receiver makes (errors name the stage and the field: INVALID_ARGUMENT).
 
-    gateway  -> thinker   Prompt        ids [L] (int)
+    gateway  -> thinker   Prompt        ids [L] (int); with audio, image or video the processor's
+                                        tensors under transformers' names (MULTIMODAL: input_features,
+                                        feature_attention_mask, pixel_values, image_grid_thw, ...)
+                                        and meta use_audio_in_video; split over several messages
+                                        when large
     thinker  -> caller    Text          ids [n]; the last chunk is finished and says why
     thinker  -> talker    ThinkerPrompt prompt_ids [L], prompt_embed [L, H], prompt_hidden [L, H]
                                         (the accept-layer states, sent only when the prompt has
-                                        audio/image/video placeholders)
+                                        audio/image/video placeholders), and the items' sizes the
+                                        talker's positions need (ROPE: audio_lengths [A],
+                                        image_grid_thw [I, 3], video_grid_thw [V, 3],
+                                        video_second_per_grid [V])
                           Tokens        ids [n], embed [n, H] per generated token; the chunk
                                         holding the thinker's last token is finished (or an
                                         empty finished chunk follows)
@@ -20,6 +27,7 @@ frames, samples. A chunk's length (wire meta) is how many positions it advances.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,9 +45,14 @@ PROMPT_EMBED = "prompt_embed"
 PROMPT_HIDDEN = "prompt_hidden"
 CODES = "codes"
 AUDIO = "audio"
+# the processor's model inputs besides the ids (transformers' names, shared by the omni families)
+MULTIMODAL = ("input_features", "feature_attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
+              "video_grid_thw", "video_second_per_grid")  # fmt: skip
+ROPE = ("audio_lengths", "image_grid_thw", "video_grid_thw", "video_second_per_grid")
 # meta keys
 FINISH_REASON = "finish_reason"  # on a finished chunk to the caller: "stop_id", "max_tokens", ...
 SAMPLE_RATE = "sample_rate"
+USE_AUDIO_IN_VIDEO = "use_audio_in_video"
 
 INT_DTYPES = (torch.int64, torch.int32)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -90,15 +103,32 @@ def is_end(chunk: DecodedChunk) -> bool:
 # ---- gateway -> thinker ----------------------------------------------------------------------------
 
 
-def prompt_chunk(ids: list[int]) -> OutChunk:
-    return OutChunk({IDS: torch.tensor(ids, dtype=torch.long)}, offset=0, length=len(ids), finished=True)
+@dataclass
+class Prompt:
+    ids: list[int]
+    multimodal: dict[str, torch.Tensor] = field(default_factory=dict)  # MULTIMODAL names (checked by the model)
+    use_audio_in_video: bool = False
 
 
-def read_prompt(stage: str, chunk: DecodedChunk) -> list[int]:
-    check_names(stage, chunk, {IDS})
+def prompt_chunk(ids: list[int], multimodal: Mapping[str, torch.Tensor] | None = None,
+                 use_audio_in_video: bool = False) -> OutChunk:  # fmt: skip
+    tensors = {IDS: torch.tensor(ids, dtype=torch.long), **(multimodal or {})}
+    unknown = set(tensors) - {IDS, *MULTIMODAL}
+    if unknown:
+        raise ValueError(f"prompt: unknown model input(s) {sorted(unknown)}")
+    meta = {USE_AUDIO_IN_VIDEO: True} if use_audio_in_video else {}
+    return OutChunk(tensors, offset=0, length=len(ids), finished=True, meta=meta)
+
+
+def read_prompt(stage: str, chunk: DecodedChunk) -> Prompt:
+    check_names(stage, chunk, {IDS}, set(MULTIMODAL))
     ids = tensor(stage, chunk, IDS, INT_DTYPES, (None,))
     _check_length(stage, chunk, int(ids.shape[0]), "prompt ids")
-    return [int(i) for i in ids.tolist()]
+    flag = chunk.meta.get(USE_AUDIO_IN_VIDEO, False)
+    if not isinstance(flag, bool):
+        raise invalid(f"{stage}: meta {USE_AUDIO_IN_VIDEO!r} must be a bool, got {flag!r}")
+    mm = {k: v.clone() for k, v in chunk.tensors.items() if k != IDS}  # out of the received bytes
+    return Prompt([int(i) for i in ids.tolist()], mm, flag)
 
 
 # ---- thinker -> caller, thinker -> talker --------------------------------------------------------
@@ -109,18 +139,25 @@ def text_chunk(offset: int, token_id: int, finish_reason: str | None) -> OutChun
     return OutChunk({IDS: torch.tensor([token_id])}, offset=offset, length=1, finished=bool(finish_reason), meta=meta)
 
 
-def thinker_prompt_chunk(ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None) -> OutChunk:
-    tensors = {PROMPT_IDS: ids, PROMPT_EMBED: embeds}
+def thinker_prompt_chunk(ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None,
+                         rope: Mapping[str, torch.Tensor] | None = None) -> OutChunk:  # fmt: skip
+    tensors = {PROMPT_IDS: ids, PROMPT_EMBED: embeds, **(rope or {})}
     if hidden is not None:
         tensors[PROMPT_HIDDEN] = hidden
     return OutChunk(tensors, offset=0, length=0)
 
 
-def read_thinker_prompt(
-    stage: str, chunk: DecodedChunk, hidden_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(ids [L], embeds [L, H], hidden [L, H] or None), copied out of the received bytes."""
-    check_names(stage, chunk, {PROMPT_IDS, PROMPT_EMBED}, {PROMPT_HIDDEN})
+@dataclass
+class ThinkerPrompt:
+    ids: torch.Tensor  # [L]
+    embeds: torch.Tensor  # [L, H]
+    hidden: torch.Tensor | None  # [L, H]
+    rope: dict[str, torch.Tensor] = field(default_factory=dict)  # ROPE names
+
+
+def read_thinker_prompt(stage: str, chunk: DecodedChunk, hidden_size: int) -> ThinkerPrompt:
+    """The prompt's tensors, copied out of the received bytes."""
+    check_names(stage, chunk, {PROMPT_IDS, PROMPT_EMBED}, {PROMPT_HIDDEN, *ROPE})
     ids = tensor(stage, chunk, PROMPT_IDS, INT_DTYPES, (None,)).long()
     n = int(ids.shape[0])
     embeds = tensor(stage, chunk, PROMPT_EMBED, FLOAT_DTYPES, (n, hidden_size))
@@ -128,7 +165,13 @@ def read_thinker_prompt(
     if PROMPT_HIDDEN in chunk.tensors:
         hidden = tensor(stage, chunk, PROMPT_HIDDEN, FLOAT_DTYPES, (n, hidden_size)).clone()
     _check_length(stage, chunk, 0, "stream positions (a prompt advances none)")
-    return ids.clone(), embeds.clone(), hidden
+    rope = {}
+    for name in ROPE:
+        if name in chunk.tensors:
+            shape: tuple[int | None, ...] = (None, 3) if name.endswith("grid_thw") else (None,)
+            dtypes = FLOAT_DTYPES if name == "video_second_per_grid" else INT_DTYPES
+            rope[name] = tensor(stage, chunk, name, dtypes, shape).clone()
+    return ThinkerPrompt(ids.clone(), embeds.clone(), hidden, rope)
 
 
 def token_chunk(offset: int, token_id: int, embed: torch.Tensor, finished: bool) -> OutChunk:

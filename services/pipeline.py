@@ -58,6 +58,8 @@ class PipelineRequest:
     want_audio: bool = True
     speaker: str = ""  # empty: the checkpoint's default voice
     full_payload: bool = False  # every stage waits for its whole input (else async_chunk)
+    multimodal: dict[str, torch.Tensor] = field(default_factory=dict)  # the processor's audio/image/video tensors
+    use_audio_in_video: bool = False
 
 
 def received(chunk: OutChunk) -> DecodedChunk:
@@ -121,7 +123,7 @@ class _Run:
         if req.talker is not None:
             start.sampling["talker"].CopyFrom(edges.sampling_proto(req.talker))
         self.start = start
-        self.prompt_ids = req.prompt_ids
+        self.prompt = edges.prompt_chunk(req.prompt_ids, req.multimodal, req.use_audio_in_video)
         self.pending: list[TextEvent | AudioEvent] = []
         self.requests: dict[str, Request] = {}
         self.ended: dict[str, Request] = {}
@@ -168,7 +170,7 @@ class _Run:
 
     def events(self) -> Iterator[TextEvent | AudioEvent | DoneEvent]:
         first = self._open("thinker", self.start)
-        self.pipe.engines["thinker"].feed(first, received(edges.prompt_chunk(self.prompt_ids)))
+        self.pipe.engines["thinker"].feed(first, received(self.prompt))
         self.pipe.engines["thinker"].close_input(first)
         try:
             while len(self.ended) < len(self.requests):

@@ -377,20 +377,38 @@ def client(
     max_frames: Annotated[int | None, typer.Option("--max-frames", help="Talker code-0 limit.")] = None,
     mode: Annotated[Mode | None, typer.Option("--mode", help="Edge mode between stages.")] = None,
     timeout: Annotated[float | None, typer.Option("--timeout", help="Deadline in seconds.")] = None,
+    audio: Annotated[list[Path] | None, typer.Option("--audio", help="An audio file to send (repeatable).")] = None,
+    image: Annotated[list[Path] | None, typer.Option("--image", help="An image file to send (repeatable).")] = None,
+    video: Annotated[list[Path] | None, typer.Option("--video", help="A video file to send (repeatable).")] = None,
+    use_audio_in_video: Annotated[
+        bool, typer.Option("--use-audio-in-video", help="Each video's sound track goes in with its frames.")
+    ] = False,
 ) -> None:
-    """Send one request to the gateway: print text as it streams, write a WAV."""
+    """Send one request to the gateway: print text as it streams, write a WAV. Audio, images and
+    video go in the user turn before the prompt, in the order given."""
     import asyncio
 
     import grpc
 
     from gateway.client import generate, write_wav
 
+    def read(paths: list[Path] | None, what: str) -> list[bytes]:
+        out = []
+        for path in paths or []:
+            try:
+                out.append(path.read_bytes())
+            except OSError as e:
+                typer.echo(f"error: --{what} {path}: {e.strerror or e}", err=True)
+                raise typer.Exit(2) from None
+        return out
+
+    media = {"audio": read(audio, "audio"), "images": read(image, "image"), "videos": read(video, "video")}
     try:
         reply = asyncio.run(generate(
             target, prompt, on_text=None if as_json else (lambda t: typer.echo(t, nl=False)),
             want_audio=not no_audio, thinker_max_tokens=max_tokens, talker_max_tokens=max_frames,
             greedy=True, mode=mode.value if mode else None, timeout=timeout, system=system, speaker=speaker,
-            temperature=temperature, seed=seed,
+            temperature=temperature, seed=seed, use_audio_in_video=use_audio_in_video, **media,
         ))  # fmt: skip
     except grpc.aio.AioRpcError as e:
         typer.echo(f"\nerror: {e.code().name}: {e.details()}", err=True)

@@ -76,6 +76,11 @@ class Family(ABC):
         """Chat messages -> prompt ids ending with the assistant header."""
 
     @abstractmethod
+    def input_builder(self, ckpt: Checkpoint, tokenizer: Any) -> Any:
+        """Chat messages with decoded audio, images and video -> prompt ids and model inputs,
+        with the checkpoint's processor (see `qwen3_omni/processor.py`'s `InputBuilder`)."""
+
+    @abstractmethod
     def thinker(self, ckpt: Checkpoint, dtype: str, device: str) -> Any:
         """The thinker part, ready to step many requests (see `qwen3_omni/thinker.py`)."""
 

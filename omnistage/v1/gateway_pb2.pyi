@@ -8,16 +8,68 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ContentPart(_message.Message):
+    __slots__ = ("text", "audio", "image", "video")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    audio: AudioPart
+    image: ImagePart
+    video: VideoPart
+    def __init__(self, text: _Optional[str] = ..., audio: _Optional[_Union[AudioPart, _Mapping]] = ..., image: _Optional[_Union[ImagePart, _Mapping]] = ..., video: _Optional[_Union[VideoPart, _Mapping]] = ...) -> None: ...
+
+class AudioPart(_message.Message):
+    __slots__ = ("file", "pcm")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    PCM_FIELD_NUMBER: _ClassVar[int]
+    file: bytes
+    pcm: RawAudio
+    def __init__(self, file: _Optional[bytes] = ..., pcm: _Optional[_Union[RawAudio, _Mapping]] = ...) -> None: ...
+
+class RawAudio(_message.Message):
+    __slots__ = ("f32le", "sample_rate")
+    F32LE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    f32le: bytes
+    sample_rate: int
+    def __init__(self, f32le: _Optional[bytes] = ..., sample_rate: _Optional[int] = ...) -> None: ...
+
+class ImagePart(_message.Message):
+    __slots__ = ("file",)
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    file: bytes
+    def __init__(self, file: _Optional[bytes] = ...) -> None: ...
+
+class VideoPart(_message.Message):
+    __slots__ = ("file", "frames")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    file: bytes
+    frames: VideoFrames
+    def __init__(self, file: _Optional[bytes] = ..., frames: _Optional[_Union[VideoFrames, _Mapping]] = ...) -> None: ...
+
+class VideoFrames(_message.Message):
+    __slots__ = ("images", "fps")
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    images: _containers.RepeatedScalarFieldContainer[bytes]
+    fps: float
+    def __init__(self, images: _Optional[_Iterable[bytes]] = ..., fps: _Optional[float] = ...) -> None: ...
+
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "parts")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[ContentPart]
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "want_audio", "speaker", "sampling", "mode", "request_id")
+    __slots__ = ("prompt", "messages", "want_audio", "speaker", "sampling", "mode", "request_id", "use_audio_in_video")
     class SamplingEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +84,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    USE_AUDIO_IN_VIDEO_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     want_audio: bool
@@ -39,7 +92,8 @@ class GenerateRequest(_message.Message):
     sampling: _containers.MessageMap[str, _stage_pb2.SamplingParams]
     mode: _stage_pb2.EdgeMode
     request_id: str
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., want_audio: _Optional[bool] = ..., speaker: _Optional[str] = ..., sampling: _Optional[_Mapping[str, _stage_pb2.SamplingParams]] = ..., mode: _Optional[_Union[_stage_pb2.EdgeMode, str]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    use_audio_in_video: bool
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., want_audio: _Optional[bool] = ..., speaker: _Optional[str] = ..., sampling: _Optional[_Mapping[str, _stage_pb2.SamplingParams]] = ..., mode: _Optional[_Union[_stage_pb2.EdgeMode, str]] = ..., request_id: _Optional[str] = ..., use_audio_in_video: _Optional[bool] = ...) -> None: ...
 
 class TextDelta(_message.Message):
     __slots__ = ("text", "token_ids")

@@ -37,9 +37,9 @@ class TalkerWorker(StageWorker):
         state = req.state
         hidden_size = self.spec.thinker_hidden
         if state.prompt is None:
-            ids, embeds, hidden = edges.read_thinker_prompt(self.name, chunk, hidden_size)
+            prompt = edges.read_thinker_prompt(self.name, chunk, hidden_size)
             try:
-                state.set_prompt(ids, embeds, hidden, self.spec)
+                self.talker.set_prompt(state, prompt.ids, prompt.embeds, prompt.hidden, prompt.rope)
             except ValueError as e:
                 raise invalid(f"talker: {e}") from None
             return

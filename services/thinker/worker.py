@@ -1,4 +1,5 @@
-"""Thinker stage: prompt ids in; text token ids up; per-token embeddings down to the talker."""
+"""Thinker stage: the prompt in (ids, and the processor's audio/image/video tensors); text token ids
+up; the prompt's and each token's embeddings down to the talker."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ class ThinkerWorker(StageWorker):
     def feed(self, req: Request, chunk: DecodedChunk) -> None:
         prompt = edges.read_prompt(self.name, chunk)
         try:
-            self.thinker.set_prompt(req.state, prompt)
+            self.thinker.set_prompt(req.state, prompt.ids, prompt.multimodal, prompt.use_audio_in_video)
         except ValueError as e:
             raise invalid(f"thinker: {e}") from None
 
@@ -63,7 +64,8 @@ class ThinkerWorker(StageWorker):
         if prompt is not None and start.want_audio:
             mm = self.spec.multimodal_ids
             has_mm = any(int(i) in mm for i in prompt.ids.tolist())
-            out.down.append(edges.thinker_prompt_chunk(prompt.ids, prompt.embeds, prompt.hidden if has_mm else None))
+            hidden = prompt.hidden if has_mm else None
+            out.down.append(edges.thinker_prompt_chunk(prompt.ids, prompt.embeds, hidden, prompt.rope.tensors()))
         if tok is None:  # a prefill chunk that is not the last
             return out
         out.up.append(edges.text_chunk(tok.index, tok.token_id, tok.stopped_on))

@@ -69,6 +69,11 @@ class Qwen3Omni(Family):
     def prompt_ids(self, tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
         return prompt.build_prompt_ids(tokenizer, messages)
 
+    def input_builder(self, ckpt: Checkpoint, tokenizer: Any) -> Any:
+        from omnistage.models.qwen3_omni.processor import InputBuilder
+
+        return InputBuilder(ckpt, tokenizer)
+
     def thinker(self, ckpt: Checkpoint, dtype: str, device: str) -> Any:
         from omnistage.models.qwen3_omni.thinker import Thinker
 
@@ -78,6 +83,11 @@ class Qwen3Omni(Family):
         from omnistage.models.qwen3_omni.talker import Talker
 
         model = load_part(ckpt, "talker", dtype, device)
+        if getattr(model.config, "audio_config", None) is None:
+            # The talker places audio in its prompt with the audio tower's window, which its config
+            # lacks: generate() fails on a prompt with audio and an image or video. Give it the
+            # thinker's, so such prompts get the positions generate() would give them.
+            model.config.audio_config = ckpt.config.thinker_config.audio_config
         # The talker's projected tts_bos/eos/pad embeddings, from three rows of the thinker's
         # embedding table (the talker stage never loads the thinker).
         rows = read_tensor_rows(ckpt, THINKER_EMBED_KEYS, prompt.tts_special_ids(ckpt.spec))

@@ -20,7 +20,7 @@ is needed, so the talker runs one token behind the thinker.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from omnistage.models.batching import ExactBatching, PackedCache
+from omnistage.models.qwen3_omni.multimodal import RopeInputs, talker_positions
 from omnistage.models.qwen3_omni.prompt import (
     ASSISTANT_HEADER_LEN,
     TalkerPromptBuilder,
@@ -50,6 +51,7 @@ class TalkerState:
     residual_chooser: TokenChooser
     # inputs
     prompt: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # ids, embeds, hidden
+    rope: RopeInputs = field(default_factory=RopeInputs)  # the prompt's audio/image/video sizes
     header: torch.Tensor | None = None  # layer-0 embeds of the prompt's assistant header
     tokens: list[tuple[torch.Tensor, bool]] = field(default_factory=list)  # generated tokens: (embed, is_last)
     # progress
@@ -60,6 +62,8 @@ class TalkerState:
     past_hidden: torch.Tensor | None = None  # [1, 1, H] talker last layer, last position
     history: list[int] = field(default_factory=list)  # generated code-0 ids (repetition penalty)
     pending_frame: torch.Tensor | None = None  # completed frame not yet fed back
+    prompt_positions: torch.Tensor | None = None  # [4, 1, n] of a multimodal talker prompt
+    last_position: torch.Tensor | None = None  # [4, 1, 1] position of the last row fed
     frames: int = 0  # frames handed out
     stopped_on: str | None = None  # "stop_id" | "max_tokens" | "no_text" once finished
 
@@ -67,11 +71,11 @@ class TalkerState:
     def finished(self) -> bool:
         return self.stopped_on is not None
 
-    def set_prompt(
-        self, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None, spec: FamilySpec
-    ) -> None:
+    def set_prompt(self, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None, spec: FamilySpec,
+                   rope: RopeInputs | None = None) -> None:  # fmt: skip
         self.prompt = (ids, embeds, hidden)
         self.header = embeds[assistant_start(ids, spec) :]
+        self.rope = rope or RopeInputs()
 
     def add_token(self, embed: torch.Tensor, is_last: bool) -> None:
         self.tokens.append((embed, is_last))
@@ -106,6 +110,12 @@ class Talker:
         self.codec_embedding = model.get_input_embeddings()
         self.residual_embeddings = self.code_predictor.get_input_embeddings()
         self.batching = ExactBatching(model, row_modules)
+
+    def set_prompt(self, state: TalkerState, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None,
+                   rope: Mapping[str, torch.Tensor] | None = None) -> None:  # fmt: skip
+        """The thinker's prompt: ids, layer-0 embeddings, accept-layer hidden states (with
+        audio/image/video), and `rope`, the items' sizes (RopeInputs' fields)."""
+        state.set_prompt(ids, embeds, hidden, self.spec, RopeInputs(**(rope or {})))
 
     def new_state(self, sampling: SamplingParams, speaker: str) -> TalkerState:
         self.spec.speaker_id(speaker)  # unknown speaker: clear error before any model work
@@ -161,7 +171,8 @@ class Talker:
         assert state.prompt is not None
         ids, embeds, hidden = state.prompt
         stream = torch.stack([e for e, _ in needed])  # type: ignore[misc]
-        prompt, _ids = self.prompts.prefill_embeds(ids, embeds, hidden, stream, state.speaker)
+        prompt, talker_ids = self.prompts.prefill_embeds(ids, embeds, hidden, stream, state.speaker)
+        state.prompt_positions = talker_positions(self.model, talker_ids.to(self.device), state.rope)
         return prompt.to(self.model.dtype)
 
     def _advance_rows(self, state: TalkerState, text_done: bool) -> torch.Tensor | None:
@@ -183,9 +194,17 @@ class Talker:
         lengths = [int(e.shape[1]) for _, e in items]
         positions = []
         for (state, _), n in zip(items, lengths, strict=True):
-            if state.cache is None:
+            if state.cache is None:  # the prompt
                 state.cache = DynamicCache(config=self.model.config.text_config)
-            positions.append(text_positions(state.cache.get_seq_length(), n, self.device))
+                position = state.prompt_positions
+                if position is None:
+                    position = text_positions(0, n, self.device)
+                state.prompt_positions = None
+            else:  # a fed-back frame: every axis steps on by one, as in generate()
+                assert state.last_position is not None and n == 1
+                position = state.last_position + 1
+            state.last_position = position[..., -1:]
+            positions.append(position)
         cache = PackedCache([state.cache for state, _ in items], lengths)
         with self.batching.step(lengths, cache):
             out = self.model(

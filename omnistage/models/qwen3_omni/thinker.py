@@ -1,6 +1,12 @@
 """Qwen3-Omni's thinker, stepping many requests at once: chunked prefill and greedy or sampled
 decode, one packed forward per step (models/batching.py), each request with its own KV cache.
 
+A prompt with audio, image or video runs its encoders when its prefill starts, inside that step
+(multimodal.py): its embeddings, M-RoPE positions and deepstack rows are kept until the prefill
+ends, and its chunks pack with every other request's rows like text. The encoders run per
+request, each over all of the request's items of one kind, as `generate()` groups them (so a
+request's numbers do not depend on its batch).
+
 Per new token it gives the token id, its layer-0 embedding (what the talker projects) and the
 `accept_hidden_layer` hidden state of the position that produced it; when a prompt's prefill
 completes, the embeddings and accept-layer hidden states of every prompt position.
@@ -8,7 +14,7 @@ completes, the embeddings and accept-layer hidden states of every prompt positio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from omnistage.models.batching import ExactBatching, PackedCache
+from omnistage.models.qwen3_omni.multimodal import MultimodalInputs, PromptInputs, RopeInputs, encode_prompt
 from omnistage.models.qwen3_omni.prompt import text_positions
 from omnistage.models.qwen3_omni.spec import FamilySpec
 from omnistage.models.sampling import SamplingParams, TokenChooser
@@ -28,6 +35,7 @@ class PromptOutput:
     ids: torch.Tensor  # [L] int64
     embeds: torch.Tensor  # [L, H] layer-0 embeddings
     hidden: torch.Tensor  # [L, H] accept_hidden_layer hidden states
+    rope: RopeInputs = field(default_factory=RopeInputs)  # the items' sizes (for the talker's positions)
 
 
 @dataclass
@@ -54,6 +62,10 @@ class ThinkerState:
     cache: Any = None
     history: list[int] = field(default_factory=list)  # prompt then generated ids (repetition penalty)
     prompt_parts: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # prefill chunks' rows
+    multimodal: MultimodalInputs | None = None  # until the encoders have run
+    rope: RopeInputs = field(default_factory=RopeInputs)
+    prompt_inputs: PromptInputs | None = None  # a multimodal prompt, during its prefill
+    last_position: torch.Tensor | None = None  # [4, 1, 1] position of the last token fed
     finished: bool = False
 
     @property
@@ -92,11 +104,57 @@ class Thinker:
         limit = min(self.spec.max_positions, max_len or self.spec.max_positions)
         return ThinkerState(sampling, TokenChooser(sampling, device=str(self.device)), limit)
 
-    def set_prompt(self, state: ThinkerState, prompt_ids: Sequence[int]) -> None:
+    def set_prompt(
+        self,
+        state: ThinkerState,
+        prompt_ids: Sequence[int],
+        multimodal: Mapping[str, torch.Tensor] | None = None,
+        use_audio_in_video: bool = False,
+    ) -> None:
+        """`multimodal`: the processor's audio/image/video tensors (transformers' names)."""
         if state.prompt_ids:
             raise ValueError("the prompt was already received")
         self.validate_prompt(prompt_ids, state.max_len)
+        mm = MultimodalInputs.from_mapping(multimodal or {}, use_audio_in_video)
+        mm.check(torch.tensor(list(prompt_ids)), self.model.config)
         state.prompt_ids = list(prompt_ids)
+        if not mm.empty:
+            state.multimodal = mm
+            state.rope = mm.rope()
+
+    def _prompt_rows(self, state: ThinkerState, pos: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input embeddings `[n, H]` and positions `[4, 1, n]` of prompt chunk [pos, pos + n)."""
+        if state.multimodal is not None:  # the prefill starts: run the encoders
+            ids = torch.tensor(state.prompt_ids, device=self.device)
+            state.prompt_inputs = encode_prompt(self.model, ids, state.multimodal)
+            state.multimodal = None
+        inputs = state.prompt_inputs
+        if inputs is None:
+            ids = torch.tensor(state.prompt_ids[pos : pos + n], device=self.device)
+            return self.embedding(ids), text_positions(pos, n, self.device)
+        return inputs.embeds[pos : pos + n], inputs.positions[..., pos : pos + n]
+
+    def _deepstack(self, items: Sequence[tuple[ThinkerState, int, int]]) -> dict[str, Any]:
+        """The text model's deepstack arguments for a packed step: the visual rows' mask over
+        all rows, and per deepstack layer the features of those rows in row order."""
+        masks, rows = [], []
+        for state, pos, n in items:
+            inputs = state.prompt_inputs
+            if inputs is None or inputs.visual_mask is None or pos >= len(state.prompt_ids):
+                masks.append(torch.zeros(n, dtype=torch.bool, device=self.device))
+                continue
+            mask = inputs.visual_mask
+            masks.append(mask[pos : pos + n])
+            first, last = int(mask[:pos].sum()), int(mask[: pos + n].sum())
+            if last > first:
+                assert inputs.deepstack is not None
+                rows.append([layer[first:last] for layer in inputs.deepstack])
+        if not rows:
+            return {}
+        return {
+            "visual_pos_masks": torch.cat(masks).unsqueeze(0),
+            "deepstack_visual_embeds": [torch.cat(layer) for layer in zip(*rows, strict=True)],
+        }
 
     def _emit(self, state: ThinkerState, logits: torch.Tensor, hidden_row: torch.Tensor) -> TokenOutput:
         history = torch.tensor(state.history, device=self.device)
@@ -116,7 +174,7 @@ class Thinker:
         """One forward for every `(state, position, n)`: `position` is how many tokens the
         request has in its cache; `n` prompt tokens from there (a prefill chunk) or, past the
         prompt, one decode step."""
-        ids: list[int] = []
+        embeds = []
         positions = []
         for state, pos, n in items:
             if state.finished:
@@ -127,30 +185,37 @@ class Thinker:
             if pos < len(state.prompt_ids):
                 if n < 1 or pos + n > len(state.prompt_ids):
                     raise ValueError(f"prefill chunk [{pos}, {pos + n}) outside a prompt of {len(state.prompt_ids)}")
-                ids += state.prompt_ids[pos : pos + n]
+                rows, position = self._prompt_rows(state, pos, n)
             else:
                 if n != 1 or pos != len(state.history) - 1:
                     want = len(state.history) - 1
                     raise ValueError(f"decode step at position {pos} of {n} tokens; expected 1 at {want}")
-                ids.append(state.history[-1])
-            positions.append(text_positions(pos, n, self.device))
+                rows = self.embedding(torch.tensor([state.history[-1]], device=self.device))
+                assert state.last_position is not None
+                position = state.last_position + 1  # as generate() steps every axis on
+            embeds.append(rows)
+            positions.append(position)
+            state.last_position = position[..., -1:]
         lengths = [n for _, _, n in items]
         cache = PackedCache([state.cache for state, _, _ in items], lengths)
         with self.batching.step(lengths, cache):
-            out = self.model(
-                input_ids=torch.tensor([ids], device=self.device),
+            # the thinker's forward, with deepstack features it cannot take as arguments
+            out = self.model.model.language_model(
+                inputs_embeds=torch.cat(embeds).unsqueeze(0),
                 position_ids=torch.cat(positions, dim=-1),
                 past_key_values=cache,
                 use_cache=True,
                 output_hidden_states=True,
+                **self._deepstack(items),
             )
+            logits_all = self.model.lm_head(out.last_hidden_state)[0]
         embeds_all = out.hidden_states[0][0]
         accept_all = out.hidden_states[self.spec.accept_hidden_layer][0]
         results = []
         start = 0
         for state, pos, n in items:
             end = start + n
-            logits, accept = out.logits[0, end - 1], accept_all[start:end]
+            logits, accept = logits_all[end - 1], accept_all[start:end]
             result = ThinkerStep()
             if pos < len(state.prompt_ids):
                 state.prompt_parts.append((embeds_all[start:end], accept))
@@ -159,8 +224,10 @@ class Thinker:
                         ids=torch.tensor(state.prompt_ids, dtype=torch.long),
                         embeds=torch.cat([e for e, _ in state.prompt_parts]),
                         hidden=torch.cat([h for _, h in state.prompt_parts]),
+                        rope=state.rope,
                     )
                     state.prompt_parts = []
+                    state.prompt_inputs = None
                     result.token = self._emit(state, logits, accept[-1])
             else:
                 result.token = self._emit(state, logits, accept[-1])
@@ -171,4 +238,5 @@ class Thinker:
     def release(self, state: ThinkerState) -> None:
         state.cache = None
         state.prompt_parts = []
+        state.multimodal = state.prompt_inputs = None
         state.finished = True

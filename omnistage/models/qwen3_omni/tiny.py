@@ -96,12 +96,47 @@ def thinker_eos_id(shape: TinyShape = DEFAULT) -> int:
     return shape.special_id("<|im_end|>")
 
 
+# Qwen3-Omni's chat format: a message's content is a string or a list of parts; audio, image and
+# video parts become one placeholder wrapped in their start/end tokens, which the processor
+# expands to one placeholder per encoder output row.
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}"
+    "{%- elif part['type'] == 'audio' %}{{- '<|audio_start|><|audio_pad|><|audio_end|>' }}"
+    "{%- elif part['type'] == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'video' %}{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+# The processor's configs: Whisper-style log-mel features at 16 kHz, and Qwen2-VL-style patches
+# (16-pixel patches, 2x2 merged, 2 frames per temporal patch) over small images.
+AUDIO_PREPROCESSOR = {
+    "feature_extractor_type": "WhisperFeatureExtractor",
+    "feature_size": 128,
+    "sampling_rate": 16000,
+    "hop_length": 160,
+    "n_fft": 400,
+    "chunk_length": 300,
+    "n_samples": 4800000,
+    "nb_max_frames": 30000,
+    "padding_side": "right",
+    "padding_value": 0.0,
+    "return_attention_mask": True,
+    "dither": 0.0,
+}
+VISION_PREPROCESSOR = {
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "size": {"shortest_edge": 32 * 32, "longest_edge": 128 * 128},
+}
 
 # A fixed English text the byte-level BPE merges are learnt from.
 _CORPUS = """
@@ -183,6 +218,7 @@ def tiny_config_dict(shape: TinyShape = DEFAULT, overrides: dict[str, Any] | Non
         "audio_start_token_id": audio_start,
         "vision_start_token_id": vision_start,
         "user_token_id": sid("user"),
+        "position_id_per_seconds": 13,  # as the real checkpoint and the processor
     }
     cid = shape.codec_id
     talker = {
@@ -215,6 +251,7 @@ def tiny_config_dict(shape: TinyShape = DEFAULT, overrides: dict[str, Any] | Non
         "vision_start_token_id": vision_start,
         "audio_start_token_id": audio_start,
         "spatial_merge_size": 2,
+        "position_id_per_seconds": 13,
         "speaker_id": {name: cid(2301 + i) for i, name in enumerate(shape.speakers)},
     }
     code2wav = {
@@ -338,10 +375,11 @@ def _learn_merges(num_merges: int) -> list[tuple[str, str]]:
     return merges
 
 
-def tokenizer_files(shape: TinyShape = DEFAULT) -> dict[str, str]:
-    """tokenizer.json and tokenizer_config.json contents for the tiny byte-level tokenizer: the
-    256 byte tokens, merges learnt from the corpus, the special tokens and role words from
-    `shape.first_special_id` on, reserved fillers up to the vocabulary size."""
+def processor_files(shape: TinyShape = DEFAULT) -> dict[str, str]:
+    """The tokenizer and processor files: tokenizer.json and tokenizer_config.json for the tiny
+    byte-level tokenizer (the 256 byte tokens, merges learnt from the corpus, the special tokens
+    and role words from `shape.first_special_id` on, reserved fillers up to the vocabulary size),
+    and the feature extractor's, image and video processors' configs."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     byte_map = _bytes_to_unicode()
@@ -377,11 +415,26 @@ def tokenizer_files(shape: TinyShape = DEFAULT) -> dict[str, str]:
         "bos_token": None,
         "add_prefix_space": False,
         "chat_template": CHAT_TEMPLATE,
-        "extra_special_tokens": [t for t in SPECIAL_TOKENS if t not in ("<|im_end|>", "<|endoftext|>")],
+        # named, so the processor finds its placeholders (tokenizer.image_token, ...)
+        "extra_special_tokens": {
+            "image_token": "<|image_pad|>",
+            "audio_token": "<|audio_pad|>",
+            "video_token": "<|video_pad|>",
+            "vision_bos_token": "<|vision_start|>",
+            "vision_eos_token": "<|vision_end|>",
+            "audio_bos_token": "<|audio_start|>",
+            "audio_eos_token": "<|audio_end|>",
+        },
     }
+    preprocessor = {**AUDIO_PREPROCESSOR, "image_processor_type": "Qwen2VLImageProcessor", **VISION_PREPROCESSOR,
+                    "processor_class": "Qwen3OmniMoeProcessor"}  # fmt: skip
+    video = {"video_processor_type": "Qwen2VLVideoProcessor", **VISION_PREPROCESSOR,
+             "processor_class": "Qwen3OmniMoeProcessor"}  # fmt: skip
     return {
         "tokenizer.json": tokenizer_json + "\n",
         "tokenizer_config.json": json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n",
+        "preprocessor_config.json": json.dumps(preprocessor, indent=2, sort_keys=True) + "\n",
+        "video_preprocessor_config.json": json.dumps(video, indent=2, sort_keys=True) + "\n",
     }
 
 
@@ -429,7 +482,7 @@ def write_tiny_checkpoint(
         "pad_token_id": shape.special_id("<|endoftext|>"),
     }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
-    for name, text in tokenizer_files(shape).items():
+    for name, text in processor_files(shape).items():
         (out / name).write_text(text)
     weights = sorted(out.glob("*.safetensors"))
     digest = hashlib.sha256()

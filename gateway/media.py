@@ -1,0 +1,281 @@
+"""Media in client requests, decoded with well-kept libraries: PyAV (FFmpeg) for audio files,
+video files and resampling, Pillow for images. Everything a request can carry is bounded before
+decoding (bytes) and after (seconds, frames, pixels) by the deploy file's `media` limits, and
+every failure names the message and the part: `messages[1].parts[0] (audio): cannot decode ...`.
+
+`decode_messages` turns a request's chat messages into the family input builder's form (see
+`omnistage/models/qwen3_omni/processor.py`): text as is, media as arrays.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from omnistage.config import MediaConfig as Limits
+from omnistage.v1 import gateway_pb2
+
+__all__ = ["AudioClip", "ImageInput", "Limits", "MediaError", "VideoClip", "decode_audio", "decode_image",
+           "decode_messages", "decode_video", "decode_video_frames", "pcm_audio"]  # fmt: skip
+
+ROLES = ("system", "user", "assistant")
+
+
+class MediaError(ValueError):
+    """A media part that cannot be used; the message says which one and why."""
+
+
+@dataclass
+class AudioClip:
+    samples: np.ndarray  # float32 mono at `sample_rate`
+    sample_rate: int
+
+    @property
+    def seconds(self) -> float:
+        return self.samples.shape[0] / self.sample_rate
+
+
+@dataclass
+class ImageInput:
+    pixels: np.ndarray  # uint8 [H, W, 3]
+
+
+@dataclass
+class VideoClip:
+    frames: np.ndarray  # uint8 [T, H, W, 3], sampled at `fps`
+    fps: float
+    audio: AudioClip | None = None  # its sound track, when asked for and present
+    notes: list[str] = field(default_factory=list)
+
+
+def _check_size(data: bytes, limits: Limits) -> None:
+    if not data:
+        raise MediaError("empty")
+    if len(data) > limits.max_part_bytes:
+        raise MediaError(f"{len(data)} bytes, over the limit of {limits.max_part_bytes}")
+
+
+def _resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
+    """Mono float32 `samples` at `rate` -> `target` Hz, with FFmpeg's resampler (swresample)."""
+    import av
+
+    if rate == target:
+        return samples.astype(np.float32, copy=False)
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=target)
+    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples, dtype=np.float32)[None], format="flt",
+                                       layout="mono")  # fmt: skip
+    frame.sample_rate = rate
+    out = [f.to_ndarray() for f in resampler.resample(frame)] + [f.to_ndarray() for f in resampler.resample(None)]
+    return np.concatenate(out, axis=1)[0] if out else np.zeros(0, np.float32)
+
+
+def _decode_stream_audio(container: object, target_rate: int, max_seconds: float) -> np.ndarray:
+    import av
+
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=target_rate)
+    parts: list[np.ndarray] = []
+    total = 0
+    limit = int(max_seconds * target_rate)
+    for frame in container.decode(audio=0):  # type: ignore[attr-defined]
+        for out in resampler.resample(frame):
+            arr = out.to_ndarray()[0]
+            total += arr.shape[0]
+            if total > limit:
+                raise MediaError(f"longer than the limit of {max_seconds:g} s of audio")
+            parts.append(arr)
+    parts += [f.to_ndarray()[0] for f in resampler.resample(None)]
+    return np.concatenate(parts).astype(np.float32, copy=False) if parts else np.zeros(0, np.float32)
+
+
+def decode_audio(data: bytes, target_rate: int, limits: Limits) -> AudioClip:
+    """An encoded audio file (wav, flac, mp3, ogg/opus, ... anything FFmpeg reads) -> mono
+    float32 at `target_rate`."""
+    import av
+
+    _check_size(data, limits)
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.audio:
+                raise MediaError("no audio stream in the file")
+            samples = _decode_stream_audio(container, target_rate, limits.max_audio_seconds)
+    except MediaError:
+        raise
+    except (av.FFmpegError, ValueError, OSError) as e:
+        raise MediaError(f"cannot decode the audio ({type(e).__name__}: {e})") from None
+    if samples.shape[0] == 0:
+        raise MediaError("the audio has no samples")
+    return AudioClip(samples, target_rate)
+
+
+def pcm_audio(f32le: bytes, sample_rate: int, target_rate: int, limits: Limits) -> AudioClip:
+    """Raw mono float32 little-endian samples at `sample_rate` -> `target_rate`."""
+    _check_size(f32le, limits)
+    if len(f32le) % 4:
+        raise MediaError(f"{len(f32le)} bytes is not a whole number of float32 samples")
+    if not 1000 <= sample_rate <= 384_000:
+        raise MediaError(f"sample_rate {sample_rate} is not a usable rate (1000..384000 Hz)")
+    samples = np.frombuffer(f32le, dtype="<f4")
+    if not np.isfinite(samples).all():
+        raise MediaError("the samples hold NaN or infinity")
+    if samples.shape[0] / sample_rate > limits.max_audio_seconds:
+        raise MediaError(f"longer than the limit of {limits.max_audio_seconds:g} s of audio")
+    return AudioClip(_resample(samples, sample_rate, target_rate), target_rate)
+
+
+def decode_image(data: bytes, limits: Limits) -> ImageInput:
+    """An encoded image (png, jpeg, webp, ... anything Pillow reads) -> RGB uint8."""
+    from PIL import Image, UnidentifiedImageError
+
+    _check_size(data, limits)
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            if img.width * img.height > limits.max_image_pixels:
+                raise MediaError(f"{img.width}x{img.height} pixels, over the limit of {limits.max_image_pixels}")
+            pixels = np.asarray(img.convert("RGB"))
+    except MediaError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise MediaError(f"cannot decode the image ({type(e).__name__}: {e})") from None
+    return ImageInput(pixels)
+
+
+def decode_video(data: bytes, limits: Limits, audio_rate: int | None = None) -> VideoClip:
+    """A video file (mp4, webm, mkv, ... anything FFmpeg reads) -> frames sampled at
+    `limits.video_fps` (the frame shown at (k + 0.5) / fps for k = 0, 1, ...), and, with
+    `audio_rate`, its sound track as mono float32 at that rate (None when the video is silent).
+    Frames are sampled while decoding, so memory holds only the kept ones."""
+    import av
+
+    _check_size(data, limits)
+    fps = limits.video_fps
+    picks: list[np.ndarray] = []
+
+    def keep(frame: Any) -> None:
+        if len(picks) >= limits.max_video_frames:
+            raise MediaError(f"more than {limits.max_video_frames} frames at {fps:g} per second (the limit of "
+                             f"{limits.max_video_frames / fps:g} s of video)")  # fmt: skip
+        picks.append(frame.to_ndarray(format="rgb24"))
+
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise MediaError("no video stream in the file")
+            stream = container.streams.video[0]
+            rate = float(stream.average_rate or 25)
+            prev, prev_t, t, step = None, 0.0, 0.0, 1.0 / rate
+            for n, frame in enumerate(container.decode(video=0)):
+                t = float(frame.time) if frame.time is not None else n / rate
+                if t > limits.max_video_seconds:
+                    raise MediaError(f"longer than the limit of {limits.max_video_seconds:g} s of video")
+                if frame.width * frame.height > limits.max_image_pixels:
+                    raise MediaError(f"frames of {frame.width}x{frame.height}, over {limits.max_image_pixels} pixels")
+                if prev is not None:
+                    step = max(t - prev_t, 1e-6)
+                while (len(picks) + 0.5) / fps < t:  # sample times this frame passes: the previous one showed
+                    keep(prev if prev is not None else frame)
+                prev, prev_t = frame, t
+            if prev is None:
+                raise MediaError("the video has no frames")
+            end = t + step  # the last frame shows until here
+            while (len(picks) + 0.5) / fps < end or not picks:
+                keep(prev)
+        audio = None
+        if audio_rate is not None:
+            with av.open(io.BytesIO(data), mode="r") as container:
+                if container.streams.audio:
+                    samples = _decode_stream_audio(container, audio_rate, limits.max_audio_seconds)
+                    audio = AudioClip(samples, audio_rate) if samples.shape[0] else None
+    except MediaError:
+        raise
+    except (av.FFmpegError, ValueError, OSError) as e:
+        raise MediaError(f"cannot decode the video ({type(e).__name__}: {e})") from None
+    return VideoClip(np.stack(picks), fps, audio)
+
+
+def decode_video_frames(images: list[bytes], fps: float, limits: Limits) -> VideoClip:
+    """A video given as its frames (each an encoded image) at `fps` frames per second."""
+    if not images:
+        raise MediaError("no frames")
+    if sum(len(d) for d in images) > limits.max_part_bytes:
+        raise MediaError(f"{sum(len(d) for d in images)} bytes of frames, over the limit of {limits.max_part_bytes}")
+    if not 0 < fps <= 240:
+        raise MediaError(f"fps {fps} is not a usable frame rate (0..240)")
+    if len(images) > limits.max_video_frames:
+        raise MediaError(f"{len(images)} frames, over the limit of {limits.max_video_frames}")
+    frames = []
+    for k, data in enumerate(images):
+        try:
+            frames.append(decode_image(data, limits).pixels)
+        except MediaError as e:
+            raise MediaError(f"frame {k}: {e}") from None
+    if len({f.shape for f in frames}) > 1:
+        raise MediaError("the frames differ in size")
+    return VideoClip(np.stack(frames), fps)
+
+
+def _decode_part(part: gateway_pb2.ContentPart, limits: Limits, audio_rate: int, with_sound: bool
+                 ) -> dict[str, Any]:  # fmt: skip
+    kind = part.WhichOneof("kind")
+    if kind == "text":
+        return {"type": "text", "text": part.text}
+    if kind == "audio":
+        if part.audio.WhichOneof("source") == "pcm":
+            clip = pcm_audio(part.audio.pcm.f32le, part.audio.pcm.sample_rate, audio_rate, limits)
+        elif part.audio.WhichOneof("source") == "file":
+            clip = decode_audio(part.audio.file, audio_rate, limits)
+        else:
+            raise MediaError("empty: neither file nor pcm is set")
+        return {"type": "audio", "audio": clip.samples}
+    if kind == "image":
+        return {"type": "image", "image": decode_image(part.image.file, limits).pixels}
+    if kind == "video":
+        source = part.video.WhichOneof("source")
+        if source == "file":
+            video = decode_video(part.video.file, limits, audio_rate if with_sound else None)
+        elif source == "frames":
+            video = decode_video_frames(list(part.video.frames.images), part.video.frames.fps, limits)
+        else:
+            raise MediaError("empty: neither file nor frames is set")
+        if with_sound and video.audio is None:
+            raise MediaError("use_audio_in_video needs each video to be a file with a sound track; this one has none")
+        return {"type": "video", "video": video.frames, "fps": video.fps,
+                "audio": None if video.audio is None else video.audio.samples}  # fmt: skip
+    raise MediaError("empty part: set one of text, audio, image or video")
+
+
+def decode_messages(request: gateway_pb2.GenerateRequest, limits: Limits, audio_rate: int
+                    ) -> tuple[list[dict[str, Any]], bool]:  # fmt: skip
+    """The request's chat messages with their media decoded, and whether any part is media.
+    Raises MediaError naming the message and part."""
+    messages: list[dict[str, Any]] = []
+    media = 0
+    videos = 0
+    for i, m in enumerate(request.messages):
+        if m.role not in ROLES:
+            raise MediaError(f"messages[{i}]: unknown role {m.role!r}; expected one of {', '.join(ROLES)}")
+        if not m.parts:
+            messages.append({"role": m.role, "content": m.content})
+            continue
+        parts = []
+        for j, part in enumerate(m.parts):
+            kind = part.WhichOneof("kind")
+            where = f"messages[{i}].parts[{j}]" + (f" ({kind})" if kind else "")
+            if kind not in (None, "text") and m.role != "user":
+                raise MediaError(f"{where}: only user messages take audio, images and video")
+            try:
+                parts.append(_decode_part(part, limits, audio_rate, request.use_audio_in_video))
+            except MediaError as e:
+                raise MediaError(f"{where}: {e}") from None
+            media += kind not in (None, "text")
+            videos += kind == "video"
+        messages.append({"role": m.role, "content": parts})
+    if request.use_audio_in_video and not videos:
+        raise MediaError("use_audio_in_video: the request has no video")
+    if not media:  # text parts only: plain text content
+        for m in messages:
+            if not isinstance(m["content"], str):
+                m["content"] = "".join(p["text"] for p in m["content"])
+    return messages, bool(media)

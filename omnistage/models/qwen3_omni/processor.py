@@ -1,0 +1,240 @@
+"""The checkpoint's own processor (`Qwen3OmniMoeProcessor`): chat template, placeholder expansion,
+Whisper features for audio, Qwen2-VL patches for images and video.
+
+Built from the checkpoint's configs (`preprocessor_config.json`, `video_preprocessor_config.json`)
+with backends that run without torchvision (no CPU build of torchvision exists for this torch):
+transformers' PIL backend of the Qwen2-VL image processor, and `FrameVideoProcessor` below, a port
+of `Qwen2VLVideoProcessor`'s resize, rescale, normalize and patchify to numpy + Pillow. The video
+frames arrive already sampled (the gateway decodes and samples them), so the processor never
+loads a video file itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from omnistage.models.checkpoint import Checkpoint, CheckpointError
+
+__all__ = ["MODEL_INPUTS", "FrameVideoProcessor", "InputBuilder", "load_processor", "smart_resize"]
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's target size: each side a multiple of `factor`, the area within the bounds,
+    the aspect ratio kept as well as that allows."""
+    ratio = max(height, width) / min(height, width)
+    if ratio > 200:
+        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {ratio}")
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def _video_processor_base() -> type:
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    return BaseVideoProcessor
+
+
+class FrameVideoProcessor(_video_processor_base()):  # type: ignore[misc]
+    """Qwen2-VL video patches from sampled frames: each video `[T, H, W, 3]` uint8 is resized
+    (bicubic) to `smart_resize` of its frame size, rescaled, normalized, padded to a whole number
+    of temporal patches with its last frame, and cut into `[grid_t * grid_h * grid_w,
+    3 * temporal_patch_size * patch_size**2]` rows, in Qwen2VLVideoProcessor's order."""
+
+    model_input_names: ClassVar[list[str]] = ["pixel_values_videos", "video_grid_thw"]
+
+    def __init__(self, **config: Any) -> None:
+        super().__init__()
+        self.size = self._size(config, {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768})
+        self.patch_size = int(config.get("patch_size", 14))
+        self.temporal_patch_size = int(config.get("temporal_patch_size", 2))
+        self.merge_size = int(config.get("merge_size", 2))
+        self.image_mean = np.asarray(config.get("image_mean", [0.48145466, 0.4578275, 0.40821073]), np.float32)
+        self.image_std = np.asarray(config.get("image_std", [0.26862954, 0.26130258, 0.27577711]), np.float32)
+        self.rescale_factor = float(config.get("rescale_factor", 1 / 255))
+
+    @staticmethod
+    def _size(options: dict[str, Any], default: dict[str, int]) -> dict[str, int]:
+        """Pixel bounds: `size`, overridden by `min_pixels` / `max_pixels` (Qwen2-VL's names)."""
+        size = dict(options.get("size") or default)
+        if options.get("min_pixels") is not None:
+            size["shortest_edge"] = options["min_pixels"]
+        if options.get("max_pixels") is not None:
+            size["longest_edge"] = options["max_pixels"]
+        return size
+
+    def __call__(self, videos: Any, **kwargs: Any) -> Any:
+        """Call options override the config as in transformers' video processors (the omni
+        processor passes its own default `size` this way)."""
+        from transformers.feature_extraction_utils import BatchFeature
+
+        size = self._size(kwargs, self.size)
+        patches, grids = [], []
+        for video in videos if isinstance(videos, list | tuple) else [videos]:
+            p, grid = self._one(np.asarray(video), size)
+            patches.append(p)
+            grids.append(grid)
+        data = {"pixel_values_videos": np.concatenate(patches), "video_grid_thw": np.asarray(grids, dtype=np.int64)}
+        return BatchFeature(data=data, tensor_type=kwargs.get("return_tensors"))
+
+    def _one(self, video: np.ndarray, size: dict[str, int]) -> tuple[np.ndarray, list[int]]:
+        from PIL import Image
+
+        if video.ndim != 4 or video.shape[-1] != 3 or video.dtype != np.uint8:
+            raise ValueError(f"a video must be uint8 frames [T, H, W, 3], got {video.dtype} {list(video.shape)}")
+        t, h, w, _ = video.shape
+        factor = self.patch_size * self.merge_size
+        rh, rw = smart_resize(h, w, factor, size["shortest_edge"], size["longest_edge"])
+        frames = np.stack([np.asarray(Image.fromarray(f).resize((rw, rh), Image.Resampling.BICUBIC)) for f in video])
+        x = frames.astype(np.float32) * self.rescale_factor
+        x = (x - self.image_mean) / self.image_std
+        x = x.transpose(0, 3, 1, 2)  # [T, C, H, W]
+        if pad := -t % self.temporal_patch_size:
+            x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)])
+        tp, ps, ms = self.temporal_patch_size, self.patch_size, self.merge_size
+        grid_t, grid_h, grid_w = x.shape[0] // tp, rh // ps, rw // ps
+        x = x.reshape(grid_t, tp, 3, grid_h // ms, ms, ps, grid_w // ms, ms, ps)
+        x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        return x.reshape(grid_t * grid_h * grid_w, 3 * tp * ps * ps), [grid_t, grid_h, grid_w]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read the processor config ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: the processor config must be a JSON object")
+    return data
+
+
+def _processor_class() -> type:
+    from transformers import Qwen3OmniMoeProcessor
+
+    class Processor(Qwen3OmniMoeProcessor):  # type: ignore[misc, valid-type]
+        """Qwen3OmniMoeProcessor that takes `FrameVideoProcessor` as its video processor (its own
+        class check looks the base video class up in transformers, absent without torchvision)."""
+
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if argument_name == "video_processor" and isinstance(argument, FrameVideoProcessor):
+                return FrameVideoProcessor
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    return Processor
+
+
+def load_processor(ckpt: Checkpoint, tokenizer: Any) -> Any:
+    """The checkpoint's Qwen3OmniMoeProcessor, from its own configs (nothing downloaded)."""
+    from transformers import Qwen2VLImageProcessorPil, WhisperFeatureExtractor
+
+    pre = ckpt.path / "preprocessor_config.json"
+    if not pre.is_file():
+        raise CheckpointError(f"{ckpt.path}: missing preprocessor_config.json (the processor's audio and image "
+                              "settings)")  # fmt: skip
+    video_file = ckpt.path / "video_preprocessor_config.json"
+    video_config = _read_json(video_file if video_file.is_file() else pre)
+    try:
+        features = WhisperFeatureExtractor.from_pretrained(ckpt.path, local_files_only=True)
+        images = Qwen2VLImageProcessorPil.from_pretrained(ckpt.path, local_files_only=True)
+        videos = FrameVideoProcessor(**video_config)
+        return _processor_class()(image_processor=images, video_processor=videos, feature_extractor=features,
+                                     tokenizer=tokenizer, chat_template=tokenizer.chat_template)  # fmt: skip
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{ckpt.path}: cannot build the processor: {e}") from None
+
+
+# transformers' names of the processor outputs the model takes besides the ids
+MODEL_INPUTS = ("input_features", "feature_attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
+                "video_grid_thw", "video_second_per_grid")  # fmt: skip
+
+
+class InputBuilder:
+    """Chat messages with decoded media -> prompt ids and model inputs, with the checkpoint's
+    processor, for this checkpoint's model config (audio window, positions per second).
+
+    A message is `{"role": ..., "content": str | [part, ...]}`, a part one of
+    `{"type": "text", "text": str}`, `{"type": "audio", "audio": float32 [samples]}` (mono at
+    `sampling_rate`), `{"type": "image", "image": uint8 [H, W, 3]}`, `{"type": "video",
+    "video": uint8 [T, H, W, 3], "fps": float, "audio": float32 [samples] | None}` (its sound
+    track, used with `use_audio_in_video`).
+    """
+
+    def __init__(self, ckpt: Checkpoint, tokenizer: Any) -> None:
+        self.processor = load_processor(ckpt, tokenizer)
+        thinker = ckpt.config.thinker_config
+        self.n_window = int(thinker.audio_config.n_window)
+        self.position_id_per_seconds = float(thinker.position_id_per_seconds)
+        fe = self.processor.feature_extractor
+        self.sampling_rate = int(fe.sampling_rate)
+        # the longest audio the feature extractor takes whole (it pads or cuts to n_samples)
+        self.max_audio_seconds = float(fe.n_samples) / self.sampling_rate
+
+    def build(self, messages: list[dict[str, Any]], use_audio_in_video: bool = False
+              ) -> tuple[list[int], dict[str, Any]]:  # fmt: skip
+        """(prompt ids, model inputs as torch tensors under MODEL_INPUTS names)."""
+        audios: list[np.ndarray] = []
+        audio_sources: list[int | None] = []  # per audio: None (its own part) or the video it comes from
+        images: list[np.ndarray] = []
+        videos: list[np.ndarray] = []
+        fps: list[float] = []
+        rendered = []
+        for message in messages:
+            content = message["content"]
+            if isinstance(content, str):
+                rendered.append(message)
+                continue
+            parts = []
+            for part in content:
+                kind = part["type"]
+                if kind == "text":
+                    parts.append({"type": "text", "text": part["text"]})
+                    continue
+                if kind == "audio":
+                    audios.append(part["audio"])
+                    audio_sources.append(None)
+                elif kind == "image":
+                    images.append(part["image"])
+                elif kind == "video":
+                    if use_audio_in_video:
+                        audios.append(part["audio"])
+                        audio_sources.append(len(videos))
+                    videos.append(part["video"])
+                    fps.append(float(part["fps"]))
+                else:
+                    raise ValueError(f"unknown content part type {kind!r}")
+                parts.append({"type": kind, kind: kind})  # the template emits the placeholder
+            rendered.append({"role": message["role"], "content": parts})
+        text = self.processor.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+        kwargs: dict[str, Any] = {"n_window": self.n_window, "position_id_per_seconds": self.position_id_per_seconds}
+        if audios:
+            kwargs["audio"] = audios
+        if images:
+            kwargs["images"] = images
+        if videos:
+            kwargs["videos"] = videos
+            kwargs["videos_kwargs"] = {"fps": fps[0]}
+            if use_audio_in_video:
+                kwargs["load_audio_from_video"] = True
+                kwargs["audio_from_video_indices"] = audio_sources
+        out = self.processor(text=[text], return_tensors="pt", **kwargs)
+        ids = [int(i) for i in out["input_ids"][0].tolist()]
+        inputs = {k: out[k] for k in MODEL_INPUTS if out.get(k) is not None}
+        if videos:
+            # one fps per call: each video's own seconds per temporal patch
+            tp = self.processor.video_processor.temporal_patch_size
+            inputs["video_second_per_grid"] = torch.tensor([tp / f for f in fps], dtype=torch.float32)
+        return ids, inputs
