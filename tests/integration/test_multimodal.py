@@ -47,6 +47,12 @@ def mm_stack(layout: str, tiny_dir: Path, tiny_fused_dir: Path,
         s.stop()
 
 
+def published_only(layout: str) -> None:
+    """What does not depend on the weights' layout (the gateway, the batching) runs on one."""
+    if layout != "published":
+        pytest.skip("layout-independent: checked on the published layout")
+
+
 @pytest.fixture(scope="module")
 def ref(layout: str, checkpoints: Any) -> Any:
     """(pipeline, reference, input builder) of the layout's checkpoint."""
@@ -118,8 +124,9 @@ def reference_output(ref: Any, request: gateway_pb2.GenerateRequest) -> tuple[li
     return ids, inputs, out
 
 
-def test_the_cases_cover_what_they_claim(ref: Any) -> None:
+def test_the_cases_cover_what_they_claim(ref: Any, layout: str) -> None:
     """Each case really puts its media in the prompt (placeholders of each kind)."""
+    published_only(layout)
     _, _, builder = ref
     kinds = {"audio": {"input_features"}, "image": {"pixel_values"}, "video": {"pixel_values_videos"},
              "audio+image": {"input_features", "pixel_values"},
@@ -168,8 +175,9 @@ def _request_options(request: gateway_pb2.GenerateRequest) -> dict[str, Any]:
             "thinker_max_tokens": thinker.max_tokens, "talker_max_tokens": talker.max_tokens}  # fmt: skip
 
 
-def test_media_and_text_requests_together(mm_stack: Stack, ref: Any) -> None:
+def test_media_and_text_requests_together(mm_stack: Stack, ref: Any, layout: str) -> None:
     """Media requests batched with text-only ones: each gives what it gives alone."""
+    published_only(layout)
     names = ["audio", "image", "audio-in-video", "multi-turn"]
     expected = [reference_output(ref, _case(n))[2] for n in names]
     texts = ["Tell me a short story about a robot.", "Numbers one two three", "hi"]
@@ -246,7 +254,9 @@ BAD = ["garbage audio", "truncated video", "unsupported image", "empty audio", "
        "too many video frames"]  # fmt: skip
 
 
-def test_bad_media_fail_their_request_only(mm_stack: Stack) -> None:
+def test_bad_media_fail_their_request_only(mm_stack: Stack, layout: str) -> None:
+    published_only(layout)
+
     async def call(request: gateway_pb2.GenerateRequest) -> grpc.aio.AioRpcError | None:
         async with grpc.aio.insecure_channel(mm_stack.gateway_address) as ch:
             try:
@@ -273,9 +283,10 @@ def test_bad_media_fail_their_request_only(mm_stack: Stack) -> None:
             assert (load.running, load.waiting, load.waiting_for_input, load.open_streams) == (0, 0, 0, 0), stage
 
 
-def test_inconsistent_model_inputs_are_refused_by_the_thinker(mm_stack: Stack, ref: Any) -> None:
+def test_inconsistent_model_inputs_are_refused_by_the_thinker(mm_stack: Stack, ref: Any, layout: str) -> None:
     """A thinker caller whose tensors disagree with the prompt's placeholders gets
     INVALID_ARGUMENT naming the disagreement, before any model work."""
+    published_only(layout)
     _, _, builder = ref
     messages, _ = decode_messages(_case("audio+image"), stack_config(media=MEDIA_LIMITS).media, RATE)
     ids, inputs = builder.build(messages)
@@ -293,3 +304,32 @@ def test_inconsistent_model_inputs_are_refused_by_the_thinker(mm_stack: Stack, r
             run(stage_call(mm_stack.addresses("thinker")[0], start, pieces, timeout=30))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert expect in e.value.details()
+
+
+def test_client_command_sends_audio_and_images(mm_stack: Stack, layout: str, tmp_path: Path) -> None:
+    """`omnistage client "question" --audio a.mp3 --image p.png` answers with text and a WAV,
+    the same as the Python client sends (audio first, then images, then the text)."""
+    published_only(layout)
+    import json
+    import subprocess
+    import sys
+    import wave
+
+    (tmp_path / "q.mp3").write_bytes(MP3)
+    (tmp_path / "p.png").write_bytes(PNG)
+    out = tmp_path / "reply.wav"
+    args = [sys.executable, "-m", "omnistage.cli", "client", "Both?", "--target", mm_stack.gateway_address,
+            "--audio", str(tmp_path / "q.mp3"), "--image", str(tmp_path / "p.png"), "--max-tokens", str(THINKER_MAX),
+            "--max-frames", str(TALKER_MAX), "--out", str(out), "--json"]  # fmt: skip
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads(done.stdout)
+    expected = run(generate(mm_stack.gateway_address, "Both?", audio=[MP3], images=[PNG], timeout=120,
+                            thinker_max_tokens=THINKER_MAX, talker_max_tokens=TALKER_MAX))  # fmt: skip
+    assert summary["token_ids"] == expected.token_ids and summary["text"]
+    with wave.open(str(out)) as w:
+        assert w.getframerate() == 24000 and w.getnframes() == expected.pcm.shape[0] > 0
+
+    missing = subprocess.run([*args[:7], "--image", str(tmp_path / "nope.png")], capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+    assert missing.returncode == 2 and "nope.png" in missing.stderr

@@ -1,0 +1,172 @@
+"""The model layer's multimodal pieces: the processor (its video port against transformers' own
+image processor), the input checks, the in-process pipeline against generate() on a checkpoint
+of other sizes and ids, and chunked multimodal prefill."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks import media
+from omnistage.models import CheckpointError, load_tokenizer, open_checkpoint
+from omnistage.models.qwen3_omni.multimodal import MultimodalInputs, feature_output_lengths
+from omnistage.models.qwen3_omni.processor import load_processor
+from omnistage.models.sampling import SamplingParams
+from services.pipeline import PipelineRequest
+
+RATE = 16_000
+
+
+def _builder(pipeline: Any) -> Any:
+    return pipeline.family.input_builder(pipeline.checkpoint, pipeline.tokenizer)
+
+
+def _messages(kind: str) -> tuple[list[dict[str, Any]], bool]:
+    tone, img, vid = media.tone(2.0, RATE, seed=1), media.image(60, 90, seed=2), media.video(4, 48, 64, seed=3)
+    parts: dict[str, list[dict[str, Any]]] = {
+        "audio": [{"type": "audio", "audio": tone}],
+        "image": [{"type": "image", "image": img}],
+        "video": [{"type": "video", "video": vid[:2], "fps": 2.0, "audio": None}],
+        "image+video": [{"type": "image", "image": img},
+                        {"type": "video", "video": vid[:2], "fps": 2.0, "audio": None}],
+        "audio-in-video": [{"type": "video", "video": vid, "fps": 2.0, "audio": tone}],
+    }  # fmt: skip
+    content = [*parts[kind], {"type": "text", "text": "What is it?"}]
+    return [{"role": "user", "content": content}], kind == "audio-in-video"
+
+
+def test_video_port_equals_transformers_image_processor(pipeline: Any) -> None:
+    """A video of two equal frames is one temporal patch of that image: the numpy port of
+    Qwen2-VL's video processor gives transformers' image processor's patches."""
+    processor = _builder(pipeline).processor
+    img = media.image(50, 70, seed=4)
+    size = {"shortest_edge": 32 * 32, "longest_edge": 128 * 128}  # the tiny image processor's bounds
+    image = processor.image_processor(images=[img], return_tensors="pt")
+    video = processor.video_processor(videos=[np.stack([img, img])], size=size, return_tensors="pt")
+    assert torch.equal(image["image_grid_thw"], video["video_grid_thw"])
+    assert torch.allclose(image["pixel_values"], video["pixel_values_videos"], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["audio", "image", "video", "image+video", "audio-in-video"])
+def test_processor_expands_each_placeholder(checkpoints: Any, kind: str) -> None:
+    """On the variant checkpoint (other special ids): one placeholder row per encoder row."""
+    pipeline, _ = checkpoints("variant")
+    cfg = pipeline.checkpoint.config.thinker_config
+    messages, in_video = _messages(kind)
+    ids, inputs = _builder(pipeline).build(messages, in_video)
+    ids_t = torch.tensor(ids)
+    mm = MultimodalInputs.from_mapping(inputs, in_video)
+    mm.check(ids_t, cfg)  # agrees with itself
+    if mm.feature_attention_mask is not None:
+        rows = int(feature_output_lengths(mm.feature_attention_mask.sum(-1), cfg.audio_config.n_window).sum())
+        assert int((ids_t == cfg.audio_token_id).sum()) == rows > 0
+    for grid, token in ((mm.image_grid_thw, cfg.image_token_id), (mm.video_grid_thw, cfg.video_token_id)):
+        if grid is not None:
+            assert int((ids_t == token).sum()) == int((grid.prod(-1) // 4).sum()) > 0
+    assert ids[-3:] == pipeline.tokenizer.encode("<|im_start|>assistant\n")
+
+
+def test_inputs_that_disagree_are_refused(pipeline: Any) -> None:
+    cfg = pipeline.checkpoint.config.thinker_config
+    messages, _ = _messages("image+video")
+    ids, inputs = _builder(pipeline).build(messages)
+    audio_ids, audio_inputs = _builder(pipeline).build(_messages("audio")[0])
+    cases = [
+        (ids, {**inputs, "video_second_per_grid": torch.tensor([float("nan")])}, "video_second_per_grid must be"),
+        (ids, {**inputs, "image_grid_thw": torch.tensor([[1, 3, 4]])}, "multiples of 2"),
+        (ids, {k: v for k, v in inputs.items() if k != "video_grid_thw"}, "come together"),
+        (_without_first(ids, cfg.video_token_id), inputs, "video placeholders but the video inputs give"),
+        (audio_ids, {**audio_inputs, "feature_attention_mask": audio_inputs["feature_attention_mask"] * 2}, "0 and 1"),
+        (audio_ids, {k: v for k, v in audio_inputs.items() if k != "input_features"}, "come together"),
+        ([i for i in audio_ids], {}, "audio placeholders but no input_features"),
+    ]  # fmt: skip
+    for case_ids, tensors, message in cases:
+        with pytest.raises(ValueError) as e:
+            MultimodalInputs.from_mapping(tensors).check(torch.tensor(case_ids), cfg)
+        assert message in str(e.value), str(e.value)
+
+
+def _without_first(ids: list[int], token: int) -> list[int]:
+    i = ids.index(token)
+    return ids[:i] + ids[i + 1 :]
+
+
+def test_a_checkpoint_without_its_processor_is_named(tiny_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "no-processor"
+    shutil.copytree(tiny_dir, copy)
+    (copy / "preprocessor_config.json").unlink()
+    ckpt = open_checkpoint(copy)
+    with pytest.raises(CheckpointError, match=r"missing preprocessor_config\.json"):
+        load_processor(ckpt, load_tokenizer(ckpt))
+
+
+@contextlib.contextmanager
+def _talker_audio_policy(reference: Any, mm: MultimodalInputs) -> Iterator[None]:
+    """generate() cannot place audio in a talker prompt with an image or video; the reference
+    gets the thinker's audio config there, as omnistage's talker does (documented policy)."""
+    needed = mm.input_features is not None and mm.video_grid_thw is not None
+    config = reference.model.talker.config
+    if needed:
+        config.audio_config = reference.model.config.thinker_config.audio_config
+    try:
+        yield
+    finally:
+        if needed:
+            del config.audio_config
+
+
+@pytest.mark.parametrize("kind", ["audio", "image", "image+video", "audio-in-video"])
+def test_variant_checkpoint_matches_generate(checkpoints: Any, kind: str) -> None:
+    pipeline, reference = checkpoints("variant")
+    messages, in_video = _messages(kind)
+    ids, inputs = _builder(pipeline).build(messages, in_video)
+    mm = MultimodalInputs.from_mapping(inputs, in_video)
+    thinker = pipeline.thinker_defaults().with_overrides(max_tokens=12)
+    events = list(pipeline.run(PipelineRequest(ids, thinker, SamplingParams(max_tokens=16), multimodal=inputs,
+                                               use_audio_in_video=in_video)))  # fmt: skip
+    done = events[-1]
+    eos = pipeline.spec.im_end_id
+    try:
+        with _talker_audio_policy(reference, mm):
+            ref_ids, ref_codes, _ = reference.generate(ids, 12, 16, eos, **mm.generate_kwargs())
+    except RuntimeError as e:
+        # generate() fails when the talker's first code is codec EOS (it stacks an empty list of
+        # codes); the pipeline then gives no frames. The text must still be generate()'s.
+        assert "non-empty TensorList" in str(e)
+        ref_ids, ref_codes = reference.generate(ids, 12, 16, eos, audio=False, **mm.generate_kwargs())[0], None
+        assert done.codes.shape[1] == 0 and done.talker_stopped_on == "stop_id"
+    assert done.token_ids == ref_ids
+    if ref_codes is not None:
+        assert torch.equal(done.codes, ref_codes)
+
+
+def test_chunked_multimodal_prefill_is_close_to_one_forward(pipeline: Any) -> None:
+    """A prompt prefilled over several steps (chunks cutting through the video's rows) attends
+    to its earlier chunks through the cache. It is not bitwise (GEMM results depend on how many
+    rows a call has, ~1e-6): only a prompt prefilled in one forward equals generate() exactly."""
+    messages, _ = _messages("image+video")
+    ids, inputs = _builder(pipeline).build(messages)
+    thinker = pipeline.thinker
+
+    def prefill(chunk: int) -> Any:
+        state = thinker.new_state(pipeline.thinker_defaults())
+        thinker.set_prompt(state, ids, inputs)
+        pos = 0
+        while True:
+            n = min(chunk, len(ids) - pos)
+            (step,) = thinker.step([(state, pos, n)])
+            pos += n
+            if step.prompt is not None:
+                thinker.release(state)
+                return step
+    whole, chunked = prefill(len(ids)), prefill(13)
+    assert chunked.token.token_id == whole.token.token_id
+    assert torch.equal(chunked.prompt.embeds, whole.prompt.embeds)
+    assert torch.allclose(chunked.prompt.hidden, whole.prompt.hidden, atol=1e-4, rtol=0)
