@@ -170,3 +170,18 @@ def test_chunked_multimodal_prefill_is_close_to_one_forward(pipeline: Any) -> No
     assert chunked.token.token_id == whole.token.token_id
     assert torch.equal(chunked.prompt.embeds, whole.prompt.embeds)
     assert torch.allclose(chunked.prompt.hidden, whole.prompt.hidden, atol=1e-4, rtol=0)
+
+
+def test_talker_refuses_media_sizes_that_do_not_fit_the_prompt(pipeline: Any) -> None:
+    """Sizes that cannot place the talker prompt's positions fail that request when its prompt
+    arrives (not a later shared step)."""
+    ids, _ = _builder(pipeline).build(_messages("image")[0])
+    talker = pipeline.talker
+    state = talker.new_state(pipeline.family.talker_defaults(), pipeline.spec.default_speaker)
+    rows = torch.zeros(len(ids), pipeline.spec.thinker_hidden)
+    wrong = {"video_grid_thw": torch.tensor([[1, 2, 2]]), "video_second_per_grid": torch.tensor([1.0])}
+    with pytest.raises(ValueError, match="sizes do not fit its placeholders"):
+        talker.set_prompt(state, torch.tensor(ids), rows, rows, wrong)
+    right = _builder(pipeline).build(_messages("image")[0])[1]
+    talker.set_prompt(state, torch.tensor(ids), rows, rows, {"image_grid_thw": right["image_grid_thw"]})
+    assert state.prompt_positions is not None and state.prompt_positions.shape[0] == 4

@@ -53,9 +53,20 @@ class ThinkerWorker(StageWorker):
         return {"max_model_len": self.max_model_len()}
 
     def execute(self, batch: Sequence[ScheduledItem]) -> list[StepOutput | Exception]:
-        """One packed forward: prefill chunks of the tokens the scheduler gave, and decodes."""
-        steps = self.thinker.step([(it.request.state, it.request.num_computed_tokens, it.num_tokens) for it in batch])
-        return [self._output(item.request, step) for item, step in zip(batch, steps, strict=True)]
+        """One packed forward: prefill chunks of the tokens the scheduler gave, and decodes. A
+        request whose audio/image/video cannot be encoded fails alone, before the forward."""
+        failed: dict[int, Exception] = {}
+        for i, item in enumerate(batch):
+            try:
+                self.thinker.encode(item.request.state)
+            except (ValueError, IndexError) as e:
+                failed[i] = invalid(f"thinker: the request's audio, image or video inputs cannot be encoded: {e}")
+            except Exception as e:  # any other failure is this request's alone too
+                failed[i] = e
+        live = [it for i, it in enumerate(batch) if i not in failed]
+        steps = iter(self.thinker.step([(it.request.state, it.request.num_computed_tokens, it.num_tokens)
+                                        for it in live]) if live else [])  # fmt: skip
+        return [failed[i] if i in failed else self._output(item.request, next(steps)) for i, item in enumerate(batch)]
 
     def _output(self, req: Request, step: Any) -> StepOutput:
         start: stage_pb2.Start = req.params

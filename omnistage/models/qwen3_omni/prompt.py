@@ -64,6 +64,14 @@ def user_positions(prompt_ids: torch.Tensor, spec: FamilySpec) -> torch.Tensor:
     return torch.nonzero((role == spec.user_id)[0], as_tuple=False).flatten()
 
 
+def talker_input_ids(prompt_ids: torch.Tensor, spec: FamilySpec) -> torch.Tensor:
+    """The ids `generate()` gives the talker (`[1, U + 9]`): the user turns' ids, then tts_pad
+    for each assistant position. They place the talker prompt's positions."""
+    ids = prompt_ids.view(-1)
+    assistant = torch.full((ASSISTANT_PREFIX_LEN,), spec.tts_pad_id, dtype=torch.long, device=ids.device)
+    return torch.cat((ids[user_positions(ids, spec)], assistant)).unsqueeze(0)
+
+
 def assistant_start(prompt_ids: torch.Tensor, spec: FamilySpec) -> int:
     """Position of the last `<|im_start|>assistant` in the prompt."""
     ids = prompt_ids.view(-1)
@@ -118,7 +126,6 @@ class TalkerPromptBuilder:
             user_embeds[mm_mask] = talker.hidden_projection(prompt_hidden[mm_mask].unsqueeze(0))[0].to(dtype)
         user_embeds[~mm_mask] = talker.text_projection(prompt_embeds[~mm_mask].unsqueeze(0))[0].to(dtype)
         user_part = user_embeds[user_idx].unsqueeze(0)
-        user_ids = ids[user_idx].unsqueeze(0)
 
         assistant_hidden = talker.text_projection(assistant_stream_embeds[: ASSISTANT_HEADER_LEN + 1].unsqueeze(0))
         text_side = torch.cat(
@@ -151,8 +158,7 @@ class TalkerPromptBuilder:
             dim=1,
         )
         assistant_part = text_side + codec_side
-        assistant_ids = torch.full((1, ASSISTANT_PREFIX_LEN), spec.tts_pad_id, dtype=torch.long, device=ids.device)
-        return torch.cat((user_part, assistant_part), dim=1), torch.cat((user_ids, assistant_ids), dim=1)
+        return torch.cat((user_part, assistant_part), dim=1), talker_input_ids(ids, spec)
 
     @torch.no_grad()
     def trailing_embed(self, token_embed: torch.Tensor | None, is_last: bool) -> torch.Tensor:

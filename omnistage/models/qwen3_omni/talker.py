@@ -33,6 +33,7 @@ from omnistage.models.qwen3_omni.prompt import (
     ASSISTANT_HEADER_LEN,
     TalkerPromptBuilder,
     assistant_start,
+    talker_input_ids,
     text_positions,
 )
 from omnistage.models.qwen3_omni.spec import FamilySpec
@@ -114,8 +115,15 @@ class Talker:
     def set_prompt(self, state: TalkerState, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None,
                    rope: Mapping[str, torch.Tensor] | None = None) -> None:  # fmt: skip
         """The thinker's prompt: ids, layer-0 embeddings, accept-layer hidden states (with
-        audio/image/video), and `rope`, the items' sizes (RopeInputs' fields)."""
+        audio/image/video), and `rope`, the items' sizes (RopeInputs' fields). The talker
+        prompt's positions are placed here, so sizes that disagree with the placeholders fail
+        this request when it arrives (ValueError), not a step."""
         state.set_prompt(ids, embeds, hidden, self.spec, RopeInputs(**(rope or {})))
+        try:
+            talker_ids = talker_input_ids(ids, self.spec).to(self.device)
+            state.prompt_positions = talker_positions(self.model, talker_ids, state.rope)
+        except (IndexError, RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"the prompt's audio/image/video sizes do not fit its placeholders: {e}") from None
 
     def new_state(self, sampling: SamplingParams, speaker: str) -> TalkerState:
         self.spec.speaker_id(speaker)  # unknown speaker: clear error before any model work
@@ -171,8 +179,7 @@ class Talker:
         assert state.prompt is not None
         ids, embeds, hidden = state.prompt
         stream = torch.stack([e for e, _ in needed])  # type: ignore[misc]
-        prompt, talker_ids = self.prompts.prefill_embeds(ids, embeds, hidden, stream, state.speaker)
-        state.prompt_positions = talker_positions(self.model, talker_ids.to(self.device), state.rope)
+        prompt, _ = self.prompts.prefill_embeds(ids, embeds, hidden, stream, state.speaker)
         return prompt.to(self.model.dtype)
 
     def _advance_rows(self, state: TalkerState, text_done: bool) -> torch.Tensor | None:

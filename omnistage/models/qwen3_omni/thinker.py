@@ -122,12 +122,18 @@ class Thinker:
             state.multimodal = mm
             state.rope = mm.rope()
 
+    @torch.no_grad()
+    def encode(self, state: ThinkerState) -> None:
+        """Run the request's audio and vision encoders, once, before its first prefill chunk (a
+        step does it itself; calling it first lets a caller fail one request, not the step)."""
+        if state.multimodal is not None:
+            ids = torch.tensor(state.prompt_ids, device=self.device)
+            mm, state.multimodal = state.multimodal, None
+            state.prompt_inputs = encode_prompt(self.model, ids, mm)
+
     def _prompt_rows(self, state: ThinkerState, pos: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Input embeddings `[n, H]` and positions `[4, 1, n]` of prompt chunk [pos, pos + n)."""
-        if state.multimodal is not None:  # the prefill starts: run the encoders
-            ids = torch.tensor(state.prompt_ids, device=self.device)
-            state.prompt_inputs = encode_prompt(self.model, ids, state.multimodal)
-            state.multimodal = None
+        self.encode(state)
         inputs = state.prompt_inputs
         if inputs is None:
             ids = torch.tensor(state.prompt_ids[pos : pos + n], device=self.device)
