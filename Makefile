@@ -10,7 +10,7 @@ TORCH_VERSION := 2.13.0
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 TORCH_BUILD := $(if $(filter auto,$(TORCH)),$(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu),$(TORCH))
 
-.PHONY: install serve test lint protos clean bench-results
+.PHONY: install serve test lint protos clean bench-results browser
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,8 +41,18 @@ serve: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-test: $(STAMP) lint
+test: $(STAMP) lint browser
 	$(PY) -m pytest -q
+
+# The playground's browser test drives the system's Chromium (Playwright without its own browser
+# download). Installed here when this runs as root with apt-get; otherwise that test says why it skips.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 \
+	  || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+	       && { apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
+	            || { apt-get update -q >/dev/null 2>&1 \
+	                 && apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1; }; }; } \
+	  || echo "note: could not install Chromium (needs root and apt-get); the playground browser test will skip"
 
 protos: $(STAMP)
 	$(PY) -m omnistage.cli.protogen

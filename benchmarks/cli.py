@@ -41,6 +41,11 @@ def bench(
     plot_out: Annotated[Path | None, typer.Option("--plot", help="PNG: latency CDFs, throughput.")] = None,
     markdown_out: Annotated[Path | None, typer.Option("--markdown", help="Short markdown summary.")] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress")] = True,
+    http: Annotated[bool, typer.Option("--http", help="HTTP (OpenAI SSE) against gRPC, same run: median TTFT, "
+                                       "TTFA, E2E ratios at each --concurrency (default 1,8).")] = False,
+    http_target: Annotated[
+        str | None, typer.Option("--http-target", help="HOST:PORT of the gateway's HTTP port (with --target).")
+    ] = None,
 ) -> None:
     """Latency and throughput of the served pipeline, each figure against a same-run baseline."""
     if ctx.invoked_subcommand is not None:
@@ -55,7 +60,7 @@ def bench(
             talker_max_tokens=talker_max_tokens, baseline_requests=baseline_requests, monolithic=monolithic,
             inprocess=inprocess, full_payload=full_payload, stages=stages, warmup=warmup, threads=threads,
             request_timeout=request_timeout, json_out=json_out, plot_out=plot_out, markdown_out=markdown_out,
-            progress=progress,
+            progress=progress, http=http, http_target=http_target,
         )
     )
 

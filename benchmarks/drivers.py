@@ -200,13 +200,16 @@ class MonolithicDriver(SyncDriver):
 
 class GrpcDriver(Driver):
     """A running stack's gateway, through ``gateway.client.stream_generate``, over one channel
-    shared by all requests (as a real client keeps its connection)."""
+    shared by all requests (as a real client keeps its connection). ``openai_greedy``: the
+    sampling an HTTP request with temperature 0 gets (greedy text and speech, the talker's other
+    defaults kept), so the two front doors do the same work."""
 
     name = "grpc"
 
-    def __init__(self, target: str, timeout: float | None = None) -> None:
+    def __init__(self, target: str, timeout: float | None = None, openai_greedy: bool = False) -> None:
         self.target = target
         self.timeout = timeout
+        self.openai_greedy = openai_greedy
         self._channel: Any = None
 
     async def run(self, req: BenchRequest) -> list[StreamEvent]:
@@ -217,16 +220,19 @@ class GrpcDriver(Driver):
         if self._channel is None:
             self._channel = grpc.aio.insecure_channel(self.target)
         events: list[StreamEvent] = []
+        options: dict[str, Any] = {"greedy": True}
+        if self.openai_greedy:
+            options = {"greedy": False, "sampling": {"thinker": {"do_sample": False}, "talker": {"do_sample": False}}}
         async for ev in stream_generate(
             self.target,
             req.prompt,
             want_audio=req.want_audio,
             thinker_max_tokens=req.thinker_max_tokens,
-            talker_max_tokens=req.talker_max_tokens,
-            greedy=True,
+            talker_max_tokens=None if self.openai_greedy else req.talker_max_tokens,
             mode=req.mode,
             timeout=self.timeout,
             channel=self._channel,
+            **options,
         ):
             now = time.perf_counter()
             if ev.kind == "text":
@@ -242,6 +248,61 @@ class GrpcDriver(Driver):
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
+
+
+class HttpDriver(Driver):
+    """A running stack's OpenAI-compatible HTTP front door: streamed chat completions (SSE) with
+    text and pcm16 audio, temperature 0, over one kept-alive connection pool."""
+
+    name = "http"
+
+    def __init__(self, base_url: str, timeout: float | None = None) -> None:
+        self.url = base_url.rstrip("/") + "/v1/chat/completions"
+        self.timeout = timeout
+        self._client: Any = None
+
+    async def run(self, req: BenchRequest) -> list[StreamEvent]:
+        import base64
+        import json
+
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self.timeout)
+        body = {"messages": [{"role": "user", "content": req.prompt}], "stream": True, "temperature": 0,
+                "max_tokens": req.thinker_max_tokens, "stream_options": {"include_usage": True},
+                "modalities": ["text", "audio"] if req.want_audio else ["text"],
+                "audio": {"format": "pcm16"}}  # fmt: skip
+        events: list[StreamEvent] = []
+        async with self._client.stream("POST", self.url, json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                now = time.perf_counter()
+                if data == "[DONE]":
+                    events.append(StreamEvent("final", now))
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    raise RuntimeError(event["error"]["message"])
+                if not event.get("choices"):
+                    continue
+                delta = event["choices"][0]["delta"]
+                if delta.get("content"):
+                    events.append(StreamEvent("text", now, token_ids=(0,)))  # ids are not in the API
+                audio = (delta.get("audio") or {}).get("data")
+                if audio:
+                    n = len(base64.b64decode(audio)) // 2
+                    events.append(StreamEvent("audio", now, samples=n, sample_rate=24000))
+        return events
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
 
 
 def build_record(

@@ -79,6 +79,8 @@ class BenchOptions:
     warmup: int = 1
     threads: int = 1
     request_timeout: float = 300.0
+    http: bool = False  # compare the HTTP front door with gRPC (benchmarks/front_doors.py)
+    http_target: str | None = None  # HOST:PORT of a running gateway's HTTP port (with --target)
     json_out: Path | None = None
     plot_out: Path | None = None
     markdown_out: Path | None = None
@@ -154,10 +156,10 @@ def stack_config(opts: BenchOptions) -> Any:
         overrides.update(parse_replicas(opts.replicas))
     cfg = apply_overrides(cfg, overrides)
     # Free ports, so a bench stack never collides with another stack on this machine.
-    sizes = [cfg.gateway.replicas, *(cfg.stage(s).replicas for s in STAGES)]
+    sizes = [cfg.gateway.replicas, *(cfg.stage(s).replicas for s in STAGES), cfg.gateway.replicas]
     bases = free_port_blocks(sizes, cfg.host, metrics_offset=cfg.metrics.port_offset)
-    port_overrides: dict[str, Any] = {"gateway.port": bases[0]}
-    for name, base in zip(STAGES, bases[1:], strict=True):
+    port_overrides: dict[str, Any] = {"gateway.port": bases[0], "gateway.http_port": bases[-1]}
+    for name, base in zip(STAGES, bases[1:-1], strict=True):
         port_overrides[f"{name}.base_port"] = base
     return apply_overrides(cfg, port_overrides)
 
@@ -165,11 +167,20 @@ def stack_config(opts: BenchOptions) -> Any:
 @contextlib.contextmanager
 def sut_target(opts: BenchOptions, log: Callable[[str], None]) -> Iterator[tuple[str | None, Any]]:
     """(gateway address or None for in-process, the deploy config used or None)."""
+    with running_stack(opts, log) as (target, _, cfg):
+        yield target, cfg
+
+
+@contextlib.contextmanager
+def running_stack(opts: BenchOptions, log: Callable[[str], None]
+                  ) -> Iterator[tuple[str | None, str | None, Any]]:  # fmt: skip
+    """(gateway gRPC address, its HTTP address, the deploy config) of `--target` or of a stack
+    started for the run (`--serve`); (None, None, None) for neither."""
     if opts.target:
-        yield opts.target, None
+        yield opts.target, opts.http_target, None
         return
     if not opts.serve:
-        yield None, None
+        yield None, None, None
         return
     from omnistage.cli.serve import start_stack
 
@@ -177,8 +188,8 @@ def sut_target(opts: BenchOptions, log: Callable[[str], None]) -> Iterator[tuple
     log_dir = Path(tempfile.mkdtemp(prefix="omnistage-bench-logs-"))
     log(f"starting stack (gateway port {cfg.gateway.port}, logs in {log_dir}) ...")
     with start_stack(cfg, log_dir=log_dir) as stack:
-        log(f"stack up at {stack.gateway_address}")
-        yield stack.gateway_address, cfg
+        log(f"stack up at {stack.gateway_address} (HTTP {stack.http_address})")
+        yield stack.gateway_address, stack.http_address, cfg
     log("stack stopped")
 
 
@@ -462,6 +473,10 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
         raise ValueError(f"--concurrency levels must be >= 1, got {opts.concurrency}")
     if opts.target and opts.serve:
         raise ValueError("--target and --serve are exclusive: drive a running stack or start one")
+    if opts.http:
+        from benchmarks.front_doors import main as front_doors
+
+        return front_doors(opts, command)
     torch.set_num_threads(opts.threads)
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     machine = machine_info()

@@ -107,13 +107,18 @@ def build_request(
     videos: list[bytes] = (),  # type: ignore[assignment]
     use_audio_in_video: bool = False,
     messages: list[gateway_pb2.ChatMessage] | None = None,
+    sampling: dict[str, dict[str, Any]] | None = None,
+    audio_format: int = gateway_pb2.PCM_F32LE,
+    stop: list[str] | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """`greedy`: both stages greedy (what parity is checked on), unless `temperature` is set:
     then the thinker samples at that temperature (the talker stays greedy). `audio`, `images`,
     `videos`: encoded files for the user turn, before its text. `messages`: the conversation
-    so far (earlier turns, any media in them); the prompt and media become its last user turn."""
+    so far (earlier turns, any media in them); the prompt and media become its last user turn.
+    `sampling`: per-stage fields set last (e.g. {"talker": {"do_sample": False}})."""
     req = gateway_pb2.GenerateRequest(want_audio=want_audio, speaker=speaker, request_id=request_id,
-                                      use_audio_in_video=use_audio_in_video)  # fmt: skip
+                                      use_audio_in_video=use_audio_in_video, audio_format=audio_format,  # type: ignore[arg-type]
+                                      stop=stop or [])  # fmt: skip
     if system or messages or audio or images or videos:
         if system:
             req.messages.add(role="system", content=system)
@@ -134,6 +139,8 @@ def build_request(
         thinker["do_sample"] = False
     if greedy:
         talker.update(do_sample=False, repetition_penalty=1.0)
+    thinker.update((sampling or {}).get("thinker", {}))
+    talker.update((sampling or {}).get("talker", {}))
     req.sampling["thinker"].CopyFrom(sampling_proto(thinker))
     req.sampling["talker"].CopyFrom(sampling_proto(talker))
     return req

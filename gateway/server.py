@@ -3,41 +3,36 @@ audio streamed back as soon as the stages produce them.
 
 The gateway holds the tokenizer and the checkpoint's processor: it decodes the audio, images and
 video of a request (gateway/media.py, off the event loop), renders the chat prompt and builds the
-model inputs, detokenizes the thinker's token ids incrementally, and turns code2wav's float32
-chunks into AudioChunk messages. Each
-request's id goes back to the client in the initial metadata (`x-request-id`) and into one
-access-log line when it ends. Its health is NOT_SERVING while the thinker does not answer.
+model inputs, detokenizes the thinker's token ids incrementally (with stop texts), and encodes
+code2wav's float32 chunks in the requested audio format.
+
+One request path (`GatewayService.serve`) serves both front doors: `Gateway.Generate` here and
+the OpenAI-compatible HTTP API (gateway/http_api.py), which the same process serves next to it.
+Each request's id goes back to the client (`x-request-id`) and into one access-log line when it
+ends. Its gRPC health is NOT_SERVING while the thinker does not answer; it knows the health of
+every stage below it from the thinker's `Info` (`chain`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import hmac
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from gateway.audio_out import AudioEncoder
 from gateway.media import decode_messages
+from gateway.metrics import GatewayMetrics, Outcome
+from gateway.text import TextStream, check_stop_texts
 from omnistage.config import DeployConfig
 from omnistage.engine import OutChunk
 from omnistage.models import Checkpoint, CheckpointError, load_tokenizer
-from omnistage.server.grpc_common import (
-    HealthState,
-    bind,
-    channel_options,
-    drain,
-    new_server,
-    stage_stream,
-    wait_for_signal,
-)
-from omnistage.server.metrics import serve_metrics
+from omnistage.server.grpc_common import ChainWatcher, HealthState, channel_options, stage_stream
 from omnistage.topology import STAGES
 from omnistage.v1 import gateway_pb2, gateway_pb2_grpc, stage_pb2
 from omnistage.wire import ChunkAssembler, TensorBlobError, encode_chunks
@@ -50,50 +45,21 @@ REQUEST_ID_KEY = "x-request-id"  # initial metadata of every Generate call
 HEALTH_POLL_S = 1.0
 
 
-class Detokenizer:
-    """Incremental detokenization that never emits half a UTF-8 character."""
+class GatewayError(Exception):
+    """A request the gateway ends with this status (both front doors map it)."""
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.sent = 0  # characters already emitted
-
-    def push(self, ids: list[int]) -> str:
-        self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        delta = text[self.sent :]
-        self.sent = len(text)
-        return delta
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
-@dataclass
-class _Outcome:
-    """What the access log and the metrics say of one request."""
-
-    request_id: str
-    t0: float
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    audio_samples: int = 0
-    ttft: float | None = None
-    ttfa: float | None = None
-    status: str = "ok"
-    fields: dict[str, Any] = field(default_factory=dict)
-
-
-class GatewayMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter("omnistage_gateway_requests", "Generate requests by outcome", ["outcome"],
-                                registry=self.registry)  # fmt: skip
-        self.in_flight = Gauge("omnistage_gateway_requests_in_flight", "Generate requests in flight",
-                               registry=self.registry)  # fmt: skip
+# the thinker's stop detail -> the reason a client sees (OpenAI's names)
+FINISH_REASONS = {"stop_id": "stop", "max_tokens": "length"}
 
 
 class GatewayService(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, cfg: DeployConfig, ckpt: Checkpoint, thinker_target: str) -> None:
+    def __init__(self, cfg: DeployConfig, ckpt: Checkpoint, thinker_target: str, api_key: str = "") -> None:
         self.cfg = cfg
         self.ckpt = ckpt
         self.tokenizer = load_tokenizer(ckpt)
@@ -117,7 +83,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.metrics = GatewayMetrics()
         self.active = 0
         self.draining = False
-        self.thinker_serving = False
+        self.api_key = api_key
+        self.watcher = ChainWatcher(self.channel, "thinker", thinker_target, HEALTH_POLL_S)
 
     def _prompt(self, request: gateway_pb2.GenerateRequest) -> edges.Prompt:
         """The request as the thinker's prompt: ids, and the model inputs of its media (run in a
@@ -156,89 +123,113 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             arch=(self.ckpt.config.architectures or [""])[0],
             role="gateway",
             load=stage_pb2.Load(running=self.active, open_streams=self.active),
+            serving=self.serving,
+            chain=self.watcher.chain,
         )
 
-    # ---- thinker health -----------------------------------------------------------------------
+    # ---- health -------------------------------------------------------------------------------
+
+    @property
+    def serving(self) -> bool:
+        """Takes requests: not draining and the thinker serves."""
+        return not self.draining and self.watcher.serving
+
+    def chain_serving(self) -> tuple[bool, list[stage_pb2.StageHealth]]:
+        """Whether every stage below serves (what the HTTP /health says), and each one's health."""
+        chain = list(self.watcher.chain)
+        return (not self.draining and all(h.serving for h in chain)), chain
 
     async def watch_thinker(self, health_state: HealthState) -> None:
-        """Keep the gateway's health in step with the thinker's: NOT_SERVING while it does not
-        answer SERVING (or while the gateway drains)."""
-        stub = health_pb2_grpc.HealthStub(self.channel)
-        while True:
-            try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_POLL_S)
-                serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-            except grpc.aio.AioRpcError:
-                serving = False
-            if serving != self.thinker_serving:
-                log.info("thinker at %s is %s", self.thinker_target, "serving" if serving else "not serving")
-            self.thinker_serving = serving
-            await health_state.set(serving and not self.draining)
-            await asyncio.sleep(HEALTH_POLL_S)
+        """Keep the gateway's gRPC health in step with the thinker's: NOT_SERVING while it does
+        not serve (or while the gateway drains). Its Info also brings the stages below."""
+        was = False
 
-    # ---- Generate -----------------------------------------------------------------------------
+        async def update() -> None:
+            nonlocal was
+            if self.watcher.serving != was:
+                state = "serving" if self.watcher.serving else f"not serving ({self.watcher.chain[0].detail})"
+                log.info("thinker at %s is %s", self.thinker_target, state)
+            was = self.watcher.serving
+            await health_state.set(self.serving)
 
-    async def Generate(
-        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        rid = request.request_id or uuid.uuid4().hex
-        outcome = _Outcome(rid, time.perf_counter())
-        await context.send_initial_metadata(((REQUEST_ID_KEY, rid),))
+        await self.watcher.run(update)
+
+    # ---- the request path (both front doors) --------------------------------------------------
+
+    def check_api_key(self, authorization: str | None) -> bool:
+        """With an API key configured, `authorization` must be `Bearer <key>`."""
+        if not self.api_key:
+            return True
+        return hmac.compare_digest((authorization or "").encode(), f"Bearer {self.api_key}".encode())
+
+    async def serve(self, request: gateway_pb2.GenerateRequest, timeout: float | None, api: str
+                    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:  # fmt: skip
+        """One request, front-door independent: its responses, or GatewayError. Counts it,
+        observes its metrics and writes its access-log line whatever happens."""
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex
+        outcome = Outcome(request.request_id, time.perf_counter(), api=api)
         self.active += 1
         self.metrics.in_flight.inc()
         try:
-            async for resp in self._generate(request, context, outcome):
+            async for resp in self._generate(request, outcome, timeout):
                 yield resp
-        except asyncio.CancelledError:
+        except GatewayError as e:
+            outcome.status = e.code.name
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
             outcome.status = "CANCELLED"
             raise
         except Exception:
-            if outcome.status == "ok":  # not one of ours (those set their status first)
-                outcome.status = "ERROR"
+            outcome.status = "ERROR"
             raise
         finally:
             self.active -= 1
             self.metrics.in_flight.dec()
-            self.metrics.requests.labels(outcome.status).inc()
-            self._access_log(outcome)
+            e2e = time.perf_counter() - outcome.t0
+            self.metrics.observe(outcome, e2e, self.sample_rate)
+            self._access_log(outcome, e2e)
 
-    async def _abort(self, context: grpc.aio.ServicerContext, outcome: _Outcome, code: grpc.StatusCode,
-                     message: str) -> None:  # fmt: skip
-        outcome.status = code.name
-        await context.abort(code, message)
+    def _timeout(self, remaining: float | None) -> float:
+        if remaining is None or remaining > 1e6:
+            return self.cfg.timeouts.request_timeout_s
+        return remaining
 
-    async def _generate(
-        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext, outcome: _Outcome
-    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        if self.draining:
-            await self._abort(context, outcome, grpc.StatusCode.UNAVAILABLE,
-                              "gateway: draining, not accepting new requests")  # fmt: skip
-        try:
-            prompt = await asyncio.to_thread(self._prompt, request)
-        except ValueError as e:
-            await self._abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT, f"gateway: {e}")
-        prompt_ids = prompt.ids
-        outcome.prompt_tokens = len(prompt_ids)
-        if request.speaker and request.want_audio:
+    def _start(self, request: gateway_pb2.GenerateRequest, timeout: float) -> stage_pb2.Start:
+        """The thinker's Start, every field checked (GatewayError INVALID_ARGUMENT)."""
+        def bad(message: str) -> GatewayError:
+            return GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"gateway: {message}")
+
+        if request.want_audio and request.speaker:
             try:
                 self.ckpt.spec.speaker_id(request.speaker)
             except ValueError as e:
-                await self._abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT, f"gateway: speaker: {e}")
-        t0 = outcome.t0
-        start = stage_pb2.Start(
-            request_id=outcome.request_id, want_audio=request.want_audio, mode=request.mode, speaker=request.speaker
-        )
+                raise bad(f"speaker: {e}") from None
+        if request.audio_format not in gateway_pb2.AudioFormat.values():
+            raise bad(f"audio_format: unknown value {request.audio_format}")
+        try:
+            check_stop_texts(request.stop)
+        except ValueError as e:
+            raise bad(str(e)) from None
+        start = stage_pb2.Start(request_id=request.request_id, want_audio=request.want_audio, mode=request.mode,
+                                speaker=request.speaker, deadline_unix_s=time.time() + timeout)  # fmt: skip
         for name, params in request.sampling.items():
             if name not in STAGES:
-                await self._abort(context, outcome, grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"gateway: sampling: unknown stage {name!r}")  # fmt: skip
+                raise bad(f"sampling: unknown stage {name!r}")
             start.sampling[name].CopyFrom(params)
-        remaining = context.time_remaining()
-        timeout = remaining if remaining is not None else self.cfg.timeouts.request_timeout_s
-        if timeout is not None and timeout > 1e6:
-            timeout = self.cfg.timeouts.request_timeout_s
-        start.deadline_unix_s = time.time() + timeout
+        return start
 
+    async def _generate(self, request: gateway_pb2.GenerateRequest, outcome: Outcome, timeout: float | None
+                        ) -> AsyncIterator[gateway_pb2.GenerateResponse]:  # fmt: skip
+        if self.draining:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, "gateway: draining, not accepting new requests")
+        timeout = self._timeout(timeout)
+        start = self._start(request, timeout)
+        try:
+            prompt = await asyncio.to_thread(self._prompt, request)
+        except ValueError as e:
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"gateway: {e}") from None
+        outcome.prompt_tokens = len(prompt.ids)
         chunk = edges.prompt_chunk(prompt.ids, prompt.multimodal, prompt.use_audio_in_video)
         del prompt  # the media tensors are in `chunk` now
 
@@ -247,9 +238,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             for piece in _encode(chunk, self.cfg.max_message_bytes - 1024):  # large prompts span messages
                 yield stage_pb2.StageRequest(chunk=piece)
 
+        t0 = outcome.t0
         call = self.stream(messages(), timeout=timeout)
         assemblers: dict[str, ChunkAssembler] = {}
-        detok = Detokenizer(self.tokenizer)
+        text = TextStream(self.tokenizer, request.stop)
+        encoder = AudioEncoder(request.audio_format, self.sample_rate) if request.want_audio else None
         timings: dict[str, gateway_pb2.StageTiming] = {}
         frames = 0
         try:
@@ -258,60 +251,102 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 now = time.perf_counter() - t0
                 timing = timings.setdefault(resp.stage, gateway_pb2.StageTiming(first_output_s=now))
                 timing.total_s = now
-                chunk = assemblers.setdefault(resp.stage, ChunkAssembler()).push(resp.chunk, received.views)
-                if chunk is None:
+                got = assemblers.setdefault(resp.stage, ChunkAssembler()).push(resp.chunk, received.views)
+                if got is None:
                     continue
-                if edges.IDS in chunk.tensors:
-                    ids = [int(i) for i in chunk.tensors[edges.IDS].tolist()]
+                if edges.IDS in got.tensors:
+                    ids = [int(i) for i in got.tensors[edges.IDS].tolist()]
                     outcome.completion_tokens += len(ids)
                     outcome.ttft = now if outcome.ttft is None else outcome.ttft
-                    yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text=detok.push(ids), token_ids=ids))
-                elif edges.CODES in chunk.tensors:
-                    frames += int(chunk.tensors[edges.CODES].shape[1])
-                elif edges.AUDIO in chunk.tensors:
-                    pcm = chunk.tensors[edges.AUDIO].float().contiguous()
+                    reason = edges.meta_str(got.meta, edges.FINISH_REASON)
+                    if reason:
+                        outcome.finish_reason = FINISH_REASONS.get(reason, reason)
+                    yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text=text.push(ids), token_ids=ids))
+                    if text.stopped:  # a stop text: the reply ends here, for every stage
+                        outcome.finish_reason = "stop"
+                        break
+                elif edges.CODES in got.tensors:
+                    frames += int(got.tensors[edges.CODES].shape[1])
+                elif edges.AUDIO in got.tensors and encoder is not None:
+                    pcm = got.tensors[edges.AUDIO].float().contiguous().numpy()
                     outcome.audio_samples += int(pcm.shape[0])
-                    outcome.ttfa = now if outcome.ttfa is None else outcome.ttfa
-                    yield gateway_pb2.GenerateResponse(
-                        audio=gateway_pb2.AudioChunk(
-                            pcm_f32le=pcm.numpy().astype("<f4").tobytes(),
-                            sample_rate=self.sample_rate,
-                            first_sample=chunk.offset,
-                        )
-                    )
+                    data = encoder.push(pcm)
+                    if data:
+                        yield self._audio(encoder, data, outcome, now)
         except grpc.aio.AioRpcError as e:
             code = e.code()
             detail = e.details() or ""
             if code == grpc.StatusCode.UNAVAILABLE and not detail.startswith(STAGES):
                 detail = f"thinker unavailable at {self.thinker_target}: {detail}"
-            await self._abort(context, outcome, code, detail)
+            raise GatewayError(code, detail) from None
         except TensorBlobError as e:
-            await self._abort(context, outcome, grpc.StatusCode.INTERNAL, f"gateway: bad chunk from a stage: {e}")
+            raise GatewayError(grpc.StatusCode.INTERNAL, f"gateway: bad chunk from a stage: {e}") from None
         finally:
             if not call.done():
                 call.cancel()
+        tail = text.flush()
+        if tail:
+            yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text=tail))
+        if encoder is not None:
+            data = encoder.finish()
+            if data:
+                yield self._audio(encoder, data, outcome, time.perf_counter() - t0)
         usage = gateway_pb2.Usage(
-            prompt_tokens=len(prompt_ids),
+            prompt_tokens=outcome.prompt_tokens,
             completion_tokens=outcome.completion_tokens,
             audio_frames=frames,
             audio_seconds=outcome.audio_samples / self.sample_rate,
         )
-        final = gateway_pb2.Final(usage=usage)
+        final = gateway_pb2.Final(usage=usage, finish_reason=outcome.finish_reason)
         for name, timing in timings.items():
             final.timings[name].CopyFrom(timing)
         final.timings["gateway"].CopyFrom(gateway_pb2.StageTiming(total_s=time.perf_counter() - t0))
         yield gateway_pb2.GenerateResponse(final=final)
 
-    def _access_log(self, o: _Outcome) -> None:
+    def _audio(self, encoder: AudioEncoder, data: bytes, outcome: Outcome, now: float) -> gateway_pb2.GenerateResponse:
+        """An AudioChunk of `data`, covering the samples given to the encoder since the last one."""
+        sent = outcome.audio_sent
+        outcome.audio_sent = outcome.audio_samples
+        outcome.ttfa = now if outcome.ttfa is None else outcome.ttfa
+        outcome.audio_times.append(now)
+        chunk = gateway_pb2.AudioChunk(sample_rate=self.sample_rate, first_sample=sent,
+                                       samples=outcome.audio_samples - sent,
+                                       format=encoder.format)  # type: ignore[arg-type]  # fmt: skip
+        if encoder.format == gateway_pb2.PCM_F32LE:
+            chunk.pcm_f32le = data
+        else:
+            chunk.data = data
+        return gateway_pb2.GenerateResponse(audio=chunk)
+
+    # ---- gRPC front door ----------------------------------------------------------------------
+
+    async def Generate(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        metadata = dict(context.invocation_metadata() or ())
+        if not self.check_api_key(metadata.get("authorization")):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "gateway: missing or wrong API key "
+                                "(metadata authorization: Bearer <key>)")  # fmt: skip
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex
+        await context.send_initial_metadata(((REQUEST_ID_KEY, request.request_id),))
+        try:
+            async for resp in self.serve(request, context.time_remaining(), "grpc"):
+                yield resp
+        except GatewayError as e:
+            await context.abort(e.code, e.message)
+
+    def _access_log(self, o: Outcome, e2e: float) -> None:
         def ms(x: float | None) -> int | None:
             return None if x is None else round(1000 * x)
 
         fields = {
             "request_id": o.request_id,
+            "api": o.api,
             "outcome": o.status,
             "ttft_ms": ms(o.ttft),
             "ttfa_ms": ms(o.ttfa),
-            "e2e_ms": ms(time.perf_counter() - o.t0),
+            "e2e_ms": ms(e2e),
             "prompt_tokens": o.prompt_tokens,
             "completion_tokens": o.completion_tokens,
             "audio_s": round(o.audio_samples / self.sample_rate, 3),
@@ -324,29 +359,3 @@ def _encode(chunk: OutChunk, max_bytes: int) -> list[stage_pb2.Chunk]:
     pieces = encode_chunks(chunk.tensors, max_bytes=max_bytes, offset=chunk.offset, length=chunk.length,
                            finished=chunk.finished, meta=chunk.meta)  # fmt: skip
     return [p.message() for p in pieces]
-
-
-def run_gateway(cfg: DeployConfig, ckpt: Checkpoint, host: str, port: int, thinker_target: str) -> None:
-    async def main() -> None:
-        service = GatewayService(cfg, ckpt, thinker_target)
-        # clients send their media in the request: the receive limit is the media request limit
-        server = new_server(max(cfg.max_message_bytes, cfg.media.max_request_bytes))
-        gateway_pb2_grpc.add_GatewayServicer_to_server(service, server)
-        health_state = HealthState(server, (gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,))
-        await health_state.set(False)  # until the thinker answers
-        bind(server, host, port, "gateway")
-        metrics_port = cfg.metrics_port(port)
-        if metrics_port is not None:
-            serve_metrics(service.metrics.registry, host, metrics_port, f"gateway at {host}:{port}")
-        await server.start()
-        watcher = asyncio.create_task(service.watch_thinker(health_state))
-        log.info("gateway serving on %s:%d -> thinker %s (metrics on %s)", host, port, thinker_target,
-                 metrics_port or "off")  # fmt: skip
-        await wait_for_signal()
-        service.draining = True
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
-        await drain(health_state, lambda: service.active > 0, cfg.timeouts.drain_grace_s, server)
-
-    asyncio.run(main())

@@ -9,8 +9,9 @@ current directory, else the packaged copy of the repository's `deploy/omnistage.
 built-in defaults.
 
 Ports: process `P` (the gateway or a stage replica) serves gRPC on `P` and Prometheus metrics
-on `P + metrics.port_offset` (1000 by default), both on `host`. `--port P` moves the whole
-stack: gateway `P`, the k-th stage of the topology `P + 100 * k` (replica i adds i).
+on `P + metrics.port_offset` (1000 by default), both on `host`; the gateway also serves HTTP on
+`gateway.http_port` (8000). `--port P` moves the whole stack: gateway `P` (HTTP `P + 50`), the
+k-th stage of the topology `P + 100 * k` (replica i adds i).
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ class Code2WavConfig(StageConfig):
 
 
 class GatewayConfig(_Strict):
-    port: int = Field(50051, ge=1, le=65535)
+    port: int = Field(50051, ge=1, le=65535, description="gRPC (Gateway.Generate); replica i adds i")
+    http_port: int | None = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP; replica i adds i; "
+                                  "null: no HTTP")  # fmt: skip
     replicas: int = Field(1, ge=1, le=64)
 
 
@@ -142,7 +145,14 @@ class DeployConfig(_StagesConfig):  # type: ignore[misc,valid-type]
         if self.metrics.enabled:
             offset = self.metrics.port_offset
             out += [(p + offset, f"{role} metrics", "metrics.port_offset") for p, role, _ in list(out)]
+        out += [(p, f"gateway[{i}] http", "gateway.http_port") for i, p in enumerate(self.http_ports())]
         return out
+
+    def http_ports(self) -> list[int]:
+        """The gateway replicas' HTTP ports (none when HTTP is off)."""
+        if self.gateway.http_port is None:
+            return []
+        return [self.gateway.http_port + i for i in range(self.gateway.replicas)]
 
     def ports(self) -> list[tuple[int, str]]:
         """Every port the stack listens on, with the role of its process: gRPC and metrics."""
@@ -170,11 +180,13 @@ class DeployConfig(_StagesConfig):  # type: ignore[misc,valid-type]
 
 
 PORT_STRIDE = 100  # --port P: the k-th stage's replicas start at P + PORT_STRIDE * k
+HTTP_PORT_OFFSET = 50  # --port P: the gateway's HTTP port is P + 50
 
 
 def port_layout(port: int) -> dict[str, int]:
-    """Overrides that move the whole stack to `port`: the gateway there, each stage a stride up."""
-    out = {"gateway.port": port}
+    """Overrides that move the whole stack to `port`: the gateway there (its HTTP port 50 up),
+    each stage a stride up."""
+    out = {"gateway.port": port, "gateway.http_port": port + HTTP_PORT_OFFSET}
     for k, name in enumerate(STAGES, start=1):
         out[f"{name}.base_port"] = port + PORT_STRIDE * k
     return out

@@ -19,14 +19,15 @@ class StageDef:
     worker: str  # module whose `build_worker(cfg, ckpt)` makes the stage's worker
     default_port: int  # base port of its replicas under `omnistage serve`
     downstream: str | None  # the next stage in the chain, None for the last
+    output_unit: str = "tokens"  # what its outputs to the caller count (metrics): tokens, frames, samples
     settings: str = "stage"  # which settings block configures it: "stage" or "code2wav"
     defaults: dict[str, Any] = field(default_factory=dict)  # its settings' defaults besides the port
 
 
 PIPELINE: tuple[StageDef, ...] = (
     StageDef("thinker", "services.thinker.worker", 7101, "talker", defaults={"cache_capacity_tokens": 65536}),
-    StageDef("talker", "services.talker.worker", 7201, "code2wav"),
-    StageDef("code2wav", "services.code2wav.worker", 7301, None, settings="code2wav"),
+    StageDef("talker", "services.talker.worker", 7201, "code2wav", output_unit="frames"),
+    StageDef("code2wav", "services.code2wav.worker", 7301, None, output_unit="samples", settings="code2wav"),
 )
 
 STAGES: tuple[str, ...] = tuple(s.name for s in PIPELINE)

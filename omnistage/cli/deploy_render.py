@@ -9,12 +9,15 @@ Mapping (per stage thinker/talker/code2wav, plus the gateway):
 * every container runs the same image; the arguments pick the process:
   `omnistage stage NAME --host 0.0.0.0 --port BASE_PORT --config /etc/omnistage/omnistage.yaml
   [--downstream dns:///NEXT:NEXT_PORT] [--model /models/omni]` and
-  `omnistage gateway --host 0.0.0.0 --port GATEWAY_PORT --thinker dns:///thinker:THINKER_PORT ...`.
+  `omnistage gateway --host 0.0.0.0 --port GATEWAY_PORT --http-port HTTP_PORT --thinker
+  dns:///thinker:THINKER_PORT ...` (the gateway's HTTP port is published next to its gRPC port).
   Each replica has its own network namespace, so every replica of a stage listens on the stage's
   `base_port` (where `omnistage serve` gives replica i `base_port + i` on loopback) and serves
   Prometheus metrics on that port + `metrics.port_offset`, as under `omnistage serve`. Upstreams
   reach all replicas through one DNS name (compose service name / Kubernetes headless Service)
-  with `dns:///` and round_robin.
+  with `dns:///` and round_robin. Prometheus finds the metrics ports through the pods'
+  `prometheus.io/scrape|port|path` annotations (Kubernetes) or the `expose`d ports (compose);
+  `deploy/grafana/omnistage.json` is a dashboard over them.
 * `replicas` -> compose `deploy.replicas` and Deployment `replicas` (and the HPA's minReplicas).
 * `device: cuda[:N]` -> a compose GPU reservation (`capabilities: [gpu]`; `device_ids: [N]` for
   `cuda:N`) and `nvidia.com/gpu: 1` under Kubernetes limits; inside the container the one visible
@@ -128,6 +131,7 @@ def stage_args(cfg: DeployConfig, name: StageName) -> list[str]:
 def gateway_args(cfg: DeployConfig) -> list[str]:
     """Arguments after `omnistage` for the gateway; `cfg` is the container view."""
     args = ["gateway", "--host", "0.0.0.0", "--port", str(cfg.gateway.port), "--thinker", _target(cfg, "thinker")]
+    args += ["--http-port", str(cfg.gateway.http_port)] if cfg.gateway.http_port else ["--no-http"]
     args += ["--config", CONFIG_PATH]
     if cfg.model is not None:
         args += ["--model", MODEL_DIR]
@@ -186,6 +190,7 @@ def _compose_service(
     build_context: str | None,
     depends_on: str | None,
     publish: bool,
+    http_port: int | None = None,
 ) -> dict[str, Any]:
     svc: dict[str, Any] = {"image": f"${{OMNISTAGE_IMAGE:-{IMAGE}}}:{image_tag}"}
     if build_context is not None:
@@ -201,8 +206,11 @@ def _compose_service(
         last = port + replicas - 1
         host = str(port) if replicas == 1 else f"{port}-{last}"
         svc["ports"] = [f"{host}:{port}"]
+        if http_port:
+            http_host = str(http_port) if replicas == 1 else f"{http_port}-{http_port + replicas - 1}"
+            svc["ports"].append(f"{http_host}:{http_port}")
     metrics = run_cfg.metrics_port(port)
-    svc["expose"] = [str(port)] + ([str(metrics)] if metrics else [])
+    svc["expose"] = [str(port)] + ([str(metrics)] if metrics else []) + ([str(http_port)] if http_port else [])
     volumes: list[dict[str, Any]] = [
         {"type": "bind", "source": config_file, "target": CONFIG_PATH, "read_only": True},
     ]
@@ -265,6 +273,7 @@ def _compose_profile(
             device="cpu",
             depends_on="thinker" + suffix,
             publish=True,
+            http_port=cfg.gateway.http_port,
             **common,
         )
     }
@@ -340,6 +349,7 @@ def _deployment(
     threads: int,
     image: str,
     config_sha: str,
+    http_port: int | None = None,
 ) -> dict[str, Any]:
     resources: dict[str, Any] = {"requests": {"cpu": str(threads)}}
     if device.startswith("cuda"):
@@ -366,7 +376,8 @@ def _deployment(
         "args": args,
         "env": [{"name": k, "value": v} for k, v in _env(run_cfg, port).items()],
         "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"}]
-        + ([{"name": "metrics", "containerPort": metrics, "protocol": "TCP"}] if metrics else []),
+        + ([{"name": "metrics", "containerPort": metrics, "protocol": "TCP"}] if metrics else [])
+        + ([{"name": "http", "containerPort": http_port, "protocol": "TCP"}] if http_port else []),
         "startupProbe": _grpc_probe(port, PROBE_PERIOD_S, startup_failures),
         "readinessProbe": _grpc_probe(port, PROBE_PERIOD_S, 1),
         "livenessProbe": _grpc_probe(port, 10, 3),
@@ -399,7 +410,8 @@ def _deployment(
                 "metadata": {
                     "labels": _labels(component),
                     "annotations": {"omnistage.dev/config-sha256": config_sha}
-                    | ({"prometheus.io/scrape": "true", "prometheus.io/port": str(metrics)} if metrics else {}),
+                    | ({"prometheus.io/scrape": "true", "prometheus.io/port": str(metrics),
+                         "prometheus.io/path": "/metrics"} if metrics else {}),
                 },
                 "spec": pod_spec,
             },
@@ -407,7 +419,8 @@ def _deployment(
     }
 
 
-def _service(component: str, port: int, metrics: int | None, *, headless: bool) -> dict[str, Any]:
+def _service(component: str, port: int, metrics: int | None, *, headless: bool,
+             http_port: int | None = None) -> dict[str, Any]:  # fmt: skip
     spec: dict[str, Any] = {}
     if headless:
         spec["clusterIP"] = "None"
@@ -417,6 +430,8 @@ def _service(component: str, port: int, metrics: int | None, *, headless: bool) 
     spec["ports"] = [
         {"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"}
     ] + ([{"name": "metrics", "port": metrics, "targetPort": "metrics", "protocol": "TCP"}] if metrics else [])
+    if http_port:
+        spec["ports"].append({"name": "http", "port": http_port, "targetPort": "http", "protocol": "TCP"})
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -480,8 +495,10 @@ def render_k8s(cfg: DeployConfig) -> dict[str, str]:
         threads=1,
         image=image,
         config_sha=config_sha,
+        http_port=cfg.gateway.http_port,
     )
-    gateway_svc = _service("gateway", cfg.gateway.port, run_cfg.metrics_port(cfg.gateway.port), headless=False)
+    gateway_svc = _service("gateway", cfg.gateway.port, run_cfg.metrics_port(cfg.gateway.port), headless=False,
+                           http_port=cfg.gateway.http_port)  # fmt: skip
     files["k8s/gateway.yaml"] = header + _docs(gateway, gateway_svc)
     for name in STAGES:
         stage = cfg.stage(name)

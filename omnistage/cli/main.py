@@ -157,6 +157,14 @@ DeviceOpt = Annotated[str | None, typer.Option("--device", help="cpu, cuda or cu
 NameOpt = Annotated[str | None, typer.Option("--served-model-name", help="Model name clients see.")]
 MaxLenOpt = Annotated[int | None, typer.Option("--max-model-len", help="Cap on prompt + generated tokens.")]
 LogLevelOpt = Annotated[LogLevel, typer.Option("--log-level", help="Log level (debug prints tracebacks).")]
+HttpPortOpt = Annotated[
+    int | None, typer.Option("--http-port", help="OpenAI-compatible HTTP port of the gateway (default 8000).")
+]
+ApiKeyOpt = Annotated[
+    str | None,
+    typer.Option("--api-key", envvar="OMNISTAGE_API_KEY",
+                 help="Require 'Authorization: Bearer KEY' on the gateway (HTTP and gRPC)."),
+]  # fmt: skip
 LogFormatOpt = Annotated[LogFormat, typer.Option("--log-format", help="text, or one JSON object per line.")]
 
 
@@ -224,7 +232,8 @@ def health(
             checks = [(t, t) for t in target]
         else:
             cfg = _load_cfg(config, {}, default=True)
-            checks = [(role, f"{cfg.host}:{port}") for port, role in cfg.ports() if not role.endswith("metrics")]
+            grpc_ports = [(port, role) for port, role in cfg.ports() if not role.endswith(("metrics", "http"))]
+            checks = [(role, f"{cfg.host}:{port}") for port, role in grpc_ports]
     ok = True
     for role, address in checks:
         status = health_status(address, timeout)
@@ -247,6 +256,8 @@ def serve(
     device: DeviceOpt = None,
     served_model_name: NameOpt = None,
     max_model_len: MaxLenOpt = None,
+    http_port: HttpPortOpt = None,
+    api_key: ApiKeyOpt = None,
     log_dir: Annotated[
         Path | None, typer.Option("--log-dir", help="Run folder (default: a new one in the cache).")
     ] = None,
@@ -269,21 +280,27 @@ def serve(
         if port is not None:
             overrides.update(port_layout(port))
         overrides.update(_stage_overrides(STAGES, dtype, device))
-        overrides.update({"host": host, "served_model_name": served_model_name, "max_model_len": max_model_len})
+        overrides.update({"host": host, "served_model_name": served_model_name, "max_model_len": max_model_len,
+                          "gateway.http_port": http_port})  # fmt: skip
         cfg = _load_cfg(config, overrides, default=True)
         typer.echo(f"config: {config or default_config_path()}" + (" + flags" if any(overrides.values()) else ""))
         shown = model_arg or model or cfg.model or "built-in tiny checkpoint"
         typer.echo(f"starting omnistage (model: {shown}) ...")
         stack = start_stack(cfg, model=model_arg or model, log_dir=log_dir,
-                            log_level=log_level.value, log_format=log_format.value)  # fmt: skip
+                            log_level=log_level.value, log_format=log_format.value, api_key=api_key)  # fmt: skip
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     code = 0
     try:
         typer.echo(f"logs: {stack.run_dir}")
         typer.echo("\n".join(stack.status_lines()))
-        typer.echo(f"omnistage gateway listening on {stack.gateway_address}")
+        typer.echo(f"omnistage gateway listening on {stack.gateway_address} (gRPC)"
+                   + (f" and http://{stack.http_address} (OpenAI-compatible HTTP, playground at /)"
+                      if stack.http_address else ""))  # fmt: skip
         typer.echo(f'try: omnistage client "Hello" --target {stack.gateway_address}')
+        if stack.http_address:
+            typer.echo(f"     curl http://{stack.http_address}/v1/chat/completions -H 'content-type: application/json' "
+                       """-d '{"messages":[{"role":"user","content":"Hello"}]}'""")  # fmt: skip
         while not stop.wait(0.5):
             dead = stack.dead()
             if dead:
@@ -344,11 +361,15 @@ def gateway(
     host: HostOpt = None,
     served_model_name: NameOpt = None,
     max_model_len: MaxLenOpt = None,
+    http_port: HttpPortOpt = None,
+    no_http: Annotated[bool, typer.Option("--no-http", help="Serve gRPC only.")] = False,
+    api_key: ApiKeyOpt = None,
     log_level: LogLevelOpt = LogLevel.info,
     log_format: LogFormatOpt = LogFormat.text,
 ) -> None:
-    """Run the gateway (gRPC Gateway.Generate) in front of a thinker target."""
-    from gateway.server import run_gateway
+    """Run the gateway (gRPC Gateway.Generate and the OpenAI-compatible HTTP API) in front of a
+    thinker target."""
+    from gateway.process import run_gateway
     from omnistage.cli.logs import setup_logging
     from omnistage.cli.serve import resolve_model
     from omnistage.models import open_checkpoint
@@ -357,7 +378,8 @@ def gateway(
     with _errors(log_level.value, interrupted_code=0):
         cfg = _load_cfg(config, {"served_model_name": served_model_name, "max_model_len": max_model_len})
         ckpt = open_checkpoint(resolve_model(cfg, model_arg or model))
-        run_gateway(cfg, ckpt, host or cfg.host, port, thinker)
+        http = None if no_http else (http_port or cfg.gateway.http_port)
+        run_gateway(cfg, ckpt, host or cfg.host, port, thinker, http_port=http, api_key=api_key or "")
 
 
 @app.command("client")

@@ -155,6 +155,11 @@ class Stack:
         return f"{self.cfg.host}:{self.cfg.gateway.port}"
 
     @property
+    def http_address(self) -> str | None:
+        port = self.cfg.gateway.http_port
+        return None if port is None else f"{self.cfg.host}:{port}"
+
+    @property
     def log_dir(self) -> Path:
         return self.run_dir
 
@@ -221,6 +226,7 @@ def start_stack(
     *,
     log_level: str = "info",
     log_format: str = "text",
+    api_key: str | None = None,
 ) -> Stack:
     """Start every process and wait until all are healthy; raises (after cleanup) if one fails."""
     from omnistage.config import dump_config
@@ -233,6 +239,8 @@ def start_stack(
     cfg_path = stack.run_dir / "omnistage.yaml"  # what the children read, kept with their logs
     cfg_path.write_text(dump_config(cfg))
     env = dict(os.environ)
+    if api_key:  # to the gateway's environment, never on a command line
+        env["OMNISTAGE_API_KEY"] = api_key
     common = ["--config", str(cfg_path), "--model", str(model_dir), "--host", cfg.host,
               "--log-level", log_level, "--log-format", log_format]  # fmt: skip
     try:
@@ -246,6 +254,7 @@ def start_stack(
                 log_path = stack.run_dir / f"{name}-{i}.log"
                 stack.children.append(Child(name, i, f"{cfg.host}:{port}", _spawn(args, log_path, env), log_path))
         args = ["gateway", "--port", str(cfg.gateway.port), "--thinker", cfg.stage_target("thinker"), *common]
+        args += ["--http-port", str(cfg.gateway.http_port)] if cfg.gateway.http_port else ["--no-http"]
         log_path = stack.run_dir / "gateway-0.log"
         stack.children.append(Child("gateway", 0, stack.gateway_address, _spawn(args, log_path, env), log_path))
         _wait_healthy(stack, cfg.timeouts.startup_timeout_s)

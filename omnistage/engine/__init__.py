@@ -1,7 +1,7 @@
 """The engine layer: one `Request` per stage, the continuous-batching `Scheduler`, the worker
 contract and the engine loop (schedule -> execute -> update_from_output). No gRPC here."""
 
-from omnistage.engine.engine import Engine, EngineSink
+from omnistage.engine.engine import Engine, EngineSink, StepObserver
 from omnistage.engine.request import FinishReason, Request, RequestStatus
 from omnistage.engine.scheduler import RequestRejected, ScheduledItem, Scheduler, SchedulerConfig
 from omnistage.engine.worker import OutChunk, StageWorker, StepOutput
@@ -18,5 +18,6 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "StageWorker",
+    "StepObserver",
     "StepOutput",
 ]

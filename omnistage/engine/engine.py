@@ -27,7 +27,7 @@ from omnistage.engine.scheduler import RequestRejected, ScheduledItem, Scheduler
 from omnistage.engine.worker import StageWorker, StepOutput
 from omnistage.wire import Code, DecodedChunk, StageError, TensorBlobError, invalid
 
-__all__ = ["Engine", "EngineSink"]
+__all__ = ["Engine", "EngineSink", "StepObserver"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,13 @@ class EngineSink(Protocol):
         """The request ended: `req.status` says how and `req.error` why when it failed."""
 
 
+class StepObserver(Protocol):
+    """Told of every engine step (metrics): requests in it, seconds it took, and the stream
+    positions its outputs to the caller advanced (tokens, frames or samples)."""
+
+    def on_step(self, batch_size: int, seconds: float, produced: int) -> None: ...
+
+
 class Engine:
     def __init__(
         self,
@@ -52,9 +59,11 @@ class Engine:
         cache_capacity_tokens: int | None = None,
         chunked_prefill: bool = True,
         background: bool = True,
+        observer: StepObserver | None = None,
     ) -> None:
         """`background=False`: no engine thread; the owner calls `run_once()` (in-process use)."""
         self.worker = worker
+        self.observer = observer
         self.input_wait_timeout_s = input_wait_timeout_s
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -234,7 +243,11 @@ class Engine:
             outputs: list[StepOutput | Exception] = self.worker.execute(batch)
         except Exception as e:  # the shared forward failed: every request in it fails
             outputs = [e] * len(batch)
-        self.step_seconds_total += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.step_seconds_total += seconds
+        if self.observer is not None:
+            produced = sum(c.length for out in outputs if isinstance(out, StepOutput) for c in out.up)
+            self.observer.on_step(len(batch), seconds, produced)
         reasons = [out.finished if isinstance(out, StepOutput) else FinishReason.ERROR for out in outputs]
         self.scheduler.update_from_output(batch, reasons)
         for item, out in zip(batch, outputs, strict=True):

@@ -14,12 +14,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from omnistage.v1 import stage_pb2
+from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from omnistage.wire import Code
 from omnistage.wire.wire_view import parse_request, parse_response, serialize
 
 __all__ = [
     "STAGE_SERVICE",
+    "ChainWatcher",
     "HealthState",
     "PortTaken",
     "add_stage_servicer",
@@ -182,3 +183,36 @@ def health_status(target: str, timeout: float = 3.0, service: str = "") -> str:
     except Exception:
         return "ERROR"
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+class ChainWatcher:
+    """Polls the next stage's `Info` every `poll_s`: `chain` is that stage's health followed by
+    the chain it reports (so each process knows every stage below it)."""
+
+    def __init__(self, channel: grpc.aio.Channel, stage: str, target: str, poll_s: float = 1.0) -> None:
+        self.stub = stage_pb2_grpc.StageStub(channel)
+        self.stage, self.target, self.poll_s = stage, target, poll_s
+        self.chain: list[stage_pb2.StageHealth] = [stage_pb2.StageHealth(stage=stage, target=target, serving=False,
+                                                                         detail="not checked yet")]  # fmt: skip
+
+    @property
+    def serving(self) -> bool:
+        """The next stage itself serves."""
+        return self.chain[0].serving
+
+    async def poll(self) -> None:
+        try:
+            info = await self.stub.Info(stage_pb2.InfoRequest(), timeout=self.poll_s)
+            head = stage_pb2.StageHealth(stage=self.stage, target=self.target, serving=info.serving,
+                                         detail="" if info.serving else "draining")  # fmt: skip
+            self.chain = [head, *info.chain]
+        except grpc.aio.AioRpcError as e:
+            detail = f"{e.code().name}: {e.details() or ''}".strip()
+            self.chain = [stage_pb2.StageHealth(stage=self.stage, target=self.target, serving=False, detail=detail)]
+
+    async def run(self, on_poll: Callable[[], Awaitable[None]] | None = None) -> None:
+        while True:
+            await self.poll()
+            if on_poll is not None:
+                await on_poll()
+            await asyncio.sleep(self.poll_s)

@@ -1,18 +1,34 @@
-"""Prometheus metrics (prefix `omnistage_`): every process serves its own registry on its
-metrics port (the process's port + `metrics.port_offset`), bound to the configured host.
+"""Prometheus metrics (prefix `omnistage_`, base units, `_total` counters): every process serves
+its own registry on its metrics port (the process's port + `metrics.port_offset`), bound to the
+configured host; the gateway's is also at `/metrics` on its HTTP port.
 
-`omnistage_stage_queue_depth` (waiting + waiting for input + running) is what each stage's
-HorizontalPodAutoscaler scales on (deploy/k8s)."""
+A stage's metrics, each labelled with `stage`:
+  omnistage_stage_queue_depth                 requests held (waiting + waiting for input + running);
+                                              what each stage's HorizontalPodAutoscaler scales on
+  omnistage_stage_requests{state}             requests by state
+  omnistage_stage_batch_size                  histogram: requests per engine step
+  omnistage_stage_step_seconds                histogram: time of one engine step
+  omnistage_stage_output_{unit}_total         tokens (thinker), frames (talker), samples (code2wav) made
+  omnistage_stage_requests_opened_total       requests opened
+  omnistage_stage_kv_cache_usage_ratio        admitted KV-cache tokens / capacity (0 when unbounded)
+  omnistage_stage_shm_segments                shared-memory segments this process holds
+The gateway's are in gateway/server.py (`GatewayMetrics`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from omnistage.server.grpc_common import PortTaken, port_free
 
-__all__ = ["serve_metrics", "stage_metrics"]
+__all__ = ["StageMetrics", "serve_metrics"]
+
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int, role: str) -> None:
@@ -26,18 +42,53 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int, role: str) 
         raise taken from None
 
 
-def stage_metrics(stage: str, load: Callable[[], dict[str, float]]) -> CollectorRegistry:
-    """A stage's registry: queue depth and requests by state, read from the engine on scrape."""
-    registry = CollectorRegistry()
-    depth = Gauge("omnistage_stage_queue_depth", "Requests held by the stage (waiting + running)", ["stage"],
-                  registry=registry)  # fmt: skip
-    by_state = Gauge("omnistage_stage_requests", "Requests by state", ["stage", "state"], registry=registry)
+class StageMetrics:
+    """A stage's registry; the engine reports each step to `on_step` (it is its StepObserver),
+    and the load figures are read from `load()` and `shm_segments()` on each scrape."""
 
-    def queue_depth() -> float:
-        counts = load()
-        return float(counts["waiting"] + counts["waiting_for_input"] + counts["running"])
+    def __init__(self, stage: str, unit: str, load: Callable[[], dict[str, float]],
+                 shm_segments: Callable[[], int], requests_total: Callable[[], int]) -> None:  # fmt: skip
+        self.registry = registry = CollectorRegistry()
+        labels = ["stage"]
+        depth = Gauge("omnistage_stage_queue_depth", "Requests held by the stage (waiting + running)", labels,
+                      registry=registry)  # fmt: skip
+        by_state = Gauge("omnistage_stage_requests", "Requests by state", [*labels, "state"], registry=registry)
+        cache = Gauge("omnistage_stage_kv_cache_usage_ratio", "Admitted KV-cache tokens over the capacity", labels,
+                      registry=registry)  # fmt: skip
+        shm = Gauge("omnistage_stage_shm_segments", "Shared-memory segments held", labels, registry=registry)
+        registry.register(_CounterOnScrape("omnistage_stage_requests_opened", "Requests opened", stage,
+                                           requests_total))  # fmt: skip
+        self._batch = Histogram("omnistage_stage_batch_size", "Requests per engine step", labels,
+                                buckets=BATCH_BUCKETS, registry=registry).labels(stage)  # fmt: skip
+        self._step = Histogram("omnistage_stage_step_seconds", "Engine step time", labels, buckets=STEP_BUCKETS,
+                               registry=registry).labels(stage)  # fmt: skip
+        self._produced = Counter(f"omnistage_stage_output_{unit}", f"Output {unit} made", labels,
+                                 registry=registry).labels(stage)  # fmt: skip
 
-    depth.labels(stage).set_function(queue_depth)
-    for state in ("running", "waiting", "waiting_for_input"):
-        by_state.labels(stage, state).set_function(lambda s=state: float(load()[s]))
-    return registry
+        def queue_depth() -> float:
+            counts = load()
+            return float(counts["waiting"] + counts["waiting_for_input"] + counts["running"])
+
+        depth.labels(stage).set_function(queue_depth)
+        for state in ("running", "waiting", "waiting_for_input"):
+            by_state.labels(stage, state).set_function(lambda s=state: float(load()[s]))
+        cache.labels(stage).set_function(lambda: float(load()["cache_usage"]))
+        shm.labels(stage).set_function(lambda: float(shm_segments()))
+
+    def on_step(self, batch_size: int, seconds: float, produced: int) -> None:
+        self._batch.observe(batch_size)
+        self._step.observe(seconds)
+        if produced:
+            self._produced.inc(produced)
+
+
+class _CounterOnScrape(Collector):
+    """A counter whose value is read from its owner on each scrape."""
+
+    def __init__(self, name: str, doc: str, stage: str, read: Callable[[], int]) -> None:
+        self.name, self.doc, self.stage, self.read = name, doc, stage, read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.doc, labels=["stage"])
+        family.add_metric([self.stage], float(self.read()))
+        yield family

@@ -12,7 +12,7 @@ import torch
 from omnistage.config import DeployConfig
 from omnistage.engine import Engine
 from omnistage.models import open_checkpoint
-from omnistage.server.metrics import serve_metrics, stage_metrics
+from omnistage.server.metrics import StageMetrics, serve_metrics
 from omnistage.server.stage_server import StageServer, StageService
 from omnistage.topology import stage_def
 from services.edges import edge_mode
@@ -28,6 +28,7 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
         raise SystemExit(f"{name}: --downstream TARGET is required (the {definition.downstream} stage)")
     ckpt = open_checkpoint(model_dir)
     worker = import_module(definition.worker).build_worker(cfg, ckpt)
+    metrics: StageMetrics | None = None
     engine = Engine(
         worker,
         cfg.timeouts.input_wait_timeout_s,
@@ -50,11 +51,15 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
     )
     server = StageServer(service, host, port, cfg.timeouts.drain_grace_s)
     metrics_port = cfg.metrics_port(port)
+    if metrics_port is not None:
+        metrics = StageMetrics(name, definition.output_unit, engine.load, lambda: service.pool.num_segments,
+                               lambda: service.requests_total)  # fmt: skip
+        engine.observer = metrics
 
     async def main() -> None:
         bound = await server.start()
-        if metrics_port is not None:
-            serve_metrics(stage_metrics(name, engine.load), host, metrics_port, f"{name} at {host}:{port}")
+        if metrics is not None and metrics_port is not None:
+            serve_metrics(metrics.registry, host, metrics_port, f"{name} at {host}:{port}")
         log.info("%s serving on %s:%d (metrics on %s)", name, host, bound, metrics_port or "off")
         await server.serve_forever()
 

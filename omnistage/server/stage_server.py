@@ -25,6 +25,7 @@ import grpc
 from omnistage.engine import Engine, OutChunk, Request, StepOutput
 from omnistage.server.grpc_common import (
     STAGE_SERVICE,
+    ChainWatcher,
     HealthState,
     add_stage_servicer,
     bind,
@@ -106,12 +107,23 @@ class StageService:
         self.requests_total = 0
         self.draining = False
         self._channel: grpc.aio.Channel | None = None
+        self.watcher: ChainWatcher | None = None  # the stages below, polled (see start_watching)
 
-    def _downstream_stream(self) -> Any:
+    def _downstream_channel(self) -> grpc.aio.Channel:
         if self._channel is None:
             assert self.downstream is not None
             self._channel = grpc.aio.insecure_channel(self.downstream, options=channel_options(self.max_message_bytes))
-        return stage_stream(self._channel, relay=True)
+        return self._channel
+
+    def _downstream_stream(self) -> Any:
+        return stage_stream(self._downstream_channel(), relay=True)
+
+    def start_watching(self) -> asyncio.Task[None] | None:
+        """Poll the downstream stage's health (and the chain below it) for Info."""
+        if self.downstream is None:
+            return None
+        self.watcher = ChainWatcher(self._downstream_channel(), self.downstream_name, self.downstream)
+        return asyncio.create_task(self.watcher.run())
 
     def _encode(self, out: OutChunk, seq: int, pool: ShmPool | None, request_id: str) -> list[LazyChunk]:
         return encode_chunks(
@@ -154,6 +166,8 @@ class StageService:
                 requests_total=self.requests_total,
                 step_seconds_total=load["step_seconds_total"],
             ),
+            serving=not self.draining,
+            chain=self.watcher.chain if self.watcher is not None else [],
         )
 
     # ---- Stream ---------------------------------------------------------------------------
@@ -317,6 +331,7 @@ class StageServer:
         self.host = host
         self.port = port
         self.drain_grace_s = drain_grace_s
+        self._watching: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
         # created inside the running event loop (grpc.aio binds to it)
@@ -334,11 +349,14 @@ class StageServer:
         port = bind(self.server, self.host, self.port, self.service.stage)
         await self.server.start()
         await self.health.set(True)
+        self._watching = self.service.start_watching()
         return port
 
     async def drain(self) -> None:
         """Stop taking new calls, let in-flight requests finish (up to the grace), then stop."""
         self.service.draining = True
+        if self._watching is not None:
+            self._watching.cancel()
 
         def shutdown() -> None:
             self.service.engine.stop()

@@ -1,12 +1,28 @@
 # ruff: noqa
 from omnistage.v1 import stage_pb2 as _stage_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class AudioFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PCM_F32LE: _ClassVar[AudioFormat]
+    PCM16: _ClassVar[AudioFormat]
+    WAV: _ClassVar[AudioFormat]
+    MP3: _ClassVar[AudioFormat]
+    FLAC: _ClassVar[AudioFormat]
+    OPUS: _ClassVar[AudioFormat]
+PCM_F32LE: AudioFormat
+PCM16: AudioFormat
+WAV: AudioFormat
+MP3: AudioFormat
+FLAC: AudioFormat
+OPUS: AudioFormat
 
 class ContentPart(_message.Message):
     __slots__ = ("text", "audio", "image", "video")
@@ -69,7 +85,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "want_audio", "speaker", "sampling", "mode", "request_id", "use_audio_in_video")
+    __slots__ = ("prompt", "messages", "want_audio", "speaker", "sampling", "mode", "request_id", "use_audio_in_video", "audio_format", "stop")
     class SamplingEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +101,8 @@ class GenerateRequest(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     USE_AUDIO_IN_VIDEO_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     want_audio: bool
@@ -93,7 +111,9 @@ class GenerateRequest(_message.Message):
     mode: _stage_pb2.EdgeMode
     request_id: str
     use_audio_in_video: bool
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., want_audio: _Optional[bool] = ..., speaker: _Optional[str] = ..., sampling: _Optional[_Mapping[str, _stage_pb2.SamplingParams]] = ..., mode: _Optional[_Union[_stage_pb2.EdgeMode, str]] = ..., request_id: _Optional[str] = ..., use_audio_in_video: _Optional[bool] = ...) -> None: ...
+    audio_format: AudioFormat
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., want_audio: _Optional[bool] = ..., speaker: _Optional[str] = ..., sampling: _Optional[_Mapping[str, _stage_pb2.SamplingParams]] = ..., mode: _Optional[_Union[_stage_pb2.EdgeMode, str]] = ..., request_id: _Optional[str] = ..., use_audio_in_video: _Optional[bool] = ..., audio_format: _Optional[_Union[AudioFormat, str]] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TextDelta(_message.Message):
     __slots__ = ("text", "token_ids")
@@ -104,14 +124,20 @@ class TextDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AudioChunk(_message.Message):
-    __slots__ = ("pcm_f32le", "sample_rate", "first_sample")
+    __slots__ = ("pcm_f32le", "sample_rate", "first_sample", "data", "format", "samples")
     PCM_F32LE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
     FIRST_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     pcm_f32le: bytes
     sample_rate: int
     first_sample: int
-    def __init__(self, pcm_f32le: _Optional[bytes] = ..., sample_rate: _Optional[int] = ..., first_sample: _Optional[int] = ...) -> None: ...
+    data: bytes
+    format: AudioFormat
+    samples: int
+    def __init__(self, pcm_f32le: _Optional[bytes] = ..., sample_rate: _Optional[int] = ..., first_sample: _Optional[int] = ..., data: _Optional[bytes] = ..., format: _Optional[_Union[AudioFormat, str]] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "audio_frames", "audio_seconds")
@@ -134,7 +160,7 @@ class StageTiming(_message.Message):
     def __init__(self, first_output_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("usage", "timings")
+    __slots__ = ("usage", "timings", "finish_reason")
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -144,9 +170,11 @@ class Final(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[StageTiming, _Mapping]] = ...) -> None: ...
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     usage: Usage
     timings: _containers.MessageMap[str, StageTiming]
-    def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Mapping[str, StageTiming]] = ...) -> None: ...
+    finish_reason: str
+    def __init__(self, usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Mapping[str, StageTiming]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "audio", "final")

@@ -118,7 +118,7 @@ class Load(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_for_input: _Optional[int] = ..., cache_usage: _Optional[float] = ..., open_streams: _Optional[int] = ..., shm_segments: _Optional[int] = ..., requests_total: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_requests_total: _Optional[int] = ..., step_seconds_total: _Optional[float] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "arch", "role", "capacity", "load", "device", "dtype")
+    __slots__ = ("model", "arch", "role", "capacity", "load", "device", "dtype", "serving", "chain")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,8 @@ class InfoResponse(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
     model: str
     arch: str
     role: str
@@ -133,4 +135,18 @@ class InfoResponse(_message.Message):
     load: Load
     device: str
     dtype: str
-    def __init__(self, model: _Optional[str] = ..., arch: _Optional[str] = ..., role: _Optional[str] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    serving: bool
+    chain: _containers.RepeatedCompositeFieldContainer[StageHealth]
+    def __init__(self, model: _Optional[str] = ..., arch: _Optional[str] = ..., role: _Optional[str] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., serving: _Optional[bool] = ..., chain: _Optional[_Iterable[_Union[StageHealth, _Mapping]]] = ...) -> None: ...
+
+class StageHealth(_message.Message):
+    __slots__ = ("stage", "target", "serving", "detail")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    target: str
+    serving: bool
+    detail: str
+    def __init__(self, stage: _Optional[str] = ..., target: _Optional[str] = ..., serving: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...

@@ -59,7 +59,7 @@ def test_committed_compose_validates() -> None:
 def test_gpu_compose_validates(gpu_cfg: DeployConfig) -> None:
     doc = yaml.safe_load(render(gpu_cfg, "compose")["docker-compose.yaml"])
     _validate(doc)
-    assert doc["services"]["gateway"]["ports"] == ["50051-50052:50051"]
+    assert doc["services"]["gateway"]["ports"] == ["50051-50052:50051", "8000-8001:8000"]
 
 
 def test_schema_rejects_what_compose_rejects() -> None:

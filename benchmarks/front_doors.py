@@ -1,0 +1,107 @@
+"""`omnistage bench --http`: the OpenAI-compatible HTTP front door (streamed SSE) against the gRPC
+front door of the same gateway, same run, same requests.
+
+Both ask for the same work: greedy text and speech (HTTP `temperature: 0`; gRPC the same
+sampling), text and audio out (HTTP pcm16 in base64 SSE events; gRPC float32 chunks). At each
+`--concurrency` level (default 1 and 8) the two run the same request list one after the other,
+in alternating order per level (gRPC first at odd levels) so drift on a shared machine hits both;
+the ratios are HTTP over gRPC of the median TTFT, TTFA and E2E over the requests both ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from benchmarks.common import machine_info
+from benchmarks.drivers import BenchRequest, GrpcDriver, HttpDriver
+from benchmarks.harness import BenchOptions, Run, _paired, command_line, running_stack
+from benchmarks.prompts import load_prompts, request_sequence
+
+__all__ = ["main"]
+
+
+def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
+    if not (opts.serve or (opts.target and opts.http_target)):
+        raise ValueError("--http needs a stack: --serve, or --target HOST:PORT with --http-target HOST:PORT")
+    levels = opts.concurrency if opts.concurrency != [1, 4, 8] else [1, 8]  # the default sweep -> 1 and 8
+    prompts = load_prompts(opts.prompts)
+    order = request_sequence(len(prompts), opts.num_requests, opts.seed)
+    requests = [BenchRequest(i, p, prompts[p], opts.thinker_max_tokens, opts.talker_max_tokens)
+                for i, p in enumerate(order)]  # fmt: skip
+    run = Run(opts, requests, requests)
+    rows: list[dict[str, Any]] = []
+
+    async def go(grpc_addr: str, http_addr: str) -> None:
+        drivers = {"grpc": GrpcDriver(grpc_addr, timeout=opts.request_timeout, openai_greedy=True),
+                   "http": HttpDriver(f"http://{http_addr}", timeout=opts.request_timeout)}  # fmt: skip
+        try:
+            for d in drivers.values():
+                await run.warm(d)
+            for k, c in enumerate(levels):
+                names = ["grpc", "http"] if k % 2 == 0 else ["http", "grpc"]
+                got = {}
+                for name in names:
+                    got[name] = await run.level_concurrency(drivers[name], f"{name} c={c}", "sut", requests, c,
+                                                            "async_chunk", opts.time_limit)  # fmt: skip
+                row: dict[str, Any] = {"concurrency": c}
+                for key in ("ttft", "ttfa", "e2e"):
+                    h, g = _paired(got["http"], key, got["grpc"], key)
+                    row[key] = {"http_median_s": h, "grpc_median_s": g, "http_over_grpc": None if not (h and g)
+                                else h / g}  # fmt: skip
+                row["requests_per_s"] = {n: got[n].summary()["requests_per_s"] for n in names}
+                rows.append(row)
+        finally:
+            for d in drivers.values():
+                await d.aclose()
+
+    with running_stack(opts, run.log) as (grpc_addr, http_addr, _cfg):
+        assert grpc_addr is not None and http_addr is not None
+        asyncio.run(go(grpc_addr, http_addr))
+    machine = machine_info()
+    machine["load_average_end"] = list(os.getloadavg())
+    failed = {lv.name: sum(not r.ok for r in lv.records) for lv in run.levels}
+    same_audio = _same_audio(run)
+    result = {"schema": "omnistage.bench.front_doors/1", "command": command or command_line(), "machine": machine,
+              "requests_per_level": len(requests), "levels": rows, "failed": failed,
+              "audio_samples_equal": same_audio, "configurations": [lv.to_json() for lv in run.levels],
+              "total_seconds": time.perf_counter() - run.t0}  # fmt: skip
+    _print(result)
+    if opts.json_out is not None:
+        opts.json_out.parent.mkdir(parents=True, exist_ok=True)
+        opts.json_out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def _same_audio(run: Run) -> bool:
+    """Both front doors made the same amount of audio for every request (the same work)."""
+    by_prompt: dict[int, set[int]] = {}
+    for lv in run.levels:
+        for r in lv.records:
+            if r.ok:
+                by_prompt.setdefault(r.prompt_index, set()).add(r.audio_samples)
+    return all(len(v) == 1 for v in by_prompt.values())
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1000 * x:.0f}"
+
+
+def _print(result: dict[str, Any]) -> None:
+    out = sys.stdout
+    print("\n| c | median TTFT http / grpc ms (ratio) | median TTFA http / grpc ms (ratio) | "
+          "median E2E http / grpc ms (ratio) |", file=out)
+    print("|---|---|---|---|", file=out)
+    for row in result["levels"]:
+        cells = []
+        for key in ("ttft", "ttfa", "e2e"):
+            v = row[key]
+            ratio = "-" if v["http_over_grpc"] is None else f"{v['http_over_grpc']:.3f}"
+            cells.append(f"{_ms(v['http_median_s'])} / {_ms(v['grpc_median_s'])} ({ratio})")
+        print(f"| {row['concurrency']} | " + " | ".join(cells) + " |", file=out)
+    print(f"\nfailed requests: {result['failed']}; same audio on both front doors: "
+          f"{result['audio_samples_equal']}", file=out)  # fmt: skip

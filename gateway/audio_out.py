@@ -1,0 +1,159 @@
+"""The reply's audio in the format a client asked for (`AudioFormat` in gateway.proto).
+
+PCM streams as it comes; MP3 and Opus (in Ogg) stream as the encoded pieces of one file, made by
+FFmpeg's encoders through PyAV as samples arrive; WAV and FLAC are whole-file formats and come
+in one piece at the end. Every encoder takes mono float32 samples at the model's rate.
+"""
+
+from __future__ import annotations
+
+import io
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from omnistage.v1 import gateway_pb2
+
+__all__ = ["FORMAT_NAMES", "AudioEncoder", "format_from_name"]
+
+F = gateway_pb2.AudioFormat
+# names as OpenAI's API spells them (`audio.format`, `response_format`) -> formats
+FORMAT_NAMES = {"pcm_f32le": F.PCM_F32LE, "pcm16": F.PCM16, "wav": F.WAV, "mp3": F.MP3, "flac": F.FLAC,
+                "opus": F.OPUS}  # fmt: skip
+STREAMED = {F.PCM_F32LE, F.PCM16, F.MP3, F.OPUS}
+MIME = {F.PCM_F32LE: "audio/L32", F.PCM16: "audio/L16", F.WAV: "audio/wav", F.MP3: "audio/mpeg", F.FLAC: "audio/flac",
+        F.OPUS: "audio/ogg"}  # fmt: skip
+
+
+def format_from_name(name: str) -> int:
+    try:
+        return FORMAT_NAMES[name]
+    except KeyError:
+        raise ValueError(f"unknown audio format {name!r}; expected one of {', '.join(FORMAT_NAMES)}") from None
+
+
+def _pcm16(samples: np.ndarray) -> bytes:
+    return (np.clip(samples, -1.0, 1.0) * 32767).round().astype("<i2").tobytes()
+
+
+class _Sink(io.RawIOBase):
+    """A write-only file for FFmpeg's muxer: collects what it writes until taken."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        self.parts.append(bytes(b))
+        return len(b)
+
+    def take(self) -> bytes:
+        out, self.parts = b"".join(self.parts), []
+        return out
+
+
+class AudioEncoder:
+    """`push(samples)` -> the bytes ready now; `finish()` -> the rest."""
+
+    def __init__(self, fmt: int, sample_rate: int) -> None:
+        if fmt not in MIME:
+            raise ValueError(f"unknown audio format {fmt}")
+        self.format = fmt
+        self.sample_rate = sample_rate
+        self.streams = fmt in STREAMED
+        self._held: list[np.ndarray] = []  # whole-file formats
+        self._muxer: Any = None
+        self._pts = 0
+        if fmt in (F.MP3, F.OPUS):
+            self._open(fmt)
+
+    def _open(self, fmt: int) -> None:
+        import av
+
+        self._sink = _Sink()
+        container, codec = ("mp3", "libmp3lame") if fmt == F.MP3 else ("ogg", "libopus")
+        # a small I/O buffer so every encoded packet reaches the sink (and the client) at once
+        # (Ogg pages flushed every 20 ms instead of every second)
+        options = {"page_duration": "20000"} if fmt == F.OPUS else {}
+        self._muxer = av.open(self._sink, mode="w", format=container, buffer_size=512, options=options)
+        self._stream = self._muxer.add_stream(codec, rate=self.sample_rate, layout="mono")
+        if fmt == F.MP3:
+            self._stream.bit_rate = 64_000
+        self._resampler = av.AudioResampler(format=self._stream.format.name, layout="mono", rate=self.sample_rate)
+
+    def push(self, samples: np.ndarray) -> bytes:
+        samples = np.ascontiguousarray(samples, dtype=np.float32)
+        if self.format == F.PCM_F32LE:
+            return samples.astype("<f4").tobytes()
+        if self.format == F.PCM16:
+            return _pcm16(samples)
+        if self._muxer is None:
+            self._held.append(samples)
+            return b""
+        return self._encode(samples)
+
+    def _encode(self, samples: np.ndarray | None) -> bytes:
+        import av
+
+        frames = []
+        if samples is not None and samples.size:
+            frame = av.AudioFrame.from_ndarray(samples[None], format="flt", layout="mono")
+            frame.sample_rate = self.sample_rate
+            frame.pts = self._pts
+            frame.time_base = Fraction(1, self.sample_rate)
+            self._pts += samples.size
+            frames = self._resampler.resample(frame)
+        elif samples is None:
+            frames = self._resampler.resample(None)
+        for f in frames:
+            for packet in self._stream.encode(f):
+                self._muxer.mux(packet)
+        if samples is None:
+            for packet in self._stream.encode(None):
+                self._muxer.mux(packet)
+        return self._sink.take()
+
+    def finish(self) -> bytes:
+        """The rest of the stream, or the whole file."""
+        if self.format in (F.PCM_F32LE, F.PCM16):
+            return b""
+        if self._muxer is not None:
+            tail = self._encode(None)
+            self._muxer.close()
+            return tail + self._sink.take()
+        samples = np.concatenate(self._held) if self._held else np.zeros(0, np.float32)
+        self._held = []
+        if self.format == F.WAV:
+            return _wav(samples, self.sample_rate)
+        return _flac(samples, self.sample_rate)
+
+
+def _wav(samples: np.ndarray, rate: int) -> bytes:
+    import wave
+
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(_pcm16(samples))
+    return buf.getvalue()
+
+
+def _flac(samples: np.ndarray, rate: int) -> bytes:
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="flac") as container:
+        stream = container.add_stream("flac", rate=rate, layout="mono")
+        stream.format = "s16"
+        frame = av.AudioFrame.from_ndarray(np.frombuffer(_pcm16(samples), "<i2")[None], format="s16", layout="mono")
+        frame.sample_rate = rate
+        for packet in stream.encode(frame if samples.size else None):
+            container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    return buf.getvalue()

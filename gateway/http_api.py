@@ -1,0 +1,444 @@
+"""The OpenAI-compatible HTTP front door, served by the gateway process next to its gRPC port
+(Starlette on uvicorn, on the gateway's event loop). Every request goes through the same path as
+`Gateway.Generate` (`GatewayService.serve`): this module only translates.
+
+  POST /v1/chat/completions   chat with text, audio, image and video in; text and audio out
+  GET  /v1/models             the served model (and its voices)
+  GET  /health                200 when every stage serves, else 503 naming the ones that do not
+  GET  /metrics               the gateway's Prometheus metrics
+  GET  /                      the playground page
+
+Chat completions (OpenAI's shapes; what differs is said here):
+* `messages[].content`: a string or parts: `text`, `input_audio {data: base64, format}` (any
+  format FFmpeg reads; `pcm16` is raw 16-bit mono at 24 kHz), `image_url {url}` and
+  `video_url {url}` as `data:` URLs (nothing is fetched). Roles system, developer (= system),
+  user, assistant. `use_audio_in_video: true` interleaves each video's sound track.
+* `modalities`: ["text"] (default) or ["text", "audio"]; `audio: {voice, format}` with voice one
+  of the checkpoint's speakers and format wav, mp3, flac, opus or pcm16 (default wav).
+* `temperature` 0 makes the whole reply deterministic (text and speech greedy); unset keeps the
+  checkpoint's defaults. `max_tokens` / `max_completion_tokens`, `top_p`, `seed`, `stop`.
+* Streamed: `chat.completion.chunk` events with `delta.content`, and `delta.audio {id, data,
+  transcript}` as soon as each piece exists (wav and flac come whole at the end), then the
+  finish, usage with `stream_options.include_usage`, and `[DONE]`.
+Errors are OpenAI error objects: 400 naming the field, 401 (with `--api-key`), 404 unknown
+model, 413 body too large, 499 client gone, 503 draining or a stage down, 504 deadline (header
+`x-omnistage-timeout: SECONDS`, else `timeouts.request_timeout_s`). A client that disconnects
+cancels its request down the whole chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from importlib import resources
+from typing import Annotated, Any, Literal
+
+import grpc
+import numpy as np
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from gateway.audio_out import FORMAT_NAMES
+from gateway.server import GatewayError, GatewayService
+from omnistage.v1 import gateway_pb2, stage_pb2
+
+__all__ = ["build_app"]
+
+PCM16_RATE = 24_000  # `input_audio.format: pcm16` (as OpenAI's realtime audio)
+TIMEOUT_HEADER = "x-omnistage-timeout"  # seconds the request may take (default: timeouts.request_timeout_s)
+AUDIO_OUT_FORMATS = ("wav", "mp3", "flac", "opus", "pcm16")
+STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+
+
+# ---- the request body -----------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class InputAudio(_Body):
+    data: str
+    format: str = "wav"
+
+
+class AudioPart(_Body):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class Url(_Body):
+    url: str
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: Url
+
+
+class VideoPart(_Body):
+    type: Literal["video_url"]
+    video_url: Url
+
+
+Part = Annotated[TextPart | AudioPart | ImagePart | VideoPart, Field(discriminator="type")]
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[Part] | None = None
+
+
+class AudioOut(_Body):
+    voice: str | None = None
+    format: Literal["wav", "mp3", "flac", "opus", "pcm16"] = "wav"
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ChatRequest(_Body):
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    modalities: list[Literal["text", "audio"]] = Field(default_factory=lambda: ["text"], min_length=1)
+    audio: AudioOut | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1, le=1 << 20)
+    max_completion_tokens: int | None = Field(None, ge=1, le=1 << 20)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=0, lt=1 << 63)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=1)
+    use_audio_in_video: bool = False
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+_FIELD = re.compile(r"^[A-Za-z_][\w.\[\]]*$")
+
+
+def _from_gateway(e: GatewayError) -> HttpError:
+    """The gateway's error as OpenAI's: its status, and the field its message starts with."""
+    status, kind = STATUS.get(e.code, (500, "server_error"))
+    message = e.message.removeprefix("gateway: ")
+    head = message.split(": ", 1)[0]
+    param = head if status == 400 and head != message and _FIELD.match(head) else None
+    return HttpError(status, message, kind, param=param, code=e.code.name.lower())
+
+
+def _decode_b64(data: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise HttpError(400, f"{where}: not valid base64", param=where) from None
+
+
+def _data_url(url: str, where: str) -> bytes:
+    if not url.startswith("data:"):
+        raise HttpError(400, f"{where}: only data: URLs are taken (the server fetches nothing)", param=where)
+    head, sep, data = url.partition(",")
+    if not sep or not head.endswith(";base64"):
+        raise HttpError(400, f"{where}: expected data:<mime>;base64,<data>", param=where)
+    return _decode_b64(data, where)
+
+
+def _part(part: Any, where: str) -> gateway_pb2.ContentPart:
+    if isinstance(part, TextPart):
+        return gateway_pb2.ContentPart(text=part.text)
+    if isinstance(part, AudioPart):
+        data = _decode_b64(part.input_audio.data, f"{where}.input_audio.data")
+        if part.input_audio.format == "pcm16":
+            if len(data) % 2:
+                raise HttpError(400, f"{where}.input_audio.data: pcm16 needs whole 16-bit samples",
+                                param=f"{where}.input_audio.data")  # fmt: skip
+            f32 = (np.frombuffer(data, "<i2").astype(np.float32) / 32768).astype("<f4").tobytes()
+            raw = gateway_pb2.RawAudio(f32le=f32, sample_rate=PCM16_RATE)
+            return gateway_pb2.ContentPart(audio=gateway_pb2.AudioPart(pcm=raw))
+        return gateway_pb2.ContentPart(audio=gateway_pb2.AudioPart(file=data))
+    if isinstance(part, ImagePart):
+        return gateway_pb2.ContentPart(image=gateway_pb2.ImagePart(file=_data_url(part.image_url.url,
+                                                                                   f"{where}.image_url.url")))
+    return gateway_pb2.ContentPart(video=gateway_pb2.VideoPart(file=_data_url(part.video_url.url,
+                                                                               f"{where}.video_url.url")))
+
+
+def to_generate_request(body: ChatRequest, voices: list[str]) -> gateway_pb2.GenerateRequest:
+    """The chat request as the gateway's own request (HttpError naming the field)."""
+    want_audio = "audio" in body.modalities
+    audio = body.audio or AudioOut()
+    req = gateway_pb2.GenerateRequest(want_audio=want_audio, use_audio_in_video=body.use_audio_in_video,
+                                      audio_format=FORMAT_NAMES[audio.format])  # type: ignore[arg-type]  # fmt: skip
+    if want_audio and audio.voice is not None and audio.voice.lower() not in voices:
+        raise HttpError(400, f"audio.voice: unknown voice {audio.voice!r}; this model has: {', '.join(voices)}",
+                        param="audio.voice")  # fmt: skip
+    req.speaker = audio.voice or ""
+    for i, m in enumerate(body.messages):
+        role = "system" if m.role == "developer" else m.role
+        if isinstance(m.content, list):
+            parts = [_part(p, f"messages[{i}].content[{j}]") for j, p in enumerate(m.content)]
+            req.messages.append(gateway_pb2.ChatMessage(role=role, parts=parts))
+        else:
+            req.messages.append(gateway_pb2.ChatMessage(role=role, content=m.content or ""))
+    if body.stop is not None:
+        req.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
+    thinker = stage_pb2.SamplingParams()
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is not None:
+        thinker.max_tokens = max_tokens
+    if body.temperature is not None:
+        if body.temperature == 0:  # deterministic: greedy text and greedy speech
+            thinker.do_sample = False
+            req.sampling["talker"].do_sample = False
+        else:
+            thinker.do_sample = True
+            thinker.temperature = body.temperature
+    if body.top_p is not None:
+        thinker.top_p = body.top_p
+    if body.seed is not None:
+        thinker.seed = body.seed
+    req.sampling["thinker"].CopyFrom(thinker)
+    return req
+
+
+def _timeout_header(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < 1e6:
+        raise HttpError(400, f"header {TIMEOUT_HEADER}: expected seconds > 0, got {value!r}", param=TIMEOUT_HEADER)
+    return seconds
+
+
+def _field(loc: tuple[Any, ...]) -> str:
+    """A pydantic error location as the body's field path (`messages[0].content[1].type`),
+    without the names of union branches pydantic adds."""
+    out = ""
+    for item in loc:
+        if isinstance(item, int):
+            out += f"[{item}]"
+        elif str(item).isidentifier() and item not in ("str", "list", "int", "float", "bool", "none"):
+            out += ("." if out else "") + str(item)
+    return out or "body"
+
+
+def _first_error(e: ValidationError) -> tuple[str, str]:
+    """The most useful error: for `content` (a string or parts) the parts' own, not "not a string"."""
+    errors = e.errors()
+    deep = [err for err in errors if "str" not in err["loc"]] or errors
+    err = max(deep, key=lambda x: len(x["loc"]))
+    return _field(err["loc"]), err["msg"]
+
+
+# ---- the app --------------------------------------------------------------------------------
+
+
+class ChatCompletions:
+    """What one HTTP process knows: the gateway service, and the names it serves under."""
+
+    def __init__(self, service: GatewayService) -> None:
+        self.service = service
+        self.voices = sorted(service.ckpt.spec.speakers)
+
+    async def parse(self, request: Request) -> ChatRequest:
+        if not self.service.check_api_key(request.headers.get("authorization")):
+            raise HttpError(401, "missing or wrong API key (header Authorization: Bearer <key>)",
+                            "authentication_error", code="invalid_api_key")  # fmt: skip
+        limit = self.service.cfg.media.max_request_bytes
+        raw = await request.body()
+        if len(raw) > limit * 4 // 3 + 4096:  # base64 grows media by 4/3
+            raise HttpError(413, f"request body of {len(raw)} bytes is over the limit", code="request_too_large")
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HttpError(400, f"body: not valid JSON ({e})") from None
+        try:
+            body = ChatRequest.model_validate(data)
+        except ValidationError as e:
+            where, msg = _first_error(e)
+            raise HttpError(400, f"{where}: {msg}", param=where) from None
+        if body.model is not None and body.model != self.service.model_name:
+            raise HttpError(404, f"model {body.model!r} not found; this server serves {self.service.model_name!r}",
+                            "not_found_error", param="model", code="model_not_found")  # fmt: skip
+        return body
+
+    async def handle(self, request: Request) -> Response:
+        try:
+            body = await self.parse(request)
+            req = to_generate_request(body, self.voices)
+            timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
+        except HttpError as e:
+            self.service.metrics.requests.labels("http", f"HTTP_{e.status}").inc()
+            return e.response()
+        req.request_id = uuid.uuid4().hex
+        headers = {"x-request-id": req.request_id}
+        if body.stream:
+            headers.update({"cache-control": "no-cache", "x-accel-buffering": "no"})
+            return StreamingResponse(self._stream(req, body, timeout), media_type="text/event-stream",
+                                     headers=headers)  # fmt: skip
+        task = asyncio.ensure_future(self._whole(req, body, timeout))
+        try:
+            while True:  # a client that goes away cancels its request
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    break
+                if await request.is_disconnected():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, HttpError):
+                        await task
+                    return Response(status_code=499)
+            response = task.result()
+        except HttpError as e:
+            response = e.response()
+        response.headers.update(headers)
+        return response
+
+    def _responses(self, req: gateway_pb2.GenerateRequest, timeout: float | None
+                   ) -> AsyncIterator[gateway_pb2.GenerateResponse]:  # fmt: skip
+        return self.service.serve(req, timeout, "http")
+
+    async def _whole(self, req: gateway_pb2.GenerateRequest, body: ChatRequest, timeout: float | None) -> Response:
+        text, audio = [], []
+        final = gateway_pb2.Final()
+        try:
+            async for resp in self._responses(req, timeout):
+                kind = resp.WhichOneof("kind")
+                if kind == "text":
+                    text.append(resp.text.text)
+                elif kind == "audio":
+                    audio.append(resp.audio.data)
+                else:
+                    final = resp.final
+        except GatewayError as e:
+            raise _from_gateway(e) from None
+        created = int(time.time())
+        content = "".join(text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if req.want_audio:
+            message["audio"] = {"id": f"audio_{req.request_id}", "data": base64.b64encode(b"".join(audio)).decode(),
+                                "expires_at": created + 3600, "transcript": content}  # fmt: skip
+        return JSONResponse({
+            "id": f"chatcmpl-{req.request_id}", "object": "chat.completion", "created": created,
+            "model": self.service.model_name,
+            "choices": [{"index": 0, "message": message, "finish_reason": final.finish_reason or "stop"}],
+            "usage": _usage(final.usage),
+        })  # fmt: skip
+
+    async def _stream(self, req: gateway_pb2.GenerateRequest, body: ChatRequest, timeout: float | None
+                      ) -> AsyncIterator[str]:  # fmt: skip
+        created = int(time.time())
+        rid = req.request_id
+
+        def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+            event = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
+                     "model": self.service.model_name,
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}  # fmt: skip
+            return f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+
+        responses = self._responses(req, timeout)
+        try:
+            first = True
+            async for resp in responses:
+                kind = resp.WhichOneof("kind")
+                if first:
+                    first = False
+                    yield chunk({"role": "assistant", "content": ""})
+                if kind == "text" and resp.text.text:
+                    delta: dict[str, Any] = {"content": resp.text.text}
+                    if req.want_audio:
+                        delta["audio"] = {"id": f"audio_{rid}", "transcript": resp.text.text}
+                    yield chunk(delta)
+                elif kind == "audio":
+                    data = base64.b64encode(resp.audio.data).decode()
+                    yield chunk({"audio": {"id": f"audio_{rid}", "data": data}})
+                elif kind == "final":
+                    yield chunk({}, resp.final.finish_reason or "stop")
+                    if body.stream_options is not None and body.stream_options.include_usage:
+                        event = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
+                                 "model": self.service.model_name, "choices": [],
+                                 "usage": _usage(resp.final.usage)}  # fmt: skip
+                        yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+            yield "data: [DONE]\n\n"
+        except GatewayError as e:  # the status line went out already: the error is the last event
+            yield f"data: {json.dumps(_from_gateway(e).body())}\n\n"
+        finally:
+            await responses.aclose()
+
+
+def _usage(u: gateway_pb2.Usage) -> dict[str, int]:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens}  # fmt: skip
+
+
+def build_app(service: GatewayService) -> Starlette:
+    chat = ChatCompletions(service)
+    page = resources.files("gateway").joinpath("static/playground.html").read_text()
+
+    async def models(request: Request) -> Response:
+        if not service.check_api_key(request.headers.get("authorization")):
+            return HttpError(401, "missing or wrong API key", "authentication_error").response()
+        return JSONResponse({"object": "list", "data": [{
+            "id": service.model_name, "object": "model", "created": 0, "owned_by": "omnistage",
+            "voices": chat.voices, "default_voice": service.ckpt.spec.default_speaker,
+            "sample_rate": service.sample_rate,
+        }]})  # fmt: skip
+
+    async def health(request: Request) -> Response:
+        ok, chain = service.chain_serving()
+        stages = [{"stage": h.stage, "target": h.target, "serving": h.serving, "detail": h.detail} for h in chain]
+        body = {"status": "ok" if ok else "unavailable", "draining": service.draining, "stages": stages}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def playground(request: Request) -> Response:
+        return HTMLResponse(page)
+
+    return Starlette(routes=[
+        Route("/v1/chat/completions", chat.handle, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/", playground, methods=["GET"]),
+    ])  # fmt: skip

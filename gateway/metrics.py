@@ -1,0 +1,79 @@
+"""The gateway's Prometheus metrics (prefix `omnistage_gateway_`, base units), served on its
+metrics port and at `/metrics` on its HTTP port:
+
+  omnistage_gateway_requests_total{api, outcome}      requests by front door and outcome (ok or a status)
+  omnistage_gateway_requests_in_flight
+  omnistage_gateway_time_to_first_token_seconds       histogram
+  omnistage_gateway_time_to_first_audio_seconds       histogram
+  omnistage_gateway_request_duration_seconds          histogram: end to end
+  omnistage_gateway_real_time_factor                  histogram: generation time / audio duration
+  omnistage_gateway_audio_chunk_gap_seconds           histogram: between audio chunks of a request
+  omnistage_gateway_prompt_tokens_total, _completion_tokens_total, _audio_seconds_total
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["GatewayMetrics", "Outcome"]
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+GAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
+
+
+@dataclass
+class Outcome:
+    """What the access log and the metrics say of one request (times since it arrived)."""
+
+    request_id: str
+    t0: float  # time.perf_counter() at arrival
+    api: str = "grpc"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    audio_samples: int = 0  # samples code2wav made
+    audio_sent: int = 0  # of those, covered by the audio chunks sent so far
+    ttft: float | None = None
+    ttfa: float | None = None
+    audio_times: list[float] = field(default_factory=list)
+    finish_reason: str = ""
+    status: str = "ok"
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("omnistage_gateway_requests", "Requests by front door and outcome",
+                                ["api", "outcome"], registry=r)  # fmt: skip
+        self.in_flight = Gauge("omnistage_gateway_requests_in_flight", "Requests in flight", registry=r)
+        self.ttft = Histogram("omnistage_gateway_time_to_first_token_seconds", "Time to the first text token",
+                              buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.ttfa = Histogram("omnistage_gateway_time_to_first_audio_seconds", "Time to the first audio chunk",
+                              buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.e2e = Histogram("omnistage_gateway_request_duration_seconds", "Request time, end to end",
+                             buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.rtf = Histogram("omnistage_gateway_real_time_factor", "Generation time over the audio's duration",
+                             buckets=RTF_BUCKETS, registry=r)  # fmt: skip
+        self.gap = Histogram("omnistage_gateway_audio_chunk_gap_seconds", "Time between audio chunks of a request",
+                             buckets=GAP_BUCKETS, registry=r)  # fmt: skip
+        self.prompt_tokens = Counter("omnistage_gateway_prompt_tokens", "Prompt tokens", registry=r)
+        self.completion_tokens = Counter("omnistage_gateway_completion_tokens", "Generated text tokens", registry=r)
+        self.audio_seconds = Counter("omnistage_gateway_audio_seconds", "Audio generated", registry=r)
+
+    def observe(self, o: Outcome, e2e: float, sample_rate: int) -> None:
+        self.requests.labels(o.api, o.status).inc()
+        self.e2e.observe(e2e)
+        self.prompt_tokens.inc(o.prompt_tokens)
+        self.completion_tokens.inc(o.completion_tokens)
+        if o.ttft is not None:
+            self.ttft.observe(o.ttft)
+        if o.ttfa is not None:
+            self.ttfa.observe(o.ttfa)
+        for a, b in zip(o.audio_times, o.audio_times[1:], strict=False):
+            self.gap.observe(b - a)
+        if o.audio_samples:
+            seconds = o.audio_samples / sample_rate
+            self.audio_seconds.inc(seconds)
+            self.rtf.observe(e2e / seconds)

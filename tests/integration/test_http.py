@@ -1,0 +1,409 @@
+"""The OpenAI-compatible HTTP front door against the real multi-process stack, with the official
+`openai` client: chat with audio out (streamed and not), audio and image in, every output format,
+the same samples as the gRPC path for the same greedy request; errors in OpenAI's shape with the
+documented statuses; client disconnects cancel the chain; /metrics, /health, /v1/models."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import subprocess
+import sys
+import time
+import wave
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import numpy as np
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks import media
+from gateway.client import build_request, generate
+from gateway.media import decode_audio
+from omnistage.cli.serve import Stack, start_stack
+from omnistage.config import MediaConfig
+from omnistage.v1 import gateway_pb2_grpc
+from tests.integration.conftest import free_port_block, info, run, stack_config
+
+MAX_TOKENS, RATE = 12, 24_000
+QUESTION = "Can you explain how streaming works?"
+
+
+@pytest.fixture(scope="module")
+def http_stack(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    cfg = stack_config(gateway={"http_port": free_port_block(1)})
+    s = start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("http-logs"))
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(http_stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{http_stack.http_address}/v1", api_key="unused", max_retries=0,
+                         timeout=120)  # fmt: skip
+
+
+def _grpc_reply(stack: Stack, prompt: str = QUESTION, **kw: Any) -> Any:
+    """The gRPC path's reply to the request temperature 0 makes over HTTP: greedy thinker and
+    talker (the talker's other defaults kept), float32 PCM."""
+    request = build_request(prompt, greedy=False, thinker_max_tokens=MAX_TOKENS, **kw)
+    request.sampling["thinker"].do_sample = False
+    request.sampling["talker"].do_sample = False
+
+    async def go() -> Any:
+        async with grpc.aio.insecure_channel(stack.gateway_address) as ch:
+            text, pcm = [], []
+            async for resp in gateway_pb2_grpc.GatewayStub(ch).Generate(request, timeout=120):
+                if resp.WhichOneof("kind") == "text":
+                    text.append(resp.text.text)
+                elif resp.WhichOneof("kind") == "audio":
+                    pcm.append(np.frombuffer(resp.audio.pcm_f32le, "<f4"))
+            return "".join(text), np.concatenate(pcm) if pcm else np.zeros(0, np.float32)
+
+    return run(go())
+
+
+def _pcm16(samples: np.ndarray) -> np.ndarray:
+    return (np.clip(samples, -1, 1) * 32767).round().astype("<i2")
+
+
+def _wav_samples(data: bytes) -> np.ndarray:
+    with wave.open(io.BytesIO(data)) as w:
+        assert w.getframerate() == RATE and w.getnchannels() == 1 and w.getsampwidth() == 2
+        return np.frombuffer(w.readframes(w.getnframes()), "<i2")
+
+
+def _flac_samples(data: bytes) -> np.ndarray:
+    """A FLAC file's 16-bit samples as they are stored (no float round trip)."""
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.audio[0]
+        assert stream.rate == RATE and stream.channels == 1
+        return np.concatenate([f.to_ndarray().reshape(-1) for f in container.decode(stream)]).astype("<i2")
+
+
+def _chat(client: openai.OpenAI, fmt: str, content: Any = QUESTION, **kw: Any) -> Any:
+    return client.chat.completions.create(model=client.models.list().data[0].id,
+                                          messages=[{"role": "user", "content": content}],
+                                          modalities=["text", "audio"], audio={"voice": "ethan", "format": fmt},
+                                          temperature=0, max_tokens=MAX_TOKENS, **kw)  # fmt: skip
+
+
+def test_models_health_and_page(http_stack: Stack, client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [http_stack.model_dir.name]
+    assert models[0].model_extra["voices"] == ["aiden", "chelsie", "ethan"]
+    health = httpx.get(f"http://{http_stack.http_address}/health")
+    assert health.status_code == 200
+    assert [s["stage"] for s in health.json()["stages"]] == ["thinker", "talker", "code2wav"]
+    page = httpx.get(f"http://{http_stack.http_address}/")
+    assert page.status_code == 200 and "omnistage playground" in page.text
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac", "pcm16"])
+def test_lossless_formats_carry_the_grpc_samples(http_stack: Stack, client: openai.OpenAI, fmt: str) -> None:
+    text, pcm = _grpc_reply(http_stack)
+    reply = _chat(client, fmt)
+    message = reply.choices[0].message
+    data = base64.b64decode(message.audio.data)
+    if fmt == "wav":
+        got = _wav_samples(data)
+    elif fmt == "pcm16":
+        got = np.frombuffer(data, "<i2")
+    else:
+        got = _flac_samples(data)
+    assert message.content == text == message.audio.transcript and text
+    assert got.shape == pcm.shape and np.array_equal(got, _pcm16(pcm))
+    tokens = reply.usage.completion_tokens
+    assert reply.choices[0].finish_reason == ("length" if tokens == MAX_TOKENS else "stop") and tokens > 0
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "opus"])
+def test_compressed_formats_decode_to_the_right_length(http_stack: Stack, client: openai.OpenAI, fmt: str) -> None:
+    _, pcm = _grpc_reply(http_stack)
+    data = base64.b64decode(_chat(client, fmt).choices[0].message.audio.data)
+    got = decode_audio(data, RATE, MediaConfig()).samples
+    assert abs(got.size - pcm.size) / RATE < 0.08  # the codec's padding and delay
+    assert float(np.sqrt(np.mean(got**2))) > 0.3 * float(np.sqrt(np.mean(pcm**2)))
+
+
+def test_streamed_chat_sends_pieces_as_they_exist(http_stack: Stack, client: openai.OpenAI) -> None:
+    text, pcm = _grpc_reply(http_stack)
+    stream = _chat(client, "pcm16", stream=True, stream_options={"include_usage": True})
+    content, audio, finish, usage, audio_events = [], [], None, None, 0
+    for event in stream:
+        if event.usage is not None:
+            usage = event.usage
+        if not event.choices:
+            continue
+        delta = event.choices[0].delta
+        content.append(delta.content or "")
+        if delta.audio is not None and delta.audio.data:
+            audio.append(base64.b64decode(delta.audio.data))
+            audio_events += 1
+        finish = event.choices[0].finish_reason or finish
+    assert "".join(content) == text
+    got = np.frombuffer(b"".join(audio), "<i2")
+    assert np.array_equal(got, _pcm16(pcm))
+    assert audio_events > 1  # streamed in pieces, not one file at the end
+    assert finish == "length" and usage is not None and usage.completion_tokens == MAX_TOKENS
+
+
+def test_audio_and_image_in(http_stack: Stack, client: openai.OpenAI) -> None:
+    wav = media.encode_audio(media.tone(1.5, 16_000, seed=3), 16_000, "wav")
+    png = media.encode_image(media.image(40, 60, seed=4), "png")
+    content = [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}},
+        {"type": "text", "text": "What is this?"},
+    ]
+    text, pcm = _grpc_reply(http_stack, "What is this?", audio=[wav], images=[png])
+    message = _chat(client, "pcm16", content).choices[0].message
+    assert message.content == text
+    assert np.array_equal(np.frombuffer(base64.b64decode(message.audio.data), "<i2"), _pcm16(pcm))
+
+
+def test_text_only_and_stop_texts(http_stack: Stack, client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(model=client.models.list().data[0].id, temperature=0, max_tokens=24,
+                                           messages=[{"role": "user", "content": QUESTION}])  # fmt: skip
+    text = whole.choices[0].message.content
+    assert text and whole.choices[0].message.audio is None
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = client.chat.completions.create(model=whole.model, temperature=0, max_tokens=24, stop=[stop],
+                                         messages=[{"role": "user", "content": QUESTION}])  # fmt: skip
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def _post(stack: Stack, body: Any, raw: bytes | None = None, **headers: str) -> httpx.Response:
+    url = f"http://{stack.http_address}/v1/chat/completions"
+    if raw is not None:
+        return httpx.post(url, content=raw, headers={"content-type": "application/json", **headers}, timeout=60)
+    return httpx.post(url, json=body, headers=headers, timeout=60)
+
+
+def test_bad_requests_get_the_documented_status_and_shape(http_stack: Stack) -> None:
+    hi = [{"role": "user", "content": "hi"}]
+    cases = [
+        ({"messages": []}, None, 400, "messages"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, None, 400, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "bogus"}]}]}, None, 400, "messages[0].content[0]"),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "@@"}}]}]}, None,
+         400, "messages[0].content[0].input_audio.data"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]},
+         None, 400, "messages[0].content[0].image_url.url"),
+        ({"messages": hi, "modalities": ["text", "audio"], "audio": {"voice": "alloy"}}, None, 400, "audio.voice"),
+        ({"messages": hi, "audio": {"format": "aac"}}, None, 400, "audio.format"),
+        ({"messages": hi, "n": 2}, None, 400, "n"),
+        ({"messages": hi, "max_tokens": 0}, None, 400, "max_tokens"),
+        ({"messages": hi, "stop": [""]}, None, 400, "stop[0]"),
+        (None, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "temperature"),
+        (None, b"{not json", 400, "body"),
+        ({"model": "other", "messages": hi}, None, 404, "model"),
+    ]  # fmt: skip
+    for body, raw, status, field in cases:
+        r = _post(http_stack, body, raw)
+        assert r.status_code == status, (body or raw, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["message"].startswith(field) or error["param"] == field, (field, error)
+    # a deadline the request cannot meet: 504
+    r = _post(http_stack, {"messages": hi, "max_tokens": 400, "modalities": ["text", "audio"]},
+              **{"x-omnistage-timeout": "0.3"})  # fmt: skip
+    assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
+    assert _post(http_stack, {"messages": hi}, **{"x-omnistage-timeout": "soon"}).status_code == 400
+
+
+def _loads_are_zero(stack: Stack) -> bool:
+    for stage in ("thinker", "talker", "code2wav"):
+        for address in stack.addresses(stage):
+            load = run(info(address)).load
+            if (load.running, load.waiting, load.waiting_for_input, load.open_streams) != (0, 0, 0, 0):
+                return False
+    return True
+
+
+def _wait_zero(stack: Stack, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if _loads_are_zero(stack):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _cancelled(stack: Stack) -> float:
+    text = httpx.get(f"http://{stack.http_address}/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "omnistage_gateway_requests"
+               for s in f.samples if s.labels == {"api": "http", "outcome": "CANCELLED"})  # fmt: skip
+
+
+def test_a_client_that_disconnects_cancels_the_chain(http_stack: Stack) -> None:
+    """A long reply (sampled speech of a 500-token answer runs for seconds): the client hangs up
+    once audio flows (streamed) or after a second (not streamed); the gateway counts it
+    cancelled and every stage lets go of it at once."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500, "modalities": ["text", "audio"],
+            "audio": {"format": "pcm16"}}  # fmt: skip
+    url = f"http://{http_stack.http_address}/v1/chat/completions"
+    for stream in (True, False):
+        before = _cancelled(http_stack)
+        body["stream"] = stream
+        with httpx.Client(timeout=60) as c:
+            if stream:
+                with c.stream("POST", url, json=body) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data:") and '"data"' in line:
+                            break  # hang up once audio flows
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    c.post(url, json=body, timeout=1.0)
+        assert _wait_zero(http_stack, 3.0), f"stream={stream}: a stage still holds the request"
+        deadline = time.monotonic() + 3
+        while _cancelled(http_stack) == before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _cancelled(http_stack) == before + 1, f"stream={stream}: not counted as cancelled"
+
+
+def test_metrics_count_the_requests(http_stack: Stack, client: openai.OpenAI) -> None:
+    def families() -> dict[str, Any]:
+        text = httpx.get(f"http://{http_stack.http_address}/metrics").text
+        return {f.name: f for f in text_string_to_metric_families(text)}
+
+    def count(fams: dict[str, Any], name: str) -> float:
+        return sum(s.value for s in fams[name].samples if s.name == name + "_count")
+
+    before = families()
+    for _ in range(2):
+        _chat(client, "pcm16")
+    after = families()
+    for name in ("omnistage_gateway_time_to_first_token_seconds", "omnistage_gateway_time_to_first_audio_seconds",
+                 "omnistage_gateway_request_duration_seconds", "omnistage_gateway_real_time_factor"):  # fmt: skip
+        assert count(after, name) - count(before, name) == 2, name
+    ok = [s for s in after["omnistage_gateway_requests"].samples
+          if s.name.endswith("_total") and s.labels == {"api": "http", "outcome": "ok"}]  # fmt: skip
+    assert ok and ok[0].value >= 2
+    # a stage's own metrics port: batches, steps, produced tokens
+    port = int(http_stack.addresses("thinker")[0].rsplit(":", 1)[1]) + 1000
+    stage = {f.name: f for f in text_string_to_metric_families(httpx.get(f"http://127.0.0.1:{port}/metrics").text)}
+    assert count(stage, "omnistage_stage_batch_size") > 0 and count(stage, "omnistage_stage_step_seconds") > 0
+    tokens = [s.value for s in stage["omnistage_stage_output_tokens"].samples if s.name.endswith("_total")]
+    assert tokens and tokens[0] >= 2 * MAX_TOKENS
+    assert "omnistage_stage_kv_cache_usage_ratio" in stage and "omnistage_stage_shm_segments" in stage
+
+
+# ---- a gateway of its own: API key, and a thinker that is down ---------------------------------------
+
+
+def _gateway(stack: Stack, thinker: str, tmp: Path, *args: str, env: dict[str, str] | None = None
+             ) -> tuple[subprocess.Popen[bytes], str, str]:  # fmt: skip
+    base = free_port_block(2)
+    grpc_port, http_port = base, base + 1
+    log = open(tmp / f"gateway-{grpc_port}.log", "wb")  # noqa: SIM115 - the child keeps it
+    command = [sys.executable, "-m", "omnistage.cli", "gateway", "--port", str(grpc_port), "--http-port",
+               str(http_port), "--thinker", thinker, "--model", str(stack.model_dir), *args]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    deadline = time.monotonic() + 120
+    while not httpx_ok(f"http://127.0.0.1:{http_port}/v1/models"):
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp / f"gateway-{grpc_port}.log").read_text()
+        time.sleep(0.3)
+    return proc, f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_port}"
+
+
+def httpx_ok(url: str) -> bool:
+    try:
+        httpx.get(url, timeout=1)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+def test_api_key_is_required_on_both_front_doors(http_stack: Stack, tmp_path: Path) -> None:
+    proc, grpc_addr, http_addr = _gateway(http_stack, http_stack.addresses("thinker")[0], tmp_path,
+                                          env={"OMNISTAGE_API_KEY": "s3cret"})  # fmt: skip
+    try:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        url = f"http://{http_addr}/v1/chat/completions"
+        r = httpx.post(url, json=body, timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.post(url, json=body, headers={"authorization": "Bearer wrong"}, timeout=60).status_code == 401
+        ok = httpx.post(url, json=body, headers={"authorization": "Bearer s3cret"}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            run(generate(grpc_addr, "hi", thinker_max_tokens=4, want_audio=False, timeout=30))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+        async def with_key() -> Any:
+            async with grpc.aio.insecure_channel(grpc_addr) as ch:
+                request = build_request("hi", thinker_max_tokens=4, want_audio=False)
+                key = (("authorization", "Bearer s3cret"),)
+                call = gateway_pb2_grpc.GatewayStub(ch).Generate(request, timeout=30, metadata=key)
+                return [r async for r in call]
+
+        assert run(with_key())[-1].WhichOneof("kind") == "final"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_stage_down_is_503(http_stack: Stack, tmp_path: Path) -> None:
+    dead = f"127.0.0.1:{free_port_block(1)}"  # nothing listens there
+    proc, _, http_addr = _gateway(http_stack, f"ipv4:{dead}", tmp_path)
+    try:
+        health = httpx.get(f"http://{http_addr}/health", timeout=10)
+        assert health.status_code == 503
+        assert health.json()["stages"][0]["serving"] is False
+        r = httpx.post(f"http://{http_addr}/v1/chat/completions", timeout=60,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})  # fmt: skip
+        assert r.status_code == 503 and "thinker" in r.json()["error"]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+# ---- the playground page in a real browser ----------------------------------------------------------
+
+NO_CHROMIUM = ("no Chromium: none of chromium, chromium-browser, google-chrome is on PATH; `make test` installs "
+               "Debian's chromium package when it runs as root with apt-get, and could not here")  # fmt: skip
+
+
+def test_playground_streams_text_and_audio_in_a_browser(http_stack: Stack) -> None:
+    import shutil
+
+    exe = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+    if exe is None:
+        pytest.skip(NO_CHROMIUM)
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("the playwright package is missing (`make test` installs it with the dev extras)")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=exe,
+                                    args=["--no-sandbox", "--autoplay-policy=no-user-gesture-required"])  # fmt: skip
+        try:
+            page = browser.new_page()
+            page.goto(f"http://{http_stack.http_address}/")
+            page.wait_for_function("document.getElementById('voice').options.length > 0", timeout=30_000)
+            page.fill("#question", QUESTION)
+            page.fill("#maxTokens", "16")
+            page.click("#send")
+            page.wait_for_function("window.omnistage.done", timeout=120_000)
+            state = page.evaluate("window.omnistage")
+            shown = page.inner_text("#reply")
+            player_shown = page.is_visible("#player")
+        finally:
+            browser.close()
+    assert state["error"] is None, state["error"]
+    assert state["text"] and shown == state["text"]
+    assert state["chunks"] > 1 and state["samples"] > RATE // 4  # audio arrived in pieces, playing as it came
+    rms = (state["sumSquares"] / state["samples"]) ** 0.5
+    assert state["peak"] > 0.01 and rms > 0.001, state  # not silence
+    assert state["firstAudioMs"] is not None and player_shown

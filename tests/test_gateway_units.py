@@ -1,0 +1,183 @@
+"""The gateway's pieces on their own: text with stop texts, the audio formats, the OpenAI request
+translation."""
+
+from __future__ import annotations
+
+import base64
+import io
+import wave
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from benchmarks import media
+from gateway.audio_out import FORMAT_NAMES, AudioEncoder, format_from_name
+from gateway.media import decode_audio
+from gateway.text import TextStream, check_stop_texts
+from omnistage.config import MediaConfig
+from omnistage.v1 import gateway_pb2
+
+RATE = 24_000
+
+
+class CharTokenizer:
+    """One token per character (ids are code points); 0xD8 starts a two-token character."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        out, i = [], 0
+        while i < len(ids):
+            if ids[i] == 0xD8:  # half of "é" until its second token arrives
+                if i + 1 == len(ids):
+                    out.append("\ufffd")
+                    break
+                out.append("é")
+                i += 2
+                continue
+            out.append(chr(ids[i]))
+            i += 1
+        return "".join(out)
+
+
+def _ids(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def _stream(text_pieces: list[list[int]], stop: list[str]) -> tuple[list[str], TextStream]:
+    ts = TextStream(CharTokenizer(), stop)
+    out = [ts.push(p) for p in text_pieces]
+    out.append(ts.flush())
+    return out, ts
+
+
+def test_text_streams_whole_characters() -> None:
+    out, ts = _stream([_ids("ab"), [0xD8], [0x01], _ids("c")], [])
+    assert out == ["ab", "", "é", "c", ""] and not ts.stopped
+
+
+def test_stop_text_ends_the_reply_and_is_not_sent() -> None:
+    pieces = [_ids(c) for c in "Hello, END world"]
+    out, ts = _stream(pieces, ["END"])
+    assert "".join(out) == "Hello, " and ts.stopped
+    # text that might begin a stop text is held until it cannot
+    held, _ = _stream([_ids("aE"), _ids("Nx")], ["END"])
+    assert held == ["a", "ENx", ""]
+    # the earliest of several stop texts wins, even across pieces
+    out, _ = _stream([_ids("one tw"), _ids("o three")], ["three", "two"])
+    assert "".join(out) == "one "
+
+
+def test_stop_text_rules() -> None:
+    assert check_stop_texts(["a", "bc"]) == ["a", "bc"]
+    for bad, message in ((["x"] * 17, "at most 16"), ([""], "stop[0]: empty"), (["y" * 300], "longer than")):
+        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            check_stop_texts(bad)
+
+
+def _encode(fmt: str, samples: np.ndarray, piece: int = 4800) -> list[bytes]:
+    enc = AudioEncoder(format_from_name(fmt), RATE)
+    parts = [enc.push(samples[i : i + piece]) for i in range(0, samples.size, piece)]
+    return [*parts, enc.finish()]
+
+
+@pytest.mark.parametrize("fmt", list(FORMAT_NAMES))
+def test_every_format_carries_the_audio(fmt: str) -> None:
+    samples = media.tone(1.5, RATE, 330.0, seed=5)
+    parts = _encode(fmt, samples)
+    data = b"".join(parts)
+    pcm16 = (np.clip(samples, -1, 1) * 32767).round().astype("<i2")
+    if fmt == "pcm_f32le":
+        assert np.array_equal(np.frombuffer(data, "<f4"), samples)
+    elif fmt == "pcm16":
+        assert np.array_equal(np.frombuffer(data, "<i2"), pcm16)
+    elif fmt == "wav":
+        with wave.open(io.BytesIO(data)) as w:
+            assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (RATE, 1, 2)
+            assert np.array_equal(np.frombuffer(w.readframes(w.getnframes()), "<i2"), pcm16)
+    else:
+        decoded = decode_audio(data, RATE, MediaConfig()).samples
+        if fmt == "flac":
+            assert decoded.size == samples.size and np.abs(decoded - samples).max() < 2 / 32767
+        else:
+            assert abs(decoded.size - samples.size) < 0.08 * RATE
+    streamed = fmt in ("pcm_f32le", "pcm16", "mp3", "opus")
+    nonempty = [i for i, p in enumerate(parts) if p]
+    if streamed:  # pieces as the samples come, not one file at the end
+        assert len(nonempty) >= len(parts) - 2 and nonempty[0] == 0
+    else:
+        assert nonempty == [len(parts) - 1]
+
+
+def test_unknown_format_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown audio format 'aac'"):
+        format_from_name("aac")
+    with pytest.raises(ValueError):
+        AudioEncoder(99, RATE)
+
+
+def _chat(**kw: Any) -> Any:
+    from gateway.http_api import ChatRequest
+
+    return ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **kw})
+
+
+def test_openai_request_becomes_the_gateway_request() -> None:
+    from gateway.http_api import to_generate_request
+
+    png = media.encode_image(media.image(8, 8))
+    pcm = (np.arange(48) * 100).astype("<i2").tobytes()
+    body = _chat(
+        messages=[
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [
+                {"type": "text", "text": "look"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}},
+                {"type": "input_audio", "input_audio": {"data": base64.b64encode(pcm).decode(), "format": "pcm16"}},
+            ]},
+        ],
+        modalities=["text", "audio"], audio={"voice": "Ethan", "format": "mp3"}, temperature=0,
+        max_completion_tokens=7, max_tokens=99, seed=3, stop="END",
+    )  # fmt: skip
+    req = to_generate_request(body, ["chelsie", "ethan"])
+    assert req.want_audio and req.speaker == "Ethan" and req.audio_format == gateway_pb2.MP3
+    assert [m.role for m in req.messages] == ["system", "user"]
+    parts = req.messages[1].parts
+    assert [p.WhichOneof("kind") for p in parts] == ["text", "image", "audio"]
+    assert parts[1].image.file == png
+    assert parts[2].audio.pcm.sample_rate == 24000
+    assert np.allclose(np.frombuffer(parts[2].audio.pcm.f32le, "<f4"), np.arange(48) * 100 / 32768)
+    thinker, talker = req.sampling["thinker"], req.sampling["talker"]
+    assert (thinker.max_tokens, thinker.do_sample, thinker.seed) == (7, False, 3)
+    assert talker.HasField("do_sample") and not talker.do_sample
+    assert list(req.stop) == ["END"]
+    sampled = to_generate_request(_chat(temperature=0.7, top_p=0.9), ["ethan"])
+    assert sampled.sampling["thinker"].do_sample and abs(sampled.sampling["thinker"].temperature - 0.7) < 1e-9
+    assert not sampled.want_audio and "talker" not in sampled.sampling
+
+
+def test_openai_request_errors_name_the_field() -> None:
+    from gateway.http_api import HttpError, to_generate_request
+
+    cases = [
+        (_chat(modalities=["text", "audio"], audio={"voice": "alloy"}), "audio.voice: unknown voice 'alloy'"),
+        (_chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://a/b"}}]}]),
+         "messages[0].content[0].image_url.url: only data: URLs"),
+        (_chat(messages=[{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:x,AAAA"}}]}]),
+         "messages[0].content[0].video_url.url: expected data:"),
+        (_chat(messages=[{"role": "user", "content": [{"type": "input_audio",
+                                                        "input_audio": {"data": "AAA", "format": "pcm16"}}]}]),
+         "messages[0].content[0].input_audio.data"),
+    ]  # fmt: skip
+    for body, message in cases:
+        with pytest.raises(HttpError) as e:
+            to_generate_request(body, ["ethan"])
+        assert e.value.status == 400 and e.value.message.startswith(message), e.value.message
+
+
+def test_playground_page_is_packaged() -> None:
+    from importlib import resources
+
+    page = resources.files("gateway").joinpath("static/playground.html").read_text()
+    assert "/v1/chat/completions" in page and "AudioContext" in page and "getUserMedia" in page
+    assert Path(__file__).resolve().parents[1].joinpath("gateway/static/playground.html").read_text() == page
