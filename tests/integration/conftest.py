@@ -36,7 +36,7 @@ def free_port_block(n: int, metrics_offset: int = 1000) -> int:
 def stack_config(**overrides: Any) -> DeployConfig:
     base = free_port_block(12)
     data: dict[str, Any] = {
-        "gateway": {"port": base},
+        "gateway": {"port": base, "http_port": base + 10},  # never the default 8000: stacks run side by side
         "thinker": {"base_port": base + 2},
         "talker": {"base_port": base + 4, "replicas": 2},
         "code2wav": {"base_port": base + 8},

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from omnistage.config import PORT_STRIDE
+from omnistage.config import HTTP_PORT_OFFSET, PORT_STRIDE
 from omnistage.server.grpc_common import health_status, port_free
 from tests.integration.conftest import free_port_block, info, run
 
@@ -53,13 +53,13 @@ def stack_ports(base: int) -> dict[str, int]:
 
 
 def free_layout() -> int:
-    """A base port whose whole --port layout (gRPC and metrics) is free."""
+    """A base port whose whole --port layout (gRPC, metrics, HTTP) is free."""
     for _ in range(50):
         base = free_port_block(1)
         ports = [*stack_ports(base).values()]
         if base + 3 * PORT_STRIDE + 1000 < 65000 and all(port_free("127.0.0.1", p) for p in ports + [
             p + 1000 for p in ports
-        ]):  # fmt: skip
+        ] + [base + HTTP_PORT_OFFSET]):  # fmt: skip
             return base
     raise RuntimeError("no free port layout")
 
