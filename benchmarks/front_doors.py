@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 import time
 from typing import Any
 
@@ -70,7 +69,11 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
               "requests_per_level": len(requests), "levels": rows, "failed": failed,
               "audio_samples_equal": same_audio, "configurations": [lv.to_json() for lv in run.levels],
               "total_seconds": time.perf_counter() - run.t0}  # fmt: skip
-    _print(result)
+    table = _table(result)
+    print(table)
+    if opts.markdown_out is not None:
+        opts.markdown_out.parent.mkdir(parents=True, exist_ok=True)
+        opts.markdown_out.write_text(table)
     if opts.json_out is not None:
         opts.json_out.parent.mkdir(parents=True, exist_ok=True)
         opts.json_out.write_text(json.dumps(result, indent=1) + "\n")
@@ -91,17 +94,16 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{1000 * x:.0f}"
 
 
-def _print(result: dict[str, Any]) -> None:
-    out = sys.stdout
-    print("\n| c | median TTFT http / grpc ms (ratio) | median TTFA http / grpc ms (ratio) | "
-          "median E2E http / grpc ms (ratio) |", file=out)
-    print("|---|---|---|---|", file=out)
+def _table(result: dict[str, Any]) -> str:
+    lines = ["", "| c | median TTFT http / grpc ms (ratio) | median TTFA http / grpc ms (ratio) | "
+             "median E2E http / grpc ms (ratio) |", "|---|---|---|---|"]  # fmt: skip
     for row in result["levels"]:
         cells = []
         for key in ("ttft", "ttfa", "e2e"):
             v = row[key]
             ratio = "-" if v["http_over_grpc"] is None else f"{v['http_over_grpc']:.3f}"
             cells.append(f"{_ms(v['http_median_s'])} / {_ms(v['grpc_median_s'])} ({ratio})")
-        print(f"| {row['concurrency']} | " + " | ".join(cells) + " |", file=out)
-    print(f"\nfailed requests: {result['failed']}; same audio on both front doors: "
-          f"{result['audio_samples_equal']}", file=out)  # fmt: skip
+        lines.append(f"| {row['concurrency']} | " + " | ".join(cells) + " |")
+    lines += ["", f"failed requests: {result['failed']}; same audio on both front doors: "
+              f"{result['audio_samples_equal']}", ""]  # fmt: skip
+    return "\n".join(lines)

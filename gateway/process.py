@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from gateway.server import GatewayService
 from omnistage.config import DeployConfig
 from omnistage.models import Checkpoint
-from omnistage.server.grpc_common import HealthState, PortTaken, bind, drain, new_server, wait_for_signal
+from omnistage.server.grpc_common import HealthState, PortTaken, add_servicer, bind, drain, new_server, wait_for_signal
 from omnistage.server.metrics import serve_metrics
-from omnistage.v1 import gateway_pb2, gateway_pb2_grpc
+from omnistage.v1 import gateway_pb2
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def run_gateway(cfg: DeployConfig, ckpt: Checkpoint, host: str, port: int, think
         service = GatewayService(cfg, ckpt, thinker_target, api_key=api_key)
         # clients send their media in the request: the receive limit is the media request limit
         server = new_server(max(cfg.max_message_bytes, cfg.media.max_request_bytes))
-        gateway_pb2_grpc.add_GatewayServicer_to_server(service, server)
+        add_servicer(service, server, gateway_pb2.DESCRIPTOR.services_by_name["Gateway"])
         health_state = HealthState(server, (gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,))
         await health_state.set(False)  # until the thinker answers
         bind(server, host, port, "gateway")

@@ -35,7 +35,7 @@ from omnistage.models import Checkpoint, CheckpointError, load_tokenizer
 from omnistage.server.grpc_common import ChainWatcher, HealthState, channel_options, stage_stream
 from omnistage.topology import STAGES
 from omnistage.v1 import gateway_pb2, gateway_pb2_grpc, stage_pb2
-from omnistage.wire import ChunkAssembler, TensorBlobError, encode_chunks
+from omnistage.wire import ChunkAssembler, StageError, TensorBlobError, encode_chunks
 from services import edges
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class GatewayError(Exception):
 
 # the thinker's stop detail -> the reason a client sees (OpenAI's names)
 FINISH_REASONS = {"stop_id": "stop", "max_tokens": "length"}
+MAX_CHARS_PER_TOKEN = 64  # text longer than this many characters per allowed token is refused untokenized
 
 
 class GatewayService(gateway_pb2_grpc.GatewayServicer):
@@ -77,6 +78,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             self.media_limits = cfg.media.model_copy(update={"max_audio_seconds": seconds})
         self.sample_rate = ckpt.sample_rate
         self.model_name = cfg.served_model_name or ckpt.path.name
+        spec = ckpt.spec
+        self.max_prompt_tokens = min(spec.max_positions, cfg.max_model_len or spec.max_positions) - 1
+        self.thinker_defaults = ckpt.family.thinker_defaults(ckpt)
+        self.talker_defaults = ckpt.family.talker_defaults()
         self.thinker_target = thinker_target
         self.channel = grpc.aio.insecure_channel(thinker_target, options=channel_options(cfg.max_message_bytes))
         self.stream = stage_stream(self.channel)  # Stage.Stream; responses parsed without copying tensors
@@ -89,6 +94,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
     def _prompt(self, request: gateway_pb2.GenerateRequest) -> edges.Prompt:
         """The request as the thinker's prompt: ids, and the model inputs of its media (run in a
         worker thread: decoding and the processor take a while). ValueError names the field."""
+        chars = len(request.prompt) + sum(len(m.content) + sum(len(p.text) for p in m.parts) for m in request.messages)
+        if chars > MAX_CHARS_PER_TOKEN * self.max_prompt_tokens:  # before tokenizing: it could never fit
+            raise ValueError(f"prompt: {chars} characters of text cannot fit in {self.max_prompt_tokens} tokens")
         if request.messages:
             messages, has_media = decode_messages(request, self.media_limits, self._audio_rate())
             # (media come in user messages only; without media every content is text)
@@ -108,7 +116,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             prompt = edges.Prompt(ids, tensors, request.use_audio_in_video)
         else:
             prompt = edges.Prompt(self.ckpt.family.prompt_ids(self.tokenizer, messages))
-        limit = min(self.ckpt.spec.max_positions, self.cfg.max_model_len or self.ckpt.spec.max_positions) - 1
+        limit = self.max_prompt_tokens
         if len(prompt.ids) > limit:
             raise ValueError(f"prompt: {len(prompt.ids)} tokens exceeds the model maximum of {limit}")
         return prompt
@@ -211,12 +219,21 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             check_stop_texts(request.stop)
         except ValueError as e:
             raise bad(str(e)) from None
+        if request.mode not in stage_pb2.EdgeMode.values():
+            raise bad(f"mode: unknown value {request.mode}")
         start = stage_pb2.Start(request_id=request.request_id, want_audio=request.want_audio, mode=request.mode,
                                 speaker=request.speaker, deadline_unix_s=time.time() + timeout)  # fmt: skip
         for name, params in request.sampling.items():
             if name not in STAGES:
                 raise bad(f"sampling: unknown stage {name!r}")
             start.sampling[name].CopyFrom(params)
+        # every stage's sampling, checked as that stage will, before anything streams
+        try:
+            edges.check_start("gateway", start)
+            edges.sampling("thinker", start, self.thinker_defaults, self.max_prompt_tokens + 1)
+            edges.sampling("talker", start, self.talker_defaults, int(self.ckpt.spec.max_positions))
+        except StageError as e:
+            raise bad(e.message.removeprefix("gateway: ")) from None
         return start
 
     async def _generate(self, request: gateway_pb2.GenerateRequest, outcome: Outcome, timeout: float | None

@@ -217,11 +217,35 @@ def audio_chunk(offset: int, pcm: torch.Tensor, sample_rate: int) -> OutChunk:
 _SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "max_tokens")
 
 
-def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams) -> SamplingParams:
-    """The stage's sampling from `Start.sampling[stage]` (unset fields keep `defaults`)."""
+STAGE_NAMES = ("thinker", "talker", "code2wav")
+
+
+def check_start(stage: str, start: stage_pb2.Start) -> None:
+    """What every stage checks in a Start before it opens the request (INVALID_ARGUMENT)."""
+    if not start.request_id:
+        raise invalid(f"{stage}: Start.request_id is empty")
+    if len(start.request_id) > 256:
+        raise invalid(f"{stage}: Start.request_id is {len(start.request_id)} characters; at most 256")
+    if start.mode not in stage_pb2.EdgeMode.values():
+        raise invalid(f"{stage}: Start.mode {start.mode} is not an EdgeMode "
+                      f"({', '.join(stage_pb2.EdgeMode.keys())})")  # fmt: skip
+    if not start.deadline_unix_s >= 0 or start.deadline_unix_s == float("inf"):  # NaN fails `>=`
+        raise invalid(f"{stage}: Start.deadline_unix_s must be a finite time >= 0, got {start.deadline_unix_s}")
+    unknown = sorted(set(start.sampling) - set(STAGE_NAMES))
+    if unknown:
+        raise invalid(f"{stage}: Start.sampling has unknown stage(s) {unknown}; expected {list(STAGE_NAMES)}")
+
+
+def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,
+             max_tokens_limit: int | None = None) -> SamplingParams:  # fmt: skip
+    """The stage's sampling from `Start.sampling[stage]` (unset fields keep `defaults`); a
+    requested max_tokens over `max_tokens_limit` (what the stage can ever produce) is refused."""
     msg = start.sampling.get(stage)
     if msg is None:
         return defaults
+    if max_tokens_limit is not None and msg.HasField("max_tokens") and msg.max_tokens > max_tokens_limit:
+        raise invalid(f"{stage}: sampling: max_tokens {msg.max_tokens} exceeds this stage's limit "
+                      f"{max_tokens_limit} (max_model_len)")  # fmt: skip
     overrides: dict[str, Any] = {f: getattr(msg, f) for f in _SAMPLING_FIELDS if msg.HasField(f)}
     if msg.stop_ids:  # replaces the stage's default stop ids, as generate()'s *_eos_token_id does
         overrides["stop_ids"] = tuple(int(i) for i in msg.stop_ids)

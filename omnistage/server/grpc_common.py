@@ -5,24 +5,28 @@ health-check client (`omnistage health`, the Docker HEALTHCHECK, `serve`'s start
 from __future__ import annotations
 
 import asyncio
+import inspect
 import signal
 import socket
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from omnistage.wire import Code
-from omnistage.wire.wire_view import parse_request, parse_response, serialize
+from omnistage.wire.wire_view import Undecodable, parse_request_or_error, parse_response, parser_or_error, serialize
 
 __all__ = [
     "STAGE_SERVICE",
     "ChainWatcher",
     "HealthState",
     "PortTaken",
+    "add_servicer",
     "add_stage_servicer",
     "bind",
     "channel_options",
@@ -135,22 +139,75 @@ async def drain(
             await result
 
 
+def add_servicer(servicer: Any, server: grpc.aio.Server, service: ServiceDescriptor) -> None:
+    """Register `servicer`'s methods for `service` with deserializers that never raise: a
+    request that does not parse ends its call INVALID_ARGUMENT naming the message (gRPC would
+    answer UNKNOWN, or leave a stream hanging). Stage.Stream requests are parsed by
+    `wire_view.parse_request_or_error` (tensor payloads left in the received bytes) and its
+    responses written by `wire_view.serialize` (one copy; relayed bytes as they came)."""
+    handlers = {}
+    for method in service.methods:
+        request_cls = GetMessageClass(method.input_type)
+        response_cls = GetMessageClass(method.output_type)
+        fn = getattr(servicer, method.name)
+        if method.client_streaming and method.server_streaming:
+            assert service.full_name == STAGE_SERVICE and method.name == "Stream"
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                fn, request_deserializer=parse_request_or_error, response_serializer=serialize
+            )
+        elif method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _checked_stream(fn, request_cls.DESCRIPTOR.name), request_deserializer=parser_or_error(request_cls),
+                response_serializer=response_cls.SerializeToString,
+            )  # fmt: skip
+        elif not method.client_streaming:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _checked_unary(fn, request_cls.DESCRIPTOR.name), request_deserializer=parser_or_error(request_cls),
+                response_serializer=response_cls.SerializeToString,
+            )  # fmt: skip
+        else:
+            raise NotImplementedError(f"{method.full_name}: client-streaming only")
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
 def add_stage_servicer(servicer: Any, server: grpc.aio.Server) -> None:
-    """`Stage` handlers whose Stream requests are parsed by `wire_view.parse_request` (the
-    handler gets `Received` messages, tensor payloads left in the received bytes) and whose
-    responses are serialized by `wire_view.serialize` (one copy; relayed bytes as they came)."""
-    handlers = {
-        "Stream": grpc.stream_stream_rpc_method_handler(
-            servicer.Stream, request_deserializer=parse_request, response_serializer=serialize
-        ),
-        "Info": grpc.unary_unary_rpc_method_handler(
-            servicer.Info,
-            request_deserializer=stage_pb2.InfoRequest.FromString,
-            response_serializer=stage_pb2.InfoResponse.SerializeToString,
-        ),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(STAGE_SERVICE, handlers),))
-    server.add_registered_method_handlers(STAGE_SERVICE, handlers)
+    add_servicer(servicer, server, stage_pb2.DESCRIPTOR.services_by_name["Stage"])
+
+
+def _not_parsed(request: Undecodable, name: str) -> str:
+    return f"the request ({request.size} bytes) does not parse as {name} ({request.reason})"
+
+
+def _checked_unary(fn: Callable[[Any, Any], Any], name: str) -> Callable[[Any, Any], Any]:
+    if not inspect.iscoroutinefunction(fn):  # a servicer of a sync grpc.server
+
+        def sync_handler(request: Any, context: grpc.ServicerContext) -> Any:
+            if isinstance(request, Undecodable):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, _not_parsed(request, name))
+            return fn(request, context)
+
+        return sync_handler
+
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _not_parsed(request, name))
+        return await fn(request, context)
+
+    return handler
+
+
+_Streaming = Callable[[Any, Any], AsyncIterator[Any]]
+
+
+def _checked_stream(fn: _Streaming, name: str) -> _Streaming:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _not_parsed(request, name))
+        async for response in fn(request, context):
+            yield response
+
+    return handler
 
 
 def stage_stream(channel: Any, *, relay: bool = False) -> Any:

@@ -39,8 +39,8 @@ from omnistage.server.grpc_common import (
 from omnistage.v1 import stage_pb2
 from omnistage.wire import ChunkAssembler, Code, LazyChunk, StageError, TensorBlobError, encode_chunks, invalid
 from omnistage.wire.shm import ShmPool, ShmReader, peer_accepts_shm
-from omnistage.wire.wire_view import Outgoing, Received
-from services.edges import downstream_start
+from omnistage.wire.wire_view import Outgoing, Received, Undecodable
+from services.edges import check_start, downstream_start
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class _Call:
         self.out_q: asyncio.Queue[Any] = asyncio.Queue()
         self.down_q: asyncio.Queue[OutChunk | None] = asyncio.Queue()
         self.down_call: Any = None
+        self.failed = False  # the request failed: its input is read and dropped until the call ends
 
     def _post(self, item: Any) -> None:
         with contextlib.suppress(RuntimeError):  # loop closed: the call is gone
@@ -173,13 +174,13 @@ class StageService:
     # ---- Stream ---------------------------------------------------------------------------
 
     async def Stream(
-        self, request_iterator: AsyncIterator[Received[stage_pb2.StageRequest]], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[Received[stage_pb2.StageRequest] | Undecodable],
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[Outgoing | bytes]:
         if self.draining:
-            # Read what the caller already sent first: a call the server ends while the client
-            # is still writing surfaces as INTERNAL on the client instead of this status.
-            await self._discard_inputs(request_iterator, limit_s=2.0)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.stage}: draining, not accepting new requests")
+            await self._reject(context, request_iterator, StageError(Code.UNAVAILABLE,
+                               f"{self.stage}: draining, not accepting new requests"))  # fmt: skip
         await context.send_initial_metadata(self.reader.accept(context.invocation_metadata()))
         self.open_streams += 1
         req: Request | None = None
@@ -187,21 +188,28 @@ class StageService:
         tasks: list[asyncio.Task[Any]] = []
         try:
             try:
-                first = (await anext(aiter(request_iterator))).message
+                received = await anext(aiter(request_iterator))
             except StopAsyncIteration:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.stage}: stream closed before Start")
+            if isinstance(received, Undecodable):
+                await self._reject(context, request_iterator, self._undecodable(received, 1))
+            first = received.message
             if first.WhichOneof("kind") != "start":
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"{self.stage}: the first message must be Start, got a chunk"
-                )
+                got = "a chunk" if first.WhichOneof("kind") else "an empty message"
+                await self._reject(context, request_iterator,
+                                   invalid(f"{self.stage}: the first message must be Start, got {got}"))  # fmt: skip
             start = first.start
+            try:
+                check_start(self.stage, start)
+            except StageError as e:
+                await self._reject(context, request_iterator, e)
             deadline = None
             if start.deadline_unix_s > 0:
                 deadline = time.monotonic() + (start.deadline_unix_s - time.time())
             try:
                 req = self.engine.open(start.request_id, start, call, deadline)
             except StageError as e:
-                await context.abort(grpc_code(e.code), e.message)
+                await self._reject(context, request_iterator, e)
             self.requests_total += 1
             tasks.append(asyncio.create_task(self._read_inputs(req, call, request_iterator)))
             pending = {"self"}
@@ -225,12 +233,12 @@ class StageService:
                             call.down_q.put_nowait(None)
                 elif isinstance(item, _Finished):
                     if item.error is not None:
-                        await context.abort(grpc_code(item.error.code), item.error.message)
+                        await self._end_with(context, call, tasks[0], item.error)
                     pending.discard("self")
                 elif item is _DOWN_DONE:
                     pending.discard("down")
                 elif isinstance(item, StageError):
-                    await context.abort(grpc_code(item.code), item.message)
+                    await self._end_with(context, call, tasks[0], item)
             # Done: end the call only once the caller has half-closed (same race as above; e.g.
             # the talker reaching its frame limit while the thinker still sends tokens).
             remaining = context.time_remaining()
@@ -246,35 +254,73 @@ class StageService:
                 t.cancel()
 
     async def _read_inputs(
-        self, req: Request, call: _Call, request_iterator: AsyncIterator[Received[stage_pb2.StageRequest]]
+        self, req: Request, call: _Call,
+        request_iterator: AsyncIterator[Received[stage_pb2.StageRequest] | Undecodable]
     ) -> None:
         assembler = ChunkAssembler(reader=self.reader)
+        index = 1  # the Start
         try:
             async for msg in request_iterator:
-                if msg.message.WhichOneof("kind") != "chunk":
-                    raise invalid(f"{self.stage}: a second Start on one stream")
-                decoded = assembler.push(msg.message.chunk, msg.views)
-                if decoded is not None:
-                    self.engine.feed(req, decoded)
-            self.engine.close_input(req)
-        except TensorBlobError as e:
-            self._fail(req, call, invalid(f"{self.stage}: {e}"))
-        except StageError as e:
-            self._fail(req, call, e)
+                index += 1
+                if call.failed:
+                    continue  # the request has failed: read what the caller still sends, drop it
+                try:
+                    if isinstance(msg, Undecodable):
+                        raise self._undecodable(msg, index)
+                    kind = msg.message.WhichOneof("kind")
+                    if kind != "chunk":
+                        got = "a second Start" if kind else "an empty message"
+                        raise invalid(f"{self.stage}: message {index} is {got}; expected a chunk")
+                    decoded = assembler.push(msg.message.chunk, msg.views)
+                    if decoded is not None:
+                        self.engine.feed(req, decoded)
+                except TensorBlobError as e:
+                    self._fail(req, call, invalid(f"{self.stage}: message {index}: {e}"))
+                except StageError as e:
+                    self._fail(req, call, e)
+            if call.failed:
+                pass
+            elif req.input_closed:
+                self.engine.close_input(req)
+            else:  # a caller that ends its side early must say so with a finished chunk
+                self._fail(req, call, invalid(f"{self.stage}: the caller closed its side before the finished chunk "
+                                              f"({index} messages)"))  # fmt: skip
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass
 
-    @staticmethod
-    async def _discard_inputs(request_iterator: AsyncIterator[Any], limit_s: float) -> None:
+    def _undecodable(self, msg: Undecodable, index: int) -> StageError:
+        return invalid(f"{self.stage}: message {index} ({msg.size} bytes) does not parse as StageRequest "
+                       f"({msg.reason})")  # fmt: skip
+
+    # Ending a call while the caller is still writing surfaces on the caller as INTERNAL
+    # ("Internal error from Core") instead of our status: every rejection first reads what the
+    # caller has already sent (bounded), then ends the call.
+    REJECT_READ_S = 0.5
+
+    async def _reject(self, context: grpc.aio.ServicerContext, request_iterator: AsyncIterator[Any],
+                      error: StageError) -> None:  # fmt: skip
+        """End a call that has no request yet with `error`."""
+
         async def drain_all() -> None:
             async for _ in request_iterator:
                 pass
 
         with contextlib.suppress(asyncio.TimeoutError, grpc.aio.AioRpcError, asyncio.CancelledError):
-            await asyncio.wait_for(drain_all(), timeout=limit_s)
+            await asyncio.wait_for(drain_all(), timeout=self.REJECT_READ_S)
+        await context.abort(grpc_code(error.code), error.message)
+
+    async def _end_with(self, context: grpc.aio.ServicerContext, call: _Call, reader: asyncio.Task[Any],
+                        error: StageError) -> None:  # fmt: skip
+        """End a call whose request failed with `error`, once the reader has read what the
+        caller sent (it drops it now; bounded)."""
+        call.failed = True
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait({reader}, timeout=self.REJECT_READ_S)
+        await context.abort(grpc_code(error.code), error.message)
 
     def _fail(self, req: Request, call: _Call, err: StageError) -> None:
         self.engine.abort(req, err)
+        call.failed = True
         call.out_q.put_nowait(err)
 
     # ---- downstream -----------------------------------------------------------------------

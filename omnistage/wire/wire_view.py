@@ -60,9 +60,12 @@ __all__ = [
     "SMALL_BYTES",
     "Outgoing",
     "Received",
+    "Undecodable",
     "parse_chunk",
     "parse_request",
+    "parse_request_or_error",
     "parse_response",
+    "parser_or_error",
     "serialize",
 ]
 
@@ -82,6 +85,16 @@ class Received(Generic[M]):
     message: M
     views: Mapping[str, memoryview]
     wire: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    """A received message that does not parse: what a server's deserializer hands its handler
+    instead of raising (gRPC would end the call UNKNOWN, or leave it hanging mid-stream).
+    ``reason`` names the failure, never the bytes."""
+
+    size: int
+    reason: str
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,6 +271,26 @@ def parse_request(data: bytes) -> Received[stage_pb2.StageRequest]:
     return _parse(
         stage_pb2.StageRequest, data, _REQUEST_PLAN, lambda m: m.chunk if m.WhichOneof("kind") == "chunk" else None
     )
+
+
+def parse_request_or_error(data: bytes) -> Received[stage_pb2.StageRequest] | Undecodable:
+    """``parse_request`` that returns ``Undecodable`` instead of raising."""
+    try:
+        return parse_request(data)
+    except Exception as e:  # DecodeError, TensorBlobError, anything protobuf raises on garbage
+        return Undecodable(len(data), type(e).__name__)
+
+
+def parser_or_error(cls: type[M]) -> Callable[[bytes], M | Undecodable]:
+    """A deserializer for plain ``cls`` messages that returns ``Undecodable`` instead of raising."""
+
+    def parse(data: bytes) -> M | Undecodable:
+        try:
+            return cls.FromString(data)
+        except Exception as e:
+            return Undecodable(len(data), type(e).__name__)
+
+    return parse
 
 
 def parse_response(data: bytes) -> Received[stage_pb2.StageResponse]:

@@ -28,7 +28,8 @@ class ThinkerWorker(StageWorker):
 
     def open(self, req: Request) -> None:
         start: stage_pb2.Start = req.params
-        req.state = self.thinker.new_state(edges.sampling(self.name, start, self.defaults), self._max_model_len)
+        sampling = edges.sampling(self.name, start, self.defaults, self._max_model_len)
+        req.state = self.thinker.new_state(sampling, self._max_model_len)
 
     def feed(self, req: Request, chunk: DecodedChunk) -> None:
         prompt = edges.read_prompt(self.name, chunk)

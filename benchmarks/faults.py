@@ -1,0 +1,280 @@
+"""Fault probes against a running stack: malformed messages straight to each stage's
+Stage.Stream, requests cancelled at random points, and the checks after each (every call ended
+with the right status in time, stage loads and shared-memory segments back to their baseline,
+RSS growth). The tests run the short forms; `omnistage bench faults` the long ones.
+
+Every malformed call is built to be invalid whatever the stage does with it: bytes that do not
+parse (checked here with protobuf itself), or a message that parses but breaks a rule every
+stage enforces (Start first and once, a request id, a known mode, finite sampling in range,
+tensor names, dtypes, shapes and offsets its edge carries, input complete before the end).
+Each must end INVALID_ARGUMENT within `call_limit_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+from google.protobuf.message import DecodeError
+
+from omnistage.v1 import stage_pb2, stage_pb2_grpc
+from omnistage.wire import encode_chunk
+
+STREAM = "/omnistage.v1.Stage/Stream"
+
+
+@dataclass(frozen=True)
+class Dims:
+    """What a stage's input looks like for a checkpoint (from its spec)."""
+
+    thinker_hidden: int
+    num_code_groups: int
+    vocab: int
+
+    @classmethod
+    def of(cls, spec: Any) -> Dims:
+        return cls(int(spec.thinker_hidden), int(spec.num_code_groups), int(spec.thinker_vocab))
+
+
+@dataclass(frozen=True)
+class Probe:
+    kind: str  # what is wrong with it
+    messages: list[bytes]  # raw StageRequest bytes, in order; the caller then half-closes
+
+
+def _start(rid: str, **fields: Any) -> stage_pb2.Start:
+    start = stage_pb2.Start(request_id=rid, want_audio=True, **fields)
+    start.sampling["thinker"].max_tokens = 4
+    start.sampling["talker"].max_tokens = 4
+    return start
+
+
+def _req(start: stage_pb2.Start | None = None, chunk: Any = None) -> bytes:
+    if start is not None:
+        return stage_pb2.StageRequest(start=start).SerializeToString()
+    if chunk is not None:
+        return stage_pb2.StageRequest(chunk=chunk).SerializeToString()
+    return stage_pb2.StageRequest().SerializeToString()
+
+
+def valid_input(stage: str, dims: Dims, rng: random.Random) -> list[Any]:
+    """Chunk messages a stage accepts as a whole request's input."""
+    if stage == "thinker":
+        ids = torch.tensor([rng.randrange(dims.vocab) for _ in range(rng.randint(2, 12))])
+        return [encode_chunk({"ids": ids}, offset=0, length=len(ids), finished=True)]
+    if stage == "talker":
+        n = rng.randint(2, 8)
+        prompt = encode_chunk({"prompt_ids": torch.zeros(n, dtype=torch.long),
+                               "prompt_embed": torch.zeros(n, dims.thinker_hidden)}, offset=0, length=0)  # fmt: skip
+        tokens = [encode_chunk({"ids": torch.tensor([1]), "embed": torch.zeros(1, dims.thinker_hidden)},
+                               offset=i, length=1, finished=i == 2) for i in range(3)]  # fmt: skip
+        return [prompt, *tokens]
+    codes = torch.zeros(dims.num_code_groups, rng.randint(1, 4), dtype=torch.long)
+    return [encode_chunk({"codes": codes}, offset=0, length=int(codes.shape[1])),
+            encode_chunk({}, offset=int(codes.shape[1]), length=0, finished=True)]  # fmt: skip
+
+
+def _undecodable(valid: bytes, rng: random.Random) -> bytes:
+    """Bytes protobuf refuses to parse as a StageRequest, derived from `valid` or random."""
+    for _ in range(100):
+        how = rng.randrange(4)
+        if how == 0 and len(valid) > 1:  # cut short
+            data = valid[: rng.randrange(1, len(valid))]
+        elif how == 1:  # a field announcing more bytes than follow
+            data = valid + bytes([0x12, 0xFF, 0x7F]) + bytes(rng.randrange(16))
+        elif how == 2:  # an invalid wire type (7) or field number 0
+            data = valid + rng.choice([b"\x0f", b"\x00", b"\x07\x01"])
+        else:  # random bytes
+            data = rng.randbytes(rng.randint(1, 64))
+        try:
+            stage_pb2.StageRequest.FromString(data)
+        except DecodeError:
+            return data
+    return valid + b"\x0f"  # always a DecodeError (wire type 7)
+
+
+def _bad_chunks(stage: str, dims: Dims, rng: random.Random) -> list[tuple[str, Any]]:
+    """Chunks that parse but that the stage's edge refuses."""
+    h, g = dims.thinker_hidden, dims.num_code_groups
+    if stage == "thinker":
+        ids = torch.tensor([1, 2, 3])
+        return [("wrong-name", encode_chunk({"tokens": ids}, offset=0, length=3, finished=True)),
+                ("wrong-dtype", encode_chunk({"ids": ids.float()}, offset=0, length=3, finished=True)),
+                ("wrong-shape", encode_chunk({"ids": ids.reshape(1, 3)}, offset=0, length=3, finished=True)),
+                ("offset-gap", encode_chunk({"ids": ids}, offset=5, length=3, finished=True)),
+                ("length-mismatch", encode_chunk({"ids": ids}, offset=0, length=7, finished=True)),
+                ("empty-prompt", encode_chunk({"ids": ids[:0]}, offset=0, length=0, finished=True)),
+                ("id-out-of-vocab", encode_chunk({"ids": torch.tensor([dims.vocab + 5])}, offset=0, length=1,
+                                                 finished=True))]  # fmt: skip
+    if stage == "talker":
+        return [("wrong-name", encode_chunk({"prompt_ids": torch.zeros(2, dtype=torch.long)}, offset=0, length=0)),
+                ("wrong-width", encode_chunk({"prompt_ids": torch.zeros(2, dtype=torch.long),
+                                              "prompt_embed": torch.zeros(2, h + 1)}, offset=0, length=0)),
+                ("rows-mismatch", encode_chunk({"prompt_ids": torch.zeros(2, dtype=torch.long),
+                                                "prompt_embed": torch.zeros(3, h)}, offset=0, length=0)),
+                ("float-ids", encode_chunk({"prompt_ids": torch.zeros(2), "prompt_embed": torch.zeros(2, h)},
+                                           offset=0, length=0)),
+                ("offset-gap", encode_chunk({"prompt_ids": torch.zeros(2, dtype=torch.long),
+                                             "prompt_embed": torch.zeros(2, h)}, offset=4, length=0))]  # fmt: skip
+    return [("wrong-groups", encode_chunk({"codes": torch.zeros(g + 1, 2, dtype=torch.long)}, offset=0, length=2)),
+            ("float-codes", encode_chunk({"codes": torch.zeros(g, 2)}, offset=0, length=2)),
+            ("offset-gap", encode_chunk({"codes": torch.zeros(g, 2, dtype=torch.long)}, offset=3, length=2)),
+            ("length-mismatch", encode_chunk({"codes": torch.zeros(g, 2, dtype=torch.long)}, offset=0, length=5)),
+            ("wrong-name", encode_chunk({"audio": torch.zeros(8)}, offset=0, length=8))]  # fmt: skip
+
+
+def _bad_starts(stage: str, rid: str) -> list[tuple[str, stage_pb2.Start]]:
+    nan = stage_pb2.Start(request_id=rid)
+    nan.sampling[stage].temperature = math.nan
+    nan.sampling[stage].do_sample = True
+    inf = stage_pb2.Start(request_id=rid)
+    inf.sampling[stage].repetition_penalty = math.inf
+    top_p = stage_pb2.Start(request_id=rid)
+    top_p.sampling[stage].top_p = 1.5
+    huge = stage_pb2.Start(request_id=rid)
+    huge.sampling[stage].max_tokens = 2**31 - 1
+    negative = stage_pb2.Start(request_id=rid)
+    negative.sampling[stage].top_k = -3
+    out = [("empty-request-id", stage_pb2.Start()), ("unknown-mode", stage_pb2.Start(request_id=rid, mode=7)),  # type: ignore[arg-type]
+           ("negative-mode", stage_pb2.Start(request_id=rid, mode=-3)),  # type: ignore[arg-type]
+           ("nan-deadline", stage_pb2.Start(request_id=rid, deadline_unix_s=math.nan)),
+           ("unknown-sampling-stage", stage_pb2.Start(request_id=rid,
+                                                      sampling={"vocoder": stage_pb2.SamplingParams()}))]  # fmt: skip
+    if stage != "code2wav":  # code2wav samples nothing
+        out += [("nan-temperature", nan), ("inf-repetition-penalty", inf), ("top-p-over-1", top_p),
+                ("max-tokens-huge", huge), ("negative-top-k", negative)]  # fmt: skip
+    return out
+
+
+def malformed_probes(stage: str, dims: Dims, n: int, seed: int = 0) -> list[Probe]:
+    """`n` calls, each with exactly one thing wrong, spread over every kind and position."""
+    rng = random.Random(seed)
+    probes: list[Probe] = []
+    while len(probes) < n:
+        i = len(probes)
+        rid = f"fault-{stage}-{seed}-{i}"
+        good = [_req(_start(rid)), *(_req(chunk=c) for c in valid_input(stage, dims, rng))]
+        family = rng.randrange(6)
+        if family == 0:  # an undecodable message at any position, the first included
+            at = rng.randrange(len(good))
+            probes.append(Probe(f"undecodable@{at}", [*good[:at], _undecodable(good[at], rng)]))
+        elif family == 1:  # a chunk, or an empty message, where Start belongs
+            first = rng.choice([good[1], _req()])
+            probes.append(Probe("no-start" if first != _req() else "empty-first", [first, *good[1:]]))
+        elif family == 2:  # a second Start, or an empty message, after some input
+            at = rng.randrange(1, len(good) + 1)
+            extra = rng.choice([good[0], _req()])
+            probes.append(Probe("second-start" if extra == good[0] else "empty-later", [*good[:at], extra]))
+        elif family == 3:  # a Start breaking a rule
+            kind, start = rng.choice(_bad_starts(stage, rid))
+            probes.append(Probe(kind, [_req(start), *good[1:]]))
+        elif family == 4:  # a chunk the edge refuses, after the valid ones before it
+            kind, chunk = rng.choice(_bad_chunks(stage, dims, rng))
+            probes.append(Probe(kind, [good[0], _req(chunk=chunk)]))
+        else:  # the input ends before the request is complete
+            cut = rng.randrange(1, len(good))
+            probes.append(Probe("input-incomplete", good[:cut]))
+    return probes
+
+
+@dataclass
+class ProbeResult:
+    kind: str
+    code: str
+    seconds: float
+    details: str
+
+
+async def send(channel: grpc.aio.Channel, probe: Probe, limit_s: float) -> ProbeResult:
+    """One call with the probe's bytes as they are; half-closes after the last."""
+    call = channel.stream_stream(STREAM, request_serializer=None, response_deserializer=None)
+
+    async def messages() -> Any:
+        for m in probe.messages:
+            yield m
+
+    t0 = time.perf_counter()
+    try:
+        async for _ in call(messages(), timeout=limit_s):
+            pass
+        return ProbeResult(probe.kind, "OK", time.perf_counter() - t0, "")
+    except grpc.aio.AioRpcError as e:
+        return ProbeResult(probe.kind, e.code().name, time.perf_counter() - t0, e.details() or "")
+
+
+async def run_probes(address: str, probes: Sequence[Probe], *, concurrency: int = 16,
+                     limit_s: float = 5.0) -> list[ProbeResult]:  # fmt: skip
+    """Every probe against `address`, `concurrency` at a time; bounded by count and `limit_s` each."""
+    sem = asyncio.Semaphore(concurrency)
+    async with grpc.aio.insecure_channel(address) as channel:
+
+        async def one(p: Probe) -> ProbeResult:
+            async with sem:
+                return await send(channel, p, limit_s)
+
+        return await asyncio.gather(*(one(p) for p in probes))
+
+
+@dataclass
+class Summary:
+    calls: int
+    codes: Counter[str]
+    slowest_s: float
+    p99_s: float
+    wrong: list[ProbeResult] = field(default_factory=list)  # not INVALID_ARGUMENT, or slower than the limit
+
+    def to_json(self) -> dict[str, Any]:
+        return {"calls": self.calls, "codes": dict(self.codes), "slowest_s": self.slowest_s, "p99_s": self.p99_s,
+                "wrong": [vars(w) for w in self.wrong[:20]]}  # fmt: skip
+
+
+def summarize(results: Sequence[ProbeResult], within_s: float) -> Summary:
+    times = sorted(r.seconds for r in results)
+    p99 = times[min(len(times) - 1, int(0.99 * len(times)))] if times else 0.0
+    wrong = [r for r in results if r.code != "INVALID_ARGUMENT" or r.seconds > within_s]
+    return Summary(len(results), Counter(r.code for r in results), times[-1] if times else 0.0, p99, wrong)
+
+
+async def wait_until(predicate: Callable[[], Any], limit_s: float, poll_s: float = 0.02) -> float | None:
+    """Seconds until `predicate()` (awaited when a coroutine) holds, or None after `limit_s`."""
+    t0 = time.perf_counter()
+    while True:
+        got = predicate()
+        if asyncio.iscoroutine(got):
+            got = await got
+        if got:
+            return time.perf_counter() - t0
+        if time.perf_counter() - t0 > limit_s:
+            return None
+        await asyncio.sleep(poll_s)
+
+
+async def stage_idle(address: str) -> bool:
+    """No request held by the stage at `address`: nothing running, waiting or open."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        info = await stage_pb2_grpc.StageStub(ch).Info(stage_pb2.InfoRequest(), timeout=5)
+    load = info.load
+    return load.running == 0 and load.waiting == 0 and load.waiting_for_input == 0 and load.open_streams == 0
+
+
+async def shm_segments(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as ch:
+        info = await stage_pb2_grpc.StageStub(ch).Info(stage_pb2.InfoRequest(), timeout=5)
+    return int(info.load.shm_segments)
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of process `pid` (Linux /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")

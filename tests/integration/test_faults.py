@@ -1,0 +1,110 @@
+"""The fault suite's short forms against the real multi-process stack (the long forms:
+`omnistage bench faults`): malformed messages to every stage, cancels at random points."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from benchmarks import faults
+from benchmarks.faults import Dims, malformed_probes, run_probes, stage_idle, summarize
+from gateway.client import generate
+from omnistage.cli.serve import Stack
+from omnistage.models.checkpoint import open_checkpoint
+from omnistage.v1 import stage_pb2
+from tests.integration.conftest import run
+
+STAGE_NAMES = ("thinker", "talker", "code2wav")
+PROBES_PER_STAGE = 240  # the bench runs 10,000
+
+
+@pytest.fixture(scope="module")
+def dims(tiny_dir: Path) -> Dims:
+    return Dims.of(open_checkpoint(tiny_dir).spec)
+
+
+@pytest.mark.parametrize("stage", STAGE_NAMES)
+def test_malformed_messages_end_invalid_argument_at_once(stack: Stack, dims: Dims, stage: str) -> None:
+    """Every kind of malformed call, at every position: INVALID_ARGUMENT within 1 s, never
+    UNKNOWN, INTERNAL or a hang; the stage holds nothing afterwards and keeps serving."""
+    address = stack.addresses(stage)[0]
+    pid = stack.child(stage, 0).proc.pid
+    probes = malformed_probes(stage, dims, PROBES_PER_STAGE, seed=1)
+    assert len({p.kind.split("@")[0] for p in probes}) >= 12, "the probes cover too few kinds"
+    rss0 = faults.rss_bytes(pid)
+    results = run(run_probes(address, probes, concurrency=16, limit_s=10.0))
+    summary = summarize(results, within_s=1.0)
+    assert not summary.wrong, [vars(w) for w in summary.wrong[:5]]
+    assert summary.codes == Counter({"INVALID_ARGUMENT": len(probes)})
+    # the error names the stage and never echoes the payload bytes
+    for r in results:
+        assert r.details.startswith(f"{stage}:") or "does not parse" in r.details, r.details
+    assert run(faults.wait_until(lambda: stage_idle(address), limit_s=2.0)) is not None
+    # no growth beyond noise (the bench's 10,000 calls hold it under 2 %)
+    assert faults.rss_bytes(pid) < rss0 * 1.10
+    reply = run(generate(stack.gateway_address, "hi", thinker_max_tokens=3, talker_max_tokens=4, timeout=60))
+    assert reply.token_ids and reply.pcm.size > 0
+
+
+def test_errors_never_echo_payload_bytes(stack: Stack) -> None:
+    """A Start followed by bytes that do not parse: the error names the message and its size,
+    not its contents."""
+    secret = b"\x12\xff\x7fSECRET-PAYLOAD-0123456789"
+    start = stage_pb2.StageRequest(start=stage_pb2.Start(request_id="echo")).SerializeToString()
+
+    async def go() -> Any:
+        async with grpc.aio.insecure_channel(stack.addresses("thinker")[0]) as ch:
+            call = ch.stream_stream("/omnistage.v1.Stage/Stream")
+
+            async def messages() -> Any:
+                yield start
+                yield secret
+
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in call(messages(), timeout=10):
+                    pass
+            return err.value
+
+    err = run(go())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "message 2" in err.details() and f"{len(secret)} bytes" in err.details()
+    assert "SECRET" not in err.details()
+
+
+def test_cancels_at_random_points_leave_nothing_held(stack: Stack) -> None:
+    """Requests cancelled at random points through the gateway: every stage is idle and its
+    shared-memory segments are back to the baseline within 1 s of the last cancel."""
+    stages = [(name, a) for name in STAGE_NAMES for a in stack.addresses(name)]
+    baseline = {a: run(faults.shm_segments(a)) for _, a in stages}
+    rng = random.Random(3)
+
+    async def one(i: int) -> None:
+        task = asyncio.create_task(generate(stack.gateway_address, f"tell me about {i}", thinker_max_tokens=16,
+                                            talker_max_tokens=32, timeout=60))  # fmt: skip
+        await asyncio.sleep(rng.uniform(0.0, 1.5))
+        task.cancel()
+        # a request that finished before the cancel landed is fine too; either way nothing stays held
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            await task
+
+    async def go() -> None:
+        for start in range(0, 24, 8):
+            await asyncio.gather(*(one(i) for i in range(start, start + 8)))
+
+    run(go())
+
+    async def all_back() -> bool:
+        for _, a in stages:
+            if not await stage_idle(a) or await faults.shm_segments(a) > baseline[a]:
+                return False
+        return True
+
+    took = run(faults.wait_until(all_back, limit_s=1.0))
+    assert took is not None, "a stage still holds a cancelled request 1 s after the last cancel"
