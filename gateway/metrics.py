@@ -61,6 +61,8 @@ class GatewayMetrics:
         self.prompt_tokens = Counter("omnistage_gateway_prompt_tokens", "Prompt tokens", registry=r)
         self.completion_tokens = Counter("omnistage_gateway_completion_tokens", "Generated text tokens", registry=r)
         self.audio_seconds = Counter("omnistage_gateway_audio_seconds", "Audio generated", registry=r)
+        self.replays = Counter("omnistage_gateway_replays", "Thinker calls made again after a replica was lost",
+                               registry=r)  # fmt: skip
 
     def observe(self, o: Outcome, e2e: float, sample_rate: int) -> None:
         self.requests.labels(o.api, o.status).inc()

@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -35,7 +36,8 @@ from omnistage.models import Checkpoint, CheckpointError, load_tokenizer
 from omnistage.server.grpc_common import ChainWatcher, HealthState, channel_options, stage_stream
 from omnistage.topology import STAGES
 from omnistage.v1 import gateway_pb2, gateway_pb2_grpc, stage_pb2
-from omnistage.wire import ChunkAssembler, StageError, TensorBlobError, encode_chunks
+from omnistage.wire import ChunkAssembler, DecodedChunk, StageError, TensorBlobError, encode_chunks
+from omnistage.wire.resume import Resume, Seen
 from services import edges
 
 log = logging.getLogger(__name__)
@@ -227,6 +229,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             if name not in STAGES:
                 raise bad(f"sampling: unknown stage {name!r}")
             start.sampling[name].CopyFrom(params)
+        for name in STAGES:  # a replay on another replica then samples the same stream
+            if not start.sampling[name].HasField("seed"):
+                start.sampling[name].seed = secrets.randbits(62)
         # every stage's sampling, checked as that stage will, before anything streams
         try:
             edges.check_start("gateway", start)
@@ -256,21 +261,16 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 yield stage_pb2.StageRequest(chunk=piece)
 
         t0 = outcome.t0
-        call = self.stream(messages(), timeout=timeout)
-        assemblers: dict[str, ChunkAssembler] = {}
         text = TextStream(self.tokenizer, request.stop)
         encoder = AudioEncoder(request.audio_format, self.sample_rate) if request.want_audio else None
         timings: dict[str, gateway_pb2.StageTiming] = {}
         frames = 0
+        outputs = self._outputs(messages, time.monotonic() + timeout, request.request_id)
         try:
-            async for received in call:
-                resp = received.message
+            async for stage, got in outputs:
                 now = time.perf_counter() - t0
-                timing = timings.setdefault(resp.stage, gateway_pb2.StageTiming(first_output_s=now))
+                timing = timings.setdefault(stage, gateway_pb2.StageTiming(first_output_s=now))
                 timing.total_s = now
-                got = assemblers.setdefault(resp.stage, ChunkAssembler()).push(resp.chunk, received.views)
-                if got is None:
-                    continue
                 if edges.IDS in got.tensors:
                     ids = [int(i) for i in got.tensors[edges.IDS].tolist()]
                     outcome.completion_tokens += len(ids)
@@ -290,17 +290,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     data = encoder.push(pcm)
                     if data:
                         yield self._audio(encoder, data, outcome, now)
-        except grpc.aio.AioRpcError as e:
-            code = e.code()
-            detail = e.details() or ""
-            if code == grpc.StatusCode.UNAVAILABLE and not detail.startswith(STAGES):
-                detail = f"thinker unavailable at {self.thinker_target}: {detail}"
-            raise GatewayError(code, detail) from None
-        except TensorBlobError as e:
-            raise GatewayError(grpc.StatusCode.INTERNAL, f"gateway: bad chunk from a stage: {e}") from None
         finally:
-            if not call.done():
-                call.cancel()
+            await outputs.aclose()  # ends the thinker call when the reply stopped early
         tail = text.flush()
         if tail:
             yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text=tail))
@@ -319,6 +310,51 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             final.timings[name].CopyFrom(timing)
         final.timings["gateway"].CopyFrom(gateway_pb2.StageTiming(total_s=time.perf_counter() - t0))
         yield gateway_pb2.GenerateResponse(final=final)
+
+    async def _outputs(self, messages: Callable[[], AsyncIterator[stage_pb2.StageRequest]], deadline: float,
+                       request_id: str) -> AsyncIterator[tuple[str, DecodedChunk]]:  # fmt: skip
+        """(producing stage, chunk) of the thinker call, in order. When the thinker replica is
+        lost mid-request the call is made again (another replica) and only what this reply
+        does not have yet comes through (wire/resume.py); GatewayError when it cannot."""
+        resume = Resume()
+        attempt = 0
+        while True:
+            call = self.stream(messages(), timeout=max(deadline - time.monotonic(), 0.001))
+            assemblers: dict[str, ChunkAssembler] = {}
+            try:
+                async for received in call:
+                    resp = received.message
+                    got = assemblers.setdefault(resp.stage, ChunkAssembler()).push(resp.chunk, received.views)
+                    if got is None:
+                        continue
+                    seen = resume.classify(resp.stage, got.offset, got.length)
+                    if seen is Seen.OLD:
+                        continue
+                    if seen is Seen.OVERLAP:
+                        got = resume.tail(resp.stage, got)
+                    resume.delivered(resp.stage, got.offset, got.length, got.finished)
+                    yield resp.stage, got
+                return
+            except grpc.aio.AioRpcError as e:
+                code, detail = e.code(), e.details() or ""
+                lost = code == grpc.StatusCode.UNAVAILABLE and not detail.startswith(STAGES[1:])
+                if lost and attempt < self.cfg.failover.attempts and deadline - time.monotonic() > 0.5:
+                    attempt += 1
+                    self.metrics.replays.inc()
+                    log.warning("gateway: request %s lost its thinker call (%s); replaying it (attempt %d)",
+                                request_id, detail, attempt)  # fmt: skip
+                    await asyncio.sleep(0.05 * 2**attempt)  # let the channel see the replica is gone
+                    continue
+                if code == grpc.StatusCode.UNAVAILABLE and not detail.startswith(STAGES):
+                    detail = f"thinker unavailable at {self.thinker_target}: {detail}"
+                    if attempt:
+                        detail += f" (after {attempt} replays)"
+                raise GatewayError(code, detail) from None
+            except TensorBlobError as e:
+                raise GatewayError(grpc.StatusCode.INTERNAL, f"gateway: bad chunk from a stage: {e}") from None
+            finally:
+                if not call.done():
+                    call.cancel()
 
     def _audio(self, encoder: AudioEncoder, data: bytes, outcome: Outcome, now: float) -> gateway_pb2.GenerateResponse:
         """An AudioChunk of `data`, covering the samples given to the encoder since the last one."""

@@ -91,6 +91,17 @@ EdgesConfig = create_model(  # type: ignore[call-overload]
 )
 
 
+class FailoverConfig(_Strict):
+    """A caller whose downstream replica is lost mid-request (UNAVAILABLE: killed, reset,
+    draining) opens the call again on another replica and sends the request again from its
+    Start; the caller's own client sees no error and the same greedy output."""
+
+    attempts: int = Field(3, ge=0, le=10, description="replays per request and hop; 0 turns failover off")
+    replay_budget_bytes: int = Field(64 * 1024 * 1024, ge=0, le=1 << 34,
+                                     description="what a request may have sent downstream and still be "
+                                     "replayed (kept in memory until it ends)")  # fmt: skip
+
+
 class TimeoutsConfig(_Strict):
     input_wait_timeout_s: float = Field(600.0, ge=0, description="0 disables")
     request_timeout_s: float = Field(600.0, gt=0, description="default deadline when the client sets none")
@@ -121,6 +132,7 @@ _StagesConfig = create_model(  # type: ignore[call-overload]
 class DeployConfig(_StagesConfig):  # type: ignore[misc,valid-type]
     edges: EdgesConfig = EdgesConfig()  # type: ignore[valid-type]
     timeouts: TimeoutsConfig = TimeoutsConfig()
+    failover: FailoverConfig = FailoverConfig()
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024, le=1024 * 1024 * 1024)
     shm: bool = Field(True, description="same-host shared-memory path for large tensors")
     metrics: MetricsConfig = MetricsConfig()

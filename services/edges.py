@@ -255,13 +255,17 @@ def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,
         raise invalid(f"{stage}: sampling: {e}") from None
 
 
-def downstream_start(start: stage_pb2.Start, edge_mode: int) -> stage_pb2.Start:
+def downstream_start(start: stage_pb2.Start, edge_mode: int, seeds: Mapping[str, int] | None = None) -> stage_pb2.Start:
     """The Start a stage sends downstream: its own, with the edge's mode unless the request
-    asked for full_payload itself."""
+    asked for full_payload itself, and a seed for each stage in `seeds` whose sampling has
+    none (a replay on another replica then samples the same stream: see wire/resume.py)."""
     out = stage_pb2.Start()
     out.CopyFrom(start)
     if start.mode != stage_pb2.FULL_PAYLOAD:
         out.mode = edge_mode  # type: ignore[assignment]
+    for stage, seed in (seeds or {}).items():
+        if stage not in start.sampling or not start.sampling[stage].HasField("seed"):
+            out.sampling[stage].seed = seed
     return out
 
 

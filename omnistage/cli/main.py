@@ -269,7 +269,7 @@ def serve(
     import threading
 
     from omnistage.cli.logs import setup_logging
-    from omnistage.cli.serve import start_stack
+    from omnistage.cli.serve import StartupError, start_stack
     from omnistage.config import default_config_path, parse_replicas, port_layout
     from omnistage.topology import STAGES
 
@@ -301,14 +301,13 @@ def serve(
         if stack.http_address:
             typer.echo(f"     curl http://{stack.http_address}/v1/chat/completions -H 'content-type: application/json' "
                        """-d '{"messages":[{"role":"user","content":"Hello"}]}'""")  # fmt: skip
+        # Self-healing: a process that dies is restarted (with backoff) on its port; the stack
+        # stops on Ctrl-C/SIGTERM, or when a process keeps dying before it ever serves.
         while not stop.wait(0.5):
-            dead = stack.dead()
-            if dead:
-                c = dead[0]
-                reason = c.last_log_line() if (c.proc.returncode or 0) > 0 else ""  # a signal leaves no reason
-                why = f": {reason}" if reason else ""
-                typer.echo(f"error: {c.role} at {c.address} (pid {c.proc.pid}) {c.status()}{why} (log: {c.log}); "
-                           "stopping the stack", err=True)  # fmt: skip
+            try:
+                stack.heal(lambda line: typer.echo(line, err=True))
+            except StartupError as e:
+                typer.echo(f"error: {e}; stopping the stack", err=True)
                 typer.echo("\n".join(stack.status_lines()), err=True)
                 code = 1
                 break

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -112,6 +113,11 @@ def die_with_parent_if_asked() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+RESTART_BACKOFF_S = (0.5, 30.0)  # first delay before a restart, and the cap as it doubles
+RESTART_GIVE_UP = 5  # restarts in a row that never got healthy: the process cannot start at all
+HEALTHY_RESET_S = 60.0  # healthy this long: the next failure starts the backoff over
+
+
 @dataclass
 class Child:
     name: str  # stage or "gateway"
@@ -119,6 +125,12 @@ class Child:
     address: str
     proc: subprocess.Popen[bytes]
     log: Path
+    args: list[str] = field(default_factory=list)  # how to start it again
+    env: dict[str, str] = field(default_factory=dict)
+    restarts: int = 0
+    failed_starts: int = 0  # restarts in a row that died before they were healthy
+    healthy_since: float | None = None
+    restart_at: float | None = None  # when it is dead and a restart is due
 
     @property
     def role(self) -> str:
@@ -174,6 +186,43 @@ class Stack:
 
     def status_lines(self) -> list[str]:
         return [f"  {c.role:<12} {c.address:<22} pid {c.proc.pid:<8} {c.status()}" for c in self.children]
+
+    def heal(self, say: Callable[[str], None]) -> None:
+        """One supervision pass: restart each dead child with backoff (same port, same
+        arguments), and note when restarted ones are healthy again. Raises StartupError when a
+        child keeps dying before it is healthy (it cannot start at all)."""
+        now = time.monotonic()
+        for c in self.children:
+            if c.proc.poll() is None:
+                if c.healthy_since is None and check(c.address, timeout=0.3):
+                    c.healthy_since, c.failed_starts = now, 0
+                    if c.restarts:
+                        say(f"{c.role} at {c.address} is serving again (pid {c.proc.pid}, restart {c.restarts})")
+                continue
+            if c.restart_at is None:
+                reason = c.last_log_line() if (c.proc.returncode or 0) > 0 else ""  # a signal leaves none
+                if c.healthy_since is None:
+                    c.failed_starts += 1
+                    if c.failed_starts >= RESTART_GIVE_UP:
+                        raise StartupError(f"{c.role} at {c.address} {c.status()} {c.failed_starts} times in a row "
+                                           f"before serving: it cannot start" + (f": {reason}" if reason else "")
+                                           + f" (log: {c.log})")  # fmt: skip
+                elif now - c.healthy_since > HEALTHY_RESET_S:
+                    c.failed_starts = 0
+                first, cap = RESTART_BACKOFF_S
+                delay = min(cap, first * 2 ** min(c.failed_starts, 10))
+                c.restart_at = now + delay
+                say(f"{c.role} at {c.address} (pid {c.proc.pid}) {c.status()}" + (f": {reason}" if reason else "")
+                    + f"; restarting it in {delay:.1f} s (log: {c.log})")  # fmt: skip
+            elif now >= c.restart_at:
+                host, port = c.address.rsplit(":", 1)
+                if not port_free(host, int(port)):
+                    c.restart_at = now + 0.5  # its socket is not released yet
+                    continue
+                c.proc = _spawn(c.args, c.log, c.env)
+                c.restarts += 1
+                c.restart_at = c.healthy_since = None
+                say(f"{c.role} at {c.address} restarted (pid {c.proc.pid}, restart {c.restarts})")
 
     def stop(self, timeout: float = 20.0) -> None:
         for c in reversed(self.children):
@@ -252,11 +301,13 @@ def start_stack(
                 if downstream:
                     args += ["--downstream", downstream]
                 log_path = stack.run_dir / f"{name}-{i}.log"
-                stack.children.append(Child(name, i, f"{cfg.host}:{port}", _spawn(args, log_path, env), log_path))
+                stack.children.append(Child(name, i, f"{cfg.host}:{port}", _spawn(args, log_path, env), log_path,
+                                            args, env))  # fmt: skip
         args = ["gateway", "--port", str(cfg.gateway.port), "--thinker", cfg.stage_target("thinker"), *common]
         args += ["--http-port", str(cfg.gateway.http_port)] if cfg.gateway.http_port else ["--no-http"]
         log_path = stack.run_dir / "gateway-0.log"
-        stack.children.append(Child("gateway", 0, stack.gateway_address, _spawn(args, log_path, env), log_path))
+        stack.children.append(Child("gateway", 0, stack.gateway_address, _spawn(args, log_path, env), log_path,
+                                    args, env))  # fmt: skip
         _wait_healthy(stack, cfg.timeouts.startup_timeout_s)
     except BaseException:
         stack.stop()
@@ -277,6 +328,7 @@ def _wait_healthy(stack: Stack, timeout: float) -> None:
                     + f" (log: {c.log})"
                 )
             if check(c.address, timeout=1.0):
+                c.healthy_since = time.monotonic()
                 pending.remove(c)
         if pending and time.monotonic() > deadline:
             names = ", ".join(f"{c.role}@{c.address} (log: {c.log})" for c in pending)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import signal
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -42,12 +43,18 @@ STAGE_SERVICE = "omnistage.v1.Stage"
 _STREAM_METHOD = f"/{STAGE_SERVICE}/Stream"
 
 
+SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}],
+                             "healthCheckConfig": {"serviceName": STAGE_SERVICE}})  # fmt: skip
+
+
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        # Spread calls over every address of a target (replica list or headless Service).
-        ("grpc.lb_policy_name", "round_robin"),
+        # Spread calls over every address of a target (replica list or headless Service), and
+        # only over replicas whose grpc.health.v1 Watch says SERVING: a draining replica or one
+        # that stopped answering leaves the rotation until its health check passes again.
+        ("grpc.service_config", SERVICE_CONFIG),
         ("grpc.enable_retries", 0),
     ]
 

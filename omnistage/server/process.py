@@ -48,6 +48,8 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
         edge_mode=edge_mode(cfg.edge_mode(name, definition.downstream)) if definition.downstream else 0,
         max_message_bytes=cfg.max_message_bytes,
         shm=cfg.shm,
+        replay_budget_bytes=cfg.failover.replay_budget_bytes,
+        failover_attempts=cfg.failover.attempts,
     )
     server = StageServer(service, host, port, cfg.timeouts.drain_grace_s)
     metrics_port = cfg.metrics_port(port)

@@ -16,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from omnistage.engine import Engine, OutChunk, Request, StepOutput
 from omnistage.server.grpc_common import (
@@ -36,10 +38,13 @@ from omnistage.server.grpc_common import (
     stage_stream,
     wait_for_signal,
 )
+from omnistage.topology import STAGES
 from omnistage.v1 import stage_pb2
 from omnistage.wire import ChunkAssembler, Code, LazyChunk, StageError, TensorBlobError, encode_chunks, invalid
+from omnistage.wire.resume import Resume, Seen
 from omnistage.wire.shm import ShmPool, ShmReader, peer_accepts_shm
-from omnistage.wire.wire_view import Outgoing, Received, Undecodable
+from omnistage.wire.tensor_blob import LENGTH_KEY, get_meta
+from omnistage.wire.wire_view import Outgoing, Received, Undecodable, parse_response
 from services.edges import check_start, downstream_start
 
 log = logging.getLogger(__name__)
@@ -62,8 +67,10 @@ class _Call:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.out_q: asyncio.Queue[Any] = asyncio.Queue()
-        self.down_q: asyncio.Queue[OutChunk | None] = asyncio.Queue()
+        self.down: _DownBuffer | None = None  # what goes to the downstream stage (kept for replay)
         self.down_call: Any = None
+        self.attempt = 0  # the downstream call's attempt: 0, then one more per replay
+        self.down_start: stage_pb2.Start | None = None
         self.failed = False  # the request failed: its input is read and dropped until the call ends
 
     def _post(self, item: Any) -> None:
@@ -75,6 +82,38 @@ class _Call:
 
     def on_finished(self, req: Request) -> None:
         self._post(_Finished(req.error))
+
+
+class _DownBuffer:
+    """What one request sends downstream, in order (None: its end), read by index so a replayed
+    call can send it all again. Kept while it fits `budget` bytes; past that the request can no
+    longer be replayed and what was sent is dropped."""
+
+    def __init__(self, budget: int) -> None:
+        self.items: list[OutChunk | None] = []
+        self.first = 0  # index of items[0] (earlier ones dropped)
+        self.nbytes = 0
+        self.budget = budget
+        self.replayable = True
+        self._added = asyncio.Event()
+
+    def put(self, item: OutChunk | None) -> None:
+        self.items.append(item)
+        if item is not None and self.replayable:
+            self.nbytes += sum(t.nelement() * t.element_size() for t in item.tensors.values())
+            if self.nbytes > self.budget:
+                self.replayable = False
+        added, self._added = self._added, asyncio.Event()
+        added.set()
+
+    async def get(self, index: int) -> OutChunk | None:
+        while index >= self.first + len(self.items):
+            await self._added.wait()
+        item = self.items[index - self.first]
+        if not self.replayable and index >= self.first:  # nobody will need it again
+            del self.items[: index + 1 - self.first]
+            self.first = index + 1
+        return item
 
 
 class StageService:
@@ -91,6 +130,8 @@ class StageService:
         edge_mode: int,
         max_message_bytes: int,
         shm: bool,
+        replay_budget_bytes: int = 64 << 20,
+        failover_attempts: int = 3,
     ) -> None:
         self.engine = engine
         self.stage = engine.worker.name
@@ -102,6 +143,9 @@ class StageService:
         self.downstream_name = downstream_name or "downstream"
         self.edge_mode = edge_mode
         self.max_message_bytes = max_message_bytes
+        self.replay_budget_bytes = replay_budget_bytes
+        self.failover_attempts = failover_attempts
+        self.replays_total = 0
         self.pool = ShmPool(enabled=shm)
         self.reader = ShmReader(enabled=shm)
         self.open_streams = 0
@@ -216,7 +260,7 @@ class StageService:
             seq = 0
             while pending:
                 item = await call.out_q.get()
-                if isinstance(item, bytes):  # relayed from downstream, unchanged
+                if isinstance(item, (bytes, Outgoing)):  # relayed from downstream (unchanged or resumed)
                     yield item
                 elif isinstance(item, StepOutput):
                     for out in item.up:
@@ -225,12 +269,14 @@ class StageService:
                             yield Outgoing(stage_pb2.StageResponse(stage=self.stage), chunk)
                     if item.down and call.down_call is None:
                         pending.add("down")
+                        call.down = _DownBuffer(self.replay_budget_bytes)
                         self._open_downstream(req, call, context)
-                        tasks.append(asyncio.create_task(self._relay(req, call)))
+                        tasks.append(asyncio.create_task(self._relay(req, call, context)))
                     for out in item.down:
-                        call.down_q.put_nowait(out)
+                        assert call.down is not None
+                        call.down.put(out)
                         if out.finished:
-                            call.down_q.put_nowait(None)
+                            call.down.put(None)
                 elif isinstance(item, _Finished):
                     if item.error is not None:
                         await self._end_with(context, call, tasks[0], item.error)
@@ -326,24 +372,32 @@ class StageService:
     # ---- downstream -----------------------------------------------------------------------
 
     def _open_downstream(self, req: Request, call: _Call, context: grpc.aio.ServicerContext) -> None:
-        """One call per request to the downstream stage; its lifetime is this request's."""
-        start = downstream_start(req.params, self.edge_mode)
+        """One call per request to the downstream stage; its lifetime is this request's (a
+        replay opens it again, on whichever replica the channel picks)."""
+        if call.down_start is None:  # the same Start (and seeds) for every attempt
+            below = STAGES[STAGES.index(self.stage) + 1:] if self.stage in STAGES else ()
+            call.down_start = downstream_start(req.params, self.edge_mode, {s: secrets.randbits(62) for s in below})
+        start = call.down_start
         call.down_call = self._downstream_stream()(
-            self._down_messages(req, call, start),
+            self._down_messages(req, call, start, call.attempt),
             timeout=context.time_remaining(),
             metadata=self.pool.invocation_metadata() if self.pool.enabled else None,
         )
 
     async def _down_messages(
-        self, req: Request, call: _Call, start: stage_pb2.Start
+        self, req: Request, call: _Call, start: stage_pb2.Start, attempt: int
     ) -> AsyncIterator[stage_pb2.StageRequest | Outgoing]:
         yield stage_pb2.StageRequest(start=start)
+        assert call.down is not None
         seq = 0
-        accepted: bool | None = None  # shared memory, decided once the peer's metadata is known
+        index = call.down.first if attempt == 0 else 0
+        # shared memory is decided once the peer's metadata is known; a replay sends inline
+        accepted: bool | None = None if attempt == 0 else False
         while True:
-            item = await call.down_q.get()
-            if item is None:
-                return
+            item = await call.down.get(index)
+            index += 1
+            if item is None or call.attempt != attempt:
+                return  # the end, or a newer attempt has taken over
             if call.down_call.done():
                 continue  # the downstream finished first (e.g. the talker hit its limit): drop
             if accepted is None:
@@ -355,18 +409,90 @@ class StageService:
                 seq += 1
                 yield Outgoing(stage_pb2.StageRequest(), chunk)
 
-    async def _relay(self, req: Request, call: _Call) -> None:
-        try:
-            async for resp in call.down_call:
-                call.out_q.put_nowait(resp)
-            call.out_q.put_nowait(_DOWN_DONE)
-        except grpc.aio.AioRpcError as e:
-            # Also when we cancelled it ourselves: then nobody reads out_q any more.
-            code = e.code()
-            detail = e.details() or ""
-            if code == grpc.StatusCode.UNAVAILABLE and not detail.startswith(self.downstream_name):
-                detail = f"{self.downstream_name} unavailable at {self.downstream}: {detail}"
-            self._fail(req, call, StageError(Code[code.name], detail))
+    def _replayable(self, e: grpc.aio.AioRpcError, call: _Call, context: grpc.aio.ServicerContext) -> str:
+        """Why this failure cannot be replayed on another replica ("" when it can)."""
+        detail = e.details() or ""
+        if e.code() != grpc.StatusCode.UNAVAILABLE:
+            return "not a lost replica"
+        if any(detail.startswith(f"{s}") for s in STAGES if s not in (self.stage, self.downstream_name)):
+            return "a stage further down failed"  # that stage's caller has already tried
+        if call.down is None or not call.down.replayable:
+            return f"the request sent more than failover.replay_budget_bytes ({self.replay_budget_bytes})"
+        if call.attempt >= self.failover_attempts:
+            return f"{call.attempt} replays failed (failover.attempts)"
+        remaining = context.time_remaining()
+        if remaining is not None and remaining < 0.5:
+            return "the deadline is too close"
+        return ""
+
+    async def _relay(self, req: Request, call: _Call, context: grpc.aio.ServicerContext) -> None:
+        """Pass the downstream call's responses up; when the replica is lost mid-request, open
+        the call again (another replica), send everything again, and pass up only what the
+        caller does not have yet."""
+        resume = Resume()
+        while True:
+            parts: list[Received[stage_pb2.StageResponse]] = []  # a split chunk, held until whole
+            try:
+                async for raw in call.down_call:
+                    for out in self._resume(raw, parts, resume):
+                        call.out_q.put_nowait(out)
+                call.out_q.put_nowait(_DOWN_DONE)
+                return
+            except grpc.aio.AioRpcError as e:
+                # Also when we cancelled it ourselves: then nobody reads out_q any more.
+                why = self._replayable(e, call, context)
+                if not why:
+                    call.attempt += 1
+                    log.warning("%s: request %s lost its %s call (%s: %s); replaying it (attempt %d)",
+                                self.stage, req.request_id, self.downstream_name, e.code().name, e.details(),
+                                call.attempt)  # fmt: skip
+                    self.replays_total += 1
+                    await asyncio.sleep(0.05 * 2**call.attempt)  # let the channel see the replica is gone
+                    self._open_downstream(req, call, context)
+                    continue
+                code = e.code()
+                detail = e.details() or ""
+                if code == grpc.StatusCode.UNAVAILABLE and not detail.startswith(self.downstream_name):
+                    detail = f"{self.downstream_name} unavailable at {self.downstream}: {detail}"
+                    if call.attempt:
+                        detail += f" (not replayed again: {why})"
+                self._fail(req, call, StageError(Code[code.name], detail))
+                return
+            except (TensorBlobError, DecodeError) as e:
+                self._fail(req, call, StageError(Code.INTERNAL, f"{self.downstream_name} sent a bad response: {e}"))
+                return
+
+    def _resume(self, raw: bytes, parts: list[Received[stage_pb2.StageResponse]], resume: Resume
+                ) -> list[bytes | Outgoing]:  # fmt: skip
+        """What of one relayed response goes up: its bytes as they came when the caller has
+        none of it, nothing when it has all of it, its new tail re-encoded when it has a head."""
+        received = parse_response(raw)
+        chunk = received.message.chunk
+        if chunk.parts > 1:
+            parts.append(received)
+            if chunk.part < chunk.parts - 1:
+                return []  # up only whole: a replay restarts at chunk boundaries
+        whole, parts[:] = [*parts] or [received], []
+        stage = received.message.stage
+        meta = get_meta(chunk.meta)
+        length = meta.get(LENGTH_KEY, 0)
+        length = length if isinstance(length, int) else 0
+        seen = resume.classify(stage, chunk.offset, length)
+        if seen is Seen.OLD:
+            return []
+        if seen is Seen.NEW:
+            resume.delivered(stage, chunk.offset, length, chunk.finished)
+            return [r.wire for r in whole]
+        assembler = ChunkAssembler()
+        decoded = None
+        for r in whole:
+            decoded = assembler.push(r.message.chunk, r.views)
+        assert decoded is not None
+        tail = resume.tail(stage, decoded)
+        resume.delivered(stage, tail.offset, tail.length, tail.finished)
+        pieces = encode_chunks(tail.tensors, max_bytes=self.max_message_bytes - 1024, offset=tail.offset,
+                               length=tail.length, finished=tail.finished, meta=tail.meta)  # fmt: skip
+        return [Outgoing(stage_pb2.StageResponse(stage=stage), p) for p in pieces]
 
 
 class StageServer:

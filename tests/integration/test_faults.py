@@ -7,19 +7,21 @@ import asyncio
 import contextlib
 import random
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
 from benchmarks import faults
 from benchmarks.faults import Dims, malformed_probes, run_probes, stage_idle, summarize
-from gateway.client import generate
-from omnistage.cli.serve import Stack
+from gateway.client import generate, stream_generate
+from omnistage.cli.serve import Stack, start_stack
 from omnistage.models.checkpoint import open_checkpoint
 from omnistage.v1 import stage_pb2
-from tests.integration.conftest import run
+from tests.integration.conftest import run, stack_config
 
 STAGE_NAMES = ("thinker", "talker", "code2wav")
 PROBES_PER_STAGE = 240  # the bench runs 10,000
@@ -108,3 +110,73 @@ def test_cancels_at_random_points_leave_nothing_held(stack: Stack) -> None:
 
     took = run(faults.wait_until(all_back, limit_s=1.0))
     assert took is not None, "a stage still holds a cancelled request 1 s after the last cancel"
+
+
+# ---- a replica killed under load ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def replicated(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Two replicas of every stage: one of each may be killed."""
+    cfg = stack_config(thinker={"replicas": 2}, talker={"replicas": 2}, code2wav={"replicas": 2})
+    s = start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("replicated"))
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+PROMPTS = [f"Question {i}: tell me something about the number {i}." for i in range(16)]
+
+
+async def _load(address: str, prompts: list[str], concurrency: int,
+                on_audio: Callable[[int], None] | None = None) -> dict[int, Any]:  # fmt: skip
+    """Every prompt (greedy), `concurrency` at a time; `on_audio(i)` at each request's first audio."""
+    sem = asyncio.Semaphore(concurrency)
+    out: dict[int, Any] = {}
+
+    async def one(i: int) -> None:
+        async with sem:
+            ids: list[int] = []
+            pcm: list[np.ndarray] = []
+            async for ev in stream_generate(address, prompts[i], thinker_max_tokens=12, talker_max_tokens=24,
+                                            timeout=120):  # fmt: skip
+                ids.extend(ev.token_ids)
+                if ev.kind == "audio" and ev.pcm is not None:
+                    if not pcm and on_audio is not None:
+                        on_audio(i)
+                    pcm.append(ev.pcm)
+            out[i] = (ids, np.concatenate(pcm) if pcm else np.zeros(0, np.float32))
+
+    results = await asyncio.gather(*(one(i) for i in range(len(prompts))), return_exceptions=True)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert not failed, f"{len(failed)} requests failed, e.g. {failed[0]!r}"
+    return out
+
+
+def test_killing_one_replica_of_each_stage_under_load_loses_no_request(replicated: Stack) -> None:
+    """SIGKILL of one replica of the thinker, the talker and code2wav while 8 requests stream:
+    no request fails, and every reply equals the fault-free run's (failover with replay)."""
+    s = replicated
+    baseline = run(_load(s.gateway_address, PROMPTS, concurrency=8))
+    victims = {2: s.child("code2wav", 1), 5: s.child("talker", 1), 8: s.child("thinker", 1)}  # at the nth first audio
+    seen: list[int] = []
+
+    def on_audio(i: int) -> None:
+        seen.append(i)
+        victim = victims.get(len(seen))
+        if victim is not None:
+            victim.proc.kill()
+
+    faulted = run(_load(s.gateway_address, PROMPTS, concurrency=8, on_audio=on_audio))
+    assert all(v.proc.poll() is not None for v in victims.values()), "a victim was not killed during the run"
+    # each hop did replay (the victims held requests when they died)
+    for caller, lost in (("gateway", "thinker"), ("thinker", "talker"), ("talker", "code2wav")):
+        logs = "".join(p.read_text(errors="replace") for p in s.run_dir.glob(f"{caller}-*.log"))
+        assert f"lost its {lost} call" in logs, f"no {caller} replayed a request on another {lost} replica"
+    for i in range(len(PROMPTS)):
+        ids, pcm = faulted[i]
+        base_ids, base_pcm = baseline[i]
+        assert ids == base_ids, f"request {i}: text differs after failover"
+        assert pcm.shape == base_pcm.shape, f"request {i}: {pcm.shape} samples, fault-free {base_pcm.shape}"
+        np.testing.assert_allclose(pcm, base_pcm, atol=1e-5, err_msg=f"request {i}: audio differs after failover")
