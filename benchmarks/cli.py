@@ -141,3 +141,37 @@ def bench_audio_in(
 
     main(target, model, parse_float_list(clips), requests, parse_int_list(concurrency), baseline_requests,
          thinker_max_tokens, talker_max_tokens, json_out)  # fmt: skip
+
+
+@bench_app.command("faults")
+def bench_faults(
+    model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: built-in tiny).")] = None,
+    malformed: Annotated[int, typer.Option("--malformed", help="Malformed calls per stage.")] = 10_000,
+    cancels: Annotated[int, typer.Option("--cancels", help="Requests cancelled at random points.")] = 1_000,
+    kill_requests: Annotated[int, typer.Option("--kill-requests", help="Requests of the kill run (c=8).")] = 64,
+    soak_requests: Annotated[int, typer.Option("--soak-requests", help="Requests of the soak (c=16).")] = 2_000,
+    time_limit: Annotated[float, typer.Option("--time-limit", help="Seconds per load phase at most.")] = 3600.0,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
+) -> None:
+    """Malformed messages per stage, cancels at random points, one replica of each stage killed
+    under load, a soak: statuses, times back to baseline, failures, RSS growth."""
+    from benchmarks.faults import main
+
+    main(model, malformed, cancels, kill_requests, soak_requests, time_limit, json_out)
+
+
+@bench_app.command("routing")
+def bench_routing(
+    model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: built-in tiny).")] = None,
+    requests: Annotated[int, typer.Option("--requests", help="Requests per policy.")] = 48,
+    concurrency: Annotated[int, typer.Option("--concurrency", help="Closed-loop concurrency.")] = 8,
+    short_frames: Annotated[int, typer.Option("--short-frames", help="Talker frames of a short request.")] = 8,
+    long_frames: Annotated[int, typer.Option("--long-frames", help="Talker frames of a long request.")] = 96,
+    long_share: Annotated[float, typer.Option("--long-share", help="Fraction of long requests.")] = 0.25,
+    time_limit: Annotated[float, typer.Option("--time-limit", help="Seconds per policy at most.")] = 600.0,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
+) -> None:
+    """round_robin vs least_outstanding routing, two talker replicas, short and long requests mixed."""
+    from benchmarks.routing import main
+
+    main(model, requests, concurrency, short_frames, long_frames, long_share, time_limit, json_out)

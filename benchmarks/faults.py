@@ -13,6 +13,7 @@ Each must end INVALID_ARGUMENT within `call_limit_s`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import time
@@ -25,6 +26,7 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
+from omnistage.topology import STAGES
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from omnistage.wire import encode_chunk
 
@@ -278,3 +280,182 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+# ---- `omnistage bench faults`: the long forms --------------------------------------------------
+
+
+def _log(msg: str) -> None:
+    print(f"[faults] {msg}", flush=True)
+
+
+async def _request(address: str, prompt: str, **kw: Any) -> tuple[list[int], Any]:
+    import numpy as np
+
+    from gateway.client import stream_generate
+
+    ids: list[int] = []
+    pcm: list[Any] = []
+    async for ev in stream_generate(address, prompt, timeout=300, **kw):
+        ids.extend(ev.token_ids)
+        if ev.kind == "audio" and ev.pcm is not None:
+            pcm.append(ev.pcm)
+    return ids, (np.concatenate(pcm) if pcm else np.zeros(0, np.float32))
+
+
+async def _closed_loop(address: str, n: int, concurrency: int, limit_s: float, on_done: Callable[[int], None]
+                       | None = None, on_first_audio: Callable[[int], None] | None = None, **kw: Any
+                       ) -> tuple[dict[int, Any], list[str]]:  # fmt: skip
+    """`n` greedy requests, `concurrency` at a time, bounded by `limit_s`: (outputs, errors)."""
+    import numpy as np
+
+    from gateway.client import stream_generate
+
+    sem = asyncio.Semaphore(concurrency)
+    out: dict[int, Any] = {}
+    errors: list[str] = []
+    t_end = time.monotonic() + limit_s
+
+    async def one(i: int) -> None:
+        async with sem:
+            if time.monotonic() > t_end:
+                return
+            ids: list[int] = []
+            pcm: list[Any] = []
+            try:
+                async for ev in stream_generate(address, f"Question {i % 64}: tell me about {i % 64}.",
+                                                timeout=300, **kw):  # fmt: skip
+                    ids.extend(ev.token_ids)
+                    if ev.kind == "audio" and ev.pcm is not None:
+                        if not pcm and on_first_audio is not None:
+                            on_first_audio(i)
+                        pcm.append(ev.pcm)
+                out[i] = (ids, np.concatenate(pcm) if pcm else np.zeros(0, np.float32))
+            except grpc.aio.AioRpcError as e:
+                errors.append(f"{e.code().name}: {e.details()}")
+            if on_done is not None:
+                on_done(len(out) + len(errors))
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+    return out, errors
+
+
+def main(model: Any, malformed: int, cancels: int, kill_requests: int, soak_requests: int, time_limit_s: float,
+         json_out: Any) -> dict[str, Any]:  # fmt: skip
+    """Start a stack with two replicas of every stage and run each fault probe against it."""
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+
+    from benchmarks.common import free_base_port, machine_info, write_json
+    from omnistage.cli.serve import start_stack
+    from omnistage.config import parse_config
+    from omnistage.models.checkpoint import open_checkpoint
+
+    base = free_base_port(12)
+    cfg = parse_config({"gateway": {"port": base, "http_port": None}, "thinker": {"base_port": base + 2, "replicas": 2},
+                        "talker": {"base_port": base + 4, "replicas": 2},
+                        "code2wav": {"base_port": base + 8, "replicas": 2},
+                        "timeouts": {"input_wait_timeout_s": 10}}, "bench faults")  # fmt: skip
+    log_dir = Path(tempfile.mkdtemp(prefix="omnistage-faults-"))
+    result: dict[str, Any] = {"schema": "omnistage.bench.faults/1", "machine": machine_info()}
+    t0 = time.monotonic()
+    with start_stack(cfg, model=str(model) if model else None, log_dir=log_dir) as stack:
+        dims = Dims.of(open_checkpoint(stack.model_dir).spec)
+        stages = [(c.role, c.address) for c in stack.children if c.name != "gateway"]
+        _log(f"stack up (logs in {log_dir})")
+
+        # 1. malformed messages, per stage
+        rows = {}
+        for name in STAGES:
+            child = stack.child(name, 0)
+            probes = malformed_probes(name, dims, malformed, seed=7)
+            rss0 = rss_bytes(child.proc.pid)
+            results = asyncio.run(run_probes(child.address, probes, concurrency=32, limit_s=10.0))
+            s = summarize(results, within_s=1.0)
+            idle = asyncio.run(wait_until(lambda a=child.address: stage_idle(a), limit_s=5.0))
+            growth = rss_bytes(child.proc.pid) / rss0 - 1
+            rows[name] = {**s.to_json(), "kinds": len({p.kind.split("@")[0] for p in probes}),
+                          "rss_growth": growth, "idle_after_s": idle, "alive": child.proc.poll() is None}  # fmt: skip
+            _log(f"malformed {name}: {s.calls} calls, codes {dict(s.codes)}, p99 {1000 * s.p99_s:.0f} ms, "
+                 f"slowest {1000 * s.slowest_s:.0f} ms, RSS growth {100 * growth:+.2f} %, idle after {idle}")
+        result["malformed"] = rows
+
+        # 2. cancels at random points
+        rng = random.Random(11)
+        baseline_shm = {a: asyncio.run(shm_segments(a)) for _, a in stages}
+
+        async def cancel_one(i: int) -> None:
+            task = asyncio.create_task(_request(stack.gateway_address, f"tell me about {i}",
+                                                thinker_max_tokens=16, talker_max_tokens=32))  # fmt: skip
+            await asyncio.sleep(rng.uniform(0.0, 2.0))
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await task
+
+        async def cancels_run() -> float | None:
+            t_end = time.monotonic() + time_limit_s
+            for start in range(0, cancels, 16):
+                if time.monotonic() > t_end:
+                    break
+                await asyncio.gather(*(cancel_one(i) for i in range(start, min(cancels, start + 16))))
+
+            async def back() -> bool:
+                for _, a in stages:
+                    if not await stage_idle(a) or await shm_segments(a) > baseline_shm[a]:
+                        return False
+                return True
+
+            return await wait_until(back, limit_s=10.0)
+
+        back_s = asyncio.run(cancels_run())
+        result["cancels"] = {"requests": cancels, "back_to_baseline_s": back_s}
+        _log(f"cancels: {cancels} requests; loads and shm back to baseline after "
+             f"{'never (10 s)' if back_s is None else f'{1000 * back_s:.0f} ms'}")
+
+        # 3. one replica of each stage killed under c=8 load
+        kw = {"thinker_max_tokens": 12, "talker_max_tokens": 24}
+        clean, clean_errors = asyncio.run(_closed_loop(stack.gateway_address, kill_requests, 8, time_limit_s, **kw))
+        victims = {kill_requests // 8: stack.child("code2wav", 1), kill_requests // 4: stack.child("talker", 1),
+                   kill_requests // 2: stack.child("thinker", 1)}  # fmt: skip
+        firsts: list[int] = []
+
+        def on_first_audio(i: int) -> None:
+            firsts.append(i)
+            victim = victims.get(len(firsts))
+            if victim is not None:
+                _log(f"SIGKILL {victim.role} (pid {victim.proc.pid}) after {len(firsts)} first audios")
+                victim.proc.kill()
+
+        faulted, errors = asyncio.run(_closed_loop(stack.gateway_address, kill_requests, 8, time_limit_s,
+                                                   on_first_audio=on_first_audio, **kw))  # fmt: skip
+        same = sum(1 for i, (ids, pcm) in faulted.items() if i in clean and ids == clean[i][0]
+                   and pcm.shape == clean[i][1].shape and np.allclose(pcm, clean[i][1], atol=1e-5))  # fmt: skip
+        replays = sum(p.read_text(errors="replace").count("replaying it") for p in log_dir.glob("*.log"))
+        result["kill"] = {"requests": kill_requests, "fault_free_errors": len(clean_errors), "failed": len(errors),
+                          "completed": len(faulted), "equal_to_fault_free": same, "replays": replays,
+                          "errors": errors[:10]}  # fmt: skip
+        _log(f"kill one replica of each stage at c=8: {len(faulted)}/{kill_requests} completed, {len(errors)} failed, "
+             f"{same} equal to the fault-free run, {replays} replays")
+
+        # 4. soak at c=16 on what is left (one replica of each stage), RSS from request 200 to the end
+        rss_at: dict[str, int] = {}
+        survivors = {c.role: c.proc.pid for c in stack.children if c.proc.poll() is None}
+
+        def on_done(count: int) -> None:
+            if count == min(200, soak_requests // 2) and not rss_at:
+                rss_at.update({r: rss_bytes(p) for r, p in survivors.items()})
+
+        soak, soak_errors = asyncio.run(_closed_loop(stack.gateway_address, soak_requests, 16, time_limit_s,
+                                                     on_done=on_done, **kw))  # fmt: skip
+        growth = {r: rss_bytes(p) / rss_at[r] - 1 for r, p in survivors.items() if r in rss_at}
+        result["soak"] = {"requests": soak_requests, "completed": len(soak), "errors": len(soak_errors),
+                          "rss_growth_from": min(200, soak_requests // 2), "rss_growth": growth}  # fmt: skip
+        _log(f"soak c=16: {len(soak)}/{soak_requests} completed, {len(soak_errors)} errors, RSS growth from request "
+             f"{min(200, soak_requests // 2)}: " + ", ".join(f"{r} {100 * g:+.2f} %" for r, g in growth.items()))
+    result["total_seconds"] = time.monotonic() - t0
+    if json_out is not None:
+        write_json(json_out, result)
+    return result
+

@@ -33,7 +33,8 @@ from gateway.text import TextStream, check_stop_texts
 from omnistage.config import DeployConfig
 from omnistage.engine import OutChunk
 from omnistage.models import Checkpoint, CheckpointError, load_tokenizer
-from omnistage.server.grpc_common import ChainWatcher, HealthState, channel_options, stage_stream
+from omnistage.server.grpc_common import ChainWatcher, HealthState, stage_stream
+from omnistage.server.routing import Router
 from omnistage.topology import STAGES
 from omnistage.v1 import gateway_pb2, gateway_pb2_grpc, stage_pb2
 from omnistage.wire import ChunkAssembler, DecodedChunk, StageError, TensorBlobError, encode_chunks
@@ -85,8 +86,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.thinker_defaults = ckpt.family.thinker_defaults(ckpt)
         self.talker_defaults = ckpt.family.talker_defaults()
         self.thinker_target = thinker_target
-        self.channel = grpc.aio.insecure_channel(thinker_target, options=channel_options(cfg.max_message_bytes))
-        self.stream = stage_stream(self.channel)  # Stage.Stream; responses parsed without copying tensors
+        self.router = Router(thinker_target, cfg.routing, cfg.max_message_bytes)
+        self.channel = self.router.shared
         self.metrics = GatewayMetrics()
         self.active = 0
         self.draining = False
@@ -319,7 +320,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         resume = Resume()
         attempt = 0
         while True:
-            call = self.stream(messages(), timeout=max(deadline - time.monotonic(), 0.001))
+            channel, done = self.router.pick()
+            # Stage.Stream; responses parsed without copying tensors
+            call = stage_stream(channel)(messages(), timeout=max(deadline - time.monotonic(), 0.001))
+            call.add_done_callback(done)
             assemblers: dict[str, ChunkAssembler] = {}
             try:
                 async for received in call:

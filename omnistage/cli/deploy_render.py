@@ -47,6 +47,7 @@ from typing import Any, Literal
 import yaml
 
 from omnistage.config import ConfigError, DeployConfig, StageName, dump_config, load_config
+from omnistage.server.grpc_common import LIVENESS_SERVICE
 from omnistage.topology import STAGES, stage_def
 
 __all__ = [
@@ -78,6 +79,9 @@ MODEL_PVC = "omnistage-model"
 CONFIG_MAP = "omnistage-config"
 RUN_AS = 10001  # the image's non-root user (deploy/Dockerfile)
 PROBE_PERIOD_S = 5
+MEMORY_CPU = "4Gi"  # container memory request = limit (edit the overlay for a large checkpoint)
+MEMORY_CUDA = "64Gi"  # host memory of a GPU stage (loading its part of a published checkpoint)
+PUBLISH_HOST = "${OMNISTAGE_PUBLISH_HOST:-127.0.0.1}"  # compose publishes here
 
 TORCH_INDEX_CPU = "https://download.pytorch.org/whl/cpu"
 TORCH_INDEX_CUDA = "https://download.pytorch.org/whl/cu128"
@@ -202,13 +206,13 @@ def _compose_service(
     svc["profiles"] = [profile]
     svc["command"] = args
     svc["environment"] = _env(run_cfg, port)
-    if publish:
+    if publish:  # on the host's loopback unless OMNISTAGE_PUBLISH_HOST says otherwise (e.g. 0.0.0.0)
         last = port + replicas - 1
         host = str(port) if replicas == 1 else f"{port}-{last}"
-        svc["ports"] = [f"{host}:{port}"]
+        svc["ports"] = [f"{PUBLISH_HOST}:{host}:{port}"]
         if http_port:
             http_host = str(http_port) if replicas == 1 else f"{http_port}-{http_port + replicas - 1}"
-            svc["ports"].append(f"{http_host}:{http_port}")
+            svc["ports"].append(f"{PUBLISH_HOST}:{http_host}:{http_port}")
     metrics = run_cfg.metrics_port(port)
     svc["expose"] = [str(port)] + ([str(metrics)] if metrics else []) + ([str(http_port)] if http_port else [])
     volumes: list[dict[str, Any]] = [
@@ -328,9 +332,9 @@ def _selector(component: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": "omnistage", "app.kubernetes.io/component": component}
 
 
-def _grpc_probe(port: int, period: int, failures: int, timeout: int = 3) -> dict[str, Any]:
+def _grpc_probe(port: int, period: int, failures: int, timeout: int = 3, service: str = "") -> dict[str, Any]:
     return {
-        "grpc": {"port": port, "service": ""},
+        "grpc": {"port": port, "service": service},
         "periodSeconds": period,
         "timeoutSeconds": timeout,
         "failureThreshold": failures,
@@ -351,9 +355,11 @@ def _deployment(
     config_sha: str,
     http_port: int | None = None,
 ) -> dict[str, Any]:
-    resources: dict[str, Any] = {"requests": {"cpu": str(threads)}}
+    memory = MEMORY_CUDA if device.startswith("cuda") else MEMORY_CPU
+    resources: dict[str, Any] = {"requests": {"cpu": str(threads), "memory": memory},
+                                 "limits": {"cpu": str(2 * threads), "memory": memory}}  # fmt: skip
     if device.startswith("cuda"):
-        resources["limits"] = {"nvidia.com/gpu": 1}
+        resources["limits"]["nvidia.com/gpu"] = 1
     mounts: list[dict[str, Any]] = [
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "cache", "mountPath": "/home/omni/.cache"},  # tiny checkpoint, HF caches
@@ -380,7 +386,9 @@ def _deployment(
         + ([{"name": "http", "containerPort": http_port, "protocol": "TCP"}] if http_port else []),
         "startupProbe": _grpc_probe(port, PROBE_PERIOD_S, startup_failures),
         "readinessProbe": _grpc_probe(port, PROBE_PERIOD_S, 1),
-        "livenessProbe": _grpc_probe(port, 10, 3),
+        # liveness asks a service that stays SERVING while the process drains (readiness does
+        # not): a draining pod leaves the Service but is not killed before its grace ends
+        "livenessProbe": _grpc_probe(port, 10, 3, service=LIVENESS_SERVICE),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}},
         "resources": resources,
         "securityContext": {
@@ -392,7 +400,9 @@ def _deployment(
     }
     pod_spec: dict[str, Any] = {
         "terminationGracePeriodSeconds": _grace_s(cfg),
-        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS},
+        "automountServiceAccountToken": False,  # nothing here talks to the Kubernetes API
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
         "volumes": volumes,
     }
@@ -437,6 +447,23 @@ def _service(component: str, port: int, metrics: int | None, *, headless: bool,
         "kind": "Service",
         "metadata": {"name": component, "labels": _labels(component)},
         "spec": spec,
+    }
+
+
+def _network_policy(component: str, callers: list[str] | None, ports: list[int], metrics: int | None
+                    ) -> dict[str, Any]:  # fmt: skip
+    """Ingress to `component` on `ports` only from the pods of `callers` (None: from anywhere,
+    the gateway's front doors); its metrics port from anywhere (Prometheus, the HPA's adapter)."""
+    sources = {} if callers is None else {"from": [{"podSelector": {"matchLabels": _selector(c)}} for c in callers]}
+    ingress = [{**sources, "ports": [{"protocol": "TCP", "port": p} for p in ports]}]
+    if metrics:
+        ingress.append({"ports": [{"protocol": "TCP", "port": metrics}]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": component, "labels": _labels(component)},
+        "spec": {"podSelector": {"matchLabels": _selector(component)}, "policyTypes": ["Ingress"],
+                 "ingress": ingress},
     }
 
 
@@ -499,8 +526,10 @@ def render_k8s(cfg: DeployConfig) -> dict[str, str]:
     )
     gateway_svc = _service("gateway", cfg.gateway.port, run_cfg.metrics_port(cfg.gateway.port), headless=False,
                            http_port=cfg.gateway.http_port)  # fmt: skip
-    files["k8s/gateway.yaml"] = header + _docs(gateway, gateway_svc)
-    for name in STAGES:
+    gateway_ports = [cfg.gateway.port] + ([cfg.gateway.http_port] if cfg.gateway.http_port else [])
+    gateway_np = _network_policy("gateway", None, gateway_ports, run_cfg.metrics_port(cfg.gateway.port))
+    files["k8s/gateway.yaml"] = header + _docs(gateway, gateway_svc, gateway_np)
+    for k, name in enumerate(STAGES):
         stage = cfg.stage(name)
         dep = _deployment(
             cfg,
@@ -515,7 +544,9 @@ def render_k8s(cfg: DeployConfig) -> dict[str, str]:
             config_sha=config_sha,
         )
         svc = _service(name, stage.base_port, run_cfg.metrics_port(stage.base_port), headless=True)
-        files[f"k8s/{name}.yaml"] = header + _docs(dep, svc, _hpa(name, stage.replicas))
+        caller = STAGES[k - 1] if k else "gateway"  # only the stage above may call this one
+        policy = _network_policy(name, [caller], [stage.base_port], run_cfg.metrics_port(stage.base_port))
+        files[f"k8s/{name}.yaml"] = header + _docs(dep, svc, _hpa(name, stage.replicas), policy)
     resources = sorted(p.removeprefix("k8s/") for p in files)
     kustomization = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",

@@ -23,6 +23,7 @@ from omnistage.wire import Code
 from omnistage.wire.wire_view import Undecodable, parse_request_or_error, parse_response, parser_or_error, serialize
 
 __all__ = [
+    "LIVENESS_SERVICE",
     "STAGE_SERVICE",
     "ChainWatcher",
     "HealthState",
@@ -40,6 +41,7 @@ __all__ = [
 ]
 
 STAGE_SERVICE = "omnistage.v1.Stage"
+LIVENESS_SERVICE = "omnistage.v1.Liveness"  # health name that stays SERVING while the process drains
 _STREAM_METHOD = f"/{STAGE_SERVICE}/Stream"
 
 
@@ -112,9 +114,12 @@ class HealthState:
         )
 
     async def set(self, serving: bool) -> None:
+        """Readiness: "" and every served name. LIVENESS_SERVICE says SERVING from the first
+        call on, draining included (a liveness probe must not kill a draining process)."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self.names):
             await self.servicer.set(name, status)
+        await self.servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
 
 
 async def wait_for_signal() -> None:

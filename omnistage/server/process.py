@@ -50,6 +50,7 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
         shm=cfg.shm,
         replay_budget_bytes=cfg.failover.replay_budget_bytes,
         failover_attempts=cfg.failover.attempts,
+        routing=cfg.routing,
     )
     server = StageServer(service, host, port, cfg.timeouts.drain_grace_s)
     metrics_port = cfg.metrics_port(port)

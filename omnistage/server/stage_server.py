@@ -31,18 +31,18 @@ from omnistage.server.grpc_common import (
     HealthState,
     add_stage_servicer,
     bind,
-    channel_options,
     drain,
     grpc_code,
     new_server,
     stage_stream,
     wait_for_signal,
 )
+from omnistage.server.routing import Router
 from omnistage.topology import STAGES
 from omnistage.v1 import stage_pb2
 from omnistage.wire import ChunkAssembler, Code, LazyChunk, StageError, TensorBlobError, encode_chunks, invalid
 from omnistage.wire.resume import Resume, Seen
-from omnistage.wire.shm import ShmPool, ShmReader, peer_accepts_shm
+from omnistage.wire.shm import CallShmReader, ShmPool, ShmReader, peer_accepts_shm
 from omnistage.wire.tensor_blob import LENGTH_KEY, get_meta
 from omnistage.wire.wire_view import Outgoing, Received, Undecodable, parse_response
 from services.edges import check_start, downstream_start
@@ -132,6 +132,7 @@ class StageService:
         shm: bool,
         replay_budget_bytes: int = 64 << 20,
         failover_attempts: int = 3,
+        routing: str = "round_robin",
     ) -> None:
         self.engine = engine
         self.stage = engine.worker.name
@@ -143,6 +144,7 @@ class StageService:
         self.downstream_name = downstream_name or "downstream"
         self.edge_mode = edge_mode
         self.max_message_bytes = max_message_bytes
+        self.routing = routing
         self.replay_budget_bytes = replay_budget_bytes
         self.failover_attempts = failover_attempts
         self.replays_total = 0
@@ -151,23 +153,20 @@ class StageService:
         self.open_streams = 0
         self.requests_total = 0
         self.draining = False
-        self._channel: grpc.aio.Channel | None = None
+        self._router: Router | None = None
         self.watcher: ChainWatcher | None = None  # the stages below, polled (see start_watching)
 
-    def _downstream_channel(self) -> grpc.aio.Channel:
-        if self._channel is None:
+    def _downstream(self) -> Router:
+        if self._router is None:  # made inside the running event loop (grpc.aio binds to it)
             assert self.downstream is not None
-            self._channel = grpc.aio.insecure_channel(self.downstream, options=channel_options(self.max_message_bytes))
-        return self._channel
-
-    def _downstream_stream(self) -> Any:
-        return stage_stream(self._downstream_channel(), relay=True)
+            self._router = Router(self.downstream, self.routing, self.max_message_bytes)
+        return self._router
 
     def start_watching(self) -> asyncio.Task[None] | None:
         """Poll the downstream stage's health (and the chain below it) for Info."""
         if self.downstream is None:
             return None
-        self.watcher = ChainWatcher(self._downstream_channel(), self.downstream_name, self.downstream)
+        self.watcher = ChainWatcher(self._downstream().shared, self.downstream_name, self.downstream)
         return asyncio.create_task(self.watcher.run())
 
     def _encode(self, out: OutChunk, seq: int, pool: ShmPool | None, request_id: str) -> list[LazyChunk]:
@@ -225,7 +224,8 @@ class StageService:
         if self.draining:
             await self._reject(context, request_iterator, StageError(Code.UNAVAILABLE,
                                f"{self.stage}: draining, not accepting new requests"))  # fmt: skip
-        await context.send_initial_metadata(self.reader.accept(context.invocation_metadata()))
+        ack, shm_reader = self.reader.accept_call(context.invocation_metadata())
+        await context.send_initial_metadata(ack)
         self.open_streams += 1
         req: Request | None = None
         call = _Call(asyncio.get_running_loop())
@@ -255,7 +255,7 @@ class StageService:
             except StageError as e:
                 await self._reject(context, request_iterator, e)
             self.requests_total += 1
-            tasks.append(asyncio.create_task(self._read_inputs(req, call, request_iterator)))
+            tasks.append(asyncio.create_task(self._read_inputs(req, call, request_iterator, shm_reader)))
             pending = {"self"}
             seq = 0
             while pending:
@@ -301,9 +301,10 @@ class StageService:
 
     async def _read_inputs(
         self, req: Request, call: _Call,
-        request_iterator: AsyncIterator[Received[stage_pb2.StageRequest] | Undecodable]
+        request_iterator: AsyncIterator[Received[stage_pb2.StageRequest] | Undecodable],
+        shm_reader: CallShmReader,
     ) -> None:
-        assembler = ChunkAssembler(reader=self.reader)
+        assembler = ChunkAssembler(reader=shm_reader)
         index = 1  # the Start
         try:
             async for msg in request_iterator:
@@ -378,11 +379,13 @@ class StageService:
             below = STAGES[STAGES.index(self.stage) + 1:] if self.stage in STAGES else ()
             call.down_start = downstream_start(req.params, self.edge_mode, {s: secrets.randbits(62) for s in below})
         start = call.down_start
-        call.down_call = self._downstream_stream()(
+        channel, done = self._downstream().pick()
+        call.down_call = stage_stream(channel, relay=True)(
             self._down_messages(req, call, start, call.attempt),
             timeout=context.time_remaining(),
             metadata=self.pool.invocation_metadata() if self.pool.enabled else None,
         )
+        call.down_call.add_done_callback(done)
 
     async def _down_messages(
         self, req: Request, call: _Call, start: stage_pb2.Start, attempt: int

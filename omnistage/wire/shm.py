@@ -446,10 +446,17 @@ class ShmReader:
 
     def accept(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> list[tuple[str, str]]:
         """Initial metadata answering a caller's probe: ``[(SHM_ACK_KEY, "1")]`` or ``[]``."""
+        return self.accept_call(metadata)[0]
+
+    def accept_call(self, metadata: Iterable[tuple[str, str | bytes]] | None
+                    ) -> tuple[list[tuple[str, str]], CallShmReader]:  # fmt: skip
+        """The initial metadata answering a caller's probe, and the reader for that call: it maps
+        only the segments of the pool whose probe the caller proved on this call."""
         for key, value in metadata or ():
             if key == SHM_PROBE_KEY and isinstance(value, str) and self.check_probe(value):
-                return [(SHM_ACK_KEY, "1")]
-        return []
+                stem = value.partition(":")[0].removesuffix("-probe")
+                return [(SHM_ACK_KEY, "1")], CallShmReader(self, stem)
+        return [], CallShmReader(self, None)
 
     def forget(self, name: str) -> None:
         with self._lock:
@@ -468,3 +475,21 @@ class ShmReader:
 def peer_accepts_shm(initial_metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
     """Whether the receiver's initial metadata acknowledged our probe."""
     return any(k == SHM_ACK_KEY and v in ("1", b"1") for k, v in initial_metadata or ())
+
+
+class CallShmReader:
+    """The shared-memory references one call may use: segments of the one pool whose probe
+    (name and nonce, readable only by the pool's owner and the peers it lets read) the caller
+    presented on this call. A reference to any other segment, however well its name matches
+    the pattern, is refused without opening it."""
+
+    def __init__(self, reader: ShmReader, stem: str | None) -> None:
+        self.reader = reader
+        self.stem = stem
+        self.enabled = reader.enabled and stem is not None
+
+    def buffer(self, ref: ShmRef) -> memoryview:
+        name = ref.segment
+        if self.stem is None or not name.startswith(self.stem + "-") or name == self.stem + "-probe":
+            raise TensorBlobError("a shared-memory reference to a segment this caller did not announce on this call")
+        return self.reader.buffer(ref)

@@ -44,7 +44,7 @@ import math
 import warnings
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -54,7 +54,16 @@ from omnistage.v1.tensor_pb2 import Chunk, Scalar, TensorBlob
 from omnistage.wire.errors import TensorBlobError
 
 if TYPE_CHECKING:
-    from omnistage.wire.shm import ShmPool, ShmReader
+    from omnistage.v1.tensor_pb2 import ShmRef
+    from omnistage.wire.shm import ShmPool
+
+
+class SegmentReader(Protocol):
+    """What decoding needs of a shared-memory reader (``shm.ShmReader``, ``shm.CallShmReader``)."""
+
+    enabled: bool
+
+    def buffer(self, ref: ShmRef) -> memoryview: ...
 
 __all__ = [
     "LAZY_BYTES",
@@ -220,7 +229,7 @@ def _check_shape(dims: list[int], itemsize: int) -> int:
 
 
 def _resolve(
-    blob: TensorBlob, reader: ShmReader | None, *, allow_piece: bool, view: memoryview | None = None
+    blob: TensorBlob, reader: SegmentReader | None, *, allow_piece: bool, view: memoryview | None = None
 ) -> _Resolved:
     dt = _dtype_of_proto(blob.dtype)
     shape = tuple(blob.shape)
@@ -273,7 +282,7 @@ def _torch_view(r: _Resolved) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=r.dtype.torch, count=r.count)
 
 
-def decode(blob: TensorBlob, *, reader: ShmReader | None = None, view: memoryview | None = None) -> torch.Tensor:
+def decode(blob: TensorBlob, *, reader: SegmentReader | None = None, view: memoryview | None = None) -> torch.Tensor:
     """TensorBlob -> torch.Tensor, a view over the received bytes or the mapped segment.
 
     ``view``: the blob's inline payload in the received bytes (``wire_view.Received.views``),
@@ -283,7 +292,8 @@ def decode(blob: TensorBlob, *, reader: ShmReader | None = None, view: memoryvie
     return _torch_view(r).view(r.shape)
 
 
-def decode_numpy(blob: TensorBlob, *, reader: ShmReader | None = None, view: memoryview | None = None) -> np.ndarray:
+def decode_numpy(blob: TensorBlob, *, reader: SegmentReader | None = None,
+                 view: memoryview | None = None) -> np.ndarray:  # fmt: skip
     """TensorBlob -> numpy array view (read-only for inline bytes). bf16 comes back as uint16."""
     r = _resolve(blob, reader, allow_piece=False, view=view)
     return _numpy_view(r).reshape(r.shape)
@@ -504,7 +514,7 @@ def encode_chunks(
     return [LazyChunk(chunk, tuple(lazy)) for chunk, lazy in messages]
 
 
-def _decode_unsplit(chunk: Chunk, reader: ShmReader | None, views: Mapping[str, memoryview]) -> DecodedChunk:
+def _decode_unsplit(chunk: Chunk, reader: SegmentReader | None, views: Mapping[str, memoryview]) -> DecodedChunk:
     """An unsplit Chunk (parts 0 or 1), decoded without copying tensor data."""
     tensors = {name: decode(blob, reader=reader, view=views.get(name)) for name, blob in chunk.tensors.items()}
     return DecodedChunk(tensors, get_meta(chunk.meta), chunk.offset, chunk.seq, chunk.finished)
@@ -528,7 +538,7 @@ class ChunkAssembler:
     ``max_bytes`` bounds the memory one split chunk may claim.
     """
 
-    def __init__(self, *, reader: ShmReader | None = None, max_bytes: int = 8 << 30) -> None:
+    def __init__(self, *, reader: SegmentReader | None = None, max_bytes: int = 8 << 30) -> None:
         self._reader = reader
         self._max_bytes = max_bytes
         self._pending: _Pending | None = None

@@ -24,7 +24,13 @@ from .conftest import DEPLOY
 
 SCHEMA = json.loads((Path(__file__).parent / "compose-spec.json").read_text())
 GO_DURATION = re.compile(r"^(\d+(\.\d+)?(ns|us|ms|s|m|h))+$")
-PORT_MAPPING = re.compile(r"^(\d+(-\d+)?:)?\d+$")
+PORT_MAPPING = re.compile(r"^(\d{1,3}(\.\d{1,3}){3}:)?(\d+(-\d+)?:)?\d+$")  # [host ip:][host ports:]port
+DEFAULTED = re.compile(r"\$\{[A-Z_]+:-([^}]*)\}")
+
+
+def interpolate(value: str) -> str:
+    """What compose makes of `${VAR:-default}` with VAR unset."""
+    return DEFAULTED.sub(lambda m: m.group(1), value)
 
 
 def _validate(doc: dict[str, Any]) -> None:
@@ -36,7 +42,7 @@ def _validate(doc: dict[str, Any]) -> None:
         for key in ("interval", "timeout", "start_period"):
             assert GO_DURATION.match(svc["healthcheck"][key]), (name, key)
         for port in svc.get("ports", []):
-            assert PORT_MAPPING.match(port), (name, port)
+            assert PORT_MAPPING.match(interpolate(port)), (name, port)
         for port in svc["expose"]:
             assert port.isdigit(), (name, port)
         for dep in svc.get("depends_on", {}):
@@ -59,7 +65,10 @@ def test_committed_compose_validates() -> None:
 def test_gpu_compose_validates(gpu_cfg: DeployConfig) -> None:
     doc = yaml.safe_load(render(gpu_cfg, "compose")["docker-compose.yaml"])
     _validate(doc)
-    assert doc["services"]["gateway"]["ports"] == ["50051-50052:50051", "8000-8001:8000"]
+    # published on the host's loopback unless OMNISTAGE_PUBLISH_HOST says otherwise
+    ports = doc["services"]["gateway"]["ports"]
+    assert [interpolate(p) for p in ports] == ["127.0.0.1:50051-50052:50051", "127.0.0.1:8000-8001:8000"]
+    assert all(p.startswith("${OMNISTAGE_PUBLISH_HOST:-127.0.0.1}:") for p in ports)
 
 
 def test_schema_rejects_what_compose_rejects() -> None:

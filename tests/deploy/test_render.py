@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from omnistage.cli.deploy_render import MODEL_DIR, MODEL_PVC, container_config, render, render_to_dir
 from omnistage.config import STAGES, DeployConfig, parse_config
+from omnistage.server.grpc_common import LIVENESS_SERVICE
 
 from .conftest import DEFAULT_YAML, DEPLOY, yaml_docs
 
@@ -102,9 +103,9 @@ def test_gpu_stages_reserve_gpus(gpu_cfg: DeployConfig) -> None:
     k8s = _k8s(gpu_cfg)
     for name in STAGES:
         c = k8s[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
-        assert c["resources"]["limits"] == {"nvidia.com/gpu": 1}
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     gw = k8s[("Deployment", "gateway")]["spec"]["template"]["spec"]["containers"][0]
-    assert "limits" not in gw["resources"]
+    assert "nvidia.com/gpu" not in gw["resources"]["limits"]
     # inside a container the one visible GPU is plain `cuda`
     run = yaml.safe_load(k8s[("ConfigMap", "omnistage-config")]["data"]["omnistage.yaml"])
     assert run["talker"]["device"] == "cuda" and run["host"] == "0.0.0.0" and run["model"] == MODEL_DIR
@@ -175,3 +176,28 @@ def test_render_to_dir_and_cli(tmp_path: Path) -> None:
     # the build context still points at the repository root from wherever the files land
     context = Path(out, compose["services"]["thinker"]["build"]["context"]).resolve()
     assert (context / "deploy" / "Dockerfile").is_file()
+
+
+def test_k8s_pods_are_locked_down_and_only_the_stage_above_may_call_a_stage(gpu_cfg: DeployConfig) -> None:
+    k8s = _k8s(gpu_cfg)
+    for name in ("gateway", *STAGES):
+        pod = k8s[("Deployment", name)]["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True and c["securityContext"]["capabilities"] == {
+            "drop": ["ALL"]}  # fmt: skip
+        for key in ("requests", "limits"):
+            assert {"cpu", "memory"} <= set(c["resources"][key]), (name, key)
+        # liveness is not readiness: a draining pod leaves the Service without being killed
+        assert c["livenessProbe"]["grpc"]["service"] == LIVENESS_SERVICE != c["readinessProbe"]["grpc"]["service"]
+    callers = {"thinker": "gateway", "talker": "thinker", "code2wav": "talker"}
+    for name, caller in callers.items():
+        policy = k8s[("NetworkPolicy", name)]["spec"]
+        assert policy["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == name
+        grpc_rule = policy["ingress"][0]
+        assert [f["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for f in grpc_rule["from"]] == [caller]
+        assert grpc_rule["ports"] == [{"protocol": "TCP", "port": gpu_cfg.stage(name).base_port}]
+    gateway_rule = k8s[("NetworkPolicy", "gateway")]["spec"]["ingress"][0]
+    assert "from" not in gateway_rule  # the front doors take clients from anywhere

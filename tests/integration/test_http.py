@@ -248,11 +248,12 @@ def _cancelled(stack: Stack) -> float:
 
 
 def test_a_client_that_disconnects_cancels_the_chain(http_stack: Stack) -> None:
-    """A long reply (sampled speech of a 500-token answer runs for seconds): the client hangs up
-    once audio flows (streamed) or after a second (not streamed); the gateway counts it
-    cancelled and every stage lets go of it at once."""
+    """A deterministic reply (temperature 0: greedy text and speech, over a second here) the
+    client hangs up on once audio flows (streamed) or after 0.3 s (not streamed); the gateway
+    counts it cancelled and every stage lets go of it at once. (Sampled speech may end in
+    0.4 s, so a sampled reply is no reliable long request.)"""
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500, "modalities": ["text", "audio"],
-            "audio": {"format": "pcm16"}}  # fmt: skip
+            "audio": {"format": "pcm16"}, "temperature": 0}  # fmt: skip
     url = f"http://{http_stack.http_address}/v1/chat/completions"
     for stream in (True, False):
         before = _cancelled(http_stack)
@@ -265,7 +266,7 @@ def test_a_client_that_disconnects_cancels_the_chain(http_stack: Stack) -> None:
                             break  # hang up once audio flows
             else:
                 with pytest.raises(httpx.ReadTimeout):
-                    c.post(url, json=body, timeout=1.0)
+                    c.post(url, json=body, timeout=0.3)
         assert _wait_zero(http_stack, 3.0), f"stream={stream}: a stage still holds the request"
         deadline = time.monotonic() + 3
         while _cancelled(http_stack) == before and time.monotonic() < deadline:

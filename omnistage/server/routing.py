@@ -1,0 +1,86 @@
+"""Which replica of the next stage gets a request's call.
+
+- `round_robin`: one channel over every address of the target; gRPC's own round_robin policy
+  (only replicas whose health Watch says SERVING, see grpc_common.SERVICE_CONFIG).
+- `least_outstanding`: one channel per replica; a call goes to the replica with the fewest
+  calls this process has open on it (ties in turn), among those whose channel is READY. Long
+  requests then stop piling up behind each other on one replica while another idles. Needs the
+  replica list in the target (`ipv4:host:port,...`, what `serve` and compose pass); a DNS
+  target (a Kubernetes headless Service) cannot be split here and keeps round_robin.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from omnistage.server.grpc_common import channel_options
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("round_robin", "least_outstanding")
+
+
+def replica_addresses(target: str) -> list[str] | None:
+    """The addresses of an `ipv4:a,b` / `ipv6:` list or a single `host:port`; None for a name
+    gRPC resolves itself (dns:///...)."""
+    for scheme in ("ipv4:", "ipv6:"):
+        if target.startswith(scheme):
+            return [a for a in target[len(scheme) :].split(",") if a]
+    if "://" in target or target.startswith("dns:"):
+        return None
+    return [target]
+
+
+class Router:
+    def __init__(self, target: str, policy: str, max_message_bytes: int) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"routing: unknown policy {policy!r}; expected one of {POLICIES}")
+        options = channel_options(max_message_bytes)
+        self.target = target
+        # round_robin over the whole target (also what Info polling uses)
+        self.shared = grpc.aio.insecure_channel(target, options=options)
+        addresses = replica_addresses(target)
+        self.policy = policy
+        if policy == "least_outstanding" and (addresses is None or len(addresses) < 2):
+            if addresses is None:
+                log.warning("routing: %s is resolved by gRPC; least_outstanding needs a replica list, "
+                            "keeping round_robin", target)  # fmt: skip
+            self.policy = "round_robin"
+        self.replicas: list[tuple[str, grpc.aio.Channel]] = []
+        if self.policy == "least_outstanding":
+            assert addresses is not None
+            self.replicas = [(a, grpc.aio.insecure_channel(a, options=options)) for a in addresses]
+        self.outstanding = [0] * len(self.replicas)
+        self._turn = itertools.count()
+
+    def pick(self) -> tuple[grpc.aio.Channel, Callable[[Any], None]]:
+        """A channel for one call, and what to call when that call is done."""
+        if self.policy == "round_robin":
+            return self.shared, _nothing
+        states = [ch.get_state(try_to_connect=True) for _, ch in self.replicas]
+        ready = [i for i, s in enumerate(states) if s == grpc.ChannelConnectivity.READY]
+        candidates = ready or [i for i, s in enumerate(states) if s != grpc.ChannelConnectivity.TRANSIENT_FAILURE]
+        candidates = candidates or list(range(len(self.replicas)))
+        turn = next(self._turn)
+        n = len(self.replicas)
+        best = min(candidates, key=lambda i: (self.outstanding[i], (i - turn) % n))
+        self.outstanding[best] += 1
+
+        def done(_: Any) -> None:
+            self.outstanding[best] -= 1
+
+        return self.replicas[best][1], done
+
+    async def close(self) -> None:
+        await self.shared.close()
+        for _, ch in self.replicas:
+            await ch.close()
+
+
+def _nothing(_: Any) -> None:
+    return None
