@@ -40,10 +40,12 @@ class Dims:
     thinker_hidden: int
     num_code_groups: int
     vocab: int
+    codebook_size: int
 
     @classmethod
     def of(cls, spec: Any) -> Dims:
-        return cls(int(spec.thinker_hidden), int(spec.num_code_groups), int(spec.thinker_vocab))
+        return cls(int(spec.thinker_hidden), int(spec.num_code_groups), int(spec.thinker_vocab),
+                   int(spec.codebook_size))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -414,7 +416,49 @@ def main(model: Any, malformed: int, cancels: int, kill_requests: int, soak_requ
         _log(f"cancels: {cancels} requests; loads and shm back to baseline after "
              f"{'never (10 s)' if back_s is None else f'{1000 * back_s:.0f} ms'}")
 
-        # 3. one replica of each stage killed under c=8 load
+        # 3. eight clients that take their first audio and then read nothing for 20 s
+        live = [c for c in stack.children if c.proc.poll() is None]
+        rss_before = {c.role: rss_bytes(c.proc.pid) for c in live}
+
+        async def stalled_clients() -> tuple[dict[str, int], list[str]]:
+            from omnistage.v1 import gateway_pb2, gateway_pb2_grpc
+
+            peak: dict[str, int] = dict(rss_before)
+            outcomes: list[str] = []
+
+            async def one(i: int) -> None:
+                request = gateway_pb2.GenerateRequest(prompt=f"talk about {i}", want_audio=True)
+                request.sampling["thinker"].max_tokens = 400
+                request.sampling["thinker"].stop_ids.append(10**6)  # no reachable stop id: all 400 tokens
+                request.sampling["talker"].max_tokens = 1500
+                async with grpc.aio.insecure_channel(stack.gateway_address) as ch:
+                    call = gateway_pb2_grpc.GatewayStub(ch).Generate(request, timeout=300)
+                    await call.read()
+                    await asyncio.sleep(20)
+                    try:
+                        while await call.read() is not grpc.aio.EOF:
+                            pass
+                        outcomes.append("OK")
+                    except grpc.aio.AioRpcError as e:
+                        outcomes.append(e.code().name)
+
+            async def watch() -> None:
+                for _ in range(40):
+                    await asyncio.sleep(0.5)
+                    for c in live:
+                        peak[c.role] = max(peak[c.role], rss_bytes(c.proc.pid))
+
+            await asyncio.gather(watch(), *(one(i) for i in range(8)))
+            return peak, outcomes
+
+        peak, outcomes = asyncio.run(stalled_clients())
+        growth_mb = {r: (peak[r] - rss_before[r]) / 2**20 for r in peak}
+        result["stalled_clients"] = {"clients": 8, "stall_s": 20, "peak_rss_growth_mib": growth_mb,
+                                     "outcomes": dict(Counter(outcomes))}  # fmt: skip
+        grown = ", ".join(f"{r} {g:+.1f} MiB" for r, g in growth_mb.items())
+        _log(f"8 stalled clients for 20 s: peak RSS growth {grown}; then {dict(Counter(outcomes))}")
+
+        # 4. one replica of each stage killed under c=8 load
         kw = {"thinker_max_tokens": 12, "talker_max_tokens": 24}
         clean, clean_errors = asyncio.run(_closed_loop(stack.gateway_address, kill_requests, 8, time_limit_s, **kw))
         victims = {kill_requests // 8: stack.child("code2wav", 1), kill_requests // 4: stack.child("talker", 1),
@@ -439,7 +483,7 @@ def main(model: Any, malformed: int, cancels: int, kill_requests: int, soak_requ
         _log(f"kill one replica of each stage at c=8: {len(faulted)}/{kill_requests} completed, {len(errors)} failed, "
              f"{same} equal to the fault-free run, {replays} replays")
 
-        # 4. soak at c=16 on what is left (one replica of each stage), RSS from request 200 to the end
+        # 5. soak at c=16 on what is left (one replica of each stage), RSS from request 200 to the end
         rss_at: dict[str, int] = {}
         survivors = {c.role: c.proc.pid for c in stack.children if c.proc.poll() is None}
 

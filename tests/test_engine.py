@@ -201,3 +201,33 @@ def test_request_status_follows_admission_and_readiness() -> None:
     engine.close_input(req)
     engine.run_once()  # ready now: queued, admitted and stepped in one iteration
     assert req.status is RequestStatus.FINISHED_STOPPED
+
+
+class SlowReader(Sink):
+    """A caller that takes at most `room` outputs until it reads again (backpressure)."""
+
+    def __init__(self, room: int) -> None:
+        super().__init__()
+        self.room = room
+
+    def congested(self) -> bool:
+        return len(self.outputs) >= self.room
+
+
+def test_a_caller_that_stops_reading_pauses_its_request_then_fails_it() -> None:
+    engine = Engine(Counting(), output_stall_timeout_s=0.2, background=False)
+    slow, fast = SlowReader(room=3), Sink()
+    engine.open("slow", {"steps": 50}, slow)
+    engine.open("fast", {"steps": 20}, fast)
+    for _ in range(30):
+        engine.run_once()
+    assert len(slow.outputs) == 3, "a congested request must not step"
+    assert fast.req is not None and fast.req.error is None and len(fast.outputs) == 20  # others go on
+    slow.room = 5  # it reads a little: the request resumes, up to its room
+    for _ in range(10):
+        engine.run_once()
+    assert len(slow.outputs) == 5 and not slow.ended.is_set()
+    time.sleep(0.3)  # then reads nothing for longer than output_stall_timeout_s
+    run_until_idle(engine)
+    assert slow.req is not None and slow.req.error is not None
+    assert slow.req.error.code is Code.DEADLINE_EXCEEDED and "output_stall_timeout_s" in slow.req.error.message

@@ -40,12 +40,22 @@ class EngineSink(Protocol):
     def on_finished(self, req: Request) -> None:
         """The request ended: `req.status` says how and `req.error` why when it failed."""
 
+    def congested(self) -> bool:
+        """Outputs handed over and not yet taken by the caller fill the request's buffer: the
+        engine pauses the request until they are taken."""
+
 
 class StepObserver(Protocol):
     """Told of every engine step (metrics): requests in it, seconds it took, and the stream
     positions its outputs to the caller advanced (tokens, frames or samples)."""
 
     def on_step(self, batch_size: int, seconds: float, produced: int) -> None: ...
+
+
+def _congested(sink: object) -> bool:
+    """The sink's `congested()`, for sinks that have one (in-process sinks never block)."""
+    check = getattr(sink, "congested", None)
+    return bool(check()) if check is not None else False
 
 
 class Engine:
@@ -60,11 +70,13 @@ class Engine:
         chunked_prefill: bool = True,
         background: bool = True,
         observer: StepObserver | None = None,
+        output_stall_timeout_s: float = 60.0,
     ) -> None:
         """`background=False`: no engine thread; the owner calls `run_once()` (in-process use)."""
         self.worker = worker
         self.observer = observer
         self.input_wait_timeout_s = input_wait_timeout_s
+        self.output_stall_timeout_s = output_stall_timeout_s
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -222,8 +234,19 @@ class Engine:
                     code = Code.RESOURCE_EXHAUSTED if e.resource_exhausted else Code.INVALID_ARGUMENT
                     raise StageError(code, f"{worker.name}: {e}") from None
         ready = worker.ready(req)
+        # Backpressure: a caller that stops reading pauses its own request (its outputs wait in
+        # a bounded buffer), and fails it after output_stall_timeout_s.
+        congested = ready and _congested(req.sink)
+        if not congested:
+            req.stalled_since = None
+        elif req.stalled_since is None:
+            req.stalled_since = now
+        elif self.output_stall_timeout_s and now - req.stalled_since > self.output_stall_timeout_s:
+            raise StageError(Code.DEADLINE_EXCEEDED, f"{worker.name}: the caller read none of request "
+                             f"{req.request_id}'s outputs for {now - req.stalled_since:.1f} s "
+                             f"(output_stall_timeout_s={self.output_stall_timeout_s:g})")  # fmt: skip
         if req.queued:
-            self.scheduler.set_ready(req, ready)
+            self.scheduler.set_ready(req, ready and not congested)
         if ready:
             return took
         if req.input_finished:

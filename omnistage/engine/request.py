@@ -83,6 +83,7 @@ class Request:
     input_finished: bool = False  # ... and the worker has taken every chunk before that
     last_input: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() by which it must be done (None: none)
+    stalled_since: float | None = None  # paused since then: its caller is not reading (backpressure)
     abort_requested: bool = False
 
     # ---- scheduling (written by the scheduler) ----------------------------------------------

@@ -61,21 +61,71 @@ class _Finished:
         self.error = error
 
 
+def _size(item: Any) -> int:
+    """Bytes an item on a call's queue holds (what backpressure counts)."""
+    if isinstance(item, bytes):
+        return len(item)
+    if isinstance(item, StepOutput):
+        return sum(t.nelement() * t.element_size() for out in item.up for t in out.tensors.values())
+    if isinstance(item, Outgoing):
+        return item.chunk.chunk.ByteSize() + sum(len(payload) for _, _, payload in item.chunk.lazy)
+    return 0
+
+
 class _Call:
     """One Stage.Stream call: where the engine's outputs for its request go (an EngineSink)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.out_q: asyncio.Queue[Any] = asyncio.Queue()
+        self.posted = self.relayed = self.taken = 0  # outputs handed over / taken (see congested)
+        self.posted_bytes = self.relayed_bytes = self.taken_bytes = 0
+        self.room = asyncio.Event()
         self.down: _DownBuffer | None = None  # what goes to the downstream stage (kept for replay)
         self.down_call: Any = None
         self.attempt = 0  # the downstream call's attempt: 0, then one more per replay
         self.down_start: stage_pb2.Start | None = None
         self.failed = False  # the request failed: its input is read and dropped until the call ends
 
+    # Outputs waiting for the caller to take them: past either bound the engine pauses the
+    # request and the relay stops reading from downstream (backpressure).
+    MAX_PENDING = 64
+    MAX_PENDING_BYTES = 8 << 20
+
     def _post(self, item: Any) -> None:
+        self.posted += 1  # these two written by the engine thread only
+        self.posted_bytes += _size(item)
         with contextlib.suppress(RuntimeError):  # loop closed: the call is gone
             self.loop.call_soon_threadsafe(self.out_q.put_nowait, item)
+
+    def _over(self) -> bool:
+        items = self.posted + self.relayed - self.taken
+        nbytes = self.posted_bytes + self.relayed_bytes - self.taken_bytes
+        return items >= self.MAX_PENDING or nbytes >= self.MAX_PENDING_BYTES
+
+    def congested(self) -> bool:
+        return self._over()
+
+    async def get(self) -> Any:
+        item = await self.out_q.get()
+        self.taken += 1  # these written by the event loop only
+        self.taken_bytes += _size(item)
+        if not self._over():
+            self.room.set()
+        return item
+
+    async def relay(self, item: Any) -> None:
+        """Queue a relayed item once there is room (the caller is reading)."""
+        while self._over():
+            self.room.clear()
+            await self.room.wait()
+        self.put_now(item)
+
+    def put_now(self, item: Any) -> None:
+        """Queue an item at once (errors must get through), counted like the others."""
+        self.relayed += 1
+        self.relayed_bytes += _size(item)
+        self.out_q.put_nowait(item)
 
     def on_output(self, req: Request, out: StepOutput) -> None:
         self._post(out)
@@ -259,7 +309,7 @@ class StageService:
             pending = {"self"}
             seq = 0
             while pending:
-                item = await call.out_q.get()
+                item = await call.get()
                 if isinstance(item, (bytes, Outgoing)):  # relayed from downstream (unchanged or resumed)
                     yield item
                 elif isinstance(item, StepOutput):
@@ -368,7 +418,7 @@ class StageService:
     def _fail(self, req: Request, call: _Call, err: StageError) -> None:
         self.engine.abort(req, err)
         call.failed = True
-        call.out_q.put_nowait(err)
+        call.put_now(err)
 
     # ---- downstream -----------------------------------------------------------------------
 
@@ -438,8 +488,8 @@ class StageService:
             try:
                 async for raw in call.down_call:
                     for out in self._resume(raw, parts, resume):
-                        call.out_q.put_nowait(out)
-                call.out_q.put_nowait(_DOWN_DONE)
+                        await call.relay(out)
+                await call.relay(_DOWN_DONE)
                 return
             except grpc.aio.AioRpcError as e:
                 # Also when we cancelled it ourselves: then nobody reads out_q any more.

@@ -237,6 +237,10 @@ def test_ctrl_c_stops_cleanly_during_start_up_and_after(tiny_dir: Path, tmp_path
     assert code == 130 and "interrupted" in out and "Traceback" not in out
     serving = omnistage("serve", str(tiny_dir), "--port", str(base), "--log-dir", str(tmp_path / "b"))
     wait_serving(serving, f"127.0.0.1:{base}")
+    assert serving.stdout is not None
+    deadline = time.monotonic() + 60  # the gateway may serve a moment before `serve` has finished starting
+    while "listening on" not in serving.stdout.readline() and time.monotonic() < deadline:
+        pass
     serving.send_signal(signal.SIGINT)
     code, out = finish(serving)
     assert code == 0 and "stopping" in out and "Traceback" not in out
