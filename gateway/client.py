@@ -152,15 +152,24 @@ async def stream_generate(
     *,
     timeout: float | None = None,
     channel: grpc.aio.Channel | None = None,
+    api_key: str = "",
+    tls_ca: bytes | None = None,
     **request_options: Any,
 ) -> AsyncIterator[ClientEvent]:
-    """Yield ClientEvents as the gateway streams them. `request_options` go to `build_request`."""
+    """Yield ClientEvents as the gateway streams them. `request_options` go to `build_request`.
+    `api_key` goes as `authorization: Bearer ...`; `tls_ca` (PEM roots) dials the gateway over TLS."""
     request = build_request(prompt, **request_options)
     own = channel is None
-    ch = channel or grpc.aio.insecure_channel(target)
+    if channel is not None:
+        ch = channel
+    elif tls_ca is not None:
+        ch = grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca))
+    else:
+        ch = grpc.aio.insecure_channel(target)
+    metadata_out = [("authorization", f"Bearer {api_key}")] if api_key else None
     t0 = time.perf_counter()
     try:
-        call = gateway_pb2_grpc.GatewayStub(ch).Generate(request, timeout=timeout)
+        call = gateway_pb2_grpc.GatewayStub(ch).Generate(request, timeout=timeout, metadata=metadata_out)
         metadata = await call.initial_metadata()
         rid = dict(metadata or ()).get(REQUEST_ID_KEY, "")
         yield ClientEvent("start", time.perf_counter() - t0, request_id=str(rid))

@@ -11,10 +11,11 @@ import socket
 from collections.abc import Iterator
 
 from gateway.server import GatewayService
-from omnistage.config import DeployConfig
+from omnistage.config import DeployConfig, TlsConfig
 from omnistage.models import Checkpoint
 from omnistage.server.grpc_common import HealthState, PortTaken, add_servicer, bind, drain, new_server, wait_for_signal
 from omnistage.server.metrics import serve_metrics
+from omnistage.server.tls import server_credentials
 from omnistage.v1 import gateway_pb2
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ def _http_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _http_server(app: object, sock: socket.socket) -> object:
+def _http_server(app: object, sock: socket.socket, tls: TlsConfig) -> object:
     import uvicorn
 
     class EmbeddedServer(uvicorn.Server):
@@ -44,7 +45,9 @@ def _http_server(app: object, sock: socket.socket) -> object:
         def capture_signals(self) -> Iterator[None]:  # the gateway handles its own signals
             yield
 
-    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+    https = {"ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file} if tls.gateway else {}
+    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+                            **https)  # fmt: skip
     return EmbeddedServer(config)
 
 
@@ -59,7 +62,7 @@ def run_gateway(cfg: DeployConfig, ckpt: Checkpoint, host: str, port: int, think
         add_servicer(service, server, gateway_pb2.DESCRIPTOR.services_by_name["Gateway"])
         health_state = HealthState(server, (gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,))
         await health_state.set(False)  # until the thinker answers
-        bind(server, host, port, "gateway")
+        bind(server, host, port, "gateway", server_credentials(cfg.tls, stage=False))
         http_sock = _http_socket(host, http_port) if http_port else None
         metrics_port = cfg.metrics_port(port)
         if metrics_port is not None:
@@ -67,7 +70,7 @@ def run_gateway(cfg: DeployConfig, ckpt: Checkpoint, host: str, port: int, think
         await server.start()
         http = http_task = None
         if http_sock is not None:
-            http = _http_server(build_app(service), http_sock)
+            http = _http_server(build_app(service), http_sock, cfg.tls)
             http_task = asyncio.create_task(http.serve(sockets=[http_sock]))  # type: ignore[attr-defined]
         watcher = asyncio.create_task(service.watch_thinker(health_state))
         log.info("gateway serving gRPC on %s:%d%s -> thinker %s (metrics on %s)", host, port,

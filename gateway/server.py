@@ -35,6 +35,7 @@ from omnistage.engine import OutChunk
 from omnistage.models import Checkpoint, CheckpointError, load_tokenizer
 from omnistage.server.grpc_common import ChainWatcher, HealthState, stage_stream
 from omnistage.server.routing import Router
+from omnistage.server.tls import name_override, stage_channel_credentials
 from omnistage.topology import STAGES
 from omnistage.v1 import gateway_pb2, gateway_pb2_grpc, stage_pb2
 from omnistage.wire import ChunkAssembler, DecodedChunk, StageError, TensorBlobError, encode_chunks
@@ -86,7 +87,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.thinker_defaults = ckpt.family.thinker_defaults(ckpt)
         self.talker_defaults = ckpt.family.talker_defaults()
         self.thinker_target = thinker_target
-        self.router = Router(thinker_target, cfg.routing, cfg.max_message_bytes)
+        self.router = Router(thinker_target, cfg.routing, cfg.max_message_bytes,
+                             stage_channel_credentials(cfg.tls), name_override(cfg.tls))  # fmt: skip
         self.channel = self.router.shared
         self.metrics = GatewayMetrics()
         self.active = 0

@@ -102,6 +102,30 @@ class FailoverConfig(_Strict):
                                      "replayed (kept in memory until it ends)")  # fmt: skip
 
 
+class TlsConfig(_Strict):
+    """Optional TLS. One certificate and key serve every process (a Kubernetes TLS secret
+    mounted at the same path in each pod); `ca_file` verifies peers. The certificate must name
+    the addresses callers use (SAN), or set `server_name` to a name it holds."""
+
+    gateway: bool = Field(False, description="TLS on the gateway's gRPC and HTTP ports (clients need not "
+                          "present a certificate; use an API key)")  # fmt: skip
+    stages: bool = Field(False, description="mutual TLS on every hop to a stage: a stage accepts only "
+                         "callers with a certificate signed by ca_file")  # fmt: skip
+    cert_file: str | None = Field(None, description="PEM certificate chain of this process")
+    key_file: str | None = Field(None, description="PEM private key of cert_file")
+    ca_file: str | None = Field(None, description="PEM roots that sign the peers' certificates")
+    server_name: str | None = Field(None, description="name to verify in the servers' certificates instead "
+                                    "of the host dialled")  # fmt: skip
+
+    @model_validator(mode="after")
+    def _files_given(self) -> TlsConfig:
+        if (self.gateway or self.stages) and not (self.cert_file and self.key_file):
+            raise ValueError("tls: gateway or stages on needs cert_file and key_file")
+        if self.stages and not self.ca_file:
+            raise ValueError("tls.stages: mutual TLS needs ca_file to verify the callers")
+        return self
+
+
 class TimeoutsConfig(_Strict):
     input_wait_timeout_s: float = Field(600.0, ge=0, description="0 disables")
     output_stall_timeout_s: float = Field(60.0, ge=0, description="a request whose caller reads none of its "
@@ -135,6 +159,7 @@ class DeployConfig(_StagesConfig):  # type: ignore[misc,valid-type]
     edges: EdgesConfig = EdgesConfig()  # type: ignore[valid-type]
     timeouts: TimeoutsConfig = TimeoutsConfig()
     failover: FailoverConfig = FailoverConfig()
+    tls: TlsConfig = TlsConfig()
     routing: Literal["round_robin", "least_outstanding"] = Field(
         "round_robin", description="which replica of the next stage gets a request (omnistage/server/routing.py)")
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024, le=1024 * 1024 * 1024)

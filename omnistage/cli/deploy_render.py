@@ -79,6 +79,8 @@ MODEL_PVC = "omnistage-model"
 CONFIG_MAP = "omnistage-config"
 RUN_AS = 10001  # the image's non-root user (deploy/Dockerfile)
 PROBE_PERIOD_S = 5
+TLS_DIR = f"{CONFIG_DIR}/tls"
+TLS_SECRET = "omnistage-tls"
 MEMORY_CPU = "4Gi"  # container memory request = limit (edit the overlay for a large checkpoint)
 MEMORY_CUDA = "64Gi"  # host memory of a GPU stage (loading its part of a published checkpoint)
 PUBLISH_HOST = "${OMNISTAGE_PUBLISH_HOST:-127.0.0.1}"  # compose publishes here
@@ -109,7 +111,14 @@ def container_config(cfg: DeployConfig, *, cpu_only: bool = False) -> DeployConf
             stage["dtype"] = "float32"
         elif stage["device"].startswith("cuda"):
             stage["device"] = "cuda"
+    if _uses_tls(cfg):  # a Kubernetes TLS secret (tls.crt, tls.key, ca.crt) mounted at TLS_DIR
+        data["tls"].update(cert_file=f"{TLS_DIR}/tls.crt", key_file=f"{TLS_DIR}/tls.key",
+                           ca_file=f"{TLS_DIR}/ca.crt" if cfg.tls.ca_file else None)  # fmt: skip
     return DeployConfig.model_validate(data)
+
+
+def _uses_tls(cfg: DeployConfig) -> bool:
+    return cfg.tls.gateway or cfg.tls.stages
 
 
 def _uses_cuda(cfg: DeployConfig) -> bool:
@@ -148,6 +157,7 @@ def _env(run_cfg: DeployConfig, port: int) -> dict[str, str]:
         "OMNISTAGE_SHM": "0",
         # The image defaults OMNISTAGE_MODEL to /models/omni; empty = the built-in tiny checkpoint.
         "OMNISTAGE_MODEL": run_cfg.model or "",
+        "OMNISTAGE_CONFIG": CONFIG_PATH,  # what `omnistage health` (HEALTHCHECK, probes) reads, TLS included
     }
 
 
@@ -218,6 +228,9 @@ def _compose_service(
     volumes: list[dict[str, Any]] = [
         {"type": "bind", "source": config_file, "target": CONFIG_PATH, "read_only": True},
     ]
+    if _uses_tls(cfg):  # tls.crt, tls.key, ca.crt
+        volumes.append({"type": "bind", "source": "${OMNISTAGE_TLS_DIR:-./tls}", "target": TLS_DIR,
+                        "read_only": True})  # fmt: skip
     if run_cfg.model is not None:
         volumes.append(
             {
@@ -332,6 +345,16 @@ def _selector(component: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": "omnistage", "app.kubernetes.io/component": component}
 
 
+def _exec_probe(port: int, period: int, failures: int, timeout: int = 3, service: str = "") -> dict[str, Any]:
+    command = ["omnistage", "health", "--target", f"127.0.0.1:{port}", "--timeout", str(timeout)]
+    return {
+        "exec": {"command": command + (["--service", service] if service else [])},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout + 5,  # a Python start
+        "failureThreshold": failures,
+    }
+
+
 def _grpc_probe(port: int, period: int, failures: int, timeout: int = 3, service: str = "") -> dict[str, Any]:
     return {
         "grpc": {"port": port, "service": service},
@@ -370,10 +393,16 @@ def _deployment(
         {"name": "cache", "emptyDir": {}},
         {"name": "tmp", "emptyDir": {}},
     ]
+    if _uses_tls(cfg):
+        mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
+        volumes.append({"name": "tls", "secret": {"secretName": TLS_SECRET}})
     if run_cfg.model is not None:
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": MODEL_PVC, "readOnly": True}})
     startup_failures = max(1, math.ceil(cfg.timeouts.startup_timeout_s / PROBE_PERIOD_S))
+    # Kubernetes' gRPC probes speak plaintext only: a TLS port is probed by `omnistage health`
+    on_tls = cfg.tls.gateway if component == "gateway" else cfg.tls.stages
+    probe = _exec_probe if on_tls else _grpc_probe
     metrics = run_cfg.metrics_port(port)
     container: dict[str, Any] = {
         "name": component,
@@ -384,11 +413,11 @@ def _deployment(
         "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"}]
         + ([{"name": "metrics", "containerPort": metrics, "protocol": "TCP"}] if metrics else [])
         + ([{"name": "http", "containerPort": http_port, "protocol": "TCP"}] if http_port else []),
-        "startupProbe": _grpc_probe(port, PROBE_PERIOD_S, startup_failures),
-        "readinessProbe": _grpc_probe(port, PROBE_PERIOD_S, 1),
+        "startupProbe": probe(port, PROBE_PERIOD_S, startup_failures),
+        "readinessProbe": probe(port, PROBE_PERIOD_S, 1),
         # liveness asks a service that stays SERVING while the process drains (readiness does
         # not): a draining pod leaves the Service but is not killed before its grace ends
-        "livenessProbe": _grpc_probe(port, 10, 3, service=LIVENESS_SERVICE),
+        "livenessProbe": probe(port, 10, 3, service=LIVENESS_SERVICE),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}},
         "resources": resources,
         "securityContext": {

@@ -222,21 +222,32 @@ def health(
     ] = None,
     config: ConfigOpt = None,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for each answer.")] = 3.0,
+    service: Annotated[str, typer.Option("--service", help="Health service name ('' = the server).")] = "",
 ) -> None:
     """grpc.health.v1 status of each service (exit 0 only when every one is SERVING): by default
-    every process of the stack the deploy config describes."""
+    every process of the stack the deploy config describes. TLS as the deploy config's `tls` says."""
     from omnistage.server.grpc_common import health_status
+    from omnistage.server.tls import gateway_channel_credentials, name_override, stage_channel_credentials
 
     with _errors():
+        cfg = _load_cfg(config, {}, default=True)
+        tls = cfg.tls
+        grpc_ports = {port: role for port, role in cfg.ports() if not role.endswith(("metrics", "http"))}
+
+        def credentials(role: str) -> Any:
+            return gateway_channel_credentials(tls) if role.startswith("gateway") else stage_channel_credentials(tls)
+
+        def role_of(address: str) -> str:  # the process the config has on that port
+            port = address.rpartition(":")[2]
+            return grpc_ports.get(int(port), "stage") if port.isdigit() else "stage"
+
         if target:
-            checks = [(t, t) for t in target]
+            checks = [(t, t, credentials(role_of(t))) for t in target]
         else:
-            cfg = _load_cfg(config, {}, default=True)
-            grpc_ports = [(port, role) for port, role in cfg.ports() if not role.endswith(("metrics", "http"))]
-            checks = [(role, f"{cfg.host}:{port}") for port, role in grpc_ports]
+            checks = [(role, f"{cfg.host}:{port}", credentials(role)) for port, role in grpc_ports.items()]
     ok = True
-    for role, address in checks:
-        status = health_status(address, timeout)
+    for role, address, credentials in checks:
+        status = health_status(address, timeout, service, credentials=credentials, options=name_override(tls))
         ok &= status == "SERVING"
         typer.echo(f"{role:<14} {address:<22} {status}")
     raise typer.Exit(0 if ok else 1)
@@ -404,6 +415,9 @@ def client(
     use_audio_in_video: Annotated[
         bool, typer.Option("--use-audio-in-video", help="Each video's sound track goes in with its frames.")
     ] = False,
+    api_key: Annotated[str, typer.Option("--api-key", envvar="OMNISTAGE_API_KEY",
+                                         help="Sent as authorization: Bearer KEY.")] = "",
+    tls_ca: Annotated[Path | None, typer.Option("--tls-ca", help="PEM roots: dial the gateway over TLS.")] = None,
 ) -> None:
     """Send one request to the gateway: print text as it streams, write a WAV. Audio, images and
     video go in the user turn before the prompt, in the order given."""
@@ -424,12 +438,14 @@ def client(
         return out
 
     media = {"audio": read(audio, "audio"), "images": read(image, "image"), "videos": read(video, "video")}
+    ca = read([tls_ca], "tls-ca")[0] if tls_ca is not None else None
     try:
         reply = asyncio.run(generate(
             target, prompt, on_text=None if as_json else (lambda t: typer.echo(t, nl=False)),
             want_audio=not no_audio, thinker_max_tokens=max_tokens, talker_max_tokens=max_frames,
             greedy=True, mode=mode.value if mode else None, timeout=timeout, system=system, speaker=speaker,
-            temperature=temperature, seed=seed, use_audio_in_video=use_audio_in_video, **media,
+            temperature=temperature, seed=seed, use_audio_in_video=use_audio_in_video, api_key=api_key, tls_ca=ca,
+            **media,
         ))  # fmt: skip
     except grpc.aio.AioRpcError as e:
         typer.echo(f"\nerror: {e.code().name}: {e.details()}", err=True)

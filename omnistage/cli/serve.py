@@ -27,6 +27,7 @@ from types import TracebackType
 
 from omnistage.config import DeployConfig
 from omnistage.server.grpc_common import PortTaken, check, port_free
+from omnistage.server.tls import gateway_channel_credentials, name_override, stage_channel_credentials
 from omnistage.topology import PIPELINE
 
 
@@ -187,6 +188,12 @@ class Stack:
     def status_lines(self) -> list[str]:
         return [f"  {c.role:<12} {c.address:<22} pid {c.proc.pid:<8} {c.status()}" for c in self.children]
 
+    def healthy(self, c: Child, timeout: float) -> bool:
+        """`c` answers SERVING (over TLS as the config says)."""
+        tls = self.cfg.tls
+        creds = gateway_channel_credentials(tls) if c.name == "gateway" else stage_channel_credentials(tls)
+        return check(c.address, timeout=timeout, credentials=creds, options=name_override(tls))
+
     def heal(self, say: Callable[[str], None]) -> None:
         """One supervision pass: restart each dead child with backoff (same port, same
         arguments), and note when restarted ones are healthy again. Raises StartupError when a
@@ -194,7 +201,7 @@ class Stack:
         now = time.monotonic()
         for c in self.children:
             if c.proc.poll() is None:
-                if c.healthy_since is None and check(c.address, timeout=0.3):
+                if c.healthy_since is None and self.healthy(c, 0.3):
                     c.healthy_since, c.failed_starts = now, 0
                     if c.restarts:
                         say(f"{c.role} at {c.address} is serving again (pid {c.proc.pid}, restart {c.restarts})")
@@ -327,7 +334,7 @@ def _wait_healthy(stack: Stack, timeout: float) -> None:
                     + (f": {reason}" if reason else "")
                     + f" (log: {c.log})"
                 )
-            if check(c.address, timeout=1.0):
+            if stack.healthy(c, 1.0):
                 c.healthy_since = time.monotonic()
                 pending.remove(c)
         if pending and time.monotonic() > deadline:

@@ -88,13 +88,18 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
-def bind(server: grpc.aio.Server, host: str, port: int, role: str) -> int:
-    """Listen on `host:port`, or raise `PortTaken` naming the port and `role`."""
+def bind(server: grpc.aio.Server, host: str, port: int, role: str,
+         credentials: grpc.ServerCredentials | None = None) -> int:  # fmt: skip
+    """Listen on `host:port` (TLS with `credentials`), or raise `PortTaken` naming the port and `role`."""
     taken = PortTaken(f"{role}: cannot listen on {host}:{port}: the port is taken by another process")
     if not port_free(host, port):
         raise taken
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
     except RuntimeError:
         raise taken from None
     if bound == 0:
@@ -234,17 +239,23 @@ def stage_stream(channel: Any, *, relay: bool = False) -> Any:
     )
 
 
-def check(target: str, timeout: float = 3.0, service: str = "") -> bool:
+def check(target: str, timeout: float = 3.0, service: str = "", credentials: grpc.ChannelCredentials | None = None,
+          options: list[tuple[str, Any]] | None = None) -> bool:  # fmt: skip
     """True when `target` answers SERVING for `service` within `timeout` seconds; False on
     NOT_SERVING, UNKNOWN, a closed port, a timeout or any other error."""
-    return health_status(target, timeout, service) == "SERVING"
+    return health_status(target, timeout, service, credentials, options) == "SERVING"
 
 
-def health_status(target: str, timeout: float = 3.0, service: str = "") -> str:
+def health_status(target: str, timeout: float = 3.0, service: str = "",
+                  credentials: grpc.ChannelCredentials | None = None,
+                  options: list[tuple[str, Any]] | None = None) -> str:  # fmt: skip
     """`target`'s grpc.health.v1 answer for `service` ("SERVING", "NOT_SERVING", ...), or a
-    short reason it gave none ("UNAVAILABLE", "DEADLINE_EXCEEDED", ...)."""
+    short reason it gave none ("UNAVAILABLE", "DEADLINE_EXCEEDED", ...). With `credentials`
+    over TLS."""
     try:
-        with grpc.insecure_channel(target) as channel:
+        channel_cm = (grpc.insecure_channel(target, options=options) if credentials is None
+                      else grpc.secure_channel(target, credentials, options=options))  # fmt: skip
+        with channel_cm as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=max(timeout, 0.001))
     except grpc.RpcError as e:

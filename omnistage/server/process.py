@@ -52,6 +52,7 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
         replay_budget_bytes=cfg.failover.replay_budget_bytes,
         failover_attempts=cfg.failover.attempts,
         routing=cfg.routing,
+        tls=cfg.tls,
     )
     server = StageServer(service, host, port, cfg.timeouts.drain_grace_s)
     metrics_port = cfg.metrics_port(port)

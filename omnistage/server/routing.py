@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from omnistage.server.grpc_common import channel_options
+from omnistage.server.tls import aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +38,15 @@ def replica_addresses(target: str) -> list[str] | None:
 
 
 class Router:
-    def __init__(self, target: str, policy: str, max_message_bytes: int) -> None:
+    def __init__(self, target: str, policy: str, max_message_bytes: int,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 extra_options: list[tuple[str, Any]] | None = None) -> None:  # fmt: skip
         if policy not in POLICIES:
             raise ValueError(f"routing: unknown policy {policy!r}; expected one of {POLICIES}")
-        options = channel_options(max_message_bytes)
+        options = channel_options(max_message_bytes) + (extra_options or [])
         self.target = target
         # round_robin over the whole target (also what Info polling uses)
-        self.shared = grpc.aio.insecure_channel(target, options=options)
+        self.shared = aio_channel(target, credentials, options)
         addresses = replica_addresses(target)
         self.policy = policy
         if policy == "least_outstanding" and (addresses is None or len(addresses) < 2):
@@ -54,7 +57,7 @@ class Router:
         self.replicas: list[tuple[str, grpc.aio.Channel]] = []
         if self.policy == "least_outstanding":
             assert addresses is not None
-            self.replicas = [(a, grpc.aio.insecure_channel(a, options=options)) for a in addresses]
+            self.replicas = [(a, aio_channel(a, credentials, options)) for a in addresses]
         self.outstanding = [0] * len(self.replicas)
         self._turn = itertools.count()
 

@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from omnistage.config import TlsConfig
 from omnistage.engine import Engine, OutChunk, Request, StepOutput
 from omnistage.server.grpc_common import (
     STAGE_SERVICE,
@@ -38,6 +39,7 @@ from omnistage.server.grpc_common import (
     wait_for_signal,
 )
 from omnistage.server.routing import Router
+from omnistage.server.tls import name_override, server_credentials, stage_channel_credentials
 from omnistage.topology import STAGES
 from omnistage.v1 import stage_pb2
 from omnistage.wire import ChunkAssembler, Code, LazyChunk, StageError, TensorBlobError, encode_chunks, invalid
@@ -183,6 +185,7 @@ class StageService:
         replay_budget_bytes: int = 64 << 20,
         failover_attempts: int = 3,
         routing: str = "round_robin",
+        tls: TlsConfig | None = None,
     ) -> None:
         self.engine = engine
         self.stage = engine.worker.name
@@ -195,6 +198,7 @@ class StageService:
         self.edge_mode = edge_mode
         self.max_message_bytes = max_message_bytes
         self.routing = routing
+        self.tls = tls or TlsConfig()
         self.replay_budget_bytes = replay_budget_bytes
         self.failover_attempts = failover_attempts
         self.replays_total = 0
@@ -209,7 +213,8 @@ class StageService:
     def _downstream(self) -> Router:
         if self._router is None:  # made inside the running event loop (grpc.aio binds to it)
             assert self.downstream is not None
-            self._router = Router(self.downstream, self.routing, self.max_message_bytes)
+            self._router = Router(self.downstream, self.routing, self.max_message_bytes,
+                                  stage_channel_credentials(self.tls), name_override(self.tls))  # fmt: skip
         return self._router
 
     def start_watching(self) -> asyncio.Task[None] | None:
@@ -571,7 +576,8 @@ class StageServer:
         )
         add_stage_servicer(self.service, self.server)
         self.health = HealthState(self.server, (STAGE_SERVICE,))
-        port = bind(self.server, self.host, self.port, self.service.stage)
+        port = bind(self.server, self.host, self.port, self.service.stage,
+                    server_credentials(self.service.tls, stage=True))  # fmt: skip
         await self.server.start()
         await self.health.set(True)
         self._watching = self.service.start_watching()

@@ -201,3 +201,33 @@ def test_k8s_pods_are_locked_down_and_only_the_stage_above_may_call_a_stage(gpu_
         assert grpc_rule["ports"] == [{"protocol": "TCP", "port": gpu_cfg.stage(name).base_port}]
     gateway_rule = k8s[("NetworkPolicy", "gateway")]["spec"]["ingress"][0]
     assert "from" not in gateway_rule  # the front doors take clients from anywhere
+
+
+def test_tls_mounts_the_secret_and_probes_tls_ports_with_omnistage_health(default_cfg: DeployConfig) -> None:
+    data = default_cfg.model_dump()
+    data["tls"] = {"gateway": True, "stages": True, "cert_file": "/here/c.pem", "key_file": "/here/k.pem",
+                   "ca_file": "/here/ca.pem"}  # fmt: skip
+    cfg = parse_config(data)
+    run_cfg = container_config(cfg)
+    assert (run_cfg.tls.cert_file, run_cfg.tls.key_file, run_cfg.tls.ca_file) == (
+        "/etc/omnistage/tls/tls.crt", "/etc/omnistage/tls/tls.key", "/etc/omnistage/tls/ca.crt")  # fmt: skip
+    k8s = _k8s(cfg)
+    for name in ("gateway", *STAGES):
+        pod = k8s[("Deployment", name)]["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert {"name": "tls", "secret": {"secretName": "omnistage-tls"}} in pod["volumes"]
+        assert {"name": "tls", "mountPath": "/etc/omnistage/tls", "readOnly": True} in c["volumeMounts"]
+        for key in ("startupProbe", "readinessProbe", "livenessProbe"):
+            command = c[key]["exec"]["command"]  # Kubernetes' gRPC probes cannot speak TLS
+            assert command[:3] == ["omnistage", "health", "--target"], (name, key)
+        assert c["livenessProbe"]["exec"]["command"][-2:] == ["--service", LIVENESS_SERVICE]
+        assert {"name": "OMNISTAGE_CONFIG", "value": "/etc/omnistage/omnistage.yaml"} in c["env"]
+    compose = _compose(cfg)
+    assert any(v["target"] == "/etc/omnistage/tls" for v in compose["thinker"]["volumes"])
+
+
+def test_tls_without_its_files_is_refused(default_cfg: DeployConfig) -> None:
+    data = default_cfg.model_dump()
+    data["tls"] = {"stages": True, "cert_file": "c.pem", "key_file": "k.pem"}
+    with pytest.raises(Exception, match="ca_file"):
+        parse_config(data)

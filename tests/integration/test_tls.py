@@ -1,0 +1,100 @@
+"""TLS and authentication through the real stack: the gateway on TLS with an API key, every
+stage on mutual TLS. Certificates are made here with the system's openssl."""
+
+from __future__ import annotations
+
+import shutil
+import ssl
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+
+from gateway.client import generate
+from omnistage.cli.serve import Stack, start_stack
+from omnistage.server.grpc_common import health_status
+from omnistage.v1 import stage_pb2, stage_pb2_grpc
+from tests.integration.conftest import free_port_block, run, stack_config
+
+KEY = "test-key-123"
+
+
+def _trust(certs: dict[str, Path]) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(certs["cert"]))
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is missing (it makes this test's certificates)")
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-days", "2",
+                    "-subj", "/CN=omnistage-test", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+                    "-addext", "basicConstraints=critical,CA:TRUE",
+                    "-addext", "keyUsage=critical,digitalSignature,keyCertSign",
+                    "-addext", "extendedKeyUsage=serverAuth,clientAuth"], check=True, capture_output=True)  # fmt: skip
+    return {"cert": d / "cert.pem", "key": d / "key.pem"}
+
+
+@pytest.fixture(scope="module")
+def tls_stack(tiny_dir: Path, certs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tls = {"gateway": True, "stages": True, "cert_file": str(certs["cert"]), "key_file": str(certs["key"]),
+           "ca_file": str(certs["cert"])}  # fmt: skip
+    cfg = stack_config(talker={"replicas": 1}, tls=tls, gateway={"http_port": free_port_block(1)})
+    s = start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("tls-logs"), api_key=KEY)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def test_a_request_with_tls_and_the_key_is_served(tls_stack: Stack, certs: dict[str, Path]) -> None:
+    ca = certs["cert"].read_bytes()
+    reply = run(generate(tls_stack.gateway_address, "hi", thinker_max_tokens=3, talker_max_tokens=4, timeout=60,
+                         api_key=KEY, tls_ca=ca))  # fmt: skip
+    assert reply.token_ids and reply.pcm.size > 0
+    r = httpx.post(f"https://{tls_stack.http_address}/v1/chat/completions", verify=_trust(certs),
+                   headers={"authorization": f"Bearer {KEY}"}, timeout=60,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})  # fmt: skip
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+
+
+def test_without_the_key_the_call_is_unauthenticated(tls_stack: Stack, certs: dict[str, Path]) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(generate(tls_stack.gateway_address, "hi", thinker_max_tokens=3, timeout=30,
+                     tls_ca=certs["cert"].read_bytes()))  # fmt: skip
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    r = httpx.post(f"https://{tls_stack.http_address}/v1/chat/completions", verify=_trust(certs), timeout=30,
+                   json={"messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    assert r.status_code == 401
+
+
+def test_plaintext_to_a_tls_port_fails(tls_stack: Stack) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(generate(tls_stack.gateway_address, "hi", thinker_max_tokens=3, timeout=10, api_key=KEY))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    for name in ("thinker", "talker", "code2wav"):
+        assert health_status(tls_stack.addresses(name)[0], 3.0) != "SERVING", name
+
+
+def test_a_stage_refuses_callers_without_a_client_certificate(tls_stack: Stack, certs: dict[str, Path]) -> None:
+    """TLS that verifies the stage but presents no certificate: the handshake fails, and no
+    call reaches the stage (a direct call cannot bypass the gateway)."""
+    server_only = grpc.ssl_channel_credentials(root_certificates=certs["cert"].read_bytes())
+
+    async def call() -> Any:
+        async with grpc.aio.secure_channel(tls_stack.addresses("thinker")[0], server_only) as ch:
+            return await stage_pb2_grpc.StageStub(ch).Info(stage_pb2.InfoRequest(), timeout=5)
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(call())
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    mutual = grpc.ssl_channel_credentials(root_certificates=certs["cert"].read_bytes(),
+                                          private_key=certs["key"].read_bytes(),
+                                          certificate_chain=certs["cert"].read_bytes())  # fmt: skip
+    assert health_status(tls_stack.addresses("thinker")[0], 5.0, credentials=mutual) == "SERVING"
