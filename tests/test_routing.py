@@ -45,3 +45,60 @@ def test_round_robin_and_unsplittable_targets_use_one_shared_channel() -> None:
 def test_an_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="least_outstanding"):
         Router("127.0.0.1:1", "random", 1 << 20)
+
+
+def test_channels_route_only_to_replicas_whose_health_says_serving() -> None:
+    """Two replicas behind one target; one says NOT_SERVING (draining): every call goes to the
+    other, and once it serves again it gets calls again (gRPC client-side health checking)."""
+
+    from omnistage.server.grpc_common import STAGE_SERVICE, HealthState, add_stage_servicer, bind, new_server
+    from omnistage.server.routing import Router
+    from omnistage.v1 import stage_pb2, stage_pb2_grpc
+    from tests.integration.conftest import free_port_block
+
+    class Named:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        async def Info(self, request: object, context: object) -> stage_pb2.InfoResponse:
+            return stage_pb2.InfoResponse(role=self.name)
+
+        async def Stream(self, request_iterator: object, context: object) -> object:  # unused here
+            raise NotImplementedError
+
+    async def go() -> None:
+        servers, healths, ports = [], [], []
+        for name in ("a", "b"):
+            server = new_server(1 << 20)
+            add_stage_servicer(Named(name), server)
+            health = HealthState(server, (STAGE_SERVICE,))
+            port = bind(server, "127.0.0.1", free_port_block(1), name)
+            await server.start()
+            await health.set(True)
+            servers.append(server)
+            healths.append(health)
+            ports.append(port)
+        router = Router(f"ipv4:127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}", "round_robin", 1 << 20)
+        stub = stage_pb2_grpc.StageStub(router.shared)
+
+        async def roles(n: int) -> set[str]:
+            return {(await stub.Info(stage_pb2.InfoRequest(), timeout=5)).role for _ in range(n)}
+
+        try:
+            assert await roles(8) == {"a", "b"}
+            await healths[1].set(False)  # b drains
+            await asyncio.sleep(0.5)
+            assert await roles(12) == {"a"}
+            await healths[1].set(True)
+            for _ in range(50):  # back in the rotation once its Watch says SERVING
+                if await roles(4) == {"a", "b"}:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("b did not come back into the rotation")
+        finally:
+            await router.close()
+            for server in servers:
+                await server.stop(None)
+
+    asyncio.run(go())
