@@ -33,7 +33,7 @@ from gateway.text import TextStream, check_stop_texts
 from omnistage.config import DeployConfig
 from omnistage.engine import OutChunk
 from omnistage.models import Checkpoint, CheckpointError, load_tokenizer
-from omnistage.server.grpc_common import ChainWatcher, HealthState, stage_stream
+from omnistage.server.grpc_common import ChainWatcher, HealthState, lost_peer, stage_stream
 from omnistage.server.routing import Router
 from omnistage.server.tls import name_override, stage_channel_credentials
 from omnistage.topology import STAGES
@@ -343,7 +343,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 return
             except grpc.aio.AioRpcError as e:
                 code, detail = e.code(), e.details() or ""
-                lost = code == grpc.StatusCode.UNAVAILABLE and not detail.startswith(STAGES[1:])
+                lost = lost_peer(code, detail) and not detail.startswith(STAGES[1:])
                 if lost and attempt < self.cfg.failover.attempts and deadline - time.monotonic() > 0.5:
                     attempt += 1
                     self.metrics.replays.inc()
@@ -351,7 +351,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                                 request_id, detail, attempt)  # fmt: skip
                     await asyncio.sleep(0.05 * 2**attempt)  # let the channel see the replica is gone
                     continue
-                if code == grpc.StatusCode.UNAVAILABLE and not detail.startswith(STAGES):
+                if lost_peer(code, detail) and not detail.startswith(STAGES):
+                    code = grpc.StatusCode.UNAVAILABLE
                     detail = f"thinker unavailable at {self.thinker_target}: {detail}"
                     if attempt:
                         detail += f" (after {attempt} replays)"

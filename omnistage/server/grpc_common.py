@@ -34,6 +34,7 @@ __all__ = [
     "channel_options",
     "check",
     "grpc_code",
+    "lost_peer",
     "new_server",
     "port_free",
     "stage_stream",
@@ -59,6 +60,16 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
         ("grpc.service_config", SERVICE_CONFIG),
         ("grpc.enable_retries", 0),
     ]
+
+
+CORE_WRITE_FAILED = "Internal error from Core"  # grpc aio's status for a write to a call whose peer is gone
+
+
+def lost_peer(code: grpc.StatusCode, detail: str) -> bool:
+    """A call that ended because its peer (connection, process) went away, not because the
+    peer answered an error: UNAVAILABLE, or the INTERNAL grpc aio gives a caller whose write
+    failed under it (a replica killed while we were still sending)."""
+    return code == grpc.StatusCode.UNAVAILABLE or (code == grpc.StatusCode.INTERNAL and detail == CORE_WRITE_FAILED)
 
 
 def grpc_code(code: Code) -> grpc.StatusCode:

@@ -34,6 +34,7 @@ from omnistage.server.grpc_common import (
     bind,
     drain,
     grpc_code,
+    lost_peer,
     new_server,
     stage_stream,
     wait_for_signal,
@@ -470,7 +471,7 @@ class StageService:
     def _replayable(self, e: grpc.aio.AioRpcError, call: _Call, context: grpc.aio.ServicerContext) -> str:
         """Why this failure cannot be replayed on another replica ("" when it can)."""
         detail = e.details() or ""
-        if e.code() != grpc.StatusCode.UNAVAILABLE:
+        if not lost_peer(e.code(), detail):
             return "not a lost replica"
         if any(detail.startswith(f"{s}") for s in STAGES if s not in (self.stage, self.downstream_name)):
             return "a stage further down failed"  # that stage's caller has already tried
@@ -510,7 +511,8 @@ class StageService:
                     continue
                 code = e.code()
                 detail = e.details() or ""
-                if code == grpc.StatusCode.UNAVAILABLE and not detail.startswith(self.downstream_name):
+                if lost_peer(code, detail) and not detail.startswith(self.downstream_name):
+                    code = grpc.StatusCode.UNAVAILABLE
                     detail = f"{self.downstream_name} unavailable at {self.downstream}: {detail}"
                     if call.attempt:
                         detail += f" (not replayed again: {why})"

@@ -102,8 +102,12 @@ def test_models_health_and_page(http_stack: Stack, client: openai.OpenAI) -> Non
     models = client.models.list().data
     assert [m.id for m in models] == [http_stack.model_dir.name]
     assert models[0].model_extra["voices"] == ["aiden", "chelsie", "ethan"]
-    health = httpx.get(f"http://{http_stack.http_address}/health")
-    assert health.status_code == 200
+    # each stage learns the health of the one below it by polling (1 s), so right after start-up
+    # the chain may not be known yet: ready within a few polls
+    deadline = time.monotonic() + 15
+    while (health := httpx.get(f"http://{http_stack.http_address}/health")).status_code != 200:
+        assert time.monotonic() < deadline, health.text
+        time.sleep(0.2)
     assert [s["stage"] for s in health.json()["stages"]] == ["thinker", "talker", "code2wav"]
     page = httpx.get(f"http://{http_stack.http_address}/")
     assert page.status_code == 200 and "omnistage playground" in page.text
