@@ -33,7 +33,7 @@ from gateway.text import TextStream, check_stop_texts
 from omnistage.config import DeployConfig
 from omnistage.engine import OutChunk
 from omnistage.models import Checkpoint, CheckpointError, load_tokenizer
-from omnistage.server.grpc_common import ChainWatcher, HealthState, lost_peer, stage_stream
+from omnistage.server.grpc_common import REPLAY_BACKOFF_S, ChainWatcher, HealthState, lost_peer, stage_stream
 from omnistage.server.routing import Router
 from omnistage.server.tls import name_override, stage_channel_credentials
 from omnistage.topology import STAGES
@@ -349,7 +349,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     self.metrics.replays.inc()
                     log.warning("gateway: request %s lost its thinker call (%s); replaying it (attempt %d)",
                                 request_id, detail, attempt)  # fmt: skip
-                    await asyncio.sleep(0.05 * 2**attempt)  # let the channel see the replica is gone
+                    await asyncio.sleep(REPLAY_BACKOFF_S * 2 ** (attempt - 1))  # the channel sees the loss
                     continue
                 if lost_peer(code, detail) and not detail.startswith(STAGES):
                     code = grpc.StatusCode.UNAVAILABLE

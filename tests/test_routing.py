@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 
+from omnistage.server.grpc_common import STAGE_SERVICE, HealthState, add_stage_servicer, bind, new_server
 from omnistage.server.routing import Router, replica_addresses
+from omnistage.v1 import stage_pb2, stage_pb2_grpc
+from tests.integration.conftest import free_port_block
 
 
 def test_replica_addresses_of_each_target_form() -> None:
@@ -17,17 +22,20 @@ def test_replica_addresses_of_each_target_form() -> None:
 
 def test_least_outstanding_spreads_open_calls_and_refills_the_freed_replica() -> None:
     async def go() -> None:
-        router = Router("ipv4:127.0.0.1:9,127.0.0.1:10,127.0.0.1:11", "least_outstanding", 1 << 20)
-        try:
-            picks = [router.pick() for _ in range(3)]
-            assert router.outstanding == [1, 1, 1]  # one open call on each replica
-            assert len({id(ch) for ch, _ in picks}) == 3
-            picks[1][1](None)  # the call on the second replica ends
-            assert router.outstanding == [1, 0, 1]
-            channel, _ = router.pick()
-            assert channel is picks[1][0]  # the freed replica gets the next call
-        finally:
-            await router.close()
+        async with _replicas("a", "b", "c") as (target, _):
+            router = Router(target, "least_outstanding", 1 << 20)
+            try:
+                for _, ch in router.replicas:  # every replica READY: the counts alone decide
+                    await asyncio.wait_for(ch.channel_ready(), 10)
+                picks = [router.pick() for _ in range(3)]
+                assert router.outstanding == [1, 1, 1]  # one open call on each replica
+                assert len({id(ch) for ch, _ in picks}) == 3
+                picks[1][1](None)  # the call on the second replica ends
+                assert router.outstanding == [1, 0, 1]
+                channel, _ = router.pick()
+                assert channel is picks[1][0]  # the freed replica gets the next call
+            finally:
+                await router.close()
 
     asyncio.run(go())
 
@@ -51,54 +59,61 @@ def test_channels_route_only_to_replicas_whose_health_says_serving() -> None:
     """Two replicas behind one target; one says NOT_SERVING (draining): every call goes to the
     other, and once it serves again it gets calls again (gRPC client-side health checking)."""
 
-    from omnistage.server.grpc_common import STAGE_SERVICE, HealthState, add_stage_servicer, bind, new_server
-    from omnistage.server.routing import Router
-    from omnistage.v1 import stage_pb2, stage_pb2_grpc
-    from tests.integration.conftest import free_port_block
-
-    class Named:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        async def Info(self, request: object, context: object) -> stage_pb2.InfoResponse:
-            return stage_pb2.InfoResponse(role=self.name)
-
-        async def Stream(self, request_iterator: object, context: object) -> object:  # unused here
-            raise NotImplementedError
-
     async def go() -> None:
-        servers, healths, ports = [], [], []
-        for name in ("a", "b"):
+        async with _replicas("a", "b") as (target, healths):
+            router = Router(target, "round_robin", 1 << 20)
+            stub = stage_pb2_grpc.StageStub(router.shared)
+
+            async def roles(n: int) -> set[str]:
+                return {(await stub.Info(stage_pb2.InfoRequest(), timeout=5)).role for _ in range(n)}
+
+            try:
+                assert await roles(8) == {"a", "b"}
+                await healths[1].set(False)  # b drains
+                await asyncio.sleep(0.5)
+                assert await roles(12) == {"a"}
+                await healths[1].set(True)
+                for _ in range(50):  # back in the rotation once its Watch says SERVING
+                    if await roles(4) == {"a", "b"}:
+                        break
+                    await asyncio.sleep(0.1)
+                else:
+                    raise AssertionError("b did not come back into the rotation")
+            finally:
+                await router.close()
+
+    asyncio.run(go())
+
+
+class _Named:
+    """A Stage servicer whose Info says its name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def Info(self, request: object, context: object) -> stage_pb2.InfoResponse:
+        return stage_pb2.InfoResponse(role=self.name)
+
+    async def Stream(self, request_iterator: object, context: object) -> object:  # unused here
+        raise NotImplementedError
+
+
+@contextlib.asynccontextmanager
+async def _replicas(*names: str) -> AsyncIterator[tuple[str, list[HealthState]]]:
+    """Stage servers on loopback, SERVING: their target list and health states."""
+    servers, healths, addresses = [], [], []
+    try:
+        for name in names:
             server = new_server(1 << 20)
-            add_stage_servicer(Named(name), server)
+            add_stage_servicer(_Named(name), server)
             health = HealthState(server, (STAGE_SERVICE,))
             port = bind(server, "127.0.0.1", free_port_block(1), name)
             await server.start()
             await health.set(True)
             servers.append(server)
             healths.append(health)
-            ports.append(port)
-        router = Router(f"ipv4:127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}", "round_robin", 1 << 20)
-        stub = stage_pb2_grpc.StageStub(router.shared)
-
-        async def roles(n: int) -> set[str]:
-            return {(await stub.Info(stage_pb2.InfoRequest(), timeout=5)).role for _ in range(n)}
-
-        try:
-            assert await roles(8) == {"a", "b"}
-            await healths[1].set(False)  # b drains
-            await asyncio.sleep(0.5)
-            assert await roles(12) == {"a"}
-            await healths[1].set(True)
-            for _ in range(50):  # back in the rotation once its Watch says SERVING
-                if await roles(4) == {"a", "b"}:
-                    break
-                await asyncio.sleep(0.1)
-            else:
-                raise AssertionError("b did not come back into the rotation")
-        finally:
-            await router.close()
-            for server in servers:
-                await server.stop(None)
-
-    asyncio.run(go())
+            addresses.append(f"127.0.0.1:{port}")
+        yield "ipv4:" + ",".join(addresses), healths
+    finally:
+        for server in servers:
+            await server.stop(None)

@@ -291,8 +291,10 @@ def serve(
         if port is not None:
             overrides.update(port_layout(port))
         overrides.update(_stage_overrides(STAGES, dtype, device))
-        overrides.update({"host": host, "served_model_name": served_model_name, "max_model_len": max_model_len,
-                          "gateway.http_port": http_port})  # fmt: skip
+        flags = {"host": host, "served_model_name": served_model_name, "max_model_len": max_model_len,
+                 "gateway.http_port": http_port}
+        # only the flags given: an unset --http-port must not undo --port's HTTP port (P + 50)
+        overrides.update({k: v for k, v in flags.items() if v is not None})
         cfg = _load_cfg(config, overrides, default=True)
         typer.echo(f"config: {config or default_config_path()}" + (" + flags" if any(overrides.values()) else ""))
         shown = model_arg or model or cfg.model or "built-in tiny checkpoint"

@@ -24,6 +24,7 @@ from omnistage.wire.wire_view import Undecodable, parse_request_or_error, parse_
 
 __all__ = [
     "LIVENESS_SERVICE",
+    "REPLAY_BACKOFF_S",
     "STAGE_SERVICE",
     "ChainWatcher",
     "HealthState",
@@ -58,10 +59,17 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
         # only over replicas whose grpc.health.v1 Watch says SERVING: a draining replica or one
         # that stopped answering leaves the rotation until its health check passes again.
         ("grpc.service_config", SERVICE_CONFIG),
+        # A replica restarted on its port (serve, a rescheduled pod) is dialled again within 2 s,
+        # not after gRPC's default reconnect backoff (up to 120 s).
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2000),
         ("grpc.enable_retries", 0),
     ]
 
 
+# Replays wait 0.25, 0.5, 1 s: together about the channels' longest reconnect backoff (2 s), so a
+# replica restarted on its port is dialled again before the last attempt.
+REPLAY_BACKOFF_S = 0.25
 CORE_WRITE_FAILED = "Internal error from Core"  # grpc aio's status for a write to a call whose peer is gone
 
 

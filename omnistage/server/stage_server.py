@@ -27,6 +27,7 @@ from google.protobuf.message import DecodeError
 from omnistage.config import TlsConfig
 from omnistage.engine import Engine, OutChunk, Request, StepOutput
 from omnistage.server.grpc_common import (
+    REPLAY_BACKOFF_S,
     STAGE_SERVICE,
     ChainWatcher,
     HealthState,
@@ -506,7 +507,7 @@ class StageService:
                                 self.stage, req.request_id, self.downstream_name, e.code().name, e.details(),
                                 call.attempt)  # fmt: skip
                     self.replays_total += 1
-                    await asyncio.sleep(0.05 * 2**call.attempt)  # let the channel see the replica is gone
+                    await asyncio.sleep(REPLAY_BACKOFF_S * 2 ** (call.attempt - 1))  # the channel sees the loss
                     self._open_downstream(req, call, context)
                     continue
                 code = e.code()
