@@ -32,12 +32,23 @@ def dims(tiny_dir: Path) -> Dims:
     return Dims.of(open_checkpoint(tiny_dir).spec)
 
 
+@pytest.fixture(scope="module")
+def replicated(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Two replicas of every stage: one of each may be killed."""
+    cfg = stack_config(thinker={"replicas": 2}, talker={"replicas": 2}, code2wav={"replicas": 2})
+    s = start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("replicated"))
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
 @pytest.mark.parametrize("stage", STAGE_NAMES)
-def test_malformed_messages_end_invalid_argument_at_once(stack: Stack, dims: Dims, stage: str) -> None:
+def test_malformed_messages_end_invalid_argument_at_once(replicated: Stack, dims: Dims, stage: str) -> None:
     """Every kind of malformed call, at every position: INVALID_ARGUMENT within 1 s, never
     UNKNOWN, INTERNAL or a hang; the stage holds nothing afterwards and keeps serving."""
-    address = stack.addresses(stage)[0]
-    pid = stack.child(stage, 0).proc.pid
+    address = replicated.addresses(stage)[0]
+    pid = replicated.child(stage, 0).proc.pid
     probes = malformed_probes(stage, dims, PROBES_PER_STAGE, seed=1)
     assert len({p.kind.split("@")[0] for p in probes}) >= 12, "the probes cover too few kinds"
     rss0 = faults.rss_bytes(pid)
@@ -51,18 +62,18 @@ def test_malformed_messages_end_invalid_argument_at_once(stack: Stack, dims: Dim
     assert run(faults.wait_until(lambda: stage_idle(address), limit_s=2.0)) is not None
     # no growth beyond noise (the bench's 10,000 calls hold it under 2 %)
     assert faults.rss_bytes(pid) < rss0 * 1.10
-    reply = run(generate(stack.gateway_address, "hi", thinker_max_tokens=3, talker_max_tokens=4, timeout=60))
+    reply = run(generate(replicated.gateway_address, "hi", thinker_max_tokens=3, talker_max_tokens=4, timeout=60))
     assert reply.token_ids and reply.pcm.size > 0
 
 
-def test_errors_never_echo_payload_bytes(stack: Stack) -> None:
+def test_errors_never_echo_payload_bytes(replicated: Stack) -> None:
     """A Start followed by bytes that do not parse: the error names the message and its size,
     not its contents."""
     secret = b"\x12\xff\x7fSECRET-PAYLOAD-0123456789"
     start = stage_pb2.StageRequest(start=stage_pb2.Start(request_id="echo")).SerializeToString()
 
     async def go() -> Any:
-        async with grpc.aio.insecure_channel(stack.addresses("thinker")[0]) as ch:
+        async with grpc.aio.insecure_channel(replicated.addresses("thinker")[0]) as ch:
             call = ch.stream_stream("/omnistage.v1.Stage/Stream")
 
             async def messages() -> Any:
@@ -80,15 +91,15 @@ def test_errors_never_echo_payload_bytes(stack: Stack) -> None:
     assert "SECRET" not in err.details()
 
 
-def test_cancels_at_random_points_leave_nothing_held(stack: Stack) -> None:
+def test_cancels_at_random_points_leave_nothing_held(replicated: Stack) -> None:
     """Requests cancelled at random points through the gateway: every stage is idle and its
     shared-memory segments are back to the baseline within 1 s of the last cancel."""
-    stages = [(name, a) for name in STAGE_NAMES for a in stack.addresses(name)]
+    stages = [(name, a) for name in STAGE_NAMES for a in replicated.addresses(name)]
     baseline = {a: run(faults.shm_segments(a)) for _, a in stages}
     rng = random.Random(3)
 
     async def one(i: int) -> None:
-        task = asyncio.create_task(generate(stack.gateway_address, f"tell me about {i}", thinker_max_tokens=16,
+        task = asyncio.create_task(generate(replicated.gateway_address, f"tell me about {i}", thinker_max_tokens=16,
                                             talker_max_tokens=32, timeout=60))  # fmt: skip
         await asyncio.sleep(rng.uniform(0.0, 1.5))
         task.cancel()
@@ -113,17 +124,6 @@ def test_cancels_at_random_points_leave_nothing_held(stack: Stack) -> None:
 
 
 # ---- a replica killed under load ------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def replicated(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """Two replicas of every stage: one of each may be killed."""
-    cfg = stack_config(thinker={"replicas": 2}, talker={"replicas": 2}, code2wav={"replicas": 2})
-    s = start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("replicated"))
-    try:
-        yield s
-    finally:
-        s.stop()
 
 
 PROMPTS = [f"Question {i}: tell me something about the number {i}." for i in range(16)]
