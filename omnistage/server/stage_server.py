@@ -203,7 +203,6 @@ class StageService:
         self.tls = tls or TlsConfig()
         self.replay_budget_bytes = replay_budget_bytes
         self.failover_attempts = failover_attempts
-        self.replays_total = 0
         self.pool = ShmPool(enabled=shm)
         self.reader = ShmReader(enabled=shm)
         self.open_streams = 0
@@ -506,7 +505,6 @@ class StageService:
                     log.warning("%s: request %s lost its %s call (%s: %s); replaying it (attempt %d)",
                                 self.stage, req.request_id, self.downstream_name, e.code().name, e.details(),
                                 call.attempt)  # fmt: skip
-                    self.replays_total += 1
                     await asyncio.sleep(REPLAY_BACKOFF_S * 2 ** (call.attempt - 1))  # the channel sees the loss
                     self._open_downstream(req, call, context)
                     continue
