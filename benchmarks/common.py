@@ -52,14 +52,3 @@ def write_json(path: Path | None, result: dict[str, Any]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
-
-def free_base_port(n: int, metrics_offset: int = 1000, start: int = 41000) -> int:
-    """A base port with `n` consecutive free ports on 127.0.0.1, and free `metrics_offset` above
-    too (each process serves its metrics there); a bounded search."""
-    from omnistage.server.grpc_common import port_free
-
-    for base in range(start, 60000, 50):
-        wanted = [*range(base, base + n), *range(base + metrics_offset, base + metrics_offset + n)]
-        if all(port_free("127.0.0.1", p) for p in wanted):
-            return base
-    raise RuntimeError("no free port block on 127.0.0.1")

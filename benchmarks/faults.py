@@ -291,7 +291,9 @@ def _log(msg: str) -> None:
     print(f"[faults] {msg}", flush=True)
 
 
-async def _request(address: str, prompt: str, **kw: Any) -> tuple[list[int], Any]:
+async def request(address: str, prompt: str, on_first_audio: Callable[[], None] | None = None,
+                  **kw: Any) -> tuple[list[int], Any]:  # fmt: skip
+    """One greedy request's token ids and audio samples; `on_first_audio()` as its audio starts."""
     import numpy as np
 
     from gateway.client import stream_generate
@@ -301,18 +303,18 @@ async def _request(address: str, prompt: str, **kw: Any) -> tuple[list[int], Any
     async for ev in stream_generate(address, prompt, timeout=300, **kw):
         ids.extend(ev.token_ids)
         if ev.kind == "audio" and ev.pcm is not None:
+            if not pcm and on_first_audio is not None:
+                on_first_audio()
             pcm.append(ev.pcm)
     return ids, (np.concatenate(pcm) if pcm else np.zeros(0, np.float32))
 
 
-async def _closed_loop(address: str, n: int, concurrency: int, limit_s: float, on_done: Callable[[int], None]
-                       | None = None, on_first_audio: Callable[[int], None] | None = None, **kw: Any
-                       ) -> tuple[dict[int, Any], list[str]]:  # fmt: skip
-    """`n` greedy requests, `concurrency` at a time, bounded by `limit_s`: (outputs, errors)."""
-    import numpy as np
-
-    from gateway.client import stream_generate
-
+async def closed_loop(address: str, prompts: list[str], concurrency: int, limit_s: float,
+                      on_done: Callable[[int], None] | None = None,
+                      on_first_audio: Callable[[int], None] | None = None, **kw: Any
+                      ) -> tuple[dict[int, Any], list[str]]:  # fmt: skip
+    """Every prompt (greedy), `concurrency` at a time, none started after `limit_s`:
+    ({index: (ids, samples)}, errors). `on_first_audio(i)` as request i's audio starts."""
     sem = asyncio.Semaphore(concurrency)
     out: dict[int, Any] = {}
     errors: list[str] = []
@@ -322,24 +324,20 @@ async def _closed_loop(address: str, n: int, concurrency: int, limit_s: float, o
         async with sem:
             if time.monotonic() > t_end:
                 return
-            ids: list[int] = []
-            pcm: list[Any] = []
+            first = None if on_first_audio is None else (lambda: on_first_audio(i))
             try:
-                async for ev in stream_generate(address, f"Question {i % 64}: tell me about {i % 64}.",
-                                                timeout=300, **kw):  # fmt: skip
-                    ids.extend(ev.token_ids)
-                    if ev.kind == "audio" and ev.pcm is not None:
-                        if not pcm and on_first_audio is not None:
-                            on_first_audio(i)
-                        pcm.append(ev.pcm)
-                out[i] = (ids, np.concatenate(pcm) if pcm else np.zeros(0, np.float32))
+                out[i] = await request(address, prompts[i], first, **kw)
             except grpc.aio.AioRpcError as e:
                 errors.append(f"{e.code().name}: {e.details()}")
             if on_done is not None:
                 on_done(len(out) + len(errors))
 
-    await asyncio.gather(*(one(i) for i in range(n)))
+    await asyncio.gather(*(one(i) for i in range(len(prompts))))
     return out, errors
+
+
+def _prompts(n: int) -> list[str]:
+    return [f"Question {i % 64}: tell me about {i % 64}." for i in range(n)]
 
 
 def main(model: Any, malformed: int, cancels: int, kill_requests: int, soak_requests: int, time_limit_s: float,
@@ -350,12 +348,13 @@ def main(model: Any, malformed: int, cancels: int, kill_requests: int, soak_requ
 
     import numpy as np
 
-    from benchmarks.common import free_base_port, machine_info, write_json
+    from benchmarks.common import machine_info, write_json
+    from benchmarks.harness import free_port_blocks
     from omnistage.cli.serve import start_stack
     from omnistage.config import parse_config
     from omnistage.models.checkpoint import open_checkpoint
 
-    base = free_base_port(12)
+    base = free_port_blocks([12])[0]
     cfg = parse_config({"gateway": {"port": base, "http_port": None}, "thinker": {"base_port": base + 2, "replicas": 2},
                         "talker": {"base_port": base + 4, "replicas": 2},
                         "code2wav": {"base_port": base + 8, "replicas": 2},
@@ -396,7 +395,7 @@ def main(model: Any, malformed: int, cancels: int, kill_requests: int, soak_requ
         baseline_shm = {a: asyncio.run(shm_segments(a)) for _, a in stages}
 
         async def cancel_one(i: int) -> None:
-            task = asyncio.create_task(_request(stack.gateway_address, f"tell me about {i}",
+            task = asyncio.create_task(request(stack.gateway_address, f"tell me about {i}",
                                                 thinker_max_tokens=16, talker_max_tokens=32))  # fmt: skip
             await asyncio.sleep(rng.uniform(0.0, 2.0))
             task.cancel()
@@ -467,7 +466,8 @@ def main(model: Any, malformed: int, cancels: int, kill_requests: int, soak_requ
 
         # 4. one replica of each stage killed under c=8 load
         kw = {"thinker_max_tokens": 12, "talker_max_tokens": 24}
-        clean, clean_errors = asyncio.run(_closed_loop(stack.gateway_address, kill_requests, 8, time_limit_s, **kw))
+        kill_prompts = _prompts(kill_requests)
+        clean, clean_errors = asyncio.run(closed_loop(stack.gateway_address, kill_prompts, 8, time_limit_s, **kw))
         victims = {kill_requests // 8: stack.child("code2wav", 1), kill_requests // 4: stack.child("talker", 1),
                    kill_requests // 2: stack.child("thinker", 1)}  # fmt: skip
         firsts: list[int] = []
@@ -479,7 +479,7 @@ def main(model: Any, malformed: int, cancels: int, kill_requests: int, soak_requ
                 _log(f"SIGKILL {victim.role} (pid {victim.proc.pid}) after {len(firsts)} first audios")
                 victim.proc.kill()
 
-        faulted, errors = asyncio.run(_closed_loop(stack.gateway_address, kill_requests, 8, time_limit_s,
+        faulted, errors = asyncio.run(closed_loop(stack.gateway_address, kill_prompts, 8, time_limit_s,
                                                    on_first_audio=on_first_audio, **kw))  # fmt: skip
         same = sum(1 for i, (ids, pcm) in faulted.items() if i in clean and ids == clean[i][0]
                    and pcm.shape == clean[i][1].shape and np.allclose(pcm, clean[i][1], atol=1e-5))  # fmt: skip
@@ -498,7 +498,7 @@ def main(model: Any, malformed: int, cancels: int, kill_requests: int, soak_requ
             if count == min(200, soak_requests // 2) and not rss_at:
                 rss_at.update({r: rss_bytes(p) for r, p in survivors.items()})
 
-        soak, soak_errors = asyncio.run(_closed_loop(stack.gateway_address, soak_requests, 16, time_limit_s,
+        soak, soak_errors = asyncio.run(closed_loop(stack.gateway_address, _prompts(soak_requests), 16, time_limit_s,
                                                      on_done=on_done, **kw))  # fmt: skip
         growth = {r: rss_bytes(p) / rss_at[r] - 1 for r, p in survivors.items() if r in rss_at}
         result["soak"] = {"requests": soak_requests, "completed": len(soak), "errors": len(soak_errors),

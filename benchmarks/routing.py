@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import free_base_port, machine_info, write_json
+from benchmarks.common import machine_info, write_json
+from benchmarks.harness import free_port_blocks
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -58,7 +59,7 @@ def main(model: Path | None, requests: int, concurrency: int, short_frames: int,
                               "concurrency": concurrency, "short_frames": short_frames, "long_frames": long_frames,
                               "long_requests": sum(f == long_frames for _, f in plan), "policies": {}}  # fmt: skip
     for policy in ("round_robin", "least_outstanding"):
-        base = free_base_port(10)
+        base = free_port_blocks([10])[0]
         cfg = parse_config({"gateway": {"port": base, "http_port": None}, "thinker": {"base_port": base + 2},
                             "talker": {"base_port": base + 4, "replicas": 2}, "code2wav": {"base_port": base + 8},
                             "routing": policy}, "bench routing")  # fmt: skip

@@ -224,8 +224,6 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             check_stop_texts(request.stop)
         except ValueError as e:
             raise bad(str(e)) from None
-        if request.mode not in stage_pb2.EdgeMode.values():
-            raise bad(f"mode: unknown value {request.mode}")
         start = stage_pb2.Start(request_id=request.request_id, want_audio=request.want_audio, mode=request.mode,
                                 speaker=request.speaker, deadline_unix_s=time.time() + timeout)  # fmt: skip
         for name, params in request.sampling.items():

@@ -34,6 +34,7 @@ import torch
 
 from omnistage.engine import OutChunk
 from omnistage.models import SamplingParams
+from omnistage.topology import STAGES
 from omnistage.v1 import stage_pb2
 from omnistage.wire import DecodedChunk, invalid
 
@@ -217,9 +218,6 @@ def audio_chunk(offset: int, pcm: torch.Tensor, sample_rate: int) -> OutChunk:
 _SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "max_tokens")
 
 
-STAGE_NAMES = ("thinker", "talker", "code2wav")
-
-
 def check_start(stage: str, start: stage_pb2.Start) -> None:
     """What every stage checks in a Start before it opens the request (INVALID_ARGUMENT)."""
     if not start.request_id:
@@ -231,9 +229,9 @@ def check_start(stage: str, start: stage_pb2.Start) -> None:
                       f"({', '.join(stage_pb2.EdgeMode.keys())})")  # fmt: skip
     if not start.deadline_unix_s >= 0 or start.deadline_unix_s == float("inf"):  # NaN fails `>=`
         raise invalid(f"{stage}: Start.deadline_unix_s must be a finite time >= 0, got {start.deadline_unix_s}")
-    unknown = sorted(set(start.sampling) - set(STAGE_NAMES))
+    unknown = sorted(set(start.sampling) - set(STAGES))
     if unknown:
-        raise invalid(f"{stage}: Start.sampling has unknown stage(s) {unknown}; expected {list(STAGE_NAMES)}")
+        raise invalid(f"{stage}: Start.sampling has unknown stage(s) {unknown}; expected {list(STAGES)}")
 
 
 def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,

@@ -3,6 +3,7 @@ monolithic reference model loaded from it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -139,3 +140,18 @@ def no_talker_calls(pipeline: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[
 
             monkeypatch.setattr(obj, name, spy)
     yield calls
+
+
+@contextlib.contextmanager
+def talker_audio_policy(reference: Any, needed: bool) -> Iterator[None]:
+    """generate() cannot place audio in a talker prompt that also has an image or video (its
+    talker config lacks audio_config); omnistage's talker takes the thinker's (the family's
+    documented policy). The reference gets the same for those requests only."""
+    talker_config = reference.model.talker.config
+    if needed:
+        talker_config.audio_config = reference.model.config.thinker_config.audio_config
+    try:
+        yield
+    finally:
+        if needed:
+            del talker_config.audio_config

@@ -4,9 +4,7 @@ of other sizes and ids, and chunked multimodal prefill."""
 
 from __future__ import annotations
 
-import contextlib
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ from omnistage.models.qwen3_omni.multimodal import MultimodalInputs, feature_out
 from omnistage.models.qwen3_omni.processor import load_processor
 from omnistage.models.sampling import SamplingParams
 from services.pipeline import PipelineRequest
+from tests.conftest import talker_audio_policy
 
 RATE = 16_000
 
@@ -107,21 +106,6 @@ def test_a_checkpoint_without_its_processor_is_named(tiny_dir: Path, tmp_path: P
         load_processor(ckpt, load_tokenizer(ckpt))
 
 
-@contextlib.contextmanager
-def _talker_audio_policy(reference: Any, mm: MultimodalInputs) -> Iterator[None]:
-    """generate() cannot place audio in a talker prompt with an image or video; the reference
-    gets the thinker's audio config there, as omnistage's talker does (documented policy)."""
-    needed = mm.input_features is not None and mm.video_grid_thw is not None
-    config = reference.model.talker.config
-    if needed:
-        config.audio_config = reference.model.config.thinker_config.audio_config
-    try:
-        yield
-    finally:
-        if needed:
-            del config.audio_config
-
-
 @pytest.mark.parametrize("kind", ["audio", "image", "image+video", "audio-in-video"])
 def test_variant_checkpoint_matches_generate(checkpoints: Any, kind: str) -> None:
     pipeline, reference = checkpoints("variant")
@@ -134,7 +118,8 @@ def test_variant_checkpoint_matches_generate(checkpoints: Any, kind: str) -> Non
     done = events[-1]
     eos = pipeline.spec.im_end_id
     try:
-        with _talker_audio_policy(reference, mm):
+        # generate() has no talker audio_config for audio with video (documented policy)
+        with talker_audio_policy(reference, mm.input_features is not None and mm.video_grid_thw is not None):
             ref_ids, ref_codes, _ = reference.generate(ids, 12, 16, eos, **mm.generate_kwargs())
     except RuntimeError as e:
         # generate() fails when the talker's first code is codec EOS (it stacks an empty list of

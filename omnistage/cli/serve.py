@@ -13,6 +13,7 @@ Children get SIGTERM (drain) when the parent stops and die with it if it is kill
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import re
 import signal
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from omnistage.config import DeployConfig
 from omnistage.server.grpc_common import PortTaken, check, port_free
@@ -188,11 +190,16 @@ class Stack:
     def status_lines(self) -> list[str]:
         return [f"  {c.role:<12} {c.address:<22} pid {c.proc.pid:<8} {c.status()}" for c in self.children]
 
+    @functools.cached_property
+    def _credentials(self) -> dict[str, Any]:
+        """What health checks dial the gateway and the stages with (TLS files read once)."""
+        tls = self.cfg.tls
+        return {"gateway": gateway_channel_credentials(tls), "stage": stage_channel_credentials(tls)}
+
     def healthy(self, c: Child, timeout: float) -> bool:
         """`c` answers SERVING (over TLS as the config says)."""
-        tls = self.cfg.tls
-        creds = gateway_channel_credentials(tls) if c.name == "gateway" else stage_channel_credentials(tls)
-        return check(c.address, timeout=timeout, credentials=creds, options=name_override(tls))
+        creds = self._credentials["gateway" if c.name == "gateway" else "stage"]
+        return check(c.address, timeout=timeout, credentials=creds, options=name_override(self.cfg.tls))
 
     def heal(self, say: Callable[[str], None]) -> None:
         """One supervision pass: restart each dead child with backoff (same port, same

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from omnistage.wire import Code
-from omnistage.wire.wire_view import Undecodable, parse_request_or_error, parse_response, parser_or_error, serialize
+from omnistage.wire.wire_view import Undecodable, or_undecodable, parse_request, parse_response, serialize
 
 __all__ = [
     "LIVENESS_SERVICE",
@@ -179,26 +179,27 @@ def add_servicer(servicer: Any, server: grpc.aio.Server, service: ServiceDescrip
     """Register `servicer`'s methods for `service` with deserializers that never raise: a
     request that does not parse ends its call INVALID_ARGUMENT naming the message (gRPC would
     answer UNKNOWN, or leave a stream hanging). Stage.Stream requests are parsed by
-    `wire_view.parse_request_or_error` (tensor payloads left in the received bytes) and its
+    `wire_view.parse_request` through `or_undecodable` (tensor payloads left in the received bytes) and its
     responses written by `wire_view.serialize` (one copy; relayed bytes as they came)."""
     handlers = {}
     for method in service.methods:
         request_cls = GetMessageClass(method.input_type)
         response_cls = GetMessageClass(method.output_type)
         fn = getattr(servicer, method.name)
+        parse = or_undecodable(request_cls.FromString)
         if method.client_streaming and method.server_streaming:
             assert service.full_name == STAGE_SERVICE and method.name == "Stream"
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(
-                fn, request_deserializer=parse_request_or_error, response_serializer=serialize
+                fn, request_deserializer=or_undecodable(parse_request), response_serializer=serialize
             )
         elif method.server_streaming:
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                _checked_stream(fn, request_cls.DESCRIPTOR.name), request_deserializer=parser_or_error(request_cls),
+                _checked_stream(fn, request_cls.DESCRIPTOR.name), request_deserializer=parse,
                 response_serializer=response_cls.SerializeToString,
             )  # fmt: skip
         elif not method.client_streaming:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _checked_unary(fn, request_cls.DESCRIPTOR.name), request_deserializer=parser_or_error(request_cls),
+                _checked_unary(fn, request_cls.DESCRIPTOR.name), request_deserializer=parse,
                 response_serializer=response_cls.SerializeToString,
             )  # fmt: skip
         else:

@@ -61,15 +61,15 @@ __all__ = [
     "Outgoing",
     "Received",
     "Undecodable",
+    "or_undecodable",
     "parse_chunk",
     "parse_request",
-    "parse_request_or_error",
     "parse_response",
-    "parser_or_error",
     "serialize",
 ]
 
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 
 SMALL_BYTES = 32 << 10  # messages shorter than this are parsed by protobuf alone (see module doc)
 
@@ -273,24 +273,16 @@ def parse_request(data: bytes) -> Received[stage_pb2.StageRequest]:
     )
 
 
-def parse_request_or_error(data: bytes) -> Received[stage_pb2.StageRequest] | Undecodable:
-    """``parse_request`` that returns ``Undecodable`` instead of raising."""
-    try:
-        return parse_request(data)
-    except Exception as e:  # DecodeError, TensorBlobError, anything protobuf raises on garbage
-        return Undecodable(len(data), type(e).__name__)
+def or_undecodable(parse: Callable[[bytes], T]) -> Callable[[bytes], T | Undecodable]:
+    """`parse` returning ``Undecodable`` instead of raising (a server's request deserializer)."""
 
-
-def parser_or_error(cls: type[M]) -> Callable[[bytes], M | Undecodable]:
-    """A deserializer for plain ``cls`` messages that returns ``Undecodable`` instead of raising."""
-
-    def parse(data: bytes) -> M | Undecodable:
+    def parse_or_error(data: bytes) -> T | Undecodable:
         try:
-            return cls.FromString(data)
-        except Exception as e:
+            return parse(data)
+        except Exception as e:  # DecodeError, TensorBlobError, anything protobuf raises on garbage
             return Undecodable(len(data), type(e).__name__)
 
-    return parse
+    return parse_or_error
 
 
 def parse_response(data: bytes) -> Received[stage_pb2.StageResponse]:

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import random
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +17,13 @@ import pytest
 
 from benchmarks import faults
 from benchmarks.faults import Dims, malformed_probes, run_probes, stage_idle, summarize
-from gateway.client import generate, stream_generate
+from gateway.client import generate
 from omnistage.cli.serve import Stack, start_stack
 from omnistage.models.checkpoint import open_checkpoint
+from omnistage.topology import STAGES
 from omnistage.v1 import stage_pb2
 from tests.integration.conftest import run, stack_config
 
-STAGE_NAMES = ("thinker", "talker", "code2wav")
 PROBES_PER_STAGE = 240  # the bench runs 10,000
 
 
@@ -43,7 +43,7 @@ def replicated(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         s.stop()
 
 
-@pytest.mark.parametrize("stage", STAGE_NAMES)
+@pytest.mark.parametrize("stage", STAGES)
 def test_malformed_messages_end_invalid_argument_at_once(replicated: Stack, dims: Dims, stage: str) -> None:
     """Every kind of malformed call, at every position: INVALID_ARGUMENT within 1 s, never
     UNKNOWN, INTERNAL or a hang; the stage holds nothing afterwards and keeps serving."""
@@ -94,7 +94,7 @@ def test_errors_never_echo_payload_bytes(replicated: Stack) -> None:
 def test_cancels_at_random_points_leave_nothing_held(replicated: Stack) -> None:
     """Requests cancelled at random points through the gateway: every stage is idle and its
     shared-memory segments are back to the baseline within 1 s of the last cancel."""
-    stages = [(name, a) for name in STAGE_NAMES for a in replicated.addresses(name)]
+    stages = [(name, a) for name in STAGES for a in replicated.addresses(name)]
     baseline = {a: run(faults.shm_segments(a)) for _, a in stages}
     rng = random.Random(3)
 
@@ -129,36 +129,13 @@ def test_cancels_at_random_points_leave_nothing_held(replicated: Stack) -> None:
 PROMPTS = [f"Question {i}: tell me something about the number {i}." for i in range(16)]
 
 
-async def _load(address: str, prompts: list[str], concurrency: int,
-                on_audio: Callable[[int], None] | None = None) -> dict[int, Any]:  # fmt: skip
-    """Every prompt (greedy), `concurrency` at a time; `on_audio(i)` at each request's first audio."""
-    sem = asyncio.Semaphore(concurrency)
-    out: dict[int, Any] = {}
-
-    async def one(i: int) -> None:
-        async with sem:
-            ids: list[int] = []
-            pcm: list[np.ndarray] = []
-            async for ev in stream_generate(address, prompts[i], thinker_max_tokens=12, talker_max_tokens=24,
-                                            timeout=120):  # fmt: skip
-                ids.extend(ev.token_ids)
-                if ev.kind == "audio" and ev.pcm is not None:
-                    if not pcm and on_audio is not None:
-                        on_audio(i)
-                    pcm.append(ev.pcm)
-            out[i] = (ids, np.concatenate(pcm) if pcm else np.zeros(0, np.float32))
-
-    results = await asyncio.gather(*(one(i) for i in range(len(prompts))), return_exceptions=True)
-    failed = [r for r in results if isinstance(r, BaseException)]
-    assert not failed, f"{len(failed)} requests failed, e.g. {failed[0]!r}"
-    return out
-
-
 def test_killing_one_replica_of_each_stage_under_load_loses_no_request(replicated: Stack) -> None:
     """SIGKILL of one replica of the thinker, the talker and code2wav while 8 requests stream:
     no request fails, and every reply equals the fault-free run's (failover with replay)."""
     s = replicated
-    baseline = run(_load(s.gateway_address, PROMPTS, concurrency=8))
+    limits = {"thinker_max_tokens": 12, "talker_max_tokens": 24}
+    baseline, errors = run(faults.closed_loop(s.gateway_address, PROMPTS, 8, 120, **limits))
+    assert not errors, errors
     victims = {2: s.child("code2wav", 1), 5: s.child("talker", 1), 8: s.child("thinker", 1)}  # at the nth first audio
     seen: list[int] = []
 
@@ -168,7 +145,9 @@ def test_killing_one_replica_of_each_stage_under_load_loses_no_request(replicate
         if victim is not None:
             victim.proc.kill()
 
-    faulted = run(_load(s.gateway_address, PROMPTS, concurrency=8, on_audio=on_audio))
+    faulted, errors = run(faults.closed_loop(s.gateway_address, PROMPTS, 8, 120, on_first_audio=on_audio, **limits))
+    assert not errors, f"{len(errors)} requests failed, e.g. {errors[0]}"
+    assert len(faulted) == len(PROMPTS)
     assert all(v.proc.poll() is not None for v in victims.values()), "a victim was not killed during the run"
     # each hop did replay (the victims held requests when they died)
     for caller, lost in (("gateway", "thinker"), ("thinker", "talker"), ("talker", "code2wav")):

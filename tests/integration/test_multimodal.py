@@ -6,7 +6,6 @@ request with INVALID_ARGUMENT naming the part, and nothing else."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from omnistage.models.qwen3_omni.multimodal import MultimodalInputs
 from omnistage.v1 import gateway_pb2, gateway_pb2_grpc, stage_pb2
 from omnistage.wire import encode_chunks
 from services import edges
+from tests.conftest import talker_audio_policy
 from tests.integration.conftest import info, run, stack_config, stage_call
 
 THINKER_MAX, TALKER_MAX = 16, 24
@@ -94,21 +94,6 @@ def _case(name: str) -> gateway_pb2.GenerateRequest:
 
 
 CASES = ["audio", "image", "video", "audio+image", "audio-in-video", "frames+pcm", "multi-turn"]
-
-
-@contextlib.contextmanager
-def talker_audio_policy(reference: Any, needed: bool) -> Iterator[None]:
-    """generate() cannot place audio in a talker prompt that also has an image or video (its
-    talker config lacks audio_config); omnistage's talker takes the thinker's (the family's
-    documented policy). The reference gets the same for those requests only."""
-    talker_config = reference.model.talker.config
-    if needed:
-        talker_config.audio_config = reference.model.config.thinker_config.audio_config
-    try:
-        yield
-    finally:
-        if needed:
-            del talker_config.audio_config
 
 
 def reference_output(ref: Any, request: gateway_pb2.GenerateRequest) -> tuple[list[int], dict[str, Any], Any]:
