@@ -46,9 +46,9 @@ from typing import Any, Literal
 
 import yaml
 
-from omnistage.config import ConfigError, DeployConfig, StageName, dump_config, load_config
+from omnistage.config import ConfigError, DeployConfig, StageName, config_path, dump_config, load_config
 from omnistage.server.grpc_common import LIVENESS_SERVICE
-from omnistage.topology import STAGES, stage_def
+from omnistage.topology import PROCESSES, stage_def
 
 __all__ = [
     "CONFIG_PATH",
@@ -104,8 +104,10 @@ def container_config(cfg: DeployConfig, *, cpu_only: bool = False) -> DeployConf
     data["host"] = "0.0.0.0"
     data["shm"] = False
     data["model"] = MODEL_DIR if (cfg.model is not None and not cpu_only) else None
-    for name in STAGES:
-        stage = data[name]
+    for name in PROCESSES:  # the thinker's role blocks too, used or not
+        stage = data
+        for key in config_path(name).split("."):
+            stage = stage[key]
         if cpu_only:
             stage["device"] = "cpu"
             stage["dtype"] = "float32"
@@ -122,7 +124,7 @@ def _uses_tls(cfg: DeployConfig) -> bool:
 
 
 def _uses_cuda(cfg: DeployConfig) -> bool:
-    return any(cfg.stage(name).device.startswith("cuda") for name in STAGES)
+    return any(cfg.stage(name).device.startswith("cuda") for name in cfg.stage_names())
 
 
 def _target(cfg: DeployConfig, name: StageName) -> str:
@@ -143,7 +145,8 @@ def stage_args(cfg: DeployConfig, name: StageName) -> list[str]:
 
 def gateway_args(cfg: DeployConfig) -> list[str]:
     """Arguments after `omnistage` for the gateway; `cfg` is the container view."""
-    args = ["gateway", "--host", "0.0.0.0", "--port", str(cfg.gateway.port), "--thinker", _target(cfg, "thinker")]
+    first = cfg.stage_names()[0]  # the thinker, or its prefill role
+    args = ["gateway", "--host", "0.0.0.0", "--port", str(cfg.gateway.port), "--thinker", _target(cfg, first)]
     args += ["--http-port", str(cfg.gateway.http_port)] if cfg.gateway.http_port else ["--no-http"]
     args += ["--config", CONFIG_PATH]
     if cfg.model is not None:
@@ -288,13 +291,13 @@ def _compose_profile(
             port=cfg.gateway.port,
             replicas=cfg.gateway.replicas,
             device="cpu",
-            depends_on="thinker" + suffix,
+            depends_on=cfg.stage_names()[0] + suffix,
             publish=True,
             http_port=cfg.gateway.http_port,
             **common,
         )
     }
-    for name in STAGES:
+    for name in cfg.stage_names():
         stage = cfg.stage(name)
         downstream = stage_def(name).downstream
         services[name] = _compose_service(
@@ -558,7 +561,8 @@ def render_k8s(cfg: DeployConfig) -> dict[str, str]:
     gateway_ports = [cfg.gateway.port] + ([cfg.gateway.http_port] if cfg.gateway.http_port else [])
     gateway_np = _network_policy("gateway", None, gateway_ports, run_cfg.metrics_port(cfg.gateway.port))
     files["k8s/gateway.yaml"] = header + _docs(gateway, gateway_svc, gateway_np)
-    for k, name in enumerate(STAGES):
+    chain = cfg.stage_names()
+    for k, name in enumerate(chain):
         stage = cfg.stage(name)
         dep = _deployment(
             cfg,
@@ -573,7 +577,7 @@ def render_k8s(cfg: DeployConfig) -> dict[str, str]:
             config_sha=config_sha,
         )
         svc = _service(name, stage.base_port, run_cfg.metrics_port(stage.base_port), headless=True)
-        caller = STAGES[k - 1] if k else "gateway"  # only the stage above may call this one
+        caller = chain[k - 1] if k else "gateway"  # only the stage above may call this one
         policy = _network_policy(name, [caller], [stage.base_port], run_cfg.metrics_port(stage.base_port))
         files[f"k8s/{name}.yaml"] = header + _docs(dep, svc, _hpa(name, stage.replicas), policy)
     resources = sorted(p.removeprefix("k8s/") for p in files)

@@ -11,7 +11,7 @@ import yaml
 from typer.testing import CliRunner
 
 from omnistage.cli.deploy_render import MODEL_DIR, MODEL_PVC, container_config, render, render_to_dir
-from omnistage.config import STAGES, DeployConfig, parse_config
+from omnistage.config import STAGES, DeployConfig, load_config, parse_config
 from omnistage.server.grpc_common import LIVENESS_SERVICE
 
 from .conftest import DEFAULT_YAML, DEPLOY, yaml_docs
@@ -231,3 +231,27 @@ def test_tls_without_its_files_is_refused(default_cfg: DeployConfig) -> None:
     data["tls"] = {"stages": True, "cert_file": "c.pem", "key_file": "k.pem"}
     with pytest.raises(Exception, match="ca_file"):
         parse_config(data)
+
+
+def test_a_split_thinker_renders_both_roles_in_the_chain() -> None:
+    """deploy/examples/pd.yaml: a Deployment, Service, HPA and NetworkPolicy per role; the gateway
+    calls the prefill role, the prefill the decode role, the decode role the talker."""
+    cfg = load_config(DEPLOY / "examples" / "pd.yaml")
+    cfg = parse_config({**cfg.model_dump(), "thinker": {**cfg.thinker.model_dump(), "decode": {
+        **cfg.thinker.decode.model_dump(), "replicas": 3}}})  # fmt: skip
+    compose, k8s = _compose(cfg), _k8s(cfg)
+    assert ("Deployment", "thinker") not in k8s and "thinker" not in compose
+    chain = {"gateway": "thinker-prefill:7101", "thinker-prefill": "thinker-decode:7151",
+             "thinker-decode": "talker:7201"}  # fmt: skip
+    for name, target in chain.items():
+        assert f"dns:///{target}" in compose[name]["command"]
+        container = k8s[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
+        assert container["args"] == compose[name]["command"]
+    assert k8s[("Deployment", "thinker-decode")]["spec"]["replicas"] == 3
+    assert k8s[("HorizontalPodAutoscaler", "thinker-decode")]["spec"]["minReplicas"] == 3
+    assert k8s[("HorizontalPodAutoscaler", "thinker-prefill")]["spec"]["minReplicas"] == 1
+    callers = {"thinker-prefill": "gateway", "thinker-decode": "thinker-prefill", "talker": "thinker-decode"}
+    for name, caller in callers.items():
+        rule = k8s[("NetworkPolicy", name)]["spec"]["ingress"][0]
+        assert [f["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for f in rule["from"]] == [caller]
+    assert compose["gateway"]["depends_on"] == {"thinker-prefill": {"condition": "service_healthy"}}
