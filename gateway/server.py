@@ -94,7 +94,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.active = 0
         self.draining = False
         self.api_key = api_key
-        self.watcher = ChainWatcher(self.channel, "thinker", thinker_target, HEALTH_POLL_S)
+        self.stages = cfg.stage_names()  # the chain's processes; the first is this gateway's downstream
+        self.watcher = ChainWatcher(self.channel, self.stages[0], thinker_target, HEALTH_POLL_S)
 
     def _prompt(self, request: gateway_pb2.GenerateRequest) -> edges.Prompt:
         """The request as the thinker's prompt: ids, and the model inputs of its media (run in a
@@ -341,17 +342,17 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 return
             except grpc.aio.AioRpcError as e:
                 code, detail = e.code(), e.details() or ""
-                lost = lost_peer(code, detail) and not detail.startswith(STAGES[1:])
+                lost = lost_peer(code, detail) and not detail.startswith(self.stages[1:])
                 if lost and attempt < self.cfg.failover.attempts and deadline - time.monotonic() > 0.5:
                     attempt += 1
                     self.metrics.replays.inc()
-                    log.warning("gateway: request %s lost its thinker call (%s); replaying it (attempt %d)",
-                                request_id, detail, attempt)  # fmt: skip
+                    log.warning("gateway: request %s lost its %s call (%s); replaying it (attempt %d)",
+                                request_id, self.stages[0], detail, attempt)  # fmt: skip
                     await asyncio.sleep(REPLAY_BACKOFF_S * 2 ** (attempt - 1))  # the channel sees the loss
                     continue
-                if lost_peer(code, detail) and not detail.startswith(STAGES):
+                if lost_peer(code, detail) and not detail.startswith(self.stages):
                     code = grpc.StatusCode.UNAVAILABLE
-                    detail = f"thinker unavailable at {self.thinker_target}: {detail}"
+                    detail = f"{self.stages[0]} unavailable at {self.thinker_target}: {detail}"
                     if attempt:
                         detail += f" (after {attempt} replays)"
                 raise GatewayError(code, detail) from None

@@ -23,9 +23,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-from omnistage.topology import EDGES, PIPELINE, STAGES
+from omnistage.topology import DISAGGREGATED, EDGES, PIPELINE, PROCESSES, STAGES, StageDef, pipeline, stage_def
 
-StageName = str  # one of topology.STAGES
+StageName = str  # one of topology.PROCESSES
 EdgeModeName = Literal["async_chunk", "full_payload"]
 
 
@@ -49,6 +49,16 @@ class StageConfig(_Strict):
     cache_capacity_tokens: int | None = Field(
         None, ge=1, description="KV cache tokens over all admitted requests; null: unbounded"
     )
+
+
+class ThinkerConfig(StageConfig):
+    """The thinker's block; with `disaggregated: true` its `prefill` and `decode` blocks run it
+    as two roles (their own replicas, devices and ports) and the block's own process fields
+    are not used."""
+
+    disaggregated: bool = Field(False, description="run the thinker as a prefill and a decode role")
+    prefill: StageConfig = StageConfig(base_port=7101, cache_capacity_tokens=65536)
+    decode: StageConfig = StageConfig(base_port=7151, cache_capacity_tokens=65536)
 
 
 class Code2WavConfig(StageConfig):
@@ -143,7 +153,10 @@ class _HeadConfig(_Strict):
     gateway: GatewayConfig = GatewayConfig()
 
 
-_SETTINGS: dict[str, type[StageConfig]] = {"stage": StageConfig, "code2wav": Code2WavConfig}
+_SETTINGS: dict[str, type[StageConfig]] = {"stage": StageConfig, "thinker": ThinkerConfig,
+                                           "code2wav": Code2WavConfig}  # fmt: skip
+# Where a role's settings live: thinker-prefill -> thinker.prefill
+_ROLE_PATHS = {"thinker-prefill": ("thinker", "prefill"), "thinker-decode": ("thinker", "decode")}
 # One settings block per stage of the topology, named after it (after the head fields).
 _StagesConfig = create_model(  # type: ignore[call-overload]
     "_StagesConfig",
@@ -167,6 +180,23 @@ class DeployConfig(_StagesConfig):  # type: ignore[misc,valid-type]
     metrics: MetricsConfig = MetricsConfig()
     media: MediaConfig = MediaConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _stage_defaults(cls, data: Any) -> Any:
+        """A stage block given in part keeps its stage's defaults (port, cache) for the rest."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for s in (*PIPELINE, *DISAGGREGATED):
+            *parents, leaf = _ROLE_PATHS.get(s.name, (s.name,))
+            node = data
+            for key in parents:
+                node = node.get(key) if isinstance(node.get(key), dict) else {}
+            block = node.get(leaf)
+            if isinstance(block, dict):
+                node[leaf] = {"base_port": s.default_port, **s.defaults, **block}
+        return data
+
     @model_validator(mode="after")
     def _ports_do_not_collide(self) -> DeployConfig:
         used: dict[int, str] = {}
@@ -181,8 +211,9 @@ class DeployConfig(_StagesConfig):  # type: ignore[misc,valid-type]
     def _ports(self) -> list[tuple[int, str, str]]:
         """(port, role, the config field that sets it) of every port the stack listens on."""
         out = [(self.gateway.port + i, f"gateway[{i}]", "gateway.port") for i in range(self.gateway.replicas)]
-        for name in STAGES:
-            out += [(p, f"{name}[{i}]", f"{name}.base_port") for i, p in enumerate(self.stage_ports(name))]
+        for name in self.stage_names():
+            field = f"{config_path(name)}.base_port"
+            out += [(p, f"{name}[{i}]", field) for i, p in enumerate(self.stage_ports(name))]
         if self.metrics.enabled:
             offset = self.metrics.port_offset
             out += [(p + offset, f"{role} metrics", "metrics.port_offset") for p, role, _ in list(out)]
@@ -203,13 +234,28 @@ class DeployConfig(_StagesConfig):  # type: ignore[misc,valid-type]
         """The metrics port of the process serving `port` (None: metrics are off)."""
         return port + self.metrics.port_offset if self.metrics.enabled else None
 
+    def chain(self) -> tuple[StageDef, ...]:
+        """The stage processes this config runs, first (the gateway's downstream) to last."""
+        return pipeline(self.thinker.disaggregated)
+
+    def stage_names(self) -> tuple[StageName, ...]:
+        return tuple(s.name for s in self.chain())
+
     def stage(self, name: StageName) -> StageConfig:
-        if name not in STAGES:
-            raise KeyError(f"unknown stage {name!r}; expected one of {', '.join(STAGES)}")
-        return getattr(self, name)
+        if name not in PROCESSES:
+            raise KeyError(f"unknown stage {name!r}; expected one of {', '.join(PROCESSES)}")
+        node: Any = self
+        for key in _ROLE_PATHS.get(name, (name,)):
+            node = getattr(node, key)
+        return node  # type: ignore[no-any-return]
 
     def edge_mode(self, upstream: StageName, downstream: StageName) -> str:
-        return str(getattr(self.edges, f"{upstream}_to_{downstream}"))
+        """The mode of the edge between two stage processes; the hop between the thinker's two
+        roles carries the thinker -> talker edge's mode on (the decode role applies it)."""
+        up, down = stage_def(upstream).stream, stage_def(downstream).stream
+        if up == down:
+            down = stage_def(downstream).downstream or down
+        return str(getattr(self.edges, f"{up}_to_{down}"))
 
     def stage_ports(self, name: StageName) -> list[int]:
         s = self.stage(name)
@@ -230,7 +276,15 @@ def port_layout(port: int) -> dict[str, int]:
     out = {"gateway.port": port, "gateway.http_port": port + HTTP_PORT_OFFSET}
     for k, name in enumerate(STAGES, start=1):
         out[f"{name}.base_port"] = port + PORT_STRIDE * k
+    # the thinker's roles share its stride: prefill at its port, decode half a stride up
+    thinker = out["thinker.base_port"]
+    out |= {"thinker.prefill.base_port": thinker, "thinker.decode.base_port": thinker + PORT_STRIDE // 2}
     return out
+
+
+def config_path(name: StageName) -> str:
+    """The dotted path of a stage process's settings block: talker, thinker.prefill, ..."""
+    return ".".join(_ROLE_PATHS.get(name, (name,)))
 
 
 def default_config_path(cwd: Path | None = None) -> Path:
@@ -290,14 +344,14 @@ def apply_overrides(cfg: DeployConfig, overrides: dict[str, Any]) -> DeployConfi
 
 
 def parse_replicas(spec: str) -> dict[str, int]:
-    """`talker=2,code2wav=3` -> {"talker.replicas": 2, "code2wav.replicas": 3}."""
+    """`talker=2,thinker-decode=3` -> {"talker.replicas": 2, "thinker.decode.replicas": 3}."""
     out: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, sep, count = part.partition("=")
-        if not sep or name not in (*STAGES, "gateway"):
-            raise ConfigError(f"--replicas: expected STAGE=N with STAGE in {', '.join(STAGES)}; got {part!r}")
+        if not sep or name not in (*PROCESSES, "gateway"):
+            raise ConfigError(f"--replicas: expected STAGE=N with STAGE in {', '.join(PROCESSES)}; got {part!r}")
         try:
-            out[f"{name}.replicas"] = int(count)
+            out[f"{config_path(name)}.replicas"] = int(count)
         except ValueError:
             raise ConfigError(f"--replicas: {name} count must be an integer, got {count!r}") from None
     return out

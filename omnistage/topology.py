@@ -10,7 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EDGES", "PIPELINE", "STAGES", "StageDef", "edge_name", "stage_def"]
+__all__ = [
+    "DISAGGREGATED",
+    "EDGES",
+    "PIPELINE",
+    "PROCESSES",
+    "STAGES",
+    "StageDef",
+    "edge_name",
+    "pipeline",
+    "stage_def",
+]
 
 
 @dataclass(frozen=True)
@@ -20,17 +30,49 @@ class StageDef:
     default_port: int  # base port of its replicas under `omnistage serve`
     downstream: str | None  # the next stage in the chain, None for the last
     output_unit: str = "tokens"  # what its outputs to the caller count (metrics): tokens, frames, samples
-    settings: str = "stage"  # which settings block configures it: "stage" or "code2wav"
+    settings: str = "stage"  # which settings block configures it: "stage", "thinker" or "code2wav"
     defaults: dict[str, Any] = field(default_factory=dict)  # its settings' defaults besides the port
+    part: str = ""  # the model part it runs, when a role of one (thinker-prefill: thinker)
+
+    @property
+    def stream(self) -> str:
+        """The tag of its output chunks and the key of its sampling: the model part it runs."""
+        return self.part or self.name
 
 
 PIPELINE: tuple[StageDef, ...] = (
-    StageDef("thinker", "services.thinker.worker", 7101, "talker", defaults={"cache_capacity_tokens": 65536}),
+    StageDef(
+        "thinker",
+        "services.thinker.worker",
+        7101,
+        "talker",
+        settings="thinker",
+        defaults={"cache_capacity_tokens": 65536},
+    ),
     StageDef("talker", "services.talker.worker", 7201, "code2wav", output_unit="frames"),
     StageDef("code2wav", "services.code2wav.worker", 7301, None, output_unit="samples", settings="code2wav"),
 )
 
+# The model parts; also the stream tags of their outputs and the keys of Start.sampling.
 STAGES: tuple[str, ...] = tuple(s.name for s in PIPELINE)
+
+# The thinker split into a prefill and a decode role (deploy config `thinker.disaggregated`): the
+# prefill role streams each request's KV cache to the decode role, which goes on as the thinker.
+DISAGGREGATED: tuple[StageDef, ...] = (
+    StageDef("thinker-prefill", "services.thinker.prefill", 7101, "thinker-decode", part="thinker",
+             defaults={"cache_capacity_tokens": 65536}),
+    StageDef("thinker-decode", "services.thinker.decode", 7151, "talker", part="thinker",
+             defaults={"cache_capacity_tokens": 65536}),
+    *PIPELINE[1:],
+)  # fmt: skip
+
+# Every kind of stage process.
+PROCESSES: tuple[str, ...] = tuple(dict.fromkeys(s.name for s in (*PIPELINE, *DISAGGREGATED)))
+
+
+def pipeline(disaggregated: bool = False) -> tuple[StageDef, ...]:
+    """The chain of stage processes, first (the gateway's downstream) to last."""
+    return DISAGGREGATED if disaggregated else PIPELINE
 
 
 def edge_name(upstream: str, downstream: str) -> str:
@@ -42,7 +84,7 @@ EDGES: tuple[str, ...] = tuple(edge_name(s.name, s.downstream) for s in PIPELINE
 
 
 def stage_def(name: str) -> StageDef:
-    for s in PIPELINE:
+    for s in (*PIPELINE, *DISAGGREGATED):
         if s.name == name:
             return s
-    raise KeyError(f"unknown stage {name!r}; expected one of {', '.join(STAGES)}")
+    raise KeyError(f"unknown stage {name!r}; expected one of {', '.join(PROCESSES)}")

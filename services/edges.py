@@ -7,6 +7,15 @@ checks a receiver makes (errors name the stage and the field: INVALID_ARGUMENT).
                                         and meta use_audio_in_video; split over several messages
                                         when large
     thinker  -> caller    Text          ids [n]; the last chunk is finished and says why
+    thinker-prefill       KV            per prompt chunk, per layer i: k.i and v.i [1, heads, n,
+      -> thinker-decode                 dim] (the cache dtype) of positions [offset, offset + n);
+                                        the first (offset 0) has meta KV_CHECKS: what both roles
+                                        must agree on, and prompt_tokens
+                          Handoff       at offset L, finished: prompt_ids [L], first_id [1],
+                                        first_embed [1, H], last_position [4, 1, 1], generator_state
+                                        (uint8, when sampling), meta stopped_on; with audio out
+                                        also the ThinkerPrompt tensors for the talker
+    thinker-decode -> caller            Text from the second token on (the prefill sends the first)
     thinker  -> talker    ThinkerPrompt prompt_ids [L], prompt_embed [L, H], prompt_hidden [L, H]
                                         (the accept-layer states, sent only when the prompt has
                                         audio/image/video placeholders), and the items' sizes the
@@ -36,7 +45,7 @@ from omnistage.engine import OutChunk
 from omnistage.models import SamplingParams
 from omnistage.topology import STAGES
 from omnistage.v1 import stage_pb2
-from omnistage.wire import DecodedChunk, invalid
+from omnistage.wire import Code, DecodedChunk, StageError, invalid
 
 # tensor names
 IDS = "ids"
@@ -189,6 +198,98 @@ def read_tokens(stage: str, chunk: DecodedChunk, hidden_size: int) -> list[torch
     embed = tensor(stage, chunk, EMBED, FLOAT_DTYPES, (n, hidden_size))
     _check_length(stage, chunk, n, "tokens")
     return [embed[i].clone() for i in range(n)]
+
+
+# ---- thinker-prefill -> thinker-decode ------------------------------------------------------------
+
+KV_CHECKS = ("omnistage_version", "thinker_fingerprint", "kv_layout")  # meta both roles must agree on
+PROMPT_TOKENS = "prompt_tokens"
+STOPPED_ON = "stopped_on"
+FIRST_ID, FIRST_EMBED, LAST_POSITION, GENERATOR_STATE = "first_id", "first_embed", "last_position", "generator_state"
+
+
+def kv_chunk(offset: int, kv: list[tuple[torch.Tensor, torch.Tensor]], meta: Mapping[str, Any] | None = None
+             ) -> OutChunk:  # fmt: skip
+    """One prompt chunk's keys and values, per layer (copied out of the live cache)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for i, (k, v) in enumerate(kv):
+        tensors[f"k.{i}"], tensors[f"v.{i}"] = k.contiguous(), v.contiguous()
+    return OutChunk(tensors, offset=offset, length=int(kv[0][0].shape[-2]) if kv else 0, meta=dict(meta or {}))
+
+
+def check_kv_meta(stage: str, meta: Mapping[str, Any], mine: Mapping[str, str]) -> int:
+    """The first KV chunk's meta against this role's own values: FAILED_PRECONDITION naming
+    each difference. Returns the prompt's token count."""
+    diffs = [f"{k}: prefill has {meta.get(k)!r}, decode has {mine[k]!r}" for k in KV_CHECKS if meta.get(k) != mine[k]]
+    if diffs:
+        raise StageError(Code.FAILED_PRECONDITION, f"{stage}: the prefill and decode roles do not match ("
+                         + "; ".join(diffs) + "); run both on the same checkpoint, dtype and omnistage version")
+    n = meta.get(PROMPT_TOKENS)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise invalid(f"{stage}: meta {PROMPT_TOKENS!r} must be a positive int, got {n!r}")
+    return n
+
+
+def read_kv(stage: str, chunk: DecodedChunk, layout: Mapping[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer the chunk's keys and values, checked against this role's cache layout (views
+    of the received bytes: copy them before the chunk is gone)."""
+    layers = int(layout["layers"])
+    check_names(stage, chunk, {f"{kv}.{i}" for i in range(layers) for kv in "kv"})
+    n = chunk.length
+    dtype = getattr(torch, str(layout["dtype"]))
+    shape = (1, int(layout["kv_heads"]), n, int(layout["head_dim"]))
+    return [(tensor(stage, chunk, f"k.{i}", (dtype,), shape), tensor(stage, chunk, f"v.{i}", (dtype,), shape))
+            for i in range(layers)]  # fmt: skip
+
+
+def handoff_chunk(offset: int, prompt_ids: list[int], token_id: int, embed: torch.Tensor, stopped_on: str | None,
+                  last_position: torch.Tensor, generator_state: torch.Tensor | None,
+                  talker_prompt: OutChunk | None) -> OutChunk:  # fmt: skip
+    tensors = {PROMPT_IDS: torch.tensor(prompt_ids, dtype=torch.long), FIRST_ID: torch.tensor([token_id]),
+               FIRST_EMBED: embed.reshape(1, -1), LAST_POSITION: last_position.long()}  # fmt: skip
+    if generator_state is not None:
+        tensors[GENERATOR_STATE] = generator_state
+    if talker_prompt is not None:
+        tensors |= {k: v for k, v in talker_prompt.tensors.items() if k != PROMPT_IDS}
+    return OutChunk(tensors, offset=offset, finished=True, meta={STOPPED_ON: stopped_on or ""})
+
+
+@dataclass
+class Handoff:
+    prompt_ids: list[int]
+    token_id: int
+    embed: torch.Tensor  # [H]
+    stopped_on: str | None
+    last_position: torch.Tensor  # [4, 1, 1]
+    generator_state: torch.Tensor | None
+    talker_prompt: ThinkerPrompt | None  # with audio out
+
+
+def read_handoff(stage: str, chunk: DecodedChunk, prompt_tokens: int, hidden_size: int, want_audio: bool) -> Handoff:
+    required = {PROMPT_IDS, FIRST_ID, FIRST_EMBED, LAST_POSITION} | ({PROMPT_EMBED} if want_audio else set())
+    check_names(stage, chunk, required, {GENERATOR_STATE, PROMPT_HIDDEN, *ROPE})
+    if chunk.offset != prompt_tokens or not chunk.finished:
+        raise invalid(f"{stage}: the handoff must be the finished chunk at offset {prompt_tokens} (the prompt's "
+                      f"end); got offset {chunk.offset}, finished={chunk.finished}")  # fmt: skip
+    _check_length(stage, chunk, 0, "stream positions (a handoff advances none)")
+    ids = tensor(stage, chunk, PROMPT_IDS, INT_DTYPES, (prompt_tokens,))
+    first = tensor(stage, chunk, FIRST_ID, INT_DTYPES, (1,))
+    embed = tensor(stage, chunk, FIRST_EMBED, FLOAT_DTYPES, (1, hidden_size))
+    position = tensor(stage, chunk, LAST_POSITION, INT_DTYPES, (None, 1, 1))
+    gen = None
+    if GENERATOR_STATE in chunk.tensors:
+        gen = tensor(stage, chunk, GENERATOR_STATE, (torch.uint8,), (None,)).clone()
+    stopped_on = meta_str(chunk.meta, STOPPED_ON) or None
+    if stopped_on not in (None, "stop_id", "max_tokens"):
+        raise invalid(f"{stage}: meta {STOPPED_ON!r} is {stopped_on!r}; expected '', 'stop_id' or 'max_tokens'")
+    talker_prompt = None
+    if want_audio:
+        prompt_part = DecodedChunk({k: v for k, v in chunk.tensors.items() if k in {PROMPT_IDS, PROMPT_EMBED,
+                                                                                     PROMPT_HIDDEN, *ROPE}},
+                                   {}, 0, chunk.seq, False)  # fmt: skip
+        talker_prompt = read_thinker_prompt(stage, prompt_part, hidden_size)
+    return Handoff([int(i) for i in ids.tolist()], int(first[0]), embed[0].clone(), stopped_on,
+                   position.clone(), gen, talker_prompt)  # fmt: skip
 
 
 # ---- talker -> code2wav, talker -> caller ----------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 from omnistage.config import DeployConfig
 from omnistage.engine import Engine, OutChunk, Request, StepOutput
 from omnistage.models import SamplingParams, load_tokenizer, open_checkpoint
-from omnistage.topology import PIPELINE, stage_def
+from omnistage.topology import stage_def
 from omnistage.v1 import stage_pb2
 from omnistage.wire import DecodedChunk, StageError
 from omnistage.wire.tensor_blob import LENGTH_KEY
@@ -76,7 +76,8 @@ class InProcessPipeline:
         self.family = self.checkpoint.family
         self.spec = self.checkpoint.spec
         self.tokenizer = load_tokenizer(self.checkpoint)
-        self.workers = {s.name: import_module(s.worker).build_worker(self.cfg, self.checkpoint) for s in PIPELINE}
+        self.chain = self.cfg.chain()  # the thinker's two roles too, when the config splits it
+        self.workers = {s.name: import_module(s.worker).build_worker(self.cfg, self.checkpoint) for s in self.chain}
         self.engines = {
             name: Engine(worker, 0, max_num_seqs=self.cfg.stage(name).max_num_seqs,
                          max_num_batched_tokens=self.cfg.stage(name).max_num_batched_tokens, background=False)
@@ -86,7 +87,7 @@ class InProcessPipeline:
     # the family's parts, as each stage holds them
     @property
     def thinker(self) -> Any:
-        return self.workers["thinker"].thinker
+        return self.workers[self.chain[0].name].thinker
 
     @property
     def talker(self) -> Any:
@@ -169,13 +170,14 @@ class _Run:
                 engine.close_input(down)
 
     def events(self) -> Iterator[TextEvent | AudioEvent | DoneEvent]:
-        first = self._open("thinker", self.start)
-        self.pipe.engines["thinker"].feed(first, received(self.prompt))
-        self.pipe.engines["thinker"].close_input(first)
+        head = self.pipe.chain[0].name
+        first = self._open(head, self.start)
+        self.pipe.engines[head].feed(first, received(self.prompt))
+        self.pipe.engines[head].close_input(first)
         try:
             while len(self.ended) < len(self.requests):
                 progressed = False
-                for s in PIPELINE:
+                for s in self.pipe.chain:
                     progressed |= self.pipe.engines[s.name].run_once()
                 yield from self.pending
                 self.pending = []
@@ -191,7 +193,8 @@ class _Run:
                     self.pipe.engines[name].run_once()
         groups = self.pipe.spec.num_code_groups
         codes = torch.stack(self.frames, dim=1) if self.frames else torch.zeros((groups, 0), dtype=torch.long)
-        thinker, talker = self.ended.get("thinker"), self.ended.get("talker")
+        last_thinker = next(s.name for s in reversed(self.pipe.chain) if s.stream == "thinker")  # decode, if split
+        thinker, talker = self.ended.get(last_thinker), self.ended.get("talker")
         self.timings["total_s"] = time.perf_counter() - self.t0
         yield DoneEvent(
             token_ids=self.tokens,

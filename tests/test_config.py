@@ -14,6 +14,7 @@ from omnistage.config import (
     load_config,
     parse_config,
     parse_replicas,
+    port_layout,
 )
 
 
@@ -63,3 +64,23 @@ def test_cli_overrides() -> None:
         apply_overrides(DeployConfig(), {"nothing.replicas": 2})
     cfg = apply_overrides(DeployConfig(), {"talker.replicas": 2})
     assert cfg.stage_target("talker") == "ipv4:127.0.0.1:7201,127.0.0.1:7202"
+
+
+def test_disaggregated_thinker_config() -> None:
+    """`thinker.disaggregated` swaps the thinker for its two roles in the chain, ports, replicas
+    and --port; a block given in part keeps its stage's defaults."""
+    cfg = parse_config({"thinker": {"disaggregated": True, "decode": {"replicas": 2}}, "talker": {"replicas": 2}})
+    assert cfg.stage_names() == ("thinker-prefill", "thinker-decode", "talker", "code2wav")
+    assert cfg.stage("thinker-decode").replicas == 2 and cfg.stage("thinker-decode").base_port == 7151
+    assert cfg.stage("talker").base_port == 7201
+    assert cfg.stage_target("thinker-decode") == "ipv4:127.0.0.1:7151,127.0.0.1:7152"
+    assert "thinker[0]" not in {role for _, role in cfg.ports()}
+    assert cfg.edge_mode("thinker-decode", "talker") == cfg.edge_mode("thinker", "talker")
+    assert parse_replicas("thinker-prefill=3") == {"thinker.prefill.replicas": 3}
+    moved = apply_overrides(cfg, port_layout(9000))
+    assert moved.stage_ports("thinker-prefill") == [9100] and moved.stage_ports("thinker-decode") == [9150, 9151]
+    assert DeployConfig().stage_names() == ("thinker", "talker", "code2wav")
+    with pytest.raises(ConfigError, match=r"port 7201 of talker\[0\] collides with thinker-decode\[0\]"):
+        parse_config({"thinker": {"disaggregated": True, "decode": {"base_port": 7201}}})
+    example = Path(__file__).resolve().parents[1] / "deploy" / "examples" / "pd.yaml"
+    assert load_config(example).thinker.disaggregated

@@ -35,9 +35,9 @@ class Harness:
         self.reqs: dict[str, Request] = {}
         self.admitted: list[str] = []  # admitted by the last step
 
-    def add(self, rid: str, prompt: int, max_new: int, ready: bool = True) -> Request:
+    def add(self, rid: str, prompt: int, max_new: int, ready: bool = True, cached: int = 0) -> Request:
         req = Request(rid, None, arrival=len(self.reqs))
-        self.s.add(req, prompt, max_new)
+        self.s.add(req, prompt, max_new, cached)
         self.s.set_ready(req, ready)
         self.reqs[rid] = req
         return req
@@ -590,3 +590,14 @@ def test_drain_finishes_every_request_exactly() -> None:
     assert st_["total_finished"] == 12
     assert st_["total_prefill_tokens"] == sum(p for p, _ in specs.values())
     assert st_["total_decode_tokens"] == sum(m for _, m in specs.values())
+
+
+def test_a_request_whose_cache_arrived_decodes_at_once_and_reserves_it() -> None:
+    """A decode role's request: its prompt's cache came from the prefill role."""
+    h = Harness(max_num_batched_tokens=4, cache_capacity_tokens=100)
+    h.add("kv", 50, 10, cached=50)
+    h.add("fresh", 6, 2)
+    assert h.step() == [("kv", 1, False), ("fresh", 3, True)]
+    assert h.s.stats()["reserved_tokens"] == 60 + 8
+    with pytest.raises(ValueError, match=r"num_cached_tokens 7 outside 0\.\.6"):
+        h.s.add(Request("x", None, arrival=9), 6, 2, 7)

@@ -137,12 +137,14 @@ def _load_cfg(config: Path | None, overrides: dict[str, object], *, default: boo
 
 
 def _stage_overrides(stages: tuple[str, ...], dtype: Dtype | None, device: str | None) -> dict[str, object]:
+    from omnistage.config import config_path
+
     out: dict[str, object] = {}
     for name in stages:
         if dtype is not None:
-            out[f"{name}.dtype"] = dtype.value
+            out[f"{config_path(name)}.dtype"] = dtype.value
         if device is not None:
-            out[f"{name}.device"] = device
+            out[f"{config_path(name)}.device"] = device
     return out
 
 
@@ -282,7 +284,7 @@ def serve(
     from omnistage.cli.logs import setup_logging
     from omnistage.cli.serve import StartupError, start_stack
     from omnistage.config import default_config_path, parse_replicas, port_layout
-    from omnistage.topology import STAGES
+    from omnistage.topology import PROCESSES
 
     setup_logging("serve", log_level.value, log_format.value)
     stop = threading.Event()
@@ -290,7 +292,7 @@ def serve(
         overrides: dict[str, object] = dict(parse_replicas(replicas)) if replicas else {}
         if port is not None:
             overrides.update(port_layout(port))
-        overrides.update(_stage_overrides(STAGES, dtype, device))
+        overrides.update(_stage_overrides(PROCESSES, dtype, device))
         flags = {"host": host, "served_model_name": served_model_name, "max_model_len": max_model_len,
                  "gateway.http_port": http_port}
         # only the flags given: an unset --http-port must not undo --port's HTTP port (P + 50)
@@ -332,7 +334,7 @@ def serve(
 
 @app.command("stage")
 def stage(
-    name: Annotated[str, typer.Argument(help="thinker, talker or code2wav")],
+    name: Annotated[str, typer.Argument(help="thinker, thinker-prefill, thinker-decode, talker or code2wav")],
     port: Annotated[int, typer.Option("--port", help="Port to listen on.")],
     downstream: Annotated[str | None, typer.Option("--downstream", help="gRPC target of the next stage.")] = None,
     model_arg: ModelArg = None,
@@ -350,12 +352,12 @@ def stage(
     from omnistage.cli.logs import setup_logging
     from omnistage.cli.serve import resolve_model
     from omnistage.server.process import run_stage
-    from omnistage.topology import STAGES
+    from omnistage.topology import PROCESSES
 
     setup_logging(f"{name}:{port}", log_level.value, log_format.value)
     with _errors(log_level.value, interrupted_code=0):
-        if name not in STAGES:
-            typer.echo(f"error: unknown stage {name!r}; expected one of {', '.join(STAGES)}", err=True)
+        if name not in PROCESSES:
+            typer.echo(f"error: unknown stage {name!r}; expected one of {', '.join(PROCESSES)}", err=True)
             raise typer.Exit(2)
         overrides = {**_stage_overrides((name,), dtype, device), "served_model_name": served_model_name,
                      "max_model_len": max_model_len}  # fmt: skip

@@ -30,7 +30,6 @@ from typing import Any
 from omnistage.config import DeployConfig
 from omnistage.server.grpc_common import PortTaken, check, port_free
 from omnistage.server.tls import gateway_channel_credentials, name_override, stage_channel_credentials
-from omnistage.topology import PIPELINE
 
 
 def cache_dir() -> Path:
@@ -307,7 +306,8 @@ def start_stack(
     common = ["--config", str(cfg_path), "--model", str(model_dir), "--host", cfg.host,
               "--log-level", log_level, "--log-format", log_format]  # fmt: skip
     try:
-        for definition in reversed(PIPELINE):  # downstream first: each upstream finds its target up
+        chain = cfg.chain()
+        for definition in reversed(chain):  # downstream first: each upstream finds its target up
             name = definition.name
             downstream = cfg.stage_target(definition.downstream) if definition.downstream else None
             for i, port in enumerate(cfg.stage_ports(name)):
@@ -317,7 +317,7 @@ def start_stack(
                 log_path = stack.run_dir / f"{name}-{i}.log"
                 stack.children.append(Child(name, i, f"{cfg.host}:{port}", _spawn(args, log_path, env), log_path,
                                             args, env))  # fmt: skip
-        args = ["gateway", "--port", str(cfg.gateway.port), "--thinker", cfg.stage_target("thinker"), *common]
+        args = ["gateway", "--port", str(cfg.gateway.port), "--thinker", cfg.stage_target(chain[0].name), *common]
         args += ["--http-port", str(cfg.gateway.http_port)] if cfg.gateway.http_port else ["--no-http"]
         log_path = stack.run_dir / "gateway-0.log"
         stack.children.append(Child("gateway", 0, stack.gateway_address, _spawn(args, log_path, env), log_path,

@@ -4,9 +4,10 @@ contract and the engine loop (schedule -> execute -> update_from_output). No gRP
 from omnistage.engine.engine import Engine, EngineSink, StepObserver
 from omnistage.engine.request import FinishReason, Request, RequestStatus
 from omnistage.engine.scheduler import RequestRejected, ScheduledItem, Scheduler, SchedulerConfig
-from omnistage.engine.worker import OutChunk, StageWorker, StepOutput
+from omnistage.engine.worker import Demand, OutChunk, StageWorker, StepOutput
 
 __all__ = [
+    "Demand",
     "Engine",
     "EngineSink",
     "FinishReason",

@@ -102,11 +102,15 @@ class Scheduler:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def add(self, req: Request, num_prompt_tokens: int, max_new_tokens: int) -> None:
-        """Queue a request whose demand is now known. Raises `RequestRejected` if it can never run."""
+    def add(self, req: Request, num_prompt_tokens: int, max_new_tokens: int, num_cached_tokens: int = 0) -> None:
+        """Queue a request whose demand is now known. Raises `RequestRejected` if it can never run.
+        `num_cached_tokens`: prompt tokens already in its cache when it arrives (a KV cache
+        streamed from a prefill role); its prefill starts after them."""
         for name, value in (("num_prompt_tokens", num_prompt_tokens), ("max_new_tokens", max_new_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if not 0 <= num_cached_tokens <= num_prompt_tokens:
+            raise ValueError(f"num_cached_tokens {num_cached_tokens} outside 0..{num_prompt_tokens}")
         with self._lock:
             if req.queued or req.status.is_finished:
                 raise ValueError(f"request {req.request_id!r} is already queued or finished")
@@ -116,6 +120,7 @@ class Scheduler:
                 self._totals["rejected"] += 1
                 raise
             req.num_prompt_tokens = num_prompt_tokens
+            req.num_computed_tokens = num_cached_tokens
             req.max_new_tokens = max_new_tokens
             req.decode_limit = max(0, min(max_new_tokens, reservation - num_prompt_tokens))
             req.queued = True

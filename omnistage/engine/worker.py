@@ -10,13 +10,21 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from omnistage.engine.request import FinishReason, Request
 from omnistage.engine.scheduler import ScheduledItem
 from omnistage.wire import DecodedChunk
 
-__all__ = ["OutChunk", "StageWorker", "StepOutput"]
+__all__ = ["Demand", "OutChunk", "StageWorker", "StepOutput"]
+
+
+class Demand(NamedTuple):
+    """What a request queues with (`Scheduler.add`'s arguments)."""
+
+    prompt_tokens: int  # input tokens its cache will hold (0 for stages that only decode)
+    max_new_tokens: int  # most decode steps
+    cached_tokens: int = 0  # of the prompt tokens, those already in its cache on arrival
 
 
 @dataclass
@@ -53,10 +61,10 @@ class StageWorker(ABC):
     def feed(self, req: Request, chunk: DecodedChunk) -> None:
         """Validate and take one input chunk (raise StageError)."""
 
-    def demand(self, req: Request) -> tuple[int, int] | None:
-        """(prompt tokens, most decode steps) to queue the request with, once known (None before).
-        Stages with a per-token KV cache (the thinker) count tokens; the others count steps."""
-        return 0, self.max_steps(req)
+    def demand(self, req: Request) -> Demand | None:
+        """What to queue the request with, once known (None before). Stages with a per-token
+        KV cache (the thinker) count tokens; the others count steps."""
+        return Demand(0, self.max_steps(req))
 
     def max_steps(self, req: Request) -> int:
         return 1 << 30

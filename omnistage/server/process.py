@@ -20,6 +20,10 @@ from services.edges import edge_mode
 log = logging.getLogger(__name__)
 
 
+def _below(chain: tuple[str, ...], name: str) -> tuple[str, ...]:
+    return chain[chain.index(name) + 1 :] if name in chain else ()
+
+
 def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: int, downstream: str | None) -> None:
     definition = stage_def(name)
     stage_cfg = cfg.stage(name)
@@ -53,6 +57,7 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
         failover_attempts=cfg.failover.attempts,
         routing=cfg.routing,
         tls=cfg.tls,
+        below=_below(cfg.stage_names(), name),
     )
     server = StageServer(service, host, port, cfg.timeouts.drain_grace_s)
     metrics_port = cfg.metrics_port(port)

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -42,7 +42,7 @@ from omnistage.server.grpc_common import (
 )
 from omnistage.server.routing import Router
 from omnistage.server.tls import name_override, server_credentials, stage_channel_credentials
-from omnistage.topology import STAGES
+from omnistage.topology import PROCESSES, STAGES, stage_def
 from omnistage.v1 import stage_pb2
 from omnistage.wire import ChunkAssembler, Code, LazyChunk, StageError, TensorBlobError, encode_chunks, invalid
 from omnistage.wire.resume import Resume, Seen
@@ -192,9 +192,20 @@ class StageService:
         failover_attempts: int = 3,
         routing: str = "round_robin",
         tls: TlsConfig | None = None,
+        below: Sequence[str] | None = None,
     ) -> None:
+        """`below`: the stage processes after this one in the chain, in order (default: those
+        of the colocated pipeline)."""
         self.engine = engine
         self.stage = engine.worker.name
+        known = self.stage in PROCESSES
+        self.stream = stage_def(self.stage).stream if known else self.stage  # a role tags as its part
+        if below is None:
+            below = STAGES[STAGES.index(self.stage) + 1 :] if self.stage in STAGES else ()
+        self.below = tuple(below)
+        # parts sampled below this stage: each gets a pinned seed (replays sample the same stream)
+        parts = (stage_def(n).stream for n in self.below)
+        self.sampled_below = tuple(dict.fromkeys(p for p in parts if p != self.stream))
         self.model_name = model_name
         self.arch = arch
         self.device = device
@@ -326,7 +337,7 @@ class StageService:
                     for out in item.up:
                         for chunk in self._encode(out, seq, None, req.request_id):
                             seq += 1
-                            yield Outgoing(stage_pb2.StageResponse(stage=self.stage), chunk)
+                            yield Outgoing(stage_pb2.StageResponse(stage=self.stream), chunk)
                     if item.down and call.down_call is None:
                         pending.add("down")
                         call.down = _DownBuffer(self.replay_budget_bytes)
@@ -436,8 +447,8 @@ class StageService:
         """One call per request to the downstream stage; its lifetime is this request's (a
         replay opens it again, on whichever replica the channel picks)."""
         if call.down_start is None:  # the same Start (and seeds) for every attempt
-            below = STAGES[STAGES.index(self.stage) + 1:] if self.stage in STAGES else ()
-            call.down_start = downstream_start(req.params, self.edge_mode, {s: secrets.randbits(62) for s in below})
+            seeds = {s: secrets.randbits(62) for s in self.sampled_below}
+            call.down_start = downstream_start(req.params, self.edge_mode, seeds)
         start = call.down_start
         channel, done = self._downstream().pick()
         call.down_call = stage_stream(channel, relay=True)(
@@ -477,7 +488,7 @@ class StageService:
         detail = e.details() or ""
         if not lost_peer(e.code(), detail):
             return "not a lost replica"
-        if any(detail.startswith(f"{s}") for s in STAGES if s not in (self.stage, self.downstream_name)):
+        if detail.startswith(tuple(s for s in self.below if s != self.downstream_name)):
             return "a stage further down failed"  # that stage's caller has already tried
         if call.down is None or not call.down.replayable:
             return f"the request sent more than failover.replay_budget_bytes ({self.replay_budget_bytes})"

@@ -7,18 +7,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from omnistage.config import DeployConfig
-from omnistage.engine import FinishReason, Request, ScheduledItem, StageWorker, StepOutput
+from omnistage.engine import Demand, FinishReason, OutChunk, Request, ScheduledItem, StageWorker, StepOutput
 from omnistage.models import Checkpoint, SamplingParams
 from omnistage.v1 import stage_pb2
 from omnistage.wire import DecodedChunk, invalid
 from services import edges
 
 # what made a thinker stop -> the engine's finish reason
-_REASONS = {"stop_id": FinishReason.STOP, "max_tokens": FinishReason.LENGTH}
+FINISH_REASONS = {"stop_id": FinishReason.STOP, "max_tokens": FinishReason.LENGTH}
 
 
 class ThinkerWorker(StageWorker):
-    name = "thinker"
+    name = "thinker"  # its process; errors name it
+    part = "thinker"  # the model part: its sampling is Start.sampling["thinker"] in every role
 
     def __init__(self, thinker: Any, defaults: SamplingParams, max_model_len: int | None = None) -> None:
         self.thinker = thinker  # the family's thinker (e.g. omnistage/models/qwen3_omni/thinker.py)
@@ -28,7 +29,7 @@ class ThinkerWorker(StageWorker):
 
     def open(self, req: Request) -> None:
         start: stage_pb2.Start = req.params
-        sampling = edges.sampling(self.name, start, self.defaults, self._max_model_len)
+        sampling = edges.sampling(self.part, start, self.defaults, self._max_model_len)
         req.state = self.thinker.new_state(sampling, self._max_model_len)
 
     def feed(self, req: Request, chunk: DecodedChunk) -> None:
@@ -38,11 +39,11 @@ class ThinkerWorker(StageWorker):
         except ValueError as e:
             raise invalid(f"thinker: {e}") from None
 
-    def demand(self, req: Request) -> tuple[int, int] | None:
+    def demand(self, req: Request) -> Demand | None:
         state = req.state
         if not state.prompt_ids:
             return None
-        return len(state.prompt_ids), min(state.sampling.max_tokens, state.max_len - len(state.prompt_ids))
+        return Demand(len(state.prompt_ids), min(state.sampling.max_tokens, state.max_len - len(state.prompt_ids)))
 
     def ready(self, req: Request) -> bool:
         return req.input_finished and bool(req.state.prompt_ids) and not req.state.finished
@@ -67,24 +68,29 @@ class ThinkerWorker(StageWorker):
         live = [it for i, it in enumerate(batch) if i not in failed]
         steps = iter(self.thinker.step([(it.request.state, it.request.num_computed_tokens, it.num_tokens)
                                         for it in live]) if live else [])  # fmt: skip
-        return [failed[i] if i in failed else self._output(item.request, next(steps)) for i, item in enumerate(batch)]
+        return [failed[i] if i in failed else self._output(item, next(steps)) for i, item in enumerate(batch)]
 
-    def _output(self, req: Request, step: Any) -> StepOutput:
+    def talker_prompt(self, prompt: Any) -> OutChunk:
+        """The prompt's chunk for the talker; the accept-layer states only when it has media."""
+        mm = self.spec.multimodal_ids
+        has_mm = any(int(i) in mm for i in prompt.ids.tolist())
+        hidden = prompt.hidden if has_mm else None
+        return edges.thinker_prompt_chunk(prompt.ids, prompt.embeds, hidden, prompt.rope.tensors())
+
+    def _output(self, item: ScheduledItem, step: Any) -> StepOutput:
+        req = item.request
         start: stage_pb2.Start = req.params
         out = StepOutput()
         prompt, tok = step.prompt, step.token
         if prompt is not None and start.want_audio:
-            mm = self.spec.multimodal_ids
-            has_mm = any(int(i) in mm for i in prompt.ids.tolist())
-            hidden = prompt.hidden if has_mm else None
-            out.down.append(edges.thinker_prompt_chunk(prompt.ids, prompt.embeds, hidden, prompt.rope.tensors()))
+            out.down.append(self.talker_prompt(prompt))
         if tok is None:  # a prefill chunk that is not the last
             return out
         out.up.append(edges.text_chunk(tok.index, tok.token_id, tok.stopped_on))
         if start.want_audio:
             out.down.append(edges.token_chunk(tok.index, tok.token_id, tok.embed, tok.is_last))
         if tok.is_last:
-            out.finished = _REASONS[tok.stopped_on]
+            out.finished = FINISH_REASONS[tok.stopped_on]
             out.detail = tok.stopped_on
         return out
 

@@ -27,7 +27,7 @@ from omnistage.models.qwen3_omni.prompt import text_positions
 from omnistage.models.qwen3_omni.spec import FamilySpec
 from omnistage.models.sampling import SamplingParams, TokenChooser
 
-__all__ = ["PromptOutput", "Thinker", "ThinkerState", "ThinkerStep", "TokenOutput"]
+__all__ = ["Handoff", "PromptOutput", "Thinker", "ThinkerState", "ThinkerStep", "TokenOutput"]
 
 
 @dataclass
@@ -67,6 +67,7 @@ class ThinkerState:
     prompt_inputs: PromptInputs | None = None  # a multimodal prompt, during its prefill
     last_position: torch.Tensor | None = None  # [4, 1, 1] position of the last token fed
     finished: bool = False
+    role: Any = None  # what a prefill/decode role of the thinker keeps for the request (services/thinker)
 
     @property
     def generated(self) -> int:
@@ -77,6 +78,17 @@ class ThinkerState:
 class ThinkerStep:
     prompt: PromptOutput | None = None  # when the prefill completed in this step
     token: TokenOutput | None = None  # None after a prefill chunk that is not the last
+
+
+@dataclass
+class Handoff:
+    """What a decode role needs besides the KV cache to go on with a request a prefill role ran:
+    the first token, the position it was fed at, and the sampler's random state after it."""
+
+    prompt_ids: list[int]
+    token: TokenOutput
+    last_position: torch.Tensor  # [4, 1, 1] int64
+    generator_state: torch.Tensor | None  # uint8, when sampling
 
 
 class Thinker:
@@ -240,6 +252,45 @@ class Thinker:
             results.append(result)
             start = end
         return results
+
+    # ---- prefill/decode roles: the KV cache and the state moved between processes --------------
+
+    def kv_layout(self) -> dict[str, Any]:
+        """What a request's KV cache looks like: per layer keys and values `[1, heads, T, dim]`."""
+        text = self.model.config.text_config
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        return {"layers": int(text.num_hidden_layers), "kv_heads": int(heads), "head_dim": int(head_dim),
+                "dtype": dtype}  # fmt: skip
+
+    def kv_rows(self, state: ThinkerState, pos: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer the keys and values of cache positions [pos, pos + n) (views)."""
+        return [(layer.keys[:, :, pos : pos + n], layer.values[:, :, pos : pos + n]) for layer in state.cache.layers]
+
+    def handoff(self, state: ThinkerState, token: TokenOutput) -> Handoff:
+        """After the prefill's first token: what a decode role needs to go on."""
+        assert state.last_position is not None
+        gen = state.chooser.generator
+        return Handoff(list(state.prompt_ids), token, state.last_position.clone(),
+                       None if gen is None else gen.get_state())  # fmt: skip
+
+    def adopt(self, state: ThinkerState, prompt_ids: Sequence[int], token_id: int, stopped_on: str | None,
+              last_position: torch.Tensor, generator_state: torch.Tensor | None,
+              kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:  # fmt: skip
+        """Make `state` (new, with the request's sampling) go on where a prefill role stopped
+        (`handoff`): its cache from `kv` (per layer keys and values of every prompt position),
+        the first token in its history. The next `step` for it is a decode at len(prompt)."""
+        self.validate_prompt(prompt_ids, state.max_len)
+        state.prompt_ids = list(prompt_ids)
+        state.cache = DynamicCache(config=self.model.config.text_config)
+        for i, (k, v) in enumerate(kv):
+            state.cache.update(k.to(self.device), v.to(self.device), i)
+        state.history = [*state.prompt_ids, token_id]
+        state.last_position = last_position.to(self.device)
+        if generator_state is not None and state.chooser.generator is not None:
+            state.chooser.generator.set_state(generator_state)
+        state.finished = stopped_on is not None
 
     def release(self, state: ThinkerState) -> None:
         state.cache = None

@@ -1,0 +1,114 @@
+"""The thinker's decode role (`thinker.disaggregated`): it takes a request's KV cache and first
+token from the prefill role (services/thinker/prefill.py), rebuilds the cache and goes on as the
+thinker from the second token: text up, the prompt and every token down to the talker."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omnistage.config import DeployConfig
+from omnistage.engine import Demand, OutChunk, Request, ScheduledItem, StepOutput
+from omnistage.models import Checkpoint
+from omnistage.v1 import stage_pb2
+from omnistage.wire import DecodedChunk, invalid
+from services import edges
+from services.thinker.prefill import role_checks
+from services.thinker.worker import FINISH_REASONS, ThinkerWorker
+
+
+@dataclass
+class _Incoming:
+    """A request's KV cache as it arrives: per layer keys and values of every prompt position."""
+
+    prompt_tokens: int = 0
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    forward: list[OutChunk] = field(default_factory=list)  # to the talker before the first decode
+
+
+class DecodeWorker(ThinkerWorker):
+    name = "thinker-decode"
+
+    def __init__(self, thinker: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(thinker, *args, **kwargs)
+        self.checks = role_checks(thinker)
+        self.layout = thinker.kv_layout()
+
+    def open(self, req: Request) -> None:
+        super().open(req)
+        req.state.role = _Incoming()
+
+    def feed(self, req: Request, chunk: DecodedChunk) -> None:
+        state, inc = req.state, req.state.role
+        if chunk.finished:
+            self._adopt(req, chunk)
+            return
+        if chunk.offset == 0:
+            inc.prompt_tokens = edges.check_kv_meta(self.name, chunk.meta, self.checks)
+            if inc.prompt_tokens >= state.max_len:
+                raise invalid(f"{self.name}: a prompt of {inc.prompt_tokens} tokens exceeds the model maximum "
+                              f"of {state.max_len - 1}")  # fmt: skip
+            shape = (1, int(self.layout["kv_heads"]), inc.prompt_tokens, int(self.layout["head_dim"]))
+            dtype, device = getattr(torch, str(self.layout["dtype"])), self.thinker.device
+            inc.kv = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+                      for _ in range(int(self.layout["layers"]))]  # fmt: skip
+        end = chunk.offset + chunk.length
+        if end > inc.prompt_tokens:
+            raise invalid(f"{self.name}: KV chunk [{chunk.offset}, {end}) past the prompt's {inc.prompt_tokens} tokens")
+        for (k, v), (dk, dv) in zip(edges.read_kv(self.name, chunk, self.layout), inc.kv, strict=True):
+            dk[:, :, chunk.offset : end].copy_(k)  # out of the received bytes, into place
+            dv[:, :, chunk.offset : end].copy_(v)
+
+    def _adopt(self, req: Request, chunk: DecodedChunk) -> None:
+        state, inc = req.state, req.state.role
+        start: stage_pb2.Start = req.params
+        h = edges.read_handoff(self.name, chunk, inc.prompt_tokens, self.spec.thinker_hidden, start.want_audio)
+        try:
+            self.thinker.adopt(state, h.prompt_ids, h.token_id, h.stopped_on, h.last_position, h.generator_state,
+                               inc.kv)  # fmt: skip
+        except ValueError as e:
+            raise invalid(f"{self.name}: {e}") from None
+        if start.want_audio:  # what the single thinker sends the talker after its prefill
+            p = h.talker_prompt
+            assert p is not None
+            inc.forward = [edges.thinker_prompt_chunk(p.ids, p.embeds, p.hidden, p.rope),
+                           edges.token_chunk(0, h.token_id, h.embed, h.stopped_on is not None)]  # fmt: skip
+        inc.kv = []
+
+    def demand(self, req: Request) -> Demand | None:
+        state = req.state
+        if not state.prompt_ids:
+            return None
+        n = len(state.prompt_ids)
+        left = min(state.sampling.max_tokens, state.max_len - n) - 1  # the prefill made the first token
+        # a request that ended at its first token still takes one step: the forwarding
+        return Demand(n, max(left, 1), n)
+
+    def ready(self, req: Request) -> bool:
+        return req.input_finished and bool(req.state.prompt_ids)
+
+    def execute(self, batch: Sequence[ScheduledItem]) -> list[StepOutput | Exception]:
+        """Decode steps; a request whose first token (the prefill's) was its last only forwards."""
+        forward_only = [it.request.state.finished for it in batch]  # before the step changes it
+        stepped = iter(super().execute([it for it, f in zip(batch, forward_only, strict=True) if not f]))
+        results: list[StepOutput | Exception] = []
+        for item, only in zip(batch, forward_only, strict=True):
+            state = item.request.state
+            if only:
+                reason = "stop_id" if state.chooser.is_stop(state.history[-1]) else "max_tokens"
+                out: StepOutput | Exception = StepOutput(finished=FINISH_REASONS[reason], detail=reason)
+            else:
+                out = next(stepped)
+            if isinstance(out, StepOutput):  # the talker gets the prompt and first token before the rest
+                out.down[:0], state.role.forward = state.role.forward, []
+            results.append(out)
+        return results
+
+
+def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> DecodeWorker:
+    stage = cfg.stage("thinker-decode")
+    thinker = ckpt.family.thinker(ckpt, stage.dtype, stage.device)
+    return DecodeWorker(thinker, ckpt.family.thinker_defaults(ckpt), cfg.max_model_len)

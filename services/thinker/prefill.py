@@ -1,0 +1,64 @@
+"""The thinker's prefill role (`thinker.disaggregated`): it runs each prompt (chunked prefill as
+the thinker does) and its first token, and streams the request's KV cache to the decode role
+as it is made, one chunk per prefill step, then a handoff with the first token; the first
+token's text goes up from here. Its cache is freed once the handoff is out."""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+from typing import Any
+
+from omnistage.config import DeployConfig
+from omnistage.engine import Demand, FinishReason, Request, ScheduledItem, StepOutput
+from omnistage.models import Checkpoint
+from omnistage.models.fingerprint import weights_fingerprint
+from omnistage.v1 import stage_pb2
+from services import edges
+from services.thinker.worker import ThinkerWorker
+
+
+def role_checks(thinker: Any) -> dict[str, str]:
+    """What the two roles must agree on (edges.KV_CHECKS), from this process's thinker."""
+    layout = thinker.kv_layout()
+    return {"omnistage_version": version("omnistage"), "thinker_fingerprint": weights_fingerprint(thinker.model),
+            "kv_layout": ",".join(f"{k}={v}" for k, v in layout.items())}  # fmt: skip
+
+
+class PrefillWorker(ThinkerWorker):
+    name = "thinker-prefill"
+
+    def __init__(self, thinker: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(thinker, *args, **kwargs)
+        self.checks = role_checks(thinker)
+
+    def demand(self, req: Request) -> Demand | None:
+        state = req.state
+        if not state.prompt_ids:
+            return None
+        return Demand(len(state.prompt_ids), 1)  # the prompt and its first token; decode does the rest
+
+    def _output(self, item: ScheduledItem, step: Any) -> StepOutput:
+        req, state = item.request, item.request.state
+        start: stage_pb2.Start = req.params
+        pos, n = req.num_computed_tokens, item.num_tokens
+        meta = {**self.checks, edges.PROMPT_TOKENS: len(state.prompt_ids)} if pos == 0 else None
+        out = StepOutput(down=[edges.kv_chunk(pos, self.thinker.kv_rows(state, pos, n), meta)])
+        tok = step.token
+        if tok is None:  # a prefill chunk that is not the last
+            return out
+        handoff = self.thinker.handoff(state, tok)
+        talker_prompt = self.talker_prompt(step.prompt) if start.want_audio else None
+        out.down.append(edges.handoff_chunk(len(state.prompt_ids), handoff.prompt_ids, tok.token_id, tok.embed,
+                                            tok.stopped_on, handoff.last_position, handoff.generator_state,
+                                            talker_prompt))  # fmt: skip
+        out.up.append(edges.text_chunk(tok.index, tok.token_id, tok.stopped_on))
+        # its part is done either way: the decode role goes on (or only forwards, after a last token)
+        out.finished = FinishReason.LENGTH if tok.stopped_on == "max_tokens" else FinishReason.STOP
+        out.detail = tok.stopped_on or "handed_off"
+        return out
+
+
+def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> PrefillWorker:
+    stage = cfg.stage("thinker-prefill")
+    thinker = ckpt.family.thinker(ckpt, stage.dtype, stage.device)
+    return PrefillWorker(thinker, ckpt.family.thinker_defaults(ckpt), cfg.max_model_len)

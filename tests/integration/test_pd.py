@@ -1,0 +1,144 @@
+"""The thinker split into a prefill and a decode role (`thinker.disaggregated`), as real
+processes on loopback: greedy output equals monolithic `generate()` for text and audio in,
+alone and under concurrency; cancelling frees both roles; a decode role that is gone fails the
+request with UNAVAILABLE naming it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from gateway.client import build_request, generate
+from omnistage.cli.serve import Stack, start_stack
+from omnistage.config import apply_overrides
+from omnistage.models.sampling import SamplingParams
+from omnistage.v1 import gateway_pb2_grpc
+from services.pipeline import AudioEvent, PipelineRequest
+from tests.integration.conftest import info, prompt_chunk, run, stack_config, stage_call
+from tests.integration.test_multimodal import MEDIA_LIMITS, _case, _request_options, reference_output
+from tests.integration.test_stack import PROMPT, TALKER_MAX, THINKER_MAX, greedy_start
+
+ROLES = ("thinker-prefill", "thinker-decode")
+
+
+@pytest.fixture(scope="module")
+def pd_stack(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    cfg = stack_config(talker={"replicas": 1}, media=MEDIA_LIMITS)
+    base = cfg.thinker.base_port  # the roles take the thinker's two ports of the block
+    cfg = apply_overrides(cfg, {"thinker.disaggregated": True, "thinker.prefill.base_port": base,
+                                "thinker.decode.base_port": base + 1})  # fmt: skip
+    s = start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("pd-logs"))
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def test_the_stack_runs_both_roles_and_no_thinker(pd_stack: Stack) -> None:
+    assert not pd_stack.addresses("thinker")
+    for role in ROLES:
+        (address,) = pd_stack.addresses(role)
+        assert run(info(address)).role == role
+
+
+def test_pd_matches_generate(pd_stack: Stack, pipeline: Any, reference: Any) -> None:
+    ids = pipeline.prompt_ids(PROMPT)
+    ref_ids, ref_codes, ref_wav = reference.generate(ids, THINKER_MAX, TALKER_MAX, pipeline.spec.im_end_id)
+    assert len(ref_ids) > 2 and ref_codes.shape[1] > 0
+
+    # Straight into the prefill role: every part's chunks come back up through it.
+    out = run(stage_call(pd_stack.addresses("thinker-prefill")[0], greedy_start("pd-1"), [prompt_chunk(ids)]))
+    tokens = [int(i) for c in out["thinker"] for i in c.tensors["ids"].tolist()]
+    codes = torch.cat([c.tensors["codes"] for c in out["talker"] if "codes" in c.tensors], dim=1)
+    audio = torch.cat([c.tensors["audio"] for c in out["code2wav"] if "audio" in c.tensors])
+    assert tokens == ref_ids
+    assert torch.equal(codes, ref_codes)
+    assert audio.shape == ref_wav.shape and torch.allclose(audio, ref_wav, atol=1e-5, rtol=0)
+
+    reply = run(generate(pd_stack.gateway_address, PROMPT, thinker_max_tokens=THINKER_MAX,
+                         talker_max_tokens=TALKER_MAX, timeout=60))  # fmt: skip
+    assert reply.token_ids == ref_ids
+    assert np.allclose(reply.pcm, ref_wav.numpy(), atol=1e-5, rtol=0)
+
+
+def test_pd_audio_input_matches_generate(pd_stack: Stack, checkpoints: Any) -> None:
+    pipeline, reference = checkpoints("published")
+    ref = (pipeline, reference, pipeline.family.input_builder(pipeline.checkpoint, pipeline.tokenizer))
+    request = _case("audio")
+    _, _, (ref_ids, ref_codes, ref_wav) = reference_output(ref, request)
+    reply = run(generate(pd_stack.gateway_address, "", timeout=120, **_request_options(request)))
+    assert reply.token_ids == ref_ids
+    assert reply.usage["audio_frames"] == ref_codes.shape[1]
+    assert reply.pcm.shape == tuple(ref_wav.shape) and np.allclose(reply.pcm, ref_wav.numpy(), atol=1e-5, rtol=0)
+
+
+def test_pd_concurrent_requests_match_their_solo_runs(pd_stack: Stack, pipeline: Any) -> None:
+    """Requests at once (the decode role batches them; one ends at its first token) give what
+    the single in-process thinker gives each alone."""
+    prompts = [PROMPT, "Numbers one two three", "Where is the nearest train station from here?", "hi", "ok", "Sing!"]
+    limits = [24, 24, 24, 24, 1, 24]  # max_tokens 1: the prefill's token is the last
+    solo = []
+    for p, limit in zip(prompts, limits, strict=True):
+        thinker = pipeline.thinker_defaults().with_overrides(max_tokens=limit)
+        events = list(pipeline.run(PipelineRequest(pipeline.prompt_ids(p), thinker, SamplingParams(max_tokens=40))))
+        audio = [e.pcm for e in events if isinstance(e, AudioEvent)]
+        solo.append((events[-1].token_ids, torch.cat(audio).numpy() if audio else np.zeros(0, np.float32)))
+
+    async def together() -> list[Any]:
+        return await asyncio.gather(*(generate(pd_stack.gateway_address, p, thinker_max_tokens=limit,
+                                               talker_max_tokens=40, timeout=120)
+                                      for p, limit in zip(prompts, limits, strict=True)))  # fmt: skip
+
+    for reply, (ids, audio) in zip(run(together()), solo, strict=True):
+        assert reply.token_ids == ids
+        assert reply.pcm.shape == audio.shape and np.allclose(reply.pcm, audio, atol=1e-5, rtol=0)
+    steps = run(info(pd_stack.addresses("thinker-decode")[0])).load
+    assert steps.step_requests_total > steps.steps_total, "the decode role batched requests"
+
+
+def _idle(address: str) -> bool:
+    load = run(info(address)).load
+    return (load.running, load.waiting, load.waiting_for_input, load.open_streams, load.shm_segments) == (0,) * 5
+
+
+def test_cancel_frees_both_roles(pd_stack: Stack, pipeline: Any) -> None:
+    async def cancel_after(n: int) -> None:
+        req = build_request("hi " * 40, thinker_max_tokens=300, talker_max_tokens=200,
+                            thinker_stop_ids=[pipeline.spec.tts_pad_id])  # fmt: skip
+        async with grpc.aio.insecure_channel(pd_stack.gateway_address) as ch:
+            call = gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=60)
+            seen = 0
+            async for _ in call:
+                seen += 1
+                if seen >= n:
+                    call.cancel()
+                    break
+
+    for n in (1, 5):  # at the first token (the KV just handed over) and mid-decode
+        run(cancel_after(n))
+    stages = [a for name in (*ROLES, "talker", "code2wav") for a in pd_stack.addresses(name)]
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and not all(_idle(a) for a in stages):
+        time.sleep(0.2)
+    assert all(_idle(a) for a in stages), {a: str(run(info(a)).load) for a in stages}
+
+
+def test_a_dead_decode_role_is_unavailable_naming_it(pd_stack: Stack) -> None:
+    """Last in the module: it kills the decode role."""
+    decode = pd_stack.child("thinker-decode")
+    decode.proc.kill()
+    decode.proc.wait(10)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(generate(pd_stack.gateway_address, PROMPT, thinker_max_tokens=8, talker_max_tokens=8, timeout=30))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "thinker-decode" in (err.value.details() or "")
+    assert pd_stack.child("thinker-prefill").proc.poll() is None
+    assert _idle(pd_stack.addresses("thinker-prefill")[0])

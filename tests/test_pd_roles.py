@@ -1,0 +1,93 @@
+"""The thinker's prefill and decode roles in process (services/pipeline.py with
+`thinker.disaggregated`): the KV cache and the decode state pass between them as chunks, and
+the output is the single thinker's, bitwise, on more than one checkpoint; prompts prefilled
+over several chunks stream their cache chunk by chunk; mismatched roles are refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from omnistage.config import parse_config
+from omnistage.models.sampling import SamplingParams
+from omnistage.wire import Code, StageError
+from services import edges
+from services.pipeline import InProcessPipeline, PipelineRequest
+
+PROMPTS = ["Tell me a short story about a robot who learns to sing.", "hi", "Where is the nearest train station?"]
+
+
+def _pd(model_dir: Path, **thinker: Any) -> InProcessPipeline:
+    return InProcessPipeline(model_dir, parse_config({"thinker": {"disaggregated": True, **thinker}}))
+
+
+def _run(pipe: InProcessPipeline, ids: list[int], thinker: SamplingParams, want_audio: bool = True) -> Any:
+    return list(pipe.run(PipelineRequest(ids, thinker, SamplingParams(max_tokens=30), want_audio=want_audio)))[-1]
+
+
+@pytest.fixture(scope="module", params=["published", "variant"])
+def pair(request: pytest.FixtureRequest, tiny_dir: Path, tiny_variant_dir: Path) -> tuple[Any, Any]:
+    """(single thinker, split thinker) on the same checkpoint; the split one prefills at most 8
+    tokens a step, so every prompt's cache crosses in several chunks."""
+    model = tiny_dir if request.param == "published" else tiny_variant_dir
+    single = InProcessPipeline(model, parse_config({"thinker": {"max_num_batched_tokens": 8}}))
+    return single, _pd(model, prefill={"max_num_batched_tokens": 8})
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 24])  # 1: the prefill's token is the last
+def test_split_thinker_equals_the_single_one(pair: tuple[Any, Any], max_tokens: int) -> None:
+    single, split = pair
+    for prompt in PROMPTS:
+        ids = single.prompt_ids(prompt)
+        assert len(ids) > 8  # several prefill chunks
+        greedy = single.thinker_defaults().with_overrides(max_tokens=max_tokens)
+        a, b = _run(single, ids, greedy), _run(split, ids, greedy)
+        assert len(a.token_ids) == min(max_tokens, len(a.token_ids)) and a.token_ids
+        assert b.token_ids == a.token_ids
+        assert torch.equal(b.codes, a.codes)
+        assert b.thinker_stopped_on == a.thinker_stopped_on
+        assert _run(split, ids, greedy, want_audio=False).token_ids == a.token_ids
+
+
+def test_a_seeded_sampler_goes_on_where_the_prefill_left_it(pair: tuple[Any, Any]) -> None:
+    """The sampler's random state crosses with the cache: the same sampled stream."""
+    single, split = pair
+    ids = single.prompt_ids(PROMPTS[0])
+    params = single.thinker_defaults().with_overrides(max_tokens=24, do_sample=True, temperature=1.5, seed=1234)
+    a, b = _run(single, ids, params), _run(split, ids, params)
+    greedy = _run(single, ids, params.with_overrides(do_sample=False))
+    assert a.token_ids != greedy.token_ids, "the sampler must matter for this check to mean anything"
+    assert b.token_ids == a.token_ids and torch.equal(b.codes, a.codes)
+
+
+def test_the_decode_role_keeps_no_cache_after_a_request(pair: tuple[Any, Any]) -> None:
+    _, split = pair
+    _run(split, split.prompt_ids("hi"), split.thinker_defaults().with_overrides(max_tokens=4))
+    for name in ("thinker-prefill", "thinker-decode"):
+        assert split.engines[name].idle
+        assert split.engines[name].scheduler.stats()["reserved_tokens"] == 0
+
+
+def test_roles_that_differ_are_refused_naming_the_difference(tiny_dir: Path) -> None:
+    """A decode role in another dtype: FAILED_PRECONDITION naming the cache layout."""
+    pipe = _pd(tiny_dir, decode={"dtype": "bfloat16"})
+    with pytest.raises(StageError) as err:
+        _run(pipe, pipe.prompt_ids("hi"), pipe.thinker_defaults().with_overrides(max_tokens=4))
+    assert err.value.code == Code.FAILED_PRECONDITION
+    assert "kv_layout" in err.value.message and "dtype=bfloat16" in err.value.message
+    assert "thinker_fingerprint" not in err.value.message  # the same checkpoint
+
+
+def test_check_kv_meta_names_each_difference() -> None:
+    mine = {"omnistage_version": "1", "thinker_fingerprint": "abc", "kv_layout": "layers=2"}
+    ok = {**mine, edges.PROMPT_TOKENS: 5}
+    assert edges.check_kv_meta("thinker-decode", ok, mine) == 5
+    with pytest.raises(StageError, match="thinker_fingerprint: prefill has 'xyz', decode has 'abc'") as err:
+        edges.check_kv_meta("thinker-decode", {**ok, "thinker_fingerprint": "xyz"}, mine)
+    assert err.value.code == Code.FAILED_PRECONDITION
+    for bad in (0, "5", True, None):
+        with pytest.raises(StageError, match=edges.PROMPT_TOKENS):
+            edges.check_kv_meta("thinker-decode", {**mine, edges.PROMPT_TOKENS: bad}, mine)
