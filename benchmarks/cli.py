@@ -175,3 +175,20 @@ def bench_routing(
     from benchmarks.routing import main
 
     main(model, requests, concurrency, short_frames, long_frames, long_share, time_limit, json_out)
+
+
+@bench_app.command("pd")
+def bench_pd(
+    model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: built-in tiny).")] = None,
+    tokens: Annotated[int, typer.Option("--tokens", help="Prompt tokens of the KV transfer and long requests.")] = 1500,
+    chunk: Annotated[int, typer.Option("--chunk", help="Prompt tokens per KV chunk (prefill step).")] = 512,
+    shorts: Annotated[int, typer.Option("--shorts", help="Short requests of the mixed load.")] = 48,
+    rate: Annotated[float, typer.Option("--rate", help="Short requests per second.")] = 2.0,
+    long_every: Annotated[int, typer.Option("--long-every", help="One long-prompt request per N short.")] = 4,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
+) -> None:
+    """Prefill/decode disaggregation: KV transfer rates (inline gRPC, shared memory, memcpy) and
+    short requests' time between tokens and TTFA under long prompts, colocated vs split thinker."""
+    from benchmarks.pd import main
+
+    main(model, tokens, chunk, shorts, rate, long_every, json_out)

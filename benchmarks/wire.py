@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import machine_info, timed_median, write_json
+from omnistage.server.grpc_common import add_stage_servicer, stage_stream
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from omnistage.v1.tensor_pb2 import TensorBlob
 from omnistage.wire import tensor_blob as tb
@@ -237,7 +238,7 @@ def _grpc_throughput(address: str, pool: ShmPool | None) -> tuple[float, bool, i
     with grpc.insecure_channel(address, options=opts) as channel:
         md = pool.invocation_metadata() if pool is not None else []
         t0 = time.perf_counter()
-        call = wv.stage_stream(channel)(requests(), metadata=md, timeout=60)
+        call = stage_stream(channel)(requests(), metadata=md, timeout=60)
         holder["call"] = call
         call_ready.set()
         (resp,) = list(call)
@@ -253,7 +254,7 @@ def _grpc(pool: ShmPool, reps: int = 3) -> dict[str, Any]:
     reader = ShmReader(enabled=True)
     opts = [("grpc.max_receive_message_length", GRPC_MAX_MSG), ("grpc.max_send_message_length", GRPC_MAX_MSG)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=opts)
-    wv.add_stage_servicer(_SinkStage(reader), server)
+    add_stage_servicer(_SinkStage(reader), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     address = f"127.0.0.1:{port}"

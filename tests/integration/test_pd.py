@@ -122,8 +122,18 @@ def test_cancel_frees_both_roles(pd_stack: Stack, pipeline: Any) -> None:
                     call.cancel()
                     break
 
+    async def cancel_during_prefill(delay: float) -> None:
+        """A long prompt, cancelled while the prefill role may still be computing and sending it."""
+        req = build_request("lorem ipsum dolor sit amet, " * 50, thinker_max_tokens=8, talker_max_tokens=8)
+        async with grpc.aio.insecure_channel(pd_stack.gateway_address) as ch:
+            call = gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=60)
+            await asyncio.sleep(delay)
+            call.cancel()
+
     for n in (1, 5):  # at the first token (the KV just handed over) and mid-decode
         run(cancel_after(n))
+    for delay in (0.0, 0.05, 0.1, 0.2):
+        run(cancel_during_prefill(delay))
     stages = [a for name in (*ROLES, "talker", "code2wav") for a in pd_stack.addresses(name)]
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and not all(_idle(a) for a in stages):

@@ -1,0 +1,30 @@
+"""The transfer benchmarks' gRPC paths run and count what arrived (short forms of
+`omnistage bench wire` and `omnistage bench pd`'s KV transfer)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import wire
+from benchmarks.pd import kv_transfer
+from omnistage.wire.shm import ShmPool
+
+
+def test_kv_transfer_moves_the_whole_cache_inline_and_through_shared_memory() -> None:
+    layout = {"layers": 2, "kv_heads": 4, "head_dim": 128, "dtype": "bfloat16"}
+    row = kv_transfer(layout, 600, 256, reps=1)  # 256 KiB per tensor per chunk: over the shm threshold
+    assert row["bytes"] == 2 * 2 * 4 * 600 * 128 * 2  # the receiver checks it got every byte
+    assert row["shm_used"] and row["tensors_in_shm"] is False  # the last chunk's 88 tokens go inline
+    for key in ("memcpy_gb_s", "inline_grpc_gb_s", "shm_gb_s"):
+        assert row[key] > 0
+
+
+def test_wire_grpc_throughput_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wire, "GRPC_CHUNKS", 3)
+    pool = ShmPool(enabled=True)
+    try:
+        res = wire._grpc(pool, reps=1)
+    finally:
+        pool.close()
+    assert res["bytes_per_request"] == 3 * wire.GRPC_CHUNK_BYTES
+    assert res["inline_mb_s"] > 0 and res["shm_mb_s"] > 0 and res["shm_used"]
