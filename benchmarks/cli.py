@@ -192,3 +192,18 @@ def bench_pd(
     from benchmarks.pd import main
 
     main(model, tokens, chunk, shorts, rate, long_every, json_out)
+
+
+@bench_app.command("batching")
+def bench_batching(
+    model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: built-in tiny).")] = None,
+    requests: Annotated[int, typer.Option("--requests", help="Requests of the bench mix.")] = 32,
+    batch: Annotated[int, typer.Option("--batch", help="Requests stepped together.")] = 16,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Thinker tokens per request.")] = 24,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
+) -> None:
+    """Fast batching against exact on the bench mix: identical greedy ids, first divergence,
+    max |Δ logits| (the thinker; `omnistage bench --serve` with fast stages adds the talker's)."""
+    from benchmarks.batching import main
+
+    main(model, requests, batch, max_tokens, json_out)

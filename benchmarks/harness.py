@@ -444,6 +444,10 @@ async def _run_async(run: Run, model_dir: Path, pipe_box: dict[str, Any], log: C
     with run.phase("system_under_test"), sut_target(opts, log) as (target, cfg):
         if cfg is not None and cfg.model and opts.model is None:
             pipe_box["model_dir"] = Path(cfg.model)
+        if opts.config is not None or cfg is not None:
+            from omnistage.config import load_config
+
+            pipe_box["cfg"] = cfg or load_config(opts.config)
         if target is None:
             pipe_box["pipe"] = _load_pipe(pipe_box)
         await _sut_phase(run, target, pipe_box.get("pipe"))
@@ -460,9 +464,10 @@ async def _run_async(run: Run, model_dir: Path, pipe_box: dict[str, Any], log: C
 
 
 def _load_pipe(box: dict[str, Any]) -> Any:
+    """The in-process pipeline with the stack's settings (batching mode and all)."""
     from services.pipeline import InProcessPipeline
 
-    return InProcessPipeline(box["model_dir"])
+    return InProcessPipeline(box["model_dir"], box.get("cfg"))
 
 
 def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:

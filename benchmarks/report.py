@@ -60,6 +60,10 @@ def format_stages(result: dict[str, Any]) -> str:
             f"  {name:9s} best batch {s['best_batch_size']} of {s['batch_sizes_tried']}: "
             f"{'-' if rate is None else f'{rate:.2f}'} req/s"
         )
+        for b, a in s.get("agreement_by_batch", {}).items():
+            first = f", the others first differ at {a['first_divergence']}" if a["first_divergence"] else ""
+            lines.append(f"    fast batching at batch {b}: {100 * a['identical']:.0f} % of {a['requests']} requests "
+                         f"equal to their lone run{first}")  # fmt: skip
     lines.append(f"  bottleneck: {st['bottleneck']}  ({st['note']})")
     return "\n".join(lines)
 

@@ -104,6 +104,8 @@ class StageTimes:
     """Seconds each stage took over the whole request mix, alone, by batch size."""
 
     s_by_batch: dict[str, dict[int, float]] = field(default_factory=lambda: {k: {} for k in STAGES})
+    # fast batching: per stage and batch size, how its outputs compare with each request alone
+    agreement: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)
     thinker_tokens: list[int] = field(default_factory=list)
     talker_frames: list[int] = field(default_factory=list)
     audio_samples: list[int] = field(default_factory=list)
@@ -124,11 +126,13 @@ def _time_stage(
     sizes: Sequence[int],
     inputs: Sequence[Any],
     run_batch: Callable[[list[Any]], list[Any]],
-    same: Callable[[list[Any], list[Any]], bool] | None,
+    key: Callable[[Any], list[Any]] | None,
     progress: Callable[[int], None] | None,
+    exact: bool = True,
 ) -> list[Any]:
     """Run ``inputs`` through one stage in batches of each size, timed; return the outputs of
-    the first size, which every other size must match (``same``) when given."""
+    the first size. With ``key`` (each output's tokens or frames), exact batching must give the
+    first size's outputs at every size; fast batching's agreement with them is recorded."""
     first: list[Any] | None = None
     for b in sizes:
         t0 = time.perf_counter()
@@ -138,9 +142,24 @@ def _time_stage(
             progress(1)
         if first is None:
             first = out
-        elif same is not None and not same(out, first):
+            continue
+        if key is None:
+            continue
+        agreement = compare(list(map(key, first)), list(map(key, out)))
+        if exact and agreement["identical"] < 1:
             raise RuntimeError(f"{name} at batch size {b} gave other outputs than at batch size {sizes[0]}")
+        if not exact:
+            times.agreement.setdefault(name, {})[b] = agreement
     return first or []
+
+
+def compare(alone: list[list[Any]], batched: list[list[Any]]) -> dict[str, Any]:
+    """Requests whose outputs (token ids, or frames) equal their lone run, and where the others
+    first differ (the position of the first differing token or frame)."""
+    diverged = [next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), min(len(x), len(y)))
+                for x, y in zip(alone, batched, strict=True) if x != y]  # fmt: skip
+    return {"requests": len(alone), "identical": (len(alone) - len(diverged)) / max(1, len(alone)),
+            "first_divergence": sorted(diverged)}  # fmt: skip
 
 
 def time_stages(
@@ -161,20 +180,21 @@ def time_stages(
     starts = [make_start(thinker_sampling, talker_sampling) for _ in prompt_ids]
     async_mode = edges.edge_mode("async_chunk")
 
-    def tokens(recs: list[Recorded]) -> list[list[int]]:
-        return [[int(i) for t in r.tensors(edges.IDS) for i in t.tolist()] for r in recs]
+    def tokens(rec: Recorded) -> list[int]:
+        return [int(i) for t in rec.tensors(edges.IDS) for i in t.tolist()]
 
-    def codes(recs: list[Recorded]) -> list[list[list[int]]]:
-        return [[t.tolist() for t in r.tensors(edges.CODES)] for r in recs]
+    def frames(rec: Recorded) -> list[list[int]]:
+        return [f for t in rec.tensors(edges.CODES) for f in t.t().tolist()]
 
+    exact = {name: pipe.cfg.stage(name).batching == "exact" for name in ("thinker", "talker")}
     thinker_out = _time_stage(
         times, "thinker", sizes, [(s, [edges.prompt_chunk(p)]) for s, p in zip(starts, prompt_ids, strict=True)],
-        lambda batch: run_stage(pipe, "thinker", batch), lambda a, b: tokens(a) == tokens(b), progress,
+        lambda batch: run_stage(pipe, "thinker", batch), tokens, progress, exact["thinker"],
     )  # fmt: skip
     talker_in = [(edges.downstream_start(s, async_mode), r.down) for s, r in zip(starts, thinker_out, strict=True)]
     talker_out = _time_stage(
         times, "talker", sizes, talker_in,
-        lambda batch: run_stage(pipe, "talker", batch), lambda a, b: codes(a) == codes(b), progress,
+        lambda batch: run_stage(pipe, "talker", batch), frames, progress, exact["talker"],
     )  # fmt: skip
     c2w_in = [(s, r.down) for (s, _), r in zip(talker_in, talker_out, strict=True) if r.down]
     pace = pipe.cfg.stage("code2wav").chunk_frames
@@ -201,6 +221,8 @@ def stage_summary(times: StageTimes, requests: int) -> dict[str, Any]:
             "requests_per_s": requests / by_batch[best] if by_batch[best] > 0 else None,
             "requests_per_s_by_batch": {str(b): requests / s if s > 0 else None for b, s in sorted(by_batch.items())},
         }
+        if name in times.agreement:  # fast batching: outputs against each request alone, per batch size
+            stages[name]["agreement_by_batch"] = {str(b): a for b, a in sorted(times.agreement[name].items())}
     if "thinker" in stages:
         stages["thinker"]["tokens"] = times.thinker_tokens
     if "talker" in stages:

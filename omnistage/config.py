@@ -49,6 +49,9 @@ class StageConfig(_Strict):
     cache_capacity_tokens: int | None = Field(
         None, ge=1, description="KV cache tokens over all admitted requests; null: unbounded"
     )
+    batching: Literal["exact", "fast"] = Field(
+        "exact", description="exact: each request bitwise as alone (parity); fast: one GEMM per layer over "
+        "every request's rows, close but not bitwise (thinker and talker; models/batching.py)")  # fmt: skip
 
 
 class ThinkerConfig(StageConfig):

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omnistage.models.batching import ExactBatching, ExactLinear, grouped_linear
+from omnistage.models.batching import ExactLinear, PackedBatching, grouped_linear
 from omnistage.models.sampling import SamplingParams
 
 
@@ -49,7 +49,7 @@ def test_a_linear_over_rows_it_cannot_place_is_refused() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     model.config = _NoSubConfigs()  # type: ignore[assignment]
     model.set_attn_implementation = lambda name: None  # type: ignore[assignment]
-    batching = ExactBatching(model)
+    batching = PackedBatching(model)
     assert isinstance(model[0], ExactLinear)
     with batching.step([2, 1]), pytest.raises(RuntimeError, match="expected 3"):
         model(torch.randn(4, 8))
@@ -153,3 +153,67 @@ def test_talker_steps_are_bitwise_the_same_alone_and_batched(pipeline: Any) -> N
         assert [f for f, _ in alone[i]] == [f for f, _ in together[i]]
         assert all((a is None and b is None) or torch.equal(a, b)
                    for (_, a), (_, b) in zip(alone[i], together[i], strict=True))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fast_pipeline(tiny_dir: Any) -> Any:
+    from omnistage.config import parse_config
+    from services.pipeline import InProcessPipeline
+
+    return InProcessPipeline(tiny_dir, parse_config({"thinker": {"batching": "fast"}, "talker": {"batching": "fast"}}))
+
+
+def _linear_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of every F.linear call from here on."""
+    rows: list[int] = []
+    real = F.linear
+
+    def spy(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        rows.append(x.numel() // x.shape[-1])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(F, "linear", spy)
+    return rows
+
+
+def test_fast_mode_is_one_gemm_per_linear_over_every_row(
+    pipeline: Any, fast_pipeline: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fast: every linear call of a packed step takes all of the step's rows (one GEMM per layer,
+    routers included). Exact: the rows are split per request."""
+    prompts = [pipeline.prompt_ids(p) for p in ("hi", "Tell me about the sea.", "Name three colours.")]
+    total = sum(len(p) for p in prompts)
+    for pipe, fast in ((fast_pipeline, True), (pipeline, False)):
+        thinker = pipe.thinker
+        assert thinker.batching.mode == ("fast" if fast else "exact")
+        states = [thinker.new_state(SamplingParams(max_tokens=2)) for _ in prompts]
+        for s, p in zip(states, prompts, strict=True):
+            thinker.set_prompt(s, p)
+        rows = _linear_rows(monkeypatch)
+        thinker.step([(s, 0, len(p)) for s, p in zip(states, prompts, strict=True)])
+        monkeypatch.undo()
+        assert rows
+        assert (set(rows) == {total}) == fast, (fast, sorted(set(rows)))
+        for s in states:
+            thinker.release(s)
+
+
+def test_fast_mode_is_close_to_exact_and_equal_for_a_lone_request(pipeline: Any, fast_pipeline: Any) -> None:
+    prompts = [pipeline.prompt_ids(p) for p in ("hi", "Tell me about the sea.", "Name three colours.")]
+    exact_alone = [_thinker_run(pipeline, [p], 0)[0] for p in prompts]
+    fast_alone = [_thinker_run(fast_pipeline, [p], 0)[0] for p in prompts]
+    for a, b in zip(exact_alone, fast_alone, strict=True):  # one request: the same kernels in both modes
+        assert [t.token_id for t in a] == [t.token_id for t in b]
+        assert all(torch.equal(x.hidden, y.hidden) for x, y in zip(a, b, strict=True))
+    together = _thinker_run(fast_pipeline, prompts, 0)
+    first = [(a[0].hidden - b[0].hidden).abs().max() for a, b in zip(exact_alone, together, strict=True)]
+    assert max(float(d) for d in first) < 1e-3  # other GEMM shapes: the last bits, not more
+
+
+def test_an_unknown_batching_mode_is_refused() -> None:
+    from omnistage.config import ConfigError, parse_config
+
+    with pytest.raises(ValueError, match="batching mode 'quick'"):
+        PackedBatching(torch.nn.Linear(2, 2), mode="quick")
+    with pytest.raises(ConfigError, match=r"talker\.batching"):
+        parse_config({"talker": {"batching": "quick"}})

@@ -1,4 +1,13 @@
-"""Exact batching: one forward for many requests, each request's numbers bitwise as if alone.
+"""Packed batching: one forward for many requests, in one of two modes.
+
+* `exact` (below): each request's numbers bitwise as if alone; the parity tests run in it.
+* `fast`: each linear layer is one GEMM over every request's rows, MoE routers and experts run
+  over all rows at once (transformers' `grouped_mm`), and the code predictor's attention is one
+  SDPA over its batch axis. Results are close to a lone request's, not bitwise (a GEMM's rows
+  depend on how many rows it has). Attention over the packed sequence axis stays one SDPA per
+  request over its own cache (the variable-length case).
+
+Exact mode:
 
 The thinker and the talker run every scheduled request in a single forward: the requests'
 rows (a prefill chunk, or one decode token) are packed along the sequence axis of a batch of
@@ -8,7 +17,7 @@ the last bits, and greedy tokens with them: on CPU a GEMM's rows depend on how m
 has (measured: no row of `F.linear` over M > 1 rows equals the same row computed alone), and
 so does SDPA over a batch.
 
-`ExactBatching(model)` is an explicit mode of one loaded model. It
+`PackedBatching(model, mode="exact")` is an explicit mode of one loaded model. It
 
 * replaces every `nn.Linear` with an `ExactLinear` holding the same parameters: during a packed
   step a request of one row is computed with a batched matrix-vector product, whose rows equal
@@ -43,7 +52,9 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-__all__ = ["ExactBatching", "ExactLinear", "PackedCache", "grouped_linear"]
+__all__ = ["MODES", "ExactLinear", "PackedBatching", "PackedCache", "grouped_linear"]
+
+MODES = ("exact", "fast")
 
 log = logging.getLogger(__name__)
 
@@ -146,11 +157,11 @@ def grouped_linear(
 class ExactLinear(nn.Linear):
     """`nn.Linear` whose rows, inside a packed step of its model, are each request's lone result."""
 
-    batching: ExactBatching
+    batching: PackedBatching
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layout = self.batching.layout
-        if layout is None or len(layout.lengths) == 1 or x.ndim < 2:
+        if layout is None or len(layout.lengths) == 1 or x.ndim < 2 or self.batching.fast:
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] != layout.rows:
@@ -166,14 +177,14 @@ class _PerRequestRows(nn.Module):
     """Runs a row-wise module that calls `F.linear` itself (a MoE router) on each request's rows
     alone. Its outputs (a tensor or a tuple of them) have one row per input row."""
 
-    def __init__(self, inner: nn.Module, batching: ExactBatching) -> None:
+    def __init__(self, inner: nn.Module, batching: PackedBatching) -> None:
         super().__init__()
         self.inner = inner
         self.batching = batching
 
     def forward(self, hidden_states: torch.Tensor) -> Any:
         layout = self.batching.layout
-        if layout is None or len(layout.lengths) == 1:
+        if layout is None or len(layout.lengths) == 1 or self.batching.fast:
             return self.inner(hidden_states)
         rows = hidden_states.reshape(-1, hidden_states.shape[-1])
         parts = [self.inner(piece) for piece in rows.split(layout.lengths)]
@@ -219,8 +230,13 @@ def _causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
 
 
 def _layout_of(module: nn.Module) -> _Layout | None:
-    batching: ExactBatching | None = getattr(module, "_exact_batching", None)
+    batching: PackedBatching | None = getattr(module, "_exact_batching", None)
     return None if batching is None else batching.layout
+
+
+def _fast(module: nn.Module) -> bool:
+    batching: PackedBatching | None = getattr(module, "_exact_batching", None)
+    return batching is not None and batching.fast
 
 
 def exact_attention(
@@ -237,6 +253,9 @@ def exact_attention(
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         return out, None
     outs = []
+    if layout.batch_axis and _fast(module):  # one SDPA over the whole batch
+        out, _ = sdpa_attention_forward(module, query, key, value, None, **kwargs)
+        return out, None
     if layout.batch_axis:  # equal-length requests on the batch axis, each with its batch row of the cache
         for b in range(query.shape[0]):
             sl = slice(b, b + 1)
@@ -265,7 +284,7 @@ def exact_experts(
     own rows; requests of one row run together, each (row, expert) pair as a matrix-vector
     product, which is what `grouped_mm` computes for a lone row (expert groups of one row)."""
     layout = _layout_of(self)
-    if layout is None or len(layout.lengths) == 1:
+    if layout is None or len(layout.lengths) == 1 or _fast(self):
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     out = torch.empty_like(hidden_states)
     singles: list[int] = []
@@ -312,15 +331,19 @@ def _register_kernels() -> None:
     ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, exact_experts)
 
 
-class ExactBatching:
-    """The exact batching mode of one loaded model (see the module docstring).
+class PackedBatching:
+    """Packed batching of one loaded model, exact or fast (see the module docstring).
 
-    `row_modules`: module types that call `F.linear` on their own weights (MoE routers); they
-    are run per request. Use `with batching.step(lengths, cache):` around a packed forward.
+    `row_modules`: module types that call `F.linear` on their own weights (MoE routers); exact
+    mode runs them per request. Use `with batching.step(lengths, cache):` around a packed forward.
     """
 
-    def __init__(self, model: nn.Module, row_modules: tuple[type[nn.Module], ...] = ()) -> None:
+    def __init__(self, model: nn.Module, row_modules: tuple[type[nn.Module], ...] = (), mode: str = "exact") -> None:
+        if mode not in MODES:
+            raise ValueError(f"batching mode {mode!r}; expected one of {', '.join(MODES)}")
         self.model = model
+        self.mode = mode
+        self.fast = mode == "fast"
         self.layout: _Layout | None = None
         _register_kernels()
         self._check_defaults(model)
@@ -330,7 +353,10 @@ class ExactBatching:
             model.set_experts_implementation(IMPLEMENTATION)
         for module in model.modules():
             module._exact_batching = self  # type: ignore[assignment]
-        self.self_test()
+        if self.fast:
+            log.info("fast batching (%s): one GEMM per linear layer over all requests' rows", type(model).__name__)
+        else:
+            self.self_test()
 
     @staticmethod
     def _check_defaults(model: nn.Module) -> None:

@@ -81,11 +81,12 @@ class Family(ABC):
         with the checkpoint's processor (see `qwen3_omni/processor.py`'s `InputBuilder`)."""
 
     @abstractmethod
-    def thinker(self, ckpt: Checkpoint, dtype: str, device: str) -> Any:
-        """The thinker part, ready to step many requests (see `qwen3_omni/thinker.py`)."""
+    def thinker(self, ckpt: Checkpoint, dtype: str, device: str, batching: str = "exact") -> Any:
+        """The thinker part, ready to step many requests (see `qwen3_omni/thinker.py`);
+        `batching`: "exact" or "fast" (models/batching.py)."""
 
     @abstractmethod
-    def talker(self, ckpt: Checkpoint, dtype: str, device: str) -> Any:
+    def talker(self, ckpt: Checkpoint, dtype: str, device: str, batching: str = "exact") -> Any:
         """The talker part (with its code predictor), ready to step many requests."""
 
     @abstractmethod

@@ -86,6 +86,12 @@ class TokenChooser:
             else:
                 self.generator.seed()
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no logits processor: the choice is the argmax of the raw logits, so many
+        requests' rows can be chosen in one call (`argmax` is exact on any batch)."""
+        return not self.params.do_sample and not self.processors
+
     def choose(self, logits: torch.Tensor, history: torch.Tensor) -> int:
         """`logits`: `[V]` (float); `history`: `[T]` ids seen so far (for the repetition penalty)."""
         scores = self.processors(history.view(1, -1), logits.view(1, -1).float())

@@ -87,4 +87,5 @@ class TalkerWorker(StageWorker):
 
 def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> TalkerWorker:
     stage = cfg.stage("talker")
-    return TalkerWorker(ckpt.family.talker(ckpt, stage.dtype, stage.device), ckpt.family.talker_defaults())
+    talker = ckpt.family.talker(ckpt, stage.dtype, stage.device, stage.batching)
+    return TalkerWorker(talker, ckpt.family.talker_defaults())

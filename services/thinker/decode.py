@@ -109,6 +109,4 @@ class DecodeWorker(ThinkerWorker):
 
 
 def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> DecodeWorker:
-    stage = cfg.stage("thinker-decode")
-    thinker = ckpt.family.thinker(ckpt, stage.dtype, stage.device)
-    return DecodeWorker(thinker, ckpt.family.thinker_defaults(ckpt), cfg.max_model_len)
+    return DecodeWorker.build(cfg, ckpt)

@@ -59,6 +59,4 @@ class PrefillWorker(ThinkerWorker):
 
 
 def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> PrefillWorker:
-    stage = cfg.stage("thinker-prefill")
-    thinker = ckpt.family.thinker(ckpt, stage.dtype, stage.device)
-    return PrefillWorker(thinker, ckpt.family.thinker_defaults(ckpt), cfg.max_model_len)
+    return PrefillWorker.build(cfg, ckpt)

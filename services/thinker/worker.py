@@ -4,7 +4,7 @@ up; the prompt's and each token's embeddings down to the talker."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 from omnistage.config import DeployConfig
 from omnistage.engine import Demand, FinishReason, OutChunk, Request, ScheduledItem, StageWorker, StepOutput
@@ -97,8 +97,13 @@ class ThinkerWorker(StageWorker):
     def close(self, req: Request) -> None:
         self.thinker.release(req.state)
 
+    @classmethod
+    def build(cls, cfg: DeployConfig, ckpt: Checkpoint) -> Self:
+        """This role's worker with the settings of its block of the deploy config."""
+        stage = cfg.stage(cls.name)
+        thinker = ckpt.family.thinker(ckpt, stage.dtype, stage.device, stage.batching)
+        return cls(thinker, ckpt.family.thinker_defaults(ckpt), cfg.max_model_len)
+
 
 def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> ThinkerWorker:
-    stage = cfg.stage("thinker")
-    thinker = ckpt.family.thinker(ckpt, stage.dtype, stage.device)
-    return ThinkerWorker(thinker, ckpt.family.thinker_defaults(ckpt), cfg.max_model_len)
+    return ThinkerWorker.build(cfg, ckpt)

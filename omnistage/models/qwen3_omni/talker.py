@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from omnistage.models.batching import ExactBatching, PackedCache
+from omnistage.models.batching import PackedBatching, PackedCache
 from omnistage.models.qwen3_omni.multimodal import RopeInputs, talker_positions
 from omnistage.models.qwen3_omni.prompt import (
     ASSISTANT_HEADER_LEN,
@@ -101,7 +101,7 @@ class TalkerState:
 
 class Talker:
     def __init__(self, model: Any, spec: FamilySpec, tts_special_embeds: torch.Tensor,
-                 row_modules: tuple[type, ...] = ()) -> None:  # fmt: skip
+                 row_modules: tuple[type, ...] = (), batching: str = "exact") -> None:  # fmt: skip
         self.model = model
         self.spec = spec
         self.device = next(model.parameters()).device
@@ -110,7 +110,7 @@ class Talker:
         self.code_predictor = model.code_predictor
         self.codec_embedding = model.get_input_embeddings()
         self.residual_embeddings = self.code_predictor.get_input_embeddings()
-        self.batching = ExactBatching(model, row_modules)
+        self.batching = PackedBatching(model, row_modules, batching)
 
     def set_prompt(self, state: TalkerState, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None,
                    rope: Mapping[str, torch.Tensor] | None = None) -> None:  # fmt: skip
@@ -253,8 +253,12 @@ class Talker:
             out = cp(inputs_embeds=embeds, past_key_values=cache, use_cache=True)
         empty = torch.empty(0, dtype=torch.long)
         groups = self.spec.num_code_groups
+        greedy = all(s.residual_chooser.plain_greedy for s in states)  # one argmax for the batch per group
         for j in range(1, groups):
-            step = [s.residual_chooser.choose(out.logits[b, -1], empty) for b, s in enumerate(states)]
+            if greedy:
+                step = torch.argmax(out.logits[:, -1].float(), dim=-1).tolist()
+            else:
+                step = [s.residual_chooser.choose(out.logits[b, -1], empty) for b, s in enumerate(states)]
             codes.append(step)
             if j == groups - 1:
                 break

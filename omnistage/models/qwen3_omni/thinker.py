@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from omnistage.models.batching import ExactBatching, PackedCache
+from omnistage.models.batching import PackedBatching, PackedCache
 from omnistage.models.qwen3_omni.multimodal import MultimodalInputs, PromptInputs, RopeInputs, encode_prompt
 from omnistage.models.qwen3_omni.prompt import text_positions
 from omnistage.models.qwen3_omni.spec import FamilySpec
@@ -92,12 +92,13 @@ class Handoff:
 
 
 class Thinker:
-    def __init__(self, model: Any, spec: FamilySpec, row_modules: tuple[type, ...] = ()) -> None:
+    def __init__(self, model: Any, spec: FamilySpec, row_modules: tuple[type, ...] = (), batching: str = "exact"
+                 ) -> None:  # fmt: skip
         self.model = model
         self.spec = spec
         self.device = next(model.parameters()).device
         self.embedding = model.get_input_embeddings()
-        self.batching = ExactBatching(model, row_modules)
+        self.batching = PackedBatching(model, row_modules, batching)
 
     def validate_prompt(self, prompt_ids: Sequence[int], max_len: int | None = None) -> None:
         """Refuse a prompt before any model work: empty, too long, or out of vocabulary."""
