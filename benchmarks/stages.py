@@ -201,7 +201,7 @@ def time_stages(
     c2w_out = _time_stage(
         times, "code2wav", sizes, c2w_in, lambda batch: run_stage(pipe, "code2wav", batch, pace), None, progress
     )
-    times.thinker_tokens = [len(t) for t in tokens(thinker_out)]
+    times.thinker_tokens = [len(tokens(r)) for r in thinker_out]
     times.talker_frames = [sum(int(t.shape[1]) for t in r.tensors(edges.CODES)) for r in talker_out]
     times.audio_samples = [sum(int(t.shape[0]) for t in r.tensors(edges.AUDIO)) for r in c2w_out]
     return times

@@ -120,3 +120,26 @@ def test_batched_stage_replays_match_one_at_a_time(pipeline: Any) -> None:
     for (_, a), (_, b) in zip(alone, together, strict=True):
         assert torch.equal(a, b)
     assert any(c.shape[1] > 0 for _, c in together)
+
+
+def test_compare_counts_identical_requests_and_first_divergence() -> None:
+    from benchmarks.stages import compare
+
+    got = compare([[1, 2, 3], [4, 5], [7, 8]], [[1, 2, 3], [4, 6], [7]])
+    assert got == {"requests": 3, "identical": 1 / 3, "first_divergence": [1, 1]}
+
+
+def test_fast_stages_record_their_agreement_instead_of_refusing(tiny_dir: Path) -> None:
+    from benchmarks.stages import time_stages
+    from omnistage.config import parse_config
+    from services.pipeline import InProcessPipeline
+
+    pipe = InProcessPipeline(tiny_dir, parse_config({"thinker": {"batching": "fast"}, "talker": {"batching": "fast"}}))
+    ids = [pipe.prompt_ids(p) for p in ("hi", "Tell me about the sea.", "Name three colours.")]
+    thinker = pipe.thinker_defaults().with_overrides(max_tokens=6)
+    times = time_stages(pipe, ids, thinker, SamplingParams(max_tokens=6), [1, 3])
+    for name in ("thinker", "talker"):
+        a = times.agreement[name][3]
+        assert a["requests"] == 3 and len(a["first_divergence"]) == round(3 * (1 - a["identical"]))
+    assert "code2wav" not in times.agreement
+    assert len(times.thinker_tokens) == 3 and all(times.thinker_tokens)
