@@ -189,15 +189,19 @@ class DeployConfig(_StagesConfig):  # type: ignore[misc,valid-type]
         """A stage block given in part keeps its stage's defaults (port, cache) for the rest."""
         if not isinstance(data, dict):
             return data
-        data = dict(data)
+        data = dict(data)  # copied on the way down: the caller's dicts stay as they were
         for s in (*PIPELINE, *DISAGGREGATED):
             *parents, leaf = _ROLE_PATHS.get(s.name, (s.name,))
             node = data
             for key in parents:
-                node = node.get(key) if isinstance(node.get(key), dict) else {}
-            block = node.get(leaf)
-            if isinstance(block, dict):
-                node[leaf] = {"base_port": s.default_port, **s.defaults, **block}
+                if not isinstance(node.get(key), dict):
+                    break
+                child = dict(node[key])
+                node[key] = child
+                node = child
+            else:
+                if isinstance(node.get(leaf), dict):
+                    node[leaf] = {"base_port": s.default_port, **s.defaults, **node[leaf]}
         return data
 
     @model_validator(mode="after")

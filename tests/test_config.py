@@ -69,7 +69,9 @@ def test_cli_overrides() -> None:
 def test_disaggregated_thinker_config() -> None:
     """`thinker.disaggregated` swaps the thinker for its two roles in the chain, ports, replicas
     and --port; a block given in part keeps its stage's defaults."""
-    cfg = parse_config({"thinker": {"disaggregated": True, "decode": {"replicas": 2}}, "talker": {"replicas": 2}})
+    given = {"thinker": {"disaggregated": True, "decode": {"replicas": 2}}, "talker": {"replicas": 2}}
+    cfg = parse_config(given)
+    assert given == {"thinker": {"disaggregated": True, "decode": {"replicas": 2}}, "talker": {"replicas": 2}}
     assert cfg.stage_names() == ("thinker-prefill", "thinker-decode", "talker", "code2wav")
     assert cfg.stage("thinker-decode").replicas == 2 and cfg.stage("thinker-decode").base_port == 7151
     assert cfg.stage("talker").base_port == 7201
