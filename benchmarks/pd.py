@@ -18,10 +18,8 @@ from __future__ import annotations
 import asyncio
 import statistics
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
-from concurrent import futures
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,19 +28,13 @@ import torch
 
 from benchmarks.common import machine_info, write_json
 from benchmarks.harness import free_port_blocks
-from omnistage.server.grpc_common import add_stage_servicer, stage_stream
-from omnistage.v1 import stage_pb2, stage_pb2_grpc
+from benchmarks.stats import nearest_rank
+from benchmarks.wire import SinkStage, loopback_stage, stream_to
 from omnistage.wire import tensor_blob as tb
-from omnistage.wire import wire_view as wv
-from omnistage.wire.shm import ShmPool, ShmReader, peer_accepts_shm
+from omnistage.wire.shm import ShmPool, ShmReader
 
 MAX_MSG = 4 * 1024 * 1024
 QWEN3_OMNI_30B = {"layers": 48, "kv_heads": 4, "head_dim": 128, "dtype": "bfloat16"}
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
 # ---- 1. KV transfer -----------------------------------------------------------------------------
@@ -64,95 +56,55 @@ def _cache(layout: dict[str, Any], tokens: int) -> dict[str, torch.Tensor]:
     return {f"{kv}.{i}": torch.empty(shape, dtype=dtype) for i in range(layout["layers"]) for kv in "kv"}
 
 
-class _KvReceiver(stage_pb2_grpc.StageServicer):
-    """The decode role's receive path: assemble each chunk, copy it into the preallocated cache."""
+def _receiver(layout: dict[str, Any], tokens: int) -> Callable[[tb.DecodedChunk], None]:
+    """The decode role's receive path for one call: each whole chunk copied into a preallocated
+    cache."""
+    cache = _cache(layout, tokens)
 
-    def __init__(self, reader: ShmReader, layout: dict[str, Any], tokens: int) -> None:
-        self.reader = reader
-        self.layout = layout
-        self.tokens = tokens
+    def handle(d: tb.DecodedChunk) -> None:
+        for name, t in d.tensors.items():
+            cache[name][:, :, d.offset : d.offset + t.shape[2]].copy_(t)
 
-    def Stream(self, request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-        context.send_initial_metadata(self.reader.accept(context.invocation_metadata()))
-        cache = _cache(self.layout, self.tokens)
-        asm = tb.ChunkAssembler(reader=self.reader)
-        total = 0
-        for received in request_iterator:
-            req = received.message
-            if req.WhichOneof("kind") != "chunk":
-                continue
-            d = asm.push(req.chunk, received.views)
-            if d is None:
-                continue
-            for name, t in d.tensors.items():
-                cache[name][:, :, d.offset : d.offset + t.shape[2]].copy_(t)
-                total += t.numel() * t.element_size()
-        yield stage_pb2.StageResponse(stage="sink", chunk=tb.encode_chunk({}, finished=True, meta={"bytes": total}))
+    return handle
 
 
 def _send(address: str, chunks: list[tuple[int, dict[str, torch.Tensor]]], pool: ShmPool | None) -> tuple[float, bool]:
-    rid = f"kv-{time.monotonic_ns()}"
-    holder: dict[str, Any] = {}
-    ready = threading.Event()
-    used = {"shm": False}
-
-    def requests() -> Iterator[Any]:
-        yield stage_pb2.StageRequest(start=stage_pb2.Start(request_id=rid))
-        ready.wait(10)
-        use = None
-        if pool is not None and peer_accepts_shm(holder["call"].initial_metadata()):
-            use, used["shm"] = pool, True
+    def encoded(use: ShmPool | None, rid: str) -> Iterator[tb.LazyChunk]:
         seq = 0
         for i, (pos, tensors) in enumerate(chunks):
             n = next(iter(tensors.values())).shape[2]
             for c in tb.encode_chunks(tensors, max_bytes=MAX_MSG - 1024, offset=pos, length=n, seq=seq,
                                       finished=i == len(chunks) - 1, pool=use, request_id=rid):  # fmt: skip
                 seq += 1
-                yield wv.Outgoing(stage_pb2.StageRequest(), c)
+                yield c
 
-    opts = [("grpc.max_receive_message_length", MAX_MSG), ("grpc.max_send_message_length", MAX_MSG)]
-    with grpc.insecure_channel(address, options=opts) as channel:
-        t0 = time.perf_counter()
-        call = stage_stream(channel)(requests(), metadata=pool.invocation_metadata() if pool else [], timeout=120)
-        holder["call"] = call
-        ready.set()
-        (resp,) = list(call)
-        elapsed = time.perf_counter() - t0
-    if pool is not None:
-        pool.release_request(rid)
-    sent = sum(t.numel() * t.element_size() for _, ts in chunks for t in ts.values())
-    assert int(tb.get_meta(resp.message.chunk.meta)["bytes"]) == sent
-    return elapsed, used["shm"]
+    elapsed, shm, got = stream_to(address, encoded, pool, MAX_MSG, timeout=120)
+    assert got == sum(t.numel() * t.element_size() for _, ts in chunks for t in ts.values())
+    return elapsed, shm
 
 
 def kv_transfer(layout: dict[str, Any], tokens: int, chunk: int, reps: int = 3) -> dict[str, Any]:
     chunks = _kv_chunks(layout, tokens, chunk)
     nbytes = sum(t.numel() * t.element_size() for _, ts in chunks for t in ts.values())
-    cache = _cache(layout, tokens)
+    copy = _receiver(layout, tokens)  # the receiver's own copy, without the wire
+    decoded = [tb.DecodedChunk(ts, offset=pos) for pos, ts in chunks]
 
     def memcpy() -> float:
         t0 = time.perf_counter()
-        for pos, ts in chunks:
-            for name, t in ts.items():
-                cache[name][:, :, pos : pos + t.shape[2]].copy_(t)
+        for d in decoded:
+            copy(d)
         return time.perf_counter() - t0
 
     memcpy()
     t_mem = statistics.median(memcpy() for _ in range(reps))
     reader = ShmReader(enabled=True)
     pool = ShmPool(enabled=True, segment_bytes=max(64 << 20, 2 * nbytes))
-    opts = [("grpc.max_receive_message_length", MAX_MSG), ("grpc.max_send_message_length", MAX_MSG)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=opts)
-    add_stage_servicer(_KvReceiver(reader, layout, tokens), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    address = f"127.0.0.1:{port}"
     try:
-        _send(address, chunks, None)  # warm the channel
-        inline = [_send(address, chunks, None)[0] for _ in range(reps)]
-        shm_runs = [_send(address, chunks, pool) for _ in range(reps)]
+        with loopback_stage(SinkStage(reader, lambda: _receiver(layout, tokens)), MAX_MSG) as address:
+            _send(address, chunks, None)  # warm the channel
+            inline = [_send(address, chunks, None)[0] for _ in range(reps)]
+            shm_runs = [_send(address, chunks, pool) for _ in range(reps)]
     finally:
-        server.stop(grace=None)
         reader.close()
         pool.close()
     t_inline, t_shm = statistics.median(inline), statistics.median(t for t, _ in shm_runs)
@@ -209,8 +161,8 @@ async def _mixed(address: str, shorts: int, rate: float, long_every: int, long_p
             tasks.append(asyncio.create_task(_long(address, long_prompt, errors)))
         await asyncio.sleep(1.0 / rate)
     await asyncio.gather(*tasks)
-    return {"itl_ms": {"p50": 1000 * _pct(out["itl"], 0.5), "p99": 1000 * _pct(out["itl"], 0.99)},
-            "ttfa_ms": {"p50": 1000 * _pct(out["ttfa"], 0.5), "p99": 1000 * _pct(out["ttfa"], 0.99)},
+    return {"itl_ms": {"p50": 1000 * nearest_rank(out["itl"], 0.5), "p99": 1000 * nearest_rank(out["itl"], 0.99)},
+            "ttfa_ms": {"p50": 1000 * nearest_rank(out["ttfa"], 0.5), "p99": 1000 * nearest_rank(out["ttfa"], 0.99)},
             "short_requests": shorts, "long_requests": len(tasks) - shorts, "errors": errors[:5],
             "failed": len(errors)}  # fmt: skip
 

@@ -13,11 +13,7 @@ from typing import Any
 
 from benchmarks.common import machine_info, write_json
 from benchmarks.harness import free_port_blocks
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+from benchmarks.stats import nearest_rank
 
 
 async def _run(address: str, plan: list[tuple[str, int]], concurrency: int, limit_s: float
@@ -69,7 +65,7 @@ def main(model: Path | None, requests: int, concurrency: int, short_frames: int,
             t0 = time.perf_counter()
             e2e, failed = asyncio.run(_run(stack.gateway_address, plan, concurrency, time_limit_s))
             wall = time.perf_counter() - t0
-        row = {"median_e2e_s": _pct(e2e, 0.5), "p99_e2e_s": _pct(e2e, 0.99), "completed": len(e2e),
+        row = {"median_e2e_s": nearest_rank(e2e, 0.5), "p99_e2e_s": nearest_rank(e2e, 0.99), "completed": len(e2e),
                "failed": failed, "wall_s": wall}  # fmt: skip
         result["policies"][policy] = row
         print(f"[routing] {policy}: median E2E {1000 * row['median_e2e_s']:.0f} ms, p99 {1000 * row['p99_e2e_s']:.0f} "

@@ -29,6 +29,13 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * frac
 
 
+def nearest_rank(values: Sequence[float], q: float) -> float:
+    """The value at rank int(q * n) of the sorted values (q in 0..1; NaN for no values): the
+    percentile of `bench routing` and `bench pd`."""
+    xs = sorted(values)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
 def summarize(values: Sequence[float | None]) -> dict[str, float | int | None]:
     """n, mean, median, p90, p99, min, max of the non-None values (None figures when empty)."""
     xs = [float(v) for v in values if v is not None]

@@ -21,6 +21,7 @@ Every figure is the median of several repetitions and comes with its baseline fr
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import statistics
@@ -187,15 +188,19 @@ def _shm_vs_memcpy(x: torch.Tensor, pool: ShmPool, reader: ShmReader, reps: int)
 # -- gRPC loopback ------------------------------------------------------------------------------
 
 
-class _SinkStage(stage_pb2_grpc.StageServicer):
+class SinkStage(stage_pb2_grpc.StageServicer):
     """Decodes every chunk (zero-copy, requests parsed by wire_view) and answers once at the end
-    with the byte count."""
+    with the byte count. `receiver()`, when given, makes each call's handler of its whole
+    chunks (what the receiving stage does with them)."""
 
-    def __init__(self, reader: ShmReader) -> None:
+    def __init__(self, reader: ShmReader, receiver: Callable[[], Callable[[tb.DecodedChunk], None]] | None = None
+                 ) -> None:  # fmt: skip
         self.reader = reader
+        self.receiver = receiver
 
     def Stream(self, request_iterator: Iterator[stage_pb2.StageRequest], context: grpc.ServicerContext):
         context.send_initial_metadata(self.reader.accept(context.invocation_metadata()))
+        handle = self.receiver() if self.receiver is not None else None
         asm = tb.ChunkAssembler(reader=self.reader)
         total = 0
         for received in request_iterator:
@@ -205,65 +210,91 @@ class _SinkStage(stage_pb2_grpc.StageServicer):
             d = asm.push(req.chunk, received.views)
             if d is not None:
                 total += sum(t.numel() * t.element_size() for t in d.tensors.values())
+                if handle is not None:
+                    handle(d)
         done = tb.encode_chunk({}, finished=True, meta={"bytes": total})
         yield stage_pb2.StageResponse(stage="sink", chunk=done)
+
+
+@contextlib.contextmanager
+def loopback_stage(servicer: SinkStage, max_message_bytes: int) -> Iterator[str]:
+    """A sync gRPC server for `servicer` on a free port of 127.0.0.1, registered like a real
+    stage (`add_stage_servicer`); yields its address."""
+    opts = [("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)]  # fmt: skip
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=opts)
+    add_stage_servicer(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(grace=None)
+
+
+def stream_to(address: str, chunks: Callable[[ShmPool | None, str], Iterator[tb.LazyChunk]], pool: ShmPool | None,
+              max_message_bytes: int, timeout: float = 60) -> tuple[float, bool, int]:  # fmt: skip
+    """One call to a SinkStage: a Start, then what `chunks(pool or None, request_id)` encodes
+    (the pool only when the peer accepted shared memory). Returns (seconds, shm used, bytes the
+    sink decoded)."""
+    rid = f"bench-{time.monotonic_ns()}"
+    holder: dict[str, Any] = {}
+    call_ready = threading.Event()  # gRPC may pull requests before Stream() has returned the call
+    used = {"shm": False}
+
+    def requests() -> Iterator[Any]:
+        yield stage_pb2.StageRequest(start=stage_pb2.Start(request_id=rid))
+        call_ready.wait(10)
+        use = None
+        if pool is not None and peer_accepts_shm(holder["call"].initial_metadata()):
+            use, used["shm"] = pool, True
+        for c in chunks(use, rid):
+            yield wv.Outgoing(stage_pb2.StageRequest(), c)
+
+    opts = [("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes)]  # fmt: skip
+    with grpc.insecure_channel(address, options=opts) as channel:
+        md = pool.invocation_metadata() if pool is not None else []
+        t0 = time.perf_counter()
+        call = stage_stream(channel)(requests(), metadata=md, timeout=timeout)
+        holder["call"] = call
+        call_ready.set()
+        (resp,) = list(call)
+        elapsed = time.perf_counter() - t0
+    if pool is not None:
+        pool.release_request(rid)
+    return elapsed, used["shm"], int(tb.get_meta(resp.message.chunk.meta)["bytes"])
 
 
 def _grpc_throughput(address: str, pool: ShmPool | None) -> tuple[float, bool, int]:
     """(MB/s, shm used, bytes) for one request streaming up to GRPC_CHUNKS chunks."""
     payload = torch.randn(GRPC_CHUNK_BYTES // 4)
-    rid = f"bench-{time.monotonic_ns()}"
-    holder: dict[str, Any] = {}
-    call_ready = threading.Event()  # gRPC may pull requests before Stream() has returned the call
-    state = {"shm": False, "sent": 0}
+    sent = {"bytes": 0}
     deadline = time.monotonic() + GRPC_BUDGET_S
 
-    def requests() -> Iterator[stage_pb2.StageRequest]:
-        yield stage_pb2.StageRequest(start=stage_pb2.Start(request_id=rid))
-        use = None
-        call_ready.wait(10)
-        if pool is not None and peer_accepts_shm(holder["call"].initial_metadata()):
-            use, state["shm"] = pool, True
+    def chunks(use: ShmPool | None, rid: str) -> Iterator[tb.LazyChunk]:
         for i in range(GRPC_CHUNKS):
             last = i == GRPC_CHUNKS - 1 or time.monotonic() > deadline
-            for c in tb.encode_chunks(
+            yield from tb.encode_chunks(
                 {"hidden": payload}, max_bytes=GRPC_MAX_MSG, seq=i, offset=i, finished=last, pool=use, request_id=rid
-            ):
-                yield wv.Outgoing(stage_pb2.StageRequest(), c)
-            state["sent"] += payload.numel() * 4
+            )
+            sent["bytes"] += payload.numel() * 4
             if last:
                 return
 
-    opts = [("grpc.max_receive_message_length", GRPC_MAX_MSG), ("grpc.max_send_message_length", GRPC_MAX_MSG)]
-    with grpc.insecure_channel(address, options=opts) as channel:
-        md = pool.invocation_metadata() if pool is not None else []
-        t0 = time.perf_counter()
-        call = stage_stream(channel)(requests(), metadata=md, timeout=60)
-        holder["call"] = call
-        call_ready.set()
-        (resp,) = list(call)
-        elapsed = time.perf_counter() - t0
-        if pool is not None:
-            pool.release_request(rid)
-    got = int(tb.get_meta(resp.message.chunk.meta)["bytes"])
-    assert got == state["sent"], (got, state["sent"])
-    return got / elapsed / 1e6, bool(state["shm"]), got
+    elapsed, shm, got = stream_to(address, chunks, pool, GRPC_MAX_MSG)
+    assert got == sent["bytes"], (got, sent["bytes"])
+    return got / elapsed / 1e6, shm, got
 
 
 def _grpc(pool: ShmPool, reps: int = 3) -> dict[str, Any]:
     reader = ShmReader(enabled=True)
-    opts = [("grpc.max_receive_message_length", GRPC_MAX_MSG), ("grpc.max_send_message_length", GRPC_MAX_MSG)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=opts)
-    add_stage_servicer(_SinkStage(reader), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    address = f"127.0.0.1:{port}"
     try:
-        _grpc_throughput(address, None)  # warm up the channel path
-        inline = [_grpc_throughput(address, None) for _ in range(reps)]
-        via_shm = [_grpc_throughput(address, pool) for _ in range(reps)]
+        with loopback_stage(SinkStage(reader), GRPC_MAX_MSG) as address:
+            _grpc_throughput(address, None)  # warm up the channel path
+            inline = [_grpc_throughput(address, None) for _ in range(reps)]
+            via_shm = [_grpc_throughput(address, pool) for _ in range(reps)]
     finally:
-        server.stop(grace=None)
         reader.close()
     return {
         "chunk_bytes": GRPC_CHUNK_BYTES,
