@@ -20,12 +20,13 @@ __all__ = [
     "edge_name",
     "pipeline",
     "stage_def",
+    "stages_below",
 ]
 
 
 @dataclass(frozen=True)
 class StageDef:
-    name: str  # process, config section, Info role and the tag of its output chunks
+    name: str  # process and Info role; for a model part also its config section and stream tag
     worker: str  # module whose `build_worker(cfg, ckpt)` makes the stage's worker
     default_port: int  # base port of its replicas under `omnistage serve`
     downstream: str | None  # the next stage in the chain, None for the last
@@ -81,6 +82,11 @@ def edge_name(upstream: str, downstream: str) -> str:
 
 # Edges between stages, each with a mode (async_chunk or full_payload) in the deploy config.
 EDGES: tuple[str, ...] = tuple(edge_name(s.name, s.downstream) for s in PIPELINE if s.downstream)
+
+
+def stages_below(name: str, chain: tuple[str, ...] = STAGES) -> tuple[str, ...]:
+    """The stage processes after `name` in `chain` (none for a name not in it)."""
+    return chain[chain.index(name) + 1 :] if name in chain else ()
 
 
 def stage_def(name: str) -> StageDef:

@@ -14,14 +14,10 @@ from omnistage.engine import Engine
 from omnistage.models import open_checkpoint
 from omnistage.server.metrics import StageMetrics, serve_metrics
 from omnistage.server.stage_server import StageServer, StageService
-from omnistage.topology import stage_def
+from omnistage.topology import stage_def, stages_below
 from services.edges import edge_mode
 
 log = logging.getLogger(__name__)
-
-
-def _below(chain: tuple[str, ...], name: str) -> tuple[str, ...]:
-    return chain[chain.index(name) + 1 :] if name in chain else ()
 
 
 def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: int, downstream: str | None) -> None:
@@ -57,7 +53,7 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
         failover_attempts=cfg.failover.attempts,
         routing=cfg.routing,
         tls=cfg.tls,
-        below=_below(cfg.stage_names(), name),
+        below=stages_below(name, cfg.stage_names()),
     )
     server = StageServer(service, host, port, cfg.timeouts.drain_grace_s)
     metrics_port = cfg.metrics_port(port)

@@ -42,7 +42,7 @@ from omnistage.server.grpc_common import (
 )
 from omnistage.server.routing import Router
 from omnistage.server.tls import name_override, server_credentials, stage_channel_credentials
-from omnistage.topology import PROCESSES, STAGES, stage_def
+from omnistage.topology import PROCESSES, stage_def, stages_below
 from omnistage.v1 import stage_pb2
 from omnistage.wire import ChunkAssembler, Code, LazyChunk, StageError, TensorBlobError, encode_chunks, invalid
 from omnistage.wire.resume import Resume, Seen
@@ -200,9 +200,7 @@ class StageService:
         self.stage = engine.worker.name
         known = self.stage in PROCESSES
         self.stream = stage_def(self.stage).stream if known else self.stage  # a role tags as its part
-        if below is None:
-            below = STAGES[STAGES.index(self.stage) + 1 :] if self.stage in STAGES else ()
-        self.below = tuple(below)
+        self.below = stages_below(self.stage) if below is None else tuple(below)
         # parts sampled below this stage: each gets a pinned seed (replays sample the same stream)
         parts = (stage_def(n).stream for n in self.below)
         self.sampled_below = tuple(dict.fromkeys(p for p in parts if p != self.stream))

@@ -46,11 +46,10 @@ class PrefillWorker(ThinkerWorker):
         tok = step.token
         if tok is None:  # a prefill chunk that is not the last
             return out
-        handoff = self.thinker.handoff(state, tok)
+        last_position, generator_state = self.thinker.decode_state(state)
         talker_prompt = self.talker_prompt(step.prompt) if start.want_audio else None
-        out.down.append(edges.handoff_chunk(len(state.prompt_ids), handoff.prompt_ids, tok.token_id, tok.embed,
-                                            tok.stopped_on, handoff.last_position, handoff.generator_state,
-                                            talker_prompt))  # fmt: skip
+        out.down.append(edges.handoff_chunk(len(state.prompt_ids), state.prompt_ids, tok.token_id, tok.embed,
+                                            tok.stopped_on, last_position, generator_state, talker_prompt))  # fmt: skip
         out.up.append(edges.text_chunk(tok.index, tok.token_id, tok.stopped_on))
         # its part is done either way: the decode role goes on (or only forwards, after a last token)
         out.finished = FinishReason.LENGTH if tok.stopped_on == "max_tokens" else FinishReason.STOP

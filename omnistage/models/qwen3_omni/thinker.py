@@ -27,7 +27,7 @@ from omnistage.models.qwen3_omni.prompt import text_positions
 from omnistage.models.qwen3_omni.spec import FamilySpec
 from omnistage.models.sampling import SamplingParams, TokenChooser
 
-__all__ = ["Handoff", "PromptOutput", "Thinker", "ThinkerState", "ThinkerStep", "TokenOutput"]
+__all__ = ["PromptOutput", "Thinker", "ThinkerState", "ThinkerStep", "TokenOutput"]
 
 
 @dataclass
@@ -78,17 +78,6 @@ class ThinkerState:
 class ThinkerStep:
     prompt: PromptOutput | None = None  # when the prefill completed in this step
     token: TokenOutput | None = None  # None after a prefill chunk that is not the last
-
-
-@dataclass
-class Handoff:
-    """What a decode role needs besides the KV cache to go on with a request a prefill role ran:
-    the first token, the position it was fed at, and the sampler's random state after it."""
-
-    prompt_ids: list[int]
-    token: TokenOutput
-    last_position: torch.Tensor  # [4, 1, 1] int64
-    generator_state: torch.Tensor | None  # uint8, when sampling
 
 
 class Thinker:
@@ -269,18 +258,19 @@ class Thinker:
         """Per layer the keys and values of cache positions [pos, pos + n) (views)."""
         return [(layer.keys[:, :, pos : pos + n], layer.values[:, :, pos : pos + n]) for layer in state.cache.layers]
 
-    def handoff(self, state: ThinkerState, token: TokenOutput) -> Handoff:
-        """After the prefill's first token: what a decode role needs to go on."""
+    def decode_state(self, state: ThinkerState) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """After the prefill's first token, what a decode role needs besides the cache, the
+        prompt and that token: the position it was fed at (`[4, 1, 1]`) and the sampler's
+        random state (uint8; None when greedy)."""
         assert state.last_position is not None
         gen = state.chooser.generator
-        return Handoff(list(state.prompt_ids), token, state.last_position.clone(),
-                       None if gen is None else gen.get_state())  # fmt: skip
+        return state.last_position.clone(), None if gen is None else gen.get_state()
 
     def adopt(self, state: ThinkerState, prompt_ids: Sequence[int], token_id: int, stopped_on: str | None,
               last_position: torch.Tensor, generator_state: torch.Tensor | None,
               kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:  # fmt: skip
         """Make `state` (new, with the request's sampling) go on where a prefill role stopped
-        (`handoff`): its cache from `kv` (per layer keys and values of every prompt position),
+        (`decode_state`): its cache from `kv` (per layer keys and values of every prompt position),
         the first token in its history. The next `step` for it is a decode at len(prompt)."""
         self.validate_prompt(prompt_ids, state.max_len)
         state.prompt_ids = list(prompt_ids)
