@@ -50,6 +50,7 @@ from omnistage.wire import Code, DecodedChunk, StageError, invalid
 # tensor names
 IDS = "ids"
 EMBED = "embed"
+HIDDEN = "hidden"  # a token's hidden state, for a talker that reads it (spec.talker_needs_hidden)
 PROMPT_IDS = "prompt_ids"
 PROMPT_EMBED = "prompt_embed"
 PROMPT_HIDDEN = "prompt_hidden"
@@ -184,20 +185,26 @@ def read_thinker_prompt(stage: str, chunk: DecodedChunk, hidden_size: int) -> Th
     return ThinkerPrompt(ids.clone(), embeds.clone(), hidden, rope)
 
 
-def token_chunk(offset: int, token_id: int, embed: torch.Tensor, finished: bool) -> OutChunk:
-    return OutChunk(
-        {IDS: torch.tensor([token_id]), EMBED: embed.reshape(1, -1)}, offset=offset, length=1, finished=finished
-    )
+def token_chunk(offset: int, token_id: int, embed: torch.Tensor, finished: bool,
+                hidden: torch.Tensor | None = None) -> OutChunk:  # fmt: skip
+    """One thinker token for the talker: its embedding, and (for a family whose talker reads it)
+    the hidden state of the position that produced it."""
+    tensors = {IDS: torch.tensor([token_id]), EMBED: embed.reshape(1, -1)}
+    if hidden is not None:
+        tensors[HIDDEN] = hidden.reshape(1, -1)
+    return OutChunk(tensors, offset=offset, length=1, finished=finished)
 
 
-def read_tokens(stage: str, chunk: DecodedChunk, hidden_size: int) -> list[torch.Tensor]:
-    """Each token's embedding `[H]` (copied), in order."""
-    check_names(stage, chunk, {IDS, EMBED})
+def read_tokens(stage: str, chunk: DecodedChunk, hidden_size: int, with_hidden: bool = False
+                ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:  # fmt: skip
+    """Each token's embedding `[H]` and, `with_hidden`, its hidden state `[H]` (copied), in order."""
+    check_names(stage, chunk, {IDS, EMBED, HIDDEN} if with_hidden else {IDS, EMBED})
     ids = tensor(stage, chunk, IDS, INT_DTYPES, (None,))
     n = int(ids.shape[0])
     embed = tensor(stage, chunk, EMBED, FLOAT_DTYPES, (n, hidden_size))
+    hidden = tensor(stage, chunk, HIDDEN, FLOAT_DTYPES, (n, hidden_size)) if with_hidden else None
     _check_length(stage, chunk, n, "tokens")
-    return [embed[i].clone() for i in range(n)]
+    return [(embed[i].clone(), None if hidden is None else hidden[i].clone()) for i in range(n)]
 
 
 # ---- thinker-prefill -> thinker-decode ------------------------------------------------------------

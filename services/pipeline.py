@@ -60,6 +60,7 @@ class PipelineRequest:
     full_payload: bool = False  # every stage waits for its whole input (else async_chunk)
     multimodal: dict[str, torch.Tensor] = field(default_factory=dict)  # the processor's audio/image/video tensors
     use_audio_in_video: bool = False
+    code2wav_seed: int | None = None  # a sampled vocoder's noise (Qwen2.5-Omni's DiT); None: 0
 
 
 def received(chunk: OutChunk) -> DecodedChunk:
@@ -123,6 +124,8 @@ class _Run:
         start.sampling["thinker"].CopyFrom(edges.sampling_proto(req.thinker))
         if req.talker is not None:
             start.sampling["talker"].CopyFrom(edges.sampling_proto(req.talker))
+        if req.code2wav_seed is not None:
+            start.sampling["code2wav"].seed = req.code2wav_seed
         self.start = start
         self.prompt = edges.prompt_chunk(req.prompt_ids, req.multimodal, req.use_audio_in_video)
         self.pending: list[TextEvent | AudioEvent] = []

@@ -42,58 +42,17 @@ def pipeline(tiny_dir: Path) -> Any:
     return InProcessPipeline(tiny_dir)
 
 
-class RecordingReference:
-    """Monolithic `Qwen3OmniMoeForConditionalGeneration` whose code2wav call is recorded, so
-    the codes `generate()` produced can be compared, not only its waveform."""
+def family_reference(model_dir: Path) -> Any:
+    """transformers' monolithic model of the checkpoint's family, its codes recorded (the family's
+    `reference.py`)."""
+    from omnistage.models import open_checkpoint
 
-    def __init__(self, model_dir: Path) -> None:
-        from transformers import Qwen3OmniMoeForConditionalGeneration
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        self.model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.last_codes: torch.Tensor | None = None
-        original = self.model.code2wav.chunked_decode
-
-        def recording(codes: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            self.last_codes = codes.clone()
-            return original(codes, *args, **kwargs)
-
-        self.model.code2wav.chunked_decode = recording
-
-    def generate(
-        self, prompt_ids: list[int], thinker_max: int, talker_max: int, eos_id: int, audio: bool = True,
-        speaker: str | None = None, **inputs: Any,
-    ) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
-        """Greedy reference: (generated ids, codes [G, T] or None, wav [samples] or None).
-        `speaker`: default the checkpoint's default voice; `inputs`: multimodal model inputs."""
-        from omnistage.models.qwen3_omni.spec import FamilySpec
-
-        self.last_codes = None
-        ids = torch.tensor([prompt_ids])
-        speaker = speaker or FamilySpec.from_config(self.model.config).default_speaker
-        out = self.model.generate(
-            input_ids=ids,
-            speaker=speaker,
-            **inputs,
-            thinker_max_new_tokens=thinker_max,
-            talker_max_new_tokens=talker_max,
-            talker_do_sample=False,
-            talker_repetition_penalty=1.0,
-            thinker_eos_token_id=eos_id,
-            return_audio=audio,
-        )
-        if not audio:
-            seq = out.sequences if hasattr(out, "sequences") else out
-            return seq[0, len(prompt_ids) :].tolist(), None, None
-        seq, wav = out
-        codes = self.last_codes[0] if self.last_codes is not None else None
-        return seq[0, len(prompt_ids) :].tolist(), codes, wav.reshape(-1)
+    return open_checkpoint(model_dir).family.reference(model_dir)
 
 
 @pytest.fixture(scope="session")
-def reference(tiny_dir: Path) -> RecordingReference:
-    return RecordingReference(tiny_dir)
+def reference(tiny_dir: Path) -> Any:
+    return family_reference(tiny_dir)
 
 
 @pytest.fixture(scope="session")
@@ -109,7 +68,7 @@ def tiny_variant_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def checkpoints(tiny_dir: Path, tiny_fused_dir: Path, tiny_variant_dir: Path, pipeline: Any,
-                reference: RecordingReference) -> Any:  # fmt: skip
+                reference: Any) -> Any:  # fmt: skip
     """(pipeline, reference) per checkpoint name, built on first use: 'published' (the default
     tiny checkpoint), 'fused' (the same weights in the fused layout), 'variant'."""
     from services.pipeline import InProcessPipeline
@@ -117,9 +76,9 @@ def checkpoints(tiny_dir: Path, tiny_fused_dir: Path, tiny_variant_dir: Path, pi
     dirs = {"published": tiny_dir, "fused": tiny_fused_dir, "variant": tiny_variant_dir}
     made: dict[str, Any] = {"published": (pipeline, reference)}
 
-    def get(name: str) -> tuple[Any, RecordingReference]:
+    def get(name: str) -> tuple[Any, Any]:
         if name not in made:
-            made[name] = (InProcessPipeline(dirs[name]), RecordingReference(dirs[name]))
+            made[name] = (InProcessPipeline(dirs[name]), family_reference(dirs[name]))
         return made[name]
 
     return get

@@ -366,7 +366,8 @@ class PackedBatching:
         for sub in subs:
             if sub._attn_implementation not in ("sdpa", IMPLEMENTATION):
                 raise ValueError(f"exact batching reproduces SDPA attention, not {sub._attn_implementation!r}")
-            if getattr(sub, "_experts_implementation", None) not in (None, "grouped_mm", IMPLEMENTATION):
+            moe = getattr(sub, "num_experts", None)  # a dense model's experts setting names nothing it runs
+            if moe and getattr(sub, "_experts_implementation", None) not in (None, "grouped_mm", IMPLEMENTATION):
                 raise ValueError(f"exact batching reproduces grouped_mm experts, not {sub._experts_implementation!r}")
 
     def _own_linears(self, model: nn.Module, row_modules: tuple[type[nn.Module], ...]) -> list[ExactLinear]:

@@ -173,7 +173,24 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     problems = family.check_config(config)
     if problems:
         raise CheckpointError(f"{cfg_file}: the parts of the config disagree: " + "; ".join(problems))
-    return Checkpoint(path=p, family=family, config=config, spec=family.spec(config), tensors=tensors)
+    return Checkpoint(path=p, family=family, config=config, spec=family.spec(config, p), tensors=tensors)
+
+
+def special_token_ids(path: Path, tokens: tuple[str, ...]) -> dict[str, int]:
+    """The ids of `tokens` in the checkpoint's tokenizer (for ids config.json does not name)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: cannot load the tokenizer ({e})") from None
+    out = {}
+    for text in tokens:
+        token_id = tok.convert_tokens_to_ids(text)
+        if token_id is None or token_id == tok.unk_token_id:
+            raise CheckpointError(f"{path}: the tokenizer has no {text} token")
+        out[text] = int(token_id)
+    return out
 
 
 def load_tokenizer(ckpt: Checkpoint) -> Any:
@@ -242,7 +259,7 @@ def _part_tensors(ckpt: Checkpoint, part: str) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under `part.`, read from the files that hold them."""
     from safetensors import safe_open
 
-    prefix = f"{part}."
+    prefix = ckpt.family.weight_prefix(part)
     out: dict[str, torch.Tensor] = {}
     for f in weight_files(ckpt.path):
         with safe_open(str(f), framework="pt") as handle:

@@ -22,6 +22,7 @@ __all__ = ["FAMILIES", "Family", "UnknownFamily", "family_for"]
 # model_type -> the module whose FAMILY serves it
 FAMILIES: dict[str, str] = {
     "qwen3_omni_moe": "omnistage.models.qwen3_omni",
+    "qwen2_5_omni": "omnistage.models.qwen2_5_omni",
 }
 
 
@@ -44,12 +45,17 @@ class Family(ABC):
         """The full model config from a checkpoint directory (no weights read)."""
 
     @abstractmethod
-    def spec(self, config: Any) -> Any:
-        """The ids and sizes the stages agree on (see the family's `spec.py`)."""
+    def spec(self, config: Any, path: Path | None = None) -> Any:
+        """The ids and sizes the stages agree on (see the family's `spec.py`); `path`: the
+        checkpoint directory, for what a family keeps beside config.json (voices, tokenizer ids)."""
 
     @abstractmethod
     def part_class(self, part: str) -> Any:
         """The transformers class of one part."""
+
+    def weight_prefix(self, part: str) -> str:
+        """How the checkpoint names the part's tensors (default: the stage part's name)."""
+        return f"{part}."
 
     def key_mapping(self, part: str) -> dict[str, str] | None:
         """Checkpoint-key renames `from_pretrained` needs for this part (None: none)."""
@@ -100,6 +106,12 @@ class Family(ABC):
     @abstractmethod
     def talker_defaults(self) -> SamplingParams:
         """Talker sampling when a request sets none (`generate()`'s defaults)."""
+
+    @abstractmethod
+    def reference(self, model_dir: Path) -> Any:
+        """transformers' monolithic model on a checkpoint, as the parity reference: an object with
+        `generate(prompt_ids, thinker_max, talker_max, eos_id, audio=True, speaker=None, seed=0,
+        talker_repetition_penalty=1.0, **inputs) -> (ids, codes [G, T] | None, wav | None)`, greedy."""
 
     @abstractmethod
     def write_tiny(self, out_dir: Path, **options: Any) -> dict[str, Any]:

@@ -28,7 +28,14 @@ class Code2WavWorker(StageWorker):
         self.sample_rate = sample_rate
 
     def open(self, req: Request) -> None:
-        req.state = self.code2wav.open_stream(self.cfg.streaming, self.cfg.left_context_frames)
+        start: stage_pb2.Start = req.params
+        params = start.sampling.get(self.name)
+        seed = params.seed if params is not None and params.HasField("seed") else None  # a sampled vocoder's noise
+        try:
+            req.state = self.code2wav.open_stream(self.cfg.streaming, self.cfg.left_context_frames,
+                                                  speaker=start.speaker or None, seed=seed)  # fmt: skip
+        except ValueError as e:
+            raise invalid(f"code2wav: {e}") from None
 
     def feed(self, req: Request, chunk: DecodedChunk) -> None:
         if edges.is_end(chunk):
@@ -42,10 +49,9 @@ class Code2WavWorker(StageWorker):
 
     def _due(self, req: Request) -> bool:
         stream = req.state
-        if not stream.pending:
-            return False
+        stream.input_done = req.input_finished
         target = self.cfg.first_chunk_frames if stream.frames_in == 0 else self.cfg.chunk_frames
-        return req.input_finished or len(stream.pending) >= target
+        return stream.due(target, req.input_finished, self.code2wav.ready_frames(stream))
 
     def ready(self, req: Request) -> bool:
         start: stage_pb2.Start = req.params
@@ -60,7 +66,7 @@ class Code2WavWorker(StageWorker):
         outputs: list[StepOutput | Exception] = []
         for item in batch:
             req, out = item.request, StepOutput()
-            if req in decoded:
+            if req in decoded and decoded[req][1].numel():
                 first, pcm = decoded[req]
                 out.up.append(edges.audio_chunk(first, pcm, self.sample_rate))
             if req.input_finished and not req.state.pending:

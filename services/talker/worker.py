@@ -45,9 +45,9 @@ class TalkerWorker(StageWorker):
             return
         if edges.is_end(chunk):
             return
-        embeds = edges.read_tokens(self.name, chunk, hidden_size)
-        for i, embed in enumerate(embeds):
-            state.add_token(embed, chunk.finished and i == len(embeds) - 1)
+        tokens = edges.read_tokens(self.name, chunk, hidden_size, with_hidden=bool(self.spec.talker_needs_hidden))
+        for i, (embed, hidden) in enumerate(tokens):
+            state.add_token(embed, chunk.finished and i == len(tokens) - 1, hidden)
 
     def max_steps(self, req: Request) -> int:
         # A step runs the prompt, or completes a frame and/or feeds it back: at most two steps

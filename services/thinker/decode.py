@@ -75,7 +75,8 @@ class DecodeWorker(ThinkerWorker):
             p = h.talker_prompt
             assert p is not None
             inc.forward = [edges.thinker_prompt_chunk(p.ids, p.embeds, p.hidden, p.rope),
-                           edges.token_chunk(0, h.token_id, h.embed, h.stopped_on is not None)]  # fmt: skip
+                           edges.token_chunk(0, h.token_id, h.embed, h.stopped_on is not None,
+                                             _last_row(p.hidden) if self.talker_needs_hidden else None)]  # fmt: skip
         inc.kv = []
 
     def demand(self, req: Request) -> Demand | None:
@@ -110,3 +111,8 @@ class DecodeWorker(ThinkerWorker):
 
 def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> DecodeWorker:
     return DecodeWorker.build(cfg, ckpt)
+
+
+def _last_row(hidden: torch.Tensor | None) -> torch.Tensor | None:
+    """The first token's hidden state: that of the prompt's last position (which produced it)."""
+    return None if hidden is None else hidden[-1]

@@ -25,6 +25,8 @@ class ThinkerWorker(StageWorker):
         self.thinker = thinker  # the family's thinker (e.g. omnistage/models/qwen3_omni/thinker.py)
         self.spec = thinker.spec
         self.defaults = defaults
+        # the family's talker reads every position's hidden state (else only the media's)
+        self.talker_needs_hidden = bool(self.spec.talker_needs_hidden)
         self._max_model_len = min(int(self.spec.max_positions), max_model_len or 1 << 62)
 
     def open(self, req: Request) -> None:
@@ -74,7 +76,7 @@ class ThinkerWorker(StageWorker):
         """The prompt's chunk for the talker; the accept-layer states only when it has media."""
         mm = self.spec.multimodal_ids
         has_mm = any(int(i) in mm for i in prompt.ids.tolist())
-        hidden = prompt.hidden if has_mm else None
+        hidden = prompt.hidden if has_mm or self.talker_needs_hidden else None
         return edges.thinker_prompt_chunk(prompt.ids, prompt.embeds, hidden, prompt.rope.tensors())
 
     def _output(self, item: ScheduledItem, step: Any) -> StepOutput:
@@ -88,7 +90,8 @@ class ThinkerWorker(StageWorker):
             return out
         out.up.append(edges.text_chunk(tok.index, tok.token_id, tok.stopped_on))
         if start.want_audio:
-            out.down.append(edges.token_chunk(tok.index, tok.token_id, tok.embed, tok.is_last))
+            hidden = tok.hidden if self.talker_needs_hidden else None
+            out.down.append(edges.token_chunk(tok.index, tok.token_id, tok.embed, tok.is_last, hidden))
         if tok.is_last:
             out.finished = FINISH_REASONS[tok.stopped_on]
             out.detail = tok.stopped_on

@@ -27,7 +27,7 @@ class Qwen3Omni(Family):
 
         return Qwen3OmniMoeConfig.from_pretrained(path, local_files_only=True)
 
-    def spec(self, config: Any) -> spec.FamilySpec:
+    def spec(self, config: Any, path: Path | None = None) -> spec.FamilySpec:
         return spec.FamilySpec.from_config(config)
 
     def part_class(self, part: str) -> Any:
@@ -103,6 +103,11 @@ class Qwen3Omni(Family):
 
     def talker_defaults(self) -> SamplingParams:
         return TALKER_DEFAULTS
+
+    def reference(self, model_dir: Path) -> Any:
+        from omnistage.models.qwen3_omni.reference import Reference
+
+        return Reference(model_dir)
 
     def write_tiny(self, out_dir: Path, **options: Any) -> dict[str, Any]:
         from omnistage.models.qwen3_omni.tiny import write_tiny_checkpoint

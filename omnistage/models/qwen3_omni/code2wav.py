@@ -34,7 +34,12 @@ class Code2WavStream:
     state: Code2WavStreamState | None = None  # exact mode
     context: torch.Tensor | None = None  # windowed mode: the last left_context_frames frames
     windowed_samples: int = 0  # windowed mode: samples emitted
+    input_done: bool = False  # set by the stage: no more frames will come
     closed: bool = False
+
+    def due(self, target: int, input_done: bool, ready: int) -> bool:
+        """Decode now? `ready`: pending frames whose audio can be final (`Code2Wav.ready_frames`)."""
+        return bool(self.pending) and (input_done or ready >= target)
 
     @property
     def samples_out(self) -> int:
@@ -66,13 +71,20 @@ class Code2Wav:
         wav = self.model(codes.unsqueeze(0).to(self.device))
         return wav.reshape(-1).float().cpu()
 
-    def open_stream(self, mode: StreamingMode = "exact", left_context_frames: int = 25) -> Code2WavStream:
+    def open_stream(self, mode: StreamingMode = "exact", left_context_frames: int = 25, speaker: str | None = None,
+                    seed: int | None = None) -> Code2WavStream:  # fmt: skip
+        """`speaker`, `seed`: unused (this decoder has no voice conditioning and draws nothing)."""
+        del speaker, seed
         if mode not in ("exact", "windowed"):
             raise ValueError(f"code2wav streaming must be 'exact' or 'windowed', got {mode!r}")
         stream = Code2WavStream(mode=mode, left_context_frames=left_context_frames)
         if mode == "exact":
             stream.state = self.incremental.new_state()
         return stream
+
+    def ready_frames(self, stream: Code2WavStream) -> int:
+        """Pending frames whose audio can be final now: all of them (the decoder is causal)."""
+        return len(stream.pending)
 
     @torch.no_grad()
     def decode_pending(self, streams: Sequence[Code2WavStream]) -> list[tuple[int, torch.Tensor]]:

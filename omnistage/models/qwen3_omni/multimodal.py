@@ -17,13 +17,13 @@ when the request has audio or any image or video grid (`generate()` gives it no
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-__all__ = ["MultimodalInputs", "PromptInputs", "RopeInputs", "encode_prompt", "feature_output_lengths",
+__all__ = ["AudioRows", "MultimodalInputs", "PromptInputs", "RopeInputs", "encode_prompt", "feature_output_lengths",
            "talker_positions"]  # fmt: skip
 
 
@@ -95,15 +95,25 @@ class MultimodalInputs:
         """As keyword arguments of the monolithic `generate()`."""
         return {**self.tensors(), "use_audio_in_video": self.use_audio_in_video}
 
-    def check(self, ids: torch.Tensor, config: Any) -> None:
+    def check(self, ids: torch.Tensor, config: Any, audio_rows: AudioRows | None = None) -> None:
         """Refuse inputs that disagree with each other or with the prompt's placeholders, before
-        any model work (ValueError naming the tensor)."""
-        _Checker(ids.view(-1), self, config).run()
+        any model work (ValueError naming the tensor). `audio_rows`: the audio tower's output
+        rows per audio (default: Qwen3-Omni's tower)."""
+        _Checker(ids.view(-1), self, config, audio_rows or qwen3_audio_rows).run()
+
+
+# (feature frames per audio [A], the audio tower's config) -> the tower's output rows per audio [A]
+AudioRows = Callable[[torch.Tensor, Any], torch.Tensor]
+
+
+def qwen3_audio_rows(lengths: torch.Tensor, audio_config: Any) -> torch.Tensor:
+    return feature_output_lengths(lengths, audio_config.n_window)
 
 
 class _Checker:
-    def __init__(self, ids: torch.Tensor, mm: MultimodalInputs, config: Any) -> None:
+    def __init__(self, ids: torch.Tensor, mm: MultimodalInputs, config: Any, audio_rows: AudioRows) -> None:
         self.ids, self.mm, self.config = ids, mm, config  # config: the thinker's
+        self.audio_rows = audio_rows
 
     def count(self, token_id: int) -> int:
         return int((self.ids == token_id).sum())
@@ -167,7 +177,7 @@ class _Checker:
         lengths = mask.sum(-1)
         if bool((lengths == 0).any()):
             raise ValueError("an audio input has no feature frames")
-        rows = int(feature_output_lengths(lengths, cfg.audio_config.n_window).sum())
+        rows = int(self.audio_rows(lengths, cfg.audio_config).sum())
         if pads != rows:
             raise ValueError(f"the prompt has {pads} audio placeholders but the audio inputs give {rows} rows")
         return int(feats.shape[0])
@@ -225,7 +235,9 @@ def encode_prompt(thinker: Any, ids: torch.Tensor, mm: MultimodalInputs) -> Prom
         out = encode(pixels.to(device), grid.to(device), return_dict=True)
         mask = ids == token_id
         embeds = embeds.masked_scatter(mask.unsqueeze(-1), torch.cat(out.pooler_output).to(embeds.dtype))
-        visual.append((mask, [torch.cat(f) for f in out.deepstack_features]))
+        deep = getattr(out, "deepstack_features", None)  # Qwen2.5-Omni's vision tower has none
+        if deep is not None:
+            visual.append((mask, [torch.cat(f) for f in deep]))
     visual_mask = deepstack = None
     if len(visual) == 1:
         visual_mask, deepstack = visual[0]

@@ -122,12 +122,14 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _processor_class() -> type:
-    from transformers import Qwen3OmniMoeProcessor
+def _processor_class(base_name: str) -> type:
+    import transformers
 
-    class Processor(Qwen3OmniMoeProcessor):  # type: ignore[misc, valid-type]
-        """Qwen3OmniMoeProcessor that takes `FrameVideoProcessor` as its video processor (its own
-        class check looks the base video class up in transformers, absent without torchvision)."""
+    base = getattr(transformers, base_name)
+
+    class Processor(base):  # type: ignore[misc, valid-type]
+        """The family's processor class, taking `FrameVideoProcessor` as its video processor (its
+        own class check looks the base video class up in transformers, absent without torchvision)."""
 
         def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
             if argument_name == "video_processor" and isinstance(argument, FrameVideoProcessor):
@@ -137,8 +139,9 @@ def _processor_class() -> type:
     return Processor
 
 
-def load_processor(ckpt: Checkpoint, tokenizer: Any) -> Any:
-    """The checkpoint's Qwen3OmniMoeProcessor, from its own configs (nothing downloaded)."""
+def load_processor(ckpt: Checkpoint, tokenizer: Any, base_name: str = "Qwen3OmniMoeProcessor") -> Any:
+    """The checkpoint's processor (transformers' `base_name`, Qwen3OmniMoeProcessor by default),
+    from its own configs (nothing downloaded)."""
     from transformers import Qwen2VLImageProcessorPil, WhisperFeatureExtractor
 
     pre = ckpt.path / "preprocessor_config.json"
@@ -151,7 +154,7 @@ def load_processor(ckpt: Checkpoint, tokenizer: Any) -> Any:
         features = WhisperFeatureExtractor.from_pretrained(ckpt.path, local_files_only=True)
         images = Qwen2VLImageProcessorPil.from_pretrained(ckpt.path, local_files_only=True)
         videos = FrameVideoProcessor(**video_config)
-        return _processor_class()(image_processor=images, video_processor=videos, feature_extractor=features,
+        return _processor_class(base_name)(image_processor=images, video_processor=videos, feature_extractor=features,
                                      tokenizer=tokenizer, chat_template=tokenizer.chat_template)  # fmt: skip
     except (OSError, ValueError, TypeError) as e:
         raise CheckpointError(f"{ckpt.path}: cannot build the processor: {e}") from None
@@ -173,8 +176,10 @@ class InputBuilder:
     track, used with `use_audio_in_video`).
     """
 
+    processor_class = "Qwen3OmniMoeProcessor"
+
     def __init__(self, ckpt: Checkpoint, tokenizer: Any) -> None:
-        self.processor = load_processor(ckpt, tokenizer)
+        self.processor = load_processor(ckpt, tokenizer, self.processor_class)
         thinker = ckpt.config.thinker_config
         self.n_window = int(thinker.audio_config.n_window)
         self.position_id_per_seconds = float(thinker.position_id_per_seconds)
@@ -182,6 +187,10 @@ class InputBuilder:
         self.sampling_rate = int(fe.sampling_rate)
         # the longest audio the feature extractor takes whole (it pads or cuts to n_samples)
         self.max_audio_seconds = float(fe.n_samples) / self.sampling_rate
+
+    def options(self) -> dict[str, Any]:
+        """The processor call's settings from this checkpoint's config."""
+        return {"n_window": self.n_window, "position_id_per_seconds": self.position_id_per_seconds}
 
     def build(self, messages: list[dict[str, Any]], use_audio_in_video: bool = False
               ) -> tuple[list[int], dict[str, Any]]:  # fmt: skip
@@ -219,7 +228,7 @@ class InputBuilder:
                 parts.append({"type": kind, kind: kind})  # the template emits the placeholder
             rendered.append({"role": message["role"], "content": parts})
         text = self.processor.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
-        kwargs: dict[str, Any] = {"n_window": self.n_window, "position_id_per_seconds": self.position_id_per_seconds}
+        kwargs = self.options()
         if audios:
             kwargs["audio"] = audios
         if images:

@@ -55,6 +55,8 @@ class FamilySpec:
     codec_think_eos_id: int
     speakers: dict[str, int]
     max_positions: int
+    # the talker reads the thinker's hidden states only at audio/image/video positions
+    talker_needs_hidden: bool = False
 
     @property
     def default_speaker(self) -> str:

@@ -78,7 +78,8 @@ class TalkerState:
         self.header = embeds[assistant_start(ids, spec) :]
         self.rope = rope or RopeInputs()
 
-    def add_token(self, embed: torch.Tensor, is_last: bool) -> None:
+    def add_token(self, embed: torch.Tensor, is_last: bool, hidden: torch.Tensor | None = None) -> None:
+        del hidden  # this talker reads the thinker's hidden states at media positions only (its prompt)
         self.tokens.append((embed, is_last))
 
     def _element(self, k: int) -> tuple[torch.Tensor, bool] | None:

@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from omnistage.models.batching import PackedBatching, PackedCache
-from omnistage.models.qwen3_omni.multimodal import MultimodalInputs, PromptInputs, RopeInputs, encode_prompt
+from omnistage.models.qwen3_omni.multimodal import AudioRows, MultimodalInputs, PromptInputs, RopeInputs, encode_prompt
 from omnistage.models.qwen3_omni.prompt import text_positions
 from omnistage.models.qwen3_omni.spec import FamilySpec
 from omnistage.models.sampling import SamplingParams, TokenChooser
@@ -81,10 +81,13 @@ class ThinkerStep:
 
 
 class Thinker:
-    def __init__(self, model: Any, spec: FamilySpec, row_modules: tuple[type, ...] = (), batching: str = "exact"
-                 ) -> None:  # fmt: skip
+    def __init__(self, model: Any, spec: FamilySpec, row_modules: tuple[type, ...] = (), batching: str = "exact",
+                 audio_rows: AudioRows | None = None) -> None:  # fmt: skip
+        """`audio_rows`: the audio tower's output rows per audio (default Qwen3-Omni's; another
+        family with this thinker's interface, as Qwen2.5-Omni, passes its own)."""
         self.model = model
         self.spec = spec
+        self.audio_rows = audio_rows
         self.device = next(model.parameters()).device
         self.embedding = model.get_input_embeddings()
         self.batching = PackedBatching(model, row_modules, batching)
@@ -118,7 +121,7 @@ class Thinker:
             raise ValueError("the prompt was already received")
         self.validate_prompt(prompt_ids, state.max_len)
         mm = MultimodalInputs.from_mapping(multimodal or {}, use_audio_in_video)
-        mm.check(torch.tensor(list(prompt_ids)), self.model.config)
+        mm.check(torch.tensor(list(prompt_ids)), self.model.config, self.audio_rows)
         state.prompt_ids = list(prompt_ids)
         if not mm.empty:
             state.multimodal = mm
