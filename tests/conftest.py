@@ -114,3 +114,35 @@ def talker_audio_policy(reference: Any, needed: bool) -> Iterator[None]:
     finally:
         if needed:
             del talker_config.audio_config
+
+
+@pytest.fixture(scope="session")
+def q25_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2.5-Omni checkpoint (omnistage make-tiny --family qwen2_5_omni)."""
+    from omnistage.models.qwen2_5_omni.tiny import write_tiny_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny-qwen2_5-omni")
+    write_tiny_checkpoint(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def q25_checkpoints(q25_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """(pipeline, reference) per Qwen2.5-Omni checkpoint name, built on first use: 'published'
+    (the default tiny checkpoint) and 'variant' (other special ids, widths, codebook, DiT blocks,
+    samples per mel frame and voices)."""
+    from omnistage.models.qwen2_5_omni.tiny import VARIANT, write_tiny_checkpoint
+    from services.pipeline import InProcessPipeline
+
+    made: dict[str, Any] = {}
+
+    def get(name: str) -> tuple[Any, Any]:
+        if name not in made:
+            path = q25_dir
+            if name == "variant":
+                path = tmp_path_factory.mktemp("tiny-qwen2_5-omni-variant")
+                write_tiny_checkpoint(path, shape=VARIANT)
+            made[name] = (InProcessPipeline(path), family_reference(path))
+        return made[name]
+
+    return get

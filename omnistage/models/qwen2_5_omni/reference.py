@@ -37,6 +37,13 @@ class Reference:
         seed is `seed` first (token2wav's noise). `inputs`: multimodal model inputs."""
         talker = self.model.talker
         self.last_codes = None
+        # generate() hands its shared keyword arguments, pixels included, to the talker, whose
+        # generate() refuses them (transformers 5.23): an image or video prompt could not get
+        # audio. The talker reads only the thinker's states, so give it none (as its own
+        # `talker_` arguments, which generate() lets override the shared ones).
+        for name in ("pixel_values", "pixel_values_videos"):
+            if inputs.get(name) is not None:
+                inputs[f"talker_{name}"] = None
         torch.manual_seed(seed)
         with torch.no_grad():
             out = self.model.generate(

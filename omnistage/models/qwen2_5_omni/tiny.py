@@ -133,6 +133,8 @@ VISION_PREPROCESSOR = {
 
 
 def _text_config(vocab: int, hidden: int, max_positions: int) -> dict[str, Any]:
+    half = hidden // 4 // 2  # 4 heads: half a head's rotary dims, split over the three M-RoPE axes
+    sections = [2, 3, 3] if half == 8 else [half - 2 * (half // 3), half // 3, half // 3]
     return {
         "vocab_size": vocab,
         "hidden_size": hidden,
@@ -141,7 +143,7 @@ def _text_config(vocab: int, hidden: int, max_positions: int) -> dict[str, Any]:
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "max_position_embeddings": max_positions,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": sections},
     }
 
 
@@ -191,6 +193,7 @@ def tiny_config_dict(shape: TinyShape = DEFAULT) -> dict[str, Any]:
         "num_attention_heads": 2,
         "num_key_value_heads": 1,
         "head_dim": 16,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
         "embedding_size": shape.hidden,
         **tokens,
         "tts_codec_start_token_id": cid(8293),

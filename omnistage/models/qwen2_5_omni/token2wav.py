@@ -58,8 +58,8 @@ class Token2WavStream:
     context_frames: int
     voice: Voice
     generator: torch.Generator
-    pending: list[torch.Tensor] = field(default_factory=list)  # frames ([1] codes) not yet emitted
-    codes: list[int] = field(default_factory=list)  # every frame received
+    pending: list[torch.Tensor] = field(default_factory=list)  # frames ([1] codes) not yet emitted as audio
+    codes: list[int] = field(default_factory=list)  # the frames decode_pending has seen
     noise: torch.Tensor | None = None  # [frames * repeats, mel_dim] drawn so far
     frames_in: int = 0  # frames emitted as audio
     samples_out: int = 0
@@ -133,12 +133,13 @@ class Token2Wav:
 
     def ready_frames(self, stream: Token2WavStream) -> int:
         """Frames whose audio is final now (all of them once the input is done)."""
+        received = stream.frames_in + len(stream.pending)
         if stream.input_done:
-            return len(stream.codes) - stream.frames_in
+            return len(stream.pending)
         if not self.noise_streams:
             return 0
         _, ahead = self._reach(stream)
-        final_mel = (len(stream.codes) * self.repeats // self.block - ahead) * self.block
+        final_mel = (received * self.repeats // self.block - ahead) * self.block
         return max(0, final_mel // self.repeats - stream.frames_in)
 
     def _reach(self, stream: Token2WavStream) -> tuple[int, int]:
@@ -163,8 +164,8 @@ class Token2Wav:
         for s in streams:
             if s.closed:
                 raise RuntimeError("decode on a closed code2wav stream")
-            s.codes.extend(int(c) for frame in s.pending for c in frame.view(-1).tolist())
-            s.pending = []
+            merged = len(s.codes) - s.frames_in  # pending frames already in `codes`
+            s.codes.extend(int(c) for frame in s.pending[merged:] for c in frame.view(-1).tolist())
             n = self.ready_frames(s)
             start = s.samples_out
             pcm = self._chunk(s, s.frames_in, s.frames_in + n) if n else torch.zeros(0)
