@@ -6,7 +6,7 @@ Every driver turns a ``BenchRequest`` into a list of ``StreamEvent``s stamped wi
 * ``InProcessDriver``: ``services.pipeline.InProcessPipeline`` (streaming, no gRPC).
 * ``FullPayloadInProcessDriver``: the same pipeline with every edge in full-payload mode
   (thinker to the end, then the talker, then one code2wav decode).
-* ``MonolithicDriver``: transformers' ``Qwen3OmniMoeForConditionalGeneration.generate``; it
+* ``MonolithicDriver``: transformers' monolithic ``generate()`` of the checkpoint's family; it
   does not stream, so text and audio are both seen when it returns.
 * ``GrpcDriver``: a thin adapter over ``gateway.client.stream_generate``.
 
@@ -155,7 +155,8 @@ def _no_frames_is_clear() -> Iterator[None]:
 
 
 class MonolithicDriver(SyncDriver):
-    """transformers' monolithic generate() on the same checkpoint (greedy, sequential)."""
+    """transformers' monolithic generate() on the same checkpoint (greedy, sequential): the
+    checkpoint family's reference (`omnistage/models/<family>/reference.py`)."""
 
     name = "monolithic"
     streams = False
@@ -163,36 +164,21 @@ class MonolithicDriver(SyncDriver):
     def __init__(self, model_dir: Path, prompt_ids: Callable[[str], list[int]], eos_id: int, sample_rate: int,
                  threads: int = 1) -> None:  # fmt: skip
         super().__init__(threads)
-        self.sample_rate = sample_rate
-        from transformers import Qwen3OmniMoeForConditionalGeneration
-        from transformers.utils import logging as hf_logging
+        from omnistage.models import open_checkpoint
 
-        hf_logging.set_verbosity_error()
+        self.sample_rate = sample_rate
         self.prompt_ids = prompt_ids
         self.eos_id = eos_id
-        self.model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.reference = open_checkpoint(model_dir).family.reference(model_dir)
 
     def stream(self, req: BenchRequest) -> Iterator[StreamEvent]:
         ids = self.prompt_ids(req.prompt)
-        with torch.no_grad(), _no_frames_is_clear():
-            out = self.model.generate(
-                input_ids=torch.tensor([ids]),
-                thinker_max_new_tokens=req.thinker_max_tokens,
-                talker_max_new_tokens=req.talker_max_tokens,
-                talker_do_sample=False,
-                talker_repetition_penalty=1.0,
-                thinker_eos_token_id=self.eos_id,
-                return_audio=req.want_audio,
-            )
+        with _no_frames_is_clear():
+            generated, _, wav = self.reference.generate(ids, req.thinker_max_tokens, req.talker_max_tokens, self.eos_id,
+                                                        audio=req.want_audio)  # fmt: skip
         now = time.perf_counter()
-        wav = None
-        if isinstance(out, tuple):
-            seq, wav = out
-        else:
-            seq = out.sequences if hasattr(out, "sequences") else out
-        generated = tuple(int(i) for i in seq[0, len(ids) :].tolist())
-        yield StreamEvent("text", now, token_ids=generated)
-        samples = int(wav.reshape(-1).shape[0]) if isinstance(wav, torch.Tensor) else 0
+        yield StreamEvent("text", now, token_ids=tuple(generated))
+        samples = int(wav.shape[0]) if isinstance(wav, torch.Tensor) else 0
         if samples:
             yield StreamEvent("audio", now, samples=samples, sample_rate=self.sample_rate)
         yield StreamEvent("final", now, info={"prompt_tokens": len(ids)})

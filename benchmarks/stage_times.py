@@ -47,9 +47,9 @@ def measure(model_dir: Path | None = None, reps: int = 5, decode_tokens: int = 3
         pipe.thinker.release(state)
 
         talk_state = pipe.talker.new_state(talker, pipe.spec.default_speaker)
-        talk_state.set_prompt(prompt.ids, prompt.embeds, prompt.hidden, pipe.spec)
+        pipe.talker.set_prompt(talk_state, prompt.ids, prompt.embeds, prompt.hidden, prompt.rope.tensors())
         for t in tokens:
-            talk_state.add_token(t.embed, t.is_last)
+            talk_state.add_token(t.embed, t.is_last, t.hidden)
         out = []
         t0 = time.perf_counter()
         while talk_state.can_step(True):

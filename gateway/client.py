@@ -143,6 +143,9 @@ def build_request(
     talker.update((sampling or {}).get("talker", {}))
     req.sampling["thinker"].CopyFrom(sampling_proto(thinker))
     req.sampling["talker"].CopyFrom(sampling_proto(talker))
+    for stage, fields in (sampling or {}).items():  # other stages: e.g. {"code2wav": {"seed": 7}}
+        if stage not in ("thinker", "talker"):
+            req.sampling[stage].CopyFrom(sampling_proto(fields))
     return req
 
 

@@ -1,0 +1,124 @@
+"""The second family through the real multi-process stack: `serve --model <tiny Qwen2.5-Omni>`
+with no family-specific setting. Parity with generate() through the gateway, requests batched
+together equal to each alone, and a cancel that frees every stage."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from gateway.client import build_request, generate
+from omnistage.cli.serve import Stack, start_stack
+from omnistage.models.sampling import SamplingParams
+from omnistage.v1 import gateway_pb2_grpc, stage_pb2
+from services.pipeline import AudioEvent, PipelineRequest
+from tests.integration.conftest import info, prompt_chunk, run, stack_config, stage_call
+
+SEED = 7
+STREAM_ATOL = 5e-5  # streamed exact token2wav against the full decode (tests/test_qwen2_5_omni.py)
+SAMPLING = {"code2wav": {"seed": SEED}}
+
+
+@pytest.fixture(scope="module")
+def q25_stack(q25_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack(stack_config(), model=str(q25_dir), log_dir=tmp_path_factory.mktemp("q25-stack-logs"))
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def test_stack_matches_generate(q25_stack: Stack, q25_checkpoints: Any) -> None:
+    pipeline, reference = q25_checkpoints("published")
+    for prompt in ("What is the weather like?", "Can you explain how streaming works?"):
+        ids = pipeline.prompt_ids(prompt)
+        ref_ids, ref_codes, ref_wav = reference.generate(ids, 40, 120, pipeline.spec.im_end_id, seed=SEED)
+        reply = run(generate(q25_stack.gateway_address, prompt, thinker_max_tokens=40, talker_max_tokens=120,
+                             sampling=SAMPLING, timeout=120))  # fmt: skip
+        assert reply.token_ids == ref_ids
+        assert reply.sample_rate == 24000
+        assert reply.pcm.shape == ref_wav.shape
+        assert float(np.abs(reply.pcm - ref_wav.numpy()).max()) <= STREAM_ATOL
+        assert reply.usage["audio_frames"] == ref_codes.shape[1]
+        # straight into the thinker: the talker's codes come back up too
+        start = stage_pb2.Start(request_id=f"q25-{len(ids)}", want_audio=True)
+        start.sampling["thinker"].max_tokens = 40
+        start.sampling["talker"].max_tokens = 120
+        start.sampling["talker"].do_sample = False
+        start.sampling["talker"].repetition_penalty = 1.0
+        start.sampling["code2wav"].seed = SEED
+        out = run(stage_call(q25_stack.addresses("thinker")[0], start, [prompt_chunk(ids)], timeout=120))
+        codes = torch.cat([c.tensors["codes"] for c in out["talker"] if "codes" in c.tensors], dim=1)
+        assert torch.equal(codes, ref_codes)
+
+
+def test_concurrent_requests_match_their_solo_runs(q25_stack: Stack, q25_checkpoints: Any) -> None:
+    """Six requests at once share the thinker's and the talker's forward steps and give what each
+    gives alone."""
+    pipeline, _ = q25_checkpoints("published")
+    prompts = ["hi", "What is the weather like?", "Numbers one two three", "Tell me about the sea.",
+               "Where is the nearest train station from here?", "Name three colours."]  # fmt: skip
+    solo = []
+    for p in prompts:
+        thinker = pipeline.thinker_defaults().with_overrides(max_tokens=24)
+        events = list(pipeline.run(PipelineRequest(pipeline.prompt_ids(p), thinker, SamplingParams(max_tokens=40),
+                                                   code2wav_seed=SEED)))  # fmt: skip
+        audio = [e.pcm for e in events if isinstance(e, AudioEvent)]
+        solo.append((events[-1].token_ids, torch.cat(audio).numpy() if audio else np.zeros(0, np.float32)))
+    assert sum(a.size > 0 for _, a in solo) >= 4  # most of them speak
+
+    def load(stage: str) -> tuple[int, int]:
+        loads = [run(info(a)).load for a in q25_stack.addresses(stage)]
+        return sum(x.steps_total for x in loads), sum(x.step_requests_total for x in loads)
+
+    before = {s: load(s) for s in ("thinker", "talker")}
+
+    async def together() -> list[Any]:
+        return await asyncio.gather(*(generate(q25_stack.gateway_address, p, thinker_max_tokens=24,
+                                               talker_max_tokens=40, sampling=SAMPLING, timeout=180)
+                                      for p in prompts))  # fmt: skip
+
+    for reply, (ids, audio) in zip(run(together()), solo, strict=True):
+        assert reply.token_ids == ids
+        assert reply.pcm.shape == audio.shape
+        assert np.allclose(reply.pcm, audio, atol=STREAM_ATOL, rtol=0)
+    for stage in ("thinker", "talker"):
+        steps, requests = (a - b for a, b in zip(load(stage), before[stage], strict=True))
+        assert steps > 0 and requests / steps > 1.2, f"{stage}: mean batch {requests / max(steps, 1):.2f}"
+
+
+def _idle(address: str) -> bool:
+    load = run(info(address)).load
+    return (load.running, load.waiting, load.waiting_for_input, load.open_streams, load.shm_segments) == (0,) * 5
+
+
+def test_cancellation_frees_every_stage(q25_stack: Stack, q25_checkpoints: Any) -> None:
+    pipeline, _ = q25_checkpoints("published")
+
+    async def cancel_mid_reply() -> int:
+        req = build_request("hi", thinker_max_tokens=300, talker_max_tokens=200,
+                            thinker_stop_ids=[pipeline.spec.tts_pad_id])  # a stop that never comes
+        seen = 0
+        async with grpc.aio.insecure_channel(q25_stack.gateway_address) as ch:
+            call = gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=60)
+            async for resp in call:
+                seen += resp.WhichOneof("kind") == "text"
+                if seen == 30:  # the talker is speaking by now (it runs two tokens behind)
+                    call.cancel()
+                    break
+        return seen
+
+    assert run(cancel_mid_reply()) == 30
+    stages = [a for s in ("thinker", "talker", "code2wav") for a in q25_stack.addresses(s)]
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and not all(_idle(a) for a in stages):
+        time.sleep(0.2)
+    assert all(_idle(a) for a in stages), {a: str(run(info(a)).load) for a in stages}
