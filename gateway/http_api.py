@@ -206,7 +206,7 @@ def to_generate_request(body: ChatRequest, voices: list[str]) -> gateway_pb2.Gen
     audio = body.audio or AudioOut()
     req = gateway_pb2.GenerateRequest(want_audio=want_audio, use_audio_in_video=body.use_audio_in_video,
                                       audio_format=FORMAT_NAMES[audio.format])  # type: ignore[arg-type]  # fmt: skip
-    if want_audio and audio.voice is not None and audio.voice.lower() not in voices:
+    if want_audio and audio.voice is not None and audio.voice.lower() not in {v.lower() for v in voices}:
         raise HttpError(400, f"audio.voice: unknown voice {audio.voice!r}; this model has: {', '.join(voices)}",
                         param="audio.voice")  # fmt: skip
     req.speaker = audio.voice or ""

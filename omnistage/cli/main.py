@@ -200,7 +200,12 @@ def make_tiny(
     except UnknownFamily as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(json.dumps(chosen.write_tiny(out_dir, layout=layout.value, dtype=dtype.value), indent=2))
+    try:
+        summary = chosen.write_tiny(out_dir, layout=layout.value, dtype=dtype.value)
+    except ValueError as e:  # an option this family's tiny checkpoint does not have
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps(summary, indent=2))
 
 
 @deploy_app.command("render")

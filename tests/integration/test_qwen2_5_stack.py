@@ -122,3 +122,20 @@ def test_cancellation_frees_every_stage(q25_stack: Stack, q25_checkpoints: Any) 
     while time.monotonic() < deadline and not all(_idle(a) for a in stages):
         time.sleep(0.2)
     assert all(_idle(a) for a in stages), {a: str(run(info(a)).load) for a in stages}
+
+
+def test_openai_http_door_speaks_with_the_checkpoint_voices(q25_stack: Stack) -> None:
+    """The OpenAI-style door needs nothing family-specific: this checkpoint's voices (named as
+    its spk_dict.pt spells them, matched case-insensitively) and its audio."""
+    import base64
+
+    import httpx
+
+    models = httpx.get(f"http://{q25_stack.http_address}/v1/models", timeout=30).json()["data"]
+    assert models[0]["voices"] == ["Chelsie", "Ethan"] and models[0]["default_voice"] == "Chelsie"
+    body = {"messages": [{"role": "user", "content": "What is the weather like?"}], "temperature": 0,
+            "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"}, "max_tokens": 40}  # fmt: skip
+    reply = httpx.post(f"http://{q25_stack.http_address}/v1/chat/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    message = reply.json()["choices"][0]["message"]
+    assert message["content"] and len(base64.b64decode(message["audio"]["data"])) > 0

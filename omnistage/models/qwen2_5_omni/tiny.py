@@ -256,8 +256,16 @@ def _fan_in(shape: torch.Size) -> int:
 def build_tiny_model(shape: TinyShape = DEFAULT) -> torch.nn.Module:
     """Construct the tiny model in memory with its seeded weights."""
     from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
+    from transformers.utils import logging as hf_logging
 
-    config = Qwen2_5OmniConfig(**tiny_config_dict(shape))
+    # transformers checks the talker's tts_text ids (thinker ids) against the talker's vocabulary
+    # and warns, for the published checkpoint too: quiet while this builds
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        config = Qwen2_5OmniConfig(**tiny_config_dict(shape))
+    finally:
+        hf_logging.set_verbosity(verbosity)
     torch.manual_seed(SEED)
     model = Qwen2_5OmniForConditionalGeneration(config).eval()
     gen = torch.Generator().manual_seed(SEED)

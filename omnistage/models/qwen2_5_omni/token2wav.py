@@ -89,6 +89,7 @@ class Token2Wav:
         self.exact_back = evals * len(cfg.look_backward_layers)
         self.exact_ahead = evals * len(cfg.look_ahead_layers)
         self.noise_streams = self.mel_dim % 16 == 0
+        self._encodings: dict[str, torch.Tensor] = {}  # voice name -> its speaker encoding
         self.vocoder_reach = self._vocoder_reach()
 
     # ---- checks and the full decode -----------------------------------------------------------
@@ -197,16 +198,31 @@ class Token2Wav:
     def _sample(self, voice: Voice, codes: torch.Tensor, noise: torch.Tensor, start: int) -> torch.Tensor:
         """`Qwen2_5OmniToken2WavDiTModel.sample` over mel frames [start, start + n) of the
         utterance: its noise given, its positions and blocks those of the full sequence."""
+        dit = self.dit
         cond, ref = self._conditioning(voice)
         n = noise.shape[0]
-        # the window may start inside a code's repeats only at block boundaries; codes cover it
-        offset = start % self.repeats
         x0 = noise.to(self.device, ref.dtype).unsqueeze(0)
+        # What every pass shares (`forward` recomputes it each time; the values are the same):
+        # DiTInputEmbedding's inputs other than x, guided then unguided, with the voice's speaker
+        # encoding computed once; the rotary embedding of the full sequence's positions; its blocks.
+        offset = start % self.repeats  # a block-aligned window may start inside a code's repeats
+        code = dit.text_embed(codes, drop_code=False)[:, offset : offset + n]
+        code_null = dit.text_embed(codes, drop_code=True)[:, offset : offset + n]
         speaker = cond.unsqueeze(1).repeat(1, n, 1)
+        fixed = (self._voice_encoding(voice).unsqueeze(1).repeat(1, n, 1), torch.cat([code, code_null]),
+                 torch.cat([speaker, torch.zeros_like(speaker)]))  # fmt: skip
+        positions = torch.arange(start, start + n, device=self.device)[None, :].repeat(2, 1)
+        rope = dit.rotary_embed(x0, positions)
+        blocks = torch.arange(start, start + n, device=self.device) // dit.block_size
+        diff = (blocks.unsqueeze(0) - blocks.unsqueeze(1)).expand(2, dit.num_attention_heads, n, n)
 
         def ode(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-            out = self._dit_pass(x, speaker, ref, codes, t, start, offset)
-            guided, null = torch.chunk(out, 2, dim=0)
+            # Qwen2_5OmniToken2WavDiTModel.forward with guidance (apply_cfg)
+            time = dit.time_embed(t.repeat(2) if t.ndim == 0 else t)
+            h = dit.input_embed.proj(torch.cat((torch.cat([x, x]), *fixed), dim=-1))
+            for layer in dit.transformer_blocks:
+                h = layer(h, time, position_embeddings=rope, block_diff=diff)
+            guided, null = torch.chunk(dit.proj_out(dit.norm_out(h, time)), 2, dim=0)
             return guided + (guided - null) * GUIDANCE_SCALE
 
         t = torch.linspace(0, 1, NUM_STEPS, device=self.device, dtype=speaker.dtype)
@@ -214,24 +230,14 @@ class Token2Wav:
         x1 = RungeKutta4ODESolver(function=ode, initial_value=x0).integrate(t)[-1]
         return x1.permute(0, 2, 1)
 
-    def _dit_pass(self, x: torch.Tensor, speaker: torch.Tensor, ref: torch.Tensor, codes: torch.Tensor,
-                  t: torch.Tensor, start: int, offset: int) -> torch.Tensor:  # fmt: skip
-        """`Qwen2_5OmniToken2WavDiTModel.forward` with guidance, for rows [start, start + n) of
-        the sequence: the same modules, with the full sequence's positions and blocks."""
-        dit = self.dit
-        n = x.shape[1]
-        time = dit.time_embed(t.repeat(x.shape[0] * 2) if t.ndim == 0 else t)
-        code = dit.text_embed(codes, drop_code=False)[:, offset : offset + n]
-        code_null = dit.text_embed(codes, drop_code=True)[:, offset : offset + n]
-        h = dit.input_embed(x, speaker, ref, code, drop_audio_cond=False, code_embed_uncond=code_null,
-                            apply_cfg=True)  # fmt: skip
-        positions = torch.arange(start, start + n, device=h.device)[None, :].repeat(h.shape[0], 1)
-        rope = dit.rotary_embed(h, positions)
-        blocks = torch.arange(start, start + n, device=h.device) // dit.block_size
-        diff = (blocks.unsqueeze(0) - blocks.unsqueeze(1)).expand(h.shape[0], dit.num_attention_heads, n, n)
-        for layer in dit.transformer_blocks:
-            h = layer(h, time, position_embeddings=rope, block_diff=diff)
-        return dit.proj_out(dit.norm_out(h, time))
+    def _voice_encoding(self, voice: Voice) -> torch.Tensor:
+        """The DiT's speaker encoder over (the voice's reference mel, zeros for the unguided
+        half), `[2, D]`: the same in every pass of every request of a voice, so computed once."""
+        name = next(n for n, v in self.voices.items() if v is voice)
+        if name not in self._encodings:
+            _, ref = self._conditioning(voice)
+            self._encodings[name] = self.dit.input_embed.spk_encoder(torch.cat([ref, torch.zeros_like(ref)]))
+        return self._encodings[name]
 
     @torch.no_grad()
     def _vocoder_reach(self) -> int:
