@@ -203,3 +203,24 @@ def test_tiny_checkpoint_is_deterministic_and_published_layout(q25_dir: Path, tm
     keys = open_checkpoint(q25_dir).tensors
     assert any(k.startswith("token2wav.code2wav_dit_model.") for k in keys)
     assert any(k.startswith("thinker.") for k in keys) and any(k.startswith("talker.") for k in keys)
+
+
+@pytest.mark.parametrize("setting", ["disaggregated", "fast"])
+def test_split_thinker_and_fast_batching_hold_for_this_family(q25_checkpoints: Any, q25_dir: Path,
+                                                              setting: str) -> None:  # fmt: skip
+    """The thinker split into prefill and decode roles (its KV cache and the talker's per-token
+    hidden states crossing between them), and fast batching, give generate()'s output for a
+    request alone."""
+    from omnistage.config import parse_config
+    from services.pipeline import InProcessPipeline
+
+    _, reference = q25_checkpoints("published")
+    cfg = {
+        "disaggregated": {"thinker": {"disaggregated": True}},  # one prefill chunk, as generate() prefills
+        "fast": {"thinker": {"batching": "fast"}, "talker": {"batching": "fast"}},
+    }[setting]
+    pipeline = InProcessPipeline(q25_dir, parse_config(cfg))
+    case = CASES[0]
+    ids = pipeline.prompt_ids(case.prompt)
+    ref = reference.generate(ids, case.thinker_max, case.talker_max, pipeline.spec.im_end_id, seed=SEED)
+    _check_parity(pipeline, _run(pipeline, ids, case), ref)
