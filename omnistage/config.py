@@ -51,7 +51,8 @@ class StageConfig(_Strict):
     )
     batching: Literal["exact", "fast"] = Field(
         "exact", description="exact: each request bitwise as alone (parity); fast: one GEMM per layer over "
-        "every request's rows, close but not bitwise (thinker and talker; models/batching.py)")  # fmt: skip
+        "every request's rows, close but not bitwise (thinker and talker: models/batching.py; Qwen2.5-Omni's "
+        "token2wav: one DiT pass per ODE step over every due request)")  # fmt: skip
 
 
 class ThinkerConfig(StageConfig):

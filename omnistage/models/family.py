@@ -96,8 +96,9 @@ class Family(ABC):
         """The talker part (with its code predictor), ready to step many requests."""
 
     @abstractmethod
-    def code2wav(self, ckpt: Checkpoint, dtype: str, device: str) -> Any:
-        """The codes -> waveform part, full and streaming."""
+    def code2wav(self, ckpt: Checkpoint, dtype: str, device: str, batching: str = "exact") -> Any:
+        """The codes -> waveform part, full and streaming; `batching` as for the thinker, where
+        the family's decoder has a choice."""
 
     @abstractmethod
     def thinker_defaults(self, ckpt: Checkpoint) -> SamplingParams:

@@ -82,4 +82,5 @@ class Code2WavWorker(StageWorker):
 def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> Code2WavWorker:
     stage = cfg.stage("code2wav")
     assert isinstance(stage, Code2WavConfig)
-    return Code2WavWorker(ckpt.family.code2wav(ckpt, stage.dtype, stage.device), stage, ckpt.sample_rate)
+    code2wav = ckpt.family.code2wav(ckpt, stage.dtype, stage.device, stage.batching)
+    return Code2WavWorker(code2wav, stage, ckpt.sample_rate)

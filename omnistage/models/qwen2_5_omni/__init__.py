@@ -126,12 +126,13 @@ class Qwen25Omni(Family):
         rows = read_tensor_rows(ckpt, THINKER_EMBED_KEYS, ids)
         return Talker(model, s, dict(zip(ids, rows.to(model.dtype), strict=True)), self.row_modules(), batching)
 
-    def code2wav(self, ckpt: Checkpoint, dtype: str, device: str) -> Any:
+    def code2wav(self, ckpt: Checkpoint, dtype: str, device: str, batching: str = "exact") -> Any:
         from omnistage.models.qwen2_5_omni.token2wav import Token2Wav
 
         # generate() always runs token2wav in float32 (it casts it back if loaded otherwise)
         del dtype
-        return Token2Wav(load_part(ckpt, "code2wav", "float32", device), ckpt.spec, load_voices(ckpt.path))
+        model = load_part(ckpt, "code2wav", "float32", device)
+        return Token2Wav(model, ckpt.spec, load_voices(ckpt.path), batching)
 
     def thinker_defaults(self, ckpt: Checkpoint) -> SamplingParams:
         return generation_defaults(ckpt, stop_ids=(ckpt.spec.im_end_id,))

@@ -70,8 +70,26 @@ class Token2WavStream:
         return bool(self.pending) and (input_done or ready >= target)
 
 
+@dataclass
+class _Window:
+    """One stream's chunk: mel frames [c0, c1) wanted, computed in the window [w0, w1)."""
+
+    stream: Token2WavStream
+    c0: int
+    c1: int
+    w0: int
+    w1: int
+    noise: torch.Tensor  # [w1 - w0, mel_dim]
+    codes: torch.Tensor  # [1, codes covering the window]
+
+
 class Token2Wav:
-    def __init__(self, model: Any, spec: FamilySpec, voices: dict[str, Voice]) -> None:
+    def __init__(self, model: Any, spec: FamilySpec, voices: dict[str, Voice], batching: str = "exact") -> None:
+        """`batching`: "exact" (each request's windows alone: the full decode's numbers) or
+        "fast" (every due request's window in one DiT pass per ODE step; close, not bitwise)."""
+        if batching not in ("exact", "fast"):
+            raise ValueError(f"batching must be 'exact' or 'fast', got {batching!r}")
+        self.batching = batching
         self.model = model
         self.spec = spec
         self.voices = voices
@@ -160,75 +178,106 @@ class Token2Wav:
 
     @torch.no_grad()
     def decode_pending(self, streams: Sequence[Token2WavStream]) -> list[tuple[int, torch.Tensor]]:
-        """Emit each stream's frames whose audio is final: `(first_sample, pcm)` per stream."""
-        out = []
+        """Emit each stream's frames whose audio is final: `(first_sample, pcm)` per stream. The
+        windows' ODEs run one request at a time (exact batching: each as alone) or together
+        (fast batching: one DiT pass per ODE step for all of them, padded to the longest)."""
+        jobs: list[_Window] = []
         for s in streams:
             if s.closed:
                 raise RuntimeError("decode on a closed code2wav stream")
             merged = len(s.codes) - s.frames_in  # pending frames already in `codes`
             s.codes.extend(int(c) for frame in s.pending[merged:] for c in frame.view(-1).tolist())
             n = self.ready_frames(s)
+            if n:
+                jobs.append(self._window(s, s.frames_in, s.frames_in + n))
+        groups = [jobs] if self.batching == "fast" and jobs else [[j] for j in jobs]
+        done: dict[int, tuple[int, torch.Tensor]] = {}  # id(stream) -> (frames, pcm)
+        for group in groups:
+            for job, mel in zip(group, self._sample(group), strict=True):
+                done[id(job.stream)] = ((job.c1 - job.c0) // self.repeats, self._vocode(job, mel))
+        out = []
+        for s in streams:
             start = s.samples_out
-            pcm = self._chunk(s, s.frames_in, s.frames_in + n) if n else torch.zeros(0)
-            s.frames_in += n
-            s.samples_out += int(pcm.shape[0])
+            frames, chunk = done.get(id(s), (0, torch.zeros(0)))
+            s.frames_in += frames
+            s.samples_out += int(chunk.shape[0])
             # frames received but not yet final stay pending (the stage's count of work left)
             s.pending = [torch.tensor([c]) for c in s.codes[s.frames_in :]]
-            out.append((start, pcm))
+            out.append((start, chunk))
         return out
 
-    def _chunk(self, s: Token2WavStream, first: int, end: int) -> torch.Tensor:
-        """PCM of frames [first, end): the ODE over a window around them, then the vocoder."""
+    def _window(self, s: Token2WavStream, first: int, end: int) -> _Window:
+        """The block-aligned window of mel frames whose ODE gives frames [first, end) their audio."""
         total_mel = len(s.codes) * self.repeats
         back, ahead = self._reach(s)
         c0, c1 = first * self.repeats, end * self.repeats  # mel frames wanted
-        w0 = max(0, (c0 // self.block - back) * self.block)  # block-aligned window
+        w0 = max(0, (c0 // self.block - back) * self.block)
         w1 = min(total_mel, (-(-c1 // self.block) + ahead) * self.block)
         if s.input_done and not self.noise_streams:
             w0, w1 = 0, total_mel
         noise = self._noise(s, total_mel if s.input_done else w1)[w0:w1]
         codes = torch.tensor(s.codes[w0 // self.repeats : -(-w1 // self.repeats)], device=self.device).view(1, -1)
-        mel = self._sample(s.voice, codes, noise, w0)  # [1, mel_dim, w1 - w0]
-        reach = self.vocoder_reach
-        v0, v1 = max(w0, c0 - reach), min(w1, c1 + reach)
-        wav = self.vocoder(mel[:, :, v0 - w0 : v1 - w0]).reshape(-1).float().cpu()
-        a = (c0 - v0) * self.samples_per_mel
-        return wav[a : a + (c1 - c0) * self.samples_per_mel]
+        return _Window(s, c0, c1, w0, w1, noise, codes)
 
-    def _sample(self, voice: Voice, codes: torch.Tensor, noise: torch.Tensor, start: int) -> torch.Tensor:
-        """`Qwen2_5OmniToken2WavDiTModel.sample` over mel frames [start, start + n) of the
-        utterance: its noise given, its positions and blocks those of the full sequence."""
+    def _vocode(self, job: _Window, mel: torch.Tensor) -> torch.Tensor:
+        """BigVGAN over the wanted mel frames and `vocoder_reach` on each side (within the window)."""
+        v0, v1 = max(job.w0, job.c0 - self.vocoder_reach), min(job.w1, job.c1 + self.vocoder_reach)
+        wav = self.vocoder(mel[:, :, v0 - job.w0 : v1 - job.w0]).reshape(-1).float().cpu()
+        a = (job.c0 - v0) * self.samples_per_mel
+        return wav[a : a + (job.c1 - job.c0) * self.samples_per_mel]
+
+    def _sample(self, jobs: Sequence[_Window]) -> list[torch.Tensor]:
+        """`Qwen2_5OmniToken2WavDiTModel.sample` over each window (its noise given, its positions
+        and blocks those of the full sequence): `[1, mel_dim, n]` per window. Several windows run
+        as one batch padded to the longest; a padded row attends only to padding."""
         dit = self.dit
-        cond, ref = self._conditioning(voice)
-        n = noise.shape[0]
-        x0 = noise.to(self.device, ref.dtype).unsqueeze(0)
+        lengths = [j.w1 - j.w0 for j in jobs]
+        n, b = max(lengths), len(jobs)
+
+        def padded(t: torch.Tensor) -> torch.Tensor:  # [1, m, d] -> [1, n, d]
+            return torch.nn.functional.pad(t, (0, 0, 0, n - t.shape[1]))
+
+        x0 = torch.cat([padded(j.noise.to(self.device, torch.float32).unsqueeze(0)) for j in jobs])
         # What every pass shares (`forward` recomputes it each time; the values are the same):
-        # DiTInputEmbedding's inputs other than x, guided then unguided, with the voice's speaker
-        # encoding computed once; the rotary embedding of the full sequence's positions; its blocks.
-        offset = start % self.repeats  # a block-aligned window may start inside a code's repeats
-        code = dit.text_embed(codes, drop_code=False)[:, offset : offset + n]
-        code_null = dit.text_embed(codes, drop_code=True)[:, offset : offset + n]
-        speaker = cond.unsqueeze(1).repeat(1, n, 1)
-        fixed = (self._voice_encoding(voice).unsqueeze(1).repeat(1, n, 1), torch.cat([code, code_null]),
-                 torch.cat([speaker, torch.zeros_like(speaker)]))  # fmt: skip
-        positions = torch.arange(start, start + n, device=self.device)[None, :].repeat(2, 1)
-        rope = dit.rotary_embed(x0, positions)
-        blocks = torch.arange(start, start + n, device=self.device) // dit.block_size
-        diff = (blocks.unsqueeze(0) - blocks.unsqueeze(1)).expand(2, dit.num_attention_heads, n, n)
+        # DiTInputEmbedding's inputs other than x, guided rows then unguided ones, with each voice's
+        # speaker encoding computed once; the rotary embedding of the sequence's positions; blocks.
+        enc, code, code_null, speaker, positions, blocks = [], [], [], [], [], []
+        for j, m in zip(jobs, lengths, strict=True):
+            cond, _ = self._conditioning(j.stream.voice)
+            offset = j.w0 % self.repeats  # a block-aligned window may start inside a code's repeats
+            code.append(padded(dit.text_embed(j.codes, drop_code=False)[:, offset : offset + m]))
+            code_null.append(padded(dit.text_embed(j.codes, drop_code=True)[:, offset : offset + m]))
+            speaker.append(padded(cond.unsqueeze(1).repeat(1, m, 1)))
+            enc.append(self._voice_encoding(j.stream.voice))
+            index = torch.arange(j.w0, j.w0 + n, device=self.device)
+            positions.append(index)
+            blocks.append(index // dit.block_size)
+        guided_enc, null_enc = torch.stack([e[0] for e in enc]), torch.stack([e[1] for e in enc])
+        speakers = torch.cat(speaker)
+        fixed = (torch.cat([guided_enc, null_enc]).unsqueeze(1).repeat(1, n, 1), torch.cat(code + code_null),
+                 torch.cat([speakers, torch.zeros_like(speakers)]))  # fmt: skip
+        rope = dit.rotary_embed(x0, torch.stack(positions).repeat(2, 1))
+        diff = torch.stack([bl.unsqueeze(0) - bl.unsqueeze(1) for bl in blocks])  # [b, n, n]
+        if b > 1:
+            valid = torch.arange(n, device=self.device)[None, :] < torch.tensor(lengths, device=self.device)[:, None]
+            far = torch.full_like(diff, 1 << 30)  # outside every layer's look-back and look-ahead
+            # a valid row never sees a padded one; a padded row sees only padded rows
+            diff = torch.where(valid[:, None, :] == valid[:, :, None], diff, far)
+        diff = diff.repeat(2, 1, 1).unsqueeze(1).expand(2 * b, dit.num_attention_heads, n, n)
 
         def ode(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             # Qwen2_5OmniToken2WavDiTModel.forward with guidance (apply_cfg)
-            time = dit.time_embed(t.repeat(2) if t.ndim == 0 else t)
+            time = dit.time_embed(t.repeat(2 * b) if t.ndim == 0 else t)
             h = dit.input_embed.proj(torch.cat((torch.cat([x, x]), *fixed), dim=-1))
             for layer in dit.transformer_blocks:
                 h = layer(h, time, position_embeddings=rope, block_diff=diff)
             guided, null = torch.chunk(dit.proj_out(dit.norm_out(h, time)), 2, dim=0)
             return guided + (guided - null) * GUIDANCE_SCALE
 
-        t = torch.linspace(0, 1, NUM_STEPS, device=self.device, dtype=speaker.dtype)
+        t = torch.linspace(0, 1, NUM_STEPS, device=self.device, dtype=torch.float32)
         t += SWAY * (torch.cos(torch.pi / 2 * t) - 1 + t)
         x1 = RungeKutta4ODESolver(function=ode, initial_value=x0).integrate(t)[-1]
-        return x1.permute(0, 2, 1)
+        return [x1[i : i + 1, :m].permute(0, 2, 1) for i, m in enumerate(lengths)]
 
     def _voice_encoding(self, voice: Voice) -> torch.Tensor:
         """The DiT's speaker encoder over (the voice's reference mel, zeros for the unguided

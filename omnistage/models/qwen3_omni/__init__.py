@@ -93,8 +93,10 @@ class Qwen3Omni(Family):
         rows = read_tensor_rows(ckpt, THINKER_EMBED_KEYS, prompt.tts_special_ids(ckpt.spec))
         return Talker(model, ckpt.spec, prompt.tts_special_embeds(model, rows), self.row_modules(), batching)
 
-    def code2wav(self, ckpt: Checkpoint, dtype: str, device: str) -> Any:
+    def code2wav(self, ckpt: Checkpoint, dtype: str, device: str, batching: str = "exact") -> Any:
         from omnistage.models.qwen3_omni.code2wav import Code2Wav
+
+        del batching  # its incremental decoder batches requests and stays exact (code2wav_streaming.py)
 
         return Code2Wav(load_part(ckpt, "code2wav", dtype, device), ckpt.spec)
 
