@@ -60,6 +60,16 @@ def test_stack_matches_generate(q25_stack: Stack, q25_checkpoints: Any) -> None:
         assert torch.equal(codes, ref_codes)
 
 
+def test_full_payload_gives_the_same_output(q25_stack: Stack) -> None:
+    """Every stage waiting for its whole input (one token2wav window) gives async_chunk's reply."""
+    options = {"thinker_max_tokens": 40, "talker_max_tokens": 120, "sampling": SAMPLING, "timeout": 120}
+    streamed = run(generate(q25_stack.gateway_address, "hi", **options))
+    whole = run(generate(q25_stack.gateway_address, "hi", mode="full_payload", **options))
+    assert whole.token_ids == streamed.token_ids
+    assert whole.pcm.shape == streamed.pcm.shape and whole.pcm.size > 0
+    assert float(np.abs(whole.pcm - streamed.pcm).max()) <= STREAM_ATOL
+
+
 def test_concurrent_requests_match_their_solo_runs(q25_stack: Stack, q25_checkpoints: Any) -> None:
     """Six requests at once share the thinker's and the talker's forward steps and give what each
     gives alone."""
@@ -134,7 +144,8 @@ def test_openai_http_door_speaks_with_the_checkpoint_voices(q25_stack: Stack) ->
     models = httpx.get(f"http://{q25_stack.http_address}/v1/models", timeout=30).json()["data"]
     assert models[0]["voices"] == ["Chelsie", "Ethan"] and models[0]["default_voice"] == "Chelsie"
     body = {"messages": [{"role": "user", "content": "What is the weather like?"}], "temperature": 0,
-            "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"}, "max_tokens": 40}  # fmt: skip
+            "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"},
+            "max_tokens": 40}  # fmt: skip
     reply = httpx.post(f"http://{q25_stack.http_address}/v1/chat/completions", json=body, timeout=120)
     assert reply.status_code == 200, reply.text
     message = reply.json()["choices"][0]["message"]
