@@ -529,8 +529,9 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
         "phase_seconds": run.phase_seconds,
         "total_seconds": time.perf_counter() - run.t0,
     }
-    from benchmarks.report import format_report, markdown_summary, plot
+    from benchmarks.report import format_report, markdown_summary, plot, saturation
 
+    result["saturation"] = saturation(result)
     if not opts.quiet:
         print(format_report(result))
     if opts.json_out is not None:

@@ -68,6 +68,60 @@ def format_stages(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# A level past which requests/s grows by less than this (relative) is where the pipeline saturates.
+SATURATION_GAIN = 0.05
+
+
+def _sweep(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The streamed closed-loop levels of the system under test, by concurrency."""
+    sweep = [c for c in result["configurations"] if c["role"] == "sut" and c["load"].get("type") == "concurrency"
+             and c["mode"] != "full_payload"]  # fmt: skip
+    return sorted(sweep, key=lambda c: c["load"]["value"])
+
+
+def saturation(result: dict[str, Any]) -> dict[str, Any] | None:
+    """Where throughput stops growing: the first concurrency level that no later level beats by
+    more than SATURATION_GAIN in requests/s (None: under two levels), what it reaches against the
+    slowest stage alone, and the per-level throughput and p99 TTFA it was read from."""
+    sweep = [c for c in _sweep(result) if c["summary"]["requests_per_s"]]
+    if len(sweep) < 2:
+        return None
+    rates = [c["summary"]["requests_per_s"] for c in sweep]
+    at = next(i for i, r in enumerate(rates) if all(later <= r * (1 + SATURATION_GAIN) for later in rates[i + 1 :]))
+    st = result.get("stage_baseline") or {}
+    limit = st.get("bottleneck_requests_per_s")
+    return {
+        "levels": [
+            {"concurrency": c["load"]["value"], "requests_per_s": c["summary"]["requests_per_s"],
+             "ttfa_p99_s": c["summary"]["ttfa_s"]["p99"]}
+            for c in sweep
+        ],
+        "saturated": at < len(sweep) - 1,  # else it still grew at the last level
+        "concurrency": sweep[at]["load"]["value"],
+        "requests_per_s": rates[at],
+        "bottleneck": st.get("bottleneck"),
+        "of_bottleneck_alone": rates[at] / limit if limit else None,
+    }
+
+
+def format_saturation(result: dict[str, Any]) -> str:
+    sat = saturation(result)
+    if sat is None:
+        return "saturation: needs two or more concurrency levels"
+
+    def level(lv: dict[str, Any]) -> str:
+        p99 = "-" if lv["ttfa_p99_s"] is None else f"{lv['ttfa_p99_s']:.2f} s"
+        return f"c={lv['concurrency']} {lv['requests_per_s']:.2f} req/s (TTFA p99 {p99})"
+
+    levels = ", ".join(level(lv) for lv in sat["levels"])
+    where = (f"saturates at c={sat['concurrency']}" if sat["saturated"]
+             else f"still growing at c={sat['concurrency']} (the last level)")  # fmt: skip
+    limit = ""
+    if sat["of_bottleneck_alone"] is not None:
+        limit = f", {sat['of_bottleneck_alone']:.2f} of the slowest stage alone ({sat['bottleneck']})"
+    return f"throughput by level: {levels}\n  {where}: {sat['requests_per_s']:.2f} req/s{limit}"
+
+
 def format_ratios(result: dict[str, Any]) -> str:
     lines = ["ratios (same run):"]
     for key, value in result["ratios"].items():
@@ -78,7 +132,8 @@ def format_ratios(result: dict[str, Any]) -> str:
 
 
 def format_report(result: dict[str, Any]) -> str:
-    parts = [format_table(result), "", format_stages(result), "", format_ratios(result)]
+    parts = [format_table(result), "", format_stages(result), "", format_saturation(result), "",
+             format_ratios(result)]  # fmt: skip
     cons = result.get("consistency") or {}
     if cons.get("mismatches"):
         parts += ["", f"WARNING: outputs differ between configurations: {cons['mismatches'][:5]}"]
@@ -175,9 +230,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     ax = axes.flat[3]
-    sweep = [c for c in result["configurations"] if c["role"] == "sut" and c["load"].get("type") == "concurrency"
-             and c["mode"] != "full_payload"]
-    sweep.sort(key=lambda c: c["load"]["value"])
+    sweep = _sweep(result)
     ax2 = ax.twinx()
     if sweep:
         xs = [c["load"]["value"] for c in sweep]
@@ -191,6 +244,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     if st and st.get("bottleneck_requests_per_s"):
         ax.axhline(st["bottleneck_requests_per_s"], color="red", ls=":",
                    label=f"bottleneck stage alone ({st['bottleneck']}) req/s")
+    sat = saturation(result)
+    if sat is not None and sat["saturated"]:
+        ax.axvline(sat["concurrency"], color="C2", ls="--",
+                   label=f"saturates: c={sat['concurrency']}, {sat['requests_per_s']:.2f} req/s")  # fmt: skip
     for axis in (ax, ax2):
         tops = [y for line in axis.get_lines() for y in line.get_ydata()]
         axis.set_ylim(0, 1.15 * max(tops) if tops and max(tops) > 0 else 1.0)
