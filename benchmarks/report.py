@@ -68,8 +68,10 @@ def format_stages(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# A level past which requests/s grows by less than this (relative) is where the pipeline saturates.
-SATURATION_GAIN = 0.05
+# The pipeline saturates at the first level that reaches this share of the best level's
+# requests/s (a share, not "no later gain": on a shared machine levels past the knee scatter by
+# several per cent either way).
+SATURATION_SHARE = 0.9
 
 
 def _sweep(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -80,14 +82,14 @@ def _sweep(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def saturation(result: dict[str, Any]) -> dict[str, Any] | None:
-    """Where throughput stops growing: the first concurrency level that no later level beats by
-    more than SATURATION_GAIN in requests/s (None: under two levels), what it reaches against the
-    slowest stage alone, and the per-level throughput and p99 TTFA it was read from."""
+    """Where throughput stops growing: the first concurrency level at SATURATION_SHARE of the best
+    level's requests/s (None: under two levels; not `saturated` when that is the last level), what
+    it reaches against the slowest stage alone, and the per-level throughput and p99 TTFA."""
     sweep = [c for c in _sweep(result) if c["summary"]["requests_per_s"]]
     if len(sweep) < 2:
         return None
     rates = [c["summary"]["requests_per_s"] for c in sweep]
-    at = next(i for i, r in enumerate(rates) if all(later <= r * (1 + SATURATION_GAIN) for later in rates[i + 1 :]))
+    at = next(i for i, r in enumerate(rates) if r >= SATURATION_SHARE * max(rates))
     st = result.get("stage_baseline") or {}
     limit = st.get("bottleneck_requests_per_s")
     return {
