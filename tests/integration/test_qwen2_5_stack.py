@@ -150,3 +150,32 @@ def test_openai_http_door_speaks_with_the_checkpoint_voices(q25_stack: Stack) ->
     assert reply.status_code == 200, reply.text
     message = reply.json()["choices"][0]["message"]
     assert message["content"] and len(base64.b64decode(message["audio"]["data"])) > 0
+
+
+@pytest.mark.parametrize("case", ["prompt-without-hidden", "token-without-hidden", "unknown-voice"])
+def test_malformed_talker_input_is_invalid_argument(q25_stack: Stack, q25_checkpoints: Any, case: str) -> None:
+    """This family's talker reads the thinker's hidden states: a thinker chunk without them, or a
+    voice the checkpoint lacks, ends the call INVALID_ARGUMENT naming why; the stack continues."""
+    from omnistage.wire.tensor_blob import encode_chunk
+
+    pipeline, _ = q25_checkpoints("published")
+    ids = torch.tensor(pipeline.prompt_ids("hi"))
+    width = pipeline.spec.thinker_hidden
+    rows = torch.zeros(len(ids), width)
+    with_hidden = encode_chunk({"prompt_ids": ids, "prompt_embed": rows, "prompt_hidden": rows}, offset=0)
+    token = encode_chunk({"ids": torch.tensor([5]), "embed": torch.zeros(1, width)}, offset=0, meta={"n": 1})
+    chunks = {
+        "prompt-without-hidden": [encode_chunk({"prompt_ids": ids, "prompt_embed": rows}, offset=0)],
+        "token-without-hidden": [with_hidden, token],
+        "unknown-voice": [with_hidden],
+    }[case]
+    voice = "nobody" if case == "unknown-voice" else ""
+    start = stage_pb2.Start(request_id=f"bad-{case}", want_audio=True, speaker=voice)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(stage_call(q25_stack.addresses("talker")[0], start, chunks, timeout=20, hold_open=3))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    needle = {"prompt-without-hidden": "hidden states", "token-without-hidden": "hidden",
+              "unknown-voice": "unknown speaker 'nobody'"}[case]  # fmt: skip
+    assert needle in err.value.details() and "talker" in err.value.details()
+    reply = run(generate(q25_stack.gateway_address, "hi", thinker_max_tokens=4, talker_max_tokens=4, timeout=60))
+    assert reply.token_ids
