@@ -14,16 +14,14 @@ some prompts stop on EOS within a few dozen steps and others hit the token limit
 
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from omnistage.models.tiny_tokenizer import tokenizer_json
+from omnistage.models import tiny_files
 
 SEED = 20261123
 THINKER_EOS_ROW_SCALE = 1.6
@@ -94,33 +92,14 @@ def thinker_eos_id(shape: TinyShape = DEFAULT) -> int:
     return shape.special_id("<|im_end|>")
 
 
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'text' %}{{- part['text'] }}"
-    "{%- elif part['type'] == 'audio' %}{{- '<|audio_bos|><|AUDIO|><|audio_eos|>' }}"
-    "{%- elif part['type'] == 'image' %}{{- '<|vision_bos|><|IMAGE|><|vision_eos|>' }}"
-    "{%- elif part['type'] == 'video' %}{{- '<|vision_bos|><|VIDEO|><|vision_eos|>' }}"
-    "{%- endif %}{%- endfor %}{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-AUDIO_PREPROCESSOR = {
-    "feature_extractor_type": "WhisperFeatureExtractor",
-    "feature_size": 128,
-    "sampling_rate": 16000,
-    "hop_length": 160,
-    "n_fft": 400,
-    "chunk_length": 300,
-    "n_samples": 4800000,
-    "nb_max_frames": 30000,
-    "padding_side": "right",
-    "padding_value": 0.0,
-    "return_attention_mask": True,
-    "dither": 0.0,
+NAMED_TOKENS = {
+    "image_token": "<|IMAGE|>",
+    "audio_token": "<|AUDIO|>",
+    "video_token": "<|VIDEO|>",
+    "vision_bos_token": "<|vision_bos|>",
+    "vision_eos_token": "<|vision_eos|>",
+    "audio_bos_token": "<|audio_bos|>",
+    "audio_eos_token": "<|audio_eos|>",
 }
 VISION_PREPROCESSOR = {
     "patch_size": 14,
@@ -304,36 +283,9 @@ def speaker_dict(shape: TinyShape, config: Any) -> dict[str, dict[str, Any]]:
 
 
 def processor_files(shape: TinyShape = DEFAULT) -> dict[str, str]:
-    tokenizer_config = {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "model_max_length": 2048,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "bos_token": None,
-        "add_prefix_space": False,
-        "chat_template": CHAT_TEMPLATE,
-        "extra_special_tokens": {
-            "image_token": "<|IMAGE|>",
-            "audio_token": "<|AUDIO|>",
-            "video_token": "<|VIDEO|>",
-            "vision_bos_token": "<|vision_bos|>",
-            "vision_eos_token": "<|vision_eos|>",
-            "audio_bos_token": "<|audio_bos|>",
-            "audio_eos_token": "<|audio_eos|>",
-        },
-    }
-    preprocessor = {**AUDIO_PREPROCESSOR, "image_processor_type": "Qwen2VLImageProcessor", **VISION_PREPROCESSOR,
-                    "processor_class": "Qwen2_5OmniProcessor"}  # fmt: skip
-    video = {"video_processor_type": "Qwen2VLVideoProcessor", **VISION_PREPROCESSOR,
-             "processor_class": "Qwen2_5OmniProcessor"}  # fmt: skip
-    text = tokenizer_json(shape.thinker_vocab, shape.first_special_id, SPECIAL_TOKENS, ROLE_WORDS)
-    return {
-        "tokenizer.json": text + "\n",
-        "tokenizer_config.json": json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n",
-        "preprocessor_config.json": json.dumps(preprocessor, indent=2, sort_keys=True) + "\n",
-        "video_preprocessor_config.json": json.dumps(video, indent=2, sort_keys=True) + "\n",
-    }
+    return tiny_files.processor_files(vocab_size=shape.thinker_vocab, first_special_id=shape.first_special_id,
+                                      special_tokens=SPECIAL_TOKENS, role_words=ROLE_WORDS, named_tokens=NAMED_TOKENS,
+                                      vision=VISION_PREPROCESSOR, processor_class="Qwen2_5OmniProcessor")  # fmt: skip
 
 
 def write_tiny_checkpoint(out_dir: Path | str, *, shape: TinyShape = DEFAULT, layout: str = "published",
@@ -347,31 +299,15 @@ def write_tiny_checkpoint(out_dir: Path | str, *, shape: TinyShape = DEFAULT, la
     out.mkdir(parents=True, exist_ok=True)
     model = build_tiny_model(shape).to(torch_dtype)
     model.save_pretrained(out, max_shard_size=shard_bytes)
-    config_dict = model.config.to_dict()
-    config_dict.pop("transformers_version", None)
-    config_dict["dtype"] = dtype
-    (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     generation = {
         "do_sample": False,
         "eos_token_id": thinker_eos_id(shape),
         "pad_token_id": shape.special_id("<|endoftext|>"),
     }
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+    tiny_files.write_configs(out, model, dtype, generation)
     buf = io.BytesIO()
     torch.save(speaker_dict(shape, model.config), buf)
     (out / "spk_dict.pt").write_bytes(buf.getvalue())
     for name, text in processor_files(shape).items():
         (out / name).write_text(text)
-    weights = sorted(out.glob("*.safetensors"))
-    digest = hashlib.sha256()
-    for f in weights:
-        digest.update(f.read_bytes())
-    return {
-        "dir": str(out),
-        "layout": "published",
-        "dtype": dtype,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "weight_files": [f.name for f in weights],
-        "safetensors_bytes": sum(f.stat().st_size for f in weights),
-        "safetensors_sha256": digest.hexdigest(),
-    }
+    return tiny_files.summary(out, model, layout, dtype)

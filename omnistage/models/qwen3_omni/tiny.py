@@ -18,15 +18,13 @@ prompts stop on EOS while others hit the token limit).
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from omnistage.models.tiny_tokenizer import tokenizer_json
+from omnistage.models import tiny_files
 
 SEED = 20261121
 # Bias scales for the stop rows (see module docstring).
@@ -97,39 +95,17 @@ def thinker_eos_id(shape: TinyShape = DEFAULT) -> int:
     return shape.special_id("<|im_end|>")
 
 
-# Qwen3-Omni's chat format: a message's content is a string or a list of parts; audio, image and
-# video parts become one placeholder wrapped in their start/end tokens, which the processor
-# expands to one placeholder per encoder output row.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'text' %}{{- part['text'] }}"
-    "{%- elif part['type'] == 'audio' %}{{- '<|audio_start|><|audio_pad|><|audio_end|>' }}"
-    "{%- elif part['type'] == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{%- elif part['type'] == 'video' %}{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
-    "{%- endif %}{%- endfor %}{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-# The processor's configs: Whisper-style log-mel features at 16 kHz, and Qwen2-VL-style patches
-# (16-pixel patches, 2x2 merged, 2 frames per temporal patch) over small images.
-AUDIO_PREPROCESSOR = {
-    "feature_extractor_type": "WhisperFeatureExtractor",
-    "feature_size": 128,
-    "sampling_rate": 16000,
-    "hop_length": 160,
-    "n_fft": 400,
-    "chunk_length": 300,
-    "n_samples": 4800000,
-    "nb_max_frames": 30000,
-    "padding_side": "right",
-    "padding_value": 0.0,
-    "return_attention_mask": True,
-    "dither": 0.0,
+# The tokenizer's named tokens: the processor's placeholders and their start/end tokens.
+NAMED_TOKENS = {
+    "image_token": "<|image_pad|>",
+    "audio_token": "<|audio_pad|>",
+    "video_token": "<|video_pad|>",
+    "vision_bos_token": "<|vision_start|>",
+    "vision_eos_token": "<|vision_end|>",
+    "audio_bos_token": "<|audio_start|>",
+    "audio_eos_token": "<|audio_end|>",
 }
+# Qwen2-VL-style patches (16-pixel patches, 2x2 merged, 2 frames per temporal patch) over small images.
 VISION_PREPROCESSOR = {
     "patch_size": 16,
     "temporal_patch_size": 2,
@@ -313,41 +289,11 @@ def build_tiny_model(shape: TinyShape = DEFAULT, overrides: dict[str, Any] | Non
 
 
 def processor_files(shape: TinyShape = DEFAULT) -> dict[str, str]:
-    """The tokenizer and processor files: tokenizer.json and tokenizer_config.json for the tiny
-    byte-level tokenizer (the 256 byte tokens, merges learnt from the corpus, the special tokens
-    and role words from `shape.first_special_id` on, reserved fillers up to the vocabulary size),
-    and the feature extractor's, image and video processors' configs."""
-    tokenizer_text = tokenizer_json(shape.thinker_vocab, shape.first_special_id, SPECIAL_TOKENS, ROLE_WORDS)
-    tokenizer_config = {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "model_max_length": 2048,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "bos_token": None,
-        "add_prefix_space": False,
-        "chat_template": CHAT_TEMPLATE,
-        # named, so the processor finds its placeholders (tokenizer.image_token, ...)
-        "extra_special_tokens": {
-            "image_token": "<|image_pad|>",
-            "audio_token": "<|audio_pad|>",
-            "video_token": "<|video_pad|>",
-            "vision_bos_token": "<|vision_start|>",
-            "vision_eos_token": "<|vision_end|>",
-            "audio_bos_token": "<|audio_start|>",
-            "audio_eos_token": "<|audio_end|>",
-        },
-    }
-    preprocessor = {**AUDIO_PREPROCESSOR, "image_processor_type": "Qwen2VLImageProcessor", **VISION_PREPROCESSOR,
-                    "processor_class": "Qwen3OmniMoeProcessor"}  # fmt: skip
-    video = {"video_processor_type": "Qwen2VLVideoProcessor", **VISION_PREPROCESSOR,
-             "processor_class": "Qwen3OmniMoeProcessor"}  # fmt: skip
-    return {
-        "tokenizer.json": tokenizer_text + "\n",
-        "tokenizer_config.json": json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n",
-        "preprocessor_config.json": json.dumps(preprocessor, indent=2, sort_keys=True) + "\n",
-        "video_preprocessor_config.json": json.dumps(video, indent=2, sort_keys=True) + "\n",
-    }
+    """The tokenizer (special tokens and role words from `shape.first_special_id` on) and the
+    processor's configs."""
+    return tiny_files.processor_files(vocab_size=shape.thinker_vocab, first_special_id=shape.first_special_id,
+                                      special_tokens=SPECIAL_TOKENS, role_words=ROLE_WORDS, named_tokens=NAMED_TOKENS,
+                                      vision=VISION_PREPROCESSOR, processor_class="Qwen3OmniMoeProcessor")  # fmt: skip
 
 
 LAYOUTS = ("published", "fused")
@@ -383,29 +329,12 @@ def write_tiny_checkpoint(
     else:
         state = {k: v.detach().contiguous().clone() for k, v in sorted(model.state_dict().items())}
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    # Our own config and generation config (save_pretrained's would carry its version string).
-    config_dict = model.config.to_dict()
-    config_dict.pop("transformers_version", None)
-    config_dict["dtype"] = dtype
-    (out / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
     generation = {
         "do_sample": False,
         "eos_token_id": thinker_eos_id(shape),
         "pad_token_id": shape.special_id("<|endoftext|>"),
     }
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+    tiny_files.write_configs(out, model, dtype, generation)
     for name, text in processor_files(shape).items():
         (out / name).write_text(text)
-    weights = sorted(out.glob("*.safetensors"))
-    digest = hashlib.sha256()
-    for f in weights:
-        digest.update(f.read_bytes())
-    return {
-        "dir": str(out),
-        "layout": layout,
-        "dtype": dtype,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "weight_files": [f.name for f in weights],
-        "safetensors_bytes": sum(f.stat().st_size for f in weights),
-        "safetensors_sha256": digest.hexdigest(),
-    }
+    return tiny_files.summary(out, model, layout, dtype)
