@@ -115,7 +115,7 @@ def _stream(t2w: Any, codes: torch.Tensor, mode: str, context: int, step: int = 
     out = []
     for i in range(0, codes.shape[1], step):
         s.pending.extend(codes[:, j].clone() for j in range(i, min(codes.shape[1], i + step)))
-        if s.due(step, False, t2w.ready_frames(s)):
+        if t2w.ready_frames(s) >= step:
             out += t2w.decode_pending([s])
     s.input_done = True
     out += t2w.decode_pending([s])

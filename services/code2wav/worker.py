@@ -50,8 +50,11 @@ class Code2WavWorker(StageWorker):
     def _due(self, req: Request) -> bool:
         stream = req.state
         stream.input_done = req.input_finished
+        if not stream.pending:
+            return False
         target = self.cfg.first_chunk_frames if stream.frames_in == 0 else self.cfg.chunk_frames
-        return stream.due(target, req.input_finished, self.code2wav.ready_frames(stream))
+        # the family's decoder says how many pending frames can be final now (a look-ahead holds some back)
+        return req.input_finished or self.code2wav.ready_frames(stream) >= target
 
     def ready(self, req: Request) -> bool:
         start: stage_pb2.Start = req.params

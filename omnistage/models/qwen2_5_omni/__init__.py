@@ -132,7 +132,7 @@ class Qwen25Omni(Family):
         # generate() always runs token2wav in float32 (it casts it back if loaded otherwise)
         del dtype
         model = load_part(ckpt, "code2wav", "float32", device)
-        return Token2Wav(model, ckpt.spec, load_voices(ckpt.path), batching)
+        return Token2Wav(model, ckpt.spec, ckpt.spec.voices, batching)  # voices read once, with the spec
 
     def thinker_defaults(self, ckpt: Checkpoint) -> SamplingParams:
         return generation_defaults(ckpt, stop_ids=(ckpt.spec.im_end_id,))
@@ -146,10 +146,9 @@ class Qwen25Omni(Family):
         return Reference(model_dir)
 
     def write_tiny(self, out_dir: Path, **options: Any) -> dict[str, Any]:
-        from omnistage.models.qwen2_5_omni.tiny import VARIANT, write_tiny_checkpoint
+        from omnistage.models.qwen2_5_omni.tiny import write_tiny_checkpoint
 
-        shape = VARIANT if options.pop("variant", False) else None
-        return write_tiny_checkpoint(out_dir, **({"shape": shape} if shape else {}), **options)
+        return write_tiny_checkpoint(out_dir, **options)
 
 
 FAMILY = Qwen25Omni()

@@ -52,10 +52,15 @@ class FamilySpec:
     text_pad_id: int
     codebook_size: int  # the DiT's code embeddings (codes 0..codebook_size-1)
     max_positions: int
-    speakers: dict[str, int] = field(default_factory=dict)  # name -> the voice's bos id
+    voices: dict[str, Voice] = field(default_factory=dict, repr=False, compare=False)  # spk_dict.pt
     num_code_groups: int = 1  # one codebook
     # Qwen2.5's talker reads the thinker's last hidden state of every position and token.
     talker_needs_hidden: bool = True
+
+    @property
+    def speakers(self) -> dict[str, int]:
+        """Voice name -> the thinker id its talker prompt starts the reply with."""
+        return {name: v.bos_token for name, v in self.voices.items()}
 
     @property
     def tts_pad_id(self) -> int:
@@ -108,7 +113,7 @@ class FamilySpec:
             text_pad_id=talker.tts_text_pad_token_id,
             codebook_size=dit.num_embeds,
             max_positions=text.max_position_embeddings,
-            speakers={name: int(v.bos_token) for name, v in (voices or {}).items()},
+            voices=dict(voices or {}),
         )
 
 

@@ -24,6 +24,7 @@ of the text. A thinker that gives a single token leaves nothing to speak ("no_te
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,9 +141,9 @@ class Talker:
             if embeds is not None:
                 rows.append((i, state, embeds))
         if rows:
-            for i, code in self._forward([(s, e) for _, s, e in rows]):
+            for (i, _, _), code in zip(rows, self._forward([(s, e) for _, s, e in rows]), strict=True):
                 if code is not None:
-                    frames[rows[i][0]] = torch.tensor([code], dtype=torch.long)
+                    frames[i] = torch.tensor([code], dtype=torch.long)
         return frames
 
     def _prompt_rows(self, state: TalkerState) -> torch.Tensor | None:
@@ -167,7 +168,7 @@ class Talker:
         code = torch.tensor([[state.code]], device=self.device)
         return self.codec_embedding(code) + element.view(1, 1, -1).to(self.model.dtype)
 
-    def _forward(self, items: list[tuple[TalkerState, torch.Tensor]]) -> list[tuple[int, int | None]]:
+    def _forward(self, items: list[tuple[TalkerState, torch.Tensor]]) -> list[int | None]:
         """One packed talker forward over `(state, embeds [1, n, H])`; each state's next code."""
         model = self.model
         lengths = [int(e.shape[1]) for _, e in items]
@@ -183,11 +184,8 @@ class Talker:
             out = model.model(inputs_embeds=inputs, position_ids=torch.cat(positions, dim=-1), past_key_values=cache,
                               use_cache=True)  # fmt: skip
             logits_all = model.codec_head(out.last_hidden_state)[0].float()  # every row, as generate() does
-        logits = [logits_all[end - 1] for end in _ends(lengths)]
-        results = []
-        for i, ((state, _), row) in enumerate(zip(items, logits, strict=True)):
-            results.append((i, self._choose(state, row)))
-        return results
+        ends = itertools.accumulate(lengths)
+        return [self._choose(state, logits_all[end - 1]) for (state, _), end in zip(items, ends, strict=True)]
 
     def _choose(self, state: TalkerState, logits: torch.Tensor) -> int | None:
         code = state.chooser.choose(logits, torch.tensor(state.history, dtype=torch.long))
@@ -209,10 +207,3 @@ class Talker:
         if state.stopped_on is None:
             state.stopped_on = "released"
 
-
-def _ends(lengths: Sequence[int]) -> list[int]:
-    out, end = [], 0
-    for n in lengths:
-        end += n
-        out.append(end)
-    return out

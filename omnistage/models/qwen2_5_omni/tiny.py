@@ -163,12 +163,11 @@ def tiny_config_dict(shape: TinyShape = DEFAULT) -> dict[str, Any]:
             "fullatt_block_indexes": [1],
         },
         "user_token_id": sid("user"),
-        **{k: v for k, v in tokens.items() if k not in ("vision_end_token_id",)},
-        "vision_start_token_id": tokens["vision_start_token_id"],
+        **{k: v for k, v in tokens.items() if k != "vision_end_token_id"},  # the thinker's config has none
     }
     talker_text = _text_config(shape.talker_vocab, shape.talker_hidden, 4096)
     talker = {
-        **{k: v for k, v in talker_text.items() if k != "num_attention_heads"},
+        **talker_text,
         "num_attention_heads": 2,
         "num_key_value_heads": 1,
         "head_dim": 16,

@@ -66,9 +66,6 @@ class Token2WavStream:
     input_done: bool = False  # set by the stage: no more frames will come
     closed: bool = False
 
-    def due(self, target: int, input_done: bool, ready: int) -> bool:
-        return bool(self.pending) and (input_done or ready >= target)
-
 
 @dataclass
 class _Window:

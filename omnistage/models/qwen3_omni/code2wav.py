@@ -37,10 +37,6 @@ class Code2WavStream:
     input_done: bool = False  # set by the stage: no more frames will come
     closed: bool = False
 
-    def due(self, target: int, input_done: bool, ready: int) -> bool:
-        """Decode now? `ready`: pending frames whose audio can be final (`Code2Wav.ready_frames`)."""
-        return bool(self.pending) and (input_done or ready >= target)
-
     @property
     def samples_out(self) -> int:
         """Samples emitted so far: the stream position of the next sample."""
