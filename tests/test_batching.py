@@ -217,3 +217,68 @@ def test_an_unknown_batching_mode_is_refused() -> None:
         PackedBatching(torch.nn.Linear(2, 2), mode="quick")
     with pytest.raises(ConfigError, match=r"talker\.batching"):
         parse_config({"talker": {"batching": "quick"}})
+
+
+@pytest.mark.parametrize("name", ["published", "variant"])
+def test_code_predictor_loop_is_the_forward_bitwise(checkpoints: Any, name: str) -> None:
+    """The talker's code-predictor loop (hoisted RoPE, slot cache, no mask) gives the logits
+    transformers' forward gives when called group by group as generate() calls it, alone and
+    for each row of a batch (exact mode)."""
+    from transformers import DynamicCache
+
+    pipe, _ = checkpoints(name)
+    talker = pipe.talker
+    cp = talker.model.code_predictor
+    groups = pipe.spec.num_code_groups
+    torch.manual_seed(5)
+    first = torch.randn(3, 2, talker.model.config.text_config.hidden_size)
+
+    def loop(rows: torch.Tensor) -> list[torch.Tensor]:
+        seen: list[torch.Tensor] = []
+
+        def choose(logits: torch.Tensor) -> list[int]:
+            seen.append(logits.clone())
+            return torch.argmax(logits, dim=-1).tolist()
+
+        talker.code_predictor.run(rows, choose)
+        return seen
+
+    def forward(row: torch.Tensor) -> list[torch.Tensor]:
+        cache = DynamicCache(config=cp.config)
+        out = cp(inputs_embeds=row, past_key_values=cache, use_cache=True)
+        seen = [out.logits[:, -1].clone()]
+        for j in range(1, groups - 1):
+            ids = torch.argmax(out.logits[:, -1], dim=-1).view(1, 1)
+            out = cp(input_ids=ids, past_key_values=cache, use_cache=True, generation_steps=j)
+            seen.append(out.logits[:, -1].clone())
+        return seen
+
+    together = loop(first)
+    assert len(together) == groups - 1
+    for b in range(3):
+        alone = loop(first[b : b + 1])
+        reference = forward(first[b : b + 1])
+        assert all(torch.equal(x, y) for x, y in zip(alone, reference, strict=True))
+        assert all(torch.equal(x[b : b + 1], y) for x, y in zip(together, alone, strict=True))
+
+
+def test_choose_batch_is_each_rows_own_choice() -> None:
+    """Greedy rows with a repetition penalty and suppressed ids chosen as one batch (histories of
+    different lengths, one empty) pick what each row's own `choose` picks; a sampled row too."""
+    from omnistage.models.sampling import TokenChooser, choose_batch
+
+    vocab = 40
+    torch.manual_seed(1)
+    logits = torch.randn(5, vocab)
+    top = torch.argmax(logits, dim=-1).tolist()
+    greedy = SamplingParams(repetition_penalty=4.0)
+    sampled = SamplingParams(do_sample=True, top_k=5, seed=11)
+    histories = [[top[0]], [], [top[2], 3, 3, 7], [top[3], 1], [2]]
+    params = [greedy, greedy, greedy, greedy, sampled]
+
+    def choosers() -> list[TokenChooser]:
+        return [TokenChooser(p, suppress_ids=[top[1]]) for p in params]
+
+    own = [c.choose(logits[i], torch.tensor(histories[i], dtype=torch.long)) for i, c in enumerate(choosers())]
+    assert choose_batch(choosers(), logits, histories) == own
+    assert own[0] != top[0] and own[1] != top[1]  # the penalty and the suppression both acted

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -65,6 +66,7 @@ class TokenChooser:
 
     def __init__(self, params: SamplingParams, suppress_ids: list[int] | None = None, device: str = "cpu") -> None:
         self.params = params
+        self.suppress_ids = tuple(suppress_ids or ())
         procs: list[Any] = []
         if params.repetition_penalty != 1.0:
             procs.append(RepetitionPenaltyLogitsProcessor(penalty=params.repetition_penalty))
@@ -102,3 +104,30 @@ class TokenChooser:
 
     def is_stop(self, token: int) -> bool:
         return token in self.params.stop_ids
+
+
+def choose_batch(
+    choosers: Sequence[TokenChooser], logits: torch.Tensor, histories: Sequence[Sequence[int]]
+) -> list[int]:
+    """Row i's choice, as `choosers[i].choose(logits[i], histories[i])` makes it. Greedy rows whose
+    processors are alike (same repetition penalty and suppressed ids) run through them as one
+    `[n, V]` batch: every processor and the argmax work row by row, so each row's numbers are its
+    own. Histories are padded with the id `V`, which the repetition penalty sets aside (ids past
+    the vocabulary land in a column it drops)."""
+    out: list[int | None] = [None] * len(choosers)
+    groups: dict[tuple[float, tuple[int, ...]], list[int]] = {}
+    for i, chooser in enumerate(choosers):
+        if chooser.params.do_sample:
+            out[i] = chooser.choose(logits[i], torch.tensor(list(histories[i]), dtype=torch.long))
+        else:
+            groups.setdefault((chooser.params.repetition_penalty, chooser.suppress_ids), []).append(i)
+    vocab = logits.shape[-1]
+    for rows in groups.values():
+        longest = max(len(histories[i]) for i in rows)
+        padded = [[*histories[i], *[vocab] * (longest - len(histories[i]))] for i in rows]
+        ids = torch.tensor(padded, dtype=torch.long).view(len(rows), longest)
+        index = torch.tensor(rows, device=logits.device)
+        scores = choosers[rows[0]].processors(ids.to(logits.device), logits.index_select(0, index).float())
+        for i, token in zip(rows, torch.argmax(scores, dim=-1).tolist(), strict=True):
+            out[i] = token
+    return out  # type: ignore[return-value]

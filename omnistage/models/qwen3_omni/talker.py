@@ -28,6 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from omnistage.models.batching import PackedBatching, PackedCache
+from omnistage.models.qwen3_omni.code_predictor import CodePredictorLoop
 from omnistage.models.qwen3_omni.multimodal import RopeInputs, talker_positions
 from omnistage.models.qwen3_omni.prompt import (
     ASSISTANT_HEADER_LEN,
@@ -37,7 +38,7 @@ from omnistage.models.qwen3_omni.prompt import (
     text_positions,
 )
 from omnistage.models.qwen3_omni.spec import FamilySpec
-from omnistage.models.sampling import CODE_PREDICTOR_SAMPLED, GREEDY, SamplingParams, TokenChooser
+from omnistage.models.sampling import CODE_PREDICTOR_SAMPLED, GREEDY, SamplingParams, TokenChooser, choose_batch
 
 __all__ = ["Talker", "TalkerState"]
 
@@ -108,10 +109,10 @@ class Talker:
         self.device = next(model.parameters()).device
         self.prompts = TalkerPromptBuilder(model, spec, tts_special_embeds.to(self.device, model.dtype))
         self.suppress = spec.talker_suppressed_ids()
-        self.code_predictor = model.code_predictor
         self.codec_embedding = model.get_input_embeddings()
-        self.residual_embeddings = self.code_predictor.get_input_embeddings()
+        self.residual_embeddings = model.code_predictor.get_input_embeddings()
         self.batching = PackedBatching(model, row_modules, batching)
+        self.code_predictor = CodePredictorLoop(model.code_predictor, self.batching, spec.num_code_groups)
 
     def set_prompt(self, state: TalkerState, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None,
                    rope: Mapping[str, torch.Tensor] | None = None) -> None:  # fmt: skip
@@ -156,14 +157,26 @@ class Talker:
                 state = items[i][0]
                 state.pending_frame = frames[i] = frame
                 state.frames += 1
-        rows = []
+        rows: list[tuple[TalkerState, torch.Tensor]] = []
+        advancing: list[tuple[TalkerState, torch.Tensor]] = []  # (state, its frame's trailing text)
         for state, text_done in items:
             if state.finished:
                 continue
-            embeds = self._prefill_rows(state, text_done) if not state.started else self._advance_rows(state, text_done)
-            if embeds is not None:
-                state.started = True
-                rows.append((state, embeds))
+            if not state.started:
+                embeds = self._prefill_rows(state, text_done)
+                if embeds is not None:
+                    state.started = True
+                    rows.append((state, embeds))
+            else:
+                trailing = self._trailing(state, text_done)
+                if trailing is not None:
+                    advancing.append((state, trailing))
+        if advancing:
+            sums = self._frame_sums([s.pending_frame for s, _ in advancing])  # type: ignore[misc]
+            for (state, trailing), frame_sum in zip(advancing, sums.split(1), strict=True):
+                rows.append((state, frame_sum + trailing.to(self.model.dtype)))
+                state.pending_frame = None
+                state.step += 1
         if rows:
             self._forward(rows)
         return frames
@@ -183,18 +196,15 @@ class Talker:
         prompt, _ = self.prompts.prefill_embeds(ids, embeds, hidden, stream, state.speaker)
         return prompt.to(self.model.dtype)
 
-    def _advance_rows(self, state: TalkerState, text_done: bool) -> torch.Tensor | None:
-        """The pending frame fed back with trailing text g+1, once that text (or the end) is known."""
+    def _trailing(self, state: TalkerState, text_done: bool) -> torch.Tensor | None:
+        """The trailing text `[1, 1, H]` fed with the pending frame at step g: thinker token g+1,
+        once it (or the end) is known."""
         element = state._element(ASSISTANT_HEADER_LEN + 1 + state.step)
         if element is None and not text_done:
             return None
         embed, is_last = element if element is not None else (None, False)
         assert state.pending_frame is not None
-        trailing = self.prompts.trailing_embed(embed, is_last)
-        rows = self.advance_embeds(state.pending_frame, trailing)
-        state.pending_frame = None
-        state.step += 1
-        return rows
+        return self.prompts.trailing_embed(embed, is_last)
 
     def _forward(self, items: list[tuple[TalkerState, torch.Tensor]]) -> None:
         """One packed talker forward over `(state, embeds [1, n, H])`: a talker prompt (n > 1)
@@ -224,14 +234,17 @@ class Talker:
                 generation_step=0,  # only echoed back by the talker's forward
             )
         last_layer = out.hidden_states[0][-1]
-        end = 0
-        for (state, _), n in zip(items, lengths, strict=True):
-            end += n
-            state.past_hidden = last_layer[:, end - 1 : end]
-            self._choose_code0(state, out.logits[0, end - 1])
+        ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
+        for (state, _), end in zip(items, ends.tolist(), strict=True):
+            state.past_hidden = last_layer[:, end : end + 1]
+        states = [state for state, _ in items]
+        code0s = choose_batch([s.chooser for s in states], out.logits[0].index_select(0, ends),
+                              [s.history for s in states])  # fmt: skip
+        for state, code0 in zip(states, code0s, strict=True):
+            self._take_code0(state, code0)
 
-    def _choose_code0(self, state: TalkerState, logits: torch.Tensor) -> None:
-        code0 = state.chooser.choose(logits, torch.tensor(state.history, dtype=torch.long))
+    @staticmethod
+    def _take_code0(state: TalkerState, code0: int) -> None:
         state.history.append(code0)
         state.code0 = None
         if state.chooser.is_stop(code0):
@@ -244,42 +257,31 @@ class Talker:
     def _residuals(self, states: list[TalkerState]) -> list[torch.Tensor]:
         """Complete each state's current frame: `[num_code_groups]` codes (code-0 then the
         residuals), the code predictor running all requests along its batch axis."""
-        cp = self.code_predictor
-        batch = len(states)
         code0 = torch.tensor([[s.code0] for s in states], device=self.device)
-        cache = DynamicCache(config=cp.config)
-        embeds = torch.cat((torch.cat([s.past_hidden for s in states]), self.codec_embedding(code0)), dim=1)  # type: ignore[misc]
-        codes = [code0.view(-1).tolist()]
-        with self.batching.step([2] * batch, batch_axis=True):
-            out = cp(inputs_embeds=embeds, past_key_values=cache, use_cache=True)
-        empty = torch.empty(0, dtype=torch.long)
-        groups = self.spec.num_code_groups
-        greedy = all(s.residual_chooser.plain_greedy for s in states)  # one argmax for the batch per group
-        for j in range(1, groups):
-            if greedy:
-                step = torch.argmax(out.logits[:, -1].float(), dim=-1).tolist()
-            else:
-                step = [s.residual_chooser.choose(out.logits[b, -1], empty) for b, s in enumerate(states)]
-            codes.append(step)
-            if j == groups - 1:
-                break
-            with self.batching.step([1] * batch, batch_axis=True):
-                out = cp(
-                    input_ids=torch.tensor(step, device=self.device).view(batch, 1),
-                    past_key_values=cache,
-                    use_cache=True,
-                    generation_steps=j,
-                )
-        return list(torch.tensor(codes, dtype=torch.long).t().unbind(0))
+        first = torch.cat((torch.cat([s.past_hidden for s in states]), self.codec_embedding(code0)), dim=1)  # type: ignore[misc]
+        choosers = [s.residual_chooser for s in states]
+        if all(c.plain_greedy for c in choosers):  # one argmax for the batch per group
 
-    def advance_embeds(self, frame: torch.Tensor, trailing: torch.Tensor) -> torch.Tensor:
-        """The completed frame plus the step's trailing text (`[1, 1, H]`), for the next forward."""
-        codes = frame.to(self.device)
-        parts = [self.codec_embedding(codes[:1].view(1, 1))]
+            def choose(logits: torch.Tensor) -> list[int]:
+                return torch.argmax(logits.float(), dim=-1).tolist()
+        else:
+            empty = torch.empty(0, dtype=torch.long)
+
+            def choose(logits: torch.Tensor) -> list[int]:
+                return [c.choose(logits[b], empty) for b, c in enumerate(choosers)]
+
+        residuals = self.code_predictor.run(first, choose)
+        return list(torch.tensor([code0.view(-1).tolist(), *residuals], dtype=torch.long).t().unbind(0))
+
+    def _frame_sums(self, frames: list[torch.Tensor]) -> torch.Tensor:
+        """Each completed frame's summed code embeddings, `[B, 1, H]`: one embedding lookup per
+        group for all frames, summed over the groups as generate() sums a frame (one
+        `[., G, H]` tensor reduced over G, the same float order for every row)."""
+        codes = torch.stack(frames).to(self.device)  # [B, G]
+        parts = [self.codec_embedding(codes[:, :1])]
         for j in range(1, self.spec.num_code_groups):
-            parts.append(self.residual_embeddings[j - 1](codes[j : j + 1].view(1, 1)))
-        # Summed as generate() does: one [1, G, H] tensor reduced over G (same float order).
-        return torch.cat(parts, dim=1).sum(1, keepdim=True) + trailing.to(self.model.dtype)
+            parts.append(self.residual_embeddings[j - 1](codes[:, j : j + 1]))
+        return torch.cat(parts, dim=1).sum(1, keepdim=True)
 
     def release(self, state: TalkerState) -> None:
         state.cache = None

@@ -1,0 +1,128 @@
+"""Qwen3-Omni's code predictor, run for a batch of frames with its per-step work hoisted out of
+the loop.
+
+`generate()` calls the code predictor's `forward` once per residual group: each call builds a
+causal mask, recomputes RoPE for its positions, grows a `DynamicCache` by concatenation and
+passes through transformers' output-capturing wrappers. At the tiny widths of the talker's
+per-frame loop that overhead, not the matrix products, is most of the time (profiled: the
+wrappers, mask and RoPE were a quarter of the loop at batch 16). This loop runs the same
+modules (the decoder layers, the final norm, the per-group heads and embeddings) in the same
+order on the same inputs, so its numbers are the forward's bitwise:
+
+* RoPE's cos/sin of every step are computed once, with the shapes each step's own call has
+  (positions `[[0, 1]]`, then `[[2]]`, `[[3]]`, ...), and reused for every frame;
+* the keys and values go into preallocated slots (`SlotCache`), one buffer per layer reused
+  from frame to frame; attention reads a view of the filled slots instead of a concatenation;
+* no mask is built: the packed attention kernels (models/batching.py) take none on the batch
+  axis, where a two-row prefill is causal and a one-row step sees every slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from omnistage.models.batching import PackedBatching
+
+__all__ = ["CodePredictorLoop", "SlotCache"]
+
+
+class SlotCache:
+    """`past_key_values` for a fixed number of positions: each layer's keys and values live in a
+    preallocated `[B, heads, positions, dim]` buffer, written in place; `update` returns a view
+    of the filled positions. Buffers grow to the largest batch seen and are then reused."""
+
+    is_compileable = False
+
+    def __init__(self, positions: int) -> None:
+        self.positions = positions
+        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.batch = 0
+        self.filled = 0
+
+    def reset(self, batch: int) -> None:
+        self.batch = batch
+        self.filled = 0
+
+    def advance(self, rows: int) -> None:
+        """After every layer wrote `rows` positions of this step."""
+        self.filled += rows
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        b, heads, n, dim = key_states.shape
+        kv = self.buffers.get(layer_idx)
+        if kv is None or kv[0].shape[0] < b or kv[0].shape[1:] != (heads, self.positions, dim) \
+                or kv[0].dtype != key_states.dtype or kv[0].device != key_states.device:  # fmt: skip
+            shape = (max(b, kv[0].shape[0] if kv is not None else 0), heads, self.positions, dim)
+            kv = (key_states.new_empty(shape), value_states.new_empty(shape))
+            self.buffers[layer_idx] = kv
+        end = self.filled + n
+        if end > self.positions:
+            raise RuntimeError(f"code predictor: {end} positions, the slot cache holds {self.positions}")
+        k, v = kv[0][:b], kv[1][:b]
+        k[:, :, self.filled : end] = key_states
+        v[:, :, self.filled : end] = value_states
+        return k[:, :, :end], v[:, :, :end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.filled
+
+
+class CodePredictorLoop:
+    """The residual codes of a batch of frames: the two-row prefill (the talker's last hidden
+    state and embed(code-0)), then one row per group, with requests along the batch axis."""
+
+    def __init__(self, code_predictor: nn.Module, batching: PackedBatching, num_code_groups: int) -> None:
+        model = code_predictor.model  # type: ignore[union-attr]
+        self.groups = num_code_groups
+        self.layers = list(model.layers[: model.config.num_hidden_layers])
+        self.norm = model.norm
+        self.rotary = model.rotary_emb
+        self.embeddings = model.get_input_embeddings()  # group j's input embedding is [j - 1]
+        self.heads = code_predictor.lm_head  # group j's head is [j - 1]
+        self.batching = batching
+        # Positions 0..groups-1: the prefill's two, then one per later group.
+        self.cache = SlotCache(num_code_groups)
+        self._rope: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def _step_rope(self, like: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each step's (cos, sin), as the forward computes them for that step's positions."""
+        rope = self._rope
+        if rope is None or rope[0][0].dtype != like.dtype or rope[0][0].device != like.device:
+            device = like.device
+            spans = [torch.arange(0, 2, device=device)] + [torch.arange(p, p + 1, device=device)
+                                                            for p in range(2, self.groups)]  # fmt: skip
+            rope = self._rope = [self.rotary(like, span.unsqueeze(0)) for span in spans]
+        return rope
+
+    def _forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], group: int) -> torch.Tensor:
+        batch, rows = hidden.shape[:2]
+        with self.batching.step([rows] * batch, batch_axis=True):
+            for layer in self.layers:
+                hidden = layer(hidden, attention_mask=None, past_key_values=self.cache, use_cache=True,
+                               position_embeddings=rope)  # fmt: skip
+            self.cache.advance(rows)
+            return self.heads[group - 1](self.norm(hidden))
+
+    @torch.no_grad()
+    def run(self, first: torch.Tensor, choose: Callable[[torch.Tensor], list[int]]) -> list[list[int]]:
+        """`first`: `[B, 2, H]`; `choose(logits [B, V]) -> B ids` picks group j's codes.
+        Returns the codes of groups 1..groups-1, one list of B per group."""
+        batch = first.shape[0]
+        rope = self._step_rope(first)
+        self.cache.reset(batch)
+        logits = self._forward(first, rope[0], 1)
+        codes = []
+        for group in range(1, self.groups):
+            step = choose(logits[:, -1])
+            codes.append(step)
+            if group == self.groups - 1:
+                break
+            ids = torch.tensor(step, device=first.device).view(batch, 1)
+            logits = self._forward(self.embeddings[group - 1](ids), rope[group], group + 1)
+        return codes
