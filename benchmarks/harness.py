@@ -29,7 +29,7 @@ import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ from benchmarks.drivers import (
 )
 from benchmarks.load import LevelResult, run_concurrency, run_poisson
 from benchmarks.prompts import load_prompts, request_sequence
+from benchmarks.stage_load import endpoints, load_between, snapshot
 from benchmarks.stages import STAGES, batch_sizes_for, stage_summary, time_stages
 from benchmarks.stats import RATIO_KEYS, RatioInputs, compute_ratios, percentile
 from omnistage.models.sampling import SamplingParams
@@ -224,6 +225,7 @@ class Run:
     stage_baseline: dict[str, Any] | None = None
     t0: float = field(default_factory=time.perf_counter)
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    metrics_endpoints: dict[str, list[str]] = field(default_factory=dict)  # of a stack this run started
 
     def log(self, msg: str) -> None:
         if not self.opts.quiet:
@@ -254,7 +256,8 @@ class Run:
         level = LevelResult(name=name, driver=driver.name, role=role, load={"type": "concurrency", "value": c},
                             mode=mode)
         with self.bar(name, len(reqs)) as bar:
-            await run_concurrency(driver, level, reqs, c, time_limit, bar.update)
+            async with self._stage_load(level):
+                await run_concurrency(driver, level, reqs, c, time_limit, bar.update)
         self._finish_level(level)
         return level
 
@@ -262,9 +265,25 @@ class Run:
         level = LevelResult(name=name, driver=driver.name, role="sut", load={"type": "poisson", "value": rate},
                             mode="async_chunk")
         with self.bar(name, len(reqs)) as bar:
-            await run_poisson(driver, level, reqs, rate, self.opts.time_limit, self.opts.seed, bar.update)
+            async with self._stage_load(level):
+                await run_poisson(driver, level, reqs, rate, self.opts.time_limit, self.opts.seed, bar.update)
         self._finish_level(level)
         return level
+
+    @contextlib.asynccontextmanager
+    async def _stage_load(self, level: LevelResult) -> AsyncIterator[None]:
+        """Each stack process's steps, batch, busy share and CPU over the level (a stack this run
+        started; `--target` stacks may not expose their metrics ports here)."""
+        if not self.metrics_endpoints or level.role != "sut":
+            yield
+            return
+        before = await asyncio.to_thread(snapshot, self.metrics_endpoints)
+        t = time.perf_counter()
+        yield
+        wall = time.perf_counter() - t
+        after = await asyncio.to_thread(snapshot, self.metrics_endpoints)
+        if before is not None and after is not None:
+            level.stage_load = load_between(before, after, wall)
 
     def _finish_level(self, level: LevelResult) -> None:
         failed = [r for r in level.records if not r.ok]
@@ -450,6 +469,8 @@ async def _run_async(run: Run, model_dir: Path, pipe_box: dict[str, Any], log: C
             pipe_box["cfg"] = cfg or load_config(opts.config)
         if target is None:
             pipe_box["pipe"] = _load_pipe(pipe_box)
+        if cfg is not None and opts.serve and not opts.target:
+            run.metrics_endpoints = endpoints(cfg)
         await _sut_phase(run, target, pipe_box.get("pipe"))
         sut = "grpc" if target is not None else "inprocess"
     need_pipe = (opts.inprocess and sut == "grpc") or opts.stages

@@ -29,6 +29,7 @@ class LevelResult:
     wall_s: float | None = None
     stopped_by_time_limit: bool = False
     notes: list[str] = field(default_factory=list)
+    stage_load: dict[str, Any] | None = None  # per process role, from the stack's metrics (stage_load.py)
 
     def summary(self) -> dict[str, Any]:
         return summarize_records(self.records, self.wall_s)
@@ -44,6 +45,7 @@ class LevelResult:
             "stopped_by_time_limit": self.stopped_by_time_limit,
             "notes": self.notes,
             "summary": self.summary(),
+            "stage_load": self.stage_load,
             "requests": [r.to_json() for r in sorted(self.records, key=lambda r: r.index)],
         }
 

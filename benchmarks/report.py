@@ -124,6 +124,32 @@ def format_saturation(result: dict[str, Any]) -> str:
     return f"throughput by level: {levels}\n  {where}: {sat['requests_per_s']:.2f} req/s{limit}"
 
 
+def format_stage_load(result: dict[str, Any]) -> str:
+    """Per level of a served stack: each process's busy share (time in engine steps over the
+    level's wall time), mean batch, mean step time and CPU cores, and the cores of all of them."""
+    lines = []
+    cores = (result.get("machine") or {}).get("affinity_cpus")
+    for c in result["configurations"]:
+        load = c.get("stage_load")
+        if not load:
+            continue
+        parts = []
+        for role, f in load.items():
+            cpu = "" if f["cpu_cores"] is None else f" cpu {f['cpu_cores']:.2f}"
+            if f["steps"]:
+                parts.append(f"{role} busy {f['busy']:.2f} batch {f['mean_batch']:.1f} "
+                             f"step {f['mean_step_ms']:.1f} ms{cpu}")  # fmt: skip
+            else:
+                parts.append(f"{role}{cpu}")
+        used = [f["cpu_cores"] for f in load.values() if f["cpu_cores"] is not None]
+        total = f"; all processes {sum(used):.2f} cores" + (f" of {cores}" if cores else "") if used else ""
+        lines.append(f"  {c['name']}: " + "; ".join(parts) + total)
+    if not lines:
+        return ""
+    return "\n".join(["stage load (each process's own metrics over the level; busy = share of the level in "
+                      "engine steps, cpu = cores used):", *lines])
+
+
 def format_ratios(result: dict[str, Any]) -> str:
     lines = ["ratios (same run):"]
     for key, value in result["ratios"].items():
@@ -134,8 +160,9 @@ def format_ratios(result: dict[str, Any]) -> str:
 
 
 def format_report(result: dict[str, Any]) -> str:
-    parts = [format_table(result), "", format_stages(result), "", format_saturation(result), "",
-             format_ratios(result)]  # fmt: skip
+    parts = [format_table(result), "", format_stages(result), "", format_saturation(result), ""]
+    load = format_stage_load(result)
+    parts += [load, "", format_ratios(result)] if load else [format_ratios(result)]
     cons = result.get("consistency") or {}
     if cons.get("mismatches"):
         parts += ["", f"WARNING: outputs differ between configurations: {cons['mismatches'][:5]}"]

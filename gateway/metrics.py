@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 __all__ = ["GatewayMetrics", "Outcome"]
 
@@ -45,6 +45,7 @@ class Outcome:
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_cpu_seconds_total and friends (Linux)
         self.requests = Counter("omnistage_gateway_requests", "Requests by front door and outcome",
                                 ["api", "outcome"], registry=r)  # fmt: skip
         self.in_flight = Gauge("omnistage_gateway_requests_in_flight", "Requests in flight", registry=r)

@@ -12,6 +12,7 @@ A stage's metrics, each labelled with `stage`:
   omnistage_stage_requests_opened_total       requests opened
   omnistage_stage_kv_cache_usage_ratio        admitted KV-cache tokens / capacity (0 when unbounded)
   omnistage_stage_shm_segments                shared-memory segments this process holds
+and prometheus_client's process metrics (process_cpu_seconds_total, process_resident_memory_bytes, ...).
 The gateway's are in gateway/server.py (`GatewayMetrics`).
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
@@ -49,6 +50,7 @@ class StageMetrics:
     def __init__(self, stage: str, unit: str, load: Callable[[], dict[str, float]],
                  shm_segments: Callable[[], int], requests_total: Callable[[], int]) -> None:  # fmt: skip
         self.registry = registry = CollectorRegistry()
+        ProcessCollector(registry=registry)  # process_cpu_seconds_total and friends (Linux)
         labels = ["stage"]
         depth = Gauge("omnistage_stage_queue_depth", "Requests held by the stage (waiting + running)", labels,
                       registry=registry)  # fmt: skip

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from benchmarks.report import format_saturation, saturation
 
 
@@ -31,3 +33,33 @@ def test_a_sweep_still_growing_at_its_last_level_is_not_called_saturated() -> No
     assert sat is not None and not sat["saturated"] and sat["concurrency"] == 8
     assert "still growing at c=8" in format_saturation(_result({1: 1.0, 4: 3.0, 8: 5.0}))
     assert saturation(_result({1: 1.0})) is None
+
+
+def test_stage_load_divides_the_metrics_difference_by_the_level() -> None:
+    from benchmarks.report import format_stage_load
+    from benchmarks.stage_load import load_between
+
+    before = {"talker": {"steps": 10.0, "batch_sum": 20.0, "step_s": 1.0, "cpu_s": 5.0}, "gateway": {"cpu_s": 1.0}}
+    after = {"talker": {"steps": 110.0, "batch_sum": 820.0, "step_s": 4.0, "cpu_s": 8.6}, "gateway": {"cpu_s": 1.4}}
+    load = load_between(before, after, 4.0)
+    assert load["talker"] == pytest.approx({"steps": 100.0, "mean_batch": 8.0, "mean_step_ms": 30.0, "busy": 0.75,
+                                            "cpu_cores": 0.9})  # fmt: skip
+    assert load["gateway"]["steps"] is None and load["gateway"]["cpu_cores"] == pytest.approx(0.1)
+    levels = [{"name": "grpc c=16", "stage_load": load}, {"name": "x"}]
+    text = format_stage_load({"machine": {"affinity_cpus": 2}, "configurations": levels})
+    assert "grpc c=16: talker busy 0.75 batch 8.0 step 30.0 ms cpu 0.90; gateway cpu 0.10; " \
+           "all processes 1.00 cores of 2" in text  # fmt: skip
+    assert format_stage_load({"configurations": [{"name": "x"}]}) == ""
+
+
+def test_stage_load_endpoints_cover_every_replica_and_role() -> None:
+    from benchmarks.stage_load import endpoints
+    from omnistage.config import apply_overrides, parse_config
+
+    cfg = apply_overrides(parse_config({}), {"talker.replicas": 2, "talker.base_port": 7200, "gateway.port": 7000,
+                                                  "gateway.http_port": 7050})
+    eps = endpoints(cfg)
+    assert eps["talker"] == ["http://127.0.0.1:8200/metrics", "http://127.0.0.1:8201/metrics"]
+    assert eps["gateway"] == ["http://127.0.0.1:8000/metrics"]
+    assert set(eps) == {"thinker", "talker", "code2wav", "gateway"}
+    assert endpoints(apply_overrides(cfg, {"metrics.enabled": False})) == {}

@@ -118,6 +118,28 @@ def test_every_process_serves_its_metrics(served: dict[str, Any]) -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{port + 1000}/metrics", timeout=10) as r:
             body = r.read().decode()
         assert ("omnistage_gateway_" if name == "gateway" else "omnistage_stage_queue_depth") in body, name
+        assert "process_cpu_seconds_total" in body, name
+
+
+def test_the_bench_reads_each_process_load_over_a_request(served: dict[str, Any], tmp_path: Path) -> None:
+    """`omnistage bench --serve` reads each process's steps, batch, busy share and CPU from these
+    metrics around a level: one request shows up in every stage and in the CPU figures."""
+    from benchmarks.stage_load import load_between, snapshot
+
+    eps = {name: [f"http://127.0.0.1:{port + 1000}/metrics"] for name, port in served["ports"].items()}
+    before = snapshot(eps)
+    t = time.perf_counter()
+    code, out = finish(omnistage("client", "Hello", "--target", f"127.0.0.1:{served['base']}", "--max-tokens", "6",
+                                 "--max-frames", "6", "--out", str(tmp_path / "r.wav")))  # fmt: skip
+    after = snapshot(eps)
+    assert code == 0, out
+    assert before is not None and after is not None
+    load = load_between(before, after, time.perf_counter() - t)
+    assert load["thinker"]["steps"] is not None and load["thinker"]["steps"] >= 6  # prefill + 5 decode steps at least
+    for name in ("talker", "code2wav"):
+        assert load[name]["steps"] and load[name]["mean_batch"] == 1.0, (name, load[name])
+        assert 0 < load[name]["busy"] < 1 and load[name]["mean_step_ms"] > 0, (name, load[name])
+    assert all(f["cpu_cores"] is not None and f["cpu_cores"] > 0 for f in load.values()), load
 
 
 def test_client_json_has_the_text_and_request_id_and_the_access_log_has_a_line(

@@ -1,0 +1,85 @@
+"""What each process of a served stack did during a load level, read from its own Prometheus
+metrics before and after the level: engine steps, mean batch size, mean step time, the share of
+the level's wall time spent in steps (busy), and the CPU the process used, in cores.
+
+Busy near 1 marks the stage that limits the pipeline. The CPU column shows how the processes
+share the machine: on 2 cores, four processes whose cores add up to about 2 are limited by the
+machine, not by any one stage.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+__all__ = ["endpoints", "load_between", "snapshot"]
+
+_SAMPLES = {
+    "omnistage_stage_batch_size_sum": "batch_sum",
+    "omnistage_stage_batch_size_count": "steps",
+    "omnistage_stage_step_seconds_sum": "step_s",
+    "process_cpu_seconds_total": "cpu_s",
+}
+
+
+def endpoints(cfg: Any) -> dict[str, list[str]]:
+    """The metrics URLs of every process of the stack `cfg` describes, by role (stage names and
+    `gateway`); empty when metrics are off."""
+    if not cfg.metrics.enabled:
+        return {}
+    out: dict[str, list[str]] = {}
+    ports = {d.name: cfg.stage_ports(d.name) for d in cfg.chain()}
+    ports["gateway"] = [cfg.gateway.port + i for i in range(cfg.gateway.replicas)]
+    for role, plist in ports.items():
+        out[role] = [f"http://{cfg.host}:{cfg.metrics_port(p)}/metrics" for p in plist]
+    return out
+
+
+def _scrape(url: str, timeout: float) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:  # loopback only: the bench's own stack
+        text = resp.read().decode()
+    got: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = _SAMPLES.get(sample.name)
+            if key is not None:
+                got[key] = got.get(key, 0.0) + float(sample.value)
+    return got
+
+
+def snapshot(eps: dict[str, list[str]], timeout: float = 2.0) -> dict[str, dict[str, float]] | None:
+    """Each role's figures summed over its replicas; None if any process did not answer."""
+    out: dict[str, dict[str, float]] = {}
+    try:
+        for role, urls in eps.items():
+            total: dict[str, float] = {}
+            for url in urls:
+                for k, v in _scrape(url, timeout).items():
+                    total[k] = total.get(k, 0.0) + v
+            out[role] = total
+    except OSError:
+        return None
+    return out
+
+
+def load_between(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
+                 wall_s: float) -> dict[str, dict[str, float | None]]:  # fmt: skip
+    """Per role, what happened between two snapshots `wall_s` apart."""
+    out: dict[str, dict[str, float | None]] = {}
+    for role, end in after.items():
+        start = before.get(role, {})
+
+        def delta(key: str, _end: dict[str, float] = end, _start: dict[str, float] = start) -> float | None:
+            return _end[key] - _start.get(key, 0.0) if key in _end else None
+
+        steps, batch, step_s, cpu = delta("steps"), delta("batch_sum"), delta("step_s"), delta("cpu_s")
+        out[role] = {
+            "steps": steps,
+            "mean_batch": batch / steps if steps and batch is not None else None,
+            "mean_step_ms": 1000 * step_s / steps if steps and step_s is not None else None,
+            "busy": step_s / wall_s if step_s is not None and wall_s > 0 else None,
+            "cpu_cores": cpu / wall_s if cpu is not None and wall_s > 0 else None,
+        }
+    return out
