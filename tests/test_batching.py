@@ -282,3 +282,49 @@ def test_choose_batch_is_each_rows_own_choice() -> None:
     own = [c.choose(logits[i], torch.tensor(histories[i], dtype=torch.long)) for i, c in enumerate(choosers())]
     assert choose_batch(choosers(), logits, histories) == own
     assert own[0] != top[0] and own[1] != top[1]  # the penalty and the suppression both acted
+
+
+def test_slot_cache_holds_what_dynamic_cache_holds_without_concatenating() -> None:
+    """Rows written in place: the same keys and values as transformers' DynamicCache after every
+    update (prefill chunks and single rows, past the first capacity), the buffer moved only
+    when it doubled, and reused after `reset`."""
+    from transformers import DynamicCache
+
+    from omnistage.models.batching import SlotCache
+
+    torch.manual_seed(2)
+    slot, dyn = SlotCache(num_layers=2, capacity=4), DynamicCache()
+    moves = 0
+    for n in (3, 1, 1, 5, 1, 1, 1, 7, 1):
+        before = slot.layers[1].k.data_ptr() if slot.layers[1].k is not None else None
+        for layer in range(2):
+            k, v = torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
+            got, want = slot.update(k, v, layer), dyn.update(k, v, layer)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        moves += before is not None and slot.layers[1].k.data_ptr() != before
+        assert slot.get_seq_length() == dyn.get_seq_length()
+    assert slot.get_seq_length() == 21 and slot.layers[0].k.shape[2] == 32
+    assert moves == 3  # 4 -> 8 -> 16 -> 32: copied only when full
+    slot.reset()
+    keys, _ = slot.update(torch.ones(3, 2, 2, 8), torch.ones(3, 2, 2, 8), 0)  # a larger batch: new buffer
+    assert keys.shape == (3, 2, 2, 8) and torch.equal(keys, torch.ones(3, 2, 2, 8))
+    buffer = slot.layers[0].k.data_ptr()
+    slot.reset()
+    keys, _ = slot.update(torch.zeros(2, 2, 5, 8), torch.zeros(2, 2, 5, 8), 0)  # a smaller one: reused
+    assert slot.layers[0].k.data_ptr() == buffer and torch.equal(keys, torch.zeros(2, 2, 5, 8))
+    slot.reset()
+    slot.update(torch.ones(3, 2, 1, 8), torch.ones(3, 2, 1, 8), 0)
+    with pytest.raises(RuntimeError, match="batch 1 on a cache filled with batch 3"):
+        slot.update(torch.ones(1, 2, 1, 8), torch.ones(1, 2, 1, 8), 0)
+
+
+def test_a_model_with_sliding_window_layers_keeps_transformers_cache() -> None:
+    from transformers import DynamicCache, Qwen2Config
+
+    from omnistage.models.batching import SlotCache
+
+    full = Qwen2Config(num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=16)
+    assert isinstance(SlotCache.for_model(full), SlotCache)
+    sliding = Qwen2Config(num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=16,
+                          use_sliding_window=True, sliding_window=8, max_window_layers=0)  # fmt: skip
+    assert isinstance(SlotCache.for_model(sliding), DynamicCache)

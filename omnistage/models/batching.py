@@ -11,7 +11,7 @@ Exact mode:
 
 The thinker and the talker run every scheduled request in a single forward: the requests'
 rows (a prefill chunk, or one decode token) are packed along the sequence axis of a batch of
-one, each request keeps its own transformers `DynamicCache`, and the code predictor, where all
+one, each request keeps its own cache (`SlotCache`, below), and the code predictor, where all
 requests have the same shape, uses the batch axis. Plain batching would change the results in
 the last bits, and greedy tokens with them: on CPU a GEMM's rows depend on how many rows it
 has (measured: no row of `F.linear` over M > 1 rows equals the same row computed alone), and
@@ -52,7 +52,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-__all__ = ["MODES", "ExactLinear", "PackedBatching", "PackedCache", "grouped_linear"]
+__all__ = ["MODES", "ExactLinear", "PackedBatching", "PackedCache", "SlotCache", "grouped_linear"]
 
 MODES = ("exact", "fast")
 
@@ -195,11 +195,11 @@ class _PerRequestRows(nn.Module):
 
 class PackedCache:
     """The `past_key_values` of a packed forward: hands each request's slice of the new keys
-    and values to that request's own `DynamicCache` and keeps the full ones for attention."""
+    and values to that request's own cache and keeps the full ones for attention."""
 
     is_compileable = False
 
-    def __init__(self, caches: Sequence[DynamicCache], lengths: Sequence[int]) -> None:
+    def __init__(self, caches: Sequence[DynamicCache | SlotCache], lengths: Sequence[int]) -> None:
         if len(caches) != len(lengths):
             raise ValueError("one cache per request")
         self.caches = list(caches)
@@ -221,6 +221,100 @@ class PackedCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always passed explicitly
+
+
+class _Slots:
+    """One layer's keys and values `[B, heads, capacity, dim]` and how many positions are filled."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.filled = 0
+        self.batch = 0
+
+    @property
+    def keys(self) -> torch.Tensor:
+        assert self.k is not None
+        return self.k[: self.batch, :, : self.filled]
+
+    @property
+    def values(self) -> torch.Tensor:
+        assert self.v is not None
+        return self.v[: self.batch, :, : self.filled]
+
+
+class SlotCache:
+    """A model's `past_key_values` held in preallocated slots: each layer's keys and values live
+    in one `[B, heads, capacity, dim]` buffer, a step writes its rows in place after the filled
+    ones, and attention reads a view of the filled positions. Nothing is concatenated per step
+    (transformers' `DynamicCache` concatenates the whole cache every step); when a buffer is full
+    its capacity doubles, the one copy, amortized. `reset()` empties it for reuse, keeping the
+    buffers (the code predictor reuses one for every frame).
+
+    Attention over a view of a buffer gives the same numbers as over the concatenated tensor
+    (SDPA's result does not depend on the keys' strides; the parity tests run on it)."""
+
+    is_compileable = False
+
+    def __init__(self, num_layers: int, capacity: int = 64) -> None:
+        self.layers = [_Slots() for _ in range(num_layers)]
+        self.capacity = capacity
+
+    @staticmethod
+    def fits(config: Any) -> bool:
+        """Every layer attends to all of its past (no sliding-window layers, which DynamicCache trims)."""
+        kinds = getattr(config, "layer_types", None) or ["full_attention"]
+        return all(kind == "full_attention" for kind in kinds)
+
+    @classmethod
+    def for_model(cls, config: Any) -> SlotCache | DynamicCache:
+        """A SlotCache for a decoder of `config`, or transformers' DynamicCache where it has
+        sliding-window layers."""
+        if cls.fits(config):
+            return cls(int(config.num_hidden_layers))
+        return DynamicCache(config=config)
+
+    def reset(self) -> None:
+        for slots in self.layers:
+            slots.filled = 0
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = self.layers[layer_idx]
+        b, heads, n, dim = key_states.shape
+        end = slots.filled + n
+        if slots.filled == 0:
+            slots.batch = b
+        elif b != slots.batch:
+            raise RuntimeError(f"slot cache: a step of batch {b} on a cache filled with batch {slots.batch}")
+        k = slots.k
+        if k is None or k.shape[0] < b or k.shape[2] < end or k.shape[1] != heads or k.shape[3] != dim \
+                or k.dtype != key_states.dtype or k.device != key_states.device:  # fmt: skip
+            self._grow(slots, key_states, end)
+        assert slots.k is not None and slots.v is not None
+        slots.k[:b, :, slots.filled : end] = key_states
+        slots.v[:b, :, slots.filled : end] = value_states
+        slots.filled = end
+        return slots.keys, slots.values
+
+    def _grow(self, slots: _Slots, like: torch.Tensor, end: int) -> None:
+        """New buffers holding at least `end` positions (doubling), with the filled ones copied."""
+        _, heads, _, dim = like.shape
+        old = slots.k
+        capacity = max(self.capacity, old.shape[2] if old is not None else 0)
+        while capacity < end:
+            capacity *= 2
+        batch = max(slots.batch, old.shape[0] if old is not None else 0)
+        shape = (batch, heads, capacity, dim)
+        k, v = like.new_empty(shape), like.new_empty(shape)
+        if slots.filled:  # the same request(s) growing: keep what is there
+            k[: slots.batch, :, : slots.filled] = slots.keys
+            v[: slots.batch, :, : slots.filled] = slots.values
+        slots.k, slots.v = k, v
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].filled
 
 
 def _causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:

@@ -30,9 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
-from omnistage.models.batching import PackedBatching, PackedCache
+from omnistage.models.batching import PackedBatching, PackedCache, SlotCache
 from omnistage.models.qwen2_5_omni.spec import FamilySpec
 from omnistage.models.sampling import SamplingParams, TokenChooser
 
@@ -175,7 +174,7 @@ class Talker:
         positions = []
         for (state, _), n in zip(items, lengths, strict=True):
             if state.cache is None:
-                state.cache = DynamicCache(config=model.config)
+                state.cache = SlotCache.for_model(model.config)
             positions.append(text_positions(state.cache.get_seq_length(), n, self.device))
             state.started = True
         cache = PackedCache([state.cache for state, _ in items], lengths)

@@ -11,8 +11,9 @@ order on the same inputs, so its numbers are the forward's bitwise:
 
 * RoPE's cos/sin of every step are computed once, with the shapes each step's own call has
   (positions `[[0, 1]]`, then `[[2]]`, `[[3]]`, ...), and reused for every frame;
-* the keys and values go into preallocated slots (`SlotCache`), one buffer per layer reused
-  from frame to frame; attention reads a view of the filled slots instead of a concatenation;
+* the keys and values go into preallocated slots (models/batching.py's `SlotCache`), one
+  buffer per layer reused from frame to frame; attention reads a view of the filled slots
+  instead of a concatenation;
 * no mask is built: the packed attention kernels (models/batching.py) take none on the batch
   axis, where a two-row prefill is causal and a one-row step sees every slot.
 """
@@ -20,57 +21,13 @@ order on the same inputs, so its numbers are the forward's bitwise:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
 
-from omnistage.models.batching import PackedBatching
+from omnistage.models.batching import PackedBatching, SlotCache
 
-__all__ = ["CodePredictorLoop", "SlotCache"]
-
-
-class SlotCache:
-    """`past_key_values` for a fixed number of positions: each layer's keys and values live in a
-    preallocated `[B, heads, positions, dim]` buffer, written in place; `update` returns a view
-    of the filled positions. Buffers grow to the largest batch seen and are then reused."""
-
-    is_compileable = False
-
-    def __init__(self, positions: int) -> None:
-        self.positions = positions
-        self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.batch = 0
-        self.filled = 0
-
-    def reset(self, batch: int) -> None:
-        self.batch = batch
-        self.filled = 0
-
-    def advance(self, rows: int) -> None:
-        """After every layer wrote `rows` positions of this step."""
-        self.filled += rows
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs: Any = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        b, heads, n, dim = key_states.shape
-        kv = self.buffers.get(layer_idx)
-        if kv is None or kv[0].shape[0] < b or kv[0].shape[1:] != (heads, self.positions, dim) \
-                or kv[0].dtype != key_states.dtype or kv[0].device != key_states.device:  # fmt: skip
-            shape = (max(b, kv[0].shape[0] if kv is not None else 0), heads, self.positions, dim)
-            kv = (key_states.new_empty(shape), value_states.new_empty(shape))
-            self.buffers[layer_idx] = kv
-        end = self.filled + n
-        if end > self.positions:
-            raise RuntimeError(f"code predictor: {end} positions, the slot cache holds {self.positions}")
-        k, v = kv[0][:b], kv[1][:b]
-        k[:, :, self.filled : end] = key_states
-        v[:, :, self.filled : end] = value_states
-        return k[:, :, :end], v[:, :, :end]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.filled
+__all__ = ["CodePredictorLoop"]
 
 
 class CodePredictorLoop:
@@ -87,7 +44,7 @@ class CodePredictorLoop:
         self.heads = code_predictor.lm_head  # group j's head is [j - 1]
         self.batching = batching
         # Positions 0..groups-1: the prefill's two, then one per later group.
-        self.cache = SlotCache(num_code_groups)
+        self.cache = SlotCache(len(self.layers), capacity=num_code_groups)
         self._rope: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def _step_rope(self, like: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -106,7 +63,6 @@ class CodePredictorLoop:
             for layer in self.layers:
                 hidden = layer(hidden, attention_mask=None, past_key_values=self.cache, use_cache=True,
                                position_embeddings=rope)  # fmt: skip
-            self.cache.advance(rows)
             return self.heads[group - 1](self.norm(hidden))
 
     @torch.no_grad()
@@ -115,7 +71,7 @@ class CodePredictorLoop:
         Returns the codes of groups 1..groups-1, one list of B per group."""
         batch = first.shape[0]
         rope = self._step_rope(first)
-        self.cache.reset(batch)
+        self.cache.reset()
         logits = self._forward(first, rope[0], 1)
         codes = []
         for group in range(1, self.groups):

@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
-from omnistage.models.batching import PackedBatching, PackedCache
+from omnistage.models.batching import PackedBatching, PackedCache, SlotCache
 from omnistage.models.qwen3_omni.code_predictor import CodePredictorLoop
 from omnistage.models.qwen3_omni.multimodal import RopeInputs, talker_positions
 from omnistage.models.qwen3_omni.prompt import (
@@ -213,7 +212,7 @@ class Talker:
         positions = []
         for (state, _), n in zip(items, lengths, strict=True):
             if state.cache is None:  # the prompt
-                state.cache = DynamicCache(config=self.model.config.text_config)
+                state.cache = SlotCache.for_model(self.model.config.text_config)
                 position = state.prompt_positions
                 if position is None:
                     position = text_positions(0, n, self.device)

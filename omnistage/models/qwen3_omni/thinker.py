@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
-from omnistage.models.batching import PackedBatching, PackedCache
+from omnistage.models.batching import PackedBatching, PackedCache, SlotCache
 from omnistage.models.qwen3_omni.multimodal import AudioRows, MultimodalInputs, PromptInputs, RopeInputs, encode_prompt
 from omnistage.models.qwen3_omni.prompt import text_positions
 from omnistage.models.qwen3_omni.spec import FamilySpec
@@ -191,7 +190,7 @@ class Thinker:
             if state.finished:
                 raise RuntimeError("thinker request already finished")
             if state.cache is None:
-                state.cache = DynamicCache(config=self.model.config.text_config)
+                state.cache = SlotCache.for_model(self.model.config.text_config)
                 state.history = list(state.prompt_ids)
             if pos < len(state.prompt_ids):
                 if n < 1 or pos + n > len(state.prompt_ids):
@@ -277,7 +276,7 @@ class Thinker:
         the first token in its history. The next `step` for it is a decode at len(prompt)."""
         self.validate_prompt(prompt_ids, state.max_len)
         state.prompt_ids = list(prompt_ids)
-        state.cache = DynamicCache(config=self.model.config.text_config)
+        state.cache = SlotCache.for_model(self.model.config.text_config)
         for i, (k, v) in enumerate(kv):
             state.cache.update(k.to(self.device), v.to(self.device), i)
         state.history = [*state.prompt_ids, token_id]
