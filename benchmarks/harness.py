@@ -278,12 +278,15 @@ class Run:
             yield
             return
         before = await asyncio.to_thread(snapshot, self.metrics_endpoints)
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         yield
-        wall = time.perf_counter() - t
+        wall, cpu = time.perf_counter() - t, time.process_time() - cpu
         after = await asyncio.to_thread(snapshot, self.metrics_endpoints)
         if before is not None and after is not None:
             level.stage_load = load_between(before, after, wall)
+            # the load generator shares the machine too: this process, all of its threads
+            level.stage_load["bench client"] = {"steps": None, "mean_batch": None, "mean_step_ms": None,
+                                                "busy": None, "cpu_cores": cpu / wall}  # fmt: skip
 
     def _finish_level(self, level: LevelResult) -> None:
         failed = [r for r in level.records if not r.ok]

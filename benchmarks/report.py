@@ -142,12 +142,12 @@ def format_stage_load(result: dict[str, Any]) -> str:
             else:
                 parts.append(f"{role}{cpu}")
         used = [f["cpu_cores"] for f in load.values() if f["cpu_cores"] is not None]
-        total = f"; all processes {sum(used):.2f} cores" + (f" of {cores}" if cores else "") if used else ""
+        total = f"; all {sum(used):.2f} cores" + (f" of {cores}" if cores else "") if used else ""
         lines.append(f"  {c['name']}: " + "; ".join(parts) + total)
     if not lines:
         return ""
-    return "\n".join(["stage load (each process's own metrics over the level; busy = share of the level in "
-                      "engine steps, cpu = cores used):", *lines])
+    return "\n".join(["stage load (each stack process's own metrics over the level, and the bench client's CPU; "
+                      "busy = share of the level in engine steps, cpu = cores used):", *lines])
 
 
 def format_ratios(result: dict[str, Any]) -> str:

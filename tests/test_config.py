@@ -86,3 +86,9 @@ def test_disaggregated_thinker_config() -> None:
         parse_config({"thinker": {"disaggregated": True, "decode": {"base_port": 7201}}})
     example = Path(__file__).resolve().parents[1] / "deploy" / "examples" / "pd.yaml"
     assert load_config(example).thinker.disaggregated
+
+
+def test_the_fast_example_sets_fast_batching_on_every_stage() -> None:
+    cfg = load_config(Path(__file__).resolve().parents[1] / "deploy" / "examples" / "fast.yaml")
+    assert [cfg.stage(name).batching for name in cfg.stage_names()] == ["fast"] * 3
+    assert DeployConfig().stage("talker").batching == "exact"  # the default stays exact

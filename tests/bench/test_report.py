@@ -48,7 +48,7 @@ def test_stage_load_divides_the_metrics_difference_by_the_level() -> None:
     levels = [{"name": "grpc c=16", "stage_load": load}, {"name": "x"}]
     text = format_stage_load({"machine": {"affinity_cpus": 2}, "configurations": levels})
     assert "grpc c=16: talker busy 0.75 batch 8.0 step 30.0 ms cpu 0.90; gateway cpu 0.10; " \
-           "all processes 1.00 cores of 2" in text  # fmt: skip
+           "all 1.00 cores of 2" in text  # fmt: skip
     assert format_stage_load({"configurations": [{"name": "x"}]}) == ""
 
 
