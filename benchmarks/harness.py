@@ -286,7 +286,7 @@ class Run:
             level.stage_load = load_between(before, after, wall)
             # the load generator shares the machine too: this process, all of its threads
             level.stage_load["bench client"] = {"steps": None, "mean_batch": None, "mean_step_ms": None,
-                                                "busy": None, "cpu_cores": cpu / wall}  # fmt: skip
+                                                "busy": None, "step_on_cpu": None, "cpu_cores": cpu / wall}  # fmt: skip
 
     def _finish_level(self, level: LevelResult) -> None:
         failed = [r for r in level.records if not r.ok]

@@ -137,8 +137,9 @@ def format_stage_load(result: dict[str, Any]) -> str:
         for role, f in load.items():
             cpu = "" if f["cpu_cores"] is None else f" cpu {f['cpu_cores']:.2f}"
             if f["steps"]:
+                on_cpu = "" if f.get("step_on_cpu") is None else f" ({f['step_on_cpu']:.0%} on a core)"
                 parts.append(f"{role} busy {f['busy']:.2f} batch {f['mean_batch']:.1f} "
-                             f"step {f['mean_step_ms']:.1f} ms{cpu}")  # fmt: skip
+                             f"step {f['mean_step_ms']:.1f} ms{on_cpu}{cpu}")  # fmt: skip
             else:
                 parts.append(f"{role}{cpu}")
         used = [f["cpu_cores"] for f in load.values() if f["cpu_cores"] is not None]

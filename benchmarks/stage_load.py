@@ -1,6 +1,7 @@
 """What each process of a served stack did during a load level, read from its own Prometheus
 metrics before and after the level: engine steps, mean batch size, mean step time, the share of
-the level's wall time spent in steps (busy), and the CPU the process used, in cores.
+the level's wall time spent in steps (busy), the share of the step time the engine thread was on
+a core (the rest it waited for a core or for the GIL), and the CPU the process used, in cores.
 
 Busy near 1 marks the stage that limits the pipeline. The CPU column shows how the processes
 share the machine: on 2 cores, four processes whose cores add up to about 2 are limited by the
@@ -20,6 +21,7 @@ _SAMPLES = {
     "omnistage_stage_batch_size_sum": "batch_sum",
     "omnistage_stage_batch_size_count": "steps",
     "omnistage_stage_step_seconds_sum": "step_s",
+    "omnistage_stage_step_cpu_seconds_total": "step_cpu_s",
     "process_cpu_seconds_total": "cpu_s",
 }
 
@@ -75,11 +77,14 @@ def load_between(before: dict[str, dict[str, float]], after: dict[str, dict[str,
             return _end[key] - _start.get(key, 0.0) if key in _end else None
 
         steps, batch, step_s, cpu = delta("steps"), delta("batch_sum"), delta("step_s"), delta("cpu_s")
+        step_cpu = delta("step_cpu_s")
         out[role] = {
             "steps": steps,
             "mean_batch": batch / steps if steps and batch is not None else None,
             "mean_step_ms": 1000 * step_s / steps if steps and step_s is not None else None,
             "busy": step_s / wall_s if step_s is not None and wall_s > 0 else None,
+            # the engine thread's share of its step time on a core: the rest it waited (a core, the GIL)
+            "step_on_cpu": step_cpu / step_s if step_cpu is not None and step_s else None,
             "cpu_cores": cpu / wall_s if cpu is not None and wall_s > 0 else None,
         }
     return out

@@ -46,10 +46,11 @@ class EngineSink(Protocol):
 
 
 class StepObserver(Protocol):
-    """Told of every engine step (metrics): requests in it, seconds it took, and the stream
-    positions its outputs to the caller advanced (tokens, frames or samples)."""
+    """Told of every engine step (metrics): requests in it, seconds it took, the CPU seconds the
+    engine thread spent in it (less than `seconds` when the thread waited for a core or for the
+    GIL), and the stream positions its outputs to the caller advanced (tokens, frames or samples)."""
 
-    def on_step(self, batch_size: int, seconds: float, produced: int) -> None: ...
+    def on_step(self, batch_size: int, seconds: float, cpu_seconds: float, produced: int) -> None: ...
 
 
 def _congested(sink: object) -> bool:
@@ -261,16 +262,16 @@ class Engine:
         return took
 
     def _step(self, batch: Sequence[ScheduledItem]) -> None:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             outputs: list[StepOutput | Exception] = self.worker.execute(batch)
         except Exception as e:  # the shared forward failed: every request in it fails
             outputs = [e] * len(batch)
-        seconds = time.perf_counter() - t0
+        seconds, cpu_seconds = time.perf_counter() - t0, time.thread_time() - cpu0
         self.step_seconds_total += seconds
         if self.observer is not None:
             produced = sum(c.length for out in outputs if isinstance(out, StepOutput) for c in out.up)
-            self.observer.on_step(len(batch), seconds, produced)
+            self.observer.on_step(len(batch), seconds, cpu_seconds, produced)
         reasons = [out.finished if isinstance(out, StepOutput) else FinishReason.ERROR for out in outputs]
         self.scheduler.update_from_output(batch, reasons)
         for item, out in zip(batch, outputs, strict=True):

@@ -8,6 +8,8 @@ A stage's metrics, each labelled with `stage`:
   omnistage_stage_requests{state}             requests by state
   omnistage_stage_batch_size                  histogram: requests per engine step
   omnistage_stage_step_seconds                histogram: time of one engine step
+  omnistage_stage_step_cpu_seconds_total      CPU time the engine thread spent in steps (below the
+                                              steps' time when it waited for a core or the GIL)
   omnistage_stage_output_{unit}_total         tokens (thinker), frames (talker), samples (code2wav) made
   omnistage_stage_requests_opened_total       requests opened
   omnistage_stage_kv_cache_usage_ratio        admitted KV-cache tokens / capacity (0 when unbounded)
@@ -64,6 +66,8 @@ class StageMetrics:
                                 buckets=BATCH_BUCKETS, registry=registry).labels(stage)  # fmt: skip
         self._step = Histogram("omnistage_stage_step_seconds", "Engine step time", labels, buckets=STEP_BUCKETS,
                                registry=registry).labels(stage)  # fmt: skip
+        self._step_cpu = Counter("omnistage_stage_step_cpu_seconds", "CPU time of the engine thread in steps", labels,
+                                 registry=registry).labels(stage)  # fmt: skip
         self._produced = Counter(f"omnistage_stage_output_{unit}", f"Output {unit} made", labels,
                                  registry=registry).labels(stage)  # fmt: skip
 
@@ -77,9 +81,10 @@ class StageMetrics:
         cache.labels(stage).set_function(lambda: float(load()["cache_usage"]))
         shm.labels(stage).set_function(lambda: float(shm_segments()))
 
-    def on_step(self, batch_size: int, seconds: float, produced: int) -> None:
+    def on_step(self, batch_size: int, seconds: float, cpu_seconds: float, produced: int) -> None:
         self._batch.observe(batch_size)
         self._step.observe(seconds)
+        self._step_cpu.inc(cpu_seconds)
         if produced:
             self._produced.inc(produced)
 
