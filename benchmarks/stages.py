@@ -197,7 +197,9 @@ def time_stages(
         lambda batch: run_stage(pipe, "talker", batch), frames, progress, exact["talker"],
     )  # fmt: skip
     c2w_in = [(s, r.down) for (s, _), r in zip(talker_in, talker_out, strict=True) if r.down]
-    pace = pipe.cfg.stage("code2wav").chunk_frames
+    # As in service: the talker sends a causal decoder its frames a decode's worth per message,
+    # another decoder each frame alone (services/talker/worker.py); one decode's worth per iteration.
+    pace = 1 if pipe.spec.code2wav_causal else pipe.cfg.stage("code2wav").chunk_frames
     c2w_out = _time_stage(
         times, "code2wav", sizes, c2w_in, lambda batch: run_stage(pipe, "code2wav", batch, pace), None, progress
     )

@@ -71,6 +71,12 @@ class Code2WavConfig(StageConfig):
     left_context_frames: int = Field(25, ge=0, le=1000)
     streaming: Literal["exact", "windowed"] = "exact"
 
+    def chunk_target(self, frames_done: int) -> int:
+        """Frames in a request's next decode: `first_chunk_frames` for its first, then
+        `chunk_frames` (the code2wav stage decodes when that many are final; a talker feeding a
+        causal decoder sends its frames on the same schedule)."""
+        return self.first_chunk_frames if frames_done == 0 else self.chunk_frames
+
 
 class GatewayConfig(_Strict):
     port: int = Field(50051, ge=1, le=65535, description="gRPC (Gateway.Generate); replica i adds i")

@@ -52,7 +52,7 @@ class Code2WavWorker(StageWorker):
         stream.input_done = req.input_finished
         if not stream.pending:
             return False
-        target = self.cfg.first_chunk_frames if stream.frames_in == 0 else self.cfg.chunk_frames
+        target = self.cfg.chunk_target(stream.frames_in)
         # the family's decoder says how many pending frames can be final now (a look-ahead holds some back)
         return req.input_finished or self.code2wav.ready_frames(stream) >= target
 

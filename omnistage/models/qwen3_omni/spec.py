@@ -57,6 +57,8 @@ class FamilySpec:
     max_positions: int
     # the talker reads the thinker's hidden states only at audio/image/video positions
     talker_needs_hidden: bool = False
+    # code2wav is causal: a frame's audio is final once the frame is there (no look-ahead)
+    code2wav_causal: bool = True
 
     @property
     def default_speaker(self) -> str:

@@ -1,0 +1,88 @@
+"""The talker stage's outgoing frames: on code2wav's schedule for a causal decoder, each frame
+alone for one that looks ahead; every frame once, in order, whatever the schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from omnistage.config import Code2WavConfig
+from omnistage.engine import Request, ScheduledItem
+from omnistage.models.sampling import SamplingParams
+from omnistage.v1 import stage_pb2
+from services import edges
+from services.talker.worker import TalkerWorker
+
+
+@dataclass
+class _Spec:
+    code2wav_causal: bool
+    default_speaker: str = "v"
+    max_positions: int = 10_000
+
+
+@dataclass
+class _State:
+    total: int
+    frames: int = 0
+    stopped_on: str | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    @property
+    def finished(self) -> bool:
+        return self.stopped_on is not None
+
+
+class _FakeTalker:
+    """Makes one frame `[3]` per step (frame k holds k), `total` of them, then stops."""
+
+    def __init__(self, spec: _Spec, total: int) -> None:
+        self.spec, self.total = spec, total
+
+    def new_state(self, sampling: SamplingParams, speaker: str) -> _State:
+        return _State(self.total)
+
+    def step(self, items: list[tuple[_State, bool]]) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = []
+        for state, _ in items:
+            out.append(torch.full((3,), state.frames))
+            state.frames += 1
+            if state.frames == state.total:
+                state.stopped_on = "max_tokens"
+        return out
+
+    def release(self, state: _State) -> None:
+        pass
+
+
+def _run(causal: bool, total: int, schedule: Code2WavConfig) -> list[Any]:
+    worker = TalkerWorker(_FakeTalker(_Spec(causal), total), SamplingParams(), schedule)  # type: ignore[arg-type]
+    req = Request("r1", stage_pb2.Start(request_id="r1"))
+    worker.open(req)
+    down = []
+    while not req.state.finished:
+        (out,) = worker.execute([ScheduledItem(req, 1, False)])
+        down += out.down
+    worker.close(req)
+    assert worker.held == {}  # nothing left for the request once closed
+    return down
+
+
+@pytest.mark.parametrize(("total", "sizes"), [(40, [3, 5, 5, 5, 5, 5, 5, 5, 2]), (3, [3]), (2, [2]), (8, [3, 5])])
+def test_a_causal_decoder_gets_its_frames_on_its_decode_schedule(total: int, sizes: list[int]) -> None:
+    down = _run(True, total, Code2WavConfig(base_port=7301, first_chunk_frames=3, chunk_frames=5))
+    frames = [c for c in down if edges.CODES in c.tensors]
+    assert [c.length for c in frames] == sizes
+    assert [c.offset for c in frames] == [sum(sizes[:i]) for i in range(len(sizes))]
+    codes = torch.cat([c.tensors[edges.CODES] for c in frames], dim=1)
+    assert codes.shape == (3, total) and codes[0].tolist() == list(range(total))
+    assert down[-1].finished and down[-1].offset == total
+
+
+def test_a_decoder_that_looks_ahead_gets_each_frame_as_it_is_made() -> None:
+    down = _run(False, 7, Code2WavConfig(base_port=7301, first_chunk_frames=3, chunk_frames=5))
+    frames = [c for c in down if edges.CODES in c.tensors]
+    assert [c.length for c in frames] == [1] * 7 and [c.offset for c in frames] == list(range(7))
