@@ -52,3 +52,36 @@ def test_child_dies_when_parent_is_killed() -> None:
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+def test_start_up_stops_when_interrupted_even_if_no_keyboard_interrupt_surfaced(tiny_dir: object) -> None:
+    """`start_stack` polls its `interrupted` flag while it waits for the children: once set, it
+    stops every child it started and raises KeyboardInterrupt (the serve command sets the flag on
+    Ctrl-C as well as raising, in case a library call swallows the exception)."""
+    import pytest
+
+    from omnistage.cli.serve import start_stack
+    from omnistage.config import DeployConfig, apply_overrides, port_layout
+    from tests.integration.test_operations import free_layout
+
+    cfg = apply_overrides(DeployConfig(), port_layout(free_layout()))
+    asked: list[float] = []
+
+    def interrupted() -> bool:
+        asked.append(time.monotonic())
+        return len(asked) > 2  # after the children were spawned, before they can be healthy
+
+    spawned: list[subprocess.Popen[bytes]] = []
+    real_popen = subprocess.Popen
+
+    def popen(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        proc = real_popen(*args, **kwargs)  # type: ignore[call-overload]
+        spawned.append(proc)
+        return proc
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess, "Popen", popen)
+        with pytest.raises(KeyboardInterrupt):
+            start_stack(cfg, model=str(tiny_dir), interrupted=interrupted)
+    assert len(spawned) == 4  # thinker, talker, code2wav, gateway
+    assert all(p.poll() is not None for p in spawned)  # every child stopped before it raised

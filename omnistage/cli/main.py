@@ -306,8 +306,19 @@ def serve(
         typer.echo(f"config: {config or default_config_path()}" + (" + flags" if any(overrides.values()) else ""))
         shown = model_arg or model or cfg.model or "built-in tiny checkpoint"
         typer.echo(f"starting omnistage (model: {shown}) ...")
-        stack = start_stack(cfg, model=model_arg or model, log_dir=log_dir,
-                            log_level=log_level.value, log_format=log_format.value, api_key=api_key)  # fmt: skip
+
+        def interrupt(*_: object) -> None:
+            # Remembered as well as raised: once, under load, a Ctrl-C during start-up did not
+            # stop it (its KeyboardInterrupt never surfaced); start-up also polls the flag.
+            stop.set()
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGINT, interrupt)
+        stack = start_stack(cfg, model=model_arg or model, log_dir=log_dir, log_level=log_level.value,
+                            log_format=log_format.value, api_key=api_key, interrupted=stop.is_set)  # fmt: skip
+        if stop.is_set():
+            stack.stop()
+            raise KeyboardInterrupt
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     code = 0

@@ -289,8 +289,10 @@ def start_stack(
     log_level: str = "info",
     log_format: str = "text",
     api_key: str | None = None,
+    interrupted: Callable[[], bool] = lambda: False,
 ) -> Stack:
-    """Start every process and wait until all are healthy; raises (after cleanup) if one fails."""
+    """Start every process and wait until all are healthy; raises (after cleanup) if one fails,
+    and KeyboardInterrupt (after cleanup) once `interrupted()` is true."""
     from omnistage.config import dump_config
     from omnistage.models import open_checkpoint
 
@@ -322,17 +324,19 @@ def start_stack(
         log_path = stack.run_dir / "gateway-0.log"
         stack.children.append(Child("gateway", 0, stack.gateway_address, _spawn(args, log_path, env), log_path,
                                     args, env))  # fmt: skip
-        _wait_healthy(stack, cfg.timeouts.startup_timeout_s)
+        _wait_healthy(stack, cfg.timeouts.startup_timeout_s, interrupted)
     except BaseException:
         stack.stop()
         raise
     return stack
 
 
-def _wait_healthy(stack: Stack, timeout: float) -> None:
+def _wait_healthy(stack: Stack, timeout: float, interrupted: Callable[[], bool]) -> None:
     deadline = time.monotonic() + timeout
     pending = list(stack.children)
     while pending:
+        if interrupted():
+            raise KeyboardInterrupt
         for c in list(pending):
             if c.proc.poll() is not None:
                 reason = c.last_log_line()
