@@ -280,13 +280,12 @@ class Run:
         before = await asyncio.to_thread(snapshot, self.metrics_endpoints)
         t, cpu = time.perf_counter(), time.process_time()
         yield
-        wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+        wall, cpu_end = time.perf_counter() - t, time.process_time()
         after = await asyncio.to_thread(snapshot, self.metrics_endpoints)
         if before is not None and after is not None:
-            level.stage_load = load_between(before, after, wall)
             # the load generator shares the machine too: this process, all of its threads
-            level.stage_load["bench client"] = {"steps": None, "mean_batch": None, "mean_step_ms": None,
-                                                "busy": None, "step_on_cpu": None, "cpu_cores": cpu / wall}  # fmt: skip
+            before["bench client"], after["bench client"] = {"cpu_s": cpu}, {"cpu_s": cpu_end}
+            level.stage_load = load_between(before, after, wall)
 
     def _finish_level(self, level: LevelResult) -> None:
         failed = [r for r in level.records if not r.ok]

@@ -108,4 +108,6 @@ class TalkerWorker(StageWorker):
 def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> TalkerWorker:
     stage = cfg.stage("talker")
     talker = ckpt.family.talker(ckpt, stage.dtype, stage.device, stage.batching)
-    return TalkerWorker(talker, ckpt.family.talker_defaults(), cfg.stage("code2wav"))  # type: ignore[arg-type]
+    code2wav = cfg.stage("code2wav")
+    assert isinstance(code2wav, Code2WavConfig)
+    return TalkerWorker(talker, ckpt.family.talker_defaults(), code2wav)

@@ -109,7 +109,6 @@ class Talker:
         self.prompts = TalkerPromptBuilder(model, spec, tts_special_embeds.to(self.device, model.dtype))
         self.suppress = spec.talker_suppressed_ids()
         self.codec_embedding = model.get_input_embeddings()
-        self.residual_embeddings = model.code_predictor.get_input_embeddings()
         self.batching = PackedBatching(model, row_modules, batching)
         self.code_predictor = CodePredictorLoop(model.code_predictor, self.batching, spec.num_code_groups)
 
@@ -279,7 +278,7 @@ class Talker:
         codes = torch.stack(frames).to(self.device)  # [B, G]
         parts = [self.codec_embedding(codes[:, :1])]
         for j in range(1, self.spec.num_code_groups):
-            parts.append(self.residual_embeddings[j - 1](codes[:, j : j + 1]))
+            parts.append(self.code_predictor.embeddings[j - 1](codes[:, j : j + 1]))
         return torch.cat(parts, dim=1).sum(1, keepdim=True)
 
     def release(self, state: TalkerState) -> None:
