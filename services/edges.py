@@ -59,6 +59,8 @@ AUDIO = "audio"
 # the processor's model inputs besides the ids (transformers' names, shared by the omni families)
 MULTIMODAL = ("input_features", "feature_attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
               "video_grid_thw", "video_second_per_grid")  # fmt: skip
+# the large float tensors among them, which only the thinker's encoders read (on its device)
+MEDIA_FEATURES = frozenset({"input_features", "pixel_values", "pixel_values_videos"})
 ROPE = ("audio_lengths", "image_grid_thw", "video_grid_thw", "video_second_per_grid")
 # meta keys
 FINISH_REASON = "finish_reason"  # on a finished chunk to the caller: "stop_id", "max_tokens", ...

@@ -39,6 +39,8 @@ class _State:
 class _FakeTalker:
     """Makes one frame `[3]` per step (frame k holds k), `total` of them, then stops."""
 
+    device = torch.device("cpu")
+
     def __init__(self, spec: _Spec, total: int) -> None:
         self.spec, self.total = spec, total
 

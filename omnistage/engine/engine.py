@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from omnistage.engine.device_copy import DeviceInputs, HostOutputs
 from omnistage.engine.request import FinishReason, Request, RequestStatus
 from omnistage.engine.scheduler import RequestRejected, ScheduledItem, Scheduler, SchedulerConfig
 from omnistage.engine.worker import StageWorker, StepOutput
@@ -92,6 +93,8 @@ class Engine:
         self._cond = threading.Condition()
         self._stop = False
         self.step_seconds_total = 0.0  # time in worker.execute, for metrics
+        self.host_outputs = HostOutputs()  # a step's CUDA outputs -> pinned host, on a side stream
+        self.device_inputs = DeviceInputs(worker.device, worker.wants_on_device)
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._run, name=f"{worker.name}-engine", daemon=True)
@@ -116,6 +119,7 @@ class Engine:
     def feed(self, req: Request, chunk: DecodedChunk) -> None:
         """Order checks happen here, so a bad chunk fails before it reaches the worker."""
         name = self.worker.name
+        self.device_inputs.start(chunk)
         with self._cond:
             if req.input_closed:
                 raise invalid(f"{name}: chunk (offset {chunk.offset}) after the finished chunk")
@@ -223,6 +227,7 @@ class Engine:
                 chunk = req.inbox.popleft()
             took = True
             if chunk is not None:
+                self.device_inputs.finish(chunk)
                 worker.feed(req, chunk)
             if chunk is None or chunk.finished:
                 req.input_finished = True
@@ -265,6 +270,7 @@ class Engine:
         t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             outputs: list[StepOutput | Exception] = self.worker.execute(batch)
+            self.host_outputs.stage(outputs)
         except Exception as e:  # the shared forward failed: every request in it fails
             outputs = [e] * len(batch)
         seconds, cpu_seconds = time.perf_counter() - t0, time.thread_time() - cpu0

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import torch
+
 from omnistage.engine.request import FinishReason, Request
 from omnistage.engine.scheduler import ScheduledItem
 from omnistage.wire import DecodedChunk
@@ -36,6 +38,15 @@ class OutChunk:
     length: int = 0  # stream positions it advances
     finished: bool = False  # the sender's last chunk for this request
     meta: dict[str, Any] = field(default_factory=dict)
+    # a CUDA event while `tensors` are host copies still being written (engine.device_copy)
+    ready: Any = field(default=None, repr=False)
+
+    def wait(self) -> OutChunk:
+        """Block until the tensors' copy to the host is complete; call before reading them."""
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+        return self
 
 
 @dataclass
@@ -52,6 +63,12 @@ class StageWorker(ABC):
     """A stage's model behind the engine: validates input, runs batched steps."""
 
     name: str
+    device: torch.device = torch.device("cpu")
+
+    def wants_on_device(self, name: str) -> bool:
+        """Is input tensor `name` copied to `device` as it arrives (off the engine's thread)?
+        Only names the worker's code reads on the device (it must not mix them with host ones)."""
+        return False
 
     @abstractmethod
     def open(self, req: Request) -> None:

@@ -96,7 +96,7 @@ class TokenChooser:
 
     def choose(self, logits: torch.Tensor, history: torch.Tensor) -> int:
         """`logits`: `[V]` (float); `history`: `[T]` ids seen so far (for the repetition penalty)."""
-        scores = self.processors(history.view(1, -1), logits.view(1, -1).float())
+        scores = self.processors(history.view(1, -1).to(logits.device), logits.view(1, -1).float())
         if not self.params.do_sample:
             return int(torch.argmax(scores, dim=-1))
         probs = torch.softmax(scores, dim=-1)

@@ -239,6 +239,7 @@ class StageService:
         return asyncio.create_task(self.watcher.run())
 
     def _encode(self, out: OutChunk, seq: int, pool: ShmPool | None, request_id: str) -> list[LazyChunk]:
+        out.wait()  # the engine's copy of its CUDA tensors to the host, started after the step
         return encode_chunks(
             out.tensors,
             max_bytes=self.max_message_bytes - 1024,

@@ -345,6 +345,7 @@ class DecodedChunk:
     offset: int = 0
     seq: int = 0
     finished: bool = False
+    ready: Any = field(default=None, repr=False)  # copies to a device in flight (the engine's, after decoding)
 
     @property
     def length(self) -> int:

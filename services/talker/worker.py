@@ -24,6 +24,8 @@ from services import edges
 
 # what made the talker stop -> the engine's finish reason
 _REASONS = {"stop_id": FinishReason.STOP, "no_text": FinishReason.STOP, "max_tokens": FinishReason.LENGTH}
+# the thinker's rows, which the talker only reads on its device (copied as they arrive)
+_ON_DEVICE = frozenset({edges.PROMPT_EMBED, edges.PROMPT_HIDDEN, edges.EMBED, edges.HIDDEN})
 
 
 class TalkerWorker(StageWorker):
@@ -31,11 +33,15 @@ class TalkerWorker(StageWorker):
 
     def __init__(self, talker: Any, defaults: SamplingParams, code2wav: Code2WavConfig | None = None) -> None:
         self.talker = talker  # the family's talker (e.g. omnistage/models/qwen3_omni/talker.py)
+        self.device = talker.device
         self.spec = talker.spec
         self.defaults = defaults
         # the code2wav schedule frames are sent on (None: each frame as it is made)
         self.schedule = code2wav if self.spec.code2wav_causal else None
         self.held: dict[str, list[torch.Tensor]] = {}
+
+    def wants_on_device(self, name: str) -> bool:
+        return name in _ON_DEVICE
 
     def open(self, req: Request) -> None:
         start: stage_pb2.Start = req.params

@@ -23,11 +23,15 @@ class ThinkerWorker(StageWorker):
 
     def __init__(self, thinker: Any, defaults: SamplingParams, max_model_len: int | None = None) -> None:
         self.thinker = thinker  # the family's thinker (e.g. omnistage/models/qwen3_omni/thinker.py)
+        self.device = thinker.device
         self.spec = thinker.spec
         self.defaults = defaults
         # the family's talker reads every position's hidden state (else only the media's)
         self.talker_needs_hidden = bool(self.spec.talker_needs_hidden)
         self._max_model_len = min(int(self.spec.max_positions), max_model_len or 1 << 62)
+
+    def wants_on_device(self, name: str) -> bool:
+        return name in edges.MEDIA_FEATURES
 
     def open(self, req: Request) -> None:
         start: stage_pb2.Start = req.params

@@ -179,7 +179,7 @@ class TalkerPromptBuilder:
 def tts_special_embeds(talker: Any, thinker_rows: torch.Tensor) -> torch.Tensor:
     """`text_projection` of the thinker embeddings of [tts_bos, tts_eos, tts_pad] (`[3, Ht]`
     in that order, see `TTS_SPECIAL_ORDER`), as `[1, 3, H]`."""
-    return talker.text_projection(thinker_rows.to(talker.dtype).unsqueeze(0))
+    return talker.text_projection(thinker_rows.to(talker.device, talker.dtype).unsqueeze(0))
 
 
 def tts_special_ids(spec: FamilySpec) -> list[int]:
