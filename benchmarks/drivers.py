@@ -162,14 +162,14 @@ class MonolithicDriver(SyncDriver):
     streams = False
 
     def __init__(self, model_dir: Path, prompt_ids: Callable[[str], list[int]], eos_id: int, sample_rate: int,
-                 threads: int = 1) -> None:  # fmt: skip
+                 threads: int = 1, device: str = "cpu", dtype: str = "float32") -> None:  # fmt: skip
         super().__init__(threads)
         from omnistage.models import open_checkpoint
 
         self.sample_rate = sample_rate
         self.prompt_ids = prompt_ids
         self.eos_id = eos_id
-        self.reference = open_checkpoint(model_dir).family.reference(model_dir)
+        self.reference = open_checkpoint(model_dir).family.reference(model_dir, device, dtype)
 
     def stream(self, req: BenchRequest) -> Iterator[StreamEvent]:
         ids = self.prompt_ids(req.prompt)

@@ -344,7 +344,10 @@ async def _baseline_phase(run: Run, target: str | None, model_dir: Path, pipe: A
             await driver.aclose()
     if opts.monolithic:
         enc = PromptEncoder(model_dir)
-        mono = MonolithicDriver(model_dir, enc, enc.spec.im_end_id, enc.family.sample_rate, opts.threads)
+        # where and in what precision the stack's thinker runs
+        place = pipe.cfg.stage("thinker") if pipe is not None else None
+        device, dtype = (place.device, place.dtype) if place is not None else ("cpu", "float32")
+        mono = MonolithicDriver(model_dir, enc, enc.spec.im_end_id, enc.family.sample_rate, opts.threads, device, dtype)
         try:
             await run.warm(mono)
             level = await run.level_concurrency(mono, "monolithic sequential", "baseline", run.baseline, 1, None, None)

@@ -15,6 +15,44 @@ import torch
 # Two cores on CI: keep torch from oversubscribing when services run beside the tests.
 torch.set_num_threads(int(os.environ.get("OMNISTAGE_TEST_THREADS", "2")))
 
+# Where the shared pipelines and references below run: cpu (CI), or cuda on a GPU machine, where
+# the parity tests check exact mode on CUDA (`OMNISTAGE_TEST_DEVICE=cuda pytest tests/test_parity.py`).
+TEST_DEVICE = os.environ.get("OMNISTAGE_TEST_DEVICE", "cpu")
+# On CPU the staged waveform is generate()'s bit for bit. On CUDA the two runs may pick different
+# kernels for the same products (other batch shapes), so the waveform is held to a tolerance there;
+# each comparison's max |Δ| is appended to $OMNISTAGE_TEST_DIFFS when that is set (the GPU figures).
+CUDA_WAVE_ATOL = 1e-3
+
+
+def assert_same_wave(ours: torch.Tensor, ref: torch.Tensor, what: str = "waveform", cpu_atol: float = 0.0) -> None:
+    """Bit for bit on CPU (or within `cpu_atol`), within CUDA_WAVE_ATOL on CUDA."""
+    assert ours.shape == ref.shape, what
+    diff = float((ours - ref).abs().max()) if ours.numel() else 0.0
+    if TEST_DEVICE == "cpu":
+        assert torch.equal(ours, ref) if cpu_atol == 0 else diff <= cpu_atol, f"{what}: max |Δ| {diff:.3g}"
+        return
+    if os.environ.get("OMNISTAGE_TEST_DIFFS"):
+        with open(os.environ["OMNISTAGE_TEST_DIFFS"], "a", encoding="utf-8") as f:
+            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\t{what}\t{diff:.3g}\n")
+    assert diff <= max(cpu_atol, CUDA_WAVE_ATOL), f"{what}: max |Δ| {diff:.3g} on {TEST_DEVICE}"
+
+
+needs_cpu_rng = pytest.mark.skipif(
+    TEST_DEVICE != "cpu", reason="Qwen2.5's streamed DiT noise is drawn on the CPU generator (its prefix property); "
+    "generate() on CUDA draws it with CUDA's, so only the full decode can match there")
+
+
+def staged_pipeline(model_dir: Path, cfg: Any = None) -> Any:
+    """The in-process staged pipeline of a checkpoint, every stage on TEST_DEVICE."""
+    from omnistage.config import DeployConfig, apply_overrides, config_path
+    from omnistage.topology import PROCESSES
+    from services.pipeline import InProcessPipeline
+
+    cfg = cfg or DeployConfig()
+    if TEST_DEVICE != "cpu":
+        cfg = apply_overrides(cfg, {f"{config_path(name)}.device": TEST_DEVICE for name in PROCESSES})
+    return InProcessPipeline(model_dir, cfg)
+
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -37,9 +75,7 @@ def tiny_fused_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def pipeline(tiny_dir: Path) -> Any:
-    from services.pipeline import InProcessPipeline
-
-    return InProcessPipeline(tiny_dir)
+    return staged_pipeline(tiny_dir)
 
 
 def family_reference(model_dir: Path) -> Any:
@@ -47,7 +83,7 @@ def family_reference(model_dir: Path) -> Any:
     `reference.py`)."""
     from omnistage.models import open_checkpoint
 
-    return open_checkpoint(model_dir).family.reference(model_dir)
+    return open_checkpoint(model_dir).family.reference(model_dir, TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")
@@ -71,14 +107,13 @@ def checkpoints(tiny_dir: Path, tiny_fused_dir: Path, tiny_variant_dir: Path, pi
                 reference: Any) -> Any:  # fmt: skip
     """(pipeline, reference) per checkpoint name, built on first use: 'published' (the default
     tiny checkpoint), 'fused' (the same weights in the fused layout), 'variant'."""
-    from services.pipeline import InProcessPipeline
 
     dirs = {"published": tiny_dir, "fused": tiny_fused_dir, "variant": tiny_variant_dir}
     made: dict[str, Any] = {"published": (pipeline, reference)}
 
     def get(name: str) -> tuple[Any, Any]:
         if name not in made:
-            made[name] = (InProcessPipeline(dirs[name]), family_reference(dirs[name]))
+            made[name] = (staged_pipeline(dirs[name]), family_reference(dirs[name]))
         return made[name]
 
     return get
@@ -132,7 +167,6 @@ def q25_checkpoints(q25_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     (the default tiny checkpoint) and 'variant' (other special ids, widths, codebook, DiT blocks,
     samples per mel frame and voices)."""
     from omnistage.models.qwen2_5_omni.tiny import VARIANT, write_tiny_checkpoint
-    from services.pipeline import InProcessPipeline
 
     made: dict[str, Any] = {}
 
@@ -142,7 +176,7 @@ def q25_checkpoints(q25_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             if name == "variant":
                 path = tmp_path_factory.mktemp("tiny-qwen2_5-omni-variant")
                 write_tiny_checkpoint(path, shape=VARIANT)
-            made[name] = (InProcessPipeline(path), family_reference(path))
+            made[name] = (staged_pipeline(path), family_reference(path))
         return made[name]
 
     return get

@@ -11,6 +11,7 @@ import torch
 
 from omnistage.models.sampling import SamplingParams
 from services.pipeline import AudioEvent, DoneEvent, PipelineRequest, TextEvent
+from tests.conftest import assert_same_wave
 
 
 @dataclass(frozen=True)
@@ -68,11 +69,10 @@ def test_staged_pipeline_matches_generate(checkpoints: Any, case: Case, checkpoi
 
     # The full decode of our codes is the reference waveform, bit for bit.
     ours = pipeline.code2wav.decode(done.codes)
-    assert torch.equal(ours, ref_wav)
+    assert_same_wave(ours, ref_wav)
     # The streamed audio, concatenated, is that waveform too.
     streamed = torch.cat([e.pcm for e in events if isinstance(e, AudioEvent)])
-    assert streamed.shape == ref_wav.shape
-    assert torch.allclose(streamed, ref_wav, atol=1e-5, rtol=0)
+    assert_same_wave(streamed, ref_wav, "streamed", cpu_atol=1e-5)
 
 
 def test_text_only_request_does_no_talker_work(pipeline: Any, reference: Any, no_talker_calls: list[str]) -> None:

@@ -109,7 +109,7 @@ class Family(ABC):
         """Talker sampling when a request sets none (`generate()`'s defaults)."""
 
     @abstractmethod
-    def reference(self, model_dir: Path) -> Any:
+    def reference(self, model_dir: Path, device: str = "cpu", dtype: str = "float32") -> Any:
         """transformers' monolithic model on a checkpoint, as the parity reference: an object with
         `generate(prompt_ids, thinker_max, talker_max, eos_id, audio=True, speaker=None, seed=0,
         talker_repetition_penalty=1.0, **inputs) -> (ids, codes [G, T] | None, wav | None)`, greedy."""

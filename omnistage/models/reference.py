@@ -15,7 +15,8 @@ import torch
 class MonolithicReference(ABC):
     model: Any
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = torch.device(device)
         self.last_codes: torch.Tensor | None = None
 
     def record_codes(self, owner: Any, method: str, pick: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -41,12 +42,14 @@ class MonolithicReference(ABC):
                  speaker: str | None = None, seed: int = 0, talker_repetition_penalty: float = 1.0,
                  **inputs: Any) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
         """Greedy: (generated ids, codes `[groups, frames]` or None, wav `[samples]` or None).
-        The global seed is `seed` first (what a sampled vocoder draws its noise from)."""
+        The global seed is `seed` first (what a sampled vocoder draws its noise from). Inputs go to
+        the model's device; what it returns comes back to the host."""
         self.last_codes = None
+        inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         torch.manual_seed(seed)
         with torch.no_grad():
             out = self.model.generate(
-                input_ids=torch.tensor([prompt_ids]),
+                input_ids=torch.tensor([prompt_ids], device=self.device),
                 speaker=speaker or self.default_speaker,
                 **inputs,
                 thinker_max_new_tokens=thinker_max,
@@ -60,4 +63,5 @@ class MonolithicReference(ABC):
             seq = out.sequences if hasattr(out, "sequences") else out
             return seq[0, len(prompt_ids) :].tolist(), None, None
         seq, wav = out
-        return seq[0, len(prompt_ids) :].tolist(), self.last_codes, wav.reshape(-1)
+        codes = None if self.last_codes is None else self.last_codes.cpu()
+        return seq[0, len(prompt_ids) :].tolist(), codes, wav.reshape(-1).cpu()

@@ -12,13 +12,14 @@ from omnistage.models.reference import MonolithicReference
 
 
 class Reference(MonolithicReference):
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32") -> None:
         from transformers import Qwen2_5OmniForConditionalGeneration
         from transformers.utils import logging as hf_logging
 
-        super().__init__()
+        super().__init__(device)
         hf_logging.set_verbosity_error()
-        self.model = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+        self.model = model.to(device).eval()
         self.record_codes(self.model.token2wav, "forward", lambda codes: codes)  # [1, T]
 
     @property

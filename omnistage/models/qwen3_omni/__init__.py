@@ -106,10 +106,10 @@ class Qwen3Omni(Family):
     def talker_defaults(self) -> SamplingParams:
         return TALKER_DEFAULTS
 
-    def reference(self, model_dir: Path) -> Any:
+    def reference(self, model_dir: Path, device: str = "cpu", dtype: str = "float32") -> Any:
         from omnistage.models.qwen3_omni.reference import Reference
 
-        return Reference(model_dir)
+        return Reference(model_dir, device, dtype)
 
     def write_tiny(self, out_dir: Path, **options: Any) -> dict[str, Any]:
         from omnistage.models.qwen3_omni.tiny import write_tiny_checkpoint

@@ -12,13 +12,14 @@ from omnistage.models.reference import MonolithicReference
 
 
 class Reference(MonolithicReference):
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, device: str = "cpu", dtype: str = "float32") -> None:
         from transformers import Qwen3OmniMoeForConditionalGeneration
         from transformers.utils import logging as hf_logging
 
-        super().__init__()
+        super().__init__(device)
         hf_logging.set_verbosity_error()
-        self.model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+        self.model = model.to(device).eval()
         self.record_codes(self.model.code2wav, "chunked_decode", lambda codes: codes[0])  # [1, G, T] -> [G, T]
 
     @property
