@@ -86,6 +86,25 @@ def bench_stage_times(
     main(json_out, model)
 
 
+@bench_app.command("trace")
+def bench_trace(
+    out_dir: Annotated[Path, typer.Option("--out", help="Folder for the Chrome traces and summaries.")] = Path("trace"),
+    model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: built-in tiny).")] = None,
+    batching: Annotated[str, typer.Option("--batching", help="exact, fast or both.")] = "both",
+    requests: Annotated[int, typer.Option("--requests", help="Requests profiled (after one warm-up).")] = 2,
+    dtype: Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float16, every stage.")] = "float32",
+) -> None:
+    """CUDA only: the in-process pipeline under torch's profiler; each host<->device copy by kind
+    and stream, and how much of it overlaps kernels on other streams."""
+    from benchmarks.cuda_trace import measure
+
+    for mode in ("exact", "fast") if batching == "both" else (batching,):
+        summary = measure(model, out_dir, mode, requests, dtype)
+        for row in summary["copies"]:
+            typer.echo(f"{mode}: {row['kind']} stream {row['stream']}: {row['count']} copies, {row['us']:.0f} us, "
+                       f"{100 * row['overlapped_fraction']:.0f} % under kernels on other streams")
+
+
 @bench_app.command("code2wav")
 def bench_code2wav(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write raw figures and ratios here.")] = None,

@@ -92,3 +92,9 @@ def test_the_fast_example_sets_fast_batching_on_every_stage() -> None:
     cfg = load_config(Path(__file__).resolve().parents[1] / "deploy" / "examples" / "fast.yaml")
     assert [cfg.stage(name).batching for name in cfg.stage_names()] == ["fast"] * 3
     assert DeployConfig().stage("talker").batching == "exact"  # the default stays exact
+
+
+def test_the_cuda_example_puts_every_stage_on_the_gpu() -> None:
+    cfg = load_config(Path(__file__).resolve().parents[1] / "deploy" / "examples" / "cuda.yaml")
+    assert [cfg.stage(name).device for name in cfg.stage_names()] == ["cuda"] * 3
+    assert DeployConfig().stage("thinker").device == "cpu"

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 19, as run on the device machine (an H100: Python 3.12, its own CUDA torch;
+# the project's other pinned packages travel as wheels in .whl/, see the README). Usage:
+#   benchmarks/gpu/run.sh setup tests trace bench-exact bench-fast wide
+# Small results (logs, json, md) are packed into $OUT/results-<steps>.tgz at the end; the gzipped
+# Chrome traces are left beside it.
+set -uo pipefail
+OUT=${OUT:-gpu-out}
+W=/tmp/gpu-work
+mkdir -p "$OUT" "$W"
+# the working tree first; /tmp/site holds the wheels and the project's own metadata (its version, entry points)
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
+bench() { python3 -c "from benchmarks.cli import bench_app; bench_app()" "$@"; }
+LIMIT=${LIMIT:-30}  # seconds per bench level: every level is bounded in time as well as count
+serve_bench() {  # NAME CONFIG [bench args]: 32 requests per level, baseline 16, c=1,4,16
+  local name=$1 config=$2; shift 2
+  bench --serve --config "$config" --num-requests 32 --baseline-requests 16 --concurrency 1,4,16 \
+    --time-limit "$LIMIT" --no-progress --json "$W/bench-$name.json" --markdown "$W/bench-$name.md" "$@" \
+    2>&1 | tee "$W/bench-$name.log" | tail -30
+}
+with() {  # SRC DST KEY VALUE: the deploy YAML with KEY: VALUE added to every stage
+  sed "s/^  device: cuda/  device: cuda\n  $3: $4/" "$1" > "$2"
+}
+for step in "$@"; do
+  echo "=== $step $(date -u +%T)"
+  case $step in
+    setup)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+      python3 -m pip install -q --no-index --no-deps --no-build-isolation --ignore-requires-python --target /tmp/site .
+      nvidia-smi -L
+      python3 -c "import torch, transformers, grpc; print(torch.__version__, transformers.__version__, grpc.__version__, torch.cuda.get_device_name())" ;;
+    tests)
+      OMNISTAGE_TEST_DEVICE=cuda OMNISTAGE_TEST_DIFFS="$W/wave-diffs.tsv" python3 -m pytest -q -rfs --tb=short -p no:cacheprovider \
+        tests/test_device_copy.py tests/test_parity.py tests/test_multimodal_model.py tests/test_qwen2_5_omni.py \
+        2>&1 | tee "$W/tests.log" | tail -40 ;;
+    trace)
+      bench trace --out "$W/trace-tiny" --batching both --requests 2 ;;
+    bench-exact)
+      serve_bench cuda-exact deploy/examples/cuda.yaml ;;
+    bench-fast)
+      with deploy/examples/cuda.yaml /tmp/cuda-fast.yaml batching fast
+      serve_bench cuda-fast /tmp/cuda-fast.yaml ;;
+    wide)  # the real model's widths, a few layers (benchmarks/gpu/wide_checkpoint.py), bfloat16
+      python3 -m benchmarks.gpu.wide_checkpoint /tmp/wide 2>&1 | tail -2
+      bench trace --model /tmp/wide --dtype bfloat16 --out "$W/trace-wide" --batching both --requests 2
+      with deploy/examples/cuda.yaml /tmp/wide-exact.yaml dtype bfloat16
+      with /tmp/wide-exact.yaml /tmp/wide-fast.yaml batching fast
+      LIMIT=40 serve_bench wide-exact /tmp/wide-exact.yaml --model /tmp/wide
+      LIMIT=40 serve_bench wide-fast /tmp/wide-fast.yaml --model /tmp/wide ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
+for d in "$W"/trace-*; do [ -d "$d" ] && for f in "$d"/*.json.gz; do cp "$f" "$OUT/$(basename "$d")-$(basename "$f")"; done; done
+tar czf "$OUT/results-$(IFS=-; echo "$*").tgz" -C "$W" --exclude='*.json.gz' .
+ls -la "$OUT"
