@@ -24,16 +24,19 @@ so does SDPA over a batch.
   `F.linear` of that row alone for any batch size (a start-up self-test probes this for every
   weight shape and logs the result; shapes that fail it are computed row by row), and a request
   of several rows with its own `F.linear` over exactly its rows;
-* wraps the modules that call `F.linear` themselves (MoE routers) so that each request's rows
-  go through them alone;
+* wraps the modules that call `F.linear` themselves (MoE routers), and those whose elementwise
+  math is not row-independent (the talker's MoE block: a sigmoid over an [N, 1] tensor), so
+  that each request's rows go through them alone;
 * routes attention and the MoE experts (through transformers' attention and experts
   interfaces) to implementations that run SDPA per request over its own cache, and the
   `grouped_mm` experts per request, adding expert outputs in `generate()`'s order.
 
 Everything else in the model works row by row (norms, RoPE, activations, top-k routing), which
-does not depend on the number of rows. Outside `step(...)` the model computes exactly as
-loaded (SDPA attention, `grouped_mm` experts). `tests/test_batching.py` checks the kernel facts
-this rests on and that a request's outputs are bitwise the same alone and in any batch.
+does not depend on the number of rows while a row's width is a multiple of the CPU's vector
+width (true of every width these models have; a narrower one is what the MoE block above has).
+Outside `step(...)` the model computes exactly as loaded (SDPA attention, `grouped_mm` experts).
+`tests/test_batching.py` checks the kernel facts this rests on and that a request's outputs are
+bitwise the same alone and in any batch.
 """
 
 from __future__ import annotations
@@ -174,8 +177,13 @@ class ExactLinear(nn.Linear):
 
 
 class _PerRequestRows(nn.Module):
-    """Runs a row-wise module that calls `F.linear` itself (a MoE router) on each request's rows
-    alone. Its outputs (a tensor or a tuple of them) have one row per input row."""
+    """Runs a module on each request's rows alone, as `generate()` runs it: a MoE router, which
+    calls `F.linear` itself, or a whole MoE block whose elementwise math is not row-independent
+    (the talker's `sigmoid(shared_expert_gate(x))` over an [N, 1] tensor: on CPU, an element's
+    result depends on whether it lands in the vectorized part of the loop, hence on the number of
+    rows and the row's position; measured on an AVX-512 machine). A 2-d input is rows, a 3-d one
+    is packed `[1, rows, H]` (or `[requests, L, H]` on the batch axis); outputs (a tensor or a
+    tuple of them) have the input's row layout. Inside, the step looks like one request's."""
 
     def __init__(self, inner: nn.Module, batching: PackedBatching) -> None:
         super().__init__()
@@ -186,11 +194,19 @@ class _PerRequestRows(nn.Module):
         layout = self.batching.layout
         if layout is None or len(layout.lengths) == 1 or self.batching.fast:
             return self.inner(hidden_states)
-        rows = hidden_states.reshape(-1, hidden_states.shape[-1])
-        parts = [self.inner(piece) for piece in rows.split(layout.lengths)]
+        if hidden_states.dim() == 2:
+            axis, sizes = 0, layout.lengths
+        elif layout.batch_axis:
+            axis, sizes = 0, [1] * len(layout.lengths)
+        else:
+            axis, sizes = hidden_states.dim() - 2, layout.lengths
+        parts = []
+        for piece, rows in zip(hidden_states.split(sizes, dim=axis), layout.lengths, strict=True):
+            with self.batching.alone(rows, layout.batch_axis):
+                parts.append(self.inner(piece))
         if isinstance(parts[0], tuple):
-            return tuple(torch.cat(items) for items in zip(*parts, strict=True))
-        return torch.cat(parts)
+            return tuple(torch.cat(items, dim=axis) for items in zip(*parts, strict=True))
+        return torch.cat(parts, dim=axis)
 
 
 class PackedCache:
@@ -428,8 +444,9 @@ def _register_kernels() -> None:
 class PackedBatching:
     """Packed batching of one loaded model, exact or fast (see the module docstring).
 
-    `row_modules`: module types that call `F.linear` on their own weights (MoE routers); exact
-    mode runs them per request. Use `with batching.step(lengths, cache):` around a packed forward.
+    `row_modules`: module types that call `F.linear` on their own weights (MoE routers) or whose
+    math is not row-independent (a MoE block with a shared-expert gate); exact mode runs them
+    per request. Use `with batching.step(lengths, cache):` around a packed forward.
     """
 
     def __init__(self, model: nn.Module, row_modules: tuple[type[nn.Module], ...] = (), mode: str = "exact") -> None:
@@ -506,3 +523,14 @@ class PackedBatching:
             yield
         finally:
             self.layout = None
+
+    @contextmanager
+    def alone(self, rows: int, batch_axis: bool = False) -> Iterator[None]:
+        """Inside a packed step: one request's rows, as if the step held only it (no cache: what
+        runs inside is a row-wise part of a layer, not attention)."""
+        outer = self.layout
+        self.layout = _Layout([rows], batch_axis)
+        try:
+            yield
+        finally:
+            self.layout = outer

@@ -70,7 +70,9 @@ class Family(ABC):
         return []
 
     def row_modules(self) -> tuple[type, ...]:
-        """Module types that call `F.linear` on their own weights (see models/batching.py)."""
+        """Module types that exact batching runs on each request's rows alone: those that call
+        `F.linear` on their own weights, and those whose math is not row-independent (see
+        models/batching.py)."""
         return ()
 
     @abstractmethod
