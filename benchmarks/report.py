@@ -103,7 +103,32 @@ def saturation(result: dict[str, Any]) -> dict[str, Any] | None:
         "requests_per_s": rates[at],
         "bottleneck": st.get("bottleneck"),
         "of_bottleneck_alone": rates[at] / limit if limit else None,
+        "cpu_ceiling": cpu_ceiling(result, sweep[at]),
     }
+
+
+def cpu_ceiling(result: dict[str, Any], level: dict[str, Any]) -> dict[str, Any] | None:
+    """What the machine's cores allow at most, from CPU alone: its cores over the core-seconds one
+    request costs, which is each stage's at its best batch alone (one torch thread, so one core
+    while it runs) plus, at `level`, the CPU per request of the processes that run no steps (the
+    gateway, the bench client). A stack whose stages share the cores cannot beat it, however
+    well it batches. None without the figures (or with more than one torch thread)."""
+    machine = result.get("machine") or {}
+    stages = (result.get("stage_baseline") or {}).get("stages") or {}
+    rates = [s.get("requests_per_s") for s in stages.values()]
+    served = level["summary"]["requests_per_s"]
+    if not machine.get("affinity_cpus") or machine.get("torch_threads") != 1 or not rates or not all(rates) \
+            or not served:  # fmt: skip
+        return None
+    stages_s = sum(1 / r for r in rates)
+    others = [f["cpu_cores"] for f in (level.get("stage_load") or {}).values()
+              if f.get("steps") is None and f.get("cpu_cores") is not None]  # fmt: skip
+    others_s = sum(others) / served
+    ceiling = machine["affinity_cpus"] / (stages_s + others_s)
+    limit = (result.get("stage_baseline") or {}).get("bottleneck_requests_per_s")
+    return {"cores": machine["affinity_cpus"], "stages_core_s_per_request": stages_s,
+            "others_core_s_per_request": others_s, "requests_per_s": ceiling,
+            "of_bottleneck_alone": ceiling / limit if limit else None}  # fmt: skip
 
 
 def format_saturation(result: dict[str, Any]) -> str:
@@ -121,7 +146,14 @@ def format_saturation(result: dict[str, Any]) -> str:
     limit = ""
     if sat["of_bottleneck_alone"] is not None:
         limit = f", {sat['of_bottleneck_alone']:.2f} of the slowest stage alone ({sat['bottleneck']})"
-    return f"throughput by level: {levels}\n  {where}: {sat['requests_per_s']:.2f} req/s{limit}"
+    text = f"throughput by level: {levels}\n  {where}: {sat['requests_per_s']:.2f} req/s{limit}"
+    cap = sat.get("cpu_ceiling")
+    if cap is not None:
+        share = "" if cap["of_bottleneck_alone"] is None else f", {cap['of_bottleneck_alone']:.2f} of the slowest alone"
+        text += (f"\n  CPU ceiling on {cap['cores']} cores: {cap['requests_per_s']:.2f} req/s{share} "
+                 f"(each stage alone at its best batch {1000 * cap['stages_core_s_per_request']:.1f} ms of a core "
+                 f"per request, gateway and client {1000 * cap['others_core_s_per_request']:.1f} ms at this level)")
+    return text
 
 
 def format_stage_load(result: dict[str, Any]) -> str:
@@ -275,6 +307,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.axhline(st["bottleneck_requests_per_s"], color="red", ls=":",
                    label=f"bottleneck stage alone ({st['bottleneck']}) req/s")
     sat = saturation(result)
+    cap = sat.get("cpu_ceiling") if sat is not None else None
+    if cap is not None:
+        ax.axhline(cap["requests_per_s"], color="black", ls="-.", lw=0.8,
+                   label=f"CPU ceiling on {cap['cores']} cores req/s")  # fmt: skip
     if sat is not None and sat["saturated"]:
         ax.axvline(sat["concurrency"], color="C2", ls="--",
                    label=f"saturates: c={sat['concurrency']}, {sat['requests_per_s']:.2f} req/s")  # fmt: skip

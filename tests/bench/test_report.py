@@ -28,6 +28,24 @@ def test_saturation_is_the_first_level_at_nine_tenths_of_the_best() -> None:
         _result({1: 1.0, 4: 3.9, 8: 7.5, 16: 8.1, 32: 7.7, 64: 8.3}))
 
 
+def test_the_cpu_ceiling_is_the_cores_over_the_core_seconds_a_request_costs() -> None:
+    result = _result({1: 1.0, 4: 3.0, 8: 4.0})
+    result["machine"] = {"affinity_cpus": 2, "torch_threads": 1}
+    result["stage_baseline"]["stages"] = {"thinker": {"requests_per_s": 20.0}, "talker": {"requests_per_s": 10.0},
+                                          "code2wav": {"requests_per_s": 20.0}}  # 0.05 + 0.1 + 0.05 core-s
+    result["configurations"][2]["stage_load"] = {  # c=8: 0.4 cores besides the stages at 4 req/s
+        "talker": {"steps": 10.0, "cpu_cores": 0.9}, "gateway": {"steps": None, "cpu_cores": 0.3},
+        "bench client": {"steps": None, "cpu_cores": 0.1}}  # fmt: skip
+    cap = saturation(result)["cpu_ceiling"]
+    assert cap["stages_core_s_per_request"] == pytest.approx(0.2)
+    assert cap["others_core_s_per_request"] == pytest.approx(0.1)
+    assert cap["requests_per_s"] == pytest.approx(2 / 0.3) and cap["of_bottleneck_alone"] == pytest.approx(2 / 3)
+    assert "CPU ceiling on 2 cores: 6.67 req/s, 0.67 of the slowest alone" in format_saturation(result)
+    result["machine"]["torch_threads"] = 4  # then a stage alone is not one core: no ceiling
+    assert saturation(result)["cpu_ceiling"] is None
+    assert "CPU ceiling" not in format_saturation(_result({1: 1.0, 4: 3.0}))
+
+
 def test_a_sweep_still_growing_at_its_last_level_is_not_called_saturated() -> None:
     sat = saturation(_result({1: 1.0, 4: 3.0, 8: 5.0}))
     assert sat is not None and not sat["saturated"] and sat["concurrency"] == 8
