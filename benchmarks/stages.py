@@ -43,8 +43,7 @@ class _Recorder:
         self.rec = rec
 
     def on_output(self, req: Request, out: StepOutput) -> None:
-        for c in (*out.up, *out.down):
-            c.wait()
+        out.wait()
         self.rec.up += out.up
         self.rec.down += out.down
 

@@ -142,8 +142,7 @@ class _Run:
 
     def output(self, name: str, req: Request, out: StepOutput) -> None:
         t = time.perf_counter() - self.t0
-        for c in (*out.up, *out.down):
-            c.wait()  # its copy to the host (from a CUDA stage) is complete
+        out.wait()  # the chunks' copies to the host (from a CUDA stage) are complete
         for c in out.up:
             if edges.IDS in c.tensors:
                 for token in c.tensors[edges.IDS].tolist():

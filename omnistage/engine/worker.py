@@ -58,6 +58,12 @@ class StepOutput:
     finished: FinishReason | None = None  # this stage's work for the request is complete
     detail: str = ""  # what made it finish, e.g. "stop_id"
 
+    def wait(self) -> StepOutput:
+        """Block until every chunk's copy to the host is complete (see `OutChunk.wait`)."""
+        for c in (*self.up, *self.down):
+            c.wait()
+        return self
+
 
 class StageWorker(ABC):
     """A stage's model behind the engine: validates input, runs batched steps."""

@@ -182,8 +182,8 @@ class _PerRequestRows(nn.Module):
     (the talker's `sigmoid(shared_expert_gate(x))` over an [N, 1] tensor: on CPU, an element's
     result depends on whether it lands in the vectorized part of the loop, hence on the number of
     rows and the row's position; measured on an AVX-512 machine). A 2-d input is rows, a 3-d one
-    is packed `[1, rows, H]` (or `[requests, L, H]` on the batch axis); outputs (a tensor or a
-    tuple of them) have the input's row layout. Inside, the step looks like one request's."""
+    is packed `[1, rows, H]`; outputs (a tensor or a tuple of them) have the input's row layout.
+    Inside, the step looks like one request's."""
 
     def __init__(self, inner: nn.Module, batching: PackedBatching) -> None:
         super().__init__()
@@ -194,15 +194,10 @@ class _PerRequestRows(nn.Module):
         layout = self.batching.layout
         if layout is None or len(layout.lengths) == 1 or self.batching.fast:
             return self.inner(hidden_states)
-        if hidden_states.dim() == 2:
-            axis, sizes = 0, layout.lengths
-        elif layout.batch_axis:
-            axis, sizes = 0, [1] * len(layout.lengths)
-        else:
-            axis, sizes = hidden_states.dim() - 2, layout.lengths
+        axis = hidden_states.dim() - 2  # the rows' axis: [rows, H] or packed [1, rows, H]
         parts = []
-        for piece, rows in zip(hidden_states.split(sizes, dim=axis), layout.lengths, strict=True):
-            with self.batching.alone(rows, layout.batch_axis):
+        for piece, rows in zip(hidden_states.split(layout.lengths, dim=axis), layout.lengths, strict=True):
+            with self.batching.alone(rows):
                 parts.append(self.inner(piece))
         if isinstance(parts[0], tuple):
             return tuple(torch.cat(items, dim=axis) for items in zip(*parts, strict=True))
@@ -525,11 +520,11 @@ class PackedBatching:
             self.layout = None
 
     @contextmanager
-    def alone(self, rows: int, batch_axis: bool = False) -> Iterator[None]:
+    def alone(self, rows: int) -> Iterator[None]:
         """Inside a packed step: one request's rows, as if the step held only it (no cache: what
         runs inside is a row-wise part of a layer, not attention)."""
         outer = self.layout
-        self.layout = _Layout([rows], batch_axis)
+        self.layout = _Layout([rows], batch_axis=False)
         try:
             yield
         finally:
