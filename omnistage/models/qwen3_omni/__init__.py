@@ -61,9 +61,9 @@ class Qwen3Omni(Family):
     def row_modules(self) -> tuple[type, ...]:
         from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as m
 
-        # the talker's MoE block as a whole: its shared-expert gate's sigmoid (see models/batching.py)
-        return (m.Qwen3OmniMoeThinkerTextTopKRouter, m.Qwen3OmniMoeTalkerTextTopKRouter,
-                m.Qwen3OmniMoeTalkerTextSparseMoeBlock)  # fmt: skip
+        # the talker's MoE block as a whole, its router inside it: its shared-expert gate's
+        # sigmoid is not row-independent either (see models/batching.py)
+        return (m.Qwen3OmniMoeThinkerTextTopKRouter, m.Qwen3OmniMoeTalkerTextSparseMoeBlock)
 
     def check_tokenizer(self, tokenizer: Any, config: Any) -> list[str]:
         return spec.check_tokenizer(tokenizer, config)
