@@ -274,9 +274,9 @@ def test_code_predictor_loop_is_the_forward_bitwise(checkpoints: Any, name: str)
     def loop(rows: torch.Tensor) -> list[torch.Tensor]:
         seen: list[torch.Tensor] = []
 
-        def choose(logits: torch.Tensor) -> list[int]:
+        def choose(logits: torch.Tensor) -> torch.Tensor:
             seen.append(logits.clone())
-            return torch.argmax(logits, dim=-1).tolist()
+            return torch.argmax(logits, dim=-1)
 
         talker.code_predictor.run(rows, choose)
         return seen

@@ -66,9 +66,11 @@ class CodePredictorLoop:
             return self.heads[group - 1](self.norm(hidden))
 
     @torch.no_grad()
-    def run(self, first: torch.Tensor, choose: Callable[[torch.Tensor], list[int]]) -> list[list[int]]:
-        """`first`: `[B, 2, H]`; `choose(logits [B, V]) -> B ids` picks group j's codes.
-        Returns the codes of groups 1..groups-1, one list of B per group."""
+    def run(self, first: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`first`: `[B, 2, H]`; `choose(logits [B, V]) -> [B]` ids (on `first`'s device) picks
+        group j's codes. Returns the codes of groups 1..groups-1, `[groups - 1, B]`, where the
+        forwards ran: the ids go from one group's head to the next group's embedding without
+        leaving the device (on CUDA, no host sync per group)."""
         batch = first.shape[0]
         rope = self._step_rope(first)
         self.cache.reset()
@@ -79,6 +81,5 @@ class CodePredictorLoop:
             codes.append(step)
             if group == self.groups - 1:
                 break
-            ids = torch.tensor(step, device=first.device).view(batch, 1)
-            logits = self._forward(self.embeddings[group - 1](ids), rope[group], group + 1)
-        return codes
+            logits = self._forward(self.embeddings[group - 1](step.view(batch, 1)), rope[group], group + 1)
+        return torch.stack(codes)

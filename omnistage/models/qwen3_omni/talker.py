@@ -258,18 +258,19 @@ class Talker:
         code0 = torch.tensor([[s.code0] for s in states], device=self.device)
         first = torch.cat((torch.cat([s.past_hidden for s in states]), self.codec_embedding(code0)), dim=1)  # type: ignore[misc]
         choosers = [s.residual_chooser for s in states]
-        if all(c.plain_greedy for c in choosers):  # one argmax for the batch per group
+        if all(c.plain_greedy for c in choosers):  # one argmax for the batch per group, on the device
 
-            def choose(logits: torch.Tensor) -> list[int]:
-                return torch.argmax(logits.float(), dim=-1).tolist()
+            def choose(logits: torch.Tensor) -> torch.Tensor:
+                return torch.argmax(logits.float(), dim=-1)
         else:
             empty = torch.empty(0, dtype=torch.long)
 
-            def choose(logits: torch.Tensor) -> list[int]:
-                return [c.choose(logits[b], empty) for b, c in enumerate(choosers)]
+            def choose(logits: torch.Tensor) -> torch.Tensor:
+                return torch.tensor([c.choose(logits[b], empty) for b, c in enumerate(choosers)], device=self.device)
 
-        residuals = self.code_predictor.run(first, choose)
-        return list(torch.tensor([code0.view(-1).tolist(), *residuals], dtype=torch.long).t().unbind(0))
+        residuals = self.code_predictor.run(first, choose)  # [G - 1, B]
+        codes = torch.cat((code0.view(1, -1), residuals)).t().cpu()  # [B, G]: one copy to the host
+        return list(codes.unbind(0))
 
     def _frame_sums(self, frames: list[torch.Tensor]) -> torch.Tensor:
         """Each completed frame's summed code embeddings, `[B, 1, H]`: one embedding lookup per
