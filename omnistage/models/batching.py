@@ -440,19 +440,21 @@ def _register_kernels() -> None:
     ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, exact_experts)
 
 
+@functools.lru_cache(maxsize=64)
 def _body(cls: type) -> str | None:
+    """`cls.forward`'s source after its signature, each line stripped (None: no source)."""
     try:
         return "\n".join(line.strip() for line in inspect.getsource(cls.forward).splitlines()[1:])  # type: ignore[attr-defined]
     except (OSError, TypeError):
         return None
 
 
-@functools.lru_cache(maxsize=64)
 def _standard_rms_norm(cls: type) -> bool:
     """Is `cls.forward` transformers' standard RMSNorm, line for line (LlamaRMSNorm's, which
     the Qwen Omni families' norms copy)? Any other norm (an offset weight, another upcast) is
     left as it is."""
-    return _body(cls) is not None and _body(cls) == _body(LlamaRMSNorm)
+    body = _body(cls)
+    return body is not None and body == _body(LlamaRMSNorm)
 
 
 class _FusedRMSNorm(nn.Module):
