@@ -270,6 +270,14 @@ def _first_error(e: ValidationError) -> tuple[str, str]:
     return _field(err["loc"]), err["msg"]
 
 
+async def _disconnect(request: Request) -> None:
+    """Returns when the client closes its connection. Once the body is read, the ASGI server's
+    `receive` answers only `http.disconnect` (or an empty trailing body part), so this notices a
+    hang-up at once instead of at the next poll."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 # ---- the app --------------------------------------------------------------------------------
 
 
@@ -317,19 +325,19 @@ class ChatCompletions:
             return StreamingResponse(self._stream(req, body, timeout), media_type="text/event-stream",
                                      headers=headers)  # fmt: skip
         task = asyncio.ensure_future(self._whole(req, body, timeout))
+        gone = asyncio.ensure_future(_disconnect(request))
         try:
-            while True:  # a client that goes away cancels its request
-                done, _ = await asyncio.wait({task}, timeout=0.25)
-                if done:
-                    break
-                if await request.is_disconnected():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, HttpError):
-                        await task
-                    return Response(status_code=499)
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():  # the client went away: its request is cancelled down the chain
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, HttpError):
+                    await task
+                return Response(status_code=499)
             response = task.result()
         except HttpError as e:
             response = e.response()
+        finally:
+            gone.cancel()
         response.headers.update(headers)
         return response
 
