@@ -89,17 +89,6 @@ def make_start(thinker: SamplingParams, talker: SamplingParams, want_audio: bool
     return start
 
 
-def chunk_schedule(frames: int, first_chunk: int, chunk: int) -> list[tuple[int, int]]:
-    """Frame spans code2wav decodes, as its worker does: a small first chunk, then `chunk`."""
-    spans: list[tuple[int, int]] = []
-    pos = 0
-    while pos < frames:
-        n = first_chunk if not spans else chunk
-        spans.append((pos, min(pos + n, frames)))
-        pos += n
-    return spans
-
-
 @dataclass
 class StageTimes:
     """Seconds each stage took over the whole request mix, alone, by batch size."""

@@ -65,6 +65,20 @@ def gaps(times: Sequence[float]) -> list[float]:
     return [b - a for a, b in itertools.pairwise(times)]
 
 
+def playback_stall(times: Sequence[float], samples: Sequence[int], sample_rate: int) -> float | None:
+    """Total time a player waits for audio after it starts at the first chunk's arrival: chunk i
+    arrives at `times[i]` with `samples[i]` samples; the player needs them back to back."""
+    if not times or not sample_rate:
+        return None
+    stall, runs_dry = 0.0, times[0]
+    for t, n in zip(times, samples, strict=True):
+        if t > runs_dry:
+            stall += t - runs_dry
+            runs_dry = t
+        runs_dry += n / sample_rate
+    return stall
+
+
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
     """numerator / denominator, or None when either side was not measured (or is zero)."""
     if numerator is None or denominator is None or denominator == 0:
@@ -107,6 +121,12 @@ class RequestRecord:
     def chunk_gaps(self) -> list[float]:
         return gaps(self.audio_times)
 
+    @property
+    def stall_s(self) -> float | None:
+        """Seconds a client that starts playing at the first audio, and plays on at the sample
+        rate, waits for audio after that (0: the stream never ran dry)."""
+        return playback_stall(self.audio_times, self.audio_chunk_samples, self.sample_rate)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "config": self.config,
@@ -129,6 +149,7 @@ class RequestRecord:
             "audio_times": self.audio_times,
             "audio_chunk_samples": self.audio_chunk_samples,
             "chunk_gaps": self.chunk_gaps,
+            "stall_s": self.stall_s,
             "info": self.info,
         }
 
@@ -174,6 +195,7 @@ def summarize_records(records: Sequence[RequestRecord], wall_s: float | None = N
         "audio_s": summarize([r.audio_s for r in ok if r.audio_samples]),
         "chunk_gap_s": summarize(pooled_gaps),
         "max_chunk_gap_s": summarize([max(r.chunk_gaps) for r in ok if r.chunk_gaps]),
+        "stall_s": summarize([r.stall_s for r in ok if r.audio_times]),
         **throughput(records, wall_s),
     }
 

@@ -10,7 +10,6 @@ from benchmarks.drivers import BenchRequest, Driver, StreamEvent, build_record
 from benchmarks.harness import Run, ratio_inputs
 from benchmarks.load import LevelResult, poisson_offsets, run_concurrency
 from benchmarks.prompts import request_sequence
-from benchmarks.stages import chunk_schedule
 from benchmarks.stats import (
     RATIO_KEYS,
     RatioInputs,
@@ -18,6 +17,7 @@ from benchmarks.stats import (
     compute_ratios,
     gaps,
     percentile,
+    playback_stall,
     real_time_factor,
     summarize,
     summarize_records,
@@ -59,6 +59,20 @@ def test_rtf_and_gaps() -> None:
     assert gaps([0.1, 0.3, 0.35, 1.0]) == pytest.approx([0.2, 0.05, 0.65])
     assert gaps([0.4]) == []
     assert gaps([]) == []
+
+
+def test_playback_stall() -> None:
+    rate = 100  # samples per second: a 10-sample chunk plays 0.1 s
+    # chunks that arrive before the audio before them has played: never dry
+    assert playback_stall([1.0, 1.05, 1.15], [10, 10, 10], rate) == pytest.approx(0.0)
+    # the second chunk 0.3 s after the first, which plays 0.1 s: 0.2 s dry; the third waits 0.05 s more
+    assert playback_stall([1.0, 1.3, 1.45], [10, 10, 10], rate) == pytest.approx(0.25)
+    # a large chunk buys time for later, slower ones
+    assert playback_stall([0.0, 0.5, 0.9], [100, 10, 10], rate) == pytest.approx(0.0)
+    assert playback_stall([], [], rate) is None
+    record = RequestRecord("x", 0, 0, 3, 0.0, audio_times=[1.0, 1.3], audio_chunk_samples=[2400, 2400])
+    assert record.stall_s == pytest.approx(0.2)
+    assert summarize_records([record])["stall_s"]["median"] == pytest.approx(0.2)
 
 
 def _req(i: int = 0) -> BenchRequest:
@@ -168,9 +182,6 @@ def test_request_sequence_and_schedules() -> None:
     assert len(seq) == 10
     offs = poisson_offsets(5, 2.0, seed=1)
     assert offs == poisson_offsets(5, 2.0, seed=1) and offs == sorted(offs) and offs[0] > 0
-    assert chunk_schedule(30, 4, 25) == [(0, 4), (4, 29), (29, 30)]
-    assert chunk_schedule(3, 4, 25) == [(0, 3)]
-    assert chunk_schedule(0, 4, 25) == []
 
 
 class _FakeDriver(Driver):
