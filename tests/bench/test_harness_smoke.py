@@ -18,7 +18,7 @@ from services import edges
 RECORD_KEYS = {
     "config", "index", "prompt_index", "prompt_chars", "issued_at", "ok", "error", "ttft", "ttfa", "e2e",
     "text_tokens", "token_ids", "audio_samples", "sample_rate", "audio_s", "rtf", "text_times", "audio_times",
-    "audio_chunk_samples", "chunk_gaps", "info",
+    "audio_chunk_samples", "chunk_gaps", "stall_s", "info",
 }
 
 
@@ -52,7 +52,7 @@ def test_harness_in_process(tiny_dir: Path, tmp_path: Path) -> None:
         assert len(cfg["requests"]) == 2
         s = cfg["summary"]
         assert (s["requests"], s["ok"], s["failed"]) == (2, 2, 0)
-        for k in ("ttft_s", "ttfa_s", "e2e_s", "rtf", "audio_s", "chunk_gap_s"):
+        for k in ("ttft_s", "ttfa_s", "e2e_s", "rtf", "audio_s", "chunk_gap_s", "stall_s"):
             assert set(s[k]) == set(SUMMARY_KEYS)
         assert s["ttfa_s"]["n"] == 2  # every built-in prompt speaks
         for k in ("requests_per_s", "audio_s_per_s", "text_tokens_per_s", "wall_s"):
