@@ -73,9 +73,20 @@ def _run(causal: bool, total: int, schedule: Code2WavConfig) -> list[Any]:
     return down
 
 
-@pytest.mark.parametrize(("total", "sizes"), [(40, [3, 5, 5, 5, 5, 5, 5, 5, 2]), (3, [3]), (2, [2]), (8, [3, 5])])
-def test_a_causal_decoder_gets_its_frames_on_its_decode_schedule(total: int, sizes: list[int]) -> None:
-    down = _run(True, total, Code2WavConfig(base_port=7301, first_chunk_frames=3, chunk_frames=5))
+@pytest.mark.parametrize(
+    ("first", "total", "sizes"),
+    [
+        # each chunk as long as what was sent before it, from the first chunk's size up to 5
+        (3, 40, [3, 3, 5, 5, 5, 5, 5, 5, 4]),
+        (3, 3, [3]),
+        (3, 2, [2]),
+        (3, 8, [3, 3, 2]),
+        (1, 23, [1, 1, 2, 4, 5, 5, 5]),
+        (7, 12, [7, 5]),  # a first chunk longer than chunk_frames
+    ],
+)
+def test_a_causal_decoder_gets_its_frames_on_its_decode_schedule(first: int, total: int, sizes: list[int]) -> None:
+    down = _run(True, total, Code2WavConfig(base_port=7301, first_chunk_frames=first, chunk_frames=5))
     frames = [c for c in down if edges.CODES in c.tensors]
     assert [c.length for c in frames] == sizes
     assert [c.offset for c in frames] == [sum(sizes[:i]) for i in range(len(sizes))]

@@ -1,8 +1,9 @@
 """code2wav stage: codec frames in; float32 audio chunks up.
 
-Chunking: a request's pending frames are decoded once `first_chunk_frames` (then
-`chunk_frames`) of them are waiting, or whatever is left once its input has finished; every
-request due in a step is decoded in one batched call.
+Chunking: a request's pending frames are decoded once its next chunk's worth of them
+(`Code2WavConfig.chunk_target`: `first_chunk_frames`, then growing to `chunk_frames`) are final,
+or whatever is left once its input has finished; every request due in a step is decoded in one
+batched call.
 """
 
 from __future__ import annotations
