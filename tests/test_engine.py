@@ -107,6 +107,40 @@ def test_requests_run_batched_to_their_end_and_are_freed() -> None:
     assert engine.load()["open"] == 0 and engine.scheduler.stats()["reserved_tokens"] == 0
 
 
+class SendsDown(Counting):
+    """Says which requests will send chunks downstream (`down` in their params)."""
+
+    def sends_down(self, req: Request) -> bool:
+        return bool(req.params.get("down"))
+
+
+class StartedSink(Sink):
+    def __init__(self, worker: Counting) -> None:
+        super().__init__()
+        self.worker = worker
+        self.started_after: list[int] = []  # the worker's steps before each on_started
+
+    def on_started(self, req: Request) -> None:
+        self.started_after.append(len(self.worker.batches))
+
+
+def test_a_request_that_sends_down_is_announced_once_before_its_first_step() -> None:
+    """The stage server opens the downstream call then, so its set-up overlaps the first step. A
+    request that sends nothing down is not announced, and a sink without the hook is fine."""
+    worker = SendsDown()
+    engine = Engine(worker, background=False)
+    down, local, plain = StartedSink(worker), StartedSink(worker), Sink()
+    engine.open("first", {"steps": 3}, Sink())
+    run_until_idle(engine)  # the worker has stepped before the others open
+    engine.open("down", {"steps": 3, "down": True}, down)
+    engine.open("local", {"steps": 3}, local)
+    engine.open("plain", {"steps": 3, "down": True}, plain)
+    run_until_idle(engine)
+    assert down.started_after == [3]  # once, before the first step it is in (the 4th)
+    assert local.started_after == []
+    assert len(plain.outputs) == 3 and len(down.outputs) == 3
+
+
 def test_one_failing_request_does_not_take_the_others_down() -> None:
     worker = Counting()
     engine = Engine(worker, background=False)

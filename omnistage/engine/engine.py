@@ -45,6 +45,10 @@ class EngineSink(Protocol):
         """Outputs handed over and not yet taken by the caller fill the request's buffer: the
         engine pauses the request until they are taken."""
 
+    def on_started(self, req: Request) -> None:
+        """The request's first step is about to run, and its worker says it will send chunks
+        downstream (`StageWorker.sends_down`): open the downstream call now. Optional."""
+
 
 class StepObserver(Protocol):
     """Told of every engine step (metrics): requests in it, seconds it took, the CPU seconds the
@@ -267,6 +271,13 @@ class Engine:
         return took
 
     def _step(self, batch: Sequence[ScheduledItem]) -> None:
+        for item in batch:
+            req = item.request
+            if not req.started:
+                req.started = True
+                notify = getattr(req.sink, "on_started", None)  # in-process sinks have none
+                if notify is not None and self.worker.sends_down(req):
+                    notify(req)
         t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             outputs: list[StepOutput | Exception] = self.worker.execute(batch)

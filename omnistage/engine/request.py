@@ -96,6 +96,7 @@ class Request:
     queued: bool = False  # known to the scheduler (its demand is known)
     admitted: bool = False  # holds a cache reservation
     ready: bool = False  # its worker can step now
+    started: bool = False  # it has been in a step
 
     # ---- the model's state and the outcome --------------------------------------------------
     state: Any = None  # per-model state, owned by the worker

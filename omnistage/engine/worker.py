@@ -84,6 +84,13 @@ class StageWorker(ABC):
     def feed(self, req: Request, chunk: DecodedChunk) -> None:
         """Validate and take one input chunk (raise StageError)."""
 
+    def sends_down(self, req: Request) -> bool:
+        """Will the request send chunks downstream, and end that stream with a finished chunk,
+        whatever it produces? Then its downstream call is opened as its first step starts (the
+        call's set-up overlaps the step) rather than when its first chunk for downstream exists.
+        (A query on the opened request.)"""
+        return False
+
     def demand(self, req: Request) -> Demand | None:
         """What to queue the request with, once known (None before). Stages with a per-token
         KV cache (the thinker) count tokens; the others count steps."""

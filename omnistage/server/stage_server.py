@@ -54,6 +54,7 @@ from services.edges import check_start, downstream_start
 log = logging.getLogger(__name__)
 
 _DOWN_DONE = object()  # on a call's queue: the downstream call has ended well
+_OPEN_DOWN = object()  # on a call's queue: open the downstream call now (the request's first step starts)
 
 
 class _Finished:
@@ -140,6 +141,9 @@ class _Call:
 
     def on_finished(self, req: Request) -> None:
         self._post(_Finished(req.error))
+
+    def on_started(self, req: Request) -> None:
+        self._post(_OPEN_DOWN)
 
 
 class _DownBuffer:
@@ -337,11 +341,8 @@ class StageService:
                         for chunk in self._encode(out, seq, None, req.request_id):
                             seq += 1
                             yield Outgoing(stage_pb2.StageResponse(stage=self.stream), chunk)
-                    if item.down and call.down_call is None:
-                        pending.add("down")
-                        call.down = _DownBuffer(self.replay_budget_bytes)
-                        self._open_downstream(req, call, context)
-                        tasks.append(asyncio.create_task(self._relay(req, call, context)))
+                    if item.down and call.down is None:
+                        self._begin_downstream(req, call, context, pending, tasks)
                     for out in item.down:
                         assert call.down is not None
                         call.down.put(out)
@@ -353,6 +354,9 @@ class StageService:
                     pending.discard("self")
                 elif item is _DOWN_DONE:
                     pending.discard("down")
+                elif item is _OPEN_DOWN:
+                    if call.down is None and self.downstream is not None:
+                        self._begin_downstream(req, call, context, pending, tasks)
                 elif isinstance(item, StageError):
                     await self._end_with(context, call, tasks[0], item)
             # Done: end the call only once the caller has half-closed (same race as above; e.g.
@@ -441,6 +445,15 @@ class StageService:
         call.put_now(err)
 
     # ---- downstream -----------------------------------------------------------------------
+
+    def _begin_downstream(self, req: Request, call: _Call, context: grpc.aio.ServicerContext, pending: set[str],
+                          tasks: list[asyncio.Task[Any]]) -> None:  # fmt: skip
+        """The request's downstream stream: its buffer, its call and the relay of its responses
+        (the call ends this one's wait only once it has ended too)."""
+        pending.add("down")
+        call.down = _DownBuffer(self.replay_budget_bytes)
+        self._open_downstream(req, call, context)
+        tasks.append(asyncio.create_task(self._relay(req, call, context)))
 
     def _open_downstream(self, req: Request, call: _Call, context: grpc.aio.ServicerContext) -> None:
         """One call per request to the downstream stage; its lifetime is this request's (a

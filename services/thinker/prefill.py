@@ -31,6 +31,9 @@ class PrefillWorker(ThinkerWorker):
         super().__init__(thinker, *args, **kwargs)
         self.checks = role_checks(thinker)
 
+    def sends_down(self, req: Request) -> bool:
+        return True  # every prefill chunk's KV, then the handoff, to the decode role
+
     def demand(self, req: Request) -> Demand | None:
         state = req.state
         if not state.prompt_ids:

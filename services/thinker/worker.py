@@ -38,6 +38,10 @@ class ThinkerWorker(StageWorker):
         sampling = edges.sampling(self.part, start, self.defaults, self._max_model_len)
         req.state = self.thinker.new_state(sampling, self._max_model_len)
 
+    def sends_down(self, req: Request) -> bool:
+        # a reply with speech: the prompt and every token go to the talker, the last one finished
+        return bool(req.params.want_audio)
+
     def feed(self, req: Request, chunk: DecodedChunk) -> None:
         prompt = edges.read_prompt(self.name, chunk)
         try:
