@@ -6,9 +6,11 @@ import functools
 
 import pytest
 import torch
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeSnakeBeta
 
 from omnistage.models.qwen3_omni.code2wav_streaming import (
     IncrementalCode2Wav,
+    _snake_beta,
     exact_decode_stream,
     full_decode,
     place_windowed_chunks,
@@ -137,3 +139,18 @@ def test_windowed_reference_is_approximate(name: str) -> None:
         f"exact max|d| = {exact_diff:.3g}"
     )
     assert stream.shape[0] == ref.shape[0] - (len(chunks) - 1) * dec.holdback_samples
+
+
+@torch.no_grad()
+def test_snake_beta_in_place_is_the_modules_forward_bitwise() -> None:
+    """The decoder's SnakeBeta (the module's ops into one new tensor) equals the module's forward
+    bit for bit, on contiguous and strided inputs, and leaves its input alone."""
+    torch.manual_seed(0)
+    for channels, length in ((4, 1000), (64, 257)):
+        act = Qwen3OmniMoeSnakeBeta(channels)
+        act.alpha.normal_(0, 0.5)
+        act.beta.normal_(0, 0.5)
+        for x in (torch.randn(3, channels, length) * 3, (torch.randn(3, length, channels) * 3).transpose(1, 2)):
+            before = x.clone()
+            assert torch.equal(_snake_beta(act, x), act(x))
+            assert torch.equal(x, before)
