@@ -543,8 +543,7 @@ class IncrementalCode2Wav:
             x = x * valid[:, None, :].to(x.dtype)
         y = F.conv_transpose1d(x, conv.weight, None, stride=stride)  # [B, C, (L-1)s + K]
         if tail_len:
-            tails = torch.stack([s.trans_tail[idx] for s in states])
-            y = torch.cat([y[..., :tail_len] + tails, y[..., tail_len:]], dim=-1)
+            y[..., :tail_len] += torch.stack([s.trans_tail[idx] for s in states])  # y is this step's own
         bias = conv.bias[None, :, None] if conv.bias is not None else None
         out_lens: list[int] = []
         starts: list[int] = []
