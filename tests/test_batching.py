@@ -155,6 +155,25 @@ def test_talker_steps_are_bitwise_the_same_alone_and_batched(pipeline: Any) -> N
                    for (_, a), (_, b) in zip(alone[i], together[i], strict=True))  # fmt: skip
 
 
+def test_a_frame_comes_out_in_the_step_that_chose_its_code0(pipeline: Any) -> None:
+    """The talker prompt's step already gives the first frame (its code-0 and, in the same step,
+    its residuals), and each later step one more, until the step whose code-0 ends the reply: the
+    first audio waits for one talker step less."""
+    talker, spec = pipeline.talker, pipeline.spec
+    ids = torch.tensor(pipeline.prompt_ids("Tell me about the sea."))
+    torch.manual_seed(3)
+    state = talker.new_state(SamplingParams(max_tokens=5), spec.default_speaker)
+    state.set_prompt(ids, torch.randn(len(ids), spec.thinker_hidden), None, spec)
+    for k in range(6):
+        state.add_token(torch.randn(spec.thinker_hidden), k == 5)
+    frames = []
+    while state.can_step(True) and len(frames) < 10:
+        frames.append(talker.step([(state, True)])[0])
+    assert state.finished and len(frames) >= 2
+    assert all(f is not None for f in frames[:-1]) and frames[-1] is None
+    assert state.frames == len(frames) - 1 == len(state.history) - 1
+
+
 @pytest.fixture(scope="module")
 def fast_pipeline(tiny_dir: Any) -> Any:
     from omnistage.config import parse_config

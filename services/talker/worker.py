@@ -83,7 +83,7 @@ class TalkerWorker(StageWorker):
         return req.state.finished or req.state.can_step(req.input_finished)
 
     def execute(self, batch: Sequence[ScheduledItem]) -> list[StepOutput | Exception]:
-        """One batched code-predictor pass and one packed talker forward for every request."""
+        """One packed talker forward and one batched code-predictor pass for every request."""
         live = [it.request for it in batch if not it.request.state.finished]
         frames = dict(zip(live, self.talker.step([(r.state, r.input_finished) for r in live]), strict=True))
         return [self._output(it.request, frames.get(it.request)) for it in batch]

@@ -96,7 +96,7 @@ class TalkerState:
         if not self.started:
             return self._element(ASSISTANT_HEADER_LEN) is not None or text_done
         if self.pending_frame is None:
-            return True
+            return self.code0 is not None  # its frame's residuals are due
         return text_done or self._element(ASSISTANT_HEADER_LEN + 1 + self.step) is not None
 
 
@@ -144,17 +144,11 @@ class Talker:
 
     @torch.no_grad()
     def step(self, items: Sequence[tuple[TalkerState, bool]]) -> list[torch.Tensor | None]:
-        """One step for every `(state, text_done)`: a batched code-predictor pass completes the
-        frame of every state that has a code-0, then one packed talker forward runs every talker
-        prompt and every completed frame whose trailing text is known. Returns each state's new
-        frame (`[num_code_groups]` codes) or None."""
-        frames: list[torch.Tensor | None] = [None] * len(items)
-        due = [i for i, (s, _) in enumerate(items) if s.started and not s.finished and s.pending_frame is None]
-        if due:
-            for i, frame in zip(due, self._residuals([items[i][0] for i in due]), strict=True):
-                state = items[i][0]
-                state.pending_frame = frames[i] = frame
-                state.frames += 1
+        """One step for every `(state, text_done)`: one packed talker forward runs every talker
+        prompt and every completed frame whose trailing text is known, each giving its next
+        frame's code-0; then a batched code-predictor pass completes those frames. Returns each
+        state's new frame (`[num_code_groups]` codes) or None. (A frame is out in the step that
+        chose its code-0, so the first frame comes with the prompt's step.)"""
         rows: list[tuple[TalkerState, torch.Tensor]] = []
         advancing: list[tuple[TalkerState, torch.Tensor]] = []  # (state, its frame's trailing text)
         for state, text_done in items:
@@ -165,7 +159,7 @@ class Talker:
                 if embeds is not None:
                     state.started = True
                     rows.append((state, embeds))
-            else:
+            elif state.pending_frame is not None:
                 trailing = self._trailing(state, text_done)
                 if trailing is not None:
                     advancing.append((state, trailing))
@@ -177,6 +171,13 @@ class Talker:
                 state.step += 1
         if rows:
             self._forward(rows)
+        frames: list[torch.Tensor | None] = [None] * len(items)
+        due = [i for i, (s, _) in enumerate(items) if s.code0 is not None and s.pending_frame is None]
+        if due:
+            for i, frame in zip(due, self._residuals([items[i][0] for i in due]), strict=True):
+                state = items[i][0]
+                state.pending_frame = frames[i] = frame
+                state.frames += 1
         return frames
 
     def _prefill_rows(self, state: TalkerState, text_done: bool) -> torch.Tensor | None:
