@@ -152,6 +152,22 @@ def test_cancellation_frees_every_stage(stack: Stack, pipeline: Any) -> None:
     assert all(_idle(a) for a in stages), {a: str(run(info(a)).load) for a in stages}
 
 
+def test_a_one_token_reply_with_speech_ends_cleanly(stack: Stack) -> None:
+    """The talker cannot speak a reply of one token (neither can generate()): the reply has its
+    token and no audio, no error, and every stage lets go of it; code2wav too, whose call the
+    talker opened as its first step started and ends with no frames."""
+    code2wav = stack.addresses("code2wav")
+    before = sum(run(info(a)).load.requests_total for a in code2wav)
+    reply = run(generate(stack.gateway_address, PROMPT, thinker_max_tokens=1, talker_max_tokens=20, timeout=30))
+    assert len(reply.token_ids) == 1 and reply.pcm.size == 0
+    assert sum(run(info(a)).load.requests_total for a in code2wav) == before + 1
+    stages = stack.addresses("thinker") + stack.addresses("talker") + code2wav
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(_idle(a) for a in stages):
+        time.sleep(0.1)
+    assert all(_idle(a) for a in stages), {a: str(run(info(a)).load) for a in stages}
+
+
 def test_deadline_exceeded_is_reported(stack: Stack, pipeline: Any) -> None:
     async def go() -> None:
         async for _ in stream_generate(stack.gateway_address, "hi", thinker_max_tokens=300, talker_max_tokens=300,
