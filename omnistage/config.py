@@ -77,7 +77,7 @@ class Code2WavConfig(StageConfig):
         first audio waits for few frames, and no later chunk is longer than the audio already
         out, so a pipeline faster than real time delivers it before the client has played what it
         has (a fixed 25 after the first left 4 frames of audio to cover 25: at c=16 on 2 cores,
-        clients ran dry for 0.4-0.8 s, p99). The code2wav stage decodes when that many are final;
+        clients ran dry for 0.4-0.7 s, p99). The code2wav stage decodes when that many are final;
         a talker feeding a causal decoder sends its frames on the same schedule."""
         if frames_done == 0:
             return self.first_chunk_frames
