@@ -222,7 +222,7 @@ def test_bad_requests_get_the_documented_status_and_shape(http_stack: Stack) -> 
         error = r.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert error["message"].startswith(field) or error["param"] == field, (field, error)
-    # a deadline no reply can meet (its first audio alone takes longer): 504
+    # a deadline no reply can meet (a whole greedy reply with speech takes several times longer here): 504
     r = _post(http_stack, {"messages": hi, "max_tokens": 400, "modalities": ["text", "audio"], "temperature": 0},
               **{"x-omnistage-timeout": "0.05"})  # fmt: skip
     assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
