@@ -2,11 +2,11 @@
 code2wav and up (for callers that want codes).
 
 Frames go out on code2wav's schedule when its decoder is causal (`Code2WavConfig.chunk_target`:
-`first_chunk_frames`, then as many as were sent, up to `chunk_frames`; the rest with the end). The
-code2wav stage decodes on that schedule anyway, so its first audio comes no later, and a reply's frames
-take a few messages through three processes instead of one each (measured: +40 % requests/s at
-c=16 on 2 cores). A decoder that looks ahead (its audio for a frame waits for later frames) gets
-every frame as it is made."""
+`first_chunk_frames`, then as many as were sent, up to `chunk_frames`; the rest with the end).
+The code2wav stage decodes on that schedule anyway, so its first audio comes no later, and a
+reply's frames take a few messages through three processes instead of one each (measured: +40 %
+requests/s at c=16 on 2 cores). A decoder that looks ahead (its audio for a frame waits for later
+frames) gets every frame as it is made."""
 
 from __future__ import annotations
 

@@ -133,6 +133,14 @@ def _idle(address: str) -> bool:
     return (load.running, load.waiting, load.waiting_for_input, load.open_streams, load.shm_segments) == (0,) * 5
 
 
+def _assert_all_idle(stages: list[str], seconds: float) -> None:
+    """Every stage at `stages` holds nothing within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not all(_idle(a) for a in stages):
+        time.sleep(0.1)
+    assert all(_idle(a) for a in stages), {a: str(run(info(a)).load) for a in stages}
+
+
 def test_cancellation_frees_every_stage(stack: Stack, pipeline: Any) -> None:
     async def cancel_after_first_audio() -> None:
         req = build_request("hi", thinker_max_tokens=300, talker_max_tokens=200,
@@ -145,11 +153,7 @@ def test_cancellation_frees_every_stage(stack: Stack, pipeline: Any) -> None:
                     break
 
     run(cancel_after_first_audio())
-    stages = stack.addresses("thinker") + stack.addresses("talker") + stack.addresses("code2wav")
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and not all(_idle(a) for a in stages):
-        time.sleep(0.2)
-    assert all(_idle(a) for a in stages), {a: str(run(info(a)).load) for a in stages}
+    _assert_all_idle(stack.addresses("thinker") + stack.addresses("talker") + stack.addresses("code2wav"), 15)
 
 
 def test_a_one_token_reply_with_speech_ends_cleanly(stack: Stack) -> None:
@@ -161,11 +165,7 @@ def test_a_one_token_reply_with_speech_ends_cleanly(stack: Stack) -> None:
     reply = run(generate(stack.gateway_address, PROMPT, thinker_max_tokens=1, talker_max_tokens=20, timeout=30))
     assert len(reply.token_ids) == 1 and reply.pcm.size == 0
     assert sum(run(info(a)).load.requests_total for a in code2wav) == before + 1
-    stages = stack.addresses("thinker") + stack.addresses("talker") + code2wav
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not all(_idle(a) for a in stages):
-        time.sleep(0.1)
-    assert all(_idle(a) for a in stages), {a: str(run(info(a)).load) for a in stages}
+    _assert_all_idle(stack.addresses("thinker") + stack.addresses("talker") + code2wav, 10)
 
 
 def test_deadline_exceeded_is_reported(stack: Stack, pipeline: Any) -> None:
