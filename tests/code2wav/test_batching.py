@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from omnistage.models.qwen3_omni.code2wav_streaming import (
+    _CPU_POINTWISE_ROWS,
     GroupBy,
     IncrementalCode2Wav,
+    _pointwise_conv,
     exact_decode_stream,
     full_decode,
 )
@@ -84,6 +86,21 @@ def test_batched_equals_alone_float64_padded() -> None:
         alone = torch.cat(exact_decode_stream(dec, c, 5))
         assert (together[i] - alone).abs().max().item() <= 1e-12
         assert (together[i] - full_decode(model, c)).abs().max().item() <= 1e-12
+
+
+@torch.no_grad()
+def test_a_wide_batch_of_pointwise_convs_computes_each_row_as_alone() -> None:
+    """Past the rows one CPU call gets (single-threaded ATen hands a 1-wide kernel to oneDNN from
+    a batch of 16 on), each row is still bit for bit what a request gets alone; one call over
+    all 16 rows is not (checked)."""
+    assert torch.get_num_threads() == 1  # as in a stage (StageConfig.threads); see conftest.py
+    torch.manual_seed(0)
+    conv = torch.nn.Conv1d(4, 4, 1)
+    for rows in (_CPU_POINTWISE_ROWS + 1, 2 * _CPU_POINTWISE_ROWS + 3):
+        x = torch.randn(rows, 4, 3000)
+        alone = torch.cat([conv(x[i : i + 1]) for i in range(rows)])
+        assert torch.equal(_pointwise_conv(conv, x), alone)
+    assert not torch.equal(conv(x[:16]), alone[:16])  # what the split avoids
 
 
 def test_zero_frame_requests_in_a_step() -> None:

@@ -519,7 +519,7 @@ class IncrementalCode2Wav:
         if batch.x.shape[-1] == 0:
             return batch.x.new_zeros(batch.x.shape[0], mod.conv.out_channels, 0)
         if hist_len == 0:
-            return mod.conv(batch.x)
+            return _pointwise_conv(mod.conv, batch.x)
         hist = torch.stack([s.conv_history[idx] for s in states])
         xx = torch.cat([hist, batch.x], dim=-1)
         y = mod.conv(xx)
@@ -564,6 +564,23 @@ class IncrementalCode2Wav:
         if bias is not None:
             out = out.add_(bias)  # y is this step's own, its tails already copied out
         return _Batch(out, out_lens)
+
+
+# ATen runs a single-threaded CPU convolution with a 1-wide kernel on its own per-row kernel
+# below a batch of 16 and on oneDNN from 16 on (`ConvParams::use_mkldnn`). oneDNN's is never the
+# faster one on this decoder's shapes (torch 2.13, one thread, 16-32 rows): 13x slower with 4
+# channels over 30,720 samples, 1.0-2.0x with the real model's 96-768 channels. So such a
+# convolution never gets more than this many rows per call.
+_CPU_POINTWISE_ROWS = 15
+
+
+def _pointwise_conv(conv: nn.Conv1d, x: Tensor) -> Tensor:
+    """`conv(x)` for a kernel of 1, in calls of at most `_CPU_POINTWISE_ROWS` rows on CPU: the
+    kernel, and so each row's result, is the one a request gets alone, at any batch size."""
+    if x.device.type != "cpu" or x.shape[0] <= _CPU_POINTWISE_ROWS:
+        return conv(x)
+    parts = -(-x.shape[0] // _CPU_POINTWISE_ROWS)
+    return torch.cat([conv(part) for part in x.tensor_split(parts)])
 
 
 def _snake_beta(act: Qwen3OmniMoeSnakeBeta, x: Tensor) -> Tensor:
