@@ -567,17 +567,19 @@ class IncrementalCode2Wav:
 
 
 # ATen runs a single-threaded CPU convolution with a 1-wide kernel on its own per-row kernel
-# below a batch of 16 and on oneDNN from 16 on (`ConvParams::use_mkldnn`). oneDNN's is never the
-# faster one on this decoder's shapes (torch 2.13, one thread, 16-32 rows): 13x slower with 4
-# channels over 30,720 samples, 1.0-2.0x with the real model's 96-768 channels. So such a
-# convolution never gets more than this many rows per call.
+# below a batch of 16 and on oneDNN from 16 on (`ConvParams::use_mkldnn`; with more threads always
+# on oneDNN). On this decoder's shapes (torch 2.13, one thread, 16-32 rows) oneDNN's is 13x slower
+# with 4 channels over 30,720 samples, 1.1-2.0x slower with the real model's 96 and 192 channels
+# and within 5 % either way with its 384 and 768. So such a convolution gets at most this many
+# rows per call.
 _CPU_POINTWISE_ROWS = 15
 
 
 def _pointwise_conv(conv: nn.Conv1d, x: Tensor) -> Tensor:
-    """`conv(x)` for a kernel of 1, in calls of at most `_CPU_POINTWISE_ROWS` rows on CPU: the
-    kernel, and so each row's result, is the one a request gets alone, at any batch size."""
-    if x.device.type != "cpu" or x.shape[0] <= _CPU_POINTWISE_ROWS:
+    """`conv(x)` for a kernel of 1, in calls of at most `_CPU_POINTWISE_ROWS` rows on one CPU
+    thread: the kernel, and so each row's result, is the one a request gets alone, at any batch
+    size."""
+    if x.device.type != "cpu" or torch.get_num_threads() > 1 or x.shape[0] <= _CPU_POINTWISE_ROWS:
         return conv(x)
     parts = -(-x.shape[0] // _CPU_POINTWISE_ROWS)
     return torch.cat([conv(part) for part in x.tensor_split(parts)])
