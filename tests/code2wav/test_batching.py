@@ -91,8 +91,8 @@ def test_batched_equals_alone_float64_padded() -> None:
 @torch.no_grad()
 def test_a_wide_batch_of_pointwise_convs_computes_each_row_as_alone() -> None:
     """Past the rows one CPU call gets (single-threaded ATen hands a 1-wide kernel to oneDNN from
-    a batch of 16 on), each row is still bit for bit what a request gets alone; one call over
-    all 16 rows is not (checked)."""
+    a batch of 16 on), each row is still bit for bit what a request gets alone. (On this
+    sandbox's Xeon one call over 16 rows is not; that depends on the CPU, so it is not asserted.)"""
     assert torch.get_num_threads() == 1  # as in a stage (StageConfig.threads); see conftest.py
     torch.manual_seed(0)
     conv = torch.nn.Conv1d(4, 4, 1)
@@ -100,7 +100,6 @@ def test_a_wide_batch_of_pointwise_convs_computes_each_row_as_alone() -> None:
         x = torch.randn(rows, 4, 3000)
         alone = torch.cat([conv(x[i : i + 1]) for i in range(rows)])
         assert torch.equal(_pointwise_conv(conv, x), alone)
-    assert not torch.equal(conv(x[:16]), alone[:16])  # what the split avoids
 
 
 def test_zero_frame_requests_in_a_step() -> None:
