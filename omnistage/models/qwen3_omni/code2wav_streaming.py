@@ -568,7 +568,7 @@ class IncrementalCode2Wav:
 
 # ATen runs a single-threaded CPU convolution with a 1-wide kernel on its own per-row kernel
 # below a batch of 16 and on oneDNN from 16 on (`ConvParams::use_mkldnn`; with more threads always
-# on oneDNN). On this decoder's shapes (torch 2.13, one thread, 16-32 rows) oneDNN's is 13x slower
+# on oneDNN). On this decoder's shapes (torch 2.13, one thread, 16-32 rows) oneDNN's is 13-16x slower
 # with 4 channels over 30,720 samples, 1.1-2.0x slower with the real model's 96 and 192 channels
 # and within 5 % either way with its 384 and 768. So such a convolution gets at most this many
 # rows per call.
