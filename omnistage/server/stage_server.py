@@ -341,7 +341,7 @@ class StageService:
                         for chunk in self._encode(out, seq, None, req.request_id):
                             seq += 1
                             yield Outgoing(stage_pb2.StageResponse(stage=self.stream), chunk)
-                    if item.down and call.down is None:
+                    if item.down:
                         self._begin_downstream(req, call, context, pending, tasks)
                     for out in item.down:
                         assert call.down is not None
@@ -354,9 +354,8 @@ class StageService:
                     pending.discard("self")
                 elif item is _DOWN_DONE:
                     pending.discard("down")
-                elif item is _OPEN_DOWN:
-                    if call.down is None and self.downstream is not None:
-                        self._begin_downstream(req, call, context, pending, tasks)
+                elif item is _OPEN_DOWN and self.downstream is not None:
+                    self._begin_downstream(req, call, context, pending, tasks)
                 elif isinstance(item, StageError):
                     await self._end_with(context, call, tasks[0], item)
             # Done: end the call only once the caller has half-closed (same race as above; e.g.
@@ -448,8 +447,10 @@ class StageService:
 
     def _begin_downstream(self, req: Request, call: _Call, context: grpc.aio.ServicerContext, pending: set[str],
                           tasks: list[asyncio.Task[Any]]) -> None:  # fmt: skip
-        """The request's downstream stream: its buffer, its call and the relay of its responses
-        (the call ends this one's wait only once it has ended too)."""
+        """The request's downstream stream, once: its buffer, its call and the relay of its
+        responses (the call ends this one's wait only once it has ended too)."""
+        if call.down is not None:
+            return
         pending.add("down")
         call.down = _DownBuffer(self.replay_budget_bytes)
         self._open_downstream(req, call, context)
