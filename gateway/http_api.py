@@ -36,7 +36,8 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from importlib import resources
 from typing import Annotated, Any, Literal
 
@@ -45,6 +46,9 @@ import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -55,6 +59,11 @@ from omnistage.v1 import gateway_pb2, stage_pb2
 
 __all__ = ["build_app"]
 
+AUDIO_TTL_S = 3600  # a reply's audio id names its transcript this long (its `expires_at`)
+# Streamed audio pieces hold whole base64 groups (3 bytes) of whole 16-bit samples, so a client
+# that joins the `data` strings before decoding gets the same bytes as one that decodes each.
+AUDIO_ALIGN = 6
+TALKER_SEED_OFFSET = 0x5EED  # the talker's seed is the request's plus this (wrapped to int64)
 PCM16_RATE = 24_000  # `input_audio.format: pcm16` (as OpenAI's realtime audio)
 TIMEOUT_HEADER = "x-omnistage-timeout"  # seconds the request may take (default: timeouts.request_timeout_s)
 AUDIO_OUT_FORMATS = ("wav", "mp3", "flac", "opus", "pcm16")
@@ -83,7 +92,7 @@ class TextPart(_Body):
 
 class InputAudio(_Body):
     data: str
-    format: str = "wav"
+    format: str | None = None  # None: wav
 
 
 class AudioPart(_Body):
@@ -93,6 +102,11 @@ class AudioPart(_Body):
 
 class Url(_Body):
     url: str
+
+
+class AudioUrlPart(_Body):  # vLLM's audio part
+    type: Literal["audio_url"]
+    audio_url: Url
 
 
 class ImagePart(_Body):
@@ -105,38 +119,55 @@ class VideoPart(_Body):
     video_url: Url
 
 
-Part = Annotated[TextPart | AudioPart | ImagePart | VideoPart, Field(discriminator="type")]
+Part = Annotated[TextPart | AudioPart | AudioUrlPart | ImagePart | VideoPart, Field(discriminator="type")]
+
+
+class AudioRef(_Body):
+    id: str
 
 
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[Part] | None = None
+    audio: AudioRef | None = None  # an earlier reply's audio, by id (assistant messages)
 
 
 class AudioOut(_Body):
-    voice: str | None = None
-    format: Literal["wav", "mp3", "flac", "opus", "pcm16"] = "wav"
+    voice: str | AudioRef | None = None
+    format: Literal["wav", "mp3", "flac", "opus", "pcm16"] | None = None  # None: wav
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
+class ProcessorKwargs(_Body):  # vLLM's `mm_processor_kwargs`
+    use_audio_in_video: bool | None = None
+
+
+# Fields some clients send as null for "unset" are optional; None means the default.
 class ChatRequest(_Body):
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
-    modalities: list[Literal["text", "audio"]] = Field(default_factory=lambda: ["text"], min_length=1)
+    modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1)  # None: ["text"]
     audio: AudioOut | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1, le=1 << 20)
     max_completion_tokens: int | None = Field(None, ge=1, le=1 << 20)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=0, lt=1 << 63)
+    top_k: int | None = Field(None, ge=-1, le=1 << 20)  # vLLM's: -1 or 0 = off
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=1)
-    use_audio_in_video: bool = False
+    n: int | None = Field(1, ge=1, le=1)
+    use_audio_in_video: bool | None = None
+    mm_processor_kwargs: ProcessorKwargs | None = None
+    # Asked for, these would change the reply's shape; this server has none of them, so it says so.
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    logprobs: bool | None = None
 
 
 class HttpError(Exception):
@@ -155,18 +186,30 @@ class HttpError(Exception):
 _FIELD = re.compile(r"^[A-Za-z_][\w.\[\]]*$")
 
 
+# The gateway names gRPC fields; over HTTP the same things have the chat body's names.
+_PART = re.compile(r"messages\[(\d+)\]\.parts\[(\d+)\](?: \(\w+\))?")
+_HTTP_NAMES = (  # (message prefix, param, code)
+    ("prompt: ", "messages", "context_length_exceeded"),
+    ("thinker: sampling: max_tokens", "max_tokens", None),
+)
+
+
 def _from_gateway(e: GatewayError) -> HttpError:
     """The gateway's error as OpenAI's: its status, and the field its message starts with."""
     status, kind = STATUS.get(e.code, (500, "server_error"))
-    message = e.message.removeprefix("gateway: ")
+    message = _PART.sub(r"messages[\1].content[\2]", e.message.removeprefix("gateway: "))
     head = message.split(": ", 1)[0]
     param = head if status == 400 and head != message and _FIELD.match(head) else None
-    return HttpError(status, message, kind, param=param, code=e.code.name.lower())
+    code = e.code.name.lower()
+    for prefix, name, http_code in _HTTP_NAMES:
+        if status == 400 and message.startswith(prefix):
+            param, code = name, http_code or code
+    return HttpError(status, message, kind, param=param, code=code)
 
 
 def _decode_b64(data: str, where: str) -> bytes:
-    try:
-        return base64.b64decode(data, validate=True)
+    try:  # line-wrapped base64 (MIME, `base64` without -w0) is still base64
+        return base64.b64decode("".join(data.split()), validate=True)
     except (binascii.Error, ValueError):
         raise HttpError(400, f"{where}: not valid base64", param=where) from None
 
@@ -183,6 +226,9 @@ def _data_url(url: str, where: str) -> bytes:
 def _part(part: Any, where: str) -> gateway_pb2.ContentPart:
     if isinstance(part, TextPart):
         return gateway_pb2.ContentPart(text=part.text)
+    if isinstance(part, AudioUrlPart):
+        data = _data_url(part.audio_url.url, f"{where}.audio_url.url")
+        return gateway_pb2.ContentPart(audio=gateway_pb2.AudioPart(file=data))
     if isinstance(part, AudioPart):
         data = _decode_b64(part.input_audio.data, f"{where}.input_audio.data")
         if part.input_audio.format == "pcm16":
@@ -200,21 +246,65 @@ def _part(part: Any, where: str) -> gateway_pb2.ContentPart:
                                                                                f"{where}.video_url.url")))
 
 
-def to_generate_request(body: ChatRequest, voices: list[str]) -> gateway_pb2.GenerateRequest:
-    """The chat request as the gateway's own request (HttpError naming the field)."""
-    want_audio = "audio" in body.modalities
+# OpenAI's own voices: its SDK and examples always name one, so each stands for the checkpoint's
+# default speaker (an OpenAI-written client works unchanged); any other unknown name is an error.
+OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx",
+                           "sage", "shimmer", "verse"})  # fmt: skip
+
+
+def _speaker(voice: str | AudioRef | None, voices: list[str]) -> str:
+    """The gateway's speaker for `audio.voice` ("" = the checkpoint's default)."""
+    name = voice.id if isinstance(voice, AudioRef) else voice
+    if not name:
+        return ""
+    if name.lower() in {v.lower() for v in voices}:
+        return name
+    if name.lower() in OPENAI_VOICES:
+        return ""
+    raise HttpError(400, f"audio.voice: unknown voice {name!r}; this model has: {', '.join(voices)}",
+                    param="audio.voice")  # fmt: skip
+
+
+def _unsupported(body: ChatRequest) -> None:
+    """Fields that would change the reply's shape, which this server cannot honour: a 400, not
+    a reply the client would misread."""
+    if body.tools:
+        raise HttpError(400, "tools: tool calling is not supported by this server", param="tools")
+    if body.response_format is not None and body.response_format.get("type", "text") != "text":
+        raise HttpError(400, 'response_format: only {"type": "text"} is supported', param="response_format")
+    if body.logprobs:
+        raise HttpError(400, "logprobs: not supported by this server", param="logprobs")
+
+
+TranscriptLookup = Callable[[str], str | None]
+
+
+def to_generate_request(body: ChatRequest, voices: list[str],
+                        transcripts: TranscriptLookup = lambda _id: None) -> gateway_pb2.GenerateRequest:  # fmt: skip
+    """The chat request as the gateway's own request (HttpError naming the field).
+    `transcripts(audio_id)` is the text of an earlier reply's audio, None when unknown."""
+    _unsupported(body)
+    want_audio = "audio" in (body.modalities or ["text"])
     audio = body.audio or AudioOut()
-    req = gateway_pb2.GenerateRequest(want_audio=want_audio, use_audio_in_video=body.use_audio_in_video,
-                                      audio_format=FORMAT_NAMES[audio.format])  # type: ignore[arg-type]  # fmt: skip
-    if want_audio and audio.voice is not None and audio.voice.lower() not in {v.lower() for v in voices}:
-        raise HttpError(400, f"audio.voice: unknown voice {audio.voice!r}; this model has: {', '.join(voices)}",
-                        param="audio.voice")  # fmt: skip
-    req.speaker = audio.voice or ""
+    in_video = body.use_audio_in_video
+    if in_video is None and body.mm_processor_kwargs is not None:
+        in_video = body.mm_processor_kwargs.use_audio_in_video
+    req = gateway_pb2.GenerateRequest(want_audio=want_audio, use_audio_in_video=bool(in_video),
+                                      audio_format=FORMAT_NAMES[audio.format or "wav"])  # type: ignore[arg-type]  # fmt: skip
+    req.speaker = _speaker(audio.voice, voices) if want_audio else ""
     for i, m in enumerate(body.messages):
         role = "system" if m.role == "developer" else m.role
         if isinstance(m.content, list):
             parts = [_part(p, f"messages[{i}].content[{j}]") for j, p in enumerate(m.content)]
             req.messages.append(gateway_pb2.ChatMessage(role=role, parts=parts))
+        elif not m.content and m.audio is not None:  # a spoken earlier reply: its words
+            text = transcripts(m.audio.id) if role == "assistant" else None
+            if text is None:
+                where = f"messages[{i}].audio.id"
+                raise HttpError(400, f"{where}: unknown or expired audio id {m.audio.id!r} (this server keeps a "
+                                     "reply's transcript for an hour; send its text as content instead)",
+                                param=where)  # fmt: skip
+            req.messages.append(gateway_pb2.ChatMessage(role=role, content=text))
         else:
             req.messages.append(gateway_pb2.ChatMessage(role=role, content=m.content or ""))
     if body.stop is not None:
@@ -232,8 +322,14 @@ def to_generate_request(body: ChatRequest, voices: list[str]) -> gateway_pb2.Gen
             thinker.temperature = body.temperature
     if body.top_p is not None:
         thinker.top_p = body.top_p
+    if body.top_k is not None and body.top_k > 0:
+        thinker.top_k = body.top_k
+    if body.repetition_penalty is not None:
+        thinker.repetition_penalty = body.repetition_penalty
     if body.seed is not None:
         thinker.seed = body.seed
+        if want_audio:  # the same seed gives the same speech too
+            req.sampling["talker"].seed = (body.seed + TALKER_SEED_OFFSET + (1 << 63)) % (1 << 64) - (1 << 63)
     req.sampling["thinker"].CopyFrom(thinker)
     return req
 
@@ -281,12 +377,37 @@ async def _disconnect(request: Request) -> None:
 # ---- the app --------------------------------------------------------------------------------
 
 
+class Transcripts:
+    """The text of each recent spoken reply by its audio id, so a later turn can name the reply
+    as OpenAI's `{"role": "assistant", "audio": {"id": ...}}` (bounded; ids live `ttl_s`, as
+    the reply's `expires_at` says). Per gateway process: behind several gateway replicas a turn
+    may land on one that does not know the id, and gets a 400 saying to send the text instead."""
+
+    def __init__(self, ttl_s: float = AUDIO_TTL_S, capacity: int = 4096,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.ttl_s, self.capacity, self.clock = ttl_s, capacity, clock
+        self._items: OrderedDict[str, tuple[float, str]] = OrderedDict()
+
+    def put(self, audio_id: str, text: str) -> None:
+        self._items[audio_id] = (self.clock() + self.ttl_s, text)
+        self._items.move_to_end(audio_id)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, audio_id: str) -> str | None:
+        item = self._items.get(audio_id)
+        if item is None or item[0] < self.clock():
+            return None
+        return item[1]
+
+
 class ChatCompletions:
     """What one HTTP process knows: the gateway service, and the names it serves under."""
 
     def __init__(self, service: GatewayService) -> None:
         self.service = service
         self.voices = sorted(service.ckpt.spec.speakers)
+        self.transcripts = Transcripts()
 
     async def parse(self, request: Request) -> ChatRequest:
         if not self.service.check_api_key(request.headers.get("authorization")):
@@ -313,18 +434,18 @@ class ChatCompletions:
     async def handle(self, request: Request) -> Response:
         try:
             body = await self.parse(request)
-            req = to_generate_request(body, self.voices)
+            req = to_generate_request(body, self.voices, self.transcripts.get)
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
         except HttpError as e:
             self.service.metrics.requests.labels("http", f"HTTP_{e.status}").inc()
             return e.response()
         req.request_id = uuid.uuid4().hex
         headers = {"x-request-id": req.request_id}
-        if body.stream:
-            headers.update({"cache-control": "no-cache", "x-accel-buffering": "no"})
-            return StreamingResponse(self._stream(req, body, timeout), media_type="text/event-stream",
-                                     headers=headers)  # fmt: skip
-        task = asyncio.ensure_future(self._whole(req, body, timeout))
+        responses = self._responses(req, timeout)
+        # Until the first reply piece exists nothing is sent, so a request the gateway or a stage
+        # refuses gets its own status, streamed or not; a hang-up meanwhile cancels it.
+        job = self._first(responses) if body.stream else self._whole(req, responses)
+        task = asyncio.ensure_future(job)
         gone = asyncio.ensure_future(_disconnect(request))
         try:
             await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -332,24 +453,44 @@ class ChatCompletions:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, HttpError):
                     await task
+                await responses.aclose()
                 return Response(status_code=499)
-            response = task.result()
+            result = task.result()
         except HttpError as e:
+            await responses.aclose()
             response = e.response()
+            response.headers.update(headers)
+            return response
         finally:
             gone.cancel()
-        response.headers.update(headers)
-        return response
+        if isinstance(result, Response):
+            result.headers.update(headers)
+            return result
+        headers.update({"cache-control": "no-cache", "x-accel-buffering": "no"})
+        return StreamingResponse(self._stream(req, body, result, responses), media_type="text/event-stream",
+                                 headers=headers)  # fmt: skip
 
     def _responses(self, req: gateway_pb2.GenerateRequest, timeout: float | None
-                   ) -> AsyncIterator[gateway_pb2.GenerateResponse]:  # fmt: skip
+                   ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:  # fmt: skip
         return self.service.serve(req, timeout, "http")
 
-    async def _whole(self, req: gateway_pb2.GenerateRequest, body: ChatRequest, timeout: float | None) -> Response:
+    @staticmethod
+    async def _first(responses: AsyncGenerator[gateway_pb2.GenerateResponse, None]
+                     ) -> gateway_pb2.GenerateResponse | None:  # fmt: skip
+        """The reply's first piece (None: a reply with none), or the refusal as an HttpError."""
+        try:
+            return await anext(responses)
+        except StopAsyncIteration:
+            return None
+        except GatewayError as e:
+            raise _from_gateway(e) from None
+
+    async def _whole(self, req: gateway_pb2.GenerateRequest,
+                     responses: AsyncGenerator[gateway_pb2.GenerateResponse, None]) -> Response:  # fmt: skip
         text, audio = [], []
         final = gateway_pb2.Final()
         try:
-            async for resp in self._responses(req, timeout):
+            async for resp in responses:
                 kind = resp.WhichOneof("kind")
                 if kind == "text":
                     text.append(resp.text.text)
@@ -363,8 +504,10 @@ class ChatCompletions:
         content = "".join(text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if req.want_audio:
-            message["audio"] = {"id": f"audio_{req.request_id}", "data": base64.b64encode(b"".join(audio)).decode(),
-                                "expires_at": created + 3600, "transcript": content}  # fmt: skip
+            audio_id = f"audio_{req.request_id}"
+            self.transcripts.put(audio_id, content)
+            message["audio"] = {"id": audio_id, "data": base64.b64encode(b"".join(audio)).decode(),
+                                "expires_at": created + AUDIO_TTL_S, "transcript": content}  # fmt: skip
         return JSONResponse({
             "id": f"chatcmpl-{req.request_id}", "object": "chat.completion", "created": created,
             "model": self.service.model_name,
@@ -372,10 +515,12 @@ class ChatCompletions:
             "usage": _usage(final.usage),
         })  # fmt: skip
 
-    async def _stream(self, req: gateway_pb2.GenerateRequest, body: ChatRequest, timeout: float | None
-                      ) -> AsyncIterator[str]:  # fmt: skip
+    async def _stream(self, req: gateway_pb2.GenerateRequest, body: ChatRequest,
+                      first: gateway_pb2.GenerateResponse | None,
+                      responses: AsyncGenerator[gateway_pb2.GenerateResponse, None]) -> AsyncIterator[str]:  # fmt: skip
         created = int(time.time())
         rid = req.request_id
+        audio_id = f"audio_{rid}"
 
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
             event = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
@@ -383,23 +528,39 @@ class ChatCompletions:
                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}  # fmt: skip
             return f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
 
-        responses = self._responses(req, timeout)
-        try:
-            first = True
+        def audio_chunk(data: bytes) -> str:
+            return chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode()}})
+
+        async def pieces() -> AsyncIterator[gateway_pb2.GenerateResponse]:
+            if first is not None:
+                yield first
             async for resp in responses:
+                yield resp
+
+        text: list[str] = []
+        held = b""  # audio bytes past the last whole AUDIO_ALIGN
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            async for resp in pieces():
                 kind = resp.WhichOneof("kind")
-                if first:
-                    first = False
-                    yield chunk({"role": "assistant", "content": ""})
                 if kind == "text" and resp.text.text:
+                    text.append(resp.text.text)
                     delta: dict[str, Any] = {"content": resp.text.text}
                     if req.want_audio:
-                        delta["audio"] = {"id": f"audio_{rid}", "transcript": resp.text.text}
+                        delta["audio"] = {"id": audio_id, "transcript": resp.text.text}
                     yield chunk(delta)
                 elif kind == "audio":
-                    data = base64.b64encode(resp.audio.data).decode()
-                    yield chunk({"audio": {"id": f"audio_{rid}", "data": data}})
+                    data = held + resp.audio.data
+                    cut = len(data) - len(data) % AUDIO_ALIGN
+                    held = data[cut:]
+                    if cut:
+                        yield audio_chunk(data[:cut])
                 elif kind == "final":
+                    if held:
+                        yield audio_chunk(held)
+                        held = b""
+                    if req.want_audio:
+                        self.transcripts.put(audio_id, "".join(text))
                     yield chunk({}, resp.final.finish_reason or "stop")
                     if body.stream_options is not None and body.stream_options.include_usage:
                         event = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
@@ -422,14 +583,21 @@ def build_app(service: GatewayService) -> Starlette:
     chat = ChatCompletions(service)
     page = resources.files("gateway").joinpath("static/playground.html").read_text()
 
+    def model_card() -> dict[str, Any]:
+        return {"id": service.model_name, "object": "model", "created": 0, "owned_by": "omnistage",
+                "voices": chat.voices, "default_voice": service.ckpt.spec.default_speaker,
+                "sample_rate": service.sample_rate}  # fmt: skip
+
     async def models(request: Request) -> Response:
         if not service.check_api_key(request.headers.get("authorization")):
             return HttpError(401, "missing or wrong API key", "authentication_error").response()
-        return JSONResponse({"object": "list", "data": [{
-            "id": service.model_name, "object": "model", "created": 0, "owned_by": "omnistage",
-            "voices": chat.voices, "default_voice": service.ckpt.spec.default_speaker,
-            "sample_rate": service.sample_rate,
-        }]})  # fmt: skip
+        name = request.path_params.get("model")
+        if name is None:
+            return JSONResponse({"object": "list", "data": [model_card()]})
+        if name != service.model_name:
+            return HttpError(404, f"model {name!r} not found; this server serves {service.model_name!r}",
+                             "not_found_error", param="model", code="model_not_found").response()  # fmt: skip
+        return JSONResponse(model_card())
 
     async def health(request: Request) -> Response:
         ok, chain = service.chain_serving()
@@ -443,10 +611,21 @@ def build_app(service: GatewayService) -> Starlette:
     async def playground(request: Request) -> Response:
         return HTMLResponse(page)
 
+    async def http_error(request: Request, exc: Exception) -> Response:
+        """Starlette's own 404 and 405 as OpenAI error objects, like every other error here."""
+        assert isinstance(exc, HTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return HttpError(exc.status_code, message, kind).response()
+
+    origins = service.cfg.gateway.cors_allow_origins
+    middleware = [Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"], allow_headers=["*"],
+                             expose_headers=["x-request-id"])] if origins else []  # fmt: skip
     return Starlette(routes=[
         Route("/v1/chat/completions", chat.handle, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/", playground, methods=["GET"]),
-    ])  # fmt: skip
+    ], middleware=middleware, exception_handlers={HTTPException: http_error})  # fmt: skip

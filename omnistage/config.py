@@ -89,6 +89,9 @@ class GatewayConfig(_Strict):
     http_port: int | None = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP; replica i adds i; "
                                   "null: no HTTP")  # fmt: skip
     replicas: int = Field(1, ge=1, le=64)
+    cors_allow_origins: list[str] = Field(default_factory=list, description="browser origins the HTTP API "
+                                          "answers across origins (CORS), e.g. [\"https://app.example\"] or "
+                                          "[\"*\"]; empty: none")  # fmt: skip
 
 
 class MediaConfig(_Strict):

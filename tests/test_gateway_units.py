@@ -160,7 +160,15 @@ def test_openai_request_errors_name_the_field() -> None:
     from gateway.http_api import HttpError, to_generate_request
 
     cases = [
-        (_chat(modalities=["text", "audio"], audio={"voice": "alloy"}), "audio.voice: unknown voice 'alloy'"),
+        (_chat(modalities=["text", "audio"], audio={"voice": "nobody"}), "audio.voice: unknown voice 'nobody'"),
+        (_chat(modalities=["text", "audio"], audio={"voice": {"id": "nobody"}}), "audio.voice: unknown voice"),
+        (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools: tool calling is not supported"),
+        (_chat(response_format={"type": "json_object"}), "response_format: only"),
+        (_chat(logprobs=True), "logprobs: not supported"),
+        (_chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "audio": {"id": "audio_x"}}]),
+         "messages[1].audio.id: unknown or expired audio id 'audio_x'"),
+        (_chat(messages=[{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": "https://a/b"}}]}]),
+         "messages[0].content[0].audio_url.url: only data: URLs"),
         (_chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://a/b"}}]}]),
          "messages[0].content[0].image_url.url: only data: URLs"),
         (_chat(messages=[{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:x,AAAA"}}]}]),
@@ -173,6 +181,58 @@ def test_openai_request_errors_name_the_field() -> None:
         with pytest.raises(HttpError) as e:
             to_generate_request(body, ["ethan"])
         assert e.value.status == 400 and e.value.message.startswith(message), e.value.message
+
+
+def test_what_other_openai_clients_send_is_understood() -> None:
+    """Shapes real clients send that OpenAI's own examples do not: nulls for unset fields, vLLM's
+    parts and fields, OpenAI's stock voices, wrapped base64, an earlier spoken reply by id."""
+    from gateway.http_api import TALKER_SEED_OFFSET, to_generate_request
+
+    wav = media.encode_audio(media.tone(0.2, 16_000, seed=1), 16_000, "wav")
+    wrapped = base64.encodebytes(wav).decode()  # MIME: a newline every 76 characters
+    assert "\n" in wrapped.strip()
+    body = _chat(
+        messages=[
+            {"role": "user", "content": [
+                {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," + wrapped}},
+                {"type": "input_audio", "input_audio": {"data": wrapped, "format": None}},
+            ]},
+            {"role": "assistant", "content": None, "audio": {"id": "audio_1"}},
+            {"role": "user", "content": "and then?"},
+        ],
+        modalities=None, stream=None, n=None, stream_options={"include_usage": None}, audio=None,
+        mm_processor_kwargs={"use_audio_in_video": True}, top_k=-1, repetition_penalty=1.1, seed=-5,
+        tools=[], response_format={"type": "text"}, logprobs=False,
+    )  # fmt: skip
+    req = to_generate_request(body, ["ethan"], {"audio_1": "It was a tone."}.get)
+    assert not req.want_audio and req.use_audio_in_video and req.audio_format == gateway_pb2.WAV
+    assert [p.audio.file for p in req.messages[0].parts] == [wav, wav]
+    assert [(m.role, m.content) for m in req.messages[1:]] == [("assistant", "It was a tone."), ("user", "and then?")]
+    thinker = req.sampling["thinker"]
+    assert not thinker.HasField("top_k") and abs(thinker.repetition_penalty - 1.1) < 1e-9 and thinker.seed == -5
+    assert "talker" not in req.sampling  # no speech asked for: nothing to seed
+    spoken = _chat(modalities=["text", "audio"], audio={"voice": "alloy"}, seed=-5, top_k=7)
+    spoken = to_generate_request(spoken, ["ethan"])
+    assert spoken.speaker == ""  # OpenAI's stock voice: the checkpoint's default speaker
+    assert spoken.sampling["thinker"].top_k == 7 and spoken.sampling["talker"].seed == TALKER_SEED_OFFSET - 5
+    wrap = to_generate_request(_chat(modalities=["text", "audio"], seed=(1 << 63) - 1), ["ethan"])
+    assert wrap.sampling["talker"].seed == -(1 << 63) + TALKER_SEED_OFFSET - 1  # wrapped into int64
+    assert to_generate_request(_chat(modalities=["text", "audio"], audio={"voice": {"id": "Ethan"}}),
+                               ["ethan"]).speaker == "Ethan"  # fmt: skip
+
+
+def test_transcripts_expire_and_stay_bounded() -> None:
+    from gateway.http_api import Transcripts
+
+    now = [100.0]
+    kept = Transcripts(ttl_s=10, capacity=2, clock=lambda: now[0])
+    kept.put("a", "one")
+    kept.put("b", "two")
+    assert (kept.get("a"), kept.get("b"), kept.get("c")) == ("one", "two", None)
+    kept.put("c", "three")  # over capacity: the oldest goes
+    assert (kept.get("a"), kept.get("c")) == (None, "three")
+    now[0] += 10.5
+    assert kept.get("b") is None and kept.get("c") is None
 
 
 def test_playground_page_is_packaged() -> None:

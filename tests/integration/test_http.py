@@ -34,12 +34,13 @@ from omnistage.v1 import gateway_pb2_grpc
 from tests.integration.conftest import free_port_block, info, run, stack_config
 
 MAX_TOKENS, RATE = 12, 24_000
+APP_ORIGIN = "http://app.example"  # a browser page on another origin the stack lets in
 QUESTION = "Can you explain how streaming works?"
 
 
 @pytest.fixture(scope="module")
 def http_stack(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    cfg = stack_config(gateway={"http_port": free_port_block(1)})
+    cfg = stack_config(gateway={"http_port": free_port_block(1), "cors_allow_origins": [APP_ORIGIN]})
     s = start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("http-logs"))
     try:
         yield s
@@ -113,6 +114,18 @@ def test_models_health_and_page(http_stack: Stack, client: openai.OpenAI) -> Non
     assert [s["stage"] for s in health.json()["stages"]] == ["thinker", "talker", "code2wav"]
     page = httpx.get(f"http://{http_stack.http_address}/")
     assert page.status_code == 200 and "omnistage playground" in page.text
+    assert client.models.retrieve(models[0].id).id == models[0].id
+    base = f"http://{http_stack.http_address}"
+    for method, path, status in [("GET", "/v1/models/other", 404), ("GET", "/v1/nothing", 404),
+                                 ("GET", "/v1/chat/completions", 405)]:  # fmt: skip
+        r = httpx.request(method, base + path)
+        assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+    preflight = {"origin": APP_ORIGIN, "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}  # fmt: skip
+    r = httpx.options(base + "/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == APP_ORIGIN
+    other = httpx.options(base + "/v1/chat/completions", headers={**preflight, "origin": "http://elsewhere"})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
 
 
 @pytest.mark.parametrize("fmt", ["wav", "flac", "pcm16"])
@@ -145,7 +158,7 @@ def test_compressed_formats_decode_to_the_right_length(http_stack: Stack, client
 def test_streamed_chat_sends_pieces_as_they_exist(http_stack: Stack, client: openai.OpenAI) -> None:
     text, pcm = _grpc_reply(http_stack)
     stream = _chat(client, "pcm16", stream=True, stream_options={"include_usage": True})
-    content, audio, finish, usage, audio_events = [], [], None, None, 0
+    content, audio, pieces, finish, usage, audio_events = [], [], [], None, None, 0
     for event in stream:
         if event.usage is not None:
             usage = event.usage
@@ -155,12 +168,16 @@ def test_streamed_chat_sends_pieces_as_they_exist(http_stack: Stack, client: ope
         content.append(delta.content or "")
         if delta.audio is not None and delta.audio.data:
             audio.append(base64.b64decode(delta.audio.data))
+            pieces.append(delta.audio.data)
             audio_events += 1
         finish = event.choices[0].finish_reason or finish
     assert "".join(content) == text
     got = np.frombuffer(b"".join(audio), "<i2")
     assert np.array_equal(got, _pcm16(pcm))
     assert audio_events > 1  # streamed in pieces, not one file at the end
+    # pieces of whole base64 groups and whole samples: joining the strings first decodes the same
+    assert base64.b64decode("".join(pieces)) == b"".join(audio)
+    assert all(len(piece) % 6 == 0 for piece in audio[:-1])
     assert finish == "length" and usage is not None and usage.completion_tokens == MAX_TOKENS
 
 
@@ -176,6 +193,24 @@ def test_audio_and_image_in(http_stack: Stack, client: openai.OpenAI) -> None:
     message = _chat(client, "pcm16", content).choices[0].message
     assert message.content == text
     assert np.array_equal(np.frombuffer(base64.b64decode(message.audio.data), "<i2"), _pcm16(pcm))
+
+
+def test_a_later_turn_names_a_spoken_reply_by_its_audio_id(http_stack: Stack, client: openai.OpenAI) -> None:
+    """OpenAI's multi-turn voice chat: the assistant turn is `{"audio": {"id"}}`, no text; the
+    model then sees that reply's words, as if the client had sent them as content."""
+    first = _chat(client, "pcm16").choices[0].message
+    assert first.audio.transcript == first.content and first.content
+
+    def follow_up(turn: dict[str, Any]) -> tuple[str, int]:
+        messages = [{"role": "user", "content": QUESTION}, turn, {"role": "user", "content": "Say more."}]
+        reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages,
+                                               temperature=0, max_tokens=MAX_TOKENS)  # type: ignore[arg-type]  # fmt: skip
+        assert reply.usage is not None
+        return reply.choices[0].message.content or "", reply.usage.prompt_tokens
+
+    by_id = follow_up({"role": "assistant", "content": None, "audio": {"id": first.audio.id}})
+    assert by_id == follow_up({"role": "assistant", "content": first.content})
+    assert by_id[1] > follow_up({"role": "assistant", "content": ""})[1]  # the reply's words are in the prompt
 
 
 def test_text_only_and_stop_texts(http_stack: Stack, client: openai.OpenAI) -> None:
@@ -207,7 +242,13 @@ def test_bad_requests_get_the_documented_status_and_shape(http_stack: Stack) -> 
          400, "messages[0].content[0].input_audio.data"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]},
          None, 400, "messages[0].content[0].image_url.url"),
-        ({"messages": hi, "modalities": ["text", "audio"], "audio": {"voice": "alloy"}}, None, 400, "audio.voice"),
+        ({"messages": hi, "modalities": ["text", "audio"], "audio": {"voice": "nobody"}}, None, 400, "audio.voice"),
+        ({"messages": [*hi, {"role": "assistant", "audio": {"id": "audio_none"}}]}, None, 400,
+         "messages[1].audio.id"),
+        ({"messages": hi, "max_tokens": 1 << 20}, None, 400, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi " * 20_000}]}, None, 400, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA"}}]}]},
+         None, 400, "messages[0].content[0]"),
         ({"messages": hi, "audio": {"format": "aac"}}, None, 400, "audio.format"),
         ({"messages": hi, "n": 2}, None, 400, "n"),
         ({"messages": hi, "max_tokens": 0}, None, 400, "max_tokens"),
@@ -216,16 +257,24 @@ def test_bad_requests_get_the_documented_status_and_shape(http_stack: Stack) -> 
         (None, b"{not json", 400, "body"),
         ({"model": "other", "messages": hi}, None, 404, "model"),
     ]  # fmt: skip
-    for body, raw, status, field in cases:
-        r = _post(http_stack, body, raw)
-        assert r.status_code == status, (body or raw, r.text)
-        error = r.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"}
-        assert error["message"].startswith(field) or error["param"] == field, (field, error)
-    # a deadline no reply can meet (a whole greedy reply with speech takes several times longer here): 504
-    r = _post(http_stack, {"messages": hi, "max_tokens": 400, "modalities": ["text", "audio"], "temperature": 0},
-              **{"x-omnistage-timeout": "0.05"})  # fmt: skip
-    assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
+    # streamed or not, the same status: nothing is sent before the reply's first piece exists
+    for stream in (False, True):
+        for body, raw, status, field in cases:
+            if body is not None:
+                body = {**body, "stream": stream}
+            elif stream:
+                continue
+            r = _post(http_stack, body, raw)
+            assert r.status_code == status, (body or raw, r.text)
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert error["message"].startswith(field) or error["param"] == field, (field, error)
+    # a deadline no reply can meet (a whole greedy reply with speech takes several times longer here;
+    # streamed, not even its first piece): 504
+    for stream, seconds in ((False, "0.05"), (True, "0.001")):
+        body = {"messages": hi, "max_tokens": 400, "modalities": ["text", "audio"], "temperature": 0, "stream": stream}
+        r = _post(http_stack, body, **{"x-omnistage-timeout": seconds})
+        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout", r.text
     assert _post(http_stack, {"messages": hi}, **{"x-omnistage-timeout": "soon"}).status_code == 400
 
 
