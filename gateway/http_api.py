@@ -3,27 +3,36 @@
 `Gateway.Generate` (`GatewayService.serve`): this module only translates.
 
   POST /v1/chat/completions   chat with text, audio, image and video in; text and audio out
-  GET  /v1/models             the served model (and its voices)
+  GET  /v1/models[/{id}]      the served model (and its voices)
   GET  /health                200 when every stage serves, else 503 naming the ones that do not
   GET  /metrics               the gateway's Prometheus metrics
   GET  /                      the playground page
 
 Chat completions (OpenAI's shapes; what differs is said here):
 * `messages[].content`: a string or parts: `text`, `input_audio {data: base64, format}` (any
-  format FFmpeg reads; `pcm16` is raw 16-bit mono at 24 kHz), `image_url {url}` and
-  `video_url {url}` as `data:` URLs (nothing is fetched). Roles system, developer (= system),
-  user, assistant. `use_audio_in_video: true` interleaves each video's sound track.
+  format FFmpeg reads; `pcm16` is raw 16-bit mono at 24 kHz), `audio_url`, `image_url` and
+  `video_url` `{url}` as `data:` URLs (nothing is fetched). Roles system, developer (= system),
+  user, assistant; an assistant turn may be `{"audio": {"id"}}` alone, an earlier spoken reply
+  of this gateway (its transcript is kept an hour). `use_audio_in_video: true` (or vLLM's
+  `mm_processor_kwargs`) interleaves each video's sound track.
 * `modalities`: ["text"] (default) or ["text", "audio"]; `audio: {voice, format}` with voice one
-  of the checkpoint's speakers and format wav, mp3, flac, opus or pcm16 (default wav).
+  of the checkpoint's speakers (or one of OpenAI's own voice names, which stand for the default
+  speaker) and format wav, mp3, flac, opus or pcm16 (default wav).
 * `temperature` 0 makes the whole reply deterministic (text and speech greedy); unset keeps the
-  checkpoint's defaults. `max_tokens` / `max_completion_tokens`, `top_p`, `seed`, `stop`.
+  checkpoint's defaults. `max_tokens` / `max_completion_tokens`, `top_p`, `top_k`,
+  `repetition_penalty`, `seed` (it seeds the speech too), `stop`. A field sent as null is unset.
+  `tools`, a non-text `response_format` and `logprobs` are refused (400), not ignored.
 * Streamed: `chat.completion.chunk` events with `delta.content`, and `delta.audio {id, data,
-  transcript}` as soon as each piece exists (wav and flac come whole at the end), then the
-  finish, usage with `stream_options.include_usage`, and `[DONE]`.
+  transcript}` as soon as each piece exists (wav and flac come whole at the end; every `data`
+  but the last holds whole base64 groups of whole samples, so joined strings decode too), then
+  the finish, usage with `stream_options.include_usage`, and `[DONE]`. Nothing is sent before
+  the reply's first piece, so a refused request gets its status streamed or not; an error after
+  that is the stream's last event.
 Errors are OpenAI error objects: 400 naming the field, 401 (with `--api-key`), 404 unknown
-model, 413 body too large, 499 client gone, 503 draining or a stage down, 504 deadline (header
-`x-omnistage-timeout: SECONDS`, else `timeouts.request_timeout_s`). A client that disconnects
-cancels its request down the whole chain.
+model or path, 405, 413 body too large, 429 a stage over its limits, 499 client gone, 503
+draining or a stage down, 504 deadline (header `x-omnistage-timeout: SECONDS`, else
+`timeouts.request_timeout_s`). A client that disconnects cancels its request down the whole
+chain. `gateway.cors_allow_origins` lets browser pages on other origins call it.
 """
 
 from __future__ import annotations
