@@ -230,6 +230,64 @@ def test_missing_files_are_named(tiny_dir: Path, tmp_path: Path, missing: str) -
         open_checkpoint(bad)
 
 
+def test_vocab_json_needs_its_merges(tiny_dir: Path, tmp_path: Path) -> None:
+    bad = _copy(tiny_dir, tmp_path / "vocab")
+    (bad / "tokenizer.json").unlink()
+    (bad / "vocab.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"vocab\.json \+ merges\.txt"):
+        open_checkpoint(bad)
+
+
+def _move_chat_template(path: Path, to: str) -> str:
+    """Take the template out of tokenizer_config.json and put it in chat_template.`to` (none:
+    nowhere)."""
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    template = config.pop("chat_template")
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    if to == "json":
+        (path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    elif to == "jinja":
+        (path / "chat_template.jinja").write_text(template)
+    return template
+
+
+def _prompt(path: Path) -> list[int]:
+    ckpt = open_checkpoint(path)
+    return ckpt.family.prompt_ids(load_tokenizer(ckpt), [{"role": "user", "content": "Hello there"}])
+
+
+@pytest.mark.parametrize("to", ["json", "jinja"])
+def test_the_chat_template_is_read_where_published_checkpoints_keep_it(tiny_dir: Path, tmp_path: Path,
+                                                                        to: str) -> None:  # fmt: skip
+    moved = _copy(tiny_dir, tmp_path / "moved")
+    _move_chat_template(moved, to)
+    assert _prompt(moved) == _prompt(tiny_dir)
+
+
+def test_the_processors_chat_template_comes_first_and_none_is_refused(tiny_dir: Path, tmp_path: Path) -> None:
+    both = _copy(tiny_dir, tmp_path / "both")
+    template = json.loads((both / "tokenizer_config.json").read_text())["chat_template"]
+    (both / "chat_template.json").write_text(json.dumps({"chat_template": "{{ 'system\\n' }}" + template}))
+    ckpt = open_checkpoint(both)
+    assert load_tokenizer(ckpt).chat_template.startswith("{{ 'system")  # as the processor takes it
+    none = _copy(tiny_dir, tmp_path / "none")
+    _move_chat_template(none, "none")
+    with pytest.raises(CheckpointError, match="no chat template"):
+        open_checkpoint(none)
+
+
+def test_generation_config_eos_ids_all_stop_the_thinker(tiny_dir: Path, tmp_path: Path) -> None:
+    two = _copy(tiny_dir, tmp_path / "eos")
+    gen = json.loads((two / "generation_config.json").read_text())
+    gen["eos_token_id"] = [gen["eos_token_id"], 5]
+    (two / "generation_config.json").write_text(json.dumps(gen))
+    ckpt = open_checkpoint(two)
+    assert ckpt.family.thinker_defaults(ckpt).stop_ids == (ckpt.spec.im_end_id, 5)
+    (two / "generation_config.json").write_text("{nope")
+    with pytest.raises(CheckpointError, match=r"generation_config\.json: not a valid generation config"):
+        ckpt.family.thinker_defaults(ckpt)
+
+
 def test_missing_directory_is_named(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="not found"):
         open_checkpoint(tmp_path / "nope")

@@ -109,9 +109,10 @@ def read_header(file: Path) -> dict[str, tuple[str, list[int]]]:
         try:
             dtype, shape, (start, stop) = entry["dtype"], list(entry["shape"]), entry["data_offsets"]
             nbytes = _DTYPE_BYTES[dtype] * math.prod(shape)
+            size_ok = stop - start == nbytes and start >= 0
         except (KeyError, TypeError, ValueError):
             raise bad(f"tensor {name!r} has a malformed entry") from None
-        if stop - start != nbytes or start < 0:
+        if not size_ok:
             raise bad(f"tensor {name!r}: {stop - start} bytes for dtype {dtype} and shape {shape}")
         end = max(end, stop)
         tensors[name] = (dtype, shape)
@@ -164,8 +165,9 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     tensors = checkpoint_tensors(p)
     if not (p / "tokenizer_config.json").is_file():
         raise CheckpointError(f"{p}: missing tokenizer_config.json")
-    if not ((p / "tokenizer.json").is_file() or (p / "vocab.json").is_file()):
+    if not ((p / "tokenizer.json").is_file() or ((p / "vocab.json").is_file() and (p / "merges.txt").is_file())):
         raise CheckpointError(f"{p}: missing tokenizer files (tokenizer.json or vocab.json + merges.txt)")
+    chat_template(p)  # a checkpoint without one could answer no chat request
     try:
         config = family.load_config(p)
     except (ValueError, TypeError, KeyError) as e:
@@ -193,11 +195,49 @@ def special_token_ids(path: Path, tokens: tuple[str, ...]) -> dict[str, int]:
     return out
 
 
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
+
+
+def _template_in(file: Path) -> str | None:
+    """The chat template a file holds: a .jinja file's text, or a JSON file's `chat_template`
+    (a string, or named templates of which `default` is the one)."""
+    if not file.is_file():
+        return None
+    try:
+        if file.suffix == ".jinja":
+            return file.read_text() or None
+        value = json.loads(file.read_text()).get("chat_template")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{file}: unreadable ({e})") from None
+    if isinstance(value, list):  # [{"name": ..., "template": ...}, ...]
+        value = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+    if isinstance(value, dict):
+        value = value.get("default")
+    return value if isinstance(value, str) and value else None
+
+
+def chat_template(path: Path) -> str:
+    """The checkpoint's chat template, as its processor takes it: chat_template.jinja, else
+    chat_template.json (where the published Qwen Omni checkpoints keep it), else
+    tokenizer_config.json's. CheckpointError when there is none."""
+    for name in CHAT_TEMPLATE_FILES:
+        template = _template_in(path / name)
+        if template is not None:
+            return template
+    raise CheckpointError(f"{path}: no chat template (looked in {', '.join(CHAT_TEMPLATE_FILES)})")
+
+
 def load_tokenizer(ckpt: Checkpoint) -> Any:
-    """The checkpoint's tokenizer, after checking its special ids agree with the config."""
+    """The checkpoint's tokenizer with the checkpoint's chat template, after checking its special
+    ids agree with the config."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(ckpt.path, local_files_only=True)
+    template = chat_template(ckpt.path)
+    try:
+        tok = AutoTokenizer.from_pretrained(ckpt.path, local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"{ckpt.path}: cannot load the tokenizer ({e})") from None
+    tok.chat_template = template
     problems = ckpt.family.check_tokenizer(tok, ckpt.config)
     if problems:
         raise CheckpointError(f"{ckpt.path}: tokenizer disagrees with config: " + "; ".join(problems))
@@ -300,16 +340,24 @@ def read_tensor_rows(ckpt: Checkpoint, keys: tuple[str, ...], rows: list[int]) -
 
 
 def generation_defaults(ckpt: Checkpoint, stop_ids: tuple[int, ...], max_tokens: int = 1024) -> SamplingParams:
-    """The checkpoint's generation_config.json as sampling defaults, stopping on `stop_ids`."""
+    """The checkpoint's generation_config.json as sampling defaults, stopping on `stop_ids` and
+    on every `eos_token_id` it lists (as `generate()` stops on them)."""
     gen_file = ckpt.path / "generation_config.json"
-    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
-    sampled = bool(gen.get("do_sample", False))
-    return SamplingParams(
-        do_sample=sampled,
-        temperature=float(gen.get("temperature") or 1.0),
-        top_k=int(gen.get("top_k") or 0) if sampled else 0,
-        top_p=float(gen.get("top_p") or 1.0),
-        repetition_penalty=float(gen.get("repetition_penalty") or 1.0),
-        max_tokens=max_tokens,
-        stop_ids=stop_ids,
-    )
+    try:
+        gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+        if not isinstance(gen, dict):
+            raise ValueError("not a JSON object")
+        eos = gen.get("eos_token_id")
+        eos_ids = [] if eos is None else [int(i) for i in (eos if isinstance(eos, list) else [eos])]
+        sampled = bool(gen.get("do_sample", False))
+        return SamplingParams(
+            do_sample=sampled,
+            temperature=float(gen.get("temperature") or 1.0),
+            top_k=int(gen.get("top_k") or 0) if sampled else 0,
+            top_p=float(gen.get("top_p") or 1.0),
+            repetition_penalty=float(gen.get("repetition_penalty") or 1.0),
+            max_tokens=max_tokens,
+            stop_ids=tuple(dict.fromkeys([*stop_ids, *eos_ids])),
+        )
+    except (OSError, UnicodeDecodeError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{gen_file}: not a valid generation config ({e})") from None

@@ -156,7 +156,7 @@ def load_processor(ckpt: Checkpoint, tokenizer: Any, base_name: str = "Qwen3Omni
         videos = FrameVideoProcessor(**video_config)
         return _processor_class(base_name)(image_processor=images, video_processor=videos, feature_extractor=features,
                                      tokenizer=tokenizer, chat_template=tokenizer.chat_template)  # fmt: skip
-    except (OSError, ValueError, TypeError) as e:
+    except (OSError, ValueError, TypeError, AttributeError, KeyError) as e:  # AttributeError: a named token missing
         raise CheckpointError(f"{ckpt.path}: cannot build the processor: {e}") from None
 
 
