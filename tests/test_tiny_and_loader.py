@@ -288,6 +288,25 @@ def test_generation_config_eos_ids_all_stop_the_thinker(tiny_dir: Path, tmp_path
         ckpt.family.thinker_defaults(ckpt)
 
 
+def test_a_checkpoint_that_cannot_speak_is_refused_by_name(tiny_dir: Path, tmp_path: Path) -> None:
+    """A text-only variant (Qwen3-Omni's Thinking and Captioner: the thinker's config and weights
+    alone) is named as such, not misreported through the default talker config transformers
+    fills in."""
+    thinking = _copy(tiny_dir, tmp_path / "thinking")
+    _edit_config(thinking, lambda c: [c.pop("talker_config"), c.pop("code2wav_config"),
+                                      c.update(enable_audio_output=False)])  # fmt: skip
+    _rewrite(thinking, lambda w: [w.pop(k) for k in list(w) if not k.startswith("thinker.")])
+    with pytest.raises(CheckpointError, match="without speech output") as e:
+        open_checkpoint(thinking)
+    for reason in ("enable_audio_output: false", "no talker_config", "no code2wav_config", "no weights of the talker",
+                   "no weights of the code2wav", "text-only variants are not supported"):  # fmt: skip
+        assert reason in str(e.value)
+    muted = _copy(tiny_dir, tmp_path / "muted")
+    _edit_config(muted, lambda c: c.update(enable_audio_output=False))
+    with pytest.raises(CheckpointError, match="enable_audio_output: false"):
+        open_checkpoint(muted)
+
+
 def test_missing_directory_is_named(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="not found"):
         open_checkpoint(tmp_path / "nope")

@@ -163,6 +163,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     except UnknownFamily as e:
         raise CheckpointError(f"{cfg_file}: {e}") from None
     tensors = checkpoint_tensors(p)
+    _check_speaks(p, raw, family, tensors)
     if not (p / "tokenizer_config.json").is_file():
         raise CheckpointError(f"{p}: missing tokenizer_config.json")
     if not ((p / "tokenizer.json").is_file() or ((p / "vocab.json").is_file() and (p / "merges.txt").is_file())):
@@ -176,6 +177,25 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if problems:
         raise CheckpointError(f"{cfg_file}: the parts of the config disagree: " + "; ".join(problems))
     return Checkpoint(path=p, family=family, config=config, spec=family.spec(config, p), tensors=tensors)
+
+
+def _check_speaks(path: Path, raw: dict[str, Any], family: Any, tensors: dict[str, Any]) -> None:
+    """Refuse, by name, a checkpoint of the family that cannot speak: a text-only variant (such as
+    Qwen3-Omni's Thinking and Captioner) has no talker or vocoder config or weights, and
+    transformers would fill in default configs that the checks below would then misreport."""
+    reasons = []
+    if raw.get("enable_audio_output") is False:
+        reasons.append("config.json sets enable_audio_output: false")
+    for part, key in family.part_configs.items():
+        if key not in raw:
+            reasons.append(f"config.json has no {key}")
+        prefix = family.weight_prefix(part)
+        if not any(name.startswith(prefix) for name in tensors):
+            reasons.append(f"no weights of the {part} (no tensor name starts with {prefix!r})")
+    if reasons:
+        raise CheckpointError(f"{path}: a checkpoint without speech output ({'; '.join(reasons)}): omnistage serves "
+                              f"{family.display_name} checkpoints that speak (thinker, talker and vocoder); text-only "
+                              "variants are not supported")  # fmt: skip
 
 
 def special_token_ids(path: Path, tokens: tuple[str, ...]) -> dict[str, int]:
