@@ -21,8 +21,8 @@ def sampling_proto(params: dict[str, Any]) -> stage_pb2.SamplingParams:
     for key, value in params.items():
         if value is None:
             continue
-        if key == "stop_ids":
-            msg.stop_ids.extend(int(i) for i in value)
+        if key in ("stop_ids", "forced_ids"):
+            getattr(msg, key).extend(int(i) for i in value)
         else:
             setattr(msg, key, value)
     return msg

@@ -3,6 +3,7 @@
 `Gateway.Generate` (`GatewayService.serve`): this module only translates.
 
   POST /v1/chat/completions   chat with text, audio, image and video in; text and audio out
+  POST /v1/audio/speech       a given text spoken (the model's reply, given: `forced_ids`)
   GET  /v1/models[/{id}]      the served model (and its voices)
   GET  /health                200 when every stage serves, else 503 naming the ones that do not
   GET  /metrics               the gateway's Prometheus metrics
@@ -42,13 +43,14 @@ import base64
 import binascii
 import contextlib
 import json
+import logging
 import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from importlib import resources
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import grpc
 import numpy as np
@@ -62,11 +64,13 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway.audio_out import FORMAT_NAMES
+from gateway.audio_out import FORMAT_NAMES, MIME
 from gateway.server import GatewayError, GatewayService
 from omnistage.v1 import gateway_pb2, stage_pb2
 
 __all__ = ["build_app"]
+
+log = logging.getLogger(__name__)
 
 AUDIO_TTL_S = 3600  # a reply's audio id names its transcript this long (its `expires_at`)
 # Streamed audio pieces hold whole base64 groups (3 bytes) of whole 16-bit samples, so a client
@@ -179,6 +183,23 @@ class ChatRequest(_Body):
     logprobs: bool | None = None
 
 
+class SpeechRequest(_Body):
+    """OpenAI's `/v1/audio/speech` body."""
+
+    model: str | None = None
+    input: str = Field(min_length=1, max_length=4096)
+    voice: str | AudioRef | None = None
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] | None = None  # None: mp3
+    speed: float | None = Field(None, ge=0.25, le=4.0)
+    instructions: str | None = Field(None, max_length=4096)
+    stream_format: Literal["audio", "sse"] | None = None  # None: audio
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)  # not OpenAI's: the same seed, the same speech
+
+
+BodyT = TypeVar("BodyT", bound=_Body)
+Replies = AsyncGenerator[gateway_pb2.GenerateResponse, None]
+
+
 class HttpError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None) -> None:  # fmt: skip
@@ -261,8 +282,8 @@ OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "cedar", "coral", "echo", "
                            "sage", "shimmer", "verse"})  # fmt: skip
 
 
-def _speaker(voice: str | AudioRef | None, voices: list[str]) -> str:
-    """The gateway's speaker for `audio.voice` ("" = the checkpoint's default)."""
+def _speaker(voice: str | AudioRef | None, voices: list[str], field: str = "audio.voice") -> str:
+    """The gateway's speaker for the body's `field` ("" = the checkpoint's default)."""
     name = voice.id if isinstance(voice, AudioRef) else voice
     if not name:
         return ""
@@ -270,8 +291,8 @@ def _speaker(voice: str | AudioRef | None, voices: list[str]) -> str:
         return name
     if name.lower() in OPENAI_VOICES:
         return ""
-    raise HttpError(400, f"audio.voice: unknown voice {name!r}; this model has: {', '.join(voices)}",
-                    param="audio.voice")  # fmt: skip
+    raise HttpError(400, f"{field}: unknown voice {name!r}; this model has: {', '.join(voices)}",
+                    param=field)  # fmt: skip
 
 
 def _unsupported(body: ChatRequest) -> None:
@@ -286,6 +307,11 @@ def _unsupported(body: ChatRequest) -> None:
 
 
 TranscriptLookup = Callable[[str], str | None]
+
+
+def _talker_seed(seed: int) -> int:
+    """The talker's seed for a request's `seed` (wrapped into int64)."""
+    return (seed + TALKER_SEED_OFFSET + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 def to_generate_request(body: ChatRequest, voices: list[str],
@@ -338,8 +364,40 @@ def to_generate_request(body: ChatRequest, voices: list[str],
     if body.seed is not None:
         thinker.seed = body.seed
         if want_audio:  # the same seed gives the same speech too
-            req.sampling["talker"].seed = (body.seed + TALKER_SEED_OFFSET + (1 << 63)) % (1 << 64) - (1 << 63)
+            req.sampling["talker"].seed = _talker_seed(body.seed)
     req.sampling["thinker"].CopyFrom(thinker)
+    return req
+
+
+def to_speech_request(body: SpeechRequest, voices: list[str], tokenizer: Any,
+                      max_tokens: int) -> gateway_pb2.GenerateRequest:  # fmt: skip
+    """Speech of a given text: the text is the user's turn and the model's reply, given (the
+    thinker's `forced_ids`), so the talker speaks exactly these words; `instructions`, when set,
+    is the system turn. `max_tokens`: the most tokens a prompt plus reply may hold."""
+    if body.response_format == "aac":
+        raise HttpError(400, "response_format: aac is not supported; one of mp3, opus, flac, wav, pcm",
+                        param="response_format")  # fmt: skip
+    if body.speed is not None and body.speed != 1.0:
+        raise HttpError(400, "speed: only 1.0 is supported", param="speed")
+    ids = [int(i) for i in tokenizer.encode(body.input, add_special_tokens=False)]
+    if not ids:
+        raise HttpError(400, "input: no text to speak", param="input")
+    if 2 * len(ids) + 64 > max_tokens:  # the words come twice: the user's turn and the reply
+        most = max(0, (max_tokens - 64) // 2)
+        raise HttpError(400, f"input: {len(ids)} tokens is too long to speak at once (at most {most})",
+                        param="input", code="context_length_exceeded")  # fmt: skip
+    fmt = "pcm16" if body.response_format == "pcm" else body.response_format or "mp3"
+    req = gateway_pb2.GenerateRequest(want_audio=True, audio_format=FORMAT_NAMES[fmt])  # type: ignore[arg-type]
+    req.speaker = _speaker(body.voice, voices, "voice")
+    if body.instructions:
+        req.messages.append(gateway_pb2.ChatMessage(role="system", content=body.instructions))
+    req.messages.append(gateway_pb2.ChatMessage(role="user", content=body.input))
+    thinker = req.sampling["thinker"]
+    thinker.forced_ids.extend(ids)
+    thinker.max_tokens = len(ids) + 1  # the words, then the end of the reply
+    thinker.do_sample = False
+    if body.seed is not None:
+        req.sampling["talker"].seed = _talker_seed(body.seed)
     return req
 
 
@@ -418,7 +476,7 @@ class ChatCompletions:
         self.voices = sorted(service.ckpt.spec.speakers)
         self.transcripts = Transcripts()
 
-    async def parse(self, request: Request) -> ChatRequest:
+    async def parse(self, request: Request, model: type[BodyT]) -> BodyT:
         if not self.service.check_api_key(request.headers.get("authorization")):
             raise HttpError(401, "missing or wrong API key (header Authorization: Bearer <key>)",
                             "authentication_error", code="invalid_api_key")  # fmt: skip
@@ -431,30 +489,57 @@ class ChatCompletions:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise HttpError(400, f"body: not valid JSON ({e})") from None
         try:
-            body = ChatRequest.model_validate(data)
+            body = model.model_validate(data)
         except ValidationError as e:
             where, msg = _first_error(e)
             raise HttpError(400, f"{where}: {msg}", param=where) from None
-        if body.model is not None and body.model != self.service.model_name:
-            raise HttpError(404, f"model {body.model!r} not found; this server serves {self.service.model_name!r}",
+        name = getattr(body, "model", None)
+        if name is not None and name != self.service.model_name:
+            raise HttpError(404, f"model {name!r} not found; this server serves {self.service.model_name!r}",
                             "not_found_error", param="model", code="model_not_found")  # fmt: skip
         return body
 
     async def handle(self, request: Request) -> Response:
+        """POST /v1/chat/completions"""
         try:
-            body = await self.parse(request)
+            body = await self.parse(request, ChatRequest)
             req = to_generate_request(body, self.voices, self.transcripts.get)
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
         except HttpError as e:
             self.service.metrics.requests.labels("http", f"HTTP_{e.status}").inc()
             return e.response()
+        if not body.stream:
+            return await self._serve(request, req, timeout, lambda responses: self._whole(req, responses))
+        return await self._serve(request, req, timeout, self._first,
+                                 lambda first, responses: self._stream(req, body, first, responses))  # fmt: skip
+
+    async def speech(self, request: Request) -> Response:
+        """POST /v1/audio/speech"""
+        try:
+            body = await self.parse(request, SpeechRequest)
+            req = to_speech_request(body, self.voices, self.service.tokenizer, self.service.max_prompt_tokens)
+            timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
+        except HttpError as e:
+            self.service.metrics.requests.labels("http", f"HTTP_{e.status}").inc()
+            return e.response()
+        sse = body.stream_format == "sse"
+        media = "text/event-stream" if sse else MIME[req.audio_format]
+        # the status waits for the first audio: a stage that fails before it gets its own status
+        return await self._serve(request, req, timeout, lambda responses: self._first(responses, audio=True),
+                                 lambda first, responses: _speech_stream(first, responses, sse), media)  # fmt: skip
+
+    async def _serve(self, request: Request, req: gateway_pb2.GenerateRequest, timeout: float | None,
+                     start: Callable[[Replies], Awaitable[Any]],
+                     stream: Callable[[Any, Replies], AsyncIterator[str | bytes]] | None = None,
+                     media_type: str = "text/event-stream") -> Response:  # fmt: skip
+        """Run `req`: `start(replies)` gives a whole Response or, with `stream`, the first piece
+        that `stream(first, replies)` goes on from. Nothing is sent until `start` returns, so a
+        request the gateway or a stage refuses gets its own status; a hang-up meanwhile cancels
+        it down the chain."""
         req.request_id = uuid.uuid4().hex
         headers = {"x-request-id": req.request_id}
         responses = self._responses(req, timeout)
-        # Until the first reply piece exists nothing is sent, so a request the gateway or a stage
-        # refuses gets its own status, streamed or not; a hang-up meanwhile cancels it.
-        job = self._first(responses) if body.stream else self._whole(req, responses)
-        task = asyncio.ensure_future(job)
+        task = asyncio.ensure_future(start(responses))
         gone = asyncio.ensure_future(_disconnect(request))
         try:
             await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -472,30 +557,30 @@ class ChatCompletions:
             return response
         finally:
             gone.cancel()
-        if isinstance(result, Response):
+        if stream is None:
             result.headers.update(headers)
-            return result
+            return result  # type: ignore[no-any-return]
         headers.update({"cache-control": "no-cache", "x-accel-buffering": "no"})
-        return StreamingResponse(self._stream(req, body, result, responses), media_type="text/event-stream",
-                                 headers=headers)  # fmt: skip
+        return StreamingResponse(stream(result, responses), media_type=media_type, headers=headers)
 
-    def _responses(self, req: gateway_pb2.GenerateRequest, timeout: float | None
-                   ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:  # fmt: skip
+    def _responses(self, req: gateway_pb2.GenerateRequest, timeout: float | None) -> Replies:
         return self.service.serve(req, timeout, "http")
 
     @staticmethod
-    async def _first(responses: AsyncGenerator[gateway_pb2.GenerateResponse, None]
-                     ) -> gateway_pb2.GenerateResponse | None:  # fmt: skip
-        """The reply's first piece (None: a reply with none), or the refusal as an HttpError."""
+    async def _first(responses: Replies, audio: bool = False) -> list[gateway_pb2.GenerateResponse]:
+        """The reply's pieces up to its first (`audio`: up to its first audio or its end); a
+        refusal as an HttpError."""
+        pieces: list[gateway_pb2.GenerateResponse] = []
         try:
-            return await anext(responses)
-        except StopAsyncIteration:
-            return None
+            async for resp in responses:
+                pieces.append(resp)
+                if not audio or resp.WhichOneof("kind") in ("audio", "final"):
+                    break
         except GatewayError as e:
             raise _from_gateway(e) from None
+        return pieces
 
-    async def _whole(self, req: gateway_pb2.GenerateRequest,
-                     responses: AsyncGenerator[gateway_pb2.GenerateResponse, None]) -> Response:  # fmt: skip
+    async def _whole(self, req: gateway_pb2.GenerateRequest, responses: Replies) -> Response:
         text, audio = [], []
         final = gateway_pb2.Final()
         try:
@@ -525,8 +610,7 @@ class ChatCompletions:
         })  # fmt: skip
 
     async def _stream(self, req: gateway_pb2.GenerateRequest, body: ChatRequest,
-                      first: gateway_pb2.GenerateResponse | None,
-                      responses: AsyncGenerator[gateway_pb2.GenerateResponse, None]) -> AsyncIterator[str]:  # fmt: skip
+                      first: list[gateway_pb2.GenerateResponse], responses: Replies) -> AsyncIterator[str]:  # fmt: skip
         created = int(time.time())
         rid = req.request_id
         audio_id = f"audio_{rid}"
@@ -540,17 +624,11 @@ class ChatCompletions:
         def audio_chunk(data: bytes) -> str:
             return chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode()}})
 
-        async def pieces() -> AsyncIterator[gateway_pb2.GenerateResponse]:
-            if first is not None:
-                yield first
-            async for resp in responses:
-                yield resp
-
         text: list[str] = []
         held = b""  # audio bytes past the last whole AUDIO_ALIGN
         try:
             yield chunk({"role": "assistant", "content": ""})
-            async for resp in pieces():
+            async for resp in _chain(first, responses):
                 kind = resp.WhichOneof("kind")
                 if kind == "text" and resp.text.text:
                     text.append(resp.text.text)
@@ -581,6 +659,39 @@ class ChatCompletions:
             yield f"data: {json.dumps(_from_gateway(e).body())}\n\n"
         finally:
             await responses.aclose()
+
+
+async def _chain(first: list[gateway_pb2.GenerateResponse], rest: Replies) -> Replies:
+    for resp in first:
+        yield resp
+    async for resp in rest:
+        yield resp
+
+
+async def _speech_stream(first: list[gateway_pb2.GenerateResponse], responses: Replies,
+                         sse: bool) -> AsyncIterator[str | bytes]:  # fmt: skip
+    """The speech's bytes as they are encoded, or OpenAI's speech events (`sse`). An error after
+    the first audio ends the bytes early (an `error` event with `sse`)."""
+    try:
+        async for resp in _chain(first, responses):
+            kind = resp.WhichOneof("kind")
+            if kind == "audio" and resp.audio.data:
+                if not sse:
+                    yield resp.audio.data
+                    continue
+                event = {"type": "speech.audio.delta", "audio": base64.b64encode(resp.audio.data).decode()}
+                yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+            elif kind == "final" and sse:
+                u = resp.final.usage
+                usage = {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
+                         "total_tokens": u.prompt_tokens + u.completion_tokens}  # fmt: skip
+                yield f"data: {json.dumps({'type': 'speech.audio.done', 'usage': usage})}\n\n"
+    except GatewayError as e:
+        log.warning("speech ended early: %s", e.message)
+        if sse:
+            yield f"data: {json.dumps({'type': 'error', **_from_gateway(e).body()})}\n\n"
+    finally:
+        await responses.aclose()
 
 
 def _usage(u: gateway_pb2.Usage) -> dict[str, int]:
@@ -632,6 +743,7 @@ def build_app(service: GatewayService) -> Starlette:
                              expose_headers=["x-request-id"])] if origins else []  # fmt: skip
     return Starlette(routes=[
         Route("/v1/chat/completions", chat.handle, methods=["POST"]),
+        Route("/v1/audio/speech", chat.speech, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

@@ -357,6 +357,10 @@ def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,
     overrides: dict[str, Any] = {f: getattr(msg, f) for f in _SAMPLING_FIELDS if msg.HasField(f)}
     if msg.stop_ids:  # replaces the stage's default stop ids, as generate()'s *_eos_token_id does
         overrides["stop_ids"] = tuple(int(i) for i in msg.stop_ids)
+    if msg.forced_ids:
+        if stage != "thinker":
+            raise invalid(f"{stage}: sampling: forced_ids are for the thinker only")
+        overrides["forced_ids"] = tuple(int(i) for i in msg.forced_ids)
     try:
         return defaults.with_overrides(**overrides)
     except ValueError as e:
@@ -389,7 +393,7 @@ def meta_str(meta: Mapping[str, Any], key: str) -> str:
 
 def sampling_proto(params: SamplingParams) -> stage_pb2.SamplingParams:
     """`SamplingParams` as the proto message a Start carries (every field set)."""
-    msg = stage_pb2.SamplingParams(stop_ids=list(params.stop_ids))
+    msg = stage_pb2.SamplingParams(stop_ids=list(params.stop_ids), forced_ids=list(params.forced_ids))
     for f in _SAMPLING_FIELDS:
         value = getattr(params, f)
         if value is not None:

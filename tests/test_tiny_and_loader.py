@@ -359,3 +359,26 @@ def test_sampling_with_a_seed_is_repeatable(pipeline: Any) -> None:
     assert runs[0] == runs[1]
     other = params.with_overrides(seed=8)
     assert list(pipeline.run(PipelineRequest(ids, other, want_audio=False)))[-1].token_ids != runs[0]
+
+
+def test_a_given_reply_is_emitted_as_given_then_spoken(pipeline: Any) -> None:
+    """`forced_ids` (speech of a given text): the thinker emits exactly those ids, then its stop
+    id, running its forwards as for a generated reply, and the talker speaks them."""
+    from omnistage.models.sampling import SamplingParams
+    from omnistage.wire import StageError
+    from services.pipeline import PipelineRequest
+
+    ids = pipeline.prompt_ids("Read this aloud.")
+    greedy = pipeline.thinker_defaults().with_overrides(do_sample=False, max_tokens=6)
+    generated = list(pipeline.run(PipelineRequest(ids, greedy, want_audio=False)))[-1].token_ids
+    given = [*reversed(generated), *pipeline.prompt_ids("words")[:3]]  # not what it would say
+    forced = greedy.with_overrides(forced_ids=given, max_tokens=len(given) + 1)
+    talker = SamplingParams(max_tokens=12, stop_ids=(pipeline.spec.codec_eos_id,))
+    done = list(pipeline.run(PipelineRequest(ids, forced, talker=talker)))[-1]
+    assert done.token_ids == [*given, pipeline.spec.im_end_id] and done.thinker_stopped_on == "stop_id"
+    assert done.codes.shape[1] > 0
+    with pytest.raises(ValueError, match="forced_ids need a stop id"):
+        SamplingParams(forced_ids=(1,))
+    out_of_vocab = greedy.with_overrides(forced_ids=[pipeline.spec.thinker_vocab])
+    with pytest.raises(StageError, match=r"forced_ids .*outside the vocabulary"):
+        list(pipeline.run(PipelineRequest(ids, out_of_vocab, want_audio=False)))

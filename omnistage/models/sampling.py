@@ -32,6 +32,7 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 1024
     stop_ids: tuple[int, ...] = field(default_factory=tuple)
+    forced_ids: tuple[int, ...] = field(default_factory=tuple)  # a given reply (thinker): see `forced_token`
 
     def __post_init__(self) -> None:
         # Written so that NaN fails every check (any comparison with NaN is False).
@@ -45,11 +46,14 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.forced_ids and not self.stop_ids:
+            raise ValueError("forced_ids need a stop id to end the given reply")
 
     def with_overrides(self, **overrides: Any) -> SamplingParams:
         clean = {k: v for k, v in overrides.items() if v is not None}
-        if "stop_ids" in clean:
-            clean["stop_ids"] = tuple(int(i) for i in clean["stop_ids"])
+        for name in ("stop_ids", "forced_ids"):
+            if name in clean:
+                clean[name] = tuple(int(i) for i in clean[name])
         return replace(self, **clean)
 
 
@@ -104,6 +108,14 @@ class TokenChooser:
 
     def is_stop(self, token: int) -> bool:
         return token in self.params.stop_ids
+
+
+def forced_token(params: SamplingParams, generated: int) -> int | None:
+    """The given reply's token at step `generated` (then its first stop id); None when the reply
+    is not given."""
+    if not params.forced_ids:
+        return None
+    return params.forced_ids[generated] if generated < len(params.forced_ids) else params.stop_ids[0]
 
 
 def choose_batch(

@@ -54,12 +54,14 @@ def client(http_stack: Stack) -> openai.OpenAI:
                          timeout=120)  # fmt: skip
 
 
-def _grpc_reply(stack: Stack, prompt: str = QUESTION, **kw: Any) -> Any:
+def _grpc_reply(stack: Stack, prompt: str = QUESTION, greedy_talker: bool = True, thinker_max_tokens: int = MAX_TOKENS,
+                **kw: Any) -> Any:  # fmt: skip
     """The gRPC path's reply to the request temperature 0 makes over HTTP: greedy thinker and
-    talker (the talker's other defaults kept), float32 PCM."""
-    request = build_request(prompt, greedy=False, thinker_max_tokens=MAX_TOKENS, **kw)
+    talker (the talker's other defaults kept; `greedy_talker` False: all of them), float32 PCM."""
+    request = build_request(prompt, greedy=False, thinker_max_tokens=thinker_max_tokens, **kw)
     request.sampling["thinker"].do_sample = False
-    request.sampling["talker"].do_sample = False
+    if greedy_talker:
+        request.sampling["talker"].do_sample = False
 
     async def go() -> Any:
         async with grpc.aio.insecure_channel(stack.gateway_address) as ch:
@@ -211,6 +213,38 @@ def test_a_later_turn_names_a_spoken_reply_by_its_audio_id(http_stack: Stack, cl
     by_id = follow_up({"role": "assistant", "content": None, "audio": {"id": first.audio.id}})
     assert by_id == follow_up({"role": "assistant", "content": first.content})
     assert by_id[1] > follow_up({"role": "assistant", "content": ""})[1]  # the reply's words are in the prompt
+
+
+def test_speech_speaks_the_given_words(http_stack: Stack, client: openai.OpenAI) -> None:
+    """/v1/audio/speech: the input is the model's reply, given (the thinker's forced ids), so the
+    samples are the gRPC path's for that given reply and the same talker seed."""
+    from gateway.http_api import TALKER_SEED_OFFSET
+    from omnistage.models import load_tokenizer, open_checkpoint
+
+    words = "Hello there, how are you today?"
+    speech = client.audio.speech.create(model=client.models.list().data[0].id, voice="ethan", input=words,
+                                        response_format="pcm", extra_body={"seed": 11})  # fmt: skip
+    assert speech.response.headers["content-type"] == "audio/L16"
+    got = np.frombuffer(speech.read(), "<i2")
+    ids = load_tokenizer(open_checkpoint(http_stack.model_dir)).encode(words, add_special_tokens=False)
+    sampling = {"thinker": {"forced_ids": ids, "max_tokens": len(ids) + 1, "do_sample": False},
+                "talker": {"seed": 11 + TALKER_SEED_OFFSET}}  # fmt: skip
+    text, pcm = _grpc_reply(http_stack, words, greedy_talker=False, thinker_max_tokens=len(ids) + 1, speaker="ethan",
+                            sampling=sampling)  # fmt: skip
+    assert text == words  # it said exactly the given words
+    assert got.size > 0 and np.array_equal(got, _pcm16(pcm))
+    url = f"http://{http_stack.http_address}/v1/audio/speech"
+    body = {"input": words, "voice": "ethan", "response_format": "pcm", "seed": 11, "stream_format": "sse"}
+    events = [json.loads(line[5:]) for line in httpx.post(url, json=body, timeout=60).text.splitlines()
+              if line.startswith("data:")]  # fmt: skip
+    assert [e["type"] for e in events[-1:]] == ["speech.audio.done"]
+    assert b"".join(base64.b64decode(e["audio"]) for e in events[:-1]) == got.tobytes()
+    assert events[-1]["usage"]["output_tokens"] == len(ids) + 1  # the words and the end of the reply
+    for bad, field in [({"input": ""}, "input"), ({"input": words, "response_format": "aac"}, "response_format"),
+                       ({"input": words, "speed": 2}, "speed"), ({"input": "hi " * 4000}, "input"),
+                       ({"input": words, "voice": "nobody"}, "voice")]:  # fmt: skip
+        r = httpx.post(url, json=bad, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), (bad, r.text)
 
 
 def test_text_only_and_stop_texts(http_stack: Stack, client: openai.OpenAI) -> None:

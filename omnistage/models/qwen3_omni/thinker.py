@@ -24,7 +24,7 @@ from omnistage.models.batching import PackedBatching, PackedCache, SlotCache
 from omnistage.models.qwen3_omni.multimodal import AudioRows, MultimodalInputs, PromptInputs, RopeInputs, encode_prompt
 from omnistage.models.qwen3_omni.prompt import text_positions
 from omnistage.models.qwen3_omni.spec import FamilySpec
-from omnistage.models.sampling import SamplingParams, TokenChooser
+from omnistage.models.sampling import SamplingParams, TokenChooser, forced_token
 
 __all__ = ["PromptOutput", "Thinker", "ThinkerState", "ThinkerStep", "TokenOutput"]
 
@@ -102,6 +102,14 @@ class Thinker:
         if bad:
             raise ValueError(f"prompt ids outside the vocabulary (0..{self.spec.thinker_vocab - 1}): {bad[:8]}")
 
+    def _check_given_reply(self, sampling: SamplingParams) -> None:
+        """A given reply's ids (and the stop id that ends it) must be ids of this vocabulary."""
+        given = (*sampling.forced_ids, *sampling.stop_ids[:1]) if sampling.forced_ids else ()
+        bad = [i for i in given if not 0 <= i < self.spec.thinker_vocab]
+        if bad:
+            raise ValueError(f"sampling: forced_ids (or the stop id ending them) outside the vocabulary "
+                             f"(0..{self.spec.thinker_vocab - 1}): {bad[:8]}")  # fmt: skip
+
     def new_state(self, sampling: SamplingParams, max_len: int | None = None) -> ThinkerState:
         """`max_len`: a cap below the model's positions on prompt + generated tokens (it stops
         there as at max_tokens)."""
@@ -119,6 +127,7 @@ class Thinker:
         if state.prompt_ids:
             raise ValueError("the prompt was already received")
         self.validate_prompt(prompt_ids, state.max_len)
+        self._check_given_reply(state.sampling)
         mm = MultimodalInputs.from_mapping(multimodal or {}, use_audio_in_video)
         mm.check(torch.tensor(list(prompt_ids)), self.model.config, self.audio_rows)
         state.prompt_ids = list(prompt_ids)
@@ -167,8 +176,9 @@ class Thinker:
         }
 
     def _emit(self, state: ThinkerState, logits: torch.Tensor, hidden_row: torch.Tensor) -> TokenOutput:
-        history = torch.tensor(state.history, device=self.device)
-        token = state.chooser.choose(logits, history)
+        token = forced_token(state.sampling, len(state.history) - len(state.prompt_ids))
+        if token is None:
+            token = state.chooser.choose(logits, torch.tensor(state.history, device=self.device))
         state.history.append(token)
         stopped_on = None
         if state.chooser.is_stop(token):
@@ -275,6 +285,7 @@ class Thinker:
         (`decode_state`): its cache from `kv` (per layer keys and values of every prompt position),
         the first token in its history. The next `step` for it is a decode at len(prompt)."""
         self.validate_prompt(prompt_ids, state.max_len)
+        self._check_given_reply(state.sampling)
         state.prompt_ids = list(prompt_ids)
         state.cache = SlotCache.for_model(self.model.config.text_config)
         for i, (k, v) in enumerate(kv):
