@@ -4,6 +4,7 @@ errors that name the problem, before any model work."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -124,6 +125,22 @@ def test_half_loaded_checkpoint_is_refused(
     # The other parts are untouched and still load.
     other = "thinker" if part != "thinker" else "code2wav"
     load_part(ckpt, other)  # type: ignore[arg-type]
+
+
+def test_a_missing_expert_is_named_by_its_key(tiny_dir: Path, tmp_path: Path) -> None:
+    """One tensor of one expert gone (the published per-expert layout): named at open, not as the
+    merged weight transformers would build from the experts."""
+    gone = "talker.model.layers.0.mlp.experts.1.up_proj.weight"
+    half = _copy(tiny_dir, tmp_path / "expert")
+    _rewrite(half, lambda w: w.pop(gone))
+    with pytest.raises(CheckpointError, match=r"1 expert weight\(s\) missing: " + re.escape(gone)):
+        open_checkpoint(half)
+    last = _copy(tiny_dir, tmp_path / "last")  # a layer's last expert gone whole: fewer than its neighbours
+    block = "talker.model.layers.1.mlp.experts."
+    count = sum(1 for k in open_checkpoint(tiny_dir).tensors if k.startswith(block) and k.endswith(".down_proj.weight"))
+    _rewrite(last, lambda w: [w.pop(k) for k in list(w) if k.startswith(f"{block}{count - 1}.")])
+    with pytest.raises(CheckpointError, match=r"3 expert weight\(s\) missing: " + re.escape(f"{block}{count - 1}.")):
+        open_checkpoint(last)
 
 
 @pytest.mark.parametrize(("key", "part"), [("talker.model.layers.0.mystery.weight", "talker"),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"{cfg_file}: {e}") from None
     tensors = checkpoint_tensors(p)
     _check_speaks(p, raw, family, tensors)
+    _check_experts(p, tensors)
     if not (p / "tokenizer_config.json").is_file():
         raise CheckpointError(f"{p}: missing tokenizer_config.json")
     if not ((p / "tokenizer.json").is_file() or ((p / "vocab.json").is_file() and (p / "merges.txt").is_file())):
@@ -177,6 +179,31 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if problems:
         raise CheckpointError(f"{cfg_file}: the parts of the config disagree: " + "; ".join(problems))
     return Checkpoint(path=p, family=family, config=config, spec=family.spec(config, p), tensors=tensors)
+
+
+_EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<index>\d+)\.(?P<rest>.+)$")
+
+
+def _check_experts(path: Path, tensors: dict[str, Any]) -> None:
+    """In the per-expert layout (`...mlp.experts.5.up_proj.weight`, as published), every expert
+    of a block must have every tensor the block's experts have, and a part's blocks the same
+    number of experts: a missing one is named here by its key (transformers, merging the
+    experts, would report the merged weight missing or misshapen instead)."""
+    blocks: dict[str, dict[str, set[int]]] = {}
+    for name in tensors:
+        m = _EXPERT.match(name)
+        if m:
+            blocks.setdefault(m["block"], {}).setdefault(m["rest"], set()).add(int(m["index"]))
+    widest: dict[str, int] = {}  # per part (the name's first component): the most experts of any block
+    for block, kinds in blocks.items():
+        part = block.split(".", 1)[0]
+        widest[part] = max(widest.get(part, 0), max(max(ix) for ix in kinds.values()) + 1)
+    missing = []
+    for block, kinds in sorted(blocks.items()):
+        for rest, indices in sorted(kinds.items()):
+            missing += [f"{block}.{i}.{rest}" for i in range(widest[block.split(".", 1)[0]]) if i not in indices]
+    if missing:
+        raise CheckpointError(f"{path}: {len(missing)} expert weight(s) missing: {_names(missing)}")
 
 
 def _check_speaks(path: Path, raw: dict[str, Any], family: Any, tensors: dict[str, Any]) -> None:
