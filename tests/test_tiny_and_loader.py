@@ -256,13 +256,13 @@ def test_vocab_json_needs_its_merges(tiny_dir: Path, tmp_path: Path) -> None:
 
 
 def _move_chat_template(path: Path, to: str) -> str:
-    """Take the template out of tokenizer_config.json and put it in chat_template.`to` (none:
-    nowhere)."""
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    template = config.pop("chat_template")
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    if to == "json":
-        (path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    """Take the template out of chat_template.json (where the tiny checkpoint keeps it, as
+    processors save it) and put it in `to`: tokenizer_config.json, chat_template.jinja, or none."""
+    template = json.loads((path / "chat_template.json").read_text())["chat_template"]
+    (path / "chat_template.json").unlink()
+    if to == "tokenizer_config":
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
     elif to == "jinja":
         (path / "chat_template.jinja").write_text(template)
     return template
@@ -273,8 +273,8 @@ def _prompt(path: Path) -> list[int]:
     return ckpt.family.prompt_ids(load_tokenizer(ckpt), [{"role": "user", "content": "Hello there"}])
 
 
-@pytest.mark.parametrize("to", ["json", "jinja"])
-def test_the_chat_template_is_read_where_published_checkpoints_keep_it(tiny_dir: Path, tmp_path: Path,
+@pytest.mark.parametrize("to", ["tokenizer_config", "jinja"])
+def test_the_chat_template_is_read_from_each_place_checkpoints_keep_it(tiny_dir: Path, tmp_path: Path,
                                                                         to: str) -> None:  # fmt: skip
     moved = _copy(tiny_dir, tmp_path / "moved")
     _move_chat_template(moved, to)
@@ -283,10 +283,10 @@ def test_the_chat_template_is_read_where_published_checkpoints_keep_it(tiny_dir:
 
 def test_the_processors_chat_template_comes_first_and_none_is_refused(tiny_dir: Path, tmp_path: Path) -> None:
     both = _copy(tiny_dir, tmp_path / "both")
-    template = json.loads((both / "tokenizer_config.json").read_text())["chat_template"]
-    (both / "chat_template.json").write_text(json.dumps({"chat_template": "{{ 'system\\n' }}" + template}))
-    ckpt = open_checkpoint(both)
-    assert load_tokenizer(ckpt).chat_template.startswith("{{ 'system")  # as the processor takes it
+    template = json.loads((both / "chat_template.json").read_text())["chat_template"]
+    config = json.loads((both / "tokenizer_config.json").read_text())
+    (both / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ 'other' }}"}))
+    assert load_tokenizer(open_checkpoint(both)).chat_template == template  # as the processor takes it
     none = _copy(tiny_dir, tmp_path / "none")
     _move_chat_template(none, "none")
     with pytest.raises(CheckpointError, match="no chat template"):

@@ -41,11 +41,13 @@ def default_model_dir() -> Path:
     """The built-in tiny checkpoint, generated once into the cache dir (atomically)."""
     import hashlib
 
+    from omnistage.models import tiny_files
     from omnistage.models.qwen3_omni import tiny
     from omnistage.models.qwen3_omni.tiny import write_tiny_checkpoint
 
-    # Keyed by the generator's source: an edited tiny.py never serves a stale cached copy.
-    version = hashlib.sha256(Path(tiny.__file__).read_bytes()).hexdigest()[:12]
+    # Keyed by the generator's source: an edited generator never serves a stale cached copy.
+    source = b"".join(Path(m.__file__).read_bytes() for m in (tiny, tiny_files))  # type: ignore[arg-type]
+    version = hashlib.sha256(source).hexdigest()[:12]
     target = cache_dir() / f"tiny-qwen3-omni-{version}"
     if (target / "config.json").is_file():  # renamed into place whole: present means complete
         return target

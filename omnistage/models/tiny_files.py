@@ -155,9 +155,9 @@ def processor_files(*, vocab_size: int, first_special_id: int, special_tokens: S
                     role_words: Sequence[str], named_tokens: Mapping[str, str], vision: Mapping[str, Any],
                     processor_class: str) -> dict[str, str]:  # fmt: skip
     """The tokenizer and processor files: tokenizer.json and tokenizer_config.json (`named_tokens`
-    become the tokenizer's `extra_special_tokens`, so the processor finds its placeholders), and
-    the feature extractor's, image and video processors' configs (`vision`: Qwen2-VL-style
-    patch settings) for transformers' `processor_class`."""
+    become the tokenizer's `extra_special_tokens`, so the processor finds its placeholders), the
+    chat template in chat_template.json, and the feature extractor's, image and video processors'
+    configs (`vision`: Qwen2-VL-style patch settings) for transformers' `processor_class`."""
     text = tokenizer_json(vocab_size, first_special_id, special_tokens, role_words)
     tokenizer_config = {
         "tokenizer_class": "Qwen2Tokenizer",
@@ -167,7 +167,6 @@ def processor_files(*, vocab_size: int, first_special_id: int, special_tokens: S
         "unk_token": None,
         "bos_token": None,
         "add_prefix_space": False,
-        "chat_template": chat_template(named_tokens),
         "extra_special_tokens": dict(named_tokens),
     }
     preprocessor = {**AUDIO_PREPROCESSOR, "image_processor_type": "Qwen2VLImageProcessor", **vision,
@@ -176,6 +175,7 @@ def processor_files(*, vocab_size: int, first_special_id: int, special_tokens: S
     return {
         "tokenizer.json": text + "\n",
         "tokenizer_config.json": _json(tokenizer_config),
+        "chat_template.json": _json({"chat_template": chat_template(named_tokens)}),  # where processors save it
         "preprocessor_config.json": _json(preprocessor),
         "video_preprocessor_config.json": _json(video),
     }
