@@ -57,6 +57,7 @@ import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -170,7 +171,7 @@ class ChatRequest(_Body):
     max_completion_tokens: int | None = Field(None, ge=1, le=1 << 20)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, le=1 << 20)  # vLLM's: -1 or 0 = off
+    top_k: int | None = Field(None, ge=-1, le=1 << 20)  # -1 or 0: off (vLLM's)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
     stop: str | list[str] | None = None
@@ -357,8 +358,8 @@ def to_generate_request(body: ChatRequest, voices: list[str],
             thinker.temperature = body.temperature
     if body.top_p is not None:
         thinker.top_p = body.top_p
-    if body.top_k is not None and body.top_k > 0:
-        thinker.top_k = body.top_k
+    if body.top_k is not None:
+        thinker.top_k = max(body.top_k, 0)  # -1 or 0 (vLLM's "off") is the stage's 0
     if body.repetition_penalty is not None:
         thinker.repetition_penalty = body.repetition_penalty
     if body.seed is not None:
@@ -370,22 +371,23 @@ def to_generate_request(body: ChatRequest, voices: list[str],
 
 
 def to_speech_request(body: SpeechRequest, voices: list[str], tokenizer: Any,
-                      max_tokens: int) -> gateway_pb2.GenerateRequest:  # fmt: skip
+                      max_words: int = 1 << 20) -> gateway_pb2.GenerateRequest:  # fmt: skip
     """Speech of a given text: the text is the user's turn and the model's reply, given (the
     thinker's `forced_ids`), so the talker speaks exactly these words; `instructions`, when set,
-    is the system turn. `max_tokens`: the most tokens a prompt plus reply may hold."""
+    is the system turn. `max_words`: the most tokens a reply may have (the gateway also refuses
+    a prompt and reply together longer than the model takes)."""
     if body.response_format == "aac":
         raise HttpError(400, "response_format: aac is not supported; one of mp3, opus, flac, wav, pcm",
                         param="response_format")  # fmt: skip
     if body.speed is not None and body.speed != 1.0:
         raise HttpError(400, "speed: only 1.0 is supported", param="speed")
-    ids = [int(i) for i in tokenizer.encode(body.input, add_special_tokens=False)]
+    # special-token text in the input ("<|im_end|>") is spoken as text: it must not end the reply
+    ids = [int(i) for i in tokenizer.encode(body.input, add_special_tokens=False, split_special_tokens=True)]
     if not ids:
         raise HttpError(400, "input: no text to speak", param="input")
-    if 2 * len(ids) + 64 > max_tokens:  # the words come twice: the user's turn and the reply
-        most = max(0, (max_tokens - 64) // 2)
-        raise HttpError(400, f"input: {len(ids)} tokens is too long to speak at once (at most {most})",
-                        param="input", code="context_length_exceeded")  # fmt: skip
+    if len(ids) > max_words:
+        raise HttpError(400, f"input: {len(ids)} tokens; at most {max_words} are spoken at once", param="input",
+                        code="context_length_exceeded")  # fmt: skip
     fmt = "pcm16" if body.response_format == "pcm" else body.response_format or "mp3"
     req = gateway_pb2.GenerateRequest(want_audio=True, audio_format=FORMAT_NAMES[fmt])  # type: ignore[arg-type]
     req.speaker = _speaker(body.voice, voices, "voice")
@@ -517,6 +519,7 @@ class ChatCompletions:
         """POST /v1/audio/speech"""
         try:
             body = await self.parse(request, SpeechRequest)
+            # the reply and its stop id within the thinker's limit, the prompt not counted yet
             req = to_speech_request(body, self.voices, self.service.tokenizer, self.service.max_prompt_tokens)
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
         except HttpError as e:
@@ -542,12 +545,13 @@ class ChatCompletions:
         task = asyncio.ensure_future(start(responses))
         gone = asyncio.ensure_future(_disconnect(request))
         try:
-            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:  # this handler was cancelled: so is the request
+                await _cancel(task, responses)
+                raise
             if not task.done():  # the client went away: its request is cancelled down the chain
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, HttpError):
-                    await task
-                await responses.aclose()
+                await _cancel(task, responses)
                 return Response(status_code=499)
             result = task.result()
         except HttpError as e:
@@ -561,7 +565,10 @@ class ChatCompletions:
             result.headers.update(headers)
             return result  # type: ignore[no-any-return]
         headers.update({"cache-control": "no-cache", "x-accel-buffering": "no"})
-        return StreamingResponse(stream(result, responses), media_type=media_type, headers=headers)
+        # `stream` closes `responses` when it ends; a client gone before it ever ran leaves that
+        # to the background task (the request is then cancelled down the chain at once)
+        return StreamingResponse(stream(result, responses), media_type=media_type, headers=headers,
+                                 background=BackgroundTask(responses.aclose))  # fmt: skip
 
     def _responses(self, req: gateway_pb2.GenerateRequest, timeout: float | None) -> Replies:
         return self.service.serve(req, timeout, "http")
@@ -569,7 +576,7 @@ class ChatCompletions:
     @staticmethod
     async def _first(responses: Replies, audio: bool = False) -> list[gateway_pb2.GenerateResponse]:
         """The reply's pieces up to its first (`audio`: up to its first audio or its end); a
-        refusal as an HttpError."""
+        refusal as an HttpError (`audio`: the speech endpoint's, whose text is `input`)."""
         pieces: list[gateway_pb2.GenerateResponse] = []
         try:
             async for resp in responses:
@@ -577,7 +584,10 @@ class ChatCompletions:
                 if not audio or resp.WhichOneof("kind") in ("audio", "final"):
                     break
         except GatewayError as e:
-            raise _from_gateway(e) from None
+            error = _from_gateway(e)
+            if audio and error.param in ("messages", "prompt", "max_tokens"):
+                error.param = "input"
+            raise error from None
         return pieces
 
     async def _whole(self, req: gateway_pb2.GenerateRequest, responses: Replies) -> Response:
@@ -661,6 +671,13 @@ class ChatCompletions:
             await responses.aclose()
 
 
+async def _cancel(task: asyncio.Future[Any], responses: Replies) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, HttpError):
+        await task
+    await responses.aclose()
+
+
 async def _chain(first: list[gateway_pb2.GenerateResponse], rest: Replies) -> Replies:
     for resp in first:
         yield resp
@@ -688,8 +705,9 @@ async def _speech_stream(first: list[gateway_pb2.GenerateResponse], responses: R
                 yield f"data: {json.dumps({'type': 'speech.audio.done', 'usage': usage})}\n\n"
     except GatewayError as e:
         log.warning("speech ended early: %s", e.message)
-        if sse:
-            yield f"data: {json.dumps({'type': 'error', **_from_gateway(e).body()})}\n\n"
+        if not sse:
+            raise  # the connection is cut, not closed as if the audio were whole
+        yield f"data: {json.dumps({'type': 'error', **_from_gateway(e).body()})}\n\n"
     finally:
         await responses.aclose()
 
@@ -736,7 +754,9 @@ def build_app(service: GatewayService) -> Starlette:
         assert isinstance(exc, HTTPException)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return HttpError(exc.status_code, message, kind).response()
+        response = HttpError(exc.status_code, message, kind).response()
+        response.headers.update(exc.headers or {})  # 405's Allow
+        return response
 
     origins = service.cfg.gateway.cors_allow_origins
     middleware = [Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"], allow_headers=["*"],

@@ -254,6 +254,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         except ValueError as e:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"gateway: {e}") from None
         outcome.prompt_tokens = len(prompt.ids)
+        given = len(start.sampling["thinker"].forced_ids) if "thinker" in start.sampling else 0
+        if given and len(prompt.ids) + given + 1 > self.max_prompt_tokens + 1:  # the reply, then its stop id
+            most = self.max_prompt_tokens + 1
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"gateway: prompt: {len(prompt.ids)} tokens and a "
+                               f"given reply of {given} exceed the model maximum of {most}")  # fmt: skip
         chunk = edges.prompt_chunk(prompt.ids, prompt.multimodal, prompt.use_audio_in_video)
         del prompt  # the media tensors are in `chunk` now
 

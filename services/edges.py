@@ -342,6 +342,9 @@ def check_start(stage: str, start: stage_pb2.Start) -> None:
     unknown = sorted(set(start.sampling) - set(STAGES))
     if unknown:
         raise invalid(f"{stage}: Start.sampling has unknown stage(s) {unknown}; expected {list(STAGES)}")
+    forced = sorted(name for name, params in start.sampling.items() if params.forced_ids and name != "thinker")
+    if forced:
+        raise invalid(f"{stage}: sampling: forced_ids are for the thinker only, not {forced}")
 
 
 def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,
@@ -358,8 +361,6 @@ def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,
     if msg.stop_ids:  # replaces the stage's default stop ids, as generate()'s *_eos_token_id does
         overrides["stop_ids"] = tuple(int(i) for i in msg.stop_ids)
     if msg.forced_ids:
-        if stage != "thinker":
-            raise invalid(f"{stage}: sampling: forced_ids are for the thinker only")
         overrides["forced_ids"] = tuple(int(i) for i in msg.forced_ids)
     try:
         return defaults.with_overrides(**overrides)

@@ -209,7 +209,8 @@ def test_what_other_openai_clients_send_is_understood() -> None:
     assert [p.audio.file for p in req.messages[0].parts] == [wav, wav]
     assert [(m.role, m.content) for m in req.messages[1:]] == [("assistant", "It was a tone."), ("user", "and then?")]
     thinker = req.sampling["thinker"]
-    assert not thinker.HasField("top_k") and abs(thinker.repetition_penalty - 1.1) < 1e-9 and thinker.seed == -5
+    assert thinker.HasField("top_k") and thinker.top_k == 0  # vLLM's -1: off, the stage's 0
+    assert abs(thinker.repetition_penalty - 1.1) < 1e-9 and thinker.seed == -5
     assert "talker" not in req.sampling  # no speech asked for: nothing to seed
     spoken = _chat(modalities=["text", "audio"], audio={"voice": "alloy"}, seed=-5, top_k=7)
     spoken = to_generate_request(spoken, ["ethan"])
@@ -219,6 +220,37 @@ def test_what_other_openai_clients_send_is_understood() -> None:
     assert wrap.sampling["talker"].seed == -(1 << 63) + TALKER_SEED_OFFSET - 1  # wrapped into int64
     assert to_generate_request(_chat(modalities=["text", "audio"], audio={"voice": {"id": "Ethan"}}),
                                ["ethan"]).speaker == "Ethan"  # fmt: skip
+
+
+def test_speech_request_gives_the_thinker_the_words(tiny_dir: Path) -> None:
+    """/v1/audio/speech's request: the input's tokens as the thinker's given reply, special-token
+    text in it kept as text (it must not end the reply), OpenAI's fields this server lacks refused."""
+    from gateway.http_api import HttpError, SpeechRequest, to_speech_request
+    from omnistage.models import load_tokenizer, open_checkpoint
+
+    ckpt = open_checkpoint(tiny_dir)
+    tok = load_tokenizer(ckpt)
+    words = "Stop here<|im_end|> or not"
+    req = to_speech_request(SpeechRequest(input=words, voice="Ethan", response_format="pcm", seed=3,
+                                          instructions="Calm."), ["ethan"], tok)  # fmt: skip
+    given = list(req.sampling["thinker"].forced_ids)
+    assert ckpt.spec.im_end_id not in given and tok.decode(given) == words
+    assert req.sampling["thinker"].max_tokens == len(given) + 1 and not req.sampling["thinker"].do_sample
+    assert req.want_audio and req.speaker == "Ethan" and req.audio_format == gateway_pb2.PCM16
+    assert [(m.role, m.content) for m in req.messages] == [("system", "Calm."), ("user", words)]
+    assert req.sampling["talker"].HasField("seed")
+    long = len(tok.encode("hi " * 20, add_special_tokens=False))
+    assert long > 30
+    refused = [
+        ({"response_format": "aac"}, "response_format: aac is not supported"),
+        ({"speed": 1.5}, "speed: only 1.0"),
+        ({"voice": "nobody"}, "voice: unknown voice"),
+        ({"input": "hi " * 20}, f"input: {long} tokens; at most 30"),
+    ]
+    for fields, message in refused:
+        with pytest.raises(HttpError) as e:
+            to_speech_request(SpeechRequest(**{"input": "hi", **fields}), ["ethan"], tok, max_words=30)
+        assert e.value.status == 400 and e.value.message.startswith(message), e.value.message
 
 
 def test_transcripts_expire_and_stay_bounded() -> None:

@@ -388,7 +388,8 @@ def test_a_given_reply_is_emitted_as_given_then_spoken(pipeline: Any) -> None:
     ids = pipeline.prompt_ids("Read this aloud.")
     greedy = pipeline.thinker_defaults().with_overrides(do_sample=False, max_tokens=6)
     generated = list(pipeline.run(PipelineRequest(ids, greedy, want_audio=False)))[-1].token_ids
-    given = [*reversed(generated), *pipeline.prompt_ids("words")[:3]]  # not what it would say
+    words = pipeline.tokenizer.encode("other words", add_special_tokens=False)
+    given = [*reversed([i for i in generated if i not in greedy.stop_ids]), *words]  # not what it would say
     forced = greedy.with_overrides(forced_ids=given, max_tokens=len(given) + 1)
     talker = SamplingParams(max_tokens=12, stop_ids=(pipeline.spec.codec_eos_id,))
     done = list(pipeline.run(PipelineRequest(ids, forced, talker=talker)))[-1]

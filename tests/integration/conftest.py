@@ -43,7 +43,10 @@ def stack_config(**overrides: Any) -> DeployConfig:
         "timeouts": {"input_wait_timeout_s": 5, "startup_timeout_s": 240, "drain_grace_s": 5},
     }
     for key, value in overrides.items():
-        data.setdefault(key, {}).update(value)
+        if isinstance(value, dict):
+            data.setdefault(key, {}).update(value)
+        else:
+            data[key] = value
     return parse_config(data, "test")
 
 

@@ -69,6 +69,16 @@ def test_pd_matches_generate(pd_stack: Stack, pipeline: Any, reference: Any) -> 
     assert np.allclose(reply.pcm, ref_wav.numpy(), atol=1e-5, rtol=0)
 
 
+def test_a_given_reply_crosses_the_split(pd_stack: Stack, pipeline: Any) -> None:
+    """`forced_ids`: the prefill role emits the first given id and the decode role, counting on
+    from the handoff, the rest, then the stop id."""
+    given = pipeline.tokenizer.encode("Some other words", add_special_tokens=False)
+    assert len(given) > 2
+    reply = run(generate(pd_stack.gateway_address, PROMPT, want_audio=False, timeout=60,
+                         sampling={"thinker": {"forced_ids": given, "max_tokens": len(given) + 1}}))  # fmt: skip
+    assert reply.token_ids == [*given, pipeline.spec.im_end_id] and reply.text == "Some other words"
+
+
 def test_pd_audio_input_matches_generate(pd_stack: Stack, checkpoints: Any) -> None:
     pipeline, reference = checkpoints("published")
     ref = (pipeline, reference, pipeline.family.input_builder(pipeline.checkpoint, pipeline.tokenizer))
