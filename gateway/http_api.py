@@ -221,6 +221,7 @@ _FIELD = re.compile(r"^[A-Za-z_][\w.\[\]]*$")
 _PART = re.compile(r"messages\[(\d+)\]\.parts\[(\d+)\](?: \(\w+\))?")
 _HTTP_NAMES = (  # (message prefix, param, code)
     ("prompt: ", "messages", "context_length_exceeded"),
+    ("want_audio: ", "modalities", None),
     ("thinker: sampling: max_tokens", "max_tokens", None),
 )
 
@@ -475,7 +476,7 @@ class ChatCompletions:
 
     def __init__(self, service: GatewayService) -> None:
         self.service = service
-        self.voices = sorted(service.ckpt.spec.speakers)
+        self.voices = sorted(service.ckpt.spec.speakers) if service.cfg.audio_output else []
         self.transcripts = Transcripts()
 
     async def parse(self, request: Request, model: type[BodyT]) -> BodyT:
@@ -723,7 +724,8 @@ def build_app(service: GatewayService) -> Starlette:
 
     def model_card() -> dict[str, Any]:
         return {"id": service.model_name, "object": "model", "created": 0, "owned_by": "omnistage",
-                "voices": chat.voices, "default_voice": service.ckpt.spec.default_speaker,
+                "voices": chat.voices,
+            "default_voice": service.ckpt.spec.default_speaker if chat.voices else None,
                 "sample_rate": service.sample_rate}  # fmt: skip
 
     async def models(request: Request) -> Response:

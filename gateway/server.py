@@ -65,6 +65,7 @@ MAX_CHARS_PER_TOKEN = 64  # text longer than this many characters per allowed to
 
 class GatewayService(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, cfg: DeployConfig, ckpt: Checkpoint, thinker_target: str, api_key: str = "") -> None:
+        ckpt.check_serves(cfg.audio_output)
         self.cfg = cfg
         self.ckpt = ckpt
         self.tokenizer = load_tokenizer(ckpt)
@@ -214,6 +215,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         def bad(message: str) -> GatewayError:
             return GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"gateway: {message}")
 
+        if request.want_audio and not self.cfg.audio_output:
+            raise bad("want_audio: this stack serves text only (deploy config audio_output: false)")
         if request.want_audio and request.speaker:
             try:
                 self.ckpt.spec.speaker_id(request.speaker)

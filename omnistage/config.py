@@ -23,7 +23,17 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-from omnistage.topology import DISAGGREGATED, EDGES, PIPELINE, PROCESSES, STAGES, StageDef, pipeline, stage_def
+from omnistage.topology import (
+    DISAGGREGATED,
+    EDGES,
+    PIPELINE,
+    PROCESSES,
+    STAGES,
+    StageDef,
+    pipeline,
+    stage_def,
+    stages_below,
+)
 
 StageName = str  # one of topology.PROCESSES
 EdgeModeName = Literal["async_chunk", "full_payload"]
@@ -168,6 +178,9 @@ class _HeadConfig(_Strict):
     model: str | None = Field(None, description="checkpoint directory; None = the built-in tiny checkpoint")
     served_model_name: str | None = Field(None, description="the name clients see; None: the checkpoint's")
     max_model_len: int | None = Field(None, ge=2, description="cap on prompt + generated tokens; None: the model's")
+    audio_output: bool = Field(True, description="false: text only, the chain ends at the thinker (a checkpoint "
+                               "without a talker, such as Qwen3-Omni's Thinking or Captioner); requests for "
+                               "audio are refused")  # fmt: skip
     host: str = "127.0.0.1"
     gateway: GatewayConfig = GatewayConfig()
 
@@ -259,7 +272,13 @@ class DeployConfig(_StagesConfig):  # type: ignore[misc,valid-type]
 
     def chain(self) -> tuple[StageDef, ...]:
         """The stage processes this config runs, first (the gateway's downstream) to last."""
-        return pipeline(self.thinker.disaggregated)
+        stages = pipeline(self.thinker.disaggregated)
+        return stages if self.audio_output else tuple(s for s in stages if s.stream == "thinker")
+
+    def downstream(self, name: StageName) -> StageName | None:
+        """The stage process after `name` in this config's chain (None: the last)."""
+        below = stages_below(name, self.stage_names())
+        return below[0] if below else None
 
     def stage_names(self) -> tuple[StageName, ...]:
         return tuple(s.name for s in self.chain())

@@ -20,7 +20,6 @@ import torch
 from omnistage.config import DeployConfig
 from omnistage.engine import Engine, OutChunk, Request, StepOutput
 from omnistage.models import SamplingParams, load_tokenizer, open_checkpoint
-from omnistage.topology import stage_def
 from omnistage.v1 import stage_pb2
 from omnistage.wire import DecodedChunk, StageError
 from omnistage.wire.tensor_blob import LENGTH_KEY
@@ -74,6 +73,7 @@ class InProcessPipeline:
     def __init__(self, model_dir: str | Path, cfg: DeployConfig | None = None) -> None:
         self.cfg = cfg or DeployConfig()
         self.checkpoint = open_checkpoint(model_dir)
+        self.checkpoint.check_serves(self.cfg.audio_output)
         self.family = self.checkpoint.family
         self.spec = self.checkpoint.spec
         self.tokenizer = load_tokenizer(self.checkpoint)
@@ -116,6 +116,8 @@ class _Run:
     """One request through the chain; each stage's sink routes its outputs to the next."""
 
     def __init__(self, pipe: InProcessPipeline, req: PipelineRequest) -> None:
+        if req.want_audio and not pipe.cfg.audio_output:
+            raise ValueError("want_audio: this pipeline serves text only (audio_output: false)")
         self.pipe = pipe
         self.t0 = time.perf_counter()
         start = stage_pb2.Start(request_id=uuid.uuid4().hex, want_audio=req.want_audio, speaker=req.speaker)
@@ -152,7 +154,7 @@ class _Run:
                 self.frames.extend(c.tensors[edges.CODES].unbind(1))
             elif edges.AUDIO in c.tensors and c.tensors[edges.AUDIO].numel():
                 self.pending.append(AudioEvent(c.tensors[edges.AUDIO], c.offset, t))
-        downstream = stage_def(name).downstream
+        downstream = self.pipe.cfg.downstream(name)
         if out.down and downstream is not None:
             down = self.requests.get(downstream)
             if down is None:
@@ -164,7 +166,7 @@ class _Run:
     def finished(self, name: str, req: Request) -> None:
         self.ended[name] = req
         self.timings[f"{name}_total_s"] = time.perf_counter() - self.t0
-        downstream = stage_def(name).downstream
+        downstream = self.pipe.cfg.downstream(name)
         down = self.requests.get(downstream) if downstream else None
         if down is not None and downstream not in self.ended:
             engine = self.pipe.engines[downstream]  # type: ignore[index]

@@ -102,6 +102,37 @@ def tiny_variant_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def thinker_only_copy(src: Path, out: Path) -> Path:
+    """`src` as its family's text-only checkpoint is published (Qwen3-Omni's Thinking and
+    Captioner): the thinker's config and weights alone, `enable_audio_output: false`."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    config = json.loads((out / "config.json").read_text())
+    for key in ("talker_config", "code2wav_config", "token2wav_config"):
+        config.pop(key, None)
+    (out / "config.json").write_text(json.dumps({**config, "enable_audio_output": False}))
+    index = out / "model.safetensors.index.json"
+    meta = json.loads(index.read_text())
+    kept = {k: v for k, v in meta["weight_map"].items() if k.startswith("thinker.")}
+    for shard in sorted(set(meta["weight_map"].values())):
+        weights = {k: v for k, v in load_file(str(out / shard)).items() if k in kept}
+        if weights:
+            save_file(weights, str(out / shard), metadata={"format": "pt"})
+        else:
+            (out / shard).unlink()
+    index.write_text(json.dumps({**meta, "weight_map": kept}))
+    return out
+
+
+@pytest.fixture(scope="session")
+def thinking_dir(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return thinker_only_copy(tiny_dir, tmp_path_factory.mktemp("thinking") / "tiny-thinking")
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tiny_dir: Path, tiny_fused_dir: Path, tiny_variant_dir: Path, pipeline: Any,
                 reference: Any) -> Any:  # fmt: skip

@@ -88,6 +88,20 @@ def test_disaggregated_thinker_config() -> None:
     assert load_config(example).thinker.disaggregated
 
 
+def test_text_only_ends_the_chain_at_the_thinker() -> None:
+    """`audio_output: false` (a checkpoint without a talker): the thinker, or its two roles, alone;
+    no ports or downstream for the talker and code2wav."""
+    cfg = parse_config({"audio_output": False})
+    assert cfg.stage_names() == ("thinker",) and cfg.downstream("thinker") is None
+    assert {role.split("[")[0] for _, role in cfg.ports()} == {"gateway", "thinker"}
+    split = parse_config({"audio_output": False, "thinker": {"disaggregated": True}})
+    assert split.stage_names() == ("thinker-prefill", "thinker-decode")
+    assert split.downstream("thinker-prefill") == "thinker-decode" and split.downstream("thinker-decode") is None
+    assert DeployConfig().downstream("thinker") == "talker" and DeployConfig().downstream("code2wav") is None
+    with pytest.raises(ConfigError, match="audio_output"):
+        parse_config({"audio_output": "sometimes"})
+
+
 def test_the_fast_example_sets_fast_batching_on_every_stage() -> None:
     cfg = load_config(Path(__file__).resolve().parents[1] / "deploy" / "examples" / "fast.yaml")
     assert [cfg.stage(name).batching for name in cfg.stage_names()] == ["fast"] * 3

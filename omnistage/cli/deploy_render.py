@@ -48,7 +48,7 @@ import yaml
 
 from omnistage.config import ConfigError, DeployConfig, StageName, config_path, dump_config, load_config
 from omnistage.server.grpc_common import LIVENESS_SERVICE
-from omnistage.topology import PROCESSES, stage_def
+from omnistage.topology import PROCESSES
 
 __all__ = [
     "CONFIG_PATH",
@@ -135,7 +135,7 @@ def stage_args(cfg: DeployConfig, name: StageName) -> list[str]:
     """Arguments after `omnistage` (the image's entrypoint) for every replica of stage `name`;
     `cfg` is the container view (`container_config`)."""
     args = ["stage", name, "--host", "0.0.0.0", "--port", str(cfg.stage(name).base_port), "--config", CONFIG_PATH]
-    downstream = stage_def(name).downstream
+    downstream = cfg.downstream(name)
     if downstream is not None:
         args += ["--downstream", _target(cfg, downstream)]
     if cfg.model is not None:
@@ -299,7 +299,7 @@ def _compose_profile(
     }
     for name in cfg.stage_names():
         stage = cfg.stage(name)
-        downstream = stage_def(name).downstream
+        downstream = cfg.downstream(name)
         services[name] = _compose_service(
             cfg,
             run_cfg,

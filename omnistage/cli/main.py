@@ -274,6 +274,8 @@ def serve(
     device: DeviceOpt = None,
     served_model_name: NameOpt = None,
     max_model_len: MaxLenOpt = None,
+    text_only: Annotated[bool, typer.Option("--text-only", help="No talker or code2wav: text replies only "
+                                            "(audio_output: false; a Thinking or Captioner checkpoint)")] = False,
     http_port: HttpPortOpt = None,
     api_key: ApiKeyOpt = None,
     log_dir: Annotated[
@@ -299,7 +301,7 @@ def serve(
             overrides.update(port_layout(port))
         overrides.update(_stage_overrides(PROCESSES, dtype, device))
         flags = {"host": host, "served_model_name": served_model_name, "max_model_len": max_model_len,
-                 "gateway.http_port": http_port}
+                 "gateway.http_port": http_port, "audio_output": False if text_only else None}
         # only the flags given: an unset --http-port must not undo --port's HTTP port (P + 50)
         overrides.update({k: v for k, v in flags.items() if v is not None})
         cfg = _load_cfg(config, overrides, default=True)

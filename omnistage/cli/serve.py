@@ -299,7 +299,7 @@ def start_stack(
     from omnistage.models import open_checkpoint
 
     model_dir = resolve_model(cfg, model)
-    open_checkpoint(model_dir)  # fail here, with the checkpoint's problem, not in N children
+    open_checkpoint(model_dir).check_serves(cfg.audio_output)  # fail here, with the problem, not in N children
     check_ports(cfg)
     stack = Stack(cfg=cfg, model_dir=model_dir, run_dir=new_run_dir(log_dir))
     cfg_path = stack.run_dir / "omnistage.yaml"  # what the children read, kept with their logs
@@ -313,7 +313,8 @@ def start_stack(
         chain = cfg.chain()
         for definition in reversed(chain):  # downstream first: each upstream finds its target up
             name = definition.name
-            downstream = cfg.stage_target(definition.downstream) if definition.downstream else None
+            below = cfg.downstream(name)
+            downstream = cfg.stage_target(below) if below else None
             for i, port in enumerate(cfg.stage_ports(name)):
                 args = ["stage", name, "--port", str(port), *common]
                 if downstream:

@@ -47,10 +47,21 @@ class Checkpoint:
     config: Any  # the family's full config
     spec: Any  # the family's spec (ids and sizes the stages agree on)
     tensors: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # name -> (dtype, shape)
+    no_speech: list[str] = field(default_factory=list)  # why it cannot speak (empty: it can)
 
     @property
     def sample_rate(self) -> int:
         return self.family.sample_rate
+
+    @property
+    def speaks(self) -> bool:
+        return not self.no_speech
+
+    def check_serves(self, audio_output: bool) -> None:
+        """Refuse a stack that would speak with a checkpoint that cannot (deploy `audio_output`)."""
+        if audio_output and not self.speaks:
+            raise CheckpointError(f"{self.path}: a checkpoint without speech output ({'; '.join(self.no_speech)}): "
+                                  "serve it as text only with `audio_output: false` in the deploy config")  # fmt: skip
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -164,7 +175,10 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     except UnknownFamily as e:
         raise CheckpointError(f"{cfg_file}: {e}") from None
     tensors = checkpoint_tensors(p)
-    _check_speaks(p, raw, family, tensors)
+    no_speech = _speech_problems(raw, family, tensors)
+    if no_speech and not family.text_only:
+        raise CheckpointError(f"{p}: a checkpoint without speech output ({'; '.join(no_speech)}): omnistage serves "
+                              f"{family.display_name} checkpoints that speak")  # fmt: skip
     _check_experts(p, tensors)
     if not (p / "tokenizer_config.json").is_file():
         raise CheckpointError(f"{p}: missing tokenizer_config.json")
@@ -175,10 +189,11 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         config = family.load_config(p)
     except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"{cfg_file}: not a valid {family.display_name} config ({e})") from None
-    problems = family.check_config(config)
+    problems = family.check_config(config, speech=not no_speech)
     if problems:
         raise CheckpointError(f"{cfg_file}: the parts of the config disagree: " + "; ".join(problems))
-    return Checkpoint(path=p, family=family, config=config, spec=family.spec(config, p), tensors=tensors)
+    return Checkpoint(path=p, family=family, config=config, spec=family.spec(config, p, speech=not no_speech),
+                      tensors=tensors, no_speech=no_speech)  # fmt: skip
 
 
 _EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<index>\d+)\.(?P<rest>.+)$")
@@ -206,23 +221,22 @@ def _check_experts(path: Path, tensors: dict[str, Any]) -> None:
         raise CheckpointError(f"{path}: {len(missing)} expert weight(s) missing: {_names(missing)}")
 
 
-def _check_speaks(path: Path, raw: dict[str, Any], family: Any, tensors: dict[str, Any]) -> None:
-    """Refuse, by name, a checkpoint of the family that cannot speak: a text-only variant (such as
-    Qwen3-Omni's Thinking and Captioner) has no talker or vocoder config or weights, and
-    transformers would fill in default configs that the checks below would then misreport."""
+def _speech_problems(raw: dict[str, Any], family: Any, tensors: dict[str, Any]) -> list[str]:
+    """Why a checkpoint of the family cannot speak (empty: it can): a text-only variant (such as
+    Qwen3-Omni's Thinking and Captioner) has no talker or vocoder config or weights; for it
+    transformers fills in default configs, which nothing may check or use."""
     reasons = []
     if raw.get("enable_audio_output") is False:
         reasons.append("config.json sets enable_audio_output: false")
     for part, key in family.part_configs.items():
+        if part == "thinker":
+            continue
         if key not in raw:
             reasons.append(f"config.json has no {key}")
         prefix = family.weight_prefix(part)
         if not any(name.startswith(prefix) for name in tensors):
             reasons.append(f"no weights of the {part} (no tensor name starts with {prefix!r})")
-    if reasons:
-        raise CheckpointError(f"{path}: a checkpoint without speech output ({'; '.join(reasons)}): omnistage serves "
-                              f"{family.display_name} checkpoints that speak (thinker, talker and vocoder); text-only "
-                              "variants are not supported")  # fmt: skip
+    return reasons
 
 
 def special_token_ids(path: Path, tokens: tuple[str, ...]) -> dict[str, int]:

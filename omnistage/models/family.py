@@ -39,15 +39,18 @@ class Family(ABC):
     sample_rate: int
     # stage part -> the attribute of the full config holding that part's config
     part_configs: ClassVar[dict[str, str]]
+    # whether its checkpoints without a talker (text only) can be served, with `audio_output: false`
+    text_only: ClassVar[bool] = False
 
     @abstractmethod
     def load_config(self, path: Path) -> Any:
         """The full model config from a checkpoint directory (no weights read)."""
 
     @abstractmethod
-    def spec(self, config: Any, path: Path | None = None) -> Any:
+    def spec(self, config: Any, path: Path | None = None, speech: bool = True) -> Any:
         """The ids and sizes the stages agree on (see the family's `spec.py`); `path`: the
-        checkpoint directory, for what a family keeps beside config.json (voices, tokenizer ids)."""
+        checkpoint directory, for what a family keeps beside config.json (voices, tokenizer ids);
+        `speech` False: a text-only checkpoint (only the thinker's are meaningful)."""
 
     @abstractmethod
     def part_class(self, part: str) -> Any:
@@ -65,8 +68,9 @@ class Family(ABC):
         """Register with transformers the weight conversions its parts need to load the published
         layout (idempotent)."""
 
-    def check_config(self, config: Any) -> list[str]:
-        """Where the parts of the config disagree with each other (empty: they agree)."""
+    def check_config(self, config: Any, speech: bool = True) -> list[str]:
+        """Where the parts of the config disagree with each other (empty: they agree); without
+        `speech`, the thinker's alone (the talker's and vocoder's are transformers' defaults)."""
         return []
 
     def row_modules(self) -> tuple[type, ...]:

@@ -22,11 +22,13 @@ log = logging.getLogger(__name__)
 
 def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: int, downstream: str | None) -> None:
     definition = stage_def(name)
+    below = cfg.downstream(name)
     stage_cfg = cfg.stage(name)
     torch.set_num_threads(stage_cfg.threads)
-    if definition.downstream is not None and not downstream:
-        raise SystemExit(f"{name}: --downstream TARGET is required (the {definition.downstream} stage)")
+    if below is not None and not downstream:
+        raise SystemExit(f"{name}: --downstream TARGET is required (the {below} stage)")
     ckpt = open_checkpoint(model_dir)
+    ckpt.check_serves(cfg.audio_output)
     worker = import_module(definition.worker).build_worker(cfg, ckpt)
     metrics: StageMetrics | None = None
     engine = Engine(
@@ -45,8 +47,8 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
         device=stage_cfg.device,
         dtype=stage_cfg.dtype,
         downstream=downstream,
-        downstream_name=definition.downstream,
-        edge_mode=edge_mode(cfg.edge_mode(name, definition.downstream)) if definition.downstream else 0,
+        downstream_name=below,
+        edge_mode=edge_mode(cfg.edge_mode(name, below)) if below else 0,
         max_message_bytes=cfg.max_message_bytes,
         shm=cfg.shm,
         replay_budget_bytes=cfg.failover.replay_budget_bytes,

@@ -89,6 +89,15 @@ def test_compose_and_k8s_run_the_same_processes(gpu_cfg: DeployConfig) -> None:
     assert "--downstream" not in compose["code2wav"]["command"]
 
 
+def test_text_only_renders_the_thinker_alone() -> None:
+    """`audio_output: false`: the gateway and the thinker, which has no stage below it."""
+    cfg = parse_config({"audio_output": False})
+    compose, k8s = _compose(cfg), _k8s(cfg)
+    assert set(compose) == {"gateway", "thinker", "gateway-cpu", "thinker-cpu"}  # (the cpu profile too)
+    assert {name for kind, name in k8s if kind == "Deployment"} == {"gateway", "thinker"}
+    assert "--downstream" not in compose["thinker"]["command"]
+
+
 def test_gpu_stages_reserve_gpus(gpu_cfg: DeployConfig) -> None:
     compose = _compose(gpu_cfg)
     assert compose["thinker"]["deploy"]["resources"]["reservations"]["devices"] == [

@@ -68,7 +68,7 @@ class Qwen25Omni(Family):
 
         return Qwen2_5OmniConfig.from_pretrained(path, local_files_only=True)
 
-    def spec(self, config: Any, path: Path | None = None) -> spec.FamilySpec:
+    def spec(self, config: Any, path: Path | None = None, speech: bool = True) -> spec.FamilySpec:
         voices = load_voices(path) if path is not None else {}
         problems = spec.check_voices(voices, config) if path is not None else []
         if problems:
@@ -95,8 +95,8 @@ class Qwen25Omni(Family):
         # token2wav's class has no prefix of its own in a full checkpoint
         return {r"^token2wav\.": ""} if part == "code2wav" else None
 
-    def check_config(self, config: Any) -> list[str]:
-        return spec.check_config(config)
+    def check_config(self, config: Any, speech: bool = True) -> list[str]:
+        return spec.check_config(config) if speech else []
 
     def check_tokenizer(self, tokenizer: Any, config: Any) -> list[str]:
         return spec.check_tokenizer(tokenizer, config)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -21,14 +22,17 @@ class Qwen3Omni(Family):
     part_configs: ClassVar[dict[str, str]] = {
         "thinker": "thinker_config", "talker": "talker_config", "code2wav": "code2wav_config"
     }  # fmt: skip
+    text_only = True  # the Thinking and Captioner checkpoints
 
     def load_config(self, path: Path) -> Any:
         from transformers import Qwen3OmniMoeConfig
 
         return Qwen3OmniMoeConfig.from_pretrained(path, local_files_only=True)
 
-    def spec(self, config: Any, path: Path | None = None) -> spec.FamilySpec:
-        return spec.FamilySpec.from_config(config)
+    def spec(self, config: Any, path: Path | None = None, speech: bool = True) -> spec.FamilySpec:
+        out = spec.FamilySpec.from_config(config)
+        # without a talker its config is transformers' default, whose layer may not be the thinker's
+        return out if speech else dataclasses.replace(out, accept_hidden_layer=0)
 
     def part_class(self, part: str) -> Any:
         import transformers
@@ -55,8 +59,8 @@ class Qwen3Omni(Family):
         if get_checkpoint_conversion_mapping(name) is None:
             register_checkpoint_conversion_mapping(name, get_checkpoint_conversion_mapping("qwen2_moe"))
 
-    def check_config(self, config: Any) -> list[str]:
-        return spec.check_config(config)
+    def check_config(self, config: Any, speech: bool = True) -> list[str]:
+        return spec.check_config(config, speech)
 
     def row_modules(self) -> tuple[type, ...]:
         from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as m

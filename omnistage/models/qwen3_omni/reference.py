@@ -20,7 +20,8 @@ class Reference(MonolithicReference):
         hf_logging.set_verbosity_error()
         model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir, dtype=getattr(torch, dtype))
         self.model = model.to(device).eval()
-        self.record_codes(self.model.code2wav, "chunked_decode", lambda codes: codes[0])  # [1, G, T] -> [G, T]
+        if hasattr(self.model, "code2wav"):  # a text-only checkpoint has none
+            self.record_codes(self.model.code2wav, "chunked_decode", lambda codes: codes[0])  # [1, G, T] -> [G, T]
 
     @property
     def default_speaker(self) -> str:

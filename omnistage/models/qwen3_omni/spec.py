@@ -130,13 +130,16 @@ def check_tokenizer(tok: Any, config: Any) -> list[str]:
     return problems
 
 
-def check_config(config: Any) -> list[str]:
+def check_config(config: Any, speech: bool = True) -> list[str]:
     """Where the parts of a Qwen3-Omni config disagree (a served model would say nothing wrong
-    and sound wrong): code groups, codebooks, widths, layers and special ids each part assumes."""
+    and sound wrong): code groups, codebooks, widths, layers and special ids each part assumes.
+    Without `speech`, the thinker's ids alone."""
     thinker, talker, c2w = config.thinker_config, config.talker_config, config.code2wav_config
     cp = talker.code_predictor_config
     text = thinker.text_config
     problems = []
+    if not speech:
+        return _thinker_id_problems(config, text.vocab_size)
 
     def agree(what: str, values: dict[str, Any]) -> None:
         if len(set(values.values())) > 1:
@@ -159,8 +162,10 @@ def check_config(config: Any) -> list[str]:
     for name, value in codec_ids.items():
         if not 0 <= int(value) < talker_vocab:
             problems.append(f"talker_config.{name}={value} is outside the talker vocabulary (0..{talker_vocab - 1})")
-    for name in (*SPECIAL_TOKEN_TEXT, *ROLE_WORD_IDS):
-        value = getattr(config, name)
-        if not 0 <= int(value) < text.vocab_size:
-            problems.append(f"{name}={value} is outside the thinker vocabulary (0..{text.vocab_size - 1})")
-    return problems
+    return problems + _thinker_id_problems(config, text.vocab_size)
+
+
+def _thinker_id_problems(config: Any, vocab: int) -> list[str]:
+    names = (*SPECIAL_TOKEN_TEXT, *ROLE_WORD_IDS)
+    return [f"{name}={getattr(config, name)} is outside the thinker vocabulary (0..{vocab - 1})"
+            for name in names if not 0 <= int(getattr(config, name)) < vocab]  # fmt: skip

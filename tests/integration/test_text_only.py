@@ -1,0 +1,84 @@
+"""A text-only checkpoint (Qwen3-Omni's Thinking and Captioner: no talker, no vocoder) served with
+`audio_output: false`: the chain is the thinker alone, its greedy text equals transformers'
+`generate()` on that checkpoint (and the full checkpoint's, whose thinker weights it has), and a
+request for audio is refused by name at every door."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+
+from gateway.client import generate
+from omnistage.cli.serve import Stack, start_stack
+from omnistage.config import DeployConfig
+from services.pipeline import PipelineRequest
+from tests.conftest import family_reference, staged_pipeline
+from tests.integration.conftest import free_port_block, prompt_chunk, run, stack_config, stage_call
+from tests.integration.test_stack import PROMPT, greedy_start
+
+MAX = 12
+
+
+@pytest.fixture(scope="module")
+def text_stack(thinking_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    cfg = stack_config(audio_output=False, gateway={"http_port": free_port_block(1)})
+    s = start_stack(cfg, model=str(thinking_dir), log_dir=tmp_path_factory.mktemp("text-only-logs"))
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def _greedy(pipe: Any) -> Any:
+    return pipe.thinker_defaults().with_overrides(do_sample=False, max_tokens=MAX)
+
+
+def test_the_thinker_alone_matches_generate(thinking_dir: Path, pipeline: Any) -> None:
+    text_only = staged_pipeline(thinking_dir, DeployConfig(audio_output=False))
+    assert [s.name for s in text_only.chain] == ["thinker"]
+    ids = text_only.prompt_ids(PROMPT)
+    ref_ids, codes, wav = family_reference(thinking_dir).generate(ids, MAX, 8, text_only.spec.im_end_id, audio=False)
+    assert len(ref_ids) > 2 and codes is None and wav is None
+    done = list(text_only.run(PipelineRequest(ids, _greedy(text_only), want_audio=False)))[-1]
+    assert done.token_ids == ref_ids
+    full = list(pipeline.run(PipelineRequest(pipeline.prompt_ids(PROMPT), _greedy(pipeline), want_audio=False)))
+    assert full[-1].token_ids == ref_ids  # the same thinker weights
+    with pytest.raises(ValueError, match="want_audio: this pipeline serves text only"):
+        text_only.run(PipelineRequest(ids, _greedy(text_only)))
+
+
+def test_the_stack_is_the_thinker_alone_and_refuses_audio(text_stack: Stack, pipeline: Any) -> None:
+    assert sorted(c.name for c in text_stack.children) == ["gateway", "thinker"]
+    expected = list(pipeline.run(PipelineRequest(pipeline.prompt_ids(PROMPT), _greedy(pipeline), want_audio=False)))
+    reply = run(generate(text_stack.gateway_address, PROMPT, want_audio=False, thinker_max_tokens=MAX, timeout=60))
+    assert reply.token_ids == expected[-1].token_ids and reply.pcm.size == 0
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        run(generate(text_stack.gateway_address, PROMPT, want_audio=True, thinker_max_tokens=MAX, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "serves text only" in (e.value.details() or "")
+    # a client bypassing the gateway: the thinker, with no stage below it, refuses too
+    thinker, ids = text_stack.addresses("thinker")[0], pipeline.prompt_ids(PROMPT)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        run(stage_call(thinker, greedy_start("text-1", want_audio=True), [prompt_chunk(ids)]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "serves text only" in (e.value.details() or "")
+
+    base = f"http://{text_stack.http_address}"
+    deadline = time.monotonic() + 15  # the chain's health is learnt by polling
+    while (health := httpx.get(base + "/health")).status_code != 200:
+        assert time.monotonic() < deadline, health.text
+        time.sleep(0.2)
+    assert [s["stage"] for s in health.json()["stages"]] == ["thinker"]
+    assert httpx.get(base + "/v1/models").json()["data"][0]["voices"] == []
+    hi = [{"role": "user", "content": PROMPT}]
+    chat = base + "/v1/chat/completions"
+    r = httpx.post(chat, json={"messages": hi, "modalities": ["text", "audio"]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "modalities", r.text
+    r = httpx.post(chat, json={"messages": hi, "temperature": 0, "max_tokens": MAX}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == reply.text
+    r = httpx.post(base + "/v1/audio/speech", json={"input": "Hello there"}, timeout=60)
+    assert r.status_code == 400, r.text
