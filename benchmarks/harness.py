@@ -146,7 +146,7 @@ def free_port_blocks(
 
 
 def stack_config(opts: BenchOptions) -> Any:
-    from omnistage.config import apply_overrides, load_config, parse_replicas
+    from omnistage.config import ConfigError, apply_overrides, load_config, parse_replicas
     from omnistage.topology import STAGES
 
     cfg = load_config(opts.config)
@@ -156,6 +156,9 @@ def stack_config(opts: BenchOptions) -> Any:
     if opts.replicas:
         overrides.update(parse_replicas(opts.replicas))
     cfg = apply_overrides(cfg, overrides)
+    if not cfg.audio_output:
+        raise ConfigError("audio_output: false: the bench measures speech (time to first audio, real-time "
+                          "factor), which a text-only stack has none of")  # fmt: skip
     # Free ports, so a bench stack never collides with another stack on this machine.
     sizes = [cfg.gateway.replicas, *(cfg.stage(s).replicas for s in STAGES), cfg.gateway.replicas]
     bases = free_port_blocks(sizes, cfg.host, metrics_offset=cfg.metrics.port_offset)

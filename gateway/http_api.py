@@ -506,6 +506,9 @@ class ChatCompletions:
         """POST /v1/chat/completions"""
         try:
             body = await self.parse(request, ChatRequest)
+            if "audio" in (body.modalities or ()) and not self.service.cfg.audio_output:
+                raise HttpError(400, "modalities: this stack serves text only (no talker); ask for [\"text\"]",
+                                param="modalities")  # fmt: skip
             req = to_generate_request(body, self.voices, self.transcripts.get)
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
         except HttpError as e:
@@ -520,6 +523,8 @@ class ChatCompletions:
         """POST /v1/audio/speech"""
         try:
             body = await self.parse(request, SpeechRequest)
+            if not self.service.cfg.audio_output:
+                raise HttpError(400, "this stack serves text only (no talker): it cannot speak", code="text_only")
             # the reply and its stop id within the thinker's limit, the prompt not counted yet
             req = to_speech_request(body, self.voices, self.service.tokenizer, self.service.max_prompt_tokens)
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
@@ -726,7 +731,7 @@ def build_app(service: GatewayService) -> Starlette:
         return {"id": service.model_name, "object": "model", "created": 0, "owned_by": "omnistage",
                 "voices": chat.voices,
             "default_voice": service.ckpt.spec.default_speaker if chat.voices else None,
-                "sample_rate": service.sample_rate}  # fmt: skip
+                "sample_rate": service.sample_rate, "audio_output": service.cfg.audio_output}  # fmt: skip
 
     async def models(request: Request) -> Response:
         if not service.check_api_key(request.headers.get("authorization")):

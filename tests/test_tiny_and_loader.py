@@ -323,6 +323,10 @@ def test_a_checkpoint_that_cannot_speak_is_served_only_as_text(thinking_dir: Pat
     _edit_config(muted, lambda c: c.update(enable_audio_output=False))
     assert open_checkpoint(muted).no_speech == ["config.json sets enable_audio_output: false"]
     assert open_checkpoint(tiny_dir).speaks
+    no_thinker = _copy(tiny_dir, tmp_path / "no-thinker")
+    _rewrite(no_thinker, lambda w: [w.pop(k) for k in list(w) if k.startswith("thinker.")])
+    with pytest.raises(CheckpointError, match="no weights of the thinker"):
+        open_checkpoint(no_thinker)
 
 
 def test_missing_directory_is_named(tmp_path: Path) -> None:

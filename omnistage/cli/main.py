@@ -157,6 +157,8 @@ HostOpt = Annotated[str | None, typer.Option("--host", help="Address to listen o
 DtypeOpt = Annotated[Dtype | None, typer.Option("--dtype", help="Model dtype (all stages for serve).")]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="cpu, cuda or cuda:N (all stages for serve).")]
 NameOpt = Annotated[str | None, typer.Option("--served-model-name", help="Model name clients see.")]
+TextOnlyOpt = Annotated[bool, typer.Option("--text-only", help="No talker or code2wav: text replies only "
+                                           "(audio_output: false; a Thinking or Captioner checkpoint)")]  # fmt: skip
 MaxLenOpt = Annotated[int | None, typer.Option("--max-model-len", help="Cap on prompt + generated tokens.")]
 LogLevelOpt = Annotated[LogLevel, typer.Option("--log-level", help="Log level (debug prints tracebacks).")]
 HttpPortOpt = Annotated[
@@ -230,6 +232,7 @@ def health(
     config: ConfigOpt = None,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for each answer.")] = 3.0,
     service: Annotated[str, typer.Option("--service", help="Health service name ('' = the server).")] = "",
+    text_only: TextOnlyOpt = False,
 ) -> None:
     """grpc.health.v1 status of each service (exit 0 only when every one is SERVING): by default
     every process of the stack the deploy config describes. TLS as the deploy config's `tls` says."""
@@ -237,7 +240,7 @@ def health(
     from omnistage.server.tls import gateway_channel_credentials, name_override, stage_channel_credentials
 
     with _errors():
-        cfg = _load_cfg(config, {}, default=True)
+        cfg = _load_cfg(config, {"audio_output": False if text_only else None}, default=True)
         tls = cfg.tls
         grpc_ports = {port: role for port, role in cfg.ports() if not role.endswith(("metrics", "http"))}
 
@@ -274,8 +277,7 @@ def serve(
     device: DeviceOpt = None,
     served_model_name: NameOpt = None,
     max_model_len: MaxLenOpt = None,
-    text_only: Annotated[bool, typer.Option("--text-only", help="No talker or code2wav: text replies only "
-                                            "(audio_output: false; a Thinking or Captioner checkpoint)")] = False,
+    text_only: TextOnlyOpt = False,
     http_port: HttpPortOpt = None,
     api_key: ApiKeyOpt = None,
     log_dir: Annotated[

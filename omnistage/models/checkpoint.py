@@ -61,7 +61,8 @@ class Checkpoint:
         """Refuse a stack that would speak with a checkpoint that cannot (deploy `audio_output`)."""
         if audio_output and not self.speaks:
             raise CheckpointError(f"{self.path}: a checkpoint without speech output ({'; '.join(self.no_speech)}): "
-                                  "serve it as text only with `audio_output: false` in the deploy config")  # fmt: skip
+                                  "serve it as text only with `audio_output: false` in the deploy config "
+                                  "(`omnistage serve --text-only`)")  # fmt: skip
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -175,6 +176,9 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     except UnknownFamily as e:
         raise CheckpointError(f"{cfg_file}: {e}") from None
     tensors = checkpoint_tensors(p)
+    thinker = family.weight_prefix("thinker")
+    if not any(name.startswith(thinker) for name in tensors):
+        raise CheckpointError(f"{p}: no weights of the thinker (no tensor name starts with {thinker!r})")
     no_speech = _speech_problems(raw, family, tensors)
     if no_speech and not family.text_only:
         raise CheckpointError(f"{p}: a checkpoint without speech output ({'; '.join(no_speech)}): omnistage serves "

@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: int, downstream: str | None) -> None:
     definition = stage_def(name)
+    if name not in cfg.stage_names():
+        raise SystemExit(f"{name}: not a stage of this deploy config's chain ({', '.join(cfg.stage_names())})")
     below = cfg.downstream(name)
     stage_cfg = cfg.stage(name)
     torch.set_num_threads(stage_cfg.threads)

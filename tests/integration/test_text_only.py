@@ -73,12 +73,34 @@ def test_the_stack_is_the_thinker_alone_and_refuses_audio(text_stack: Stack, pip
         assert time.monotonic() < deadline, health.text
         time.sleep(0.2)
     assert [s["stage"] for s in health.json()["stages"]] == ["thinker"]
-    assert httpx.get(base + "/v1/models").json()["data"][0]["voices"] == []
+    card = httpx.get(base + "/v1/models").json()["data"][0]
+    assert card["voices"] == [] and card["audio_output"] is False  # what the playground reads
     hi = [{"role": "user", "content": PROMPT}]
     chat = base + "/v1/chat/completions"
-    r = httpx.post(chat, json={"messages": hi, "modalities": ["text", "audio"]}, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "modalities", r.text
+    for audio in ({}, {"audio": {"voice": "ethan"}}):  # the full checkpoint's voice: still modalities
+        r = httpx.post(chat, json={"messages": hi, "modalities": ["text", "audio"], **audio}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "modalities", r.text
     r = httpx.post(chat, json={"messages": hi, "temperature": 0, "max_tokens": MAX}, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == reply.text
     r = httpx.post(base + "/v1/audio/speech", json={"input": "Hello there"}, timeout=60)
-    assert r.status_code == 400, r.text
+    assert r.status_code == 400 and "text only" in r.json()["error"]["message"], r.text
+
+
+def test_health_and_stage_commands_follow_the_text_only_chain(text_stack: Stack, tmp_path: Path) -> None:
+    """`omnistage health --text-only` checks the gateway and the thinker alone (a stack served with
+    `serve --text-only` from a config that speaks); a stage the chain has not is refused."""
+    from typer.testing import CliRunner
+
+    from omnistage.cli.main import app
+    from omnistage.config import dump_config
+    from omnistage.server.process import run_stage
+
+    speaking = tmp_path / "speaking.yaml"
+    speaking.write_text(dump_config(text_stack.cfg.model_copy(update={"audio_output": True})))
+    runner = CliRunner()
+    assert runner.invoke(app, ["health", "--config", str(speaking), "--timeout", "2"]).exit_code == 1
+    result = runner.invoke(app, ["health", "--config", str(speaking), "--text-only", "--timeout", "5"])
+    assert result.exit_code == 0, result.output
+    assert sorted(line.split()[0].split("[")[0] for line in result.output.splitlines()) == ["gateway", "thinker"]
+    with pytest.raises(SystemExit, match="not a stage of this deploy config's chain"):
+        run_stage("talker", text_stack.cfg, text_stack.model_dir, "127.0.0.1", 0, None)
