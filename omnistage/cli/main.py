@@ -332,7 +332,8 @@ def serve(
         typer.echo(f"omnistage gateway listening on {stack.gateway_address} (gRPC)"
                    + (f" and http://{stack.http_address} (OpenAI-compatible HTTP, playground at /)"
                       if stack.http_address else ""))  # fmt: skip
-        typer.echo(f'try: omnistage client "Hello" --target {stack.gateway_address}')
+        text_only = "" if cfg.audio_output else " --no-audio"  # a text-only stack refuses audio
+        typer.echo(f'try: omnistage client "Hello" --target {stack.gateway_address}{text_only}')
         if stack.http_address:
             typer.echo(f"     curl http://{stack.http_address}/v1/chat/completions -H 'content-type: application/json' "
                        """-d '{"messages":[{"role":"user","content":"Hello"}]}'""")  # fmt: skip
