@@ -50,7 +50,8 @@ class _Strict(BaseModel):
 class StageConfig(_Strict):
     replicas: int = Field(1, ge=1, le=64)
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="auto: the checkpoint's own (config.json `dtype`), float32 when it names none")
     base_port: int = Field(ge=1024, le=65535, description="replica i listens on base_port + i")
     threads: int = Field(1, ge=1, le=256, description="torch intra-op threads per replica")
     max_num_seqs: int = Field(16, ge=1, le=4096, description="requests per engine step")

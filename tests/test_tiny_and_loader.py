@@ -80,6 +80,12 @@ def test_both_layouts_and_bf16_storage_load_the_same_weights(tiny_dir: Path, tin
         half = load_part(open_checkpoint(bf16), part, dtype="bfloat16").state_dict()
         assert all(half[k].dtype == torch.bfloat16 and torch.equal(half[k], published[k].bfloat16())
                    for k in published if published[k].is_floating_point()), part  # fmt: skip
+    # `dtype: auto`: each checkpoint's own
+    assert open_checkpoint(bf16).resolve_dtype("auto") == "bfloat16"
+    assert open_checkpoint(tiny_dir).resolve_dtype("auto") == "float32"
+    assert open_checkpoint(bf16).resolve_dtype("float16") == "float16"
+    auto = load_part(open_checkpoint(bf16), "code2wav", dtype="auto")
+    assert {p.dtype for p in auto.parameters()} == {torch.bfloat16}
 
 
 def test_tiny_tokenizer_knows_the_special_tokens(tiny_dir: Path) -> None:

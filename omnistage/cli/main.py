@@ -43,6 +43,7 @@ class Dtype(enum.StrEnum):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
+    auto = "auto"
 
 
 class Mode(enum.StrEnum):

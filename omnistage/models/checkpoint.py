@@ -57,6 +57,15 @@ class Checkpoint:
     def speaks(self) -> bool:
         return not self.no_speech
 
+    def resolve_dtype(self, name: str) -> str:
+        """A stage's `dtype` setting as a dtype name: `auto` is the checkpoint's own (config.json
+        `dtype`, as published: bfloat16), float32 when it names none."""
+        if name != "auto":
+            return name
+        own = getattr(self.config, "dtype", None)
+        own = str(own).removeprefix("torch.") if own is not None else "float32"
+        return own if own in DTYPES else "float32"
+
     def check_serves(self, audio_output: bool) -> None:
         """Refuse a stack that would speak with a checkpoint that cannot (deploy `audio_output`)."""
         if audio_output and not self.speaks:
@@ -318,7 +327,7 @@ def load_part(
     family = ckpt.family
     if part not in family.part_configs:
         raise CheckpointError(f"unknown stage part {part!r}; expected one of {', '.join(family.part_configs)}")
-    torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    torch_dtype = DTYPES[ckpt.resolve_dtype(dtype)] if isinstance(dtype, str) else dtype
     cls = family.part_class(part)
     part_config = getattr(ckpt.config, family.part_configs[part])
     family.register_conversions()

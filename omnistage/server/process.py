@@ -47,7 +47,7 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
         model_name=cfg.served_model_name or model_dir.name,
         arch=(ckpt.config.architectures or [ckpt.family.display_name])[0],
         device=stage_cfg.device,
-        dtype=stage_cfg.dtype,
+        dtype=ckpt.resolve_dtype(stage_cfg.dtype),
         downstream=downstream,
         downstream_name=below,
         edge_mode=edge_mode(cfg.edge_mode(name, below)) if below else 0,
