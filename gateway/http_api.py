@@ -512,8 +512,7 @@ class ChatCompletions:
             req = to_generate_request(body, self.voices, self.transcripts.get)
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
         except HttpError as e:
-            self.service.metrics.requests.labels("http", f"HTTP_{e.status}").inc()
-            return e.response()
+            return self._refused(e)
         if not body.stream:
             return await self._serve(request, req, timeout, lambda responses: self._whole(req, responses))
         return await self._serve(request, req, timeout, self._first,
@@ -529,13 +528,17 @@ class ChatCompletions:
             req = to_speech_request(body, self.voices, self.service.tokenizer, self.service.max_prompt_tokens)
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
         except HttpError as e:
-            self.service.metrics.requests.labels("http", f"HTTP_{e.status}").inc()
-            return e.response()
+            return self._refused(e)
         sse = body.stream_format == "sse"
         media = "text/event-stream" if sse else MIME[req.audio_format]
         # the status waits for the first audio: a stage that fails before it gets its own status
         return await self._serve(request, req, timeout, lambda responses: self._first(responses, audio=True),
                                  lambda first, responses: _speech_stream(first, responses, sse), media)  # fmt: skip
+
+    def _refused(self, e: HttpError) -> Response:
+        """A request refused before it started: counted, answered."""
+        self.service.metrics.requests.labels("http", f"HTTP_{e.status}").inc()
+        return e.response()
 
     async def _serve(self, request: Request, req: gateway_pb2.GenerateRequest, timeout: float | None,
                      start: Callable[[Replies], Awaitable[Any]],

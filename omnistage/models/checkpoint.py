@@ -48,6 +48,7 @@ class Checkpoint:
     spec: Any  # the family's spec (ids and sizes the stages agree on)
     tensors: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # name -> (dtype, shape)
     no_speech: list[str] = field(default_factory=list)  # why it cannot speak (empty: it can)
+    chat_template: str = ""  # as the processor takes it (see `chat_template`)
 
     @property
     def sample_rate(self) -> int:
@@ -185,9 +186,9 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     except UnknownFamily as e:
         raise CheckpointError(f"{cfg_file}: {e}") from None
     tensors = checkpoint_tensors(p)
-    thinker = family.weight_prefix("thinker")
-    if not any(name.startswith(thinker) for name in tensors):
-        raise CheckpointError(f"{p}: no weights of the thinker (no tensor name starts with {thinker!r})")
+    missing = _no_weights(family, "thinker", tensors)
+    if missing:
+        raise CheckpointError(f"{p}: {missing}")
     no_speech = _speech_problems(raw, family, tensors)
     if no_speech and not family.text_only:
         raise CheckpointError(f"{p}: a checkpoint without speech output ({'; '.join(no_speech)}): omnistage serves "
@@ -197,7 +198,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"{p}: missing tokenizer_config.json")
     if not ((p / "tokenizer.json").is_file() or ((p / "vocab.json").is_file() and (p / "merges.txt").is_file())):
         raise CheckpointError(f"{p}: missing tokenizer files (tokenizer.json or vocab.json + merges.txt)")
-    chat_template(p)  # a checkpoint without one could answer no chat request
+    template = chat_template(p)  # a checkpoint without one could answer no chat request
     try:
         config = family.load_config(p)
     except (ValueError, TypeError, KeyError) as e:
@@ -206,7 +207,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if problems:
         raise CheckpointError(f"{cfg_file}: the parts of the config disagree: " + "; ".join(problems))
     return Checkpoint(path=p, family=family, config=config, spec=family.spec(config, p, speech=not no_speech),
-                      tensors=tensors, no_speech=no_speech)  # fmt: skip
+                      tensors=tensors, no_speech=no_speech, chat_template=template)  # fmt: skip
 
 
 _EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<index>\d+)\.(?P<rest>.+)$")
@@ -246,10 +247,18 @@ def _speech_problems(raw: dict[str, Any], family: Any, tensors: dict[str, Any]) 
             continue
         if key not in raw:
             reasons.append(f"config.json has no {key}")
-        prefix = family.weight_prefix(part)
-        if not any(name.startswith(prefix) for name in tensors):
-            reasons.append(f"no weights of the {part} (no tensor name starts with {prefix!r})")
+        missing = _no_weights(family, part, tensors)
+        if missing:
+            reasons.append(missing)
     return reasons
+
+
+def _no_weights(family: Any, part: str, tensors: dict[str, Any]) -> str:
+    """Why the checkpoint has no weights of `part` ("": it has some)."""
+    prefix = family.weight_prefix(part)
+    if any(name.startswith(prefix) for name in tensors):
+        return ""
+    return f"no weights of the {part} (no tensor name starts with {prefix!r})"
 
 
 def special_token_ids(path: Path, tokens: tuple[str, ...]) -> dict[str, int]:
@@ -306,12 +315,11 @@ def load_tokenizer(ckpt: Checkpoint) -> Any:
     ids agree with the config."""
     from transformers import AutoTokenizer
 
-    template = chat_template(ckpt.path)
     try:
         tok = AutoTokenizer.from_pretrained(ckpt.path, local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"{ckpt.path}: cannot load the tokenizer ({e})") from None
-    tok.chat_template = template
+    tok.chat_template = ckpt.chat_template
     problems = ckpt.family.check_tokenizer(tok, ckpt.config)
     if problems:
         raise CheckpointError(f"{ckpt.path}: tokenizer disagrees with config: " + "; ".join(problems))

@@ -319,8 +319,6 @@ class StageService:
             start = first.start
             try:
                 check_start(self.stage, start)
-                if start.want_audio and self.downstream is None and self.stream == "thinker":
-                    raise invalid(f"{self.stage}: want_audio: this stack serves text only (no stage below)")
             except StageError as e:
                 await self._reject(context, request_iterator, e)
             deadline = None

@@ -21,8 +21,10 @@ class ThinkerWorker(StageWorker):
     name = "thinker"  # its process; errors name it
     part = "thinker"  # the model part: its sampling is Start.sampling["thinker"] in every role
 
-    def __init__(self, thinker: Any, defaults: SamplingParams, max_model_len: int | None = None) -> None:
+    def __init__(self, thinker: Any, defaults: SamplingParams, max_model_len: int | None = None,
+                 audio_output: bool = True) -> None:  # fmt: skip
         self.thinker = thinker  # the family's thinker (e.g. omnistage/models/qwen3_omni/thinker.py)
+        self.audio_output = audio_output  # False: no talker below (a text-only stack)
         self.device = thinker.device
         self.spec = thinker.spec
         self.defaults = defaults
@@ -35,6 +37,8 @@ class ThinkerWorker(StageWorker):
 
     def open(self, req: Request) -> None:
         start: stage_pb2.Start = req.params
+        if start.want_audio and not self.audio_output:
+            raise invalid(f"{self.name}: want_audio: this stack serves text only (no stage below)")
         sampling = edges.sampling(self.part, start, self.defaults, self._max_model_len)
         req.state = self.thinker.new_state(sampling, self._max_model_len)
 
@@ -113,7 +117,7 @@ class ThinkerWorker(StageWorker):
         """This role's worker with the settings of its block of the deploy config."""
         stage = cfg.stage(cls.name)
         thinker = ckpt.family.thinker(ckpt, stage.dtype, stage.device, stage.batching)
-        return cls(thinker, ckpt.family.thinker_defaults(ckpt), cfg.max_model_len)
+        return cls(thinker, ckpt.family.thinker_defaults(ckpt), cfg.max_model_len, cfg.audio_output)
 
 
 def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> ThinkerWorker:
