@@ -292,7 +292,7 @@ def _log(msg: str) -> None:
 
 
 async def request(address: str, prompt: str, on_first_audio: Callable[[], None] | None = None,
-                  **kw: Any) -> tuple[list[int], Any]:  # fmt: skip
+                  timeout: float = 300, **kw: Any) -> tuple[list[int], Any]:  # fmt: skip
     """One greedy request's token ids and audio samples; `on_first_audio()` as its audio starts."""
     import numpy as np
 
@@ -300,7 +300,7 @@ async def request(address: str, prompt: str, on_first_audio: Callable[[], None] 
 
     ids: list[int] = []
     pcm: list[Any] = []
-    async for ev in stream_generate(address, prompt, timeout=300, **kw):
+    async for ev in stream_generate(address, prompt, timeout=timeout, **kw):
         ids.extend(ev.token_ids)
         if ev.kind == "audio" and ev.pcm is not None:
             if not pcm and on_first_audio is not None:

@@ -18,7 +18,7 @@ import numpy as np
 from omnistage.config import MediaConfig as Limits
 from omnistage.v1 import gateway_pb2
 
-__all__ = ["AudioClip", "ImageInput", "Limits", "MediaError", "VideoClip", "decode_audio", "decode_image",
+__all__ = ["AudioClip", "Budget", "ImageInput", "Limits", "MediaError", "VideoClip", "decode_audio", "decode_image",
            "decode_messages", "decode_video", "decode_video_frames", "pcm_audio"]  # fmt: skip
 
 ROLES = ("system", "user", "assistant")
@@ -49,6 +49,23 @@ class VideoClip:
     fps: float
     audio: AudioClip | None = None  # its sound track, when asked for and present
     notes: list[str] = field(default_factory=list)
+
+
+class Budget:
+    """What one request's media may decode to, over all its parts: pixels at 3 bytes (RGB),
+    audio at 4 bytes a sample. Checked before each image or frame is converted, so a few KB
+    of highly compressed images cannot claim gigabytes (the per-image pixel limit alone lets
+    128 tiny blank frames decode to 24 GB)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, nbytes: int) -> None:
+        if self.used + nbytes > self.limit:
+            raise MediaError(f"the request's media decode to more than {self.limit} bytes "
+                             f"(media.max_decoded_bytes)")  # fmt: skip
+        self.used += nbytes
 
 
 def _check_size(data: bytes, limits: Limits) -> None:
@@ -125,15 +142,17 @@ def pcm_audio(f32le: bytes, sample_rate: int, target_rate: int, limits: Limits) 
     return AudioClip(_resample(samples, sample_rate, target_rate), target_rate)
 
 
-def decode_image(data: bytes, limits: Limits) -> ImageInput:
+def decode_image(data: bytes, limits: Limits, budget: Budget | None = None) -> ImageInput:
     """An encoded image (png, jpeg, webp, ... anything Pillow reads) -> RGB uint8."""
     from PIL import Image, UnidentifiedImageError
 
     _check_size(data, limits)
+    budget = budget or Budget(limits.max_decoded_bytes)
     try:
         with Image.open(io.BytesIO(data)) as img:
             if img.width * img.height > limits.max_image_pixels:
                 raise MediaError(f"{img.width}x{img.height} pixels, over the limit of {limits.max_image_pixels}")
+            budget.take(img.width * img.height * 3)
             pixels = np.asarray(img.convert("RGB"))
     except MediaError:
         raise
@@ -142,7 +161,8 @@ def decode_image(data: bytes, limits: Limits) -> ImageInput:
     return ImageInput(pixels)
 
 
-def decode_video(data: bytes, limits: Limits, audio_rate: int | None = None) -> VideoClip:
+def decode_video(data: bytes, limits: Limits, audio_rate: int | None = None, budget: Budget | None = None
+                 ) -> VideoClip:  # fmt: skip
     """A video file (mp4, webm, mkv, ... anything FFmpeg reads) -> frames sampled at
     `limits.video_fps` (the frame shown at (k + 0.5) / fps for k = 0, 1, ...), and, with
     `audio_rate`, its sound track as mono float32 at that rate (None when the video is silent).
@@ -150,6 +170,7 @@ def decode_video(data: bytes, limits: Limits, audio_rate: int | None = None) -> 
     import av
 
     _check_size(data, limits)
+    budget = budget or Budget(limits.max_decoded_bytes)
     fps = limits.video_fps
     picks: list[np.ndarray] = []
 
@@ -157,6 +178,7 @@ def decode_video(data: bytes, limits: Limits, audio_rate: int | None = None) -> 
         if len(picks) >= limits.max_video_frames:
             raise MediaError(f"more than {limits.max_video_frames} frames at {fps:g} per second (the limit of "
                              f"{limits.max_video_frames / fps:g} s of video)")  # fmt: skip
+        budget.take(frame.width * frame.height * 3)
         picks.append(frame.to_ndarray(format="rgb24"))
 
     try:
@@ -187,6 +209,7 @@ def decode_video(data: bytes, limits: Limits, audio_rate: int | None = None) -> 
             with av.open(io.BytesIO(data), mode="r") as container:
                 if container.streams.audio:
                     samples = _decode_stream_audio(container, audio_rate, limits.max_audio_seconds)
+                    budget.take(samples.nbytes)
                     audio = AudioClip(samples, audio_rate) if samples.shape[0] else None
     except MediaError:
         raise
@@ -195,7 +218,8 @@ def decode_video(data: bytes, limits: Limits, audio_rate: int | None = None) -> 
     return VideoClip(np.stack(picks), fps, audio)
 
 
-def decode_video_frames(images: list[bytes], fps: float, limits: Limits) -> VideoClip:
+def decode_video_frames(images: list[bytes], fps: float, limits: Limits, budget: Budget | None = None
+                        ) -> VideoClip:  # fmt: skip
     """A video given as its frames (each an encoded image) at `fps` frames per second."""
     if not images:
         raise MediaError("no frames")
@@ -205,10 +229,11 @@ def decode_video_frames(images: list[bytes], fps: float, limits: Limits) -> Vide
         raise MediaError(f"fps {fps} is not a usable frame rate (0..240)")
     if len(images) > limits.max_video_frames:
         raise MediaError(f"{len(images)} frames, over the limit of {limits.max_video_frames}")
+    budget = budget or Budget(limits.max_decoded_bytes)
     frames = []
     for k, data in enumerate(images):
         try:
-            frames.append(decode_image(data, limits).pixels)
+            frames.append(decode_image(data, limits, budget).pixels)
         except MediaError as e:
             raise MediaError(f"frame {k}: {e}") from None
     if len({f.shape for f in frames}) > 1:
@@ -216,7 +241,7 @@ def decode_video_frames(images: list[bytes], fps: float, limits: Limits) -> Vide
     return VideoClip(np.stack(frames), fps)
 
 
-def _decode_part(part: gateway_pb2.ContentPart, limits: Limits, audio_rate: int, with_sound: bool
+def _decode_part(part: gateway_pb2.ContentPart, limits: Limits, audio_rate: int, with_sound: bool, budget: Budget
                  ) -> dict[str, Any]:  # fmt: skip
     kind = part.WhichOneof("kind")
     if kind == "text":
@@ -228,15 +253,16 @@ def _decode_part(part: gateway_pb2.ContentPart, limits: Limits, audio_rate: int,
             clip = decode_audio(part.audio.file, audio_rate, limits)
         else:
             raise MediaError("empty: neither file nor pcm is set")
+        budget.take(clip.samples.nbytes)
         return {"type": "audio", "audio": clip.samples}
     if kind == "image":
-        return {"type": "image", "image": decode_image(part.image.file, limits).pixels}
+        return {"type": "image", "image": decode_image(part.image.file, limits, budget).pixels}
     if kind == "video":
         source = part.video.WhichOneof("source")
         if source == "file":
-            video = decode_video(part.video.file, limits, audio_rate if with_sound else None)
+            video = decode_video(part.video.file, limits, audio_rate if with_sound else None, budget)
         elif source == "frames":
-            video = decode_video_frames(list(part.video.frames.images), part.video.frames.fps, limits)
+            video = decode_video_frames(list(part.video.frames.images), part.video.frames.fps, limits, budget)
         else:
             raise MediaError("empty: neither file nor frames is set")
         if with_sound and video.audio is None:
@@ -253,6 +279,7 @@ def decode_messages(request: gateway_pb2.GenerateRequest, limits: Limits, audio_
     messages: list[dict[str, Any]] = []
     media = 0
     videos = 0
+    budget = Budget(limits.max_decoded_bytes)
     for i, m in enumerate(request.messages):
         if m.role not in ROLES:
             raise MediaError(f"messages[{i}]: unknown role {m.role!r}; expected one of {', '.join(ROLES)}")
@@ -266,7 +293,7 @@ def decode_messages(request: gateway_pb2.GenerateRequest, limits: Limits, audio_
             if kind not in (None, "text") and m.role != "user":
                 raise MediaError(f"{where}: only user messages take audio, images and video")
             try:
-                parts.append(_decode_part(part, limits, audio_rate, request.use_audio_in_video))
+                parts.append(_decode_part(part, limits, audio_rate, request.use_audio_in_video, budget))
             except MediaError as e:
                 raise MediaError(f"{where}: {e}") from None
             media += kind not in (None, "text")

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 access_log = logging.getLogger("omnistage.access")
 
 REQUEST_ID_KEY = "x-request-id"  # initial metadata of every Generate call
+MAX_REQUEST_ID_CHARS = 200  # a client's request_id (the stages' id adds a suffix; they take 256)
 HEALTH_POLL_S = 1.0
 
 
@@ -89,7 +90,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.talker_defaults = ckpt.family.talker_defaults()
         self.thinker_target = thinker_target
         self.router = Router(thinker_target, cfg.routing, cfg.max_message_bytes,
-                             stage_channel_credentials(cfg.tls), name_override(cfg.tls))  # fmt: skip
+                             stage_channel_credentials(cfg.tls), name_override(cfg.tls),
+                             cfg.timeouts.keepalive_s)  # fmt: skip
         self.channel = self.router.shared
         self.metrics = GatewayMetrics()
         self.active = 0
@@ -228,7 +230,12 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             check_stop_texts(request.stop)
         except ValueError as e:
             raise bad(str(e)) from None
-        start = stage_pb2.Start(request_id=request.request_id, want_audio=request.want_audio, mode=request.mode,
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise bad(f"request_id is {len(request.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+        # The stages know the request by an id no other request shares: clients may reuse theirs
+        # (a retry while the first attempt still runs below the thinker, two clients alike).
+        stage_id = f"{request.request_id}.{secrets.token_hex(4)}"
+        start = stage_pb2.Start(request_id=stage_id, want_audio=request.want_audio, mode=request.mode,
                                 speaker=request.speaker, deadline_unix_s=time.time() + timeout)  # fmt: skip
         for name, params in request.sampling.items():
             if name not in STAGES:

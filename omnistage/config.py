@@ -118,6 +118,10 @@ class MediaConfig(_Strict):
     video_fps: float = Field(2.0, gt=0, le=60, description="frames sampled per second of a video file")
     max_video_frames: int = Field(128, ge=1, le=4096, description="frames of one video after sampling")
     max_image_pixels: int = Field(64 * 1024 * 1024, ge=1, description="width x height of an image or frame")
+    max_decoded_bytes: int = Field(1 << 30, ge=1 << 20, le=1 << 36,
+                                   description="all media of one request once decoded (RGB pixels at 3 bytes, "
+                                   "audio at 4 bytes a sample), checked before each image or frame is "
+                                   "converted")  # fmt: skip
 
 
 class MetricsConfig(_Strict):
@@ -173,6 +177,9 @@ class TimeoutsConfig(_Strict):
     request_timeout_s: float = Field(600.0, gt=0, description="default deadline when the client sets none")
     startup_timeout_s: float = Field(180.0, gt=0)
     drain_grace_s: float = Field(30.0, ge=0)
+    keepalive_s: float = Field(10.0, ge=0, le=3600, description="every hop's connection is pinged this often; "
+                               "a peer that does not answer within as long again (frozen, cut off) is lost: its "
+                               "calls fail UNAVAILABLE and are replayed on another replica; 0 disables")  # fmt: skip
 
 
 class _HeadConfig(_Strict):

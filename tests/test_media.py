@@ -167,3 +167,28 @@ def test_decoded_messages_keep_order_and_text_only_parts_become_text() -> None:
         gateway_pb2.ChatMessage(role="user", parts=[text_part("a "), text_part("b")]),
     ])  # fmt: skip
     assert decode_messages(text_only, LIMITS, RATE) == ([{"role": "user", "content": "a b"}], False)
+
+
+def test_media_that_decode_past_the_request_budget_are_refused_before_they_are_converted() -> None:
+    """Blank 1-bit PNGs of 4000x4000 are ~2 KB each and 48 MB as RGB: a request of a few of
+    them (images and video frames alike) is refused on `max_decoded_bytes` once the next would
+    pass it, not after every one is in memory."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("1", (4000, 4000)).save(buf, format="PNG", optimize=True)
+    blank = buf.getvalue()
+    assert len(blank) < 16_384  # tiny on the wire
+    limits = MediaConfig(max_decoded_bytes=100 << 20)  # two of them fit, the third does not
+    request = build_request("what is this", images=[blank, blank])
+    messages, _ = decode_messages(request, limits, RATE)
+    assert [p["image"].shape for p in messages[0]["content"] if p["type"] == "image"] == [(4000, 4000, 3)] * 2
+    with pytest.raises(MediaError, match=r"^messages\[0\]\.parts\[\d\] \(image\): .*more than 104857600 bytes "
+                                         r"\(media.max_decoded_bytes\)"):  # fmt: skip
+        decode_messages(build_request("what is this", images=[blank] * 3), limits, RATE)
+    frames = gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role="user", parts=[
+        frames_part([blank] * 3, 2.0)])])  # fmt: skip
+    with pytest.raises(MediaError, match=r"\(video\): frame 2: .*media.max_decoded_bytes"):
+        decode_messages(frames, limits, RATE)

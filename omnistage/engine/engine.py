@@ -123,12 +123,13 @@ class Engine:
     def feed(self, req: Request, chunk: DecodedChunk) -> None:
         """Order checks happen here, so a bad chunk fails before it reaches the worker."""
         name = self.worker.name
-        self.device_inputs.start(chunk)
-        with self._cond:
+        with self._cond:  # one reader feeds a request, so nothing changes these between the two blocks
             if req.input_closed:
                 raise invalid(f"{name}: chunk (offset {chunk.offset}) after the finished chunk")
             if chunk.offset != req.next_offset:
                 raise invalid(f"{name}: chunk offset {chunk.offset} out of order; expected {req.next_offset}")
+        self.device_inputs.start(chunk)  # only a chunk that is in order takes device memory
+        with self._cond:
             req.next_offset = chunk.offset + chunk.length
             req.input_closed = chunk.finished
             req.inbox.append(chunk)

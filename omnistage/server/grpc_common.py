@@ -51,10 +51,35 @@ SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}],
                              "healthCheckConfig": {"serviceName": STAGE_SERVICE}})  # fmt: skip
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+def _limits(max_message_bytes: int) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def _keepalive(keepalive_s: float) -> list[tuple[str, Any]]:
+    if keepalive_s <= 0:
+        return []
+    ms = max(int(keepalive_s * 1000), 1)
+    return [
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", ms),
+        ("grpc.http2.ping_timeout_ms", ms),  # what gRPC 1.85 waits for the ack (60 s otherwise)
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),  # a call that waits on a long step sends no data
+    ]
+
+
+def channel_options(max_message_bytes: int, keepalive_s: float = 0.0) -> list[tuple[str, Any]]:
+    """A caller's options. `keepalive_s` > 0: ping the connection that often, and declare the
+    peer lost when a ping goes unanswered as long again. A frozen or cut-off replica sends no
+    reset, so without this its calls would hang until their deadline and new calls would keep
+    going to it; with it they fail UNAVAILABLE (replayed elsewhere) and the replica leaves the
+    rotation."""
+    return [
+        *_limits(max_message_bytes),
+        *_keepalive(keepalive_s),
         # Spread calls over every address of a target (replica list or headless Service), and
         # only over replicas whose grpc.health.v1 Watch says SERVING: a draining replica or one
         # that stopped answering leaves the rotation until its health check passes again.
@@ -84,11 +109,20 @@ def grpc_code(code: Code) -> grpc.StatusCode:
     return grpc.StatusCode[code.name]
 
 
-def new_server(max_message_bytes: int, extra: Iterable[tuple[str, Any]] = ()) -> grpc.aio.Server:
+def new_server(max_message_bytes: int, extra: Iterable[tuple[str, Any]] = (), keepalive_s: float = 0.0
+               ) -> grpc.aio.Server:  # fmt: skip
     """A grpc.aio server (create it inside the running event loop) with our message limits.
     It binds exclusively: gRPC's default SO_REUSEPORT would let a second stack bind the same
-    ports and the kernel split the traffic between the two."""
-    return grpc.aio.server(options=[*channel_options(max_message_bytes)[:2], ("grpc.so_reuseport", 0), *extra])
+    ports and the kernel split the traffic between the two. It accepts keepalive pings as often
+    as callers send them (by default gRPC answers a ping more often than every 5 minutes on an
+    idle connection with GOAWAY, failing the calls on it), and pings its callers every
+    `keepalive_s`: a frozen caller's calls are cancelled and what they held is freed."""
+    pings = [
+        ("grpc.http2.min_ping_interval_without_data_ms", 100),
+        ("grpc.http2.max_ping_strikes", 0),
+        *_keepalive(keepalive_s),
+    ]
+    return grpc.aio.server(options=[*_limits(max_message_bytes), ("grpc.so_reuseport", 0), *pings, *extra])
 
 
 class PortTaken(OSError):

@@ -58,6 +58,7 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
         routing=cfg.routing,
         tls=cfg.tls,
         below=stages_below(name, cfg.stage_names()),
+        keepalive_s=cfg.timeouts.keepalive_s,
     )
     server = StageServer(service, host, port, cfg.timeouts.drain_grace_s)
     metrics_port = cfg.metrics_port(port)

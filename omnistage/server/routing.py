@@ -40,10 +40,10 @@ def replica_addresses(target: str) -> list[str] | None:
 class Router:
     def __init__(self, target: str, policy: str, max_message_bytes: int,
                  credentials: grpc.ChannelCredentials | None = None,
-                 extra_options: list[tuple[str, Any]] | None = None) -> None:  # fmt: skip
+                 extra_options: list[tuple[str, Any]] | None = None, keepalive_s: float = 0.0) -> None:  # fmt: skip
         if policy not in POLICIES:
             raise ValueError(f"routing: unknown policy {policy!r}; expected one of {POLICIES}")
-        options = channel_options(max_message_bytes) + (extra_options or [])
+        options = channel_options(max_message_bytes, keepalive_s) + (extra_options or [])
         self.target = target
         # round_robin over the whole target (also what Info polling uses)
         self.shared = aio_channel(target, credentials, options)

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
+import torch
 from google.protobuf.message import DecodeError
 
 from omnistage.config import TlsConfig
@@ -84,8 +85,12 @@ def _size(item: Any) -> int:
 class _Call:
     """One Stage.Stream call: where the engine's outputs for its request go (an EngineSink)."""
 
+    _serial = 0
+
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        _Call._serial += 1
+        self.serial = _Call._serial
         self.out_q: asyncio.Queue[Any] = asyncio.Queue()
         self.posted = self.relayed = self.taken = 0  # outputs handed over / taken (see congested)
         self.posted_bytes = self.relayed_bytes = self.taken_bytes = 0
@@ -135,6 +140,15 @@ class _Call:
         self.relayed += 1
         self.relayed_bytes += _size(item)
         self.out_q.put_nowait(item)
+
+    def error_after_done(self) -> StageError | None:
+        """A failure queued once the call stopped reading its queue (the caller's input went
+        wrong after this stage had finished its work)."""
+        while not self.out_q.empty():
+            item = self.out_q.get_nowait()
+            if isinstance(item, StageError):
+                return item
+        return None
 
     def on_output(self, req: Request, out: StepOutput) -> None:
         self._post(out)
@@ -197,6 +211,7 @@ class StageService:
         routing: str = "round_robin",
         tls: TlsConfig | None = None,
         below: Sequence[str] | None = None,
+        keepalive_s: float = 0.0,
     ) -> None:
         """`below`: the stage processes after this one in the chain, in order (default: those
         of the colocated pipeline)."""
@@ -220,6 +235,7 @@ class StageService:
         self.tls = tls or TlsConfig()
         self.replay_budget_bytes = replay_budget_bytes
         self.failover_attempts = failover_attempts
+        self.keepalive_s = keepalive_s
         self.pool = ShmPool(enabled=shm)
         self.reader = ShmReader(enabled=shm)
         self.open_streams = 0
@@ -232,7 +248,8 @@ class StageService:
         if self._router is None:  # made inside the running event loop (grpc.aio binds to it)
             assert self.downstream is not None
             self._router = Router(self.downstream, self.routing, self.max_message_bytes,
-                                  stage_channel_credentials(self.tls), name_override(self.tls))  # fmt: skip
+                                  stage_channel_credentials(self.tls), name_override(self.tls),
+                                  self.keepalive_s)  # fmt: skip
         return self._router
 
     def start_watching(self) -> asyncio.Task[None] | None:
@@ -305,10 +322,14 @@ class StageService:
         call = _Call(asyncio.get_running_loop())
         tasks: list[asyncio.Task[Any]] = []
         try:
+            wait = self.engine.input_wait_timeout_s or None  # a caller that sends no Start holds a stream
             try:
-                received = await anext(aiter(request_iterator))
+                received = await asyncio.wait_for(anext(aiter(request_iterator)), wait)
             except StopAsyncIteration:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.stage}: stream closed before Start")
+            except TimeoutError:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.stage}: no Start within "
+                                    f"{wait:g} s of opening the call (timeouts.input_wait_timeout_s)")  # fmt: skip
             if isinstance(received, Undecodable):
                 await self._reject(context, request_iterator, self._undecodable(received, 1))
             first = received.message
@@ -325,7 +346,9 @@ class StageService:
             if start.deadline_unix_s > 0:
                 deadline = time.monotonic() + (start.deadline_unix_s - time.time())
             try:
-                req = self.engine.open(start.request_id, start, call, deadline)
+                # Known here by its id and this call: an id may be open twice, e.g. a replay from
+                # a new caller while the lost caller's call (frozen, not yet noticed) is still open.
+                req = self.engine.open(f"{start.request_id}#{call.serial}", start, call, deadline)
             except StageError as e:
                 await self._reject(context, request_iterator, e)
             self.requests_total += 1
@@ -362,6 +385,9 @@ class StageService:
             # the talker reaching its frame limit while the thinker still sends tokens).
             remaining = context.time_remaining()
             await asyncio.wait({tasks[0]}, timeout=remaining if remaining is not None else 60.0)
+            late = call.error_after_done()
+            if late is not None:  # the caller sent something wrong after this stage's work ended
+                await context.abort(grpc_code(late.code), late.message)
         finally:
             self.open_streams -= 1
             if req is not None:
@@ -398,6 +424,11 @@ class StageService:
                     self._fail(req, call, invalid(f"{self.stage}: message {index}: {e}"))
                 except StageError as e:
                     self._fail(req, call, e)
+                except Exception as e:  # e.g. out of memory placing a large input on the device: fail this request
+                    log.exception("%s: request %s: reading message %d failed", self.stage, req.request_id, index)
+                    code = Code.RESOURCE_EXHAUSTED if isinstance(e, (MemoryError, torch.OutOfMemoryError)) else (
+                        Code.INTERNAL)
+                    self._fail(req, call, StageError(code, f"{self.stage}: message {index}: {type(e).__name__}: {e}"))
             if call.failed:
                 pass
             elif req.input_closed:
@@ -606,6 +637,7 @@ class StageServer:
                 ("grpc.max_connection_age_ms", 60_000),
                 ("grpc.max_connection_age_grace_ms", int(1000 * max(self.drain_grace_s, 600))),
             ],
+            self.service.keepalive_s,
         )
         add_stage_servicer(self.service, self.server)
         self.health = HealthState(self.server, (STAGE_SERVICE,))

@@ -375,9 +375,10 @@ class ShmPool:
 class ShmReader:
     """Receiver side: maps sender segments (read-write, shared) once and hands out views.
 
-    Thread-safe. Keeps at most ``max_cached`` mappings (LRU); ``prune()`` drops mappings of
-    segments. Dropping a mapping never
-    invalidates tensors already decoded from it.
+    Thread-safe. Keeps at most ``max_cached`` mappings (LRU), and forgets those whose segment
+    the sender has unlinked whenever it maps a new one (a sender makes new segments after it
+    drops old ones): a cached mapping would otherwise keep a deleted segment's memory. Dropping
+    a mapping never invalidates tensors already decoded from it (they hold it until freed).
     """
 
     def __init__(
@@ -416,6 +417,8 @@ class ShmReader:
             os.close(fd)
         entry = (mm, st.st_size)
         with self._lock:
+            for gone in [n for n in self._maps if not (self.directory / n).exists()]:
+                del self._maps[gone]
             self._maps[name] = entry
             while len(self._maps) > self.max_cached:
                 self._maps.popitem(last=False)

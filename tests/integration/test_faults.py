@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
+import signal
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,12 +18,13 @@ import numpy as np
 import pytest
 
 from benchmarks import faults
-from benchmarks.faults import Dims, malformed_probes, run_probes, stage_idle, summarize
+from benchmarks.faults import Dims, malformed_probes, run_probes, stage_idle, summarize, valid_input
 from gateway.client import generate
 from omnistage.cli.serve import Stack, start_stack
 from omnistage.models.checkpoint import open_checkpoint
 from omnistage.topology import STAGES
-from omnistage.v1 import stage_pb2
+from omnistage.v1 import stage_pb2, stage_pb2_grpc
+from omnistage.wire.tensor_blob import ChunkAssembler, encode_chunk
 from tests.integration.conftest import run, stack_config
 
 PROBES_PER_STAGE = 240  # the bench runs 10,000
@@ -35,7 +38,8 @@ def dims(tiny_dir: Path) -> Dims:
 @pytest.fixture(scope="module")
 def replicated(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Two replicas of every stage: one of each may be killed."""
-    cfg = stack_config(thinker={"replicas": 2}, talker={"replicas": 2}, code2wav={"replicas": 2})
+    cfg = stack_config(thinker={"replicas": 2}, talker={"replicas": 2}, code2wav={"replicas": 2},
+                       timeouts={"keepalive_s": 2})  # a frozen replica is lost within 4 s
     s = start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("replicated"))
     try:
         yield s
@@ -64,6 +68,70 @@ def test_malformed_messages_end_invalid_argument_at_once(replicated: Stack, dims
     assert faults.rss_bytes(pid) < rss0 * 1.10
     reply = run(generate(replicated.gateway_address, "hi", thinker_max_tokens=3, talker_max_tokens=4, timeout=60))
     assert reply.token_ids and reply.pcm.size > 0
+
+
+def test_a_chunk_after_the_stage_finished_is_refused(replicated: Stack, dims: Dims) -> None:
+    """A caller that sends one more chunk once the stage has delivered its whole output (its
+    work is over, the call waits for the caller to half-close) gets INVALID_ARGUMENT, not OK."""
+    stage = "code2wav"
+    address = replicated.addresses(stage)[0]
+    chunks = valid_input(stage, dims, random.Random(5))
+    extra = encode_chunk({}, offset=10_000, length=0, finished=True)
+
+    async def go() -> tuple[grpc.StatusCode, str, int]:
+        delivered = asyncio.Event()
+
+        async def messages() -> Any:
+            yield stage_pb2.StageRequest(start=faults._start("late-chunk"))
+            for c in chunks:
+                yield stage_pb2.StageRequest(chunk=c)
+            await asyncio.wait_for(delivered.wait(), 30)
+            yield stage_pb2.StageRequest(chunk=extra)
+
+        got = 0
+        async with grpc.aio.insecure_channel(address) as ch:
+            call = stage_pb2_grpc.StageStub(ch).Stream(messages(), timeout=30)
+            asm: dict[str, ChunkAssembler] = {}
+            try:
+                async for resp in call:
+                    d = asm.setdefault(resp.stage, ChunkAssembler()).push(resp.chunk)
+                    if d is not None and d.finished:
+                        got += 1
+                        delivered.set()  # the stage's output is complete
+            except grpc.aio.AioRpcError as e:
+                return e.code(), e.details() or "", got
+        return grpc.StatusCode.OK, "", got
+
+    code, details, finished = run(go())
+    assert finished == 1, f"the stage's finished output never came: {code} {details}"
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert details.startswith(f"{stage}:") and "after the finished chunk" in details, details
+
+
+def test_a_call_that_sends_no_start_is_ended(replicated: Stack) -> None:
+    """A caller that opens a stream and sends nothing holds it only for the input wait
+    (timeouts.input_wait_timeout_s, 5 s in these stacks): then DEADLINE_EXCEEDED, and the
+    stage has no open stream left."""
+    address = replicated.addresses("code2wav")[0]
+
+    async def go() -> tuple[grpc.StatusCode, str]:
+        async def silent() -> Any:
+            await asyncio.sleep(60)
+            yield stage_pb2.StageRequest()
+
+        async with grpc.aio.insecure_channel(address) as ch:
+            call = stage_pb2_grpc.StageStub(ch).Stream(silent(), timeout=40)
+            try:
+                async for _ in call:
+                    pass
+            except grpc.aio.AioRpcError as e:
+                return e.code(), e.details() or ""
+        return grpc.StatusCode.OK, ""
+
+    code, details = run(go())
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED, (code, details)
+    assert details.startswith("code2wav: no Start within 5 s"), details
+    assert run(faults.wait_until(lambda: stage_idle(address), limit_s=2.0)) is not None
 
 
 def test_errors_never_echo_payload_bytes(replicated: Stack) -> None:
@@ -127,6 +195,42 @@ def test_cancels_at_random_points_leave_nothing_held(replicated: Stack) -> None:
 
 
 PROMPTS = [f"Question {i}: tell me something about the number {i}." for i in range(16)]
+
+
+def test_a_frozen_replica_under_load_loses_no_request(replicated: Stack) -> None:
+    """SIGSTOP of one talker and one code2wav replica while 8 requests stream: a frozen process
+    sends no reset, so only keepalive tells its callers it is gone. No request waits for its
+    deadline (20 s here, against 4 s to notice); every reply equals the fault-free run's."""
+    s = replicated
+    limits = {"thinker_max_tokens": 12, "talker_max_tokens": 24, "timeout": 20}
+    baseline, errors = run(faults.closed_loop(s.gateway_address, PROMPTS, 8, 120, **limits))
+    assert not errors, errors
+    victims = {2: s.child("code2wav", 1), 4: s.child("talker", 1)}  # at the nth first audio
+    frozen: list[Any] = []
+    seen: list[int] = []
+
+    def on_audio(i: int) -> None:
+        seen.append(i)
+        victim = victims.get(len(seen))
+        if victim is not None:
+            os.kill(victim.proc.pid, signal.SIGSTOP)
+            frozen.append(victim)
+
+    try:
+        faulted, errors = run(faults.closed_loop(s.gateway_address, PROMPTS, 8, 120, on_first_audio=on_audio,
+                                                 **limits))  # fmt: skip
+    finally:
+        for victim in frozen:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+    assert len(frozen) == len(victims), "a victim was not frozen during the run"
+    assert not errors, f"{len(errors)} requests failed, e.g. {errors[0]}"
+    for caller, lost in (("thinker", "talker"), ("talker", "code2wav")):
+        logs = "".join(p.read_text(errors="replace") for p in s.run_dir.glob(f"{caller}-*.log"))
+        assert f"lost its {lost} call" in logs, f"no {caller} replayed a request on another {lost} replica"
+    for i in range(len(PROMPTS)):
+        assert faulted[i][0] == baseline[i][0], f"request {i}: text differs after failover"
+        np.testing.assert_allclose(faulted[i][1], baseline[i][1], atol=1e-5,
+                                   err_msg=f"request {i}: audio differs after failover")  # fmt: skip
 
 
 def test_killing_one_replica_of_each_stage_under_load_loses_no_request(replicated: Stack) -> None:

@@ -269,3 +269,19 @@ def test_segment_reuse_after_release_is_bounded_in_time() -> None:
             p.release_request(f"r{i}")
             assert time.monotonic() < deadline
         assert p.num_segments == 1
+
+
+def test_reader_forgets_segments_the_sender_unlinked(pool: ShmPool) -> None:
+    """A dedicated segment (a blob over segment_bytes) is unlinked when its request is released;
+    the receiver must not keep it mapped (its memory would stay in use) once it maps the next."""
+    r = ShmReader(enabled=True)
+    big = pool.segment_bytes // 4 + 1  # float32 elements: over one pooled segment
+    first = tb.encode(torch.ones(big), pool=pool, request_id="a")
+    tb.decode(first, reader=r)
+    pool.release_request("a")
+    assert not (pool.directory / first.shm.segment).exists()  # the sender unlinked it
+    second = tb.encode(torch.ones(big), pool=pool, request_id="b")
+    tb.decode(second, reader=r)
+    assert r.num_mapped == 1  # the second only
+    pool.release_request("b")
+    r.close()
