@@ -35,7 +35,7 @@ def endpoints(cfg: Any) -> dict[str, list[str]]:
     ports = {d.name: cfg.stage_ports(d.name) for d in cfg.chain()}
     ports["gateway"] = [cfg.gateway.port + i for i in range(cfg.gateway.replicas)]
     for role, plist in ports.items():
-        out[role] = [f"http://{cfg.host}:{cfg.metrics_port(p)}/metrics" for p in plist]
+        out[role] = [f"http://{cfg.address(cfg.metrics_port(p))}/metrics" for p in plist]
     return out
 
 

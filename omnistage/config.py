@@ -4,8 +4,8 @@
 read the same model. Unknown or bad fields are refused at start with the field's path.
 
 Which file: `--config FILE`, else `$OMNISTAGE_CONFIG`, else `deploy/omnistage.yaml` under the
-current directory, else the packaged copy of the repository's `deploy/omnistage.yaml`
-(`default_config_path`). Command-line flags override the file; the file overrides the
+current directory, else the packaged one, `omnistage/data/omnistage.yaml` (`deploy/omnistage.yaml`
+links to it; `default_config_path`). Command-line flags override the file; the file overrides the
 built-in defaults.
 
 Ports: process `P` (the gateway or a stage replica) serves gRPC on `P` and Prometheus metrics
@@ -16,12 +16,13 @@ k-th stage of the topology `P + 100 * k` (replica i adds i).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from omnistage.topology import (
     DISAGGREGATED,
@@ -189,8 +190,19 @@ class _HeadConfig(_Strict):
     audio_output: bool = Field(True, description="false: text only, the chain ends at the thinker (a checkpoint "
                                "without a talker, such as Qwen3-Omni's Thinking or Captioner); requests for "
                                "audio are refused")  # fmt: skip
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="the address every process listens on: an IP address "
+                      "(127.0.0.1, ::1, 0.0.0.0, ...); callers dial it")  # fmt: skip
     gateway: GatewayConfig = GatewayConfig()
+
+    @field_validator("host")
+    @classmethod
+    def _an_ip_address(cls, host: str) -> str:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ValueError(f"{host!r} is not an IP address (127.0.0.1, ::1, 0.0.0.0, ...); names are not "
+                             "resolved here") from None  # fmt: skip
+        return host
 
 
 _SETTINGS: dict[str, type[StageConfig]] = {"stage": StageConfig, "thinker": ThinkerConfig,
@@ -311,9 +323,14 @@ class DeployConfig(_StagesConfig):  # type: ignore[misc,valid-type]
         s = self.stage(name)
         return [s.base_port + i for i in range(s.replicas)]
 
+    def address(self, port: int) -> str:
+        """`host:port` to dial (`[host]:port` for IPv6)."""
+        return f"[{self.host}]:{port}" if ":" in self.host else f"{self.host}:{port}"
+
     def stage_target(self, name: StageName) -> str:
         """gRPC target that spreads calls over the stage's local replicas."""
-        return "ipv4:" + ",".join(f"{self.host}:{p}" for p in self.stage_ports(name))
+        scheme = "ipv6:" if ":" in self.host else "ipv4:"
+        return scheme + ",".join(self.address(p) for p in self.stage_ports(name))
 
 
 PORT_STRIDE = 100  # --port P: the k-th stage's replicas start at P + PORT_STRIDE * k

@@ -396,12 +396,12 @@ def _deployment(
         {"name": "cache", "emptyDir": {}},
         {"name": "tmp", "emptyDir": {}},
     ]
+    if run_cfg.model is not None:  # volumes/3 with or without TLS (deploy/README.md patches it by index)
+        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": MODEL_PVC, "readOnly": True}})
     if _uses_tls(cfg):
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
         volumes.append({"name": "tls", "secret": {"secretName": TLS_SECRET}})
-    if run_cfg.model is not None:
-        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
-        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": MODEL_PVC, "readOnly": True}})
     startup_failures = max(1, math.ceil(cfg.timeouts.startup_timeout_s / PROBE_PERIOD_S))
     # Kubernetes' gRPC probes speak plaintext only: a TLS port is probed by `omnistage health`
     on_tls = cfg.tls.gateway if component == "gateway" else cfg.tls.stages
@@ -417,7 +417,7 @@ def _deployment(
         + ([{"name": "metrics", "containerPort": metrics, "protocol": "TCP"}] if metrics else [])
         + ([{"name": "http", "containerPort": http_port, "protocol": "TCP"}] if http_port else []),
         "startupProbe": probe(port, PROBE_PERIOD_S, startup_failures),
-        "readinessProbe": probe(port, PROBE_PERIOD_S, 1),
+        "readinessProbe": probe(port, PROBE_PERIOD_S, 3),  # one slow answer under load is no reason to leave
         # liveness asks a service that stays SERVING while the process drains (readiness does
         # not): a draining pod leaves the Service but is not killed before its grace ends
         "livenessProbe": probe(port, 10, 3, service=LIVENESS_SERVICE),
@@ -447,7 +447,7 @@ def _deployment(
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": _selector(component)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": _rollout(device)},
             "template": {
                 "metadata": {
                     "labels": _labels(component),
@@ -459,6 +459,15 @@ def _deployment(
             },
         },
     }
+
+
+def _rollout(device: str) -> dict[str, int]:
+    """A CPU pod is replaced surge-first. A GPU pod is replaced in place: a surge pod would
+    need a spare GPU, which a right-sized pool does not have (the rollout would stall Pending);
+    requests on the pod that leaves drain, and a lost one is replayed on another replica."""
+    if device.startswith("cuda"):
+        return {"maxSurge": 0, "maxUnavailable": 1}
+    return {"maxSurge": 1, "maxUnavailable": 0}
 
 
 def _service(component: str, port: int, metrics: int | None, *, headless: bool,
@@ -579,7 +588,8 @@ def render_k8s(cfg: DeployConfig) -> dict[str, str]:
         svc = _service(name, stage.base_port, run_cfg.metrics_port(stage.base_port), headless=True)
         caller = chain[k - 1] if k else "gateway"  # only the stage above may call this one
         policy = _network_policy(name, [caller], [stage.base_port], run_cfg.metrics_port(stage.base_port))
-        files[f"k8s/{name}.yaml"] = header + _docs(dep, svc, _hpa(name, stage.replicas), policy)
+        hpa = [_hpa(name, stage.replicas)] if cfg.metrics.enabled else []  # it scales on a stage metric
+        files[f"k8s/{name}.yaml"] = header + _docs(dep, svc, *hpa, policy)
     resources = sorted(p.removeprefix("k8s/") for p in files)
     kustomization = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
@@ -605,6 +615,10 @@ def render(cfg: DeployConfig, target: str, *, build_context: str | None = "..") 
     Deterministic: the same config gives the same bytes. `build_context` is the compose build
     context relative to the output directory (the repository root; None leaves `build:` out).
     """
+    if cfg.routing == "least_outstanding":
+        raise ConfigError("routing: least_outstanding needs the list of replica addresses, which only `omnistage "
+                          "serve` has; under compose and Kubernetes every replica is reached through one DNS "
+                          "name (round_robin)")  # fmt: skip
     if target == "compose":
         return render_compose(cfg, build_context=build_context)
     if target == "k8s":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -255,7 +256,7 @@ def health(
         if target:
             checks = [(t, t, credentials(role_of(t))) for t in target]
         else:
-            checks = [(role, f"{cfg.host}:{port}", credentials(role)) for port, role in grpc_ports.items()]
+            checks = [(role, cfg.address(port), credentials(role)) for port, role in grpc_ports.items()]
     ok = True
     for role, address, credentials in checks:
         status = health_status(address, timeout, service, credentials=credentials, options=name_override(tls))
@@ -377,6 +378,7 @@ def stage(
     from omnistage.topology import PROCESSES
 
     setup_logging(f"{name}:{port}", log_level.value, log_format.value)
+    _stop_on_sigterm()
     with _errors(log_level.value, interrupted_code=0):
         if name not in PROCESSES:
             typer.echo(f"error: unknown stage {name!r}; expected one of {', '.join(PROCESSES)}", err=True)
@@ -385,6 +387,13 @@ def stage(
                      "max_model_len": max_model_len}  # fmt: skip
         cfg = _load_cfg(config, overrides)
         run_stage(name, cfg, resolve_model(cfg, model_arg or model), host or cfg.host, port, downstream)
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM before the server runs (loading a checkpoint takes minutes) stops the process
+    at once, as Ctrl-C would: as a container's PID 1 it would otherwise be ignored until the
+    runtime's SIGKILL. The server installs its drain handler when it starts."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 @app.command("gateway")
@@ -411,6 +420,7 @@ def gateway(
     from omnistage.models import open_checkpoint
 
     setup_logging(f"gateway:{port}", log_level.value, log_format.value)
+    _stop_on_sigterm()
     with _errors(log_level.value, interrupted_code=0):
         cfg = _load_cfg(config, {"served_model_name": served_model_name, "max_model_len": max_model_len})
         ckpt = open_checkpoint(resolve_model(cfg, model_arg or model))

@@ -168,12 +168,12 @@ class Stack:
 
     @property
     def gateway_address(self) -> str:
-        return f"{self.cfg.host}:{self.cfg.gateway.port}"
+        return self.cfg.address(self.cfg.gateway.port)
 
     @property
     def http_address(self) -> str | None:
         port = self.cfg.gateway.http_port
-        return None if port is None else f"{self.cfg.host}:{port}"
+        return None if port is None else self.cfg.address(port)
 
     @property
     def log_dir(self) -> Path:
@@ -231,6 +231,7 @@ class Stack:
                     + f"; restarting it in {delay:.1f} s (log: {c.log})")  # fmt: skip
             elif now >= c.restart_at:
                 host, port = c.address.rsplit(":", 1)
+                host = host.strip("[]")  # an IPv6 address
                 if not port_free(host, int(port)):
                     c.restart_at = now + 0.5  # its socket is not released yet
                     continue
@@ -239,7 +240,11 @@ class Stack:
                 c.restart_at = c.healthy_since = None
                 say(f"{c.role} at {c.address} restarted (pid {c.proc.pid}, restart {c.restarts})")
 
-    def stop(self, timeout: float = 20.0) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """SIGTERM every child (each drains up to timeouts.drain_grace_s), SIGKILL what is left
+        after `timeout` (default: the grace and 5 s)."""
+        if timeout is None:
+            timeout = self.cfg.timeouts.drain_grace_s + 5.0
         for c in reversed(self.children):
             if c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)
@@ -320,13 +325,16 @@ def start_stack(
                 if downstream:
                     args += ["--downstream", downstream]
                 log_path = stack.run_dir / f"{name}-{i}.log"
-                stack.children.append(Child(name, i, f"{cfg.host}:{port}", _spawn(args, log_path, env), log_path,
+                stack.children.append(Child(name, i, cfg.address(port), _spawn(args, log_path, env), log_path,
                                             args, env))  # fmt: skip
-        args = ["gateway", "--port", str(cfg.gateway.port), "--thinker", cfg.stage_target(chain[0].name), *common]
-        args += ["--http-port", str(cfg.gateway.http_port)] if cfg.gateway.http_port else ["--no-http"]
-        log_path = stack.run_dir / "gateway-0.log"
-        stack.children.append(Child("gateway", 0, stack.gateway_address, _spawn(args, log_path, env), log_path,
-                                    args, env))  # fmt: skip
+        http_ports = cfg.http_ports()
+        for i in range(cfg.gateway.replicas):  # replica i on port + i (and HTTP port + i)
+            port = cfg.gateway.port + i
+            args = ["gateway", "--port", str(port), "--thinker", cfg.stage_target(chain[0].name), *common]
+            args += ["--http-port", str(http_ports[i])] if http_ports else ["--no-http"]
+            log_path = stack.run_dir / f"gateway-{i}.log"
+            stack.children.append(Child("gateway", i, cfg.address(port), _spawn(args, log_path, env), log_path,
+                                        args, env))  # fmt: skip
         _wait_healthy(stack, cfg.timeouts.startup_timeout_s, interrupted)
     except BaseException:
         stack.stop()

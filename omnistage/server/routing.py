@@ -5,8 +5,9 @@
 - `least_outstanding`: one channel per replica; a call goes to the replica with the fewest
   calls this process has open on it (ties in turn), among those whose channel is READY. Long
   requests then stop piling up behind each other on one replica while another idles. Needs the
-  replica list in the target (`ipv4:host:port,...`, what `serve` and compose pass); a DNS
-  target (a Kubernetes headless Service) cannot be split here and keeps round_robin.
+  replica list in the target (`ipv4:host:port,...`, what `serve` passes); a DNS target (compose,
+  a Kubernetes headless Service) cannot be split here and keeps round_robin (`deploy render`
+  refuses it).
 """
 
 from __future__ import annotations

@@ -264,3 +264,45 @@ def test_a_split_thinker_renders_both_roles_in_the_chain() -> None:
         rule = k8s[("NetworkPolicy", name)]["spec"]["ingress"][0]
         assert [f["podSelector"]["matchLabels"]["app.kubernetes.io/component"] for f in rule["from"]] == [caller]
     assert compose["gateway"]["depends_on"] == {"thinker-prefill": {"condition": "service_healthy"}}
+
+
+def test_gpu_pods_roll_out_in_place_and_cpu_pods_surge(gpu_cfg: DeployConfig, default_cfg: DeployConfig) -> None:
+    """A surge pod would need a spare GPU (a right-sized pool has none: the rollout stalls)."""
+    for cfg, want in ((gpu_cfg, {"maxSurge": 0, "maxUnavailable": 1}), (default_cfg, {"maxSurge": 1,
+                                                                                        "maxUnavailable": 0})):
+        k8s = _k8s(cfg)
+        for name in STAGES:
+            assert k8s[("Deployment", name)]["spec"]["strategy"]["rollingUpdate"] == want, name
+        assert k8s[("Deployment", "gateway")]["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1,
+                                                                                        "maxUnavailable": 0}
+
+
+def test_the_model_volume_keeps_its_index_with_tls(gpu_cfg: DeployConfig) -> None:
+    """deploy/README.md's overlay patches volumes/3 (the model PVC): TLS must not move it."""
+    assert "/spec/template/spec/volumes/3/persistentVolumeClaim/claimName" in (DEPLOY / "README.md").read_text()
+    data = gpu_cfg.model_dump()
+    data["tls"] = {"stages": True, "cert_file": "/c.pem", "key_file": "/k.pem", "ca_file": "/ca.pem"}
+    for cfg in (gpu_cfg, parse_config(data)):
+        for name in ("gateway", *STAGES):
+            volumes = _k8s(cfg)[("Deployment", name)]["spec"]["template"]["spec"]["volumes"]
+            assert volumes[3]["name"] == "model", (name, [v["name"] for v in volumes])
+
+
+def test_no_hpa_without_metrics_and_least_outstanding_is_refused(gpu_cfg: DeployConfig) -> None:
+    data = gpu_cfg.model_dump()
+    data["metrics"]["enabled"] = False
+    kinds = {kind for kind, _ in _k8s(parse_config(data))}
+    assert "HorizontalPodAutoscaler" not in kinds and "Deployment" in kinds
+    data = gpu_cfg.model_dump()
+    data["routing"] = "least_outstanding"
+    for target in ("compose", "k8s"):
+        with pytest.raises(ValueError, match="routing: least_outstanding needs the list of replica addresses"):
+            render(parse_config(data), target)
+
+
+def test_the_package_carries_the_default_deploy_file() -> None:
+    """The wheel (and so the image) holds omnistage/data/omnistage.yaml as a file; a link to
+    ../../deploy would dangle outside a checkout (setuptools drops it)."""
+    packaged = DEPLOY.parent / "omnistage" / "data" / "omnistage.yaml"
+    assert packaged.is_file() and not packaged.is_symlink()
+    assert DEFAULT_YAML.resolve() == packaged.resolve()  # one file, two names

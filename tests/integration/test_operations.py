@@ -274,3 +274,45 @@ def test_ctrl_c_stops_cleanly_during_start_up_and_after(tiny_dir: Path, tmp_path
     code, out = finish(serving)
     assert code == 0 and "stopping" in out and "Traceback" not in out
     assert health_status(f"127.0.0.1:{base}", 1.0) != "SERVING"
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1) to listen on")
+def test_a_stack_on_ipv6_loopback_with_two_gateways_serves_through_each(tiny_dir: Path, tmp_path: Path) -> None:
+    """`host: ::1` (stage targets as ipv6:[::1]:port lists) and `gateway.replicas: 2` (replica i
+    on port + i): both gateways answer with the same greedy reply."""
+    from gateway.client import generate
+    from omnistage.cli.serve import start_stack
+    from tests.integration.conftest import stack_config
+
+    cfg = stack_config(host="::1", gateway={"replicas": 2}, talker={"replicas": 1})
+    stack = start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path)
+    try:
+        gateways = stack.addresses("gateway")
+        assert gateways == [f"[::1]:{cfg.gateway.port}", f"[::1]:{cfg.gateway.port + 1}"]
+        replies = [run(generate(a, "hi", thinker_max_tokens=3, talker_max_tokens=4, timeout=60)) for a in gateways]
+        assert replies[0].token_ids and replies[0].pcm.size > 0
+        assert replies[1].token_ids == replies[0].token_ids
+        import numpy as np
+
+        np.testing.assert_allclose(replies[1].pcm, replies[0].pcm, atol=1e-5)
+    finally:
+        stack.stop()
+
+
+def test_host_must_be_an_ip_address() -> None:
+    from omnistage.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=r"host: .*'localhost' is not an IP address"):
+        parse_config({"host": "localhost"}, "test")
+    assert parse_config({"host": "::1"}, "test").stage_target("talker").startswith("ipv6:[::1]:")
