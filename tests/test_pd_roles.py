@@ -81,6 +81,25 @@ def test_roles_that_differ_are_refused_naming_the_difference(tiny_dir: Path) -> 
     assert "thinker_fingerprint" not in err.value.message  # the same checkpoint
 
 
+def test_a_sampler_state_from_another_device_type_is_refused(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:  # fmt: skip
+    """A prefill role on CUDA hands over a 16-byte Philox state; a CPU decode role's generator
+    cannot take it: FAILED_PRECONDITION saying so (not INTERNAL from set_state). Greedy
+    requests, which carry no sampler state, still cross."""
+    pipe = _pd(tiny_dir)
+    prefill = pipe.engines["thinker-prefill"].worker.thinker
+    real = prefill.decode_state
+    monkeypatch.setattr(prefill, "decode_state", lambda state: (real(state)[0], torch.zeros(16, dtype=torch.uint8)))
+    ids = pipe.prompt_ids("hi")
+    sampled = pipe.thinker_defaults().with_overrides(max_tokens=4, do_sample=True, seed=7)
+    with pytest.raises(StageError) as err:
+        _run(pipe, ids, sampled)
+    assert err.value.code == Code.FAILED_PRECONDITION
+    assert "sampler state (16 bytes) does not fit this role's cpu generator" in err.value.message
+    monkeypatch.setattr(prefill, "decode_state", lambda state: (real(state)[0], None))  # greedy: no state
+    assert _run(pipe, ids, pipe.thinker_defaults().with_overrides(max_tokens=4)).token_ids
+
+
 def test_check_kv_meta_names_each_difference() -> None:
     mine = {"omnistage_version": "1", "thinker_fingerprint": "abc", "kv_layout": "layers=2"}
     ok = {**mine, edges.PROMPT_TOKENS: 5}

@@ -82,6 +82,14 @@ def _size(item: Any) -> int:
     return 0
 
 
+async def host_ready(out: OutChunk) -> None:
+    """A CUDA step's outputs are copied to pinned host memory on a side stream (the engine's
+    device copy); wait for that copy off the event loop: a blocking synchronize here would
+    stall every call of the stage meanwhile. Nothing to wait for on CPU or once it is done."""
+    if out.ready is not None and not out.ready.query():
+        await asyncio.to_thread(out.wait)
+
+
 class _Call:
     """One Stage.Stream call: where the engine's outputs for its request go (an EngineSink)."""
 
@@ -260,7 +268,7 @@ class StageService:
         return asyncio.create_task(self.watcher.run())
 
     def _encode(self, out: OutChunk, seq: int, pool: ShmPool | None, request_id: str) -> list[LazyChunk]:
-        out.wait()  # the engine's copy of its CUDA tensors to the host, started after the step
+        out.wait()  # done already when host_ready was awaited
         return encode_chunks(
             out.tensors,
             max_bytes=self.max_message_bytes - 1024,
@@ -361,6 +369,7 @@ class StageService:
                     yield item
                 elif isinstance(item, StepOutput):
                     for out in item.up:
+                        await host_ready(out)
                         for chunk in self._encode(out, seq, None, req.request_id):
                             seq += 1
                             yield Outgoing(stage_pb2.StageResponse(stage=self.stream), chunk)
@@ -523,6 +532,7 @@ class StageService:
                 if self.pool.enabled:
                     with contextlib.suppress(grpc.aio.AioRpcError):
                         accepted = peer_accepts_shm(await call.down_call.initial_metadata())
+            await host_ready(item)
             for chunk in self._encode(item, seq, self.pool if accepted else None, req.request_id):
                 seq += 1
                 yield Outgoing(stage_pb2.StageRequest(), chunk)

@@ -14,7 +14,7 @@ from omnistage.config import DeployConfig
 from omnistage.engine import Demand, OutChunk, Request, ScheduledItem, StepOutput
 from omnistage.models import Checkpoint
 from omnistage.v1 import stage_pb2
-from omnistage.wire import DecodedChunk, invalid
+from omnistage.wire import Code, DecodedChunk, StageError, invalid
 from services import edges
 from services.thinker.prefill import role_checks
 from services.thinker.worker import FINISH_REASONS, ThinkerWorker
@@ -66,6 +66,13 @@ class DecodeWorker(ThinkerWorker):
         state, inc = req.state, req.state.role
         start: stage_pb2.Start = req.params
         h = edges.read_handoff(self.name, chunk, inc.prompt_tokens, self.spec.thinker_hidden, start.want_audio)
+        gen = state.chooser.generator
+        if h.generator_state is not None and gen is not None and h.generator_state.numel() != gen.get_state().numel():
+            # a CUDA generator's state (Philox) is not a CPU one's (Mersenne twister): set_state would fail
+            raise StageError(Code.FAILED_PRECONDITION, f"{self.name}: the prefill role's sampler state "
+                             f"({h.generator_state.numel()} bytes) does not fit this role's {gen.device.type} "
+                             f"generator ({gen.get_state().numel()} bytes): sampled requests need both roles on "
+                             "the same device type")  # fmt: skip
         try:
             self.thinker.adopt(state, h.prompt_ids, h.token_id, h.stopped_on, h.last_position, h.generator_state,
                                inc.kv)  # fmt: skip

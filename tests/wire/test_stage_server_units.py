@@ -1,6 +1,7 @@
-"""A stage's input reader: an unexpected error while taking a chunk in (out of memory placing
-a large input on the device, a bug) fails that request at once with a clear status, instead of
-killing the reader and leaving the request to starve until the input wait runs out."""
+"""Pieces of a stage's call handling, in process: the input reader (an unexpected error while
+taking a chunk in, e.g. out of memory placing a large input on the device, fails that request at
+once with a clear status, instead of killing the reader and leaving the request to starve until
+the input wait runs out) and the wait for a CUDA step's host copy (off the event loop)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,45 @@ def test_an_unexpected_error_taking_a_chunk_fails_the_request(error: BaseExcepti
     assert len(errors) == 1 and errors[0].code == code, queued
     assert errors[0].message.startswith("talker: message 2: "), errors[0].message
     assert engine.aborted == [errors[0]]  # the engine frees the request
+
+
+def test_a_pending_host_copy_is_awaited_off_the_event_loop() -> None:
+    """A step's CUDA outputs still being copied to the host: the stage waits for the copy in a
+    worker thread, so its event loop keeps serving the other calls meanwhile."""
+    import threading
+
+    from omnistage.engine import OutChunk
+    from omnistage.server.stage_server import host_ready
+
+    class _Copy:  # a CUDA event stand-in: not done yet; synchronize blocks until released
+        def __init__(self) -> None:
+            self.release = threading.Event()
+            self.waited_in: str | None = None
+
+        def query(self) -> bool:
+            return self.release.is_set()
+
+        def synchronize(self) -> None:
+            self.waited_in = threading.current_thread().name
+            assert self.release.wait(5)
+
+    async def go() -> tuple[_Copy, OutChunk, int]:
+        copy = _Copy()
+        out = OutChunk(tensors={}, offset=0, ready=copy)
+        ticks = 0
+
+        async def loop_alive() -> None:
+            nonlocal ticks
+            while not copy.release.is_set():
+                ticks += 1
+                if ticks == 5:
+                    copy.release.set()  # the copy completes while the loop runs
+                await asyncio.sleep(0.01)
+
+        await asyncio.gather(host_ready(out), loop_alive())
+        return copy, out, ticks
+
+    copy, out, ticks = asyncio.run(go())
+    assert ticks >= 5  # the loop ran while host_ready waited
+    assert copy.waited_in is not None and copy.waited_in != threading.main_thread().name
+    assert out.ready is None  # waited: encoding reads the host tensors now
