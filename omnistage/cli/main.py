@@ -238,7 +238,7 @@ def health(
 ) -> None:
     """grpc.health.v1 status of each service (exit 0 only when every one is SERVING): by default
     every process of the stack the deploy config describes. TLS as the deploy config's `tls` says."""
-    from omnistage.server.grpc_common import health_status
+    from omnistage.server.health_check import health_status
     from omnistage.server.tls import gateway_channel_credentials, name_override, stage_channel_credentials
 
     with _errors():

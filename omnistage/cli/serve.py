@@ -28,7 +28,8 @@ from types import TracebackType
 from typing import Any
 
 from omnistage.config import DeployConfig
-from omnistage.server.grpc_common import PortTaken, check, port_free
+from omnistage.server.grpc_common import PortTaken, port_free
+from omnistage.server.health_check import check
 from omnistage.server.tls import gateway_channel_credentials, name_override, stage_channel_credentials
 
 

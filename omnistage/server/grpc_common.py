@@ -1,6 +1,6 @@
 """What every omnistage gRPC process shares: channel options, health, reflection, signals,
-drain, the Stage.Stream handlers and stub with the zero-copy codec, status mapping, and the
-health-check client (`omnistage health`, the Docker HEALTHCHECK, `serve`'s start-up wait)."""
+drain, the Stage.Stream handlers and stub with the zero-copy codec, and status mapping. (The
+health-check client is `health_check`, which imports no torch.)"""
 
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ __all__ = [
     "add_stage_servicer",
     "bind",
     "channel_options",
-    "check",
     "grpc_code",
     "lost_peer",
     "new_server",
@@ -291,32 +290,6 @@ def stage_stream(channel: Any, *, relay: bool = False) -> Any:
         response_deserializer=None if relay else parse_response,
         _registered_method=True,
     )
-
-
-def check(target: str, timeout: float = 3.0, service: str = "", credentials: grpc.ChannelCredentials | None = None,
-          options: list[tuple[str, Any]] | None = None) -> bool:  # fmt: skip
-    """True when `target` answers SERVING for `service` within `timeout` seconds; False on
-    NOT_SERVING, UNKNOWN, a closed port, a timeout or any other error."""
-    return health_status(target, timeout, service, credentials, options) == "SERVING"
-
-
-def health_status(target: str, timeout: float = 3.0, service: str = "",
-                  credentials: grpc.ChannelCredentials | None = None,
-                  options: list[tuple[str, Any]] | None = None) -> str:  # fmt: skip
-    """`target`'s grpc.health.v1 answer for `service` ("SERVING", "NOT_SERVING", ...), or a
-    short reason it gave none ("UNAVAILABLE", "DEADLINE_EXCEEDED", ...). With `credentials`
-    over TLS."""
-    try:
-        channel_cm = (grpc.insecure_channel(target, options=options) if credentials is None
-                      else grpc.secure_channel(target, credentials, options=options))  # fmt: skip
-        with channel_cm as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=max(timeout, 0.001))
-    except grpc.RpcError as e:
-        return e.code().name if isinstance(e, grpc.Call) else "ERROR"
-    except Exception:
-        return "ERROR"
-    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
 
 class ChainWatcher:

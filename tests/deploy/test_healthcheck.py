@@ -1,4 +1,5 @@
-"""`omnistage.server.grpc_common.check`: grpc.health.v1 against a real server on 127.0.0.1."""
+"""`omnistage.server.health_check`: grpc.health.v1 against a real server on 127.0.0.1, and the
+`omnistage health` command light enough to run as a probe every few seconds."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from omnistage.server.grpc_common import check
+from omnistage.server.health_check import check
 
 
 def _free_port() -> int:
@@ -46,3 +47,21 @@ def test_serving_and_not_serving() -> None:
     assert serving is True
     assert unknown_service is False
     assert draining is False
+
+
+def test_the_health_command_loads_neither_torch_nor_transformers() -> None:
+    """Docker's HEALTHCHECK and the TLS ports' Kubernetes probes run `omnistage health` every
+    few seconds in each container: with torch it cost 1.5 s and 250 MB a run."""
+    import subprocess
+    import sys
+
+    target = f"127.0.0.1:{_free_port()}"
+    code = "\n".join([
+        f"import sys; sys.argv = ['omnistage', 'health', '--target', '{target}', '--timeout', '0.2']",
+        "from omnistage.cli.main import run",
+        "try:\n    run()\nexcept SystemExit as e:\n    print('exit', e.code)",
+        "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))",
+    ])  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    assert "UNAVAILABLE" in out and "exit 1" in out, out  # it did check, and said so
+    assert out.strip().endswith("[]"), out

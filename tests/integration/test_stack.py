@@ -286,7 +286,7 @@ def test_sigterm_drains_the_stage(spare_stack: Stack, pipeline: Any) -> None:
     import signal
     import threading
 
-    from omnistage.server.grpc_common import check
+    from omnistage.server.health_check import check
 
     s = spare_stack
     thinker = s.child("thinker")

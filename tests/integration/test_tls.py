@@ -16,7 +16,7 @@ import pytest
 
 from gateway.client import generate
 from omnistage.cli.serve import Stack, start_stack
-from omnistage.server.grpc_common import health_status
+from omnistage.server.health_check import health_status
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from tests.integration.conftest import free_port_block, run, stack_config
 
