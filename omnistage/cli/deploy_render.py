@@ -52,7 +52,6 @@ from omnistage.topology import PROCESSES
 
 __all__ = [
     "CONFIG_PATH",
-    "HPA_QUEUE_DEPTH_TARGET",
     "MODEL_DIR",
     "MODEL_PVC",
     "TARGETS",
@@ -72,7 +71,6 @@ CONFIG_DIR = "/etc/omnistage"
 CONFIG_PATH = f"{CONFIG_DIR}/omnistage.yaml"
 PRESTOP_SLEEP_S = 5
 TERMINATION_MARGIN_S = 10
-HPA_QUEUE_DEPTH_TARGET = "4"  # average queued requests per pod before the HPA adds one
 HPA_MAX_FACTOR = 4  # maxReplicas = replicas * factor (at most 64, the config's own bound)
 QUEUE_DEPTH_METRIC = "omnistage_stage_queue_depth"
 MODEL_PVC = "omnistage-model"
@@ -508,7 +506,10 @@ def _network_policy(component: str, callers: list[str] | None, ports: list[int],
     }
 
 
-def _hpa(component: str, replicas: int) -> dict[str, Any]:
+def _hpa(component: str, replicas: int, max_num_seqs: int) -> dict[str, Any]:
+    """Scales on the requests a pod holds (waiting + running): more pods once the average pod
+    has a full batch (`max_num_seqs`). Earlier would split batches that still gain throughput
+    as they grow (a talker's step costs 1.6x at batch 16 what it costs at batch 1, on CPU)."""
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
@@ -522,7 +523,7 @@ def _hpa(component: str, replicas: int) -> dict[str, Any]:
                     "type": "Pods",
                     "pods": {
                         "metric": {"name": QUEUE_DEPTH_METRIC},
-                        "target": {"type": "AverageValue", "averageValue": HPA_QUEUE_DEPTH_TARGET},
+                        "target": {"type": "AverageValue", "averageValue": str(max_num_seqs)},
                     },
                 }
             ],
@@ -588,7 +589,7 @@ def render_k8s(cfg: DeployConfig) -> dict[str, str]:
         svc = _service(name, stage.base_port, run_cfg.metrics_port(stage.base_port), headless=True)
         caller = chain[k - 1] if k else "gateway"  # only the stage above may call this one
         policy = _network_policy(name, [caller], [stage.base_port], run_cfg.metrics_port(stage.base_port))
-        hpa = [_hpa(name, stage.replicas)] if cfg.metrics.enabled else []  # it scales on a stage metric
+        hpa = [_hpa(name, stage.replicas, stage.max_num_seqs)] if cfg.metrics.enabled else []  # on a stage metric
         files[f"k8s/{name}.yaml"] = header + _docs(dep, svc, *hpa, policy)
     resources = sorted(p.removeprefix("k8s/") for p in files)
     kustomization = {

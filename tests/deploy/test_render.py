@@ -157,6 +157,8 @@ def test_drain_and_headless_services(gpu_cfg: DeployConfig) -> None:
         assert k8s[("Service", name)]["spec"]["clusterIP"] == "None"
         hpa = k8s[("HorizontalPodAutoscaler", name)]["spec"]
         assert hpa["metrics"][0]["pods"]["metric"]["name"] == "omnistage_stage_queue_depth"
+        # a pod more once the average pod holds a full batch
+        assert hpa["metrics"][0]["pods"]["target"]["averageValue"] == str(gpu_cfg.stage(name).max_num_seqs)
         assert hpa["maxReplicas"] >= hpa["minReplicas"]
     assert k8s[("Service", "gateway")]["spec"]["type"] == "ClusterIP"
     assert ("HorizontalPodAutoscaler", "gateway") not in k8s
