@@ -30,6 +30,7 @@ class Outcome:
 
     request_id: str
     t0: float  # time.perf_counter() at arrival
+    stage_request_id: str = ""  # what the stages know it by (see GatewayService._start)
     api: str = "grpc"
     prompt_tokens: int = 0
     completion_tokens: int = 0

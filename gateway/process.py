@@ -58,8 +58,7 @@ def run_gateway(cfg: DeployConfig, ckpt: Checkpoint, host: str, port: int, think
 
         service = GatewayService(cfg, ckpt, thinker_target, api_key=api_key)
         # clients send their media in the request: the receive limit is the media request limit
-        server = new_server(max(cfg.max_message_bytes, cfg.media.max_request_bytes),
-                            keepalive_s=cfg.timeouts.keepalive_s)  # fmt: skip
+        server = new_server(max(cfg.max_message_bytes, cfg.media.max_request_bytes))
         add_servicer(service, server, gateway_pb2.DESCRIPTOR.services_by_name["Gateway"])
         health_state = HealthState(server, (gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,))
         await health_state.set(False)  # until the thinker answers

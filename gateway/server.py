@@ -47,6 +47,7 @@ access_log = logging.getLogger("omnistage.access")
 
 REQUEST_ID_KEY = "x-request-id"  # initial metadata of every Generate call
 MAX_REQUEST_ID_CHARS = 200  # a client's request_id (the stages' id adds a suffix; they take 256)
+_LONG_ID = f"gateway: request_id is over {MAX_REQUEST_ID_CHARS} characters"
 HEALTH_POLL_S = 1.0
 
 
@@ -185,6 +186,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         observes its metrics and writes its access-log line whatever happens."""
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, _LONG_ID)
         outcome = Outcome(request.request_id, time.perf_counter(), api=api)
         self.active += 1
         self.metrics.in_flight.inc()
@@ -230,8 +233,6 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             check_stop_texts(request.stop)
         except ValueError as e:
             raise bad(str(e)) from None
-        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-            raise bad(f"request_id is {len(request.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
         # The stages know the request by an id no other request shares: clients may reuse theirs
         # (a retry while the first attempt still runs below the thinker, two clients alike).
         stage_id = f"{request.request_id}.{secrets.token_hex(4)}"
@@ -259,6 +260,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, "gateway: draining, not accepting new requests")
         timeout = self._timeout(timeout)
         start = self._start(request, timeout)
+        outcome.stage_request_id = start.request_id
         try:
             prompt = await asyncio.to_thread(self._prompt, request)
         except ValueError as e:
@@ -403,6 +405,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                                 "(metadata authorization: Bearer <key>)")  # fmt: skip
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:  # refused before it is echoed or logged
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _LONG_ID)
         await context.send_initial_metadata(((REQUEST_ID_KEY, request.request_id),))
         try:
             async for resp in self.serve(request, context.time_remaining(), "grpc"):
@@ -416,6 +420,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
         fields = {
             "request_id": o.request_id,
+            "stage_request_id": o.stage_request_id or None,
             "api": o.api,
             "outcome": o.status,
             "ttft_ms": ms(o.ttft),

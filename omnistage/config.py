@@ -180,7 +180,15 @@ class TimeoutsConfig(_Strict):
     drain_grace_s: float = Field(30.0, ge=0)
     keepalive_s: float = Field(10.0, ge=0, le=3600, description="every hop's connection is pinged this often; "
                                "a peer that does not answer within as long again (frozen, cut off) is lost: its "
-                               "calls fail UNAVAILABLE and are replayed on another replica; 0 disables")  # fmt: skip
+                               "calls fail UNAVAILABLE and are replayed on another replica; 0 disables, else at "
+                               "least 1")  # fmt: skip
+
+    @field_validator("keepalive_s")
+    @classmethod
+    def _off_or_at_least_a_second(cls, v: float) -> float:
+        if 0 < v < 1:
+            raise ValueError("0 (off) or at least 1 second: a shorter ping loop would busy every connection")
+        return v
 
 
 class _HeadConfig(_Strict):

@@ -445,7 +445,7 @@ def _deployment(
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": _selector(component)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": _rollout(device)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": _rollout(device, replicas)},
             "template": {
                 "metadata": {
                     "labels": _labels(component),
@@ -459,11 +459,13 @@ def _deployment(
     }
 
 
-def _rollout(device: str) -> dict[str, int]:
-    """A CPU pod is replaced surge-first. A GPU pod is replaced in place: a surge pod would
-    need a spare GPU, which a right-sized pool does not have (the rollout would stall Pending);
-    requests on the pod that leaves drain, and a lost one is replayed on another replica."""
-    if device.startswith("cuda"):
+def _rollout(device: str, replicas: int) -> dict[str, int]:
+    """Surge-first, except a GPU stage with another replica to carry its calls: that one is
+    replaced in place, since a surge pod would need a spare GPU, which a right-sized pool
+    does not have (the rollout would stall Pending); the leaving pod drains, and a request
+    lost with it is replayed on another replica. A lone GPU replica surges (it needs a spare
+    GPU for the rollout; in place, the stage would be gone while the new pod loads)."""
+    if device.startswith("cuda") and replicas >= 2:
         return {"maxSurge": 0, "maxUnavailable": 1}
     return {"maxSurge": 1, "maxUnavailable": 0}
 

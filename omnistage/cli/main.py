@@ -334,6 +334,10 @@ def serve(
         typer.echo(f"omnistage gateway listening on {stack.gateway_address} (gRPC)"
                    + (f" and http://{stack.http_address} (OpenAI-compatible HTTP, playground at /)"
                       if stack.http_address else ""))  # fmt: skip
+        if cfg.gateway.replicas > 1:
+            typer.echo(f"  and {cfg.gateway.replicas - 1} more gateway(s): "
+                       + ", ".join(f"{a} (gRPC)" for a in stack.addresses("gateway")[1:])
+                       + "".join(f", http://{cfg.address(p)}" for p in cfg.http_ports()[1:]))  # fmt: skip
         text_only = "" if cfg.audio_output else " --no-audio"  # a text-only stack refuses audio
         typer.echo(f'try: omnistage client "Hello" --target {stack.gateway_address}{text_only}')
         if stack.http_address:

@@ -43,8 +43,9 @@ class OutChunk:
 
     def wait(self) -> OutChunk:
         """Block until the tensors' copy to the host is complete; call before reading them."""
-        if self.ready is not None:
-            self.ready.synchronize()
+        ready = self.ready  # read once: a chunk may be waited for from two threads
+        if ready is not None:
+            ready.synchronize()
             self.ready = None
         return self
 

@@ -112,15 +112,21 @@ def new_server(max_message_bytes: int, extra: Iterable[tuple[str, Any]] = (), ke
                ) -> grpc.aio.Server:  # fmt: skip
     """A grpc.aio server (create it inside the running event loop) with our message limits.
     It binds exclusively: gRPC's default SO_REUSEPORT would let a second stack bind the same
-    ports and the kernel split the traffic between the two. It accepts keepalive pings as often
-    as callers send them (by default gRPC answers a ping more often than every 5 minutes on an
-    idle connection with GOAWAY, failing the calls on it), and pings its callers every
-    `keepalive_s`: a frozen caller's calls are cancelled and what they held is freed."""
-    pings = [
-        ("grpc.http2.min_ping_interval_without_data_ms", 100),
-        ("grpc.http2.max_ping_strikes", 0),
-        *_keepalive(keepalive_s),
-    ]
+    ports and the kernel split the traffic between the two.
+
+    `keepalive_s` > 0 (a stage, whose callers are our own processes): it pings its callers that
+    often, so a frozen caller's calls are cancelled and what they held is freed, and it accepts
+    its callers' pings as often as they come (by default gRPC answers pings more often than
+    every 5 minutes on a quiet connection with GOAWAY, failing the calls on it). 0 (the
+    gateway, whose callers are anyone's clients): gRPC's own ping policy, and no ping that a
+    client on a slow uplink, its acks queued behind a large upload, could fail."""
+    pings: list[tuple[str, Any]] = []
+    if keepalive_s > 0:
+        pings = [
+            ("grpc.http2.min_ping_interval_without_data_ms", 100),
+            ("grpc.http2.max_ping_strikes", 0),
+            *_keepalive(keepalive_s),
+        ]
     return grpc.aio.server(options=[*_limits(max_message_bytes), ("grpc.so_reuseport", 0), *pings, *extra])
 
 

@@ -86,7 +86,8 @@ async def host_ready(out: OutChunk) -> None:
     """A CUDA step's outputs are copied to pinned host memory on a side stream (the engine's
     device copy); wait for that copy off the event loop: a blocking synchronize here would
     stall every call of the stage meanwhile. Nothing to wait for on CPU or once it is done."""
-    if out.ready is not None and not out.ready.query():
+    ready = out.ready  # read once: another waiter may clear it meanwhile
+    if ready is not None and not ready.query():
         await asyncio.to_thread(out.wait)
 
 

@@ -268,15 +268,19 @@ def test_a_split_thinker_renders_both_roles_in_the_chain() -> None:
     assert compose["gateway"]["depends_on"] == {"thinker-prefill": {"condition": "service_healthy"}}
 
 
-def test_gpu_pods_roll_out_in_place_and_cpu_pods_surge(gpu_cfg: DeployConfig, default_cfg: DeployConfig) -> None:
-    """A surge pod would need a spare GPU (a right-sized pool has none: the rollout stalls)."""
-    for cfg, want in ((gpu_cfg, {"maxSurge": 0, "maxUnavailable": 1}), (default_cfg, {"maxSurge": 1,
-                                                                                        "maxUnavailable": 0})):
-        k8s = _k8s(cfg)
-        for name in STAGES:
-            assert k8s[("Deployment", name)]["spec"]["strategy"]["rollingUpdate"] == want, name
-        assert k8s[("Deployment", "gateway")]["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1,
-                                                                                        "maxUnavailable": 0}
+def test_replicated_gpu_pods_roll_out_in_place_and_the_rest_surge(gpu_cfg: DeployConfig,
+                                                                  default_cfg: DeployConfig) -> None:  # fmt: skip
+    """A surge pod would need a spare GPU (a right-sized pool has none: the rollout stalls), so
+    a GPU stage with 2+ replicas is replaced in place; a lone GPU replica still surges (in
+    place, the stage would be gone while its new pod loads), and so does every CPU pod."""
+    in_place, surge = {"maxSurge": 0, "maxUnavailable": 1}, {"maxSurge": 1, "maxUnavailable": 0}
+    gpu = _k8s(gpu_cfg)  # thinker: 1 GPU replica, talker: 2, code2wav: 3
+    assert [gpu_cfg.stage(n).replicas for n in STAGES] == [1, 2, 3]
+    want = {"thinker": surge, "talker": in_place, "code2wav": in_place, "gateway": surge}
+    for name, strategy in want.items():
+        assert gpu[("Deployment", name)]["spec"]["strategy"]["rollingUpdate"] == strategy, name
+    for name in ("gateway", *STAGES):
+        assert _k8s(default_cfg)[("Deployment", name)]["spec"]["strategy"]["rollingUpdate"] == surge, name
 
 
 def test_the_model_volume_keeps_its_index_with_tls(gpu_cfg: DeployConfig) -> None:

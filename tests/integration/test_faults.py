@@ -108,6 +108,40 @@ def test_a_chunk_after_the_stage_finished_is_refused(replicated: Stack, dims: Di
     assert details.startswith(f"{stage}:") and "after the finished chunk" in details, details
 
 
+def test_one_request_id_may_be_open_twice_on_a_stage(replicated: Stack, dims: Dims) -> None:
+    """A replay can reach a stage where the lost caller's call (frozen, not yet noticed) is
+    still open with the same id: both calls run, each to its own end."""
+    address = replicated.addresses("code2wav")[0]
+    chunks = valid_input("code2wav", dims, random.Random(6))
+
+    async def one(release: asyncio.Event, opened: asyncio.Event) -> int:
+        async def messages() -> Any:
+            yield stage_pb2.StageRequest(start=faults._start("same-id"))
+            opened.set()
+            await asyncio.wait_for(release.wait(), 30)  # both are open before either sends its input
+            for c in chunks:
+                yield stage_pb2.StageRequest(chunk=c)
+
+        finished = 0
+        async with grpc.aio.insecure_channel(address) as ch:
+            asm = ChunkAssembler()
+            async for resp in stage_pb2_grpc.StageStub(ch).Stream(messages(), timeout=30):
+                d = asm.push(resp.chunk)
+                finished += d is not None and d.finished
+        return finished
+
+    async def go() -> list[int]:
+        release, first, second = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        tasks = [asyncio.create_task(one(release, first)), asyncio.create_task(one(release, second))]
+        await asyncio.wait_for(asyncio.gather(first.wait(), second.wait()), 30)
+        await asyncio.sleep(0.3)  # both Starts are in
+        release.set()
+        return list(await asyncio.gather(*tasks))
+
+    assert run(go()) == [1, 1]
+    assert run(faults.wait_until(lambda: stage_idle(address), limit_s=2.0)) is not None
+
+
 def test_a_call_that_sends_no_start_is_ended(replicated: Stack) -> None:
     """A caller that opens a stream and sends nothing holds it only for the input wait
     (timeouts.input_wait_timeout_s, 5 s in these stacks): then DEADLINE_EXCEEDED, and the

@@ -164,6 +164,9 @@ def test_client_json_has_the_text_and_request_id_and_the_access_log_has_a_line(
     entry = lines[0]
     assert entry["logger"] == "omnistage.access" and entry["outcome"] == "ok"
     assert entry["completion_tokens"] == 6 and entry["ttft_ms"] is not None and entry["e2e_ms"] >= entry["ttft_ms"]
+    # what the stages' logs call it: the client's id and a suffix of its own
+    stage_id = entry["stage_request_id"]
+    assert stage_id.startswith(reply["request_id"] + ".") and len(stage_id) == len(reply["request_id"]) + 9
 
 
 def test_health_prints_each_service(served: dict[str, Any]) -> None:
