@@ -22,7 +22,7 @@ __all__ = ["logit_drift", "main"]
 def _run(thinker: Any, prompts: list[list[int]], params: Any) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """Every prompt's greedy ids and the logits row that chose each, stepping all together."""
     captured: list[torch.Tensor] = []
-    hook = thinker.model.lm_head.register_forward_hook(lambda _m, _i, out: captured.append(out[0].detach()))
+    hook = thinker.model.lm_head.register_forward_hook(lambda _m, _i, out: captured.append(out.detach()))
     try:
         states = [thinker.new_state(params) for _ in prompts]
         for s, ids in zip(states, prompts, strict=True):
@@ -33,12 +33,12 @@ def _run(thinker: Any, prompts: list[list[int]], params: Any) -> tuple[list[list
         while items:
             captured.clear()
             results = thinker.step([(states[i], pos, n) for i, pos, n in items])
-            rows = captured[0]
+            out = captured[0]  # exact: [1, rows, vocab]; fast: [requests, vocab], each one's last row only
             end = 0
             following = []
-            for (i, pos, n), r in zip(items, results, strict=True):
+            for k, ((i, pos, n), r) in enumerate(zip(items, results, strict=True)):
                 end += n
-                logits[i].append(rows[end - 1].float())
+                logits[i].append((out[k] if out.dim() == 2 else out[0, end - 1]).float())
                 ids_out[i].append(r.token.token_id)
                 if not r.token.is_last:
                     following.append((i, pos + n, 1))

@@ -1,7 +1,8 @@
 """Packed batching: one forward for many requests, in one of two modes.
 
 * `exact` (below): each request's numbers bitwise as if alone; the parity tests run in it.
-* `fast`: each linear layer is one GEMM over every request's rows, MoE routers and experts run
+* `fast`: each linear layer is one GEMM over every request's rows (the thinker's lm_head only
+  over the row each request's token is chosen from), MoE routers and experts run
   over all rows at once (transformers' `grouped_mm`), and the code predictor's attention is one
   SDPA over its batch axis. Results are close to a lone request's, not bitwise (a GEMM's rows
   depend on how many rows it has). Attention over the packed sequence axis stays one SDPA per
