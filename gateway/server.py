@@ -46,8 +46,15 @@ log = logging.getLogger(__name__)
 access_log = logging.getLogger("omnistage.access")
 
 REQUEST_ID_KEY = "x-request-id"  # initial metadata of every Generate call
+AUDIO_PIECE_BYTES = 1 << 20  # at most this much audio in one AudioChunk (4-byte aligned: whole float samples)
 MAX_REQUEST_ID_CHARS = 200  # a client's request_id (the stages' id adds a suffix; they take 256)
-_LONG_ID = f"gateway: request_id is over {MAX_REQUEST_ID_CHARS} characters"
+_BAD_ID = (f"gateway: request_id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters (it is "
+           "echoed in x-request-id metadata and logged)")
+_NO_KEY = "gateway: missing or wrong API key (metadata authorization: Bearer <key>)"
+
+
+def _bad_request_id(request_id: str) -> bool:
+    return len(request_id) > MAX_REQUEST_ID_CHARS or not all(" " <= c <= "~" for c in request_id)
 HEALTH_POLL_S = 1.0
 
 
@@ -104,7 +111,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
     def _prompt(self, request: gateway_pb2.GenerateRequest) -> edges.Prompt:
         """The request as the thinker's prompt: ids, and the model inputs of its media (run in a
         worker thread: decoding and the processor take a while). ValueError names the field."""
-        chars = len(request.prompt) + sum(len(m.content) + sum(len(p.text) for p in m.parts) for m in request.messages)
+        given = sum(len(m.content) + sum(len(p.text) for p in m.parts) for m in request.messages)
+        chars = given if request.messages else len(request.prompt)  # `prompt` is ignored with messages
         if chars > MAX_CHARS_PER_TOKEN * self.max_prompt_tokens:  # before tokenizing: it could never fit
             raise ValueError(f"prompt: {chars} characters of text cannot fit in {self.max_prompt_tokens} tokens")
         if request.messages:
@@ -121,8 +129,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 raise ValueError(f"messages: {self.no_media_reason}")
             try:
                 ids, tensors = self.inputs.build(messages, request.use_audio_in_video)
-            except (ValueError, TypeError) as e:
-                raise ValueError(f"messages: cannot build the model inputs: {e}") from None
+            except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:  # the processor's refusals
+                raise ValueError(f"messages: cannot build the model inputs: {type(e).__name__}: {e}") from None
             prompt = edges.Prompt(ids, tensors, request.use_audio_in_video)
         else:
             prompt = edges.Prompt(self.ckpt.family.prompt_ids(self.tokenizer, messages))
@@ -136,6 +144,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         return int(self.inputs.sampling_rate) if self.inputs is not None else 16_000
 
     async def Info(self, request: stage_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> stage_pb2.InfoResponse:
+        """The stack's model and health (it names the stages' internal addresses: with an API key
+        configured it takes the key, as Generate does; grpc.health.v1 stays open for probes)."""
+        if not self.check_api_key(dict(context.invocation_metadata() or ()).get("authorization")):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _NO_KEY)
         return stage_pb2.InfoResponse(
             model=self.model_name,
             arch=(self.ckpt.config.architectures or [""])[0],
@@ -186,8 +198,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         observes its metrics and writes its access-log line whatever happens."""
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
-        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, _LONG_ID)
+        if _bad_request_id(request.request_id):
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, _BAD_ID)
         outcome = Outcome(request.request_id, time.perf_counter(), api=api)
         self.active += 1
         self.metrics.in_flight.inc()
@@ -241,6 +253,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         for name, params in request.sampling.items():
             if name not in STAGES:
                 raise bad(f"sampling: unknown stage {name!r}")
+            if name == "code2wav" and (unused := [f.name for f, _ in params.ListFields() if f.name != "seed"]):
+                raise bad(f"sampling: code2wav samples nothing; it takes only a seed, not {', '.join(unused)}")
             start.sampling[name].CopyFrom(params)
         for name in STAGES:  # a replay on another replica then samples the same stream
             if not start.sampling[name].HasField("seed"):
@@ -285,11 +299,14 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         timings: dict[str, gateway_pb2.StageTiming] = {}
         frames = 0
         outputs = self._outputs(messages, time.monotonic() + timeout, request.request_id)
+        speech_cut = False  # the talker reached its max_tokens before the reply's end
         try:
             async for stage, got in outputs:
                 now = time.perf_counter() - t0
                 timing = timings.setdefault(stage, gateway_pb2.StageTiming(first_output_s=now))
                 timing.total_s = now
+                if stage == "talker" and edges.meta_str(got.meta, edges.FINISH_REASON) == "max_tokens":
+                    speech_cut = True
                 if edges.IDS in got.tensors:
                     ids = [int(i) for i in got.tensors[edges.IDS].tolist()]
                     outcome.completion_tokens += len(ids)
@@ -308,16 +325,20 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     outcome.audio_samples += int(pcm.shape[0])
                     data = encoder.push(pcm)
                     if data:
-                        yield self._audio(encoder, data, outcome, now)
+                        for piece in self._audio(encoder, data, outcome, now):
+                            yield piece
         finally:
             await outputs.aclose()  # ends the thinker call when the reply stopped early
+        if speech_cut:  # the audio stops short of the text: as OpenAI says of a reply cut by its limit
+            outcome.finish_reason = "length"
         tail = text.flush()
         if tail:
             yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text=tail))
         if encoder is not None:
             data = encoder.finish()
             if data:
-                yield self._audio(encoder, data, outcome, time.perf_counter() - t0)
+                for piece in self._audio(encoder, data, outcome, time.perf_counter() - t0):
+                    yield piece
         usage = gateway_pb2.Usage(
             prompt_tokens=outcome.prompt_tokens,
             completion_tokens=outcome.completion_tokens,
@@ -379,20 +400,28 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 if not call.done():
                     call.cancel()
 
-    def _audio(self, encoder: AudioEncoder, data: bytes, outcome: Outcome, now: float) -> gateway_pb2.GenerateResponse:
-        """An AudioChunk of `data`, covering the samples given to the encoder since the last one."""
+    def _audio(self, encoder: AudioEncoder, data: bytes, outcome: Outcome, now: float
+               ) -> list[gateway_pb2.GenerateResponse]:  # fmt: skip
+        """AudioChunks of `data`, covering the samples given to the encoder since the last ones:
+        pieces of at most AUDIO_PIECE_BYTES (a WAV or FLAC file comes whole at the end, and gRPC
+        clients refuse messages over 4 MiB by default: 87 s of 16-bit 24 kHz audio); the first
+        piece counts the samples, the others add none."""
         sent = outcome.audio_sent
         outcome.audio_sent = outcome.audio_samples
         outcome.ttfa = now if outcome.ttfa is None else outcome.ttfa
         outcome.audio_times.append(now)
-        chunk = gateway_pb2.AudioChunk(sample_rate=self.sample_rate, first_sample=sent,
-                                       samples=outcome.audio_samples - sent,
-                                       format=encoder.format)  # type: ignore[arg-type]  # fmt: skip
-        if encoder.format == gateway_pb2.PCM_F32LE:
-            chunk.pcm_f32le = data
-        else:
-            chunk.data = data
-        return gateway_pb2.GenerateResponse(audio=chunk)
+        out = []
+        for at in range(0, len(data), AUDIO_PIECE_BYTES):
+            chunk = gateway_pb2.AudioChunk(sample_rate=self.sample_rate, first_sample=sent,
+                                           samples=(outcome.audio_samples - sent) if at == 0 else 0,
+                                           format=encoder.format)  # type: ignore[arg-type]  # fmt: skip
+            piece = data[at : at + AUDIO_PIECE_BYTES]
+            if encoder.format == gateway_pb2.PCM_F32LE:
+                chunk.pcm_f32le = piece
+            else:
+                chunk.data = piece
+            out.append(gateway_pb2.GenerateResponse(audio=chunk))
+        return out
 
     # ---- gRPC front door ----------------------------------------------------------------------
 
@@ -401,18 +430,21 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
         metadata = dict(context.invocation_metadata() or ())
         if not self.check_api_key(metadata.get("authorization")):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "gateway: missing or wrong API key "
-                                "(metadata authorization: Bearer <key>)")  # fmt: skip
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _NO_KEY)
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
-        if len(request.request_id) > MAX_REQUEST_ID_CHARS:  # refused before it is echoed or logged
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _LONG_ID)
+        if _bad_request_id(request.request_id):  # refused before it is echoed or logged
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _BAD_ID)
         await context.send_initial_metadata(((REQUEST_ID_KEY, request.request_id),))
         try:
             async for resp in self.serve(request, context.time_remaining(), "grpc"):
                 yield resp
         except GatewayError as e:
             await context.abort(e.code, e.message)
+        except Exception:  # a bug, not the request: INTERNAL naming the request (grpc would say UNKNOWN)
+            log.exception("gateway: request %s failed", request.request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"gateway: internal error on request "
+                                f"{request.request_id} (the gateway's log has it)")  # fmt: skip
 
     def _access_log(self, o: Outcome, e2e: float) -> None:
         def ms(x: float | None) -> int | None:

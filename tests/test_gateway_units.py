@@ -273,3 +273,27 @@ def test_playground_page_is_packaged() -> None:
     page = resources.files("gateway").joinpath("static/playground.html").read_text()
     assert "/v1/chat/completions" in page and "AudioContext" in page and "getUserMedia" in page
     assert Path(__file__).resolve().parents[1].joinpath("gateway/static/playground.html").read_text() == page
+
+
+def test_a_whole_file_comes_in_pieces_a_default_grpc_client_accepts() -> None:
+    """A WAV of 60 s at 24 kHz (2.9 MB) and one of 120 s (5.8 MB, over gRPC's default 4 MiB
+    receive limit) come as AudioChunks of at most 1 MiB whose data join to the file; the first
+    counts the samples."""
+    from types import SimpleNamespace
+
+    from gateway.metrics import Outcome
+    from gateway.server import AUDIO_PIECE_BYTES, GatewayService
+
+    for seconds in (60, 120):
+        encoder = AudioEncoder(gateway_pb2.WAV, 24_000)
+        samples = seconds * 24_000
+        encoder.push(np.zeros(samples, np.float32))
+        data = encoder.finish()
+        outcome = Outcome("r", 0.0, audio_samples=samples)
+        pieces = GatewayService._audio(SimpleNamespace(sample_rate=24_000), encoder, data, outcome, 1.0)  # type: ignore[arg-type]
+        chunks = [p.audio for p in pieces]
+        assert len(chunks) == -(-len(data) // AUDIO_PIECE_BYTES) and all(len(c.data) <= 1 << 20 for c in chunks)
+        assert b"".join(c.data for c in chunks) == data
+        assert [c.samples for c in chunks] == [samples] + [0] * (len(chunks) - 1)
+        assert all(c.first_sample == 0 and c.format == gateway_pb2.WAV for c in chunks)
+        assert max(p.ByteSize() for p in pieces) < 4 << 20

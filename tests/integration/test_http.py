@@ -30,7 +30,7 @@ from gateway.client import build_request, generate
 from gateway.media import decode_audio
 from omnistage.cli.serve import Stack, start_stack
 from omnistage.config import MediaConfig
-from omnistage.v1 import gateway_pb2_grpc
+from omnistage.v1 import gateway_pb2_grpc, stage_pb2
 from tests.integration.conftest import free_port_block, info, run, stack_config
 
 MAX_TOKENS, RATE = 12, 24_000
@@ -454,6 +454,16 @@ def test_api_key_is_required_on_both_front_doors(http_stack: Stack, tmp_path: Pa
                 return [r async for r in call]
 
         assert run(with_key())[-1].WhichOneof("kind") == "final"
+
+        async def gateway_info(metadata: Any) -> Any:  # it names the stages' internal addresses
+            async with grpc.aio.insecure_channel(grpc_addr) as ch:
+                stub = gateway_pb2_grpc.GatewayStub(ch)
+                return await stub.Info(stage_pb2.InfoRequest(), timeout=10, metadata=metadata)
+
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            run(gateway_info(None))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert run(gateway_info((("authorization", "Bearer s3cret"),))).role == "gateway"
     finally:
         proc.terminate()
         proc.wait(timeout=30)

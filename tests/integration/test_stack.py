@@ -370,3 +370,41 @@ def test_parity_under_load_eight_concurrent_requests(stack: Stack, pipeline: Any
     for stage in ("thinker", "talker"):
         steps, requests = (a - b for a, b in zip(load(stage), before[stage], strict=True))
         assert steps > 0 and requests / steps > 1.5, f"{stage}: mean batch {requests / max(steps, 1):.2f}"
+
+
+def test_grpc_api_edges_a_client_meets(stack: Stack) -> None:
+    """What a client written from gateway.proto alone runs into: audio cut by the talker's
+    max_tokens says finish_reason "length" (the text ended on its own: "stop"); a request_id
+    that metadata cannot carry, and code2wav sampling beyond a seed, are INVALID_ARGUMENT
+    naming the field; `prompt` is ignored, and not counted, when `messages` is set."""
+    from omnistage.v1 import gateway_pb2
+
+    async def final(request: Any) -> Any:
+        async with grpc.aio.insecure_channel(stack.gateway_address) as ch:
+            return [r async for r in gateway_pb2_grpc.GatewayStub(ch).Generate(request, timeout=60)][-1].final
+
+    whole = run(final(build_request("Tell me a story", thinker_max_tokens=40)))
+    assert whole.finish_reason == "stop" and whole.usage.completion_tokens < 40  # the text ended by itself
+    cut = run(final(build_request("Tell me a story", thinker_max_tokens=40, talker_max_tokens=5)))
+    assert 0 < cut.usage.audio_frames <= 5 < whole.usage.audio_frames
+    assert cut.usage.completion_tokens == whole.usage.completion_tokens
+    assert cut.finish_reason == "length"
+
+    def refused(request: Any) -> str:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            run(final(request))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        return e.value.details() or ""
+
+    for rid in ("h\u00e9llo", "a\nb"):
+        assert "request_id" in refused(build_request("hi", thinker_max_tokens=2, request_id=rid))
+    bad = build_request("hi", thinker_max_tokens=2)
+    bad.sampling["code2wav"].temperature = 0.5
+    assert "code2wav samples nothing" in refused(bad)
+    seeded = build_request("hi", thinker_max_tokens=2, talker_max_tokens=2)
+    seeded.sampling["code2wav"].seed = 7
+    assert run(final(seeded)).usage.completion_tokens == 2
+    both = gateway_pb2.GenerateRequest(prompt="x" * 3_000_000, want_audio=False,
+                                       messages=[gateway_pb2.ChatMessage(role="user", content="hi")])  # fmt: skip
+    both.sampling["thinker"].max_tokens = 2
+    assert run(final(both)).usage.completion_tokens == 2
