@@ -51,10 +51,6 @@ MAX_REQUEST_ID_CHARS = 200  # a client's request_id (the stages' id adds a suffi
 _BAD_ID = (f"gateway: request_id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters (it is "
            "echoed in x-request-id metadata and logged)")
 _NO_KEY = "gateway: missing or wrong API key (metadata authorization: Bearer <key>)"
-
-
-def _bad_request_id(request_id: str) -> bool:
-    return len(request_id) > MAX_REQUEST_ID_CHARS or not all(" " <= c <= "~" for c in request_id)
 HEALTH_POLL_S = 1.0
 
 
@@ -70,6 +66,10 @@ class GatewayError(Exception):
 # the thinker's stop detail -> the reason a client sees (OpenAI's names)
 FINISH_REASONS = {"stop_id": "stop", "max_tokens": "length"}
 MAX_CHARS_PER_TOKEN = 64  # text longer than this many characters per allowed token is refused untokenized
+
+
+def _bad_request_id(request_id: str) -> bool:
+    return len(request_id) > MAX_REQUEST_ID_CHARS or not all(" " <= c <= "~" for c in request_id)
 
 
 class GatewayService(gateway_pb2_grpc.GatewayServicer):
