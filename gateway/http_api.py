@@ -239,6 +239,16 @@ def _from_gateway(e: GatewayError) -> HttpError:
     return HttpError(status, message, kind, param=param, code=code)
 
 
+def _unknown_model(name: str, served: str) -> HttpError:
+    return HttpError(404, f"model {name!r} not found; this server serves {served!r}", "not_found_error",
+                     param="model", code="model_not_found")  # fmt: skip
+
+
+def _sse(event: dict[str, Any]) -> str:
+    """One server-sent event of JSON."""
+    return f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+
+
 def _decode_b64(data: str, where: str) -> bytes:
     try:  # line-wrapped base64 (MIME, `base64` without -w0) is still base64
         return base64.b64decode("".join(data.split()), validate=True)
@@ -498,8 +508,7 @@ class ChatCompletions:
             raise HttpError(400, f"{where}: {msg}", param=where) from None
         name = getattr(body, "model", None)
         if name is not None and name != self.service.model_name:
-            raise HttpError(404, f"model {name!r} not found; this server serves {self.service.model_name!r}",
-                            "not_found_error", param="model", code="model_not_found")  # fmt: skip
+            raise _unknown_model(name, self.service.model_name)
         return body
 
     async def handle(self, request: Request) -> Response:
@@ -638,7 +647,7 @@ class ChatCompletions:
             event = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
                      "model": self.service.model_name,
                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}  # fmt: skip
-            return f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+            return _sse(event)
 
         def audio_chunk(data: bytes) -> str:
             return chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode()}})
@@ -672,10 +681,10 @@ class ChatCompletions:
                         event = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
                                  "model": self.service.model_name, "choices": [],
                                  "usage": _usage(resp.final.usage)}  # fmt: skip
-                        yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+                        yield _sse(event)
             yield "data: [DONE]\n\n"
         except GatewayError as e:  # the status line went out already: the error is the last event
-            yield f"data: {json.dumps(_from_gateway(e).body())}\n\n"
+            yield _sse(_from_gateway(e).body())
         finally:
             await responses.aclose()
 
@@ -706,17 +715,17 @@ async def _speech_stream(first: list[gateway_pb2.GenerateResponse], responses: R
                     yield resp.audio.data
                     continue
                 event = {"type": "speech.audio.delta", "audio": base64.b64encode(resp.audio.data).decode()}
-                yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+                yield _sse(event)
             elif kind == "final" and sse:
                 u = resp.final.usage
                 usage = {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
                          "total_tokens": u.prompt_tokens + u.completion_tokens}  # fmt: skip
-                yield f"data: {json.dumps({'type': 'speech.audio.done', 'usage': usage})}\n\n"
+                yield _sse({"type": "speech.audio.done", "usage": usage})
     except GatewayError as e:
         log.warning("speech ended early: %s", e.message)
         if not sse:
             raise  # the connection is cut, not closed as if the audio were whole
-        yield f"data: {json.dumps({'type': 'error', **_from_gateway(e).body()})}\n\n"
+        yield _sse({"type": "error", **_from_gateway(e).body()})
     finally:
         await responses.aclose()
 
@@ -733,7 +742,7 @@ def build_app(service: GatewayService) -> Starlette:
     def model_card() -> dict[str, Any]:
         return {"id": service.model_name, "object": "model", "created": 0, "owned_by": "omnistage",
                 "voices": chat.voices,
-            "default_voice": service.ckpt.spec.default_speaker if chat.voices else None,
+                "default_voice": service.ckpt.spec.default_speaker if chat.voices else None,
                 "sample_rate": service.sample_rate, "audio_output": service.cfg.audio_output}  # fmt: skip
 
     async def models(request: Request) -> Response:
@@ -743,8 +752,7 @@ def build_app(service: GatewayService) -> Starlette:
         if name is None:
             return JSONResponse({"object": "list", "data": [model_card()]})
         if name != service.model_name:
-            return HttpError(404, f"model {name!r} not found; this server serves {service.model_name!r}",
-                             "not_found_error", param="model", code="model_not_found").response()  # fmt: skip
+            return _unknown_model(name, service.model_name).response()
         return JSONResponse(model_card())
 
     async def health(request: Request) -> Response:

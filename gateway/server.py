@@ -146,8 +146,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
     async def Info(self, request: stage_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> stage_pb2.InfoResponse:
         """The stack's model and health (it names the stages' internal addresses: with an API key
         configured it takes the key, as Generate does; grpc.health.v1 stays open for probes)."""
-        if not self.check_api_key(dict(context.invocation_metadata() or ()).get("authorization")):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _NO_KEY)
+        await self._require_key(context)
         return stage_pb2.InfoResponse(
             model=self.model_name,
             arch=(self.ckpt.config.architectures or [""])[0],
@@ -198,8 +197,6 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         observes its metrics and writes its access-log line whatever happens."""
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
-        if _bad_request_id(request.request_id):
-            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, _BAD_ID)
         outcome = Outcome(request.request_id, time.perf_counter(), api=api)
         self.active += 1
         self.metrics.in_flight.inc()
@@ -425,12 +422,14 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     # ---- gRPC front door ----------------------------------------------------------------------
 
+    async def _require_key(self, context: grpc.aio.ServicerContext) -> None:
+        if not self.check_api_key(dict(context.invocation_metadata() or ()).get("authorization")):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _NO_KEY)
+
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        metadata = dict(context.invocation_metadata() or ())
-        if not self.check_api_key(metadata.get("authorization")):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _NO_KEY)
+        await self._require_key(context)
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
         if _bad_request_id(request.request_id):  # refused before it is echoed or logged

@@ -389,7 +389,7 @@ def _part_tensors(ckpt: Checkpoint, part: str) -> dict[str, torch.Tensor]:
                 if key.startswith(prefix):
                     out[key] = handle.get_tensor(key)
     if not out:
-        raise CheckpointError(f"{ckpt.path}: no weights of the {part} (no tensor name starts with {prefix!r})")
+        raise CheckpointError(f"{ckpt.path}: {_no_weights(ckpt.family, part, out)}")
     return out
 
 

@@ -89,6 +89,7 @@ async def host_ready(out: OutChunk) -> None:
     ready = out.ready  # read once: another waiter may clear it meanwhile
     if ready is not None and not ready.query():
         await asyncio.to_thread(out.wait)
+    out.wait()  # done (or nothing to wait for): clears `ready`
 
 
 class _Call:
@@ -268,8 +269,8 @@ class StageService:
         self.watcher = ChainWatcher(self._downstream().shared, self.downstream_name, self.downstream)
         return asyncio.create_task(self.watcher.run())
 
-    def _encode(self, out: OutChunk, seq: int, pool: ShmPool | None, request_id: str) -> list[LazyChunk]:
-        out.wait()  # done already when host_ready was awaited
+    async def _encode(self, out: OutChunk, seq: int, pool: ShmPool | None, request_id: str) -> list[LazyChunk]:
+        await host_ready(out)
         return encode_chunks(
             out.tensors,
             max_bytes=self.max_message_bytes - 1024,
@@ -370,8 +371,7 @@ class StageService:
                     yield item
                 elif isinstance(item, StepOutput):
                     for out in item.up:
-                        await host_ready(out)
-                        for chunk in self._encode(out, seq, None, req.request_id):
+                        for chunk in await self._encode(out, seq, None, req.request_id):
                             seq += 1
                             yield Outgoing(stage_pb2.StageResponse(stage=self.stream), chunk)
                     if item.down:
@@ -533,8 +533,7 @@ class StageService:
                 if self.pool.enabled:
                     with contextlib.suppress(grpc.aio.AioRpcError):
                         accepted = peer_accepts_shm(await call.down_call.initial_metadata())
-            await host_ready(item)
-            for chunk in self._encode(item, seq, self.pool if accepted else None, req.request_id):
+            for chunk in await self._encode(item, seq, self.pool if accepted else None, req.request_id):
                 seq += 1
                 yield Outgoing(stage_pb2.StageRequest(), chunk)
 

@@ -300,8 +300,7 @@ def test_a_stack_on_ipv6_loopback_with_two_gateways_serves_through_each(tiny_dir
     from tests.integration.conftest import stack_config
 
     cfg = stack_config(host="::1", gateway={"replicas": 2}, talker={"replicas": 1})
-    stack = start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path)
-    try:
+    with start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path) as stack:
         gateways = stack.addresses("gateway")
         assert gateways == [f"[::1]:{cfg.gateway.port}", f"[::1]:{cfg.gateway.port + 1}"]
         replies = [run(generate(a, "hi", thinker_max_tokens=3, talker_max_tokens=4, timeout=60)) for a in gateways]
@@ -310,8 +309,6 @@ def test_a_stack_on_ipv6_loopback_with_two_gateways_serves_through_each(tiny_dir
         import numpy as np
 
         np.testing.assert_allclose(replies[1].pcm, replies[0].pcm, atol=1e-5)
-    finally:
-        stack.stop()
 
 
 def test_host_must_be_an_ip_address() -> None:

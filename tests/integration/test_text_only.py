@@ -28,11 +28,8 @@ MAX = 12
 @pytest.fixture(scope="module")
 def text_stack(thinking_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     cfg = stack_config(audio_output=False, gateway={"http_port": free_port_block(1)})
-    s = start_stack(cfg, model=str(thinking_dir), log_dir=tmp_path_factory.mktemp("text-only-logs"))
-    try:
+    with start_stack(cfg, model=str(thinking_dir), log_dir=tmp_path_factory.mktemp("text-only-logs")) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def _greedy(pipe: Any) -> Any:
