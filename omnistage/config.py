@@ -272,6 +272,25 @@ class DeployConfig(_StagesConfig):  # type: ignore[misc,valid-type]
             used[port] = role
         return self
 
+    @model_validator(mode="after")
+    def _thinker_roles(self) -> DeployConfig:
+        """With the thinker split, its own process fields run nothing: one set away from its
+        default is refused, naming where it belongs (the roles do not inherit it); and the roles
+        batch alike (a decode goes on from the prefill's cache: exact mode's parity needs both)."""
+        t = self.thinker
+        if not t.disaggregated:
+            return self
+        defaults = {name: f.default for name, f in StageConfig.model_fields.items()} | stage_def("thinker").defaults
+        for name in StageConfig.model_fields:
+            if name != "base_port" and getattr(t, name) != defaults[name]:
+                raise ValueError(f"thinker.{name}: {getattr(t, name)!r} is not used with thinker.disaggregated: "
+                                 f"true; set it in thinker.prefill and thinker.decode")  # fmt: skip
+        if t.prefill.batching != t.decode.batching:
+            raise ValueError(f"thinker.prefill.batching ({t.prefill.batching}) and thinker.decode.batching "
+                             f"({t.decode.batching}) must agree: the decode role goes on from the prefill's "
+                             "cache")  # fmt: skip
+        return self
+
     def _ports(self) -> list[tuple[int, str, str]]:
         """(port, role, the config field that sets it) of every port the stack listens on."""
         out = [(self.gateway.port + i, f"gateway[{i}]", "gateway.port") for i in range(self.gateway.replicas)]

@@ -255,7 +255,7 @@ def handoff_chunk(offset: int, prompt_ids: list[int], token_id: int, embed: torc
                   last_position: torch.Tensor, generator_state: torch.Tensor | None,
                   talker_prompt: OutChunk | None) -> OutChunk:  # fmt: skip
     tensors = {PROMPT_IDS: torch.tensor(prompt_ids, dtype=torch.long), FIRST_ID: torch.tensor([token_id]),
-               FIRST_EMBED: embed.reshape(1, -1), LAST_POSITION: last_position.long()}  # fmt: skip
+               FIRST_EMBED: embed.reshape(1, -1), LAST_POSITION: last_position}  # fmt: skip
     if generator_state is not None:
         tensors[GENERATOR_STATE] = generator_state
     if talker_prompt is not None:
@@ -269,7 +269,7 @@ class Handoff:
     token_id: int
     embed: torch.Tensor  # [H]
     stopped_on: str | None
-    last_position: torch.Tensor  # [4, 1, 1]
+    last_position: torch.Tensor  # [4, 1, 1], int or float32
     generator_state: torch.Tensor | None
     talker_prompt: ThinkerPrompt | None  # with audio out
 
@@ -284,7 +284,8 @@ def read_handoff(stage: str, chunk: DecodedChunk, prompt_tokens: int, hidden_siz
     ids = tensor(stage, chunk, PROMPT_IDS, INT_DTYPES, (prompt_tokens,))
     first = tensor(stage, chunk, FIRST_ID, INT_DTYPES, (1,))
     embed = tensor(stage, chunk, FIRST_EMBED, FLOAT_DTYPES, (1, hidden_size))
-    position = tensor(stage, chunk, LAST_POSITION, INT_DTYPES, (None, 1, 1))
+    # float32 after a video: its temporal positions, and so every later one, can be fractional
+    position = tensor(stage, chunk, LAST_POSITION, (*INT_DTYPES, torch.float32), (None, 1, 1))
     gen = None
     if GENERATOR_STATE in chunk.tensors:
         gen = tensor(stage, chunk, GENERATOR_STATE, (torch.uint8,), (None,)).clone()

@@ -79,11 +79,14 @@ class InProcessPipeline:
         self.tokenizer = load_tokenizer(self.checkpoint)
         self.chain = self.cfg.chain()  # the thinker's two roles too, when the config splits it
         self.workers = {s.name: import_module(s.worker).build_worker(self.cfg, self.checkpoint) for s in self.chain}
-        self.engines = {
-            name: Engine(worker, 0, max_num_seqs=self.cfg.stage(name).max_num_seqs,
-                         max_num_batched_tokens=self.cfg.stage(name).max_num_batched_tokens, background=False)
-            for name, worker in self.workers.items()
-        }  # fmt: skip
+        self.engines = {name: self._engine(name, worker) for name, worker in self.workers.items()}
+
+    def _engine(self, name: str, worker: Any) -> Engine:
+        """The stage's engine with its config's scheduling limits, as a stage process has it."""
+        c = self.cfg.stage(name)
+        return Engine(worker, 0, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+                      cache_capacity_tokens=c.cache_capacity_tokens, chunked_prefill=c.chunked_prefill,
+                      background=False)  # fmt: skip
 
     # the family's parts, as each stage holds them
     @property

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,6 +66,19 @@ def test_cli_overrides() -> None:
         apply_overrides(DeployConfig(), {"nothing.replicas": 2})
     cfg = apply_overrides(DeployConfig(), {"talker.replicas": 2})
     assert cfg.stage_target("talker") == "ipv4:127.0.0.1:7201,127.0.0.1:7202"
+
+
+@pytest.mark.parametrize(("thinker", "message"), [
+    ({"batching": "fast"}, "thinker.batching: 'fast' is not used with thinker.disaggregated"),
+    ({"replicas": 2}, "set it in thinker.prefill and thinker.decode"),
+    ({"prefill": {"batching": "fast"}}, "prefill.batching (fast) and thinker.decode.batching (exact) must agree"),
+])  # fmt: skip
+def test_a_split_thinker_refuses_what_its_roles_would_not_run(thinker: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config({"thinker": {"disaggregated": True, **thinker}})
+    parse_config({"thinker": {"disaggregated": False, **thinker}})  # the single thinker runs them
+    both = {"prefill": {"batching": "fast"}, "decode": {"batching": "fast"}}
+    assert parse_config({"thinker": {"disaggregated": True, **both}}).stage("thinker-decode").batching == "fast"
 
 
 def test_disaggregated_thinker_config() -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from benchmarks import media
 from omnistage.config import parse_config
 from omnistage.models.sampling import SamplingParams
 from omnistage.wire import Code, StageError
@@ -61,6 +62,98 @@ def test_a_seeded_sampler_goes_on_where_the_prefill_left_it(pair: tuple[Any, Any
     greedy = _run(single, ids, params.with_overrides(do_sample=False))
     assert a.token_ids != greedy.token_ids, "the sampler must matter for this check to mean anything"
     assert b.token_ids == a.token_ids and torch.equal(b.codes, a.codes)
+
+
+def test_a_video_at_a_fractional_rate_crosses_the_split(pair: tuple[Any, Any]) -> None:
+    """After a video whose seconds per grid times the checkpoint's position_id_per_seconds is
+    not whole, every later position is fractional (float32): the handoff keeps it so (it was
+    cut to an int, and the decode diverged from its second token)."""
+    single, split = pair
+    frames = media.video(3, 48, 64, seed=3)
+    messages = [{"role": "user", "content": [{"type": "video", "video": frames, "fps": 1.5, "audio": None},
+                                             {"type": "text", "text": "What is it?"}]}]  # fmt: skip
+    ids, inputs = single.family.input_builder(single.checkpoint, single.tokenizer).build(messages, False)
+    per_second = single.checkpoint.config.thinker_config.position_id_per_seconds
+    step = float(inputs["video_second_per_grid"][0]) * per_second
+    assert step != int(step), "the video's positions must be fractional for this check to mean anything"
+    greedy = single.thinker_defaults().with_overrides(max_tokens=12)
+
+    def run(pipe: InProcessPipeline) -> Any:
+        return list(pipe.run(PipelineRequest(ids, greedy, SamplingParams(max_tokens=16), multimodal=inputs)))[-1]
+
+    a, b = run(single), run(split)
+    assert len(a.token_ids) > 1
+    assert b.token_ids == a.token_ids and torch.equal(b.codes, a.codes)
+
+
+@pytest.mark.parametrize("bad", ["position_axes", "position_text_axis", "position_nan", "sampler_state",
+                                 "no_sampler_state"])  # fmt: skip
+def test_a_bad_handoff_fails_its_request_invalid_argument(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         bad: str) -> None:  # fmt: skip
+    """A handoff whose decode state cannot be right is refused when it is adopted, before any
+    step it would share with other requests (an index error there would fail them all): the
+    last position must have the text axis and three M-RoPE axes, finite, the text axis at the
+    prompt's end; a sampled request needs a sampler state that loads."""
+    pipe = _pd(tiny_dir)
+    prefill = pipe.engines["thinker-prefill"].worker.thinker
+    real = prefill.decode_state
+
+    def decode_state(state: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        pos, gen = real(state)
+        if bad == "position_axes":
+            pos = pos[:1]
+        elif bad == "position_text_axis":
+            pos = pos + 1
+        elif bad == "position_nan":
+            pos = pos.float().clone()
+            pos[2] = float("nan")
+        elif bad == "sampler_state":
+            gen = torch.zeros_like(gen)
+        else:
+            gen = None
+        return pos, gen
+
+    monkeypatch.setattr(prefill, "decode_state", decode_state)
+    params = pipe.thinker_defaults().with_overrides(max_tokens=4)
+    if bad.endswith("sampler_state"):
+        params = params.with_overrides(do_sample=True, seed=7)
+    with pytest.raises(StageError) as err:
+        _run(pipe, pipe.prompt_ids("hi"), params)
+    assert err.value.code == Code.INVALID_ARGUMENT, err.value
+    want = {"position_axes": "last position of shape [1, 1, 1]", "position_text_axis": "on the text axis",
+            "position_nan": "finite values", "sampler_state": "sampler state: Invalid",
+            "no_sampler_state": "carries no sampler state"}[bad]  # fmt: skip
+    assert err.value.message.startswith("thinker-decode:") and want in err.value.message, err.value.message
+    assert pipe.engines["thinker-decode"].idle
+
+
+def test_a_request_the_decode_role_cannot_hold_is_refused_at_its_first_kv_chunk(
+        tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Its demand is known from the first KV chunk: a request over the decode role's cache is
+    refused RESOURCE_EXHAUSTED there, not after its whole cache has crossed and been rebuilt."""
+    pipe = _pd(tiny_dir, prefill={"max_num_batched_tokens": 8}, decode={"cache_capacity_tokens": 24})
+    decode = pipe.engines["thinker-decode"].worker
+    fed: list[int] = []
+    real = decode.feed
+    monkeypatch.setattr(decode, "feed", lambda req, chunk: (fed.append(chunk.offset), real(req, chunk))[1])
+    ids = pipe.prompt_ids(PROMPTS[0])
+    assert len(ids) > 3 * 8
+    with pytest.raises(StageError) as err:
+        _run(pipe, ids, pipe.thinker_defaults().with_overrides(max_tokens=4))
+    assert err.value.code == Code.RESOURCE_EXHAUSTED and "cache_capacity_tokens=24" in err.value.message
+    assert fed == [0]
+    assert pipe.engines["thinker-decode"].idle
+
+
+def test_adopt_refuses_a_first_token_outside_the_vocabulary(pair: tuple[Any, Any]) -> None:
+    single, _ = pair
+    thinker = single.thinker
+    state = thinker.new_state(single.thinker_defaults())
+    ids = single.prompt_ids("hi")
+    position = torch.full((4, 1, 1), len(ids) - 1)
+    for token in (-1, single.spec.thinker_vocab):
+        with pytest.raises(ValueError, match=f"first token {token} outside the vocabulary"):
+            thinker.adopt(state, ids, token, None, position, None, [])
 
 
 def test_the_decode_role_keeps_no_cache_after_a_request(pair: tuple[Any, Any]) -> None:

@@ -167,6 +167,16 @@ def test_without_chunked_prefill_a_prompt_over_the_budget_is_rejected() -> None:
     assert h.s.stats()["total_rejected"] == 1
 
 
+def test_without_chunked_prefill_only_the_uncached_prompt_must_fit_a_step() -> None:
+    """A request that arrives with its prompt's cache (a decode role's) prefills nothing: its
+    prompt may be larger than a step's budget; the part it would prefill may not."""
+    h = Harness(max_num_batched_tokens=10, chunked_prefill=False)
+    h.add("handed", 40, 3, cached=40)
+    assert h.step() == [("handed", 1, False)]
+    with pytest.raises(RequestRejected, match="prompt of 11 tokens to prefill exceeds max_num_batched_tokens=10"):
+        h.add("partly", 40, 3, cached=29)
+
+
 def test_max_num_seqs_per_step() -> None:
     h = Harness(max_num_seqs=2, max_num_batched_tokens=100)
     for i in range(5):

@@ -115,7 +115,7 @@ class Scheduler:
             if req.queued or req.status.is_finished:
                 raise ValueError(f"request {req.request_id!r} is already queued or finished")
             try:
-                reservation = self._check_fits(req.request_id, num_prompt_tokens, max_new_tokens)
+                reservation = self._check_fits(req.request_id, num_prompt_tokens, max_new_tokens, num_cached_tokens)
             except RequestRejected:
                 self._totals["rejected"] += 1
                 raise
@@ -128,7 +128,7 @@ class Scheduler:
             self._totals["added"] += 1
             self._refresh(req)
 
-    def _check_fits(self, request_id: str, prompt: int, max_new: int) -> int:
+    def _check_fits(self, request_id: str, prompt: int, max_new: int, cached: int = 0) -> int:
         cfg = self.config
         mml = cfg.max_model_len
         if prompt > mml:
@@ -142,9 +142,9 @@ class Scheduler:
                 f"leaving no room for max_new_tokens={max_new}",
                 resource_exhausted=False,
             )
-        if not cfg.chunked_prefill and prompt > cfg.max_num_batched_tokens:
+        if not cfg.chunked_prefill and prompt - cached > cfg.max_num_batched_tokens:
             raise RequestRejected(
-                f"request {request_id!r}: prompt of {prompt} tokens exceeds max_num_batched_tokens="
+                f"request {request_id!r}: prompt of {prompt - cached} tokens to prefill exceeds max_num_batched_tokens="
                 f"{cfg.max_num_batched_tokens} and chunked prefill is off",
                 resource_exhausted=False,
             )

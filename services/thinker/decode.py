@@ -87,10 +87,11 @@ class DecodeWorker(ThinkerWorker):
         inc.kv = []
 
     def demand(self, req: Request) -> Demand | None:
-        state = req.state
-        if not state.prompt_ids:
+        # known from the first KV chunk: a request that can never fit is refused before the rest
+        # of its cache comes (it waits for input until the handoff)
+        state, n = req.state, req.state.role.prompt_tokens
+        if not n:
             return None
-        n = len(state.prompt_ids)
         left = min(state.sampling.max_tokens, state.max_len - n) - 1  # the prefill made the first token
         # a request that ended at its first token still takes one step: the forwarding
         return Demand(n, max(left, 1), n)

@@ -293,14 +293,29 @@ class Thinker:
         the first token in its history. The next `step` for it is a decode at len(prompt)."""
         self.validate_prompt(prompt_ids, state.max_len)
         self._check_given_reply(state.sampling)
+        if not 0 <= token_id < self.spec.thinker_vocab:
+            raise ValueError(f"first token {token_id} outside the vocabulary (0..{self.spec.thinker_vocab - 1})")
+        want = text_positions(0, 1, "cpu").shape  # the text axis and the three M-RoPE axes
+        if last_position.shape != want or not bool(torch.isfinite(last_position).all()):
+            raise ValueError(f"last position of shape {list(last_position.shape)} (finite values of shape "
+                             f"{list(want)} expected)")  # fmt: skip
+        if float(last_position[0, 0, 0]) != len(prompt_ids) - 1:  # the text axis counts the prompt
+            raise ValueError(f"last position {float(last_position[0, 0, 0]):g} on the text axis; the prompt's last "
+                             f"is {len(prompt_ids) - 1}")  # fmt: skip
+        gen = state.chooser.generator
+        if gen is not None:
+            if generator_state is None:
+                raise ValueError("a sampled request's handoff carries no sampler state")
+            try:
+                gen.set_state(generator_state)
+            except RuntimeError as e:  # right size, wrong contents
+                raise ValueError(f"sampler state: {e}") from None
         state.prompt_ids = list(prompt_ids)
         state.cache = SlotCache.for_model(self.model.config.text_config)
         for i, (k, v) in enumerate(kv):
             state.cache.update(k.to(self.device), v.to(self.device), i)
         state.history = [*state.prompt_ids, token_id]
         state.last_position = last_position.to(self.device)
-        if generator_state is not None and state.chooser.generator is not None:
-            state.chooser.generator.set_state(generator_state)
         state.finished = stopped_on is not None
 
     def release(self, state: ThinkerState) -> None:
