@@ -244,6 +244,7 @@ class StageService:
         self.routing = routing
         self.tls = tls or TlsConfig()
         self.replay_budget_bytes = replay_budget_bytes
+        self.over_budget = f"the request sent more than failover.replay_budget_bytes ({replay_budget_bytes})"
         self.failover_attempts = failover_attempts
         self.keepalive_s = keepalive_s
         self.pool = ShmPool(enabled=shm)
@@ -545,7 +546,7 @@ class StageService:
         if detail.startswith(tuple(s for s in self.below if s != self.downstream_name)):
             return "a stage further down failed"  # that stage's caller has already tried
         if call.down is None or not call.down.replayable:
-            return f"the request sent more than failover.replay_budget_bytes ({self.replay_budget_bytes})"
+            return self.over_budget
         if call.attempt >= self.failover_attempts:
             return f"{call.attempt} replays failed (failover.attempts)"
         remaining = context.time_remaining()
@@ -579,7 +580,14 @@ class StageService:
                     continue
                 code = e.code()
                 detail = e.details() or ""
-                if lost_peer(code, detail) and not detail.startswith(self.downstream_name):
+                if why == self.over_budget:
+                    # this stage's own failure, so its caller, which holds the request (the gateway
+                    # holds all of it), may replay it from there: a lost replica loses no request
+                    # only because this one sent too much to keep
+                    code = grpc.StatusCode.UNAVAILABLE
+                    detail = (f"{self.stage}: request {req.request_id} lost its {self.downstream_name} call and "
+                              f"cannot replay it: {why} ({detail})")  # fmt: skip
+                elif lost_peer(code, detail) and not detail.startswith(self.downstream_name):
                     code = grpc.StatusCode.UNAVAILABLE
                     detail = f"{self.downstream_name} unavailable at {self.downstream}: {detail}"
                     if call.attempt:

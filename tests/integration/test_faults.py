@@ -297,3 +297,37 @@ def test_killing_one_replica_of_each_stage_under_load_loses_no_request(replicate
         assert ids == base_ids, f"request {i}: text differs after failover"
         assert pcm.shape == base_pcm.shape, f"request {i}: {pcm.shape} samples, fault-free {base_pcm.shape}"
         np.testing.assert_allclose(pcm, base_pcm, atol=1e-5, err_msg=f"request {i}: audio differs after failover")
+
+
+def test_a_request_too_big_to_replay_on_a_hop_is_replayed_by_the_gateway(tiny_dir: Path, tmp_path: Path) -> None:
+    """With `failover.replay_budget_bytes: 0` no stage keeps what it sent, so none can replay a
+    lost call itself: it fails the request as its own loss, and the gateway, which holds the
+    whole request, replays it from the top. SIGKILL of a talker and a code2wav replica loses no
+    request, and every reply equals the fault-free run's."""
+    cfg = stack_config(thinker={"replicas": 1}, talker={"replicas": 2}, code2wav={"replicas": 2},
+                       failover={"replay_budget_bytes": 0})  # fmt: skip
+    limits = {"thinker_max_tokens": 12, "talker_max_tokens": 24}
+    with start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path) as s:
+        baseline, errors = run(faults.closed_loop(s.gateway_address, PROMPTS[:8], 4, 120, **limits))
+        assert not errors, errors
+        victims = {1: s.child("code2wav", 1), 3: s.child("talker", 1)}  # at the nth first audio
+        seen: list[int] = []
+
+        def on_audio(i: int) -> None:
+            seen.append(i)
+            victim = victims.get(len(seen))
+            if victim is not None:
+                victim.proc.kill()
+
+        faulted, errors = run(faults.closed_loop(s.gateway_address, PROMPTS[:8], 4, 120, on_first_audio=on_audio,
+                                                 **limits))  # fmt: skip
+        assert all(v.proc.poll() is not None for v in victims.values()), "a victim was not killed during the run"
+        assert not errors, f"{len(errors)} requests failed, e.g. {errors[0]}"
+        logs = {name: "".join(p.read_text(errors="replace") for p in s.run_dir.glob(f"{name}-*.log"))
+                for name in ("gateway", "thinker", "talker")}  # fmt: skip
+    assert "cannot replay it: the request sent more than failover.replay_budget_bytes (0)" in logs["gateway"]
+    assert "lost its thinker call" in logs["gateway"], "the gateway replayed no request"
+    for i in range(8):
+        assert faulted[i][0] == baseline[i][0], f"request {i}: text differs after failover"
+        np.testing.assert_allclose(faulted[i][1], baseline[i][1], atol=1e-5,
+                                   err_msg=f"request {i}: audio differs after failover")  # fmt: skip
