@@ -72,6 +72,22 @@ def test_processor_expands_each_placeholder(checkpoints: Any, kind: str) -> None
     assert ids[-3:] == pipeline.tokenizer.encode("<|im_start|>assistant\n")
 
 
+def test_videos_at_different_rates_cannot_carry_their_audio(pipeline: Any) -> None:
+    """transformers' processor interleaves every video's audio chunks by one frame rate, while
+    each video's positions use its own: with `use_audio_in_video` the rates must agree."""
+    tone, vid = media.tone(1.0, RATE, seed=1), media.video(4, 48, 64, seed=3)
+
+    def messages(*rates: float) -> list[dict[str, Any]]:
+        videos = [{"type": "video", "video": vid, "fps": r, "audio": tone} for r in rates]
+        return [{"role": "user", "content": [*videos, {"type": "text", "text": "What is it?"}]}]
+
+    with pytest.raises(ValueError, match=r"videos at different frame rates \(2, 1.5 fps\) cannot carry their audio"):
+        _builder(pipeline).build(messages(2.0, 1.5), True)
+    ids, inputs = _builder(pipeline).build(messages(1.5, 1.5), True)
+    assert inputs["video_grid_thw"].shape[0] == 2 and ids
+    assert _builder(pipeline).build(messages(2.0, 1.5), False)[0]  # without their audio: each its own rate
+
+
 def test_inputs_that_disagree_are_refused(pipeline: Any) -> None:
     cfg = pipeline.checkpoint.config.thinker_config
     messages, _ = _messages("image+video")

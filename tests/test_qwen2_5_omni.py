@@ -6,6 +6,7 @@ ids; token2wav's streaming against its full decode; bad inputs."""
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,10 +171,27 @@ def test_voices_and_codes_are_checked(q25_checkpoints: Any) -> None:
     with pytest.raises(ValueError, match=r"unknown speaker 'nobody'.*Chelsie, Ethan"):
         pipeline.talker.new_state(SamplingParams(), "nobody")
     assert pipeline.spec.speaker_name("chelsie") == "Chelsie"  # matched case-insensitively
-    with pytest.raises(ValueError, match=r"codes must lie in \[0, 129\)"):
-        pipeline.code2wav.validate_codes(torch.tensor([[3, 200]]))
+    rows = pipeline.code2wav.dit.text_embed.codec_embed.num_embeddings  # what transformers' DiT embeds
+    pipeline.code2wav.validate_codes(torch.tensor([[0, rows - 1]]))
+    with pytest.raises(ValueError, match=rf"codes must lie in \[0, {rows}\), got 3..{rows}"):
+        pipeline.code2wav.validate_codes(torch.tensor([[3, rows]]))
     with pytest.raises(ValueError, match=r"codes must be \[1, frames\]"):
         pipeline.code2wav.validate_codes(torch.zeros((2, 3), dtype=torch.long))
+
+
+def test_the_talker_stops_at_the_longest_utterance_token2wav_decodes(q25_dir: Path, tmp_path: Path) -> None:
+    """generate()'s token2wav refuses more codes than its DiT's positions over `repeats`; the
+    talker stops there (as at max_tokens: finish reason length), read from config.json."""
+    copy = tmp_path / "short-dit"
+    shutil.copytree(q25_dir, copy)
+    raw = json.loads((copy / "config.json").read_text())
+    dit = raw["token2wav_config"]["dit_config"]
+    dit["max_position_embeddings"] = 5 * dit["repeats"] + 1
+    (copy / "config.json").write_text(json.dumps(raw))
+    pipeline = staged_pipeline(copy)
+    assert pipeline.spec.max_frames == 5
+    done = _run(pipeline, pipeline.prompt_ids("What is the weather like?"), Case("", 40, 120))[-1]
+    assert done.codes.shape == (1, 5) and done.talker_stopped_on == "max_tokens"
 
 
 def test_family_is_chosen_from_model_type(q25_dir: Path, tmp_path: Path) -> None:

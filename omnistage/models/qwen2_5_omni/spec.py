@@ -52,6 +52,7 @@ class FamilySpec:
     text_pad_id: int
     codebook_size: int  # the DiT's code embeddings (codes 0..codebook_size-1)
     max_positions: int
+    max_frames: int  # the longest utterance token2wav decodes (its DiT's positions / repeats)
     voices: dict[str, Voice] = field(default_factory=dict, repr=False, compare=False)  # spk_dict.pt
     num_code_groups: int = 1  # one codebook
     # Qwen2.5's talker reads the thinker's last hidden state of every position and token.
@@ -113,8 +114,9 @@ class FamilySpec:
             text_bos_id=talker.tts_text_start_token_id,
             text_eos_id=talker.tts_text_end_token_id,
             text_pad_id=talker.tts_text_pad_token_id,
-            codebook_size=dit.num_embeds,
+            codebook_size=dit.num_embeds + 1,  # transformers' DiTCodecEmbedding has num_embeds + 1 rows
             max_positions=text.max_position_embeddings,
+            max_frames=dit.max_position_embeddings // dit.repeats,  # generate()'s token2wav refuses more
             voices=dict(voices or {}),
         )
 

@@ -14,7 +14,8 @@ and e(g) for t_g's embedding; the talker reads r_g = h(g) + e(g).
     they only enter the repetition penalty's history (the prompt's ids: codec_mask per prompt
     position, codec_pad, codec_bos).
   * It stops when a code is a stop id (codec pad or end; no frame for it) or after `max_tokens`
-    codes. The thinker's last token is never read (its position is never fed).
+    codes, or at the longest utterance token2wav decodes (`spec.max_frames`: generate() fails
+    past it). The thinker's last token is never read (its position is never fed).
 
 Streaming: h(g) arrives with token g+1 (the thinker gives each token with the hidden state of
 the position that produced it), so the prompt waits for t_1 and step k for t_{k+1} or the end
@@ -195,7 +196,7 @@ class Talker:
             return None
         state.code = code
         state.frames += 1
-        if state.step >= state.sampling.max_tokens:
+        if state.step >= state.sampling.max_tokens or state.frames >= self.spec.max_frames:
             state.stopped_on = "max_tokens"
         return code
 

@@ -234,6 +234,11 @@ class InputBuilder:
         if images:
             kwargs["images"] = images
         if videos:
+            if use_audio_in_video and len(set(fps)) > 1:
+                # the processor interleaves each video's audio by one rate for all (transformers takes
+                # one fps): the placeholders would not be where the positions put them
+                raise ValueError(f"videos at different frame rates ({', '.join(f'{f:g}' for f in fps)} fps) cannot "
+                                 "carry their audio in one request (use_audio_in_video)")  # fmt: skip
             kwargs["videos"] = videos
             kwargs["videos_kwargs"] = {"fps": fps[0]}
             if use_audio_in_video:
