@@ -91,7 +91,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             seconds = min(cfg.media.max_audio_seconds, self.inputs.max_audio_seconds)
             self.media_limits = cfg.media.model_copy(update={"max_audio_seconds": seconds})
         self.sample_rate = ckpt.sample_rate
-        self.model_name = cfg.served_model_name or ckpt.path.name
+        self.model_name = cfg.served_model_name or ckpt.name
         spec = ckpt.spec
         self.max_prompt_tokens = min(spec.max_positions, cfg.max_model_len or spec.max_positions) - 1
         self.thinker_defaults = ckpt.family.thinker_defaults(ckpt)

@@ -122,6 +122,29 @@ def test_a_checkpoint_without_its_processor_is_named(tiny_dir: Path, tmp_path: P
         load_processor(ckpt, load_tokenizer(ckpt))
 
 
+def test_a_processor_saved_by_transformers_5_is_read(pipeline: Any, tiny_dir: Path, tmp_path: Path) -> None:
+    """transformers 5's save_pretrained writes one processor_config.json (a block per
+    sub-processor) and chat_template.jinja, no preprocessor_config.json: the checkpoint's media
+    inputs come out the same (before, it was refused and a stack served text only)."""
+    copy = tmp_path / "resaved"
+    shutil.copytree(tiny_dir, copy)
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json", "chat_template.json"):
+        (copy / name).unlink()
+    saved = tmp_path / "saved"
+    _builder(pipeline).processor.save_pretrained(saved)
+    assert not (saved / "preprocessor_config.json").exists(), "transformers saves the older layout again"
+    for name in ("processor_config.json", "chat_template.jinja"):
+        shutil.copy(saved / name, copy / name)
+    ckpt = open_checkpoint(copy)
+    resaved = ckpt.family.input_builder(ckpt, load_tokenizer(ckpt))
+    for kind in ("audio", "image+video", "audio-in-video"):
+        messages, in_video = _messages(kind)
+        (ids, inputs), (ids2, inputs2) = _builder(pipeline).build(messages, in_video), resaved.build(messages, in_video)
+        assert ids2 == ids and inputs2.keys() == inputs.keys()
+        for key, value in inputs.items():
+            assert torch.equal(inputs2[key], value), key
+
+
 @pytest.mark.parametrize("kind", ["audio", "image", "image+video", "audio-in-video"])
 def test_variant_checkpoint_matches_generate(checkpoints: Any, kind: str) -> None:
     pipeline, reference = checkpoints("variant")

@@ -178,8 +178,12 @@ def test_a_wrong_shape_is_refused_by_name(tiny_dir: Path, tmp_path: Path) -> Non
         (lambda f: f.write_bytes(b""), "shorter than the 8-byte header length"),
         (lambda f: f.write_bytes(b"\x10" + b"\0" * 7 + b"not json at all!" + b"\0" * 64), "not JSON"),
         (lambda f: f.write_bytes(b"\xff" * 64), "header length"),
+        # safetensors refuses these when a part loads (an error naming no file, not a CheckpointError)
+        (lambda f: f.write_bytes(f.read_bytes() + b"\0" * 4), "4 bytes after the last tensor's data"),
+        (lambda f: _edit_header(f, lambda h: h.__setitem__("__metadata__", {"format": 1})), "map of strings"),
+        (lambda f: _edit_header(f, _gap_first), "starts at byte 4 of the data, the one before it ends at 0"),
     ],
-    ids=["truncated", "empty", "garbage-header", "garbage"],
+    ids=["truncated", "empty", "garbage-header", "garbage", "trailing-bytes", "metadata", "gap"],
 )
 def test_broken_weight_files_are_named_at_open(tiny_dir: Path, tmp_path: Path, damage: Any, needle: str) -> None:
     bad = _copy(tiny_dir, tmp_path / "broken")
@@ -189,6 +193,44 @@ def test_broken_weight_files_are_named_at_open(tiny_dir: Path, tmp_path: Path, d
     with pytest.raises(CheckpointError, match=needle) as err:
         open_checkpoint(bad)
     assert shard.name in str(err.value) and time.monotonic() - t0 < 5
+
+
+def _edit_header(f: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Rewrite a safetensors file's JSON header (the tensor data kept as it is)."""
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    f.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+
+
+def _gap_first(header: dict[str, Any]) -> None:
+    """Every tensor's bytes 4 later: a gap before the first (safetensors refuses it)."""
+    for name, entry in header.items():
+        if name != "__metadata__":
+            entry["data_offsets"] = [o + 4 for o in entry["data_offsets"]]
+
+
+@pytest.mark.parametrize("stored", [torch.int64, torch.bool])
+def test_weights_not_stored_as_floats_are_refused(tiny_dir: Path, tmp_path: Path, stored: torch.dtype) -> None:
+    """transformers would cast them to the model's dtype without a word: refused at open."""
+    bad = _copy(tiny_dir, tmp_path / "ints")
+    key = "code2wav.decoder.0.conv.weight"
+    _rewrite(bad, lambda w: w.__setitem__(key, (w[key] * 1000).to(stored)))
+    with pytest.raises(CheckpointError, match=rf"1 weight\(s\) not stored as floating point \(e\.g\. "
+                                              rf"{re.escape(key)} as (I64|BOOL)\).*quantized checkpoints"):  # fmt: skip
+        open_checkpoint(bad)
+
+
+def test_experts_of_one_block_that_differ_in_shape_are_named(tiny_dir: Path, tmp_path: Path) -> None:
+    """One expert's tensor in another shape: named at open (transformers, failing to stack the
+    experts, would call the merged weight missing)."""
+    bad = _copy(tiny_dir, tmp_path / "odd-expert")
+    key = "talker.model.layers.0.mlp.experts.1.up_proj.weight"
+    _rewrite(bad, lambda w: w.__setitem__(key, w[key][:-1].clone()))
+    with pytest.raises(CheckpointError, match=r"experts of one block differ in shape: .*" + re.escape(key)):
+        open_checkpoint(bad)
 
 
 def test_an_index_out_of_step_with_its_shards_is_refused(tiny_dir: Path, tmp_path: Path) -> None:
@@ -306,6 +348,12 @@ def test_generation_config_eos_ids_all_stop_the_thinker(tiny_dir: Path, tmp_path
     (two / "generation_config.json").write_text(json.dumps(gen))
     ckpt = open_checkpoint(two)
     assert ckpt.family.thinker_defaults(ckpt).stop_ids == (ckpt.spec.im_end_id, 5)
+    for top_k, want in ((None, 50), (0, 0), (7, 7), ("absent", 50)):  # generate()'s default is 50
+        sampled = {k: v for k, v in gen.items() if k != "top_k"} | {"do_sample": True}
+        if top_k != "absent":
+            sampled["top_k"] = top_k
+        (two / "generation_config.json").write_text(json.dumps(sampled))
+        assert ckpt.family.thinker_defaults(ckpt).top_k == want, top_k
     (two / "generation_config.json").write_text("{nope")
     with pytest.raises(CheckpointError, match=r"generation_config\.json: not a valid generation config"):
         ckpt.family.thinker_defaults(ckpt)
@@ -333,6 +381,23 @@ def test_a_checkpoint_that_cannot_speak_is_served_only_as_text(thinking_dir: Pat
     _rewrite(no_thinker, lambda w: [w.pop(k) for k in list(w) if k.startswith("thinker.")])
     with pytest.raises(CheckpointError, match="no weights of the thinker"):
         open_checkpoint(no_thinker)
+
+
+def test_a_hugging_face_cache_snapshot_is_named_after_its_repository(
+        tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The cache keeps `models--Org--Name/snapshots/<commit>/` with each file a link into
+    `blobs/`: the model is served as `Org/Name`, not as the commit hash."""
+    repo = tmp_path / "hub" / "models--Qwen--Qwen3-Omni-30B-A3B-Instruct"
+    blobs, snapshot = repo / "blobs", repo / "snapshots" / "0123abcd"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in tiny_dir.iterdir():
+        shutil.copy(f, blobs / f.name)
+        (snapshot / f.name).symlink_to(blobs / f.name)
+    assert open_checkpoint(snapshot).name == "Qwen/Qwen3-Omni-30B-A3B-Instruct"
+    assert open_checkpoint(tiny_dir).name == tiny_dir.name
+    monkeypatch.chdir(tiny_dir)
+    assert open_checkpoint(".").name == tiny_dir.name  # not ""
 
 
 def test_missing_directory_is_named(tmp_path: Path) -> None:

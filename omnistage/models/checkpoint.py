@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from omnistage.models.family import Family, UnknownFamily, family_for
 from omnistage.models.sampling import SamplingParams
@@ -49,6 +50,17 @@ class Checkpoint:
     tensors: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # name -> (dtype, shape)
     no_speech: list[str] = field(default_factory=list)  # why it cannot speak (empty: it can)
     chat_template: str = ""  # as the processor takes it (see `chat_template`)
+
+    @property
+    def name(self) -> str:
+        """The name clients see by default: the directory's, or the repository's for a Hugging
+        Face cache snapshot (`.../models--Qwen--Qwen3-Omni-30B-A3B-Instruct/snapshots/<commit>`
+        serves as `Qwen/Qwen3-Omni-30B-A3B-Instruct`, not as the commit hash)."""
+        p = self.path.resolve()
+        repo = p.parent.parent.name if p.parent.name == "snapshots" else ""
+        if repo.startswith("models--") and repo != "models--":
+            return repo.removeprefix("models--").replace("--", "/")
+        return p.name
 
     @property
     def sample_rate(self) -> int:
@@ -99,6 +111,7 @@ def _index_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
+_FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}  # fmt: skip
 
@@ -125,9 +138,11 @@ def read_header(file: Path) -> dict[str, tuple[str, list[int]]]:
         raise bad("the header is not a JSON object")
     data_len = size - 8 - header_len
     tensors: dict[str, tuple[str, list[int]]] = {}
-    end = 0
+    spans: list[tuple[int, int, str]] = []
     for name, entry in header.items():
         if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise bad("__metadata__ is not a map of strings")
             continue
         try:
             dtype, shape, (start, stop) = entry["dtype"], list(entry["shape"]), entry["data_offsets"]
@@ -137,10 +152,19 @@ def read_header(file: Path) -> dict[str, tuple[str, list[int]]]:
             raise bad(f"tensor {name!r} has a malformed entry") from None
         if not size_ok:
             raise bad(f"tensor {name!r}: {stop - start} bytes for dtype {dtype} and shape {shape}")
-        end = max(end, stop)
+        spans.append((start, stop, name))
         tensors[name] = (dtype, shape)
+    # as safetensors itself requires (else it refuses the file when a part loads): the tensors
+    # tile the data, in order of their offsets, with no gap, overlap or bytes after them
+    end = 0
+    for start, stop, name in sorted(spans):
+        if start != end:
+            raise bad(f"tensor {name!r} starts at byte {start} of the data, the one before it ends at {end}")
+        end = stop
     if end > data_len:
         raise bad(f"truncated: the header places tensor data up to byte {end}, the file holds {data_len}")
+    if end < data_len:
+        raise bad(f"{data_len - end} bytes after the last tensor's data")
     return tensors
 
 
@@ -186,6 +210,11 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     except UnknownFamily as e:
         raise CheckpointError(f"{cfg_file}: {e}") from None
     tensors = checkpoint_tensors(p)
+    not_float = sorted(n for n, (dtype, _) in tensors.items() if dtype not in _FLOAT_DTYPES)
+    if not_float:  # transformers would cast them to the model's dtype without a word
+        raise CheckpointError(f"{p}: {len(not_float)} weight(s) not stored as floating point (e.g. "
+                              f"{not_float[0]} as {tensors[not_float[0]][0]}): omnistage loads float32, bfloat16 "
+                              "or float16 weights; quantized checkpoints are not supported")  # fmt: skip
     missing = _no_weights(family, "thinker", tensors)
     if missing:
         raise CheckpointError(f"{p}: {missing}")
@@ -219,10 +248,16 @@ def _check_experts(path: Path, tensors: dict[str, Any]) -> None:
     number of experts: a missing one is named here by its key (transformers, merging the
     experts, would report the merged weight missing or misshapen instead)."""
     blocks: dict[str, dict[str, set[int]]] = {}
-    for name in tensors:
+    shapes: dict[tuple[str, str], dict[tuple[int, ...], str]] = {}  # (block, kind) -> shape -> an expert's name
+    for name, (_, shape) in tensors.items():
         m = _EXPERT.match(name)
         if m:
             blocks.setdefault(m["block"], {}).setdefault(m["rest"], set()).add(int(m["index"]))
+            shapes.setdefault((m["block"], m["rest"]), {}).setdefault(tuple(shape), name)
+    odd = [f"{' vs '.join(f'{n} {list(s)}' for s, n in by_shape.items())}" for by_shape in shapes.values()
+           if len(by_shape) > 1]  # fmt: skip
+    if odd:  # transformers, stacking them, would report the merged weight missing
+        raise CheckpointError(f"{path}: experts of one block differ in shape: {_names(sorted(odd), 2)}")
     widest: dict[str, int] = {}  # per part (the name's first component): the most experts of any block
     for block, kinds in blocks.items():
         part = block.split(".", 1)[0]
@@ -355,7 +390,7 @@ def load_part(
             ignore_mismatched_sizes=True,  # so that a wrong shape is reported by name, then refused below
             key_mapping=family.key_mapping(part),
         )
-    except (OSError, RuntimeError, ValueError) as e:
+    except (OSError, RuntimeError, ValueError, SafetensorError) as e:
         raise CheckpointError(f"{ckpt.path}: cannot load {part}: {e}") from e
     finally:
         hf_logging.set_verbosity(verbosity)
@@ -412,12 +447,15 @@ def read_tensor_rows(ckpt: Checkpoint, keys: tuple[str, ...], rows: list[int]) -
     from safetensors import safe_open
 
     for f in weight_files(ckpt.path):
-        with safe_open(str(f), framework="pt") as handle:
-            names = set(handle.keys())
-            for key in keys:
-                if key in names:
-                    table = handle.get_slice(key)
-                    return torch.stack([table[r : r + 1][0] for r in rows])
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                names = set(handle.keys())
+                for key in keys:
+                    if key in names:
+                        table = handle.get_slice(key)
+                        return torch.stack([table[r : r + 1][0] for r in rows])
+        except SafetensorError as e:
+            raise CheckpointError(f"{f}: {e}") from e
     raise CheckpointError(f"{ckpt.path}: none of the weights {', '.join(keys)} found")
 
 
@@ -435,7 +473,8 @@ def generation_defaults(ckpt: Checkpoint, stop_ids: tuple[int, ...], max_tokens:
         return SamplingParams(
             do_sample=sampled,
             temperature=float(gen.get("temperature") or 1.0),
-            top_k=int(gen.get("top_k") or 0) if sampled else 0,
+            # generate() fills an absent top_k with GenerationConfig's 50; an explicit 0 turns it off
+            top_k=(50 if gen.get("top_k") is None else int(gen["top_k"])) if sampled else 0,
             top_p=float(gen.get("top_p") or 1.0),
             repetition_penalty=float(gen.get("repetition_penalty") or 1.0),
             max_tokens=max_tokens,

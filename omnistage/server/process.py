@@ -44,7 +44,7 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
     )
     service = StageService(
         engine,
-        model_name=cfg.served_model_name or model_dir.name,
+        model_name=cfg.served_model_name or ckpt.name,
         arch=(ckpt.config.architectures or [ckpt.family.display_name])[0],
         device=stage_cfg.device,
         dtype=ckpt.resolve_dtype(stage_cfg.dtype),

@@ -144,12 +144,21 @@ def load_processor(ckpt: Checkpoint, tokenizer: Any, base_name: str = "Qwen3Omni
     from its own configs (nothing downloaded)."""
     from transformers import Qwen2VLImageProcessorPil, WhisperFeatureExtractor
 
-    pre = ckpt.path / "preprocessor_config.json"
-    if not pre.is_file():
+    # transformers 5 saves one processor_config.json with a block per sub-processor (and reads it
+    # first); earlier ones a preprocessor_config.json and a video_preprocessor_config.json
+    pre, video_file, joint = (ckpt.path / name for name in ("preprocessor_config.json",
+                                                            "video_preprocessor_config.json", "processor_config.json"))
+    nested = _read_json(joint) if joint.is_file() else {}
+    if not pre.is_file() and not all(isinstance(nested.get(k), dict) for k in ("feature_extractor", "image_processor")):
         raise CheckpointError(f"{ckpt.path}: missing preprocessor_config.json (the processor's audio and image "
-                              "settings)")  # fmt: skip
-    video_file = ckpt.path / "video_preprocessor_config.json"
-    video_config = _read_json(video_file if video_file.is_file() else pre)
+                              "settings; or a processor_config.json with feature_extractor and image_processor "
+                              "blocks)")  # fmt: skip
+    if isinstance(nested.get("video_processor"), dict):
+        video_config = nested["video_processor"]
+    elif video_file.is_file() or pre.is_file():
+        video_config = _read_json(video_file if video_file.is_file() else pre)
+    else:
+        video_config = nested["image_processor"]  # as a preprocessor_config.json stands in for both
     try:
         features = WhisperFeatureExtractor.from_pretrained(ckpt.path, local_files_only=True)
         images = Qwen2VLImageProcessorPil.from_pretrained(ckpt.path, local_files_only=True)
