@@ -170,7 +170,7 @@ class ChatRequest(_Body):
     max_tokens: int | None = Field(None, ge=1, le=1 << 20)
     max_completion_tokens: int | None = Field(None, ge=1, le=1 << 20)
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)  # 0: only the most likely token (greedy text)
     top_k: int | None = Field(None, ge=-1, le=1 << 20)  # -1 or 0: off (vLLM's)
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
@@ -367,7 +367,10 @@ def to_generate_request(body: ChatRequest, voices: list[str],
         else:
             thinker.do_sample = True
             thinker.temperature = body.temperature
-    if body.top_p is not None:
+    if body.top_p == 0:  # OpenAI takes 0..1; nothing but the most likely token is greedy
+        thinker.do_sample = False
+        thinker.ClearField("temperature")
+    elif body.top_p is not None:
         thinker.top_p = body.top_p
     if body.top_k is not None:
         thinker.top_k = max(body.top_k, 0)  # -1 or 0 (vLLM's "off") is the stage's 0
@@ -430,9 +433,11 @@ def _field(loc: tuple[Any, ...]) -> str:
     """A pydantic error location as the body's field path (`messages[0].content[1].type`),
     without the names of union branches pydantic adds."""
     out = ""
-    for item in loc:
+    for i, item in enumerate(loc):
         if isinstance(item, int):
             out += f"[{item}]"
+        elif i and item == loc[i - 1]:
+            continue  # a content part's type tag, then its field of the same name: `image_url.url`
         elif str(item).isidentifier() and item not in ("str", "list", "int", "float", "bool", "none"):
             out += ("." if out else "") + str(item)
     return out or "body"
@@ -481,6 +486,23 @@ class Transcripts:
         return item[1]
 
 
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused 413 as soon as it is known to pass `limit` bytes: by its Content-Length
+    before any is read, else while it streams in (never held whole first)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise HttpError(413, f"request body of {int(declared)} bytes is over the limit of {limit}",
+                        code="request_too_large")  # fmt: skip
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise HttpError(413, f"request body over the limit of {limit} bytes", code="request_too_large")
+        parts.append(part)
+    return b"".join(parts)
+
+
 class ChatCompletions:
     """What one HTTP process knows: the gateway service, and the names it serves under."""
 
@@ -493,14 +515,11 @@ class ChatCompletions:
         if not self.service.check_api_key(request.headers.get("authorization")):
             raise HttpError(401, "missing or wrong API key (header Authorization: Bearer <key>)",
                             "authentication_error", code="invalid_api_key")  # fmt: skip
-        limit = self.service.cfg.media.max_request_bytes
-        raw = await request.body()
-        if len(raw) > limit * 4 // 3 + 4096:  # base64 grows media by 4/3
-            raise HttpError(413, f"request body of {len(raw)} bytes is over the limit", code="request_too_large")
+        raw = await _read_body(request, self.service.cfg.media.max_request_bytes * 4 // 3 + 4096)  # base64: 4/3
         try:
             data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise HttpError(400, f"body: not valid JSON ({e})") from None
+        except (ValueError, RecursionError) as e:  # not JSON, a 5000-digit number, nesting past the stack
+            raise HttpError(400, f"body: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
         try:
             body = model.model_validate(data)
         except ValidationError as e:
@@ -676,6 +695,8 @@ class ChatCompletions:
                         held = b""
                     if req.want_audio:
                         self.transcripts.put(audio_id, "".join(text))
+                        # the last audio update holds only when its id expires (OpenAI's ChoiceDeltaAudio)
+                        yield chunk({"audio": {"id": audio_id, "expires_at": created + AUDIO_TTL_S}})
                     yield chunk({}, resp.final.finish_reason or "stop")
                     if body.stream_options is not None and body.stream_options.include_usage:
                         event = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
@@ -776,6 +797,15 @@ def build_app(service: GatewayService) -> Starlette:
         response.headers.update(exc.headers or {})  # 405's Allow
         return response
 
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        """A failure nothing above answered (a bug): an OpenAI error object, not Starlette's
+        text, told not to retry (the OpenAI SDK retries a 500 twice otherwise)."""
+        log.error("http: %s %s failed", request.method, request.url.path, exc_info=exc)
+        service.metrics.requests.labels("http", "HTTP_500").inc()
+        response = HttpError(500, f"internal error: {type(exc).__name__}", "server_error").response()
+        response.headers["x-should-retry"] = "false"
+        return response
+
     origins = service.cfg.gateway.cors_allow_origins
     middleware = [Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"], allow_headers=["*"],
                              expose_headers=["x-request-id"])] if origins else []  # fmt: skip
@@ -787,4 +817,4 @@ def build_app(service: GatewayService) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/", playground, methods=["GET"]),
-    ], middleware=middleware, exception_handlers={HTTPException: http_error})  # fmt: skip
+    ], middleware=middleware, exception_handlers={HTTPException: http_error, Exception: internal_error})  # fmt: skip

@@ -200,8 +200,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         outcome = Outcome(request.request_id, time.perf_counter(), api=api)
         self.active += 1
         self.metrics.in_flight.inc()
+        replies = self._generate(request, outcome, timeout)
         try:
-            async for resp in self._generate(request, outcome, timeout):
+            async for resp in replies:
                 yield resp
         except GatewayError as e:
             outcome.status = e.code.name
@@ -213,6 +214,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             outcome.status = "ERROR"
             raise
         finally:
+            # closed here, not left to the event loop's finalizer: a caller that stops reading (its
+            # client hung up mid-stream) cancels the stage calls before the request counts as over
+            await replies.aclose()
             self.active -= 1
             self.metrics.in_flight.dec()
             e2e = time.perf_counter() - outcome.t0

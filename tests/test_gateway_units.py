@@ -220,6 +220,22 @@ def test_what_other_openai_clients_send_is_understood() -> None:
     assert wrap.sampling["talker"].seed == -(1 << 63) + TALKER_SEED_OFFSET - 1  # wrapped into int64
     assert to_generate_request(_chat(modalities=["text", "audio"], audio={"voice": {"id": "Ethan"}}),
                                ["ethan"]).speaker == "Ethan"  # fmt: skip
+    # OpenAI takes top_p 0 (only the most likely token): greedy text, whatever the temperature
+    zero = to_generate_request(_chat(temperature=0.8, top_p=0), ["ethan"]).sampling["thinker"]
+    assert zero.HasField("do_sample") and not zero.do_sample and zero.temperature == 0 and zero.top_p == 0
+
+
+def test_a_validation_error_names_the_field_a_client_sent() -> None:
+    """Not the content part's type tag pydantic puts in its path (`image_url.image_url.url`)."""
+    from pydantic import ValidationError
+
+    from gateway.http_api import ChatRequest, _first_error
+
+    for part, where in (({"type": "image_url", "image_url": {}}, "image_url.url"),
+                        ({"type": "input_audio", "input_audio": {}}, "input_audio.data")):  # fmt: skip
+        with pytest.raises(ValidationError) as err:
+            ChatRequest.model_validate({"messages": [{"role": "user", "content": [part]}]})
+        assert _first_error(err.value)[0] == f"messages[0].content[0].{where}"
 
 
 def test_speech_request_gives_the_thinker_the_words(tiny_dir: Path) -> None:
@@ -297,3 +313,62 @@ def test_a_whole_file_comes_in_pieces_a_default_grpc_client_accepts() -> None:
         assert [c.samples for c in chunks] == [samples] + [0] * (len(chunks) - 1)
         assert all(c.first_sample == 0 and c.format == gateway_pb2.WAV for c in chunks)
         assert max(p.ByteSize() for p in pieces) < 4 << 20
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_held() -> None:
+    """413 from the declared Content-Length before anything is read; a body of no declared size
+    (chunked) is refused as soon as what came passes the limit, the rest never taken."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from gateway.http_api import HttpError, _read_body
+
+    def request(pieces: list[bytes], declared: int | None) -> tuple[Request, list[int]]:
+        taken: list[int] = []
+
+        async def receive() -> dict[str, Any]:
+            taken.append(len(taken))
+            body = pieces[len(taken) - 1] if len(taken) <= len(pieces) else b""
+            return {"type": "http.request", "body": body, "more_body": len(taken) < len(pieces)}
+
+        headers = [] if declared is None else [(b"content-length", str(declared).encode())]
+        return Request({"type": "http", "method": "POST", "headers": headers}, receive), taken
+
+    req, taken = request([b"x" * 10] * 3, declared=4_000_000_000)
+    with pytest.raises(HttpError) as err:
+        asyncio.run(_read_body(req, 25))
+    assert err.value.status == 413 and "4000000000 bytes" in str(err.value) and taken == []
+    req, taken = request([b"x" * 10] * 100, declared=None)
+    with pytest.raises(HttpError) as err:
+        asyncio.run(_read_body(req, 25))
+    assert err.value.status == 413 and len(taken) == 3
+    req, _ = request([b"ab", b"cd"], declared=4)
+    assert asyncio.run(_read_body(req, 25)) == b"abcd"
+
+
+def test_a_failure_nothing_answered_is_an_openai_error_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug while taking a request: a 500 OpenAI error object saying not to retry, not
+    Starlette's plain text (which the OpenAI SDK retries twice); the process goes on."""
+    from types import SimpleNamespace
+
+    from starlette.testclient import TestClient
+
+    import gateway.http_api as http_api
+    from gateway.metrics import GatewayMetrics
+    from omnistage.config import parse_config
+
+    service = SimpleNamespace(model_name="m", cfg=parse_config({}), metrics=GatewayMetrics(),
+                              ckpt=SimpleNamespace(spec=SimpleNamespace(speakers=[], default_speaker="")),
+                              check_api_key=lambda header: True, sample_rate=24_000)  # fmt: skip
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(http_api, "to_generate_request", broken)
+    client = TestClient(http_api.build_app(service), raise_server_exceptions=False)  # type: ignore[arg-type]
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 500 and r.headers["x-should-retry"] == "false"
+    assert r.json()["error"] == {"message": "internal error: RuntimeError", "type": "server_error", "param": None,
+                                 "code": None}  # fmt: skip
+    assert client.get("/v1/models").json()["data"][0]["id"] == "m"  # still serving

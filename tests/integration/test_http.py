@@ -164,6 +164,7 @@ def test_streamed_chat_sends_pieces_as_they_exist(http_stack: Stack, client: ope
     text, pcm = _grpc_reply(http_stack)
     stream = _chat(client, "pcm16", stream=True, stream_options={"include_usage": True})
     content, audio, pieces, finish, usage, audio_events = [], [], [], None, None, 0
+    updates: list[Any] = []  # every audio update
     for event in stream:
         if event.usage is not None:
             usage = event.usage
@@ -171,6 +172,8 @@ def test_streamed_chat_sends_pieces_as_they_exist(http_stack: Stack, client: ope
             continue
         delta = event.choices[0].delta
         content.append(delta.content or "")
+        if delta.audio is not None:
+            updates.append(delta.audio)
         if delta.audio is not None and delta.audio.data:
             audio.append(base64.b64decode(delta.audio.data))
             pieces.append(delta.audio.data)
@@ -184,6 +187,9 @@ def test_streamed_chat_sends_pieces_as_they_exist(http_stack: Stack, client: ope
     assert base64.b64decode("".join(pieces)) == b"".join(audio)
     assert all(len(piece) % 6 == 0 for piece in audio[:-1])
     assert finish == "length" and usage is not None and usage.completion_tokens == MAX_TOKENS
+    # the last audio update holds only when its id expires (OpenAI's ChoiceDeltaAudio), the others none
+    assert updates[-1].expires_at > time.time() + 3000 and not updates[-1].data and not updates[-1].transcript
+    assert all(u.expires_at is None for u in updates[:-1]) and updates[-1].id == updates[0].id
 
 
 def test_audio_and_image_in(http_stack: Stack, client: openai.OpenAI) -> None:
@@ -294,6 +300,8 @@ def test_bad_requests_get_the_documented_status_and_shape(http_stack: Stack) -> 
         ({"messages": hi, "stop": [""]}, None, 400, "stop[0]"),
         (None, b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "temperature"),
         (None, b"{not json", 400, "body"),
+        (None, b'{"messages": [{"role": "user", "content": "hi"}], "seed": ' + b"1" * 5000 + b"}", 400, "body"),
+        (None, b"[" * 100_000, 400, "body"),  # nesting past the parser's stack (was a plain-text 500)
         ({"model": "other", "messages": hi}, None, 404, "model"),
     ]  # fmt: skip
     # streamed or not, the same status: nothing is sent before the reply's first piece exists
@@ -315,6 +323,15 @@ def test_bad_requests_get_the_documented_status_and_shape(http_stack: Stack) -> 
         r = _post(http_stack, body, **{"x-omnistage-timeout": seconds})
         assert r.status_code == 504 and r.json()["error"]["type"] == "timeout", r.text
     assert _post(http_stack, {"messages": hi}, **{"x-omnistage-timeout": "soon"}).status_code == 400
+    # a body declared over the limit is refused before any of it is sent (never held whole first)
+    host, port = http_stack.http_address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 4000000000\r\n\r\n")  # fmt: skip
+        got = b""
+        while b"request_too_large" not in got and (piece := sock.recv(4096)):
+            got += piece
+    assert got.startswith(b"HTTP/1.1 413") and b"request_too_large" in got, got
 
 
 def _loads(stack: Stack, stages: tuple[str, ...] = ("thinker", "talker", "code2wav")) -> list[tuple[int, ...]]:
