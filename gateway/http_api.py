@@ -180,8 +180,13 @@ class ChatRequest(_Body):
     mm_processor_kwargs: ProcessorKwargs | None = None
     # Asked for, these would change the reply's shape; this server has none of them, so it says so.
     tools: list[Any] | None = None
+    functions: list[Any] | None = None  # the legacy form of tools
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
+    # OpenAI's sampling knobs this server has no counterpart of: refused unless they change nothing
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 class SpeechRequest(_Body):
@@ -316,6 +321,14 @@ def _unsupported(body: ChatRequest) -> None:
         raise HttpError(400, 'response_format: only {"type": "text"} is supported', param="response_format")
     if body.logprobs:
         raise HttpError(400, "logprobs: not supported by this server", param="logprobs")
+    if body.functions:
+        raise HttpError(400, "functions: function calling is not supported by this server", param="functions")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise HttpError(400, f"{name}: not supported by this server (0 or unset; repetition_penalty is)",
+                            param=name)  # fmt: skip
+    if body.logit_bias:
+        raise HttpError(400, "logit_bias: not supported by this server", param="logit_bias")
 
 
 TranscriptLookup = Callable[[str], str | None]
@@ -751,9 +764,14 @@ async def _speech_stream(first: list[gateway_pb2.GenerateResponse], responses: R
         await responses.aclose()
 
 
-def _usage(u: gateway_pb2.Usage) -> dict[str, int]:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens}  # fmt: skip
+def _usage(u: gateway_pb2.Usage) -> dict[str, Any]:
+    """OpenAI's usage: its completion tokens count the audio's too (here the talker's codec
+    frames, one per talker step), broken out in `completion_tokens_details`."""
+    completion = u.completion_tokens + u.audio_frames
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": u.prompt_tokens + completion,
+            "completion_tokens_details": {"text_tokens": u.completion_tokens,
+                                          "audio_tokens": u.audio_frames}}  # fmt: skip
 
 
 def build_app(service: GatewayService) -> Starlette:

@@ -165,6 +165,10 @@ def test_openai_request_errors_name_the_field() -> None:
         (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools: tool calling is not supported"),
         (_chat(response_format={"type": "json_object"}), "response_format: only"),
         (_chat(logprobs=True), "logprobs: not supported"),
+        (_chat(functions=[{"name": "f"}]), "functions: function calling is not supported"),
+        (_chat(presence_penalty=0.5), "presence_penalty: not supported"),
+        (_chat(frequency_penalty=-1), "frequency_penalty: not supported"),
+        (_chat(logit_bias={"42": 5}), "logit_bias: not supported"),
         (_chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "audio": {"id": "audio_x"}}]),
          "messages[1].audio.id: unknown or expired audio id 'audio_x'"),
         (_chat(messages=[{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": "https://a/b"}}]}]),
@@ -202,7 +206,8 @@ def test_what_other_openai_clients_send_is_understood() -> None:
         ],
         modalities=None, stream=None, n=None, stream_options={"include_usage": None}, audio=None,
         mm_processor_kwargs={"use_audio_in_video": True}, top_k=-1, repetition_penalty=1.1, seed=-5,
-        tools=[], response_format={"type": "text"}, logprobs=False,
+        tools=[], response_format={"type": "text"}, logprobs=False, functions=None, presence_penalty=0,
+        frequency_penalty=0.0, logit_bias={},
     )  # fmt: skip
     req = to_generate_request(body, ["ethan"], {"audio_1": "It was a tone."}.get)
     assert not req.want_audio and req.use_audio_in_video and req.audio_format == gateway_pb2.WAV

@@ -147,8 +147,10 @@ def test_lossless_formats_carry_the_grpc_samples(http_stack: Stack, client: open
         got = _flac_samples(data)
     assert message.content == text == message.audio.transcript and text
     assert got.shape == pcm.shape and np.array_equal(got, _pcm16(pcm))
-    tokens = reply.usage.completion_tokens
+    usage, details = reply.usage, reply.usage.completion_tokens_details
+    tokens = details.text_tokens
     assert reply.choices[0].finish_reason == ("length" if tokens == MAX_TOKENS else "stop") and tokens > 0
+    assert details.audio_tokens > 0 and usage.completion_tokens == tokens + details.audio_tokens  # OpenAI's sum
 
 
 @pytest.mark.parametrize("fmt", ["mp3", "opus"])
@@ -186,7 +188,8 @@ def test_streamed_chat_sends_pieces_as_they_exist(http_stack: Stack, client: ope
     # pieces of whole base64 groups and whole samples: joining the strings first decodes the same
     assert base64.b64decode("".join(pieces)) == b"".join(audio)
     assert all(len(piece) % 6 == 0 for piece in audio[:-1])
-    assert finish == "length" and usage is not None and usage.completion_tokens == MAX_TOKENS
+    assert finish == "length" and usage is not None and usage.completion_tokens_details.text_tokens == MAX_TOKENS
+    assert usage.completion_tokens == MAX_TOKENS + usage.completion_tokens_details.audio_tokens
     # the last audio update holds only when its id expires (OpenAI's ChoiceDeltaAudio), the others none
     assert updates[-1].expires_at > time.time() + 3000 and not updates[-1].data and not updates[-1].transcript
     assert all(u.expires_at is None for u in updates[:-1]) and updates[-1].id == updates[0].id
