@@ -10,6 +10,7 @@ every failure names the message and the part: `messages[1].parts[0] (audio): can
 from __future__ import annotations
 
 import io
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,11 +58,14 @@ class Budget:
     of highly compressed images cannot claim gigabytes (the per-image pixel limit alone lets
     128 tiny blank frames decode to 24 GB)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, cancelled: threading.Event | None = None) -> None:
         self.limit = limit
         self.used = 0
+        self.cancelled = cancelled  # set when the request is gone: decoding stops at the next piece
 
     def take(self, nbytes: int) -> None:
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise MediaError("the request was cancelled while its media decoded")
         if self.used + nbytes > self.limit:
             raise MediaError(f"the request's media decode to more than {self.limit} bytes "
                              f"(media.max_decoded_bytes)")  # fmt: skip
@@ -272,14 +276,15 @@ def _decode_part(part: gateway_pb2.ContentPart, limits: Limits, audio_rate: int,
     raise MediaError("empty part: set one of text, audio, image or video")
 
 
-def decode_messages(request: gateway_pb2.GenerateRequest, limits: Limits, audio_rate: int
-                    ) -> tuple[list[dict[str, Any]], bool]:  # fmt: skip
+def decode_messages(request: gateway_pb2.GenerateRequest, limits: Limits, audio_rate: int,
+                    cancelled: threading.Event | None = None) -> tuple[list[dict[str, Any]], bool]:  # fmt: skip
     """The request's chat messages with their media decoded, and whether any part is media.
-    Raises MediaError naming the message and part."""
+    Raises MediaError naming the message and part (also once `cancelled` is set: it runs in a
+    worker thread, which a client's hang-up cannot stop otherwise)."""
     messages: list[dict[str, Any]] = []
     media = 0
     videos = 0
-    budget = Budget(limits.max_decoded_bytes)
+    budget = Budget(limits.max_decoded_bytes, cancelled)
     for i, m in enumerate(request.messages):
         if m.role not in ROLES:
             raise MediaError(f"messages[{i}]: unknown role {m.role!r}; expected one of {', '.join(ROLES)}")

@@ -19,6 +19,7 @@ import asyncio
 import hmac
 import logging
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -108,15 +109,17 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.stages = cfg.stage_names()  # the chain's processes; the first is this gateway's downstream
         self.watcher = ChainWatcher(self.channel, self.stages[0], thinker_target, HEALTH_POLL_S)
 
-    def _prompt(self, request: gateway_pb2.GenerateRequest) -> edges.Prompt:
+    def _prompt(self, request: gateway_pb2.GenerateRequest, cancelled: threading.Event | None = None
+                ) -> edges.Prompt:  # fmt: skip
         """The request as the thinker's prompt: ids, and the model inputs of its media (run in a
-        worker thread: decoding and the processor take a while). ValueError names the field."""
+        worker thread: decoding and the processor take a while; `cancelled` stops the decoding).
+        ValueError names the field."""
         given = sum(len(m.content) + sum(len(p.text) for p in m.parts) for m in request.messages)
         chars = given if request.messages else len(request.prompt)  # `prompt` is ignored with messages
         if chars > MAX_CHARS_PER_TOKEN * self.max_prompt_tokens:  # before tokenizing: it could never fit
             raise ValueError(f"prompt: {chars} characters of text cannot fit in {self.max_prompt_tokens} tokens")
         if request.messages:
-            messages, has_media = decode_messages(request, self.media_limits, self._audio_rate())
+            messages, has_media = decode_messages(request, self.media_limits, self._audio_rate(), cancelled)
             # (media come in user messages only; without media every content is text)
             if not has_media and not any(m["content"].strip() for m in messages if m["role"] == "user"):
                 raise ValueError("messages: no user message with content")
@@ -276,10 +279,14 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         timeout = self._timeout(timeout)
         start = self._start(request, timeout)
         outcome.stage_request_id = start.request_id
+        cancelled = threading.Event()
         try:
-            prompt = await asyncio.to_thread(self._prompt, request)
+            prompt = await asyncio.to_thread(self._prompt, request, cancelled)
         except ValueError as e:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"gateway: {e}") from None
+        except asyncio.CancelledError:  # the client hung up: its worker thread stops at its next frame
+            cancelled.set()
+            raise
         outcome.prompt_tokens = len(prompt.ids)
         given = len(start.sampling["thinker"].forced_ids) if "thinker" in start.sampling else 0
         if given and len(prompt.ids) + given + 1 > self.max_prompt_tokens + 1:  # the reply, then its stop id

@@ -192,3 +192,19 @@ def test_media_that_decode_past_the_request_budget_are_refused_before_they_are_c
         frames_part([blank] * 3, 2.0)])])  # fmt: skip
     with pytest.raises(MediaError, match=r"\(video\): frame 2: .*media.max_decoded_bytes"):
         decode_messages(frames, limits, RATE)
+
+
+def test_a_cancelled_request_stops_decoding_at_its_next_frame() -> None:
+    """Decoding runs in a worker thread a client's hang-up cannot stop: the gateway sets the
+    request's event, and the next image or frame is not converted."""
+    import threading
+
+    frames = [media.encode_image(f, "png") for f in media.video(6, 32, 32, seed=8)]
+    request = gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role="user", parts=[
+        frames_part(frames, 2.0)])])  # fmt: skip
+    cancelled = threading.Event()
+    messages, _ = decode_messages(request, LIMITS, RATE, cancelled)
+    assert messages[0]["content"][0]["video"].shape[0] == 6  # not set: every frame
+    cancelled.set()
+    with pytest.raises(MediaError, match=r"\(video\): frame 0: the request was cancelled while its media decoded"):
+        decode_messages(request, LIMITS, RATE, cancelled)
