@@ -7,6 +7,9 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+import pytest
 
 # The parent: starts a child the way ``omnistage serve`` does (its env from child_env, no
 # preexec_fn), prints the child's pid, then waits to be killed.
@@ -85,3 +88,42 @@ def test_start_up_stops_when_interrupted_even_if_no_keyboard_interrupt_surfaced(
             start_stack(cfg, model=str(tiny_dir), interrupted=interrupted)
     assert len(spawned) == 4  # thinker, talker, code2wav, gateway
     assert all(p.poll() is not None for p in spawned)  # every child stopped before it raised
+
+
+def test_a_child_that_dies_soon_after_serving_is_restarted_later_each_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that serves, then dies within HEALTHY_RESET_S (a request that kills it): each
+    restart waits twice as long as the one before, as for a process that cannot start, but the
+    stack never gives up on it; serving longer than HEALTHY_RESET_S starts the backoff over."""
+    from types import SimpleNamespace
+
+    from omnistage.cli import serve
+    from omnistage.config import parse_config
+
+    mp = monkeypatch
+    clock = [1000.0]
+    mp.setattr(serve.time, "monotonic", lambda: clock[0])
+    mp.setattr(serve, "port_free", lambda host, port: True)
+    proc = SimpleNamespace(code=None, pid=1)
+    proc.poll = lambda: proc.code
+    proc.returncode = 0
+    mp.setattr(serve, "_spawn", lambda args, log, env: proc)
+    child = serve.Child("talker", 0, "127.0.0.1:9", proc, Path("/dev/null"))  # type: ignore[arg-type]
+    stack = serve.Stack(parse_config({}), Path("."), Path("."), [child])
+    mp.setattr(stack, "healthy", lambda c, timeout: True)
+
+    def life(serving_s: float) -> float:
+        """It serves `serving_s`, dies, and is restarted: the delay before the restart."""
+        proc.code = None
+        stack.heal(lambda line: None)  # healthy now
+        clock[0] += serving_s
+        proc.code = -9
+        stack.heal(lambda line: None)
+        assert child.restart_at is not None
+        delay = child.restart_at - clock[0]
+        clock[0] = child.restart_at
+        stack.heal(lambda line: None)  # restarted
+        return delay
+
+    delays = [life(2.0) for _ in range(serve.RESTART_GIVE_UP + 2)]  # past the give-up count: never raises
+    assert delays[:4] == [1.0, 2.0, 4.0, 8.0] and delays[-1] == min(serve.RESTART_BACKOFF_S[1], 2.0 ** len(delays))
+    assert life(serve.HEALTHY_RESET_S + 1) == serve.RESTART_BACKOFF_S[0]  # a long life: the backoff starts over

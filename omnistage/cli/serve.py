@@ -134,6 +134,7 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)
     restarts: int = 0
     failed_starts: int = 0  # restarts in a row that died before they were healthy
+    quick_deaths: int = 0  # deaths in a row within HEALTHY_RESET_S of serving (a query of death)
     healthy_since: float | None = None
     restart_at: float | None = None  # when it is dead and a restart is due
 
@@ -224,9 +225,11 @@ class Stack:
                                            f"before serving: it cannot start" + (f": {reason}" if reason else "")
                                            + f" (log: {c.log})")  # fmt: skip
                 elif now - c.healthy_since > HEALTHY_RESET_S:
-                    c.failed_starts = 0
+                    c.quick_deaths = 0
+                else:  # it served, then died soon: backs off as a failed start does, never gives up
+                    c.quick_deaths += 1
                 first, cap = RESTART_BACKOFF_S
-                delay = min(cap, first * 2 ** min(c.failed_starts, 10))
+                delay = min(cap, first * 2 ** min(c.failed_starts + c.quick_deaths, 10))
                 c.restart_at = now + delay
                 say(f"{c.role} at {c.address} (pid {c.proc.pid}) {c.status()}" + (f": {reason}" if reason else "")
                     + f"; restarting it in {delay:.1f} s (log: {c.log})")  # fmt: skip
@@ -242,21 +245,25 @@ class Stack:
                 say(f"{c.role} at {c.address} restarted (pid {c.proc.pid}, restart {c.restarts})")
 
     def stop(self, timeout: float | None = None) -> None:
-        """SIGTERM every child (each drains up to timeouts.drain_grace_s), SIGKILL what is left
-        after `timeout` (default: the grace and 5 s)."""
+        """SIGTERM the gateways, and once they are gone (each drains its requests up to
+        timeouts.drain_grace_s) the stages: a stage that drained with them would refuse the
+        calls the requests still queued above it open on their first step. SIGKILL what is left
+        after `timeout` per phase (default: the grace and 10 s: a gateway's HTTP server takes
+        up to 5 s past its gRPC one)."""
         if timeout is None:
-            timeout = self.cfg.timeouts.drain_grace_s + 5.0
-        for c in reversed(self.children):
-            if c.proc.poll() is None:
-                c.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for c in self.children:
-            remaining = max(0.1, deadline - time.monotonic())
-            try:
-                c.proc.wait(timeout=remaining)
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait()
+            timeout = self.cfg.timeouts.drain_grace_s + 10.0
+        for phase in ([c for c in self.children if c.name == "gateway"],
+                      [c for c in self.children if c.name != "gateway"]):  # fmt: skip
+            for c in phase:
+                if c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for c in phase:
+                try:
+                    c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait()
 
     def __enter__(self) -> Stack:
         return self

@@ -1,8 +1,15 @@
 """Qwen3-Omni's code2wav: codec frames -> 24 kHz float32 PCM, full or streamed.
 
+`generate()` decodes a reply in segments (`chunked_decode(codes, 300, 25)`): frames
+[300k, 300(k+1)) from scratch with the 25 frames before them as context, whose samples are cut,
+and each segment drops the samples its last frame still owes (555 on the published checkpoint).
+Past 300 frames (24 s) that is not a full decode of the reply; `decode` and the exact stream
+are `generate()`'s.
+
 Streaming modes:
-  * `exact` (default): the stateful incremental decoder (code2wav_streaming.py); the
-    concatenated stream equals a full decode of the same frames and each frame is computed once.
+  * `exact` (default): the stateful incremental decoder (code2wav_streaming.py), a fresh state per
+    segment primed with its context; the concatenated stream equals `generate()`'s decode and each
+    frame is computed once (twice for the 25 context frames of each later segment).
   * `windowed`: each chunk is decoded from scratch with `left_context_frames` earlier frames
     and the context's samples are dropped (what other stacks do; approximate, recomputes context).
 """
@@ -18,9 +25,10 @@ import torch
 from omnistage.models.qwen3_omni.code2wav_streaming import Code2WavStreamState, IncrementalCode2Wav
 from omnistage.models.qwen3_omni.spec import FamilySpec
 
-__all__ = ["Code2Wav", "Code2WavStream", "StreamingMode"]
+__all__ = ["SEGMENT_CONTEXT_FRAMES", "SEGMENT_FRAMES", "Code2Wav", "Code2WavStream", "StreamingMode"]
 
 StreamingMode = Literal["exact", "windowed"]
+SEGMENT_FRAMES, SEGMENT_CONTEXT_FRAMES = 300, 25  # generate()'s chunked_decode(codes, 300, 25)
 
 
 @dataclass
@@ -31,16 +39,13 @@ class Code2WavStream:
     left_context_frames: int = 25
     pending: list[torch.Tensor] = field(default_factory=list)  # frames [num_code_groups] not yet decoded
     frames_in: int = 0  # frames decoded so far
-    state: Code2WavStreamState | None = None  # exact mode
-    context: torch.Tensor | None = None  # windowed mode: the last left_context_frames frames
-    windowed_samples: int = 0  # windowed mode: samples emitted
+    state: Code2WavStreamState | None = None  # exact mode: the current segment's decoder state
+    segment_frames: int = 0  # exact mode: frames of the current segment fed to `state`
+    skip_samples: int = 0  # exact mode: samples of the segment's context still to cut
+    context: torch.Tensor | None = None  # the last frames decoded (windowed: left_context_frames; exact: 25)
+    samples_out: int = 0  # samples emitted so far: the stream position of the next sample
     input_done: bool = False  # set by the stage: no more frames will come
     closed: bool = False
-
-    @property
-    def samples_out(self) -> int:
-        """Samples emitted so far: the stream position of the next sample."""
-        return self.state.samples_emitted if self.state is not None else self.windowed_samples
 
 
 class Code2Wav:
@@ -64,7 +69,7 @@ class Code2Wav:
         self.validate_codes(codes)
         if codes.shape[1] == 0:
             return torch.zeros(0, dtype=torch.float32)
-        wav = self.model(codes.unsqueeze(0).to(self.device))
+        wav = self.model.chunked_decode(codes.unsqueeze(0).to(self.device), SEGMENT_FRAMES, SEGMENT_CONTEXT_FRAMES)
         return wav.reshape(-1).float().cpu()
 
     def open_stream(self, mode: StreamingMode = "exact", left_context_frames: int = 25, speaker: str | None = None,
@@ -92,23 +97,49 @@ class Code2Wav:
             if s.closed:
                 raise RuntimeError("decode on a closed code2wav stream")
             self.validate_codes(c)
-        out: list[torch.Tensor | None] = [None] * len(streams)
-        exact = [i for i, s in enumerate(streams) if s.mode == "exact"]
-        if exact:
-            pcm = self.incremental.step(
-                [streams[i].state for i in exact],  # type: ignore[misc]
-                [codes[i].to(self.device) for i in exact],
-            )
-            for i, p in zip(exact, pcm, strict=True):
-                out[i] = p.float().cpu()
+        out: list[torch.Tensor] = [torch.zeros(0)] * len(streams)
+        exact = {i: codes[i] for i, s in enumerate(streams) if s.mode == "exact" and codes[i].shape[1]}
+        pieces: dict[int, list[torch.Tensor]] = {i: [] for i in exact}
+        while exact:  # one batched step per segment a stream's frames reach into
+            feeds = {i: self._segment_feed(streams[i], c) for i, c in exact.items()}
+            pcm = self.incremental.step([streams[i].state for i in feeds],  # type: ignore[misc]
+                                        [f.to(self.device) for f, _ in feeds.values()])  # fmt: skip
+            for (i, (_, taken)), p in zip(feeds.items(), pcm, strict=True):
+                s = streams[i]
+                cut = min(s.skip_samples, int(p.shape[0]))  # the context's samples
+                s.skip_samples -= cut
+                pieces[i].append(p[cut:].float().cpu())
+                exact[i] = exact[i][:, taken:]
+            exact = {i: c for i, c in exact.items() if c.shape[1]}
+        for i, parts in pieces.items():
+            out[i] = torch.cat(parts) if parts else torch.zeros(0)
         for i, s in enumerate(streams):
             if s.mode == "windowed":
                 out[i] = self._windowed(s, codes[i])
-                s.windowed_samples += int(out[i].shape[0])  # type: ignore[union-attr]
-        for s, c in zip(streams, codes, strict=True):
+        for s, c, o in zip(streams, codes, out, strict=True):
             s.frames_in += int(c.shape[1])
+            s.samples_out += int(o.shape[0])
             s.pending = []
-        return [(start, o if o is not None else torch.zeros(0)) for start, o in zip(starts, out, strict=True)]
+        return list(zip(starts, out, strict=True))
+
+    def _segment_feed(self, s: Code2WavStream, codes: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """What of `codes` goes to the stream's decoder state in this step, and how many of
+        `codes` that is: up to the end of the current segment; a full segment first gives way to
+        a fresh state, fed the segment's context before its frames (generate()'s segments)."""
+        if s.segment_frames == SEGMENT_FRAMES:
+            assert s.state is not None and s.context is not None
+            self.incremental.close([s.state])
+            s.state, s.segment_frames = self.incremental.new_state(), 0
+            s.skip_samples = int(s.context.shape[1]) * self.samples_per_frame
+            prime = s.context
+        else:
+            prime = codes[:, :0]
+        taken = min(int(codes.shape[1]), SEGMENT_FRAMES - s.segment_frames)
+        new = codes[:, :taken]
+        s.segment_frames += taken
+        recent = new if s.context is None else torch.cat((s.context, new), dim=1)
+        s.context = recent[:, -SEGMENT_CONTEXT_FRAMES:]
+        return torch.cat((prime, new), dim=1), taken
 
     def _no_frames(self) -> torch.Tensor:
         return torch.zeros((self.spec.num_code_groups, 0), dtype=torch.long)
