@@ -132,7 +132,7 @@ def free_port_blocks(
     port = start + (os.getpid() * 37) % 20000
     taken: set[int] = set()
     for n in sizes:
-        while True:
+        for _ in range(65000 - start):  # one pass over the range at most
             block = list(range(port, port + n))
             port += n
             if port > 65000:
@@ -142,6 +142,8 @@ def free_port_blocks(
                 bases.append(block[0])
                 taken.update(block + metrics)
                 break
+        else:
+            raise RuntimeError(f"no block of {n} free ports on {host} (and their metrics ports) in {start}..65000")
     return bases
 
 

@@ -227,9 +227,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             self._access_log(outcome, e2e)
 
     def _timeout(self, remaining: float | None) -> float:
-        if remaining is None or remaining > 1e6:
-            return self.cfg.timeouts.request_timeout_s
-        return remaining
+        """The request's deadline: the client's, at most request_timeout_s (a far one would let a
+        slow reader hold its cache reservation as long as it liked)."""
+        cap = self.cfg.timeouts.request_timeout_s
+        return cap if remaining is None else min(remaining, cap)
 
     def _start(self, request: gateway_pb2.GenerateRequest, timeout: float) -> stage_pb2.Start:
         """The thinker's Start, every field checked (GatewayError INVALID_ARGUMENT)."""

@@ -175,7 +175,8 @@ class TimeoutsConfig(_Strict):
     input_wait_timeout_s: float = Field(600.0, ge=0, description="0 disables")
     output_stall_timeout_s: float = Field(60.0, ge=0, description="a request whose caller reads none of its "
                                           "outputs this long fails (it is paused meanwhile); 0 disables")  # fmt: skip
-    request_timeout_s: float = Field(600.0, gt=0, description="default deadline when the client sets none")
+    request_timeout_s: float = Field(600.0, gt=0, description="a request's deadline when the client sets none, "
+                                     "and the furthest it may set")  # fmt: skip
     startup_timeout_s: float = Field(180.0, gt=0)
     drain_grace_s: float = Field(30.0, ge=0)
     keepalive_s: float = Field(10.0, ge=0, le=3600, description="every hop's connection is pinged this often; "

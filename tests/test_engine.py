@@ -154,6 +154,41 @@ def test_one_failing_request_does_not_take_the_others_down() -> None:
     assert sorted(worker.closed) == ["bad", "good"]
 
 
+class RaisesInStep(Counting):
+    """Its shared step raises `error` once."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error: Exception | None = error
+
+    def execute(self, batch: Sequence[ScheduledItem]) -> list[StepOutput | Exception]:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        return super().execute(batch)
+
+
+@pytest.mark.parametrize(("error", "code"), [(MemoryError(), Code.RESOURCE_EXHAUSTED),
+                                             (RuntimeError("boom"), Code.INTERNAL)])  # fmt: skip
+def test_a_failed_shared_step_fails_its_requests_once_logged(error: Exception, code: Code,
+                                                            caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """Every request in the step fails with one status (out of memory: RESOURCE_EXHAUSTED, which
+    a client may retry), logged once for the step, not once per request; the engine goes on."""
+    engine = Engine(RaisesInStep(error), background=False)
+    sinks = [Sink() for _ in range(3)]
+    for i, sink in enumerate(sinks):
+        engine.open(f"r{i}", {"steps": 2}, sink)
+    run_until_idle(engine)
+    for sink in sinks:
+        assert sink.req is not None and sink.req.error is not None and sink.req.error.code is code
+    assert len([r for r in caplog.records if r.levelname == "ERROR"]) == 1
+    assert "r0, r1, r2" in caplog.records[0].getMessage()
+    later = Sink()
+    engine.open("later", {"steps": 2}, later)
+    run_until_idle(engine)
+    assert later.req is not None and later.req.status is RequestStatus.FINISHED_STOPPED
+
+
 def test_open_errors_and_duplicate_ids() -> None:
     engine = Engine(Counting(), background=False)
     sink = Sink()

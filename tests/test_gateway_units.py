@@ -377,3 +377,16 @@ def test_a_failure_nothing_answered_is_an_openai_error_not_retried(monkeypatch: 
     assert r.json()["error"] == {"message": "internal error: RuntimeError", "type": "server_error", "param": None,
                                  "code": None}  # fmt: skip
     assert client.get("/v1/models").json()["data"][0]["id"] == "m"  # still serving
+
+
+def test_a_clients_deadline_is_capped_at_the_request_timeout() -> None:
+    """A far deadline (a day) would let a slow reader hold its request's cache reservation as
+    long as it liked: it is request_timeout_s at most; none is request_timeout_s; a near one
+    stays."""
+    from types import SimpleNamespace
+
+    from gateway.server import GatewayService
+    from omnistage.config import parse_config
+
+    service = SimpleNamespace(cfg=parse_config({"timeouts": {"request_timeout_s": 50}}))
+    assert [GatewayService._timeout(service, t) for t in (86_400.0, None, 3.0)] == [50, 50, 3.0]  # type: ignore[arg-type]

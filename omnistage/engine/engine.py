@@ -284,7 +284,7 @@ class Engine:
             outputs: list[StepOutput | Exception] = self.worker.execute(batch)
             self.host_outputs.stage(outputs)
         except Exception as e:  # the shared forward failed: every request in it fails
-            outputs = [e] * len(batch)
+            outputs = [self._shared_failure(e, batch)] * len(batch)
         seconds, cpu_seconds = time.perf_counter() - t0, time.thread_time() - cpu0
         self.step_seconds_total += seconds
         if self.observer is not None:
@@ -304,6 +304,20 @@ class Engine:
             elif req.is_exhausted:  # would never be scheduled again
                 self._fail(req, StageError(Code.INTERNAL, f"{self.worker.name}: request {req.request_id} "
                                                           "used its scheduled budget unfinished"))
+
+    def _shared_failure(self, exc: Exception, batch: Sequence[ScheduledItem]) -> StageError:
+        """What a step's failure is to each request in it: logged once, not once per request;
+        out of memory is RESOURCE_EXHAUSTED (retryable, as when an input does not fit)."""
+        if isinstance(exc, StageError):
+            return exc
+        name = self.worker.name
+        ids = ", ".join(it.request.request_id for it in batch)
+        if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":  # torch's, CPU or CUDA
+            log.error("%s: out of memory in a step of %d requests (%s): %s", name, len(batch), ids, exc)
+            return StageError(Code.RESOURCE_EXHAUSTED, f"{name}: out of memory in a step of {len(batch)} requests")
+        trace = "".join(traceback.format_exception(exc))
+        log.error("%s: a step of %d requests failed (%s):\n%s", name, len(batch), ids, trace)
+        return StageError(Code.INTERNAL, f"{name}: internal error: {exc}")
 
     def _fail(self, req: Request, exc: BaseException) -> None:
         """Fail one request with the status its exception maps to; the others go on."""
