@@ -216,7 +216,8 @@ class HttpError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        headers = {"retry-after": "1"} if self.status == 429 else None  # what the OpenAI SDK waits on
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 _FIELD = re.compile(r"^[A-Za-z_][\w.\[\]]*$")

@@ -205,6 +205,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.metrics.in_flight.inc()
         replies = self._generate(request, outcome, timeout)
         try:
+            if self.active > self.cfg.gateway.max_in_flight:  # shed at once: queued, it would wait to its deadline
+                raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"gateway: {self.active - 1} requests in "
+                                   f"flight, its limit (gateway.max_in_flight); retry later")  # fmt: skip
             async for resp in replies:
                 yield resp
         except GatewayError as e:

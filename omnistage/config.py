@@ -101,6 +101,9 @@ class GatewayConfig(_Strict):
     http_port: int | None = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP; replica i adds i; "
                                   "null: no HTTP")  # fmt: skip
     replicas: int = Field(1, ge=1, le=64)
+    max_in_flight: int = Field(256, ge=1, le=1 << 20, description="requests one gateway replica takes at once; "
+                               "one more is refused RESOURCE_EXHAUSTED (HTTP 429) at once, rather than queued "
+                               "into a wait that ends at its deadline")  # fmt: skip
     cors_allow_origins: list[str] = Field(default_factory=list, description="browser origins the HTTP API "
                                           "answers across origins (CORS), e.g. [\"https://app.example\"] or "
                                           "[\"*\"]; empty: none")  # fmt: skip

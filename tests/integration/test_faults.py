@@ -8,6 +8,7 @@ import contextlib
 import os
 import random
 import signal
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,13 +20,13 @@ import pytest
 
 from benchmarks import faults
 from benchmarks.faults import Dims, malformed_probes, run_probes, stage_idle, summarize, valid_input
-from gateway.client import generate
+from gateway.client import build_request, generate
 from omnistage.cli.serve import Stack, start_stack
 from omnistage.models.checkpoint import open_checkpoint
 from omnistage.topology import STAGES
-from omnistage.v1 import stage_pb2, stage_pb2_grpc
+from omnistage.v1 import gateway_pb2_grpc, stage_pb2, stage_pb2_grpc
 from omnistage.wire.tensor_blob import ChunkAssembler, encode_chunk
-from tests.integration.conftest import run, stack_config
+from tests.integration.conftest import free_port_block, run, stack_config
 
 PROBES_PER_STAGE = 240  # the bench runs 10,000
 
@@ -331,3 +332,37 @@ def test_a_request_too_big_to_replay_on_a_hop_is_replayed_by_the_gateway(tiny_di
         assert faulted[i][0] == baseline[i][0], f"request {i}: text differs after failover"
         np.testing.assert_allclose(faulted[i][1], baseline[i][1], atol=1e-5,
                                    err_msg=f"request {i}: audio differs after failover")  # fmt: skip
+
+
+def test_requests_past_the_gateways_limit_are_refused_at_once(tiny_dir: Path, tmp_path: Path) -> None:
+    """`gateway.max_in_flight` requests run; one more is refused RESOURCE_EXHAUSTED at once (HTTP
+    429 with retry-after), not queued to its deadline; once they end, requests run again."""
+    import httpx
+
+    cfg = stack_config(gateway={"max_in_flight": 2, "http_port": free_port_block(1)}, talker={"replicas": 1})
+    with start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path) as s:
+
+        async def go() -> tuple[grpc.StatusCode, float, httpx.Response]:
+            async with grpc.aio.insecure_channel(s.gateway_address) as ch:
+                stub = gateway_pb2_grpc.GatewayStub(ch)
+                held = [stub.Generate(build_request(f"tell me a long story {i}", thinker_max_tokens=200,
+                                                    talker_max_tokens=400), timeout=120) for i in range(2)]  # fmt: skip
+                for call in held:
+                    await call.read()  # running: its first reply is out
+                t0 = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Generate(build_request("one more", thinker_max_tokens=4), timeout=60).read()
+                refused_in = time.monotonic() - t0
+                async with httpx.AsyncClient() as http:
+                    r = await http.post(f"http://{s.http_address}/v1/chat/completions", timeout=60,
+                                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+                for call in held:
+                    call.cancel()
+                return err.value.code(), refused_in, r
+
+        code, refused_in, r = run(go())
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and refused_in < 2.0
+        assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+        assert "gateway.max_in_flight" in r.json()["error"]["message"]
+        reply = run(generate(s.gateway_address, "hi", thinker_max_tokens=3, talker_max_tokens=4, timeout=60))
+        assert reply.token_ids
