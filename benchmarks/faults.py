@@ -41,11 +41,12 @@ class Dims:
     num_code_groups: int
     vocab: int
     codebook_size: int
+    media_id: int  # an audio/image/video placeholder id
 
     @classmethod
     def of(cls, spec: Any) -> Dims:
         return cls(int(spec.thinker_hidden), int(spec.num_code_groups), int(spec.thinker_vocab),
-                   int(spec.codebook_size))  # fmt: skip
+                   int(spec.codebook_size), int(spec.multimodal_ids[0]))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -127,12 +128,23 @@ def _bad_chunks(stage: str, dims: Dims, rng: random.Random) -> list[tuple[str, A
                 ("float-ids", encode_chunk({"prompt_ids": torch.zeros(2), "prompt_embed": torch.zeros(2, h)},
                                            offset=0, length=0)),
                 ("offset-gap", encode_chunk({"prompt_ids": torch.zeros(2, dtype=torch.long),
-                                             "prompt_embed": torch.zeros(2, h)}, offset=4, length=0))]  # fmt: skip
+                                             "prompt_embed": torch.zeros(2, h)}, offset=4, length=0)),
+                # refused as they arrive: in the step they would share, they failed every request in it
+                ("nan-embed", encode_chunk({"prompt_ids": torch.zeros(2, dtype=torch.long),
+                                            "prompt_embed": torch.full((2, h), math.nan)}, offset=0, length=0)),
+                ("media-without-hidden", encode_chunk({"prompt_ids": torch.tensor([0, dims.media_id]),
+                                                       "prompt_embed": torch.zeros(2, h)}, offset=0, length=0)),
+                ("nan-seconds-per-grid", encode_chunk({"prompt_ids": torch.zeros(2, dtype=torch.long),
+                                                       "prompt_embed": torch.zeros(2, h),
+                                                       "video_second_per_grid": torch.tensor([math.nan])},
+                                                      offset=0, length=0))]  # fmt: skip
     return [("wrong-groups", encode_chunk({"codes": torch.zeros(g + 1, 2, dtype=torch.long)}, offset=0, length=2)),
             ("float-codes", encode_chunk({"codes": torch.zeros(g, 2)}, offset=0, length=2)),
             ("offset-gap", encode_chunk({"codes": torch.zeros(g, 2, dtype=torch.long)}, offset=3, length=2)),
             ("length-mismatch", encode_chunk({"codes": torch.zeros(g, 2, dtype=torch.long)}, offset=0, length=5)),
-            ("wrong-name", encode_chunk({"audio": torch.zeros(8)}, offset=0, length=8))]  # fmt: skip
+            ("wrong-name", encode_chunk({"audio": torch.zeros(8)}, offset=0, length=8)),
+            ("code-out-of-range", encode_chunk({"codes": torch.full((g, 2), dims.codebook_size)}, offset=0,
+                                               length=2))]  # fmt: skip
 
 
 def _bad_starts(stage: str, rid: str) -> list[tuple[str, stage_pb2.Start]]:

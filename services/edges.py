@@ -23,8 +23,9 @@ checks a receiver makes (errors name the stage and the field: INVALID_ARGUMENT).
                                         image_grid_thw [I, 3], video_grid_thw [V, 3],
                                         video_second_per_grid [V])
                           Tokens        ids [n], embed [n, H] per generated token; the chunk
-                                        holding the thinker's last token is finished (or an
-                                        empty finished chunk follows)
+                                        holding the thinker's last token is finished (the talker
+                                        turns that token into tts_eos, so an empty finished chunk
+                                        after it is refused)
     talker   -> code2wav  Frames        codes [G, n]; then an empty finished chunk
     talker   -> caller    Frames        the same chunks, and the finished one says why
     code2wav -> caller    Audio         audio [samples] float32, meta sample_rate; then finished
@@ -184,6 +185,8 @@ def read_thinker_prompt(stage: str, chunk: DecodedChunk, hidden_size: int) -> Th
             shape: tuple[int | None, ...] = (None, 3) if name.endswith("grid_thw") else (None,)
             dtypes = FLOAT_DTYPES if name == "video_second_per_grid" else INT_DTYPES
             rope[name] = tensor(stage, chunk, name, dtypes, shape).clone()
+            if not bool(torch.isfinite(rope[name]).all()) or bool((rope[name] < 0).any()):
+                raise invalid(f"{stage}: tensor '{name}' holds negative, NaN or infinite values")
     return ThinkerPrompt(ids.clone(), embeds.clone(), hidden, rope)
 
 

@@ -99,3 +99,53 @@ def test_a_decoder_that_looks_ahead_gets_each_frame_as_it_is_made() -> None:
     down = _run(False, 7, Code2WavConfig(base_port=7301, first_chunk_frames=3, chunk_frames=5))
     frames = [c for c in down if edges.CODES in c.tensors]
     assert [c.length for c in frames] == [1] * 7 and [c.offset for c in frames] == list(range(7))
+
+
+def test_bad_thinker_rows_are_refused_as_they_arrive(pipeline: Any) -> None:
+    """Rows that would fail the shared talker step (and every request in it) fail their own
+    request when they arrive: NaN, media placeholders without hidden states, a NaN video rate.
+    Rows in another float dtype (a bfloat16 thinker) are taken in the talker's."""
+    from omnistage.wire import Code, DecodedChunk, StageError
+    from omnistage.wire.tensor_blob import LENGTH_KEY
+
+    worker = pipeline.workers["talker"]
+    ids = torch.tensor(pipeline.prompt_ids("hi"))
+    h = pipeline.spec.thinker_hidden
+    media = torch.cat([ids[:2], torch.tensor([pipeline.spec.multimodal_ids[0]]), ids[2:]])
+
+    def feed(tensors: dict[str, torch.Tensor], after_prompt: bool = False, length: int = 0) -> Request:
+        req = Request("bad", stage_pb2.Start(request_id="bad"))
+        worker.open(req)
+        if after_prompt:  # a valid prompt first
+            worker.feed(req, DecodedChunk({edges.PROMPT_IDS: ids, edges.PROMPT_EMBED: torch.zeros(len(ids), h)},
+                                          {LENGTH_KEY: 0}, 0, 0, False))  # fmt: skip
+        try:
+            worker.feed(req, DecodedChunk(tensors, {LENGTH_KEY: length}, 0, 0, False))
+        except StageError:
+            worker.close(req)  # as the engine frees a failed request
+            raise
+        return req
+
+    cases = [
+        ({edges.PROMPT_IDS: ids, edges.PROMPT_EMBED: torch.full((len(ids), h), float("nan"))}, False, 0,
+         "tensor 'prompt_embed' holds NaN or infinite values"),
+        ({edges.PROMPT_IDS: media, edges.PROMPT_EMBED: torch.zeros(len(media), h)}, False, 0,
+         "placeholders but no thinker hidden states"),
+        ({edges.PROMPT_IDS: ids, edges.PROMPT_EMBED: torch.zeros(len(ids), h),
+          "video_second_per_grid": torch.tensor([float("nan")])}, False, 0, "negative, NaN or infinite"),
+        ({"ids": torch.tensor([1]), edges.EMBED: torch.full((1, h), float("inf"))}, True, 1, "holds NaN or infinite"),
+    ]  # fmt: skip
+    for tensors, after_prompt, length, message in cases:
+        with pytest.raises(StageError) as err:
+            feed(tensors, after_prompt, length)
+        assert err.value.code == Code.INVALID_ARGUMENT and message in err.value.message, err.value.message
+    req = feed({edges.PROMPT_IDS: ids, edges.PROMPT_EMBED: torch.zeros(len(ids), h, dtype=torch.bfloat16)})
+    assert req.state.prompt[1].dtype == next(worker.talker.model.parameters()).dtype == torch.float32
+    worker.close(req)
+    assert "bad" not in worker.held
+    # an empty finished chunk after tokens none of which was marked last: the talker cannot end its
+    # speech on tts_eos then (it would talk on to max_tokens)
+    req = feed({"ids": torch.tensor([1]), edges.EMBED: torch.zeros(1, h)}, True, 1)
+    with pytest.raises(StageError, match="an empty finished chunk after the tokens"):
+        worker.feed(req, DecodedChunk({}, {LENGTH_KEY: 0}, 1, 0, True))
+    worker.close(req)

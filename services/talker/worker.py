@@ -10,6 +10,7 @@ frames) gets every frame as it is made."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,15 +62,36 @@ class TalkerWorker(StageWorker):
         if state.prompt is None:
             prompt = edges.read_thinker_prompt(self.name, chunk, hidden_size)
             try:
-                self.talker.set_prompt(state, prompt.ids, prompt.embeds, prompt.hidden, prompt.rope)
+                embeds, hidden = self._rows("prompt_embed", prompt.embeds), self._rows("prompt_hidden", prompt.hidden)
+                self.talker.set_prompt(state, prompt.ids, embeds, hidden, prompt.rope)
             except ValueError as e:
                 raise invalid(f"talker: {e}") from None
             return
-        if edges.is_end(chunk):
-            return
+        if edges.is_end(chunk):  # the last token it had was not marked last: it cannot be taken back
+            raise invalid("talker: an empty finished chunk after the tokens; the chunk holding the thinker's "
+                          "last token must be the finished one")  # fmt: skip
         tokens = edges.read_tokens(self.name, chunk, hidden_size, with_hidden=bool(self.spec.talker_needs_hidden))
         for i, (embed, hidden) in enumerate(tokens):
+            try:
+                embed, hidden = self._rows("embed", embed), self._rows("hidden", hidden)
+            except ValueError as e:
+                raise invalid(f"talker: {e}") from None
             state.add_token(embed, chunk.finished and i == len(tokens) - 1, hidden)
+
+    def _rows(self, name: str, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """The thinker's rows as the talker computes with them: finite, in its dtype (a thinker in
+        bfloat16 may feed a float32 talker). Checked as they arrive, so one request's bad rows
+        fail it alone, not a step it shares (its NaN would also break sampling there)."""
+        if rows is None:
+            return None
+        if not bool(torch.isfinite(rows).all()):
+            raise ValueError(f"tensor '{name}' holds NaN or infinite values")
+        return rows.to(self.dtype)
+
+    @functools.cached_property
+    def dtype(self) -> torch.dtype:
+        """The talker's weights' dtype, what it computes in."""
+        return next(self.talker.model.parameters()).dtype
 
     def max_steps(self, req: Request) -> int:
         # A step runs the prompt, or completes a frame and/or feeds it back: at most two steps

@@ -118,6 +118,8 @@ class Talker:
         audio/image/video), and `rope`, the items' sizes (RopeInputs' fields). The talker
         prompt's positions are placed here, so sizes that disagree with the placeholders fail
         this request when it arrives (ValueError), not a step."""
+        if hidden is None and bool(torch.isin(ids.view(-1).cpu(), torch.tensor(self.spec.multimodal_ids)).any()):
+            raise ValueError("the prompt has audio/image/video placeholders but no thinker hidden states")
         state.set_prompt(ids, embeds, hidden, self.spec, RopeInputs(**(rope or {})))
         try:
             talker_ids = talker_input_ids(ids, self.spec).to(self.device)
