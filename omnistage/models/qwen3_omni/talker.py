@@ -75,7 +75,7 @@ class TalkerState:
     def set_prompt(self, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None, spec: FamilySpec,
                    rope: RopeInputs | None = None) -> None:  # fmt: skip
         self.prompt = (ids, embeds, hidden)
-        self.header = embeds[assistant_start(ids, spec) :]
+        self.header = embeds[assistant_start(ids, spec) :].clone()  # not a view: the prompt is freed after prefill
         self.rope = rope or RopeInputs()
 
     def add_token(self, embed: torch.Tensor, is_last: bool, hidden: torch.Tensor | None = None) -> None:
@@ -195,6 +195,8 @@ class Talker:
         ids, embeds, hidden = state.prompt
         stream = torch.stack([e for e, _ in needed])  # type: ignore[misc]
         prompt, _ = self.prompts.prefill_embeds(ids, embeds, hidden, stream, state.speaker)
+        # only the prefill reads the thinker's prompt rows ([L, H] each): not held for the whole speech
+        state.prompt = (ids, embeds.new_empty((0, embeds.shape[1])), None)
         return prompt.to(self.model.dtype)
 
     def _trailing(self, state: TalkerState, text_done: bool) -> torch.Tensor | None:
