@@ -132,7 +132,7 @@ def free_port_blocks(
     port = start + (os.getpid() * 37) % 20000
     taken: set[int] = set()
     for n in sizes:
-        for _ in range(65000 - start):  # one pass over the range at most
+        for _ in range((65000 - start) // n + 2):  # one pass over the range at most
             block = list(range(port, port + n))
             port += n
             if port > 65000:

@@ -61,7 +61,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -509,11 +509,15 @@ async def _read_body(request: Request, limit: int) -> bytes:
                         code="request_too_large")  # fmt: skip
     parts: list[bytes] = []
     size = 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise HttpError(413, f"request body over the limit of {limit} bytes", code="request_too_large")
-        parts.append(part)
+    try:
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise HttpError(413, f"request body over the limit of {limit} bytes", code="request_too_large")
+            parts.append(part)
+    except ClientDisconnect:  # gone before its body was in: nobody reads the answer
+        raise HttpError(499, "the client closed the connection while sending its body",
+                        code="client_closed_request") from None  # fmt: skip
     return b"".join(parts)
 
 
@@ -818,9 +822,8 @@ def build_app(service: GatewayService) -> Starlette:
 
     async def internal_error(request: Request, exc: Exception) -> Response:
         """A failure nothing above answered (a bug): an OpenAI error object, not Starlette's
-        text, told not to retry (the OpenAI SDK retries a 500 twice otherwise)."""
-        log.error("http: %s %s failed", request.method, request.url.path, exc_info=exc)
-        service.metrics.requests.labels("http", "HTTP_500").inc()
+        text, told not to retry (the OpenAI SDK retries a 500 twice otherwise). Starlette raises
+        it on to the server, which logs it."""
         response = HttpError(500, f"internal error: {type(exc).__name__}", "server_error").response()
         response.headers["x-should-retry"] = "false"
         return response

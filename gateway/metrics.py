@@ -42,6 +42,7 @@ class Outcome:
     audio_times: list[float] = field(default_factory=list)
     finish_reason: str = ""
     status: str = "ok"
+    shed: bool = False  # refused at once over gateway.max_in_flight: counted, not a latency
 
 
 class GatewayMetrics:
@@ -69,6 +70,8 @@ class GatewayMetrics:
 
     def observe(self, o: Outcome, e2e: float, sample_rate: int) -> None:
         self.requests.labels(o.api, o.status).inc()
+        if o.shed:
+            return
         self.e2e.observe(e2e)
         self.prompt_tokens.inc(o.prompt_tokens)
         self.completion_tokens.inc(o.completion_tokens)

@@ -206,6 +206,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         replies = self._generate(request, outcome, timeout)
         try:
             if self.active > self.cfg.gateway.max_in_flight:  # shed at once: queued, it would wait to its deadline
+                outcome.shed = True
                 raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"gateway: {self.active - 1} requests in "
                                    f"flight, its limit (gateway.max_in_flight); retry later")  # fmt: skip
             async for resp in replies:
@@ -220,14 +221,16 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             outcome.status = "ERROR"
             raise
         finally:
-            # closed here, not left to the event loop's finalizer: a caller that stops reading (its
-            # client hung up mid-stream) cancels the stage calls before the request counts as over
-            await replies.aclose()
-            self.active -= 1
-            self.metrics.in_flight.dec()
-            e2e = time.perf_counter() - outcome.t0
-            self.metrics.observe(outcome, e2e, self.sample_rate)
-            self._access_log(outcome, e2e)
+            try:
+                # closed here, not left to the event loop's finalizer: a caller that stops reading
+                # (its client hung up mid-stream) cancels the stage calls before the request is over
+                await replies.aclose()
+            finally:
+                self.active -= 1
+                self.metrics.in_flight.dec()
+                e2e = time.perf_counter() - outcome.t0
+                self.metrics.observe(outcome, e2e, self.sample_rate)
+                self._access_log(outcome, e2e)
 
     def _timeout(self, remaining: float | None) -> float:
         """The request's deadline: the client's, at most request_timeout_s (a far one would let a

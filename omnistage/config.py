@@ -279,14 +279,17 @@ class DeployConfig(_StagesConfig):  # type: ignore[misc,valid-type]
     @model_validator(mode="after")
     def _thinker_roles(self) -> DeployConfig:
         """With the thinker split, its own process fields run nothing: one set away from its
-        default is refused, naming where it belongs (the roles do not inherit it); and the roles
-        batch alike (a decode goes on from the prefill's cache: exact mode's parity needs both)."""
+        default, and not what both roles have, is refused naming where it belongs (the roles do
+        not inherit it); and the roles batch alike (a decode goes on from the prefill's cache:
+        exact mode's parity needs both)."""
         t = self.thinker
         if not t.disaggregated:
             return self
         defaults = {name: f.default for name, f in StageConfig.model_fields.items()} | stage_def("thinker").defaults
         for name in StageConfig.model_fields:
-            if name != "base_port" and getattr(t, name) != defaults[name]:
+            value = getattr(t, name)
+            shared = value == getattr(t.prefill, name) == getattr(t.decode, name)  # as `serve --device` sets all
+            if name != "base_port" and value != defaults[name] and not shared:
                 raise ValueError(f"thinker.{name}: {getattr(t, name)!r} is not used with thinker.disaggregated: "
                                  f"true; set it in thinker.prefill and thinker.decode")  # fmt: skip
         if t.prefill.batching != t.decode.batching:

@@ -79,6 +79,9 @@ def test_a_split_thinker_refuses_what_its_roles_would_not_run(thinker: dict[str,
     parse_config({"thinker": {"disaggregated": False, **thinker}})  # the single thinker runs them
     both = {"prefill": {"batching": "fast"}, "decode": {"batching": "fast"}}
     assert parse_config({"thinker": {"disaggregated": True, **both}}).stage("thinker-decode").batching == "fast"
+    # what `serve --dtype/--device` gives: the same value in the thinker block and both roles
+    everywhere = {"dtype": "bfloat16", "prefill": {"dtype": "bfloat16"}, "decode": {"dtype": "bfloat16"}}
+    assert parse_config({"thinker": {"disaggregated": True, **everywhere}}).stage("thinker-prefill").dtype == "bfloat16"
 
 
 def test_disaggregated_thinker_config() -> None:

@@ -125,5 +125,7 @@ def test_a_child_that_dies_soon_after_serving_is_restarted_later_each_time(monke
         return delay
 
     delays = [life(2.0) for _ in range(serve.RESTART_GIVE_UP + 2)]  # past the give-up count: never raises
-    assert delays[:4] == [1.0, 2.0, 4.0, 8.0] and delays[-1] == min(serve.RESTART_BACKOFF_S[1], 2.0 ** len(delays))
+    first, cap = serve.RESTART_BACKOFF_S
+    assert delays == [min(cap, first * 2.0**n) for n in range(1, len(delays) + 1)]  # 1, 2, 4, ... up to the cap
+    assert delays[-1] == cap
     assert life(serve.HEALTHY_RESET_S + 1) == serve.RESTART_BACKOFF_S[0]  # a long life: the backoff starts over

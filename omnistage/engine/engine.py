@@ -306,29 +306,28 @@ class Engine:
                                                           "used its scheduled budget unfinished"))
 
     def _shared_failure(self, exc: Exception, batch: Sequence[ScheduledItem]) -> StageError:
-        """What a step's failure is to each request in it: logged once, not once per request;
-        out of memory is RESOURCE_EXHAUSTED (retryable, as when an input does not fit)."""
-        if isinstance(exc, StageError):
-            return exc
+        """What a step's failure is to each request in it, logged once for the step (not once
+        per request); out of memory is RESOURCE_EXHAUSTED (retryable, as when an input does not fit)."""
         name = self.worker.name
         ids = ", ".join(it.request.request_id for it in batch)
         if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":  # torch's, CPU or CUDA
             log.error("%s: out of memory in a step of %d requests (%s): %s", name, len(batch), ids, exc)
             return StageError(Code.RESOURCE_EXHAUSTED, f"{name}: out of memory in a step of {len(batch)} requests")
-        trace = "".join(traceback.format_exception(exc))
-        log.error("%s: a step of %d requests failed (%s):\n%s", name, len(batch), ids, trace)
-        return StageError(Code.INTERNAL, f"{name}: internal error: {exc}")
+        return self._stage_error(exc, f"a step of {len(batch)} requests ({ids})")
+
+    def _stage_error(self, exc: BaseException, what: str) -> StageError:
+        """The status `exc` maps to; an unexpected one (a bug) is logged with its traceback."""
+        if isinstance(exc, StageError):
+            return exc
+        if isinstance(exc, TensorBlobError):
+            return invalid(f"{self.worker.name}: {exc}")
+        # a bug must fail the request, not the service
+        log.error("%s: %s failed:\n%s", self.worker.name, what, "".join(traceback.format_exception(exc)))
+        return StageError(Code.INTERNAL, f"{self.worker.name}: internal error: {exc}")
 
     def _fail(self, req: Request, exc: BaseException) -> None:
         """Fail one request with the status its exception maps to; the others go on."""
-        if isinstance(exc, StageError):
-            err = exc
-        elif isinstance(exc, TensorBlobError):
-            err = invalid(f"{self.worker.name}: {exc}")
-        else:  # a bug must fail the request, not the service
-            trace = "".join(traceback.format_exception(exc))
-            log.error("%s: request %s failed:\n%s", self.worker.name, req.request_id, trace)
-            err = StageError(Code.INTERNAL, f"{self.worker.name}: internal error: {exc}")
+        err = self._stage_error(exc, f"request {req.request_id}")
         if req.error is None:
             req.error = err
         self._end(req, FinishReason.ERROR)

@@ -44,7 +44,6 @@ def test_exact_stream_equals_generates_decode(runner: Code2Wav, frames: int, chu
     its pieces fall (across a segment's end, or several segments in one piece)."""
     codes = _codes(runner, frames, seed)
     reference = runner.model.chunked_decode(codes.unsqueeze(0), 300, 25).reshape(-1).float()
-    assert torch.equal(runner.decode(codes), reference)
     streamed = _stream(runner, codes, chunk)
     segments = -(-frames // 300)
     assert streamed.shape == reference.shape == (frames * runner.samples_per_frame - 555 * segments,)
@@ -63,3 +62,24 @@ def test_windowed_option_is_the_windowed_reference(runner: Code2Wav) -> None:
     # owes, which the exact mode keeps.
     full = full_decode(runner.model, codes).float()
     assert reference.shape[0] < full.shape[0]
+
+
+def test_streams_at_different_points_of_their_segments_share_a_step(runner: Code2Wav) -> None:
+    """One decode_pending call for three streams: one inside its first segment, one crossing into
+    its second, one spanning two boundaries at once; each equals generate()'s decode of its frames."""
+    total = [150, 340, 700]
+    codes = [_codes(runner, n, 10 + i) for i, n in enumerate(total)]
+    streams = [runner.open_stream("exact") for _ in codes]
+    cuts = [(0, 100, 150), (0, 290, 340), (0, 10, 700)]  # each stream's frames in two calls
+    parts: list[list[torch.Tensor]] = [[] for _ in codes]
+    for step in range(2):
+        for s, c, cut in zip(streams, codes, cuts, strict=True):
+            s.pending = list(c[:, cut[step] : cut[step + 1]].unbind(1))
+        for i, (first, pcm) in enumerate(runner.decode_pending(streams)):
+            assert first == sum(p.shape[0] for p in parts[i])
+            parts[i].append(pcm)
+    for s, c, got in zip(streams, codes, parts, strict=True):
+        runner.close(s)
+        reference = runner.model.chunked_decode(c.unsqueeze(0), 300, 25).reshape(-1).float()
+        assert torch.cat(got).shape == reference.shape
+        assert float((torch.cat(got) - reference).abs().max()) <= 1e-5

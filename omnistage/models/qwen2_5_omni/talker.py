@@ -153,6 +153,7 @@ class Talker:
         assert state.prompt is not None
         bos = self.text_embeds[self.spec.speaker_id(state.speaker)]
         rows = torch.cat([state.prompt.to(self.device), bos.view(1, -1), state.reply(0).view(1, -1).to(self.device)])
+        state.prompt = state.prompt[:0].clone()  # only this prefill reads the [L, H] rows: not held for the speech
         return rows.unsqueeze(0)
 
     def _next_row(self, state: TalkerState) -> torch.Tensor:
