@@ -560,7 +560,7 @@ class StageService:
         caller does not have yet."""
         resume = Resume()
         while True:
-            parts: list[Received[stage_pb2.StageResponse]] = []  # a split chunk, held until whole
+            parts: dict[str, list[Received[stage_pb2.StageResponse]]] = {}  # per stage: a split chunk, held whole
             try:
                 async for raw in call.down_call:
                     for out in self._resume(raw, parts, resume):
@@ -598,7 +598,7 @@ class StageService:
                 self._fail(req, call, StageError(Code.INTERNAL, f"{self.downstream_name} sent a bad response: {e}"))
                 return
 
-    def _resume(self, raw: bytes, parts: list[Received[stage_pb2.StageResponse]], resume: Resume
+    def _resume(self, raw: bytes, parts: dict[str, list[Received[stage_pb2.StageResponse]]], resume: Resume
                 ) -> list[bytes | Outgoing]:  # fmt: skip
         """What of one relayed response goes up: its bytes as they came when the caller has
         none of it, nothing when it has all of it, its new tail re-encoded when it has a head.
@@ -608,12 +608,14 @@ class StageService:
             return [raw]
         received = parse_response(raw)
         chunk = received.message.chunk
-        if chunk.parts > 1:
-            parts.append(received)
+        stage = received.message.stage
+        whole = [received]
+        if chunk.parts > 1:  # the stages below relay their parts as they come: a split chunk of one
+            pending = parts.setdefault(stage, [])  # stage may have another stage's chunks between its parts
+            pending.append(received)
             if chunk.part < chunk.parts - 1:
                 return []  # up only whole: a replay restarts at chunk boundaries
-        whole, parts[:] = [*parts] or [received], []
-        stage = received.message.stage
+            whole = parts.pop(stage)
         meta = get_meta(chunk.meta)
         length = meta.get(LENGTH_KEY, 0)
         length = length if isinstance(length, int) else 0

@@ -76,7 +76,8 @@ SHM_ACK_KEY = "omnistage-shm"  # initial metadata, receiver -> sender: "1" = can
 ENV_FLAG = "OMNISTAGE_SHM"
 
 _ALIGN = 64
-_NAME_RE = re.compile(r"^omnistage-[A-Za-z0-9_-]{1,200}$")
+_NAME_RE = re.compile(r"omnistage-[A-Za-z0-9_-]{1,200}")  # fullmatch: `$` would let a trailing newline in
+_PROBE_RE = re.compile(r"omnistage-\d+-\d+-\d+-[0-9a-f]{8}-probe")  # exactly what a pool names its probe
 _OWNER_RE = re.compile(r"^omnistage-(\d+)-(\d+)-(\d+)-")
 _NONCE_BYTES = 16
 
@@ -129,7 +130,7 @@ def sweep_stale_segments(directory: str | Path = DEFAULT_DIR) -> list[str]:
         pid, owner_ns, start = (int(g) for g in m.groups())
         if owner_ns != ns or _start_time(pid) == start:
             continue
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # gone already, or another user's (sticky /dev/shm)
             os.unlink(os.path.join(directory, name))
             removed.append(name)
     return removed
@@ -393,7 +394,7 @@ class ShmReader:
         self._maps: OrderedDict[str, tuple[mmap.mmap, int]] = OrderedDict()
 
     def _map(self, name: str) -> tuple[mmap.mmap, int]:
-        if not _NAME_RE.match(name):
+        if not _NAME_RE.fullmatch(name):
             raise TensorBlobError(f"invalid shared-memory segment name {name[:80]!r}")
         with self._lock:
             hit = self._maps.get(name)
@@ -410,6 +411,9 @@ class ShmReader:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size <= 0:
                 raise TensorBlobError(f"shared-memory segment {name!r} is not a usable file")
+            # a pool's files are this user's alone (0600): anything else was made by someone else
+            if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                raise TensorBlobError(f"shared-memory segment {name!r} is not private to this user")
             mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
             raise TensorBlobError(f"cannot map shared-memory segment {name!r}: {e.strerror}") from None
@@ -456,9 +460,12 @@ class ShmReader:
         """The initial metadata answering a caller's probe, and the reader for that call: it maps
         only the segments of the pool whose probe the caller proved on this call."""
         for key, value in metadata or ():
-            if key == SHM_PROBE_KEY and isinstance(value, str) and self.check_probe(value):
-                stem = value.partition(":")[0].removesuffix("-probe")
-                return [(SHM_ACK_KEY, "1")], CallShmReader(self, stem)
+            if key != SHM_PROBE_KEY or not isinstance(value, str):
+                continue
+            name = value.partition(":")[0]
+            # only a pool's own probe name: a shorter stem ("omnistage") would cover every segment
+            if _PROBE_RE.fullmatch(name) and self.check_probe(value):
+                return [(SHM_ACK_KEY, "1")], CallShmReader(self, name.removesuffix("-probe"))
         return [], CallShmReader(self, None)
 
     def forget(self, name: str) -> None:
@@ -490,9 +497,10 @@ class CallShmReader:
         self.reader = reader
         self.stem = stem
         self.enabled = reader.enabled and stem is not None
+        self._segment = None if stem is None else re.compile(re.escape(stem) + r"-\d+")  # the pool's data segments
 
     def buffer(self, ref: ShmRef) -> memoryview:
         name = ref.segment
-        if self.stem is None or not name.startswith(self.stem + "-") or name == self.stem + "-probe":
+        if self._segment is None or not self._segment.fullmatch(name):
             raise TensorBlobError("a shared-memory reference to a segment this caller did not announce on this call")
         return self.reader.buffer(ref)

@@ -48,3 +48,35 @@ def test_shm_false_refuses_every_reference(pool: ShmPool) -> None:
     assert slot is not None
     ack, call = off.accept_call([(SHM_PROBE_KEY, pool.probe_token() or "")])
     assert ack == [] and not call.enabled
+
+
+def test_a_probe_of_any_other_form_or_a_shared_file_grants_nothing(pool: ShmPool, reader: ShmReader) -> None:
+    """A probe named `omnistage-probe` would make the stem `omnistage`, which every segment
+    starts with: only the exact form a pool gives its probe is taken. A file anyone else could
+    have written (not 0600, this user's) is not mapped, and a name with a trailing newline is no
+    segment name."""
+    import os
+    import secrets
+
+    slot = pool.allocate("r", 4096)
+    assert slot is not None
+    nonce = secrets.token_bytes(16)
+    short = pool.directory / "omnistage-probe"
+    shared = pool.directory / f"omnistage-{os.getpid()}-0-0-{secrets.token_hex(4)}-probe"
+    try:
+        for path, mode in ((short, 0o600), (shared, 0o644)):
+            path.write_bytes(nonce + bytes(4080))
+            path.chmod(mode)
+            ack, call = reader.accept_call([(SHM_PROBE_KEY, f"{path.name}:{nonce.hex()}")])
+            assert ack == [] and not call.enabled, path.name
+            with pytest.raises(TensorBlobError):
+                call.buffer(slot.ref())
+        with pytest.raises(TensorBlobError, match="not private to this user"):
+            reader.buffer(ShmRef(segment=shared.name, offset=0, nbytes=16))
+        with pytest.raises(TensorBlobError, match="invalid shared-memory segment name"):
+            reader.buffer(ShmRef(segment=slot.segment + "\n", offset=0, nbytes=16))
+        ack, call = reader.accept_call([(SHM_PROBE_KEY, pool.probe_token() or "")])
+        assert ack and len(call.buffer(slot.ref())) == 4096  # the pool's own probe still grants its segments
+    finally:
+        for path in (short, shared):
+            path.unlink(missing_ok=True)

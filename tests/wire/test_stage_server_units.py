@@ -107,3 +107,29 @@ def test_a_pending_host_copy_is_awaited_off_the_event_loop() -> None:
     assert ticks >= 5  # the loop ran while host_ready waited
     assert copy.waited_in is not None and copy.waited_in != threading.main_thread().name
     assert out.ready is None  # waited: encoding reads the host tensors now
+
+
+def test_a_relayed_split_chunk_with_another_stages_chunk_between_its_parts() -> None:
+    """The talker relays code2wav's parts as they come and its own chunks between them: each
+    stage's split chunk is held whole on its own, and the other stage's chunk goes up (it was
+    dropped, and counted as delivered)."""
+    from omnistage.server.stage_server import parse_response
+    from omnistage.wire.resume import Resume
+    from omnistage.wire.tensor_blob import ChunkAssembler, encode_chunks
+
+    service = SimpleNamespace(failover_attempts=1, max_message_bytes=1 << 20)
+    audio = torch.arange(6000, dtype=torch.float32)
+    pieces = encode_chunks({"audio": audio}, max_bytes=10_000, offset=0, length=6000)
+    assert len(pieces) > 2
+    raw = [stage_pb2.StageResponse(stage="code2wav", chunk=p.message()).SerializeToString() for p in pieces]
+    frames = stage_pb2.StageResponse(stage="talker", chunk=encode_chunk(
+        {"codes": torch.zeros(2, 4, dtype=torch.long)}, offset=0, length=4)).SerializeToString()  # fmt: skip
+    parts: dict[str, Any] = {}
+    resume = Resume()
+    out: list[Any] = []
+    for message in [raw[0], frames, *raw[1:]]:
+        out += StageService._resume(service, message, parts, resume)  # type: ignore[arg-type]
+    assert frames in out and resume.end["talker"] == 4 and resume.end["code2wav"] == 6000
+    assembler = ChunkAssembler()
+    got = [assembler.push(parse_response(m).message.chunk) for m in out if m != frames]
+    assert got[-1] is not None and torch.equal(got[-1].tensors["audio"], audio)
