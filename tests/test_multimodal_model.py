@@ -99,6 +99,9 @@ def test_inputs_that_disagree_are_refused(pipeline: Any) -> None:
         (ids, {k: v for k, v in inputs.items() if k != "video_grid_thw"}, "come together"),
         (_without_first(ids, cfg.video_token_id), inputs, "video placeholders but the video inputs give"),
         (audio_ids, {**audio_inputs, "feature_attention_mask": audio_inputs["feature_attention_mask"] * 2}, "0 and 1"),
+        (audio_ids, {**audio_inputs, "input_features": audio_inputs["input_features"] * float("nan")},
+         "input_features holds NaN"),
+        (ids, {**inputs, "pixel_values": inputs["pixel_values"] / 0}, "pixel_values holds NaN or infinite"),
         (audio_ids, {k: v for k, v in audio_inputs.items() if k != "input_features"}, "come together"),
         ([i for i in audio_ids], {}, "audio placeholders but no input_features"),
     ]  # fmt: skip

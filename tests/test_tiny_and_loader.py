@@ -436,9 +436,32 @@ def test_sampling_params_are_validated() -> None:
 
     nan = float("nan")
     for bad in ({"temperature": 0}, {"top_p": 0}, {"top_k": -1}, {"max_tokens": 0}, {"repetition_penalty": 0},
-                {"temperature": nan}, {"top_p": nan}, {"repetition_penalty": nan}, {"temperature": float("inf")}):
+                {"temperature": nan}, {"top_p": nan}, {"repetition_penalty": nan}, {"temperature": float("inf")},
+                {"temperature": 1e-40, "do_sample": True}, {"repetition_penalty": 1e-40}):  # logits would overflow
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)  # type: ignore[arg-type]
+    SamplingParams(temperature=1e-40)  # greedy: the temperature is never applied
+
+
+def test_a_token_that_cannot_be_chosen_fails_its_request_alone(pipeline: Any, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:  # fmt: skip
+    """A sampler with no distribution left (NaN logits) raises while choosing; raised out of the
+    shared step it would fail every request in it: it stays on that request's result."""
+    thinker = pipeline.thinker
+    states = [thinker.new_state(pipeline.thinker_defaults()) for _ in range(2)]
+    ids = [pipeline.prompt_ids("hi"), pipeline.prompt_ids("Where is the train station?")]
+    for state, prompt in zip(states, ids, strict=True):
+        thinker.set_prompt(state, prompt)
+
+    def broken(logits: Any, history: Any) -> int:
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+
+    monkeypatch.setattr(states[1].chooser, "choose", broken)
+    good, bad = thinker.step([(s, 0, len(p)) for s, p in zip(states, ids, strict=True)])
+    assert good.error is None and good.token is not None
+    assert bad.token is None and bad.error is not None and "no token could be chosen" in str(bad.error)
+    for state in states:
+        thinker.release(state)
 
 
 def test_sampling_with_a_seed_is_repeatable(pipeline: Any) -> None:

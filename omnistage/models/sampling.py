@@ -18,6 +18,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+MIN_TEMPERATURE = 1e-5  # below it, sampled logits overflow float32 (vLLM treats it as greedy; here it is refused)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -38,12 +40,16 @@ class SamplingParams:
         # Written so that NaN fails every check (any comparison with NaN is False).
         if not 0 < self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number > 0, got {self.temperature}")
+        if self.do_sample and self.temperature < MIN_TEMPERATURE:  # logits / T overflow: no distribution left
+            raise ValueError(f"temperature {self.temperature:g} is below {MIN_TEMPERATURE:g} with sampling on; "
+                             "turn sampling off (do_sample false, or temperature 0 over HTTP) for greedy")  # fmt: skip
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if not MIN_TEMPERATURE <= self.repetition_penalty < math.inf:  # a positive logit / 1e-40 overflows
+            raise ValueError(f"repetition_penalty must be a finite number >= {MIN_TEMPERATURE:g}, "
+                             f"got {self.repetition_penalty}")  # fmt: skip
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.forced_ids and not self.stop_ids:

@@ -82,7 +82,13 @@ class ThinkerWorker(StageWorker):
         live = [it for i, it in enumerate(batch) if i not in failed]
         steps = iter(self.thinker.step([(it.request.state, it.request.num_computed_tokens, it.num_tokens)
                                         for it in live]) if live else [])  # fmt: skip
-        return [failed[i] if i in failed else self._output(item, next(steps)) for i, item in enumerate(batch)]
+        out: list[StepOutput | Exception] = []
+        for i, item in enumerate(batch):
+            step = None if i in failed else next(steps)
+            if step is not None and step.error is not None:
+                failed[i] = invalid(f"thinker: {step.error}")
+            out.append(failed[i] if i in failed else self._output(item, step))
+        return out
 
     def talker_prompt(self, prompt: Any) -> OutChunk:
         """The prompt's chunk for the talker; the accept-layer states only when it has media."""

@@ -124,6 +124,10 @@ class _Checker:
 
     def run(self) -> None:
         cfg, mm = self.config, self.mm
+        for name in ("input_features", "pixel_values", "pixel_values_videos"):
+            t = getattr(mm, name)
+            if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name} holds NaN or infinite values")
         audio_items = self._audio()
         image_rows = self._vision("pixel_values", "image_grid_thw", cfg.image_token_id)
         video_rows = self._vision("pixel_values_videos", "video_grid_thw", cfg.video_token_id)

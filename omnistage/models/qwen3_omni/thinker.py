@@ -78,6 +78,7 @@ class ThinkerState:
 class ThinkerStep:
     prompt: PromptOutput | None = None  # when the prefill completed in this step
     token: TokenOutput | None = None  # None after a prefill chunk that is not the last
+    error: ValueError | None = None  # this request's token could not be chosen (its own failure)
 
 
 class Thinker:
@@ -190,6 +191,14 @@ class Thinker:
         embed = self.embedding(torch.tensor([token], device=self.device))[0]
         return TokenOutput(state.generated - 1, token, embed, hidden_row, stopped_on)
 
+    def _emit_into(self, result: ThinkerStep, state: ThinkerState, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        """`_emit`, its failure (NaN logits from NaN media, a sampler with no distribution left)
+        kept on this request's result: raised, it would fail every request in the step."""
+        try:
+            result.token = self._emit(state, logits, hidden)
+        except RuntimeError as e:
+            result.error = ValueError(f"no token could be chosen from this request's logits: {e}")
+
     @torch.no_grad()
     def step(self, items: Sequence[tuple[ThinkerState, int, int]]) -> list[ThinkerStep]:
         """One forward for every `(state, position, n)`: `position` is how many tokens the
@@ -255,9 +264,9 @@ class Thinker:
                     )
                     state.prompt_parts = []
                     state.prompt_inputs = None
-                    result.token = self._emit(state, logits, accept[-1])
+                    self._emit_into(result, state, logits, accept[-1])
             else:
-                result.token = self._emit(state, logits, accept[-1])
+                self._emit_into(result, state, logits, accept[-1])
             results.append(result)
             start = end
         return results
