@@ -169,7 +169,9 @@ class MonolithicDriver(SyncDriver):
         self.sample_rate = sample_rate
         self.prompt_ids = prompt_ids
         self.eos_id = eos_id
-        self.reference = open_checkpoint(model_dir).family.reference(model_dir, device, dtype)
+        ckpt = open_checkpoint(model_dir)
+        # the stack's dtype as its stages resolve it (`auto`: the checkpoint's own)
+        self.reference = ckpt.family.reference(model_dir, device, ckpt.resolve_dtype(dtype))
 
     def stream(self, req: BenchRequest) -> Iterator[StreamEvent]:
         ids = self.prompt_ids(req.prompt)

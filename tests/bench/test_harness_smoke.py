@@ -143,3 +143,14 @@ def test_fast_stages_record_their_agreement_instead_of_refusing(tiny_dir: Path) 
         assert a["requests"] == 3 and len(a["first_divergence"]) == round(3 * (1 - a["identical"]))
     assert "code2wav" not in times.agreement
     assert len(times.thinker_tokens) == 3 and all(times.thinker_tokens)
+
+
+def test_the_monolithic_baseline_takes_the_stacks_dtype_auto(tiny_dir: Path) -> None:
+    """deploy/examples/cuda.yaml runs `dtype: auto`; the bench's generate() baseline resolves it
+    as the stages do (the checkpoint's own) instead of failing on `torch.auto`."""
+    from benchmarks.drivers import MonolithicDriver
+    from omnistage.models import open_checkpoint
+
+    ckpt = open_checkpoint(tiny_dir)
+    mono = MonolithicDriver(tiny_dir, lambda prompt: [1], ckpt.spec.im_end_id, ckpt.sample_rate, dtype="auto")
+    assert str(next(mono.reference.model.parameters()).dtype) == f"torch.{ckpt.resolve_dtype('auto')}"
