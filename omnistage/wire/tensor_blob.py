@@ -527,6 +527,7 @@ class _Pending:
     next_part: int
     first: Chunk
     done: dict[str, torch.Tensor] = field(default_factory=dict)
+    held: int = 0  # bytes of the whole tensors in `done` (views keeping their messages alive)
     # name -> (dtype, shape, numel, destination bytes, elements filled so far)
     filling: dict[str, tuple[_DType, tuple[int, ...], int, np.ndarray, int]] = field(default_factory=dict)
 
@@ -592,12 +593,14 @@ class ChunkAssembler:
         r = _resolve(blob, self._reader, allow_piece=True, view=view)
         state = p.filling.get(name)
         if state is None:
-            if r.element_offset == 0 and r.count == r.numel:  # whole tensor: no copy
-                p.done[name] = _torch_view(r).view(r.shape)
-                return
-            used = sum(s[2] * s[0].itemsize for s in p.filling.values())
+            # everything the split chunk holds counts, the whole tensors it keeps as views too
+            used = p.held + sum(s[2] * s[0].itemsize for s in p.filling.values())
             if used + r.numel * r.dtype.itemsize > self._max_bytes:
                 raise TensorBlobError(f"split chunk exceeds {self._max_bytes} bytes")
+            if r.element_offset == 0 and r.count == r.numel:  # whole tensor: no copy
+                p.done[name] = _torch_view(r).view(r.shape)
+                p.held += r.numel * r.dtype.itemsize
+                return
             state = (r.dtype, r.shape, r.numel, np.empty(r.numel * r.dtype.itemsize, np.uint8), 0)
         dt, shape, numel, dest, filled = state
         if r.dtype.proto != dt.proto or r.shape != shape:

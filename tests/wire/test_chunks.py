@@ -135,3 +135,18 @@ def test_assembler_memory_bound() -> None:
 def test_too_small_limit_is_refused() -> None:
     with pytest.raises(ValueError):
         encode_messages({"x": torch.ones(10)}, max_bytes=100)
+
+
+def test_a_split_chunk_counts_its_whole_tensors_against_the_bound() -> None:
+    """Parts that each bring a whole new tensor are held as views of their messages: they count
+    toward `max_bytes` as pieces copied into place do (64 parts of 1 MiB each were all taken
+    under a 4 MiB bound)."""
+    asm = ChunkAssembler(max_bytes=4 << 20)
+    taken = 0
+    with pytest.raises(TensorBlobError, match=r"split chunk exceeds 4194304 bytes"):
+        for i in range(64):
+            part = tb.encode_chunk({f"t{i}": torch.zeros(1 << 18)}, offset=0, length=0)  # 1 MiB each
+            part.parts, part.part = 64, i
+            assert asm.push(part) is None
+            taken += 1
+    assert taken == 4 and not asm.in_progress
