@@ -88,15 +88,20 @@ def check_names(stage: str, chunk: DecodedChunk, required: set[str], optional: s
 
 
 def tensor(
-    stage: str, chunk: DecodedChunk, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int | None, ...]
+    stage: str, chunk: DecodedChunk, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int | None, ...],
+    finite: bool = False,
 ) -> torch.Tensor:
-    """The named tensor, checked against dtypes and a shape pattern (None = any size)."""
+    """The named tensor, checked against dtypes and a shape pattern (None = any size), and with
+    `finite` for NaN and infinities (refused as they arrive: in a step shared with other
+    requests they would fail them all)."""
     t = chunk.tensors[name]
     if t.dtype not in dtypes:
         raise invalid(f"{stage}: tensor '{name}' has dtype {t.dtype}; expected one of {[str(d) for d in dtypes]}")
     if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape, strict=True)):
         pattern = ["*" if s is None else s for s in shape]
         raise invalid(f"{stage}: tensor '{name}' has shape {list(t.shape)}; expected {pattern}")
+    if finite and not bool(torch.isfinite(t).all()):
+        raise invalid(f"{stage}: tensor '{name}' holds NaN or infinite values")
     return t
 
 
@@ -174,10 +179,10 @@ def read_thinker_prompt(stage: str, chunk: DecodedChunk, hidden_size: int) -> Th
     check_names(stage, chunk, {PROMPT_IDS, PROMPT_EMBED}, {PROMPT_HIDDEN, *ROPE})
     ids = tensor(stage, chunk, PROMPT_IDS, INT_DTYPES, (None,)).long()
     n = int(ids.shape[0])
-    embeds = tensor(stage, chunk, PROMPT_EMBED, FLOAT_DTYPES, (n, hidden_size))
+    embeds = tensor(stage, chunk, PROMPT_EMBED, FLOAT_DTYPES, (n, hidden_size), finite=True)
     hidden = None
     if PROMPT_HIDDEN in chunk.tensors:
-        hidden = tensor(stage, chunk, PROMPT_HIDDEN, FLOAT_DTYPES, (n, hidden_size)).clone()
+        hidden = tensor(stage, chunk, PROMPT_HIDDEN, FLOAT_DTYPES, (n, hidden_size), finite=True).clone()
     _check_length(stage, chunk, 0, "stream positions (a prompt advances none)")
     rope = {}
     for name in ROPE:
@@ -206,8 +211,8 @@ def read_tokens(stage: str, chunk: DecodedChunk, hidden_size: int, with_hidden: 
     check_names(stage, chunk, {IDS, EMBED, HIDDEN} if with_hidden else {IDS, EMBED})
     ids = tensor(stage, chunk, IDS, INT_DTYPES, (None,))
     n = int(ids.shape[0])
-    embed = tensor(stage, chunk, EMBED, FLOAT_DTYPES, (n, hidden_size))
-    hidden = tensor(stage, chunk, HIDDEN, FLOAT_DTYPES, (n, hidden_size)) if with_hidden else None
+    embed = tensor(stage, chunk, EMBED, FLOAT_DTYPES, (n, hidden_size), finite=True)
+    hidden = tensor(stage, chunk, HIDDEN, FLOAT_DTYPES, (n, hidden_size), finite=True) if with_hidden else None
     _check_length(stage, chunk, n, "tokens")
     return [(embed[i].clone(), None if hidden is None else hidden[i].clone()) for i in range(n)]
 

@@ -62,8 +62,8 @@ class TalkerWorker(StageWorker):
         if state.prompt is None:
             prompt = edges.read_thinker_prompt(self.name, chunk, hidden_size)
             try:
-                embeds, hidden = self._rows("prompt_embed", prompt.embeds), self._rows("prompt_hidden", prompt.hidden)
-                self.talker.set_prompt(state, prompt.ids, embeds, hidden, prompt.rope)
+                self.talker.set_prompt(state, prompt.ids, self._cast(prompt.embeds), self._cast(prompt.hidden),
+                                       prompt.rope)  # fmt: skip
             except ValueError as e:
                 raise invalid(f"talker: {e}") from None
             return
@@ -72,21 +72,12 @@ class TalkerWorker(StageWorker):
                           "last token must be the finished one")  # fmt: skip
         tokens = edges.read_tokens(self.name, chunk, hidden_size, with_hidden=bool(self.spec.talker_needs_hidden))
         for i, (embed, hidden) in enumerate(tokens):
-            try:
-                embed, hidden = self._rows("embed", embed), self._rows("hidden", hidden)
-            except ValueError as e:
-                raise invalid(f"talker: {e}") from None
-            state.add_token(embed, chunk.finished and i == len(tokens) - 1, hidden)
+            state.add_token(self._cast(embed), chunk.finished and i == len(tokens) - 1, self._cast(hidden))
 
-    def _rows(self, name: str, rows: torch.Tensor | None) -> torch.Tensor | None:
-        """The thinker's rows as the talker computes with them: finite, in its dtype (a thinker in
-        bfloat16 may feed a float32 talker). Checked as they arrive, so one request's bad rows
-        fail it alone, not a step it shares (its NaN would also break sampling there)."""
-        if rows is None:
-            return None
-        if not bool(torch.isfinite(rows).all()):
-            raise ValueError(f"tensor '{name}' holds NaN or infinite values")
-        return rows.to(self.dtype)
+    def _cast(self, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """The thinker's rows (finite: edges checked) in the talker's dtype: a thinker in bfloat16
+        may feed a float32 talker, and mixed dtypes failed the step the request shared."""
+        return None if rows is None else rows.to(self.dtype)
 
     @functools.cached_property
     def dtype(self) -> torch.dtype:

@@ -10,7 +10,7 @@ import random
 import signal
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -236,72 +236,79 @@ def test_cancels_at_random_points_leave_nothing_held(replicated: Stack) -> None:
 PROMPTS = [f"Question {i}: tell me something about the number {i}." for i in range(16)]
 
 
-def test_a_frozen_replica_under_load_loses_no_request(replicated: Stack) -> None:
-    """SIGSTOP of one talker and one code2wav replica while 8 requests stream: a frozen process
-    sends no reset, so only keepalive tells its callers it is gone. No request waits for its
-    deadline (20 s here, against 4 s to notice); every reply equals the fault-free run's."""
-    s = replicated
-    limits = {"thinker_max_tokens": 12, "talker_max_tokens": 24, "timeout": 20}
-    baseline, errors = run(faults.closed_loop(s.gateway_address, PROMPTS, 8, 120, **limits))
+def _replies_under_fault(s: Stack, prompts: list[str], concurrency: int, victims: dict[int, Any],
+                         hit: Callable[[Any], None], **limits: Any
+                         ) -> tuple[dict[int, Any], dict[int, Any]]:  # fmt: skip
+    """The fault-free replies, then those of the same run in which `hit(victims[n])` lands at
+    the nth request's first audio; no request fails in either, and every victim was hit."""
+    baseline, errors = run(faults.closed_loop(s.gateway_address, prompts, concurrency, 120, **limits))
     assert not errors, errors
-    victims = {2: s.child("code2wav", 1), 4: s.child("talker", 1)}  # at the nth first audio
-    frozen: list[Any] = []
     seen: list[int] = []
+    hits: list[Any] = []
 
     def on_audio(i: int) -> None:
         seen.append(i)
         victim = victims.get(len(seen))
         if victim is not None:
-            os.kill(victim.proc.pid, signal.SIGSTOP)
-            frozen.append(victim)
+            hit(victim)
+            hits.append(victim)
+
+    faulted, errors = run(faults.closed_loop(s.gateway_address, prompts, concurrency, 120, on_first_audio=on_audio,
+                                             **limits))  # fmt: skip
+    assert len(hits) == len(victims), "a victim was not hit during the run"
+    assert not errors, f"{len(errors)} requests failed, e.g. {errors[0]}"
+    return baseline, faulted
+
+
+def _assert_same_replies(faulted: dict[int, Any], baseline: dict[int, Any]) -> None:
+    assert faulted.keys() == baseline.keys()
+    for i, (base_ids, base_pcm) in baseline.items():
+        ids, pcm = faulted[i]
+        assert ids == base_ids, f"request {i}: text differs after failover"
+        assert pcm.shape == base_pcm.shape, f"request {i}: {pcm.shape} samples, fault-free {base_pcm.shape}"
+        np.testing.assert_allclose(pcm, base_pcm, atol=1e-5, err_msg=f"request {i}: audio differs after failover")
+
+
+def _logs(s: Stack, name: str) -> str:
+    return "".join(p.read_text(errors="replace") for p in s.run_dir.glob(f"{name}-*.log"))
+
+
+def test_a_frozen_replica_under_load_loses_no_request(replicated: Stack) -> None:
+    """SIGSTOP of one talker and one code2wav replica while 8 requests stream: a frozen process
+    sends no reset, so only keepalive tells its callers it is gone. No request waits for its
+    deadline (20 s here, against 4 s to notice); every reply equals the fault-free run's."""
+    s = replicated
+    victims = {2: s.child("code2wav", 1), 4: s.child("talker", 1)}  # at the nth first audio
+    frozen: list[Any] = []
+
+    def freeze(victim: Any) -> None:
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        frozen.append(victim)
 
     try:
-        faulted, errors = run(faults.closed_loop(s.gateway_address, PROMPTS, 8, 120, on_first_audio=on_audio,
-                                                 **limits))  # fmt: skip
+        baseline, faulted = _replies_under_fault(s, PROMPTS, 8, victims, freeze, thinker_max_tokens=12,
+                                                 talker_max_tokens=24, timeout=20)  # fmt: skip
     finally:
         for victim in frozen:
             os.kill(victim.proc.pid, signal.SIGCONT)
-    assert len(frozen) == len(victims), "a victim was not frozen during the run"
-    assert not errors, f"{len(errors)} requests failed, e.g. {errors[0]}"
     for caller, lost in (("thinker", "talker"), ("talker", "code2wav")):
-        logs = "".join(p.read_text(errors="replace") for p in s.run_dir.glob(f"{caller}-*.log"))
-        assert f"lost its {lost} call" in logs, f"no {caller} replayed a request on another {lost} replica"
-    for i in range(len(PROMPTS)):
-        assert faulted[i][0] == baseline[i][0], f"request {i}: text differs after failover"
-        np.testing.assert_allclose(faulted[i][1], baseline[i][1], atol=1e-5,
-                                   err_msg=f"request {i}: audio differs after failover")  # fmt: skip
+        assert f"lost its {lost} call" in _logs(s, caller), f"no {caller} replayed a request on another {lost} replica"
+    _assert_same_replies(faulted, baseline)
 
 
 def test_killing_one_replica_of_each_stage_under_load_loses_no_request(replicated: Stack) -> None:
     """SIGKILL of one replica of the thinker, the talker and code2wav while 8 requests stream:
     no request fails, and every reply equals the fault-free run's (failover with replay)."""
     s = replicated
-    limits = {"thinker_max_tokens": 12, "talker_max_tokens": 24}
-    baseline, errors = run(faults.closed_loop(s.gateway_address, PROMPTS, 8, 120, **limits))
-    assert not errors, errors
     victims = {2: s.child("code2wav", 1), 5: s.child("talker", 1), 8: s.child("thinker", 1)}  # at the nth first audio
-    seen: list[int] = []
-
-    def on_audio(i: int) -> None:
-        seen.append(i)
-        victim = victims.get(len(seen))
-        if victim is not None:
-            victim.proc.kill()
-
-    faulted, errors = run(faults.closed_loop(s.gateway_address, PROMPTS, 8, 120, on_first_audio=on_audio, **limits))
-    assert not errors, f"{len(errors)} requests failed, e.g. {errors[0]}"
+    baseline, faulted = _replies_under_fault(s, PROMPTS, 8, victims, lambda v: v.proc.kill(), thinker_max_tokens=12,
+                                             talker_max_tokens=24)  # fmt: skip
     assert len(faulted) == len(PROMPTS)
     assert all(v.proc.poll() is not None for v in victims.values()), "a victim was not killed during the run"
     # each hop did replay (the victims held requests when they died)
     for caller, lost in (("gateway", "thinker"), ("thinker", "talker"), ("talker", "code2wav")):
-        logs = "".join(p.read_text(errors="replace") for p in s.run_dir.glob(f"{caller}-*.log"))
-        assert f"lost its {lost} call" in logs, f"no {caller} replayed a request on another {lost} replica"
-    for i in range(len(PROMPTS)):
-        ids, pcm = faulted[i]
-        base_ids, base_pcm = baseline[i]
-        assert ids == base_ids, f"request {i}: text differs after failover"
-        assert pcm.shape == base_pcm.shape, f"request {i}: {pcm.shape} samples, fault-free {base_pcm.shape}"
-        np.testing.assert_allclose(pcm, base_pcm, atol=1e-5, err_msg=f"request {i}: audio differs after failover")
+        assert f"lost its {lost} call" in _logs(s, caller), f"no {caller} replayed a request on another {lost} replica"
+    _assert_same_replies(faulted, baseline)
 
 
 def test_a_request_too_big_to_replay_on_a_hop_is_replayed_by_the_gateway(tiny_dir: Path, tmp_path: Path) -> None:
@@ -311,31 +318,15 @@ def test_a_request_too_big_to_replay_on_a_hop_is_replayed_by_the_gateway(tiny_di
     request, and every reply equals the fault-free run's."""
     cfg = stack_config(thinker={"replicas": 1}, talker={"replicas": 2}, code2wav={"replicas": 2},
                        failover={"replay_budget_bytes": 0})  # fmt: skip
-    limits = {"thinker_max_tokens": 12, "talker_max_tokens": 24}
     with start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path) as s:
-        baseline, errors = run(faults.closed_loop(s.gateway_address, PROMPTS[:8], 4, 120, **limits))
-        assert not errors, errors
         victims = {1: s.child("code2wav", 1), 3: s.child("talker", 1)}  # at the nth first audio
-        seen: list[int] = []
-
-        def on_audio(i: int) -> None:
-            seen.append(i)
-            victim = victims.get(len(seen))
-            if victim is not None:
-                victim.proc.kill()
-
-        faulted, errors = run(faults.closed_loop(s.gateway_address, PROMPTS[:8], 4, 120, on_first_audio=on_audio,
-                                                 **limits))  # fmt: skip
+        baseline, faulted = _replies_under_fault(s, PROMPTS[:8], 4, victims, lambda v: v.proc.kill(),
+                                                 thinker_max_tokens=12, talker_max_tokens=24)  # fmt: skip
         assert all(v.proc.poll() is not None for v in victims.values()), "a victim was not killed during the run"
-        assert not errors, f"{len(errors)} requests failed, e.g. {errors[0]}"
-        logs = {name: "".join(p.read_text(errors="replace") for p in s.run_dir.glob(f"{name}-*.log"))
-                for name in ("gateway", "thinker", "talker")}  # fmt: skip
-    assert "cannot replay it: the request sent more than failover.replay_budget_bytes (0)" in logs["gateway"]
-    assert "lost its thinker call" in logs["gateway"], "the gateway replayed no request"
-    for i in range(8):
-        assert faulted[i][0] == baseline[i][0], f"request {i}: text differs after failover"
-        np.testing.assert_allclose(faulted[i][1], baseline[i][1], atol=1e-5,
-                                   err_msg=f"request {i}: audio differs after failover")  # fmt: skip
+        gateway_log = _logs(s, "gateway")
+    assert "cannot replay it: the request sent more than failover.replay_budget_bytes (0)" in gateway_log
+    assert "lost its thinker call" in gateway_log, "the gateway replayed no request"
+    _assert_same_replies(faulted, baseline)
 
 
 def test_requests_past_the_gateways_limit_are_refused_at_once(tiny_dir: Path, tmp_path: Path) -> None:
