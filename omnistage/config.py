@@ -77,6 +77,18 @@ class ThinkerConfig(StageConfig):
     decode: StageConfig = StageConfig(base_port=7151, cache_capacity_tokens=65536)
 
 
+class TalkerConfig(StageConfig):
+    cuda_graphs: bool = Field(
+        False, description="on CUDA: replay the code predictor's per-frame loop (greedy) as CUDA graphs captured "
+        "at start-up for batches 1, 2, 4, ... up to max_num_seqs (Qwen3-Omni; a family without one ignores it)")
+
+    @model_validator(mode="after")
+    def _graphs_on_cuda(self) -> TalkerConfig:
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(f"cuda_graphs needs a CUDA device (device: {self.device})")
+        return self
+
+
 class Code2WavConfig(StageConfig):
     chunk_frames: int = Field(25, ge=1, le=1000)
     first_chunk_frames: int = Field(2, ge=1, le=1000)
@@ -218,7 +230,7 @@ class _HeadConfig(_Strict):
 
 
 _SETTINGS: dict[str, type[StageConfig]] = {"stage": StageConfig, "thinker": ThinkerConfig,
-                                           "code2wav": Code2WavConfig}  # fmt: skip
+                                           "talker": TalkerConfig, "code2wav": Code2WavConfig}  # fmt: skip
 # Where a role's settings live: thinker-prefill -> thinker.prefill
 _ROLE_PATHS = {"thinker-prefill": ("thinker", "prefill"), "thinker-decode": ("thinker", "decode")}
 # One settings block per stage of the topology, named after it (after the head fields).

@@ -31,7 +31,7 @@ class StageDef:
     default_port: int  # base port of its replicas under `omnistage serve`
     downstream: str | None  # the next stage in the chain, None for the last
     output_unit: str = "tokens"  # what its outputs to the caller count (metrics): tokens, frames, samples
-    settings: str = "stage"  # which settings block configures it: "stage", "thinker" or "code2wav"
+    settings: str = "stage"  # which settings block configures it: "stage", "thinker", "talker" or "code2wav"
     defaults: dict[str, Any] = field(default_factory=dict)  # its settings' defaults besides the port
     part: str = ""  # the model part it runs, when a role of one (thinker-prefill: thinker)
 
@@ -50,7 +50,7 @@ PIPELINE: tuple[StageDef, ...] = (
         settings="thinker",
         defaults={"cache_capacity_tokens": 65536},
     ),
-    StageDef("talker", "services.talker.worker", 7201, "code2wav", output_unit="frames"),
+    StageDef("talker", "services.talker.worker", 7201, "code2wav", output_unit="frames", settings="talker"),
     StageDef("code2wav", "services.code2wav.worker", 7301, None, output_unit="samples", settings="code2wav"),
 )
 

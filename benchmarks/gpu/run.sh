@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 19, as run on the device machine (an H100: Python 3.12, its own CUDA torch;
 # the project's other pinned packages travel as wheels in .whl/, see the README). Usage:
-#   benchmarks/gpu/run.sh setup tests trace bench-exact bench-fast wide
+#   benchmarks/gpu/run.sh setup tests graphs trace bench-exact bench-fast bench-graphs wide
 # Small results (logs, json, md) are packed into $OUT/results-<steps>.tgz at the end; the gzipped
 # Chrome traces are left beside it.
 set -uo pipefail
@@ -31,8 +31,13 @@ for step in "$@"; do
       python3 -c "import torch, transformers, grpc; print(torch.__version__, transformers.__version__, grpc.__version__, torch.cuda.get_device_name())" ;;
     tests)
       OMNISTAGE_TEST_DEVICE=cuda OMNISTAGE_TEST_DIFFS="$W/wave-diffs.tsv" python3 -m pytest -q -rfs --tb=short -p no:cacheprovider \
-        tests/test_device_copy.py tests/test_parity.py tests/test_multimodal_model.py tests/test_qwen2_5_omni.py \
+        tests/test_device_copy.py tests/test_cuda_graphs.py tests/test_parity.py tests/test_multimodal_model.py tests/test_qwen2_5_omni.py \
         2>&1 | tee "$W/tests.log" | tail -40 ;;
+    graphs)  # the code predictor's loop, eager against its CUDA graphs, in one process
+      for b in fast exact; do
+        python3 -m benchmarks.gpu.code_predictor_graphs --batching $b --batches 1,2,4,8,16 --json "$W/graphs-$b.json" \
+          2>&1 | tee "$W/graphs-$b.log" | grep -v Warning
+      done ;;
     trace)
       bench trace --out "$W/trace-tiny" --batching both --requests 2 ;;
     bench-exact)
@@ -40,6 +45,19 @@ for step in "$@"; do
     bench-fast)
       with deploy/examples/cuda.yaml /tmp/cuda-fast.yaml batching fast
       serve_bench cuda-fast /tmp/cuda-fast.yaml ;;
+    bench-graphs)  # fast mode with the talker's code predictor as CUDA graphs
+      with deploy/examples/cuda.yaml /tmp/cuda-fast.yaml batching fast
+      python3 - <<'PY'
+import yaml
+cfg = yaml.safe_load(open("/tmp/cuda-fast.yaml"))
+cfg["talker"]["cuda_graphs"] = True
+yaml.safe_dump(cfg, open("/tmp/cuda-graphs.yaml", "w"))
+PY
+      serve_bench cuda-graphs /tmp/cuda-graphs.yaml ;;
+    wide-graphs)  # the code predictor's loop at the real widths (5 layers, 1024 wide, 16 groups), bfloat16
+      [ -d /tmp/wide ] || python3 -m benchmarks.gpu.wide_checkpoint /tmp/wide 2>&1 | tail -2
+      python3 -m benchmarks.gpu.code_predictor_graphs --model /tmp/wide --dtype bfloat16 --batches 1,4,16 \
+        --json "$W/graphs-wide.json" 2>&1 | tee "$W/graphs-wide.log" | grep -v Warning ;;
     wide)  # the real model's widths, a few layers (benchmarks/gpu/wide_checkpoint.py), bfloat16
       python3 -m benchmarks.gpu.wide_checkpoint /tmp/wide 2>&1 | tail -2
       bench trace --model /tmp/wide --dtype bfloat16 --out "$W/trace-wide" --batching both --requests 2

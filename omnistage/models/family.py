@@ -98,8 +98,10 @@ class Family(ABC):
         `batching`: "exact" or "fast" (models/batching.py)."""
 
     @abstractmethod
-    def talker(self, ckpt: Checkpoint, dtype: str, device: str, batching: str = "exact") -> Any:
-        """The talker part (with its code predictor), ready to step many requests."""
+    def talker(self, ckpt: Checkpoint, dtype: str, device: str, batching: str = "exact",
+               cuda_graphs: int = 0) -> Any:  # fmt: skip
+        """The talker part (with its code predictor), ready to step many requests; `cuda_graphs`:
+        on CUDA, the largest batch whose per-frame loop replays a captured graph (0: eager)."""
 
     @abstractmethod
     def code2wav(self, ckpt: Checkpoint, dtype: str, device: str, batching: str = "exact") -> Any:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from omnistage.config import Code2WavConfig, DeployConfig
+from omnistage.config import Code2WavConfig, DeployConfig, TalkerConfig
 from omnistage.engine import FinishReason, Request, ScheduledItem, StageWorker, StepOutput
 from omnistage.models import Checkpoint, SamplingParams
 from omnistage.v1 import stage_pb2
@@ -128,7 +128,9 @@ class TalkerWorker(StageWorker):
 
 def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> TalkerWorker:
     stage = cfg.stage("talker")
-    talker = ckpt.family.talker(ckpt, stage.dtype, stage.device, stage.batching)
+    assert isinstance(stage, TalkerConfig)
+    graphs = stage.max_num_seqs if stage.cuda_graphs else 0
+    talker = ckpt.family.talker(ckpt, stage.dtype, stage.device, stage.batching, graphs)
     code2wav = cfg.stage("code2wav")
     assert isinstance(code2wav, Code2WavConfig)
     return TalkerWorker(talker, ckpt.family.talker_defaults(), code2wav)

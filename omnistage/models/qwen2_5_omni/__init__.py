@@ -8,6 +8,7 @@ The talker, token2wav, the voices (`spk_dict.pt`) and the prompt glue are this f
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -25,6 +26,8 @@ from omnistage.models.checkpoint import (
 from omnistage.models.family import Family
 from omnistage.models.qwen2_5_omni import spec
 from omnistage.models.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 # Where the thinker's token embedding lives (transformers 5 layout, then the original one).
 THINKER_EMBED_KEYS = ("thinker.model.language_model.embed_tokens.weight", "thinker.model.embed_tokens.weight")
@@ -117,9 +120,12 @@ class Qwen25Omni(Family):
         model = load_part(ckpt, "thinker", dtype, device)
         return Thinker(model, ckpt.spec, self.row_modules(), batching, audio_rows=audio_rows)
 
-    def talker(self, ckpt: Checkpoint, dtype: str, device: str, batching: str = "exact") -> Any:
+    def talker(self, ckpt: Checkpoint, dtype: str, device: str, batching: str = "exact",
+               cuda_graphs: int = 0) -> Any:  # fmt: skip
         from omnistage.models.qwen2_5_omni.talker import Talker
 
+        if cuda_graphs:  # one codebook: no per-frame loop; its step is the talker forward alone
+            log.info("talker.cuda_graphs: Qwen2.5-Omni's talker has no code predictor loop to capture")
         model = load_part(ckpt, "talker", dtype, device)
         s = ckpt.spec
         ids = sorted({s.text_eos_id, s.text_pad_id, *s.speakers.values()})

@@ -85,7 +85,8 @@ class Qwen3Omni(Family):
 
         return Thinker(load_part(ckpt, "thinker", dtype, device), ckpt.spec, self.row_modules(), batching)
 
-    def talker(self, ckpt: Checkpoint, dtype: str, device: str, batching: str = "exact") -> Any:
+    def talker(self, ckpt: Checkpoint, dtype: str, device: str, batching: str = "exact",
+               cuda_graphs: int = 0) -> Any:  # fmt: skip
         from omnistage.models.qwen3_omni.talker import Talker
 
         model = load_part(ckpt, "talker", dtype, device)
@@ -97,7 +98,8 @@ class Qwen3Omni(Family):
         # The talker's projected tts_bos/eos/pad embeddings, from three rows of the thinker's
         # embedding table (the talker stage never loads the thinker).
         rows = read_tensor_rows(ckpt, THINKER_EMBED_KEYS, prompt.tts_special_ids(ckpt.spec))
-        return Talker(model, ckpt.spec, prompt.tts_special_embeds(model, rows), self.row_modules(), batching)
+        return Talker(model, ckpt.spec, prompt.tts_special_embeds(model, rows), self.row_modules(), batching,
+                      cuda_graphs)  # fmt: skip
 
     def code2wav(self, ckpt: Checkpoint, dtype: str, device: str, batching: str = "exact") -> Any:
         from omnistage.models.qwen3_omni.code2wav import Code2Wav

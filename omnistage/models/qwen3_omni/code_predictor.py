@@ -16,6 +16,13 @@ order on the same inputs, so its numbers are the forward's bitwise:
   instead of a concatenation;
 * no mask is built: the packed attention kernels (models/batching.py) take none on the batch
   axis, where a two-row prefill is causal and a one-row step sees every slot.
+
+On CUDA, `capture(max_batch)` records the greedy loop as CUDA graphs (models/cuda_graphs.py),
+one per batch size bucket, with its own slot cache at fixed addresses: a frame's 15 groups are
+then one launch instead of hundreds. Each row is computed on its own in both batching modes
+(exact: by construction; fast: a GEMM's rows and the batch axis of SDPA are independent in
+value, only their last bits depend on the batch), so the padding rows of a bucket touch no
+real row.
 """
 
 from __future__ import annotations
@@ -26,8 +33,14 @@ import torch
 from torch import nn
 
 from omnistage.models.batching import PackedBatching, SlotCache
+from omnistage.models.cuda_graphs import BatchGraphs, bucket_sizes
 
-__all__ = ["CodePredictorLoop"]
+__all__ = ["CodePredictorLoop", "greedy"]
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, on the logits' device (no host sync: capturable)."""
+    return torch.argmax(logits.float(), dim=-1)
 
 
 class CodePredictorLoop:
@@ -46,6 +59,7 @@ class CodePredictorLoop:
         # Positions 0..groups-1: the prefill's two, then one per later group.
         self.cache = SlotCache(len(self.layers), capacity=num_code_groups)
         self._rope: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.graphs: BatchGraphs | None = None
 
     def _step_rope(self, like: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each step's (cos, sin), as the forward computes them for that step's positions."""
@@ -57,29 +71,50 @@ class CodePredictorLoop:
             rope = self._rope = [self.rotary(like, span.unsqueeze(0)) for span in spans]
         return rope
 
-    def _forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], group: int) -> torch.Tensor:
+    def _forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], group: int,
+                 cache: SlotCache) -> torch.Tensor:  # fmt: skip
         batch, rows = hidden.shape[:2]
         with self.batching.step([rows] * batch, batch_axis=True):
             for layer in self.layers:
-                hidden = layer(hidden, attention_mask=None, past_key_values=self.cache, use_cache=True,
+                hidden = layer(hidden, attention_mask=None, past_key_values=cache, use_cache=True,
                                position_embeddings=rope)  # fmt: skip
             return self.heads[group - 1](self.norm(hidden))
 
     @torch.no_grad()
-    def run(self, first: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def run(self, first: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor] = greedy) -> torch.Tensor:
         """`first`: `[B, 2, H]`; `choose(logits [B, V]) -> [B]` ids (on `first`'s device) picks
         group j's codes. Returns the codes of groups 1..groups-1, `[groups - 1, B]`, where the
         forwards ran: the ids go from one group's head to the next group's embedding without
-        leaving the device (on CUDA, no host sync per group)."""
+        leaving the device (on CUDA, no host sync per group). Greedy batches up to the captured
+        size replay a CUDA graph."""
+        graphs = self.graphs
+        if choose is greedy and graphs is not None and first.shape[0] <= graphs.max_batch:
+            return graphs(first)
+        return self._run(first, choose, self.cache)
+
+    @torch.no_grad()  # nothing recorded for autograd, in the warm-up or the capture
+    def capture(self, max_batch: int, like: torch.Tensor) -> None:
+        """CUDA graphs of the greedy loop for batches up to `max_batch`, for inputs of `like`'s
+        dtype and device (`[1, 2, H]`)."""
+        # Its own cache, sized for the largest batch before the first capture: the eager loop's
+        # may grow (reallocate) later, which would leave a graph writing to freed memory.
+        # The same for RoPE's tables: held here, not recomputed by a call in another dtype.
+        cache = SlotCache(len(self.layers), capacity=self.groups)
+        rope = self._step_rope(like)
+        self.graphs = BatchGraphs(lambda first: self._run(first, greedy, cache, rope), bucket_sizes(max_batch),
+                                  like, out_batch_dim=1)  # fmt: skip
+
+    def _run(self, first: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor], cache: SlotCache,
+             rope: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:  # fmt: skip
         batch = first.shape[0]
-        rope = self._step_rope(first)
-        self.cache.reset()
-        logits = self._forward(first, rope[0], 1)
+        rope = rope or self._step_rope(first)
+        cache.reset()
+        logits = self._forward(first, rope[0], 1, cache)
         codes = []
         for group in range(1, self.groups):
             step = choose(logits[:, -1])
             codes.append(step)
             if group == self.groups - 1:
                 break
-            logits = self._forward(self.embeddings[group - 1](step.view(batch, 1)), rope[group], group + 1)
+            logits = self._forward(self.embeddings[group - 1](step.view(batch, 1)), rope[group], group + 1, cache)
         return torch.stack(codes)

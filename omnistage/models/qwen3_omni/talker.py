@@ -20,14 +20,14 @@ is needed, so the talker runs one token behind the thinker.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from omnistage.models.batching import PackedBatching, PackedCache, SlotCache
-from omnistage.models.qwen3_omni.code_predictor import CodePredictorLoop
+from omnistage.models.qwen3_omni.code_predictor import CodePredictorLoop, greedy
 from omnistage.models.qwen3_omni.multimodal import RopeInputs, talker_positions
 from omnistage.models.qwen3_omni.prompt import (
     ASSISTANT_HEADER_LEN,
@@ -102,7 +102,10 @@ class TalkerState:
 
 class Talker:
     def __init__(self, model: Any, spec: FamilySpec, tts_special_embeds: torch.Tensor,
-                 row_modules: tuple[type, ...] = (), batching: str = "exact") -> None:  # fmt: skip
+                 row_modules: tuple[type, ...] = (), batching: str = "exact",
+                 cuda_graphs: int = 0) -> None:  # fmt: skip
+        """`cuda_graphs`: on CUDA, the largest batch whose greedy code-predictor loop replays a
+        captured graph (0: none; code_predictor.py)."""
         self.model = model
         self.spec = spec
         self.device = next(model.parameters()).device
@@ -111,6 +114,9 @@ class Talker:
         self.codec_embedding = model.get_input_embeddings()
         self.batching = PackedBatching(model, row_modules, batching)
         self.code_predictor = CodePredictorLoop(model.code_predictor, self.batching, spec.num_code_groups)
+        if cuda_graphs:
+            like = torch.zeros(1, 2, spec.talker_hidden, dtype=model.dtype, device=self.device)
+            self.code_predictor.capture(cuda_graphs, like)
 
     def set_prompt(self, state: TalkerState, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None,
                    rope: Mapping[str, torch.Tensor] | None = None) -> None:  # fmt: skip
@@ -263,15 +269,14 @@ class Talker:
         code0 = torch.tensor([[s.code0] for s in states], device=self.device)
         first = torch.cat((torch.cat([s.past_hidden for s in states]), self.codec_embedding(code0)), dim=1)  # type: ignore[misc]
         choosers = [s.residual_chooser for s in states]
-        if all(c.plain_greedy for c in choosers):  # one argmax for the batch per group, on the device
-
-            def choose(logits: torch.Tensor) -> torch.Tensor:
-                return torch.argmax(logits.float(), dim=-1)
-        else:
+        choose: Callable[[torch.Tensor], torch.Tensor] = greedy  # one argmax per group for the batch, on the device
+        if not all(c.plain_greedy for c in choosers):
             empty = torch.empty(0, dtype=torch.long)
 
-            def choose(logits: torch.Tensor) -> torch.Tensor:
+            def sampled(logits: torch.Tensor) -> torch.Tensor:
                 return torch.tensor([c.choose(logits[b], empty) for b, c in enumerate(choosers)], device=self.device)
+
+            choose = sampled
 
         residuals = self.code_predictor.run(first, choose)  # [G - 1, B]
         codes = torch.cat((code0.view(1, -1), residuals)).t().cpu()  # [B, G]: one copy to the host
