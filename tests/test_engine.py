@@ -141,6 +141,53 @@ def test_a_request_that_sends_down_is_announced_once_before_its_first_step() -> 
     assert len(plain.outputs) == 3 and len(down.outputs) == 3
 
 
+class HoldsInput(Counting):
+    """A decode role's shape: the demand (a cache of `cache` tokens, all of it arriving as input)
+    is known from the first chunk; it can step once its input is finished."""
+
+    holds_input_until_admitted = True
+
+    def demand(self, req: Request) -> tuple[int, int, int] | None:
+        n = req.params["cache"]
+        return (n, 2, n) if req.state["fed"] else None
+
+    def ready(self, req: Request) -> bool:
+        return req.input_finished
+
+
+class AdmittedSink(Sink):
+    def __init__(self) -> None:
+        super().__init__()
+        self.admitted = 0
+
+    def on_admitted(self, req: Request) -> None:
+        self.admitted += 1
+
+
+def test_a_holding_workers_request_is_admitted_before_its_input_and_told_so() -> None:
+    """With room for one cache, the first request is admitted at its first chunk (its sink told,
+    so the server reads the rest); the second waits, untold, until the first ends, and meanwhile
+    it is not starved of input (it waits for room, longer than the input wait)."""
+    engine = Engine(HoldsInput(), 0.2, background=False, cache_capacity_tokens=15)
+    sinks = [AdmittedSink(), AdmittedSink()]
+    reqs = [engine.open(f"r{i}", {"cache": 10, "steps": 2}, sink) for i, sink in enumerate(sinks)]
+    for req in reqs:
+        engine.feed(req, chunk(0, 4))
+    engine.run_once()
+    time.sleep(0.3)
+    engine.feed(reqs[0], chunk(4, 2))  # the first one's input goes on; the second waits past 0.2 s
+    engine.run_once()
+    assert [s.admitted for s in sinks] == [1, 0] and not sinks[1].ended.is_set()
+    assert [r.status for r in reqs] == [RequestStatus.WAITING_FOR_INPUT] * 2
+    engine.feed(reqs[0], chunk(6, 4, finished=True))  # the rest of the first one's cache
+    for _ in range(4):
+        engine.run_once()
+    assert sinks[0].ended.is_set() and sinks[1].admitted == 1
+    engine.feed(reqs[1], chunk(4, 6, finished=True))
+    run_until_idle(engine)
+    assert [len(s.outputs) for s in sinks] == [2, 2]
+
+
 def test_one_failing_request_does_not_take_the_others_down() -> None:
     worker = Counting()
     engine = Engine(worker, background=False)

@@ -35,9 +35,10 @@ class Harness:
         self.reqs: dict[str, Request] = {}
         self.admitted: list[str] = []  # admitted by the last step
 
-    def add(self, rid: str, prompt: int, max_new: int, ready: bool = True, cached: int = 0) -> Request:
+    def add(self, rid: str, prompt: int, max_new: int, ready: bool = True, cached: int = 0,
+            early: bool = False) -> Request:  # fmt: skip
         req = Request(rid, None, arrival=len(self.reqs))
-        self.s.add(req, prompt, max_new, cached)
+        self.s.add(req, prompt, max_new, cached, reserve_early=early)
         self.s.set_ready(req, ready)
         self.reqs[rid] = req
         return req
@@ -611,3 +612,22 @@ def test_a_request_whose_cache_arrived_decodes_at_once_and_reserves_it() -> None
     assert h.s.stats()["reserved_tokens"] == 60 + 8
     with pytest.raises(ValueError, match=r"num_cached_tokens 7 outside 0\.\.6"):
         h.s.add(Request("x", None, arrival=9), 6, 2, 7)
+
+
+def test_a_request_reserving_early_is_admitted_before_it_can_step_in_its_turn() -> None:
+    """A decode role's request whose KV cache is still to come: admitted (its cache reserved) in
+    arrival order while it waits for input, with no step; one that does not fit waits, and holds
+    up those behind it; it steps once its input is in."""
+    h = Harness(max_num_batched_tokens=4, cache_capacity_tokens=100)
+    a = h.add("a", 50, 10, ready=False, cached=50, early=True)
+    b = h.add("b", 50, 10, ready=False, cached=50, early=True)
+    h.add("c", 6, 2, ready=False)  # an ordinary request waiting for input: passed over
+    h.add("d", 4, 2)  # ready, but behind b, which does not fit yet
+    assert h.step() == []  # d is not admitted: b, before it, does not fit next to a
+    assert (a.admitted, b.admitted, h.reqs["d"].admitted, a.status) == (True, False, False, WFI)
+    assert h.s.stats()["reserved_tokens"] == 60
+    h.s.set_ready(a, True)
+    assert h.step() == [("a", 1, False)]
+    h.end("a")
+    assert h.step() == [("d", 4, True)]  # b reserved (no step: its cache is still to come), then d
+    assert b.admitted and b.status == WFI and h.s.stats()["reserved_tokens"] == 60 + 6

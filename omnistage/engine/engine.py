@@ -49,6 +49,10 @@ class EngineSink(Protocol):
         """The request's first step is about to run, and its worker says it will send chunks
         downstream (`StageWorker.sends_down`): open the downstream call now. Optional."""
 
+    def on_admitted(self, req: Request) -> None:
+        """The request's cache is reserved and its worker holds its input until then
+        (`StageWorker.holds_input_until_admitted`): read the rest of its input now. Optional."""
+
 
 class StepObserver(Protocol):
     """Told of every engine step (metrics): requests in it, seconds it took, the CPU seconds the
@@ -202,6 +206,13 @@ class Engine:
             except Exception as e:
                 self._fail(req, e)
         batch = self.scheduler.schedule()
+        if self.worker.holds_input_until_admitted:
+            for req in active:
+                if req.admitted and not req.told_admitted:
+                    req.told_admitted, req.last_input = True, time.monotonic()  # its input wait starts now
+                    notify = getattr(req.sink, "on_admitted", None)  # in-process sinks have none
+                    if notify is not None:
+                        notify(req)
         if batch:
             progressed = True
             self._step(batch)
@@ -240,7 +251,7 @@ class Engine:
             demand = worker.demand(req)
             if demand is not None:
                 try:
-                    self.scheduler.add(req, *demand)
+                    self.scheduler.add(req, *demand, reserve_early=worker.holds_input_until_admitted)
                 except RequestRejected as e:
                     code = Code.RESOURCE_EXHAUSTED if e.resource_exhausted else Code.INVALID_ARGUMENT
                     raise StageError(code, f"{worker.name}: {e}") from None
@@ -262,6 +273,8 @@ class Engine:
             return took
         if req.input_finished:
             raise invalid(f"{worker.name}: the input ended before the request was complete")
+        if req.reserve_early and not req.admitted:
+            return took  # its input is held back until its cache is reserved: it waits for room, not input
         waited = now - req.last_input
         if self.input_wait_timeout_s and waited > self.input_wait_timeout_s:
             raise StageError(

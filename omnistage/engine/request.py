@@ -95,6 +95,8 @@ class Request:
     reserved_tokens: int = 0  # cache tokens it holds (0 unless admitted)
     queued: bool = False  # known to the scheduler (its demand is known)
     admitted: bool = False  # holds a cache reservation
+    reserve_early: bool = False  # admitted before its worker can step (its input is cache)
+    told_admitted: bool = False  # ... and its sink told so (its input is read from then)
     ready: bool = False  # its worker can step now
     started: bool = False  # it has been in a step
 

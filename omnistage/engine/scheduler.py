@@ -21,7 +21,9 @@ Policy per step, within `max_num_batched_tokens` tokens and `max_num_seqs` reque
    first ready waiting request cannot be admitted (cache, budget, or without chunked prefill a
    prompt that does not fit the rest of the step), nothing behind it is admitted either, so the
    head is never starved. Requests whose worker cannot step yet (WAITING_FOR_INPUT) are passed
-   over without holding up the queue and keep their arrival order.
+   over without holding up the queue and keep their arrival order, except those queued with
+   `reserve_early` (a decode role's request, whose input is its KV cache): they are admitted in
+   their turn before they can step, so that their cache is taken in only once it is reserved.
 
 Cache accounting. On admission a request reserves `min(max_model_len, prompt + max_new_tokens)`
 tokens, released when it ends. An admitted request never exceeds its reservation, so admission
@@ -102,10 +104,13 @@ class Scheduler:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def add(self, req: Request, num_prompt_tokens: int, max_new_tokens: int, num_cached_tokens: int = 0) -> None:
+    def add(self, req: Request, num_prompt_tokens: int, max_new_tokens: int, num_cached_tokens: int = 0, *,
+            reserve_early: bool = False) -> None:  # fmt: skip
         """Queue a request whose demand is now known. Raises `RequestRejected` if it can never run.
         `num_cached_tokens`: prompt tokens already in its cache when it arrives (a KV cache
-        streamed from a prefill role); its prefill starts after them."""
+        streamed from a prefill role); its prefill starts after them. `reserve_early`: admit it
+        (reserve its cache) in arrival order before it can step: the input it waits for is that
+        cache, which is taken in only once reserved."""
         for name, value in (("num_prompt_tokens", num_prompt_tokens), ("max_new_tokens", max_new_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
@@ -122,6 +127,7 @@ class Scheduler:
             req.num_prompt_tokens = num_prompt_tokens
             req.num_computed_tokens = num_cached_tokens
             req.max_new_tokens = max_new_tokens
+            req.reserve_early = reserve_early
             req.decode_limit = max(0, min(max_new_tokens, reservation - num_prompt_tokens))
             req.queued = True
             self._waiting[req.request_id] = req
@@ -217,23 +223,21 @@ class Scheduler:
             cap = cfg.cache_capacity_tokens
             if not head_blocked:
                 for req in list(self._waiting.values()):
-                    if not slots or not budget:
-                        break
-                    if not self._can_step(req):
+                    stepping = self._can_step(req)
+                    if not stepping and not req.reserve_early:
                         continue  # nothing to run yet: does not hold up the queue
+                    if stepping and (not slots or not budget):
+                        break
                     reservation = min(cfg.max_model_len, req.num_prompt_tokens + req.max_new_tokens)
                     if cap is not None and self._reserved + reservation > cap:
                         break
-                    if req.num_pending_prompt:
-                        n = self._prefill_tokens(req, budget)
+                    if stepping:  # (otherwise reserved now, stepped once its input, its cache, is in)
+                        n = self._prefill_tokens(req, budget) if req.num_pending_prompt else 1
                         if n == 0:
                             break
-                        out.append(ScheduledItem(req, n, True))
-                    else:
-                        n = 1
-                        out.append(ScheduledItem(req, 1, False))
-                    budget -= n
-                    slots -= 1
+                        out.append(ScheduledItem(req, n, bool(req.num_pending_prompt)))
+                        budget -= n
+                        slots -= 1
                     del self._waiting[req.request_id]
                     self._admitted[req.request_id] = req
                     req.admitted = True

@@ -71,6 +71,11 @@ class StageWorker(ABC):
 
     name: str
     device: torch.device = torch.device("cpu")
+    # True: what a request receives after its first chunk is cache (a KV cache streamed in), so
+    # its cache is reserved before the rest of its input comes, and the transport reads no more
+    # of its input until then (the sender waits: gRPC flow control). Its demand must be known
+    # from the first chunk.
+    holds_input_until_admitted: bool = False
 
     def wants_on_device(self, name: str) -> bool:
         """Is input tensor `name` copied to `device` as it arrives (off the engine's thread)?

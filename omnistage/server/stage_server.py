@@ -110,6 +110,9 @@ class _Call:
         self.attempt = 0  # the downstream call's attempt: 0, then one more per replay
         self.down_start: stage_pb2.Start | None = None
         self.failed = False  # the request failed: its input is read and dropped until the call ends
+        # set once the request's cache is reserved, or it ended (a worker that holds its input until then)
+        self.admitted = asyncio.Event()
+        self._told_admitted = False  # written by the engine thread only
 
     # Outputs waiting for the caller to take them: past either bound the engine pauses the
     # request and the relay stops reading from downstream (backpressure).
@@ -165,9 +168,16 @@ class _Call:
 
     def on_finished(self, req: Request) -> None:
         self._post(_Finished(req.error))
+        self.on_admitted(req)  # a reader held back reads (and drops) the rest
 
     def on_started(self, req: Request) -> None:
         self._post(_OPEN_DOWN)
+
+    def on_admitted(self, req: Request) -> None:
+        if not self._told_admitted:
+            self._told_admitted = True
+            with contextlib.suppress(RuntimeError):  # loop closed: the call is gone
+                self.loop.call_soon_threadsafe(self.admitted.set)
 
 
 class _DownBuffer:
@@ -415,6 +425,7 @@ class StageService:
         shm_reader: CallShmReader,
     ) -> None:
         assembler = ChunkAssembler(reader=shm_reader)
+        hold = self.engine.worker.holds_input_until_admitted
         index = 1  # the Start
         try:
             async for msg in request_iterator:
@@ -431,6 +442,9 @@ class StageService:
                     decoded = assembler.push(msg.message.chunk, msg.views)
                     if decoded is not None:
                         self.engine.feed(req, decoded)
+                        if hold and not decoded.finished:
+                            hold = False  # its demand is known from this chunk: no more until it fits
+                            await call.admitted.wait()
                 except TensorBlobError as e:
                     self._fail(req, call, invalid(f"{self.stage}: message {index}: {e}"))
                 except StageError as e:

@@ -25,12 +25,19 @@ class _Incoming:
     """A request's KV cache as it arrives: per layer keys and values of every prompt position."""
 
     prompt_tokens: int = 0
+    first: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # the first chunk's, until admitted
+    first_length: int = 0
     kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     forward: list[OutChunk] = field(default_factory=list)  # to the talker before the first decode
 
 
 class DecodeWorker(ThinkerWorker):
+    """A request's cache is reserved from its first KV chunk (which gives its size) before the
+    rest is read (`holds_input_until_admitted`); only then is room made for the whole cache, so
+    requests waiting for room hold one chunk each, not a whole prompt's cache."""
+
     name = "thinker-decode"
+    holds_input_until_admitted = True
 
     def __init__(self, thinker: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(thinker, *args, **kwargs)
@@ -51,20 +58,39 @@ class DecodeWorker(ThinkerWorker):
             if inc.prompt_tokens >= state.max_len:
                 raise invalid(f"{self.name}: a prompt of {inc.prompt_tokens} tokens exceeds the model maximum "
                               f"of {state.max_len - 1}")  # fmt: skip
-            shape = (1, int(self.layout["kv_heads"]), inc.prompt_tokens, int(self.layout["head_dim"]))
-            dtype, device = getattr(torch, str(self.layout["dtype"])), self.thinker.device
-            inc.kv = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-                      for _ in range(int(self.layout["layers"]))]  # fmt: skip
         end = chunk.offset + chunk.length
         if end > inc.prompt_tokens:
             raise invalid(f"{self.name}: KV chunk [{chunk.offset}, {end}) past the prompt's {inc.prompt_tokens} tokens")
-        for (k, v), (dk, dv) in zip(edges.read_kv(self.name, chunk, self.layout), inc.kv, strict=True):
-            dk[:, :, chunk.offset : end].copy_(k)  # out of the received bytes, into place
-            dv[:, :, chunk.offset : end].copy_(v)
+        kv = edges.read_kv(self.name, chunk, self.layout)
+        if chunk.offset == 0:  # kept as it came until the request is admitted (more comes only then)
+            inc.first, inc.first_length = list(kv), end
+            return
+        self._place(inc, kv, chunk.offset, end)
+
+    def _make_cache(self, inc: _Incoming) -> None:
+        """The request's whole cache, holding the first chunk (once admitted: more input came)."""
+        if inc.kv:
+            return
+        shape = (1, int(self.layout["kv_heads"]), inc.prompt_tokens, int(self.layout["head_dim"]))
+        dtype, device = getattr(torch, str(self.layout["dtype"])), self.thinker.device
+        inc.kv = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+                  for _ in range(int(self.layout["layers"]))]  # fmt: skip
+        first, inc.first = inc.first, []
+        if first:
+            self._place(inc, first, 0, inc.first_length)
+
+    def _place(self, inc: _Incoming, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], start: int, end: int) -> None:
+        """Copy positions [start, end) of every layer into the request's cache."""
+        self._make_cache(inc)
+        for (k, v), (dk, dv) in zip(kv, inc.kv, strict=True):
+            dk[:, :, start:end].copy_(k)  # out of the received bytes, into place
+            dv[:, :, start:end].copy_(v)
 
     def _adopt(self, req: Request, chunk: DecodedChunk) -> None:
         state, inc = req.state, req.state.role
         start: stage_pb2.Start = req.params
+        if inc.first:  # the whole cache came in its first chunk
+            self._make_cache(inc)
         h = edges.read_handoff(self.name, chunk, inc.prompt_tokens, self.spec.thinker_hidden, start.want_audio)
         gen = state.chooser.generator
         if h.generator_state is not None and gen is not None and h.generator_state.numel() != gen.get_state().numel():

@@ -114,6 +114,43 @@ def test_pd_concurrent_requests_match_their_solo_runs(pd_stack: Stack, pipeline:
     assert steps.step_requests_total > steps.steps_total, "the decode role batched requests"
 
 
+def test_a_decode_role_with_room_for_one_cache_serves_requests_in_turn(tiny_dir: Path, pipeline: Any,
+                                                                        tmp_path: Path) -> None:  # fmt: skip
+    """The decode role takes a request's KV cache in only once it has reserved room for it (the
+    rest waits with the prefill role, gRPC flow control holding the stream): with room for one
+    request at a time, concurrent requests run one after another, each as it runs alone, and the
+    role ends idle. (That a held request is not read on before its reservation, and is not
+    failed as starved of input meanwhile: tests/test_engine.py, tests/wire/test_stage_server_units.py.)"""
+    prompts = [PROMPT, "Numbers one two three", "Where is the nearest train station from here?", "Sing!"]
+    limit, room = 24, 60
+    demands = [len(pipeline.prompt_ids(p)) + limit - 1 for p in prompts]  # prompt + the decode role's tokens
+    assert all(room / 2 < d <= room for d in demands), demands  # one fits, no two do
+    cfg = stack_config(talker={"replicas": 1})
+    base = cfg.thinker.base_port
+    cfg = apply_overrides(cfg, {"thinker.disaggregated": True, "thinker.prefill.base_port": base,
+                                "thinker.decode.base_port": base + 1,
+                                "thinker.decode.cache_capacity_tokens": room})  # fmt: skip
+    solo = []
+    for p in prompts:
+        thinker = pipeline.thinker_defaults().with_overrides(max_tokens=limit)
+        events = list(pipeline.run(PipelineRequest(pipeline.prompt_ids(p), thinker, SamplingParams(max_tokens=20))))
+        solo.append((events[-1].token_ids, torch.cat([e.pcm for e in events if isinstance(e, AudioEvent)]).numpy()))
+    stack = start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path)
+    try:
+        async def together() -> list[Any]:
+            return await asyncio.gather(*(generate(stack.gateway_address, p, thinker_max_tokens=limit,
+                                                   talker_max_tokens=20, timeout=120) for p in prompts))  # fmt: skip
+
+        for reply, (ids, audio) in zip(run(together()), solo, strict=True):
+            assert reply.token_ids == ids
+            assert reply.pcm.shape == audio.shape and np.allclose(reply.pcm, audio, atol=1e-5, rtol=0)
+        load = run(info(stack.addresses("thinker-decode")[0])).load
+        assert load.steps_total > 0 and load.step_requests_total == load.steps_total, "one request at a time"
+        assert _idle(stack.addresses("thinker-decode")[0])
+    finally:
+        stack.stop()
+
+
 def _idle(address: str) -> bool:
     load = run(info(address)).load
     return (load.running, load.waiting, load.waiting_for_input, load.open_streams, load.shm_segments) == (0,) * 5

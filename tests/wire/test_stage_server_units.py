@@ -24,7 +24,7 @@ class _Engine:
     """What the reader touches of an Engine: `feed` raises `error`; `abort` records."""
 
     def __init__(self, error: BaseException) -> None:
-        self.worker = SimpleNamespace(name="talker")
+        self.worker = SimpleNamespace(name="talker", holds_input_until_admitted=False)
         self.error = error
         self.aborted: list[StageError | None] = []
 
@@ -133,3 +133,62 @@ def test_a_relayed_split_chunk_with_another_stages_chunk_between_its_parts() -> 
     assembler = ChunkAssembler()
     got = [assembler.push(parse_response(m).message.chunk) for m in out if m != frames]
     assert got[-1] is not None and torch.equal(got[-1].tensors["audio"], audio)
+
+
+class _HoldingEngine:
+    """A decode role's engine as the reader sees it: its worker holds a request's input after the
+    first chunk until the request is admitted; `feed` records offsets."""
+
+    def __init__(self) -> None:
+        self.worker = SimpleNamespace(name="thinker-decode", holds_input_until_admitted=True)
+        self.fed: list[int] = []
+        self.closed = False
+
+    def feed(self, req: Any, chunk: Any) -> None:
+        self.fed.append(chunk.offset)
+
+    def close_input(self, req: Any) -> None:
+        self.closed = True
+
+
+def test_a_holding_worker_gets_no_more_input_until_the_request_is_admitted() -> None:
+    """After the first chunk (which gives the request's cache size) the reader stops reading;
+    the caller's further chunks wait in the transport until the engine says the cache is
+    reserved (on_admitted, from the engine thread)."""
+    import threading
+
+    engine = _HoldingEngine()
+    service = StageService(engine, model_name="m", arch="a", device="cpu", dtype="float32",  # type: ignore[arg-type]
+                           downstream=None, downstream_name=None, edge_mode=0, max_message_bytes=1 << 20,
+                           shm=False)  # fmt: skip
+    chunks = [encode_chunk({"ids": torch.tensor([i])}, offset=i, length=1, finished=i == 2) for i in range(3)]
+
+    async def go() -> list[tuple[str, list[int], int]]:
+        pulled = 0
+
+        async def messages() -> Any:
+            nonlocal pulled
+            for c in chunks:
+                pulled += 1
+                yield Received(stage_pb2.StageRequest(chunk=c), {}, b"")
+
+        call = _Call(asyncio.get_running_loop())
+        req = SimpleNamespace(request_id="r#1", input_closed=False)
+        reader = asyncio.create_task(service._read_inputs(req, call, messages(),  # type: ignore[arg-type]
+                                                          CallShmReader(ShmReader(enabled=False), None)))  # fmt: skip
+        seen = []
+        for _ in range(5):
+            await asyncio.sleep(0.01)
+        seen.append(("before", list(engine.fed), pulled))
+        admit = threading.Thread(target=call.on_admitted, args=(req,))  # as the engine thread calls it
+        admit.start()
+        admit.join()
+        req.input_closed = True  # what the engine notes when the finished chunk is fed
+        await asyncio.wait_for(reader, 5)
+        seen.append(("after", list(engine.fed), pulled))
+        return seen
+
+    seen = asyncio.run(go())
+    # before: only chunk 0 fed, and no further message taken from the stream
+    assert seen == [("before", [0], 1), ("after", [0, 1, 2], 3)]
+    assert engine.closed
