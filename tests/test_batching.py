@@ -379,6 +379,39 @@ def test_slot_cache_holds_what_dynamic_cache_holds_without_concatenating() -> No
         slot.update(torch.ones(1, 2, 1, 8), torch.ones(1, 2, 1, 8), 0)
 
 
+def test_a_slot_cache_with_a_limit_never_holds_more_than_it() -> None:
+    """A request's cache grows by doubling up to its limit (its reservation), never past it: the
+    memory it takes stays within what the scheduler reserved. Without a limit, 70 positions take
+    a 128-slot buffer."""
+    from omnistage.models.batching import SlotCache
+
+    for limit, slots in ((70, 70), (None, 128), (20, 20)):
+        cache = SlotCache(num_layers=1, capacity=64, limit=limit)
+        filled = 0
+        for n in (15, 1, 1, 1, 1, 1):
+            cache.update(torch.ones(1, 2, n, 8), torch.ones(1, 2, n, 8), 0)
+            filled += n
+        while filled < (limit or 70):
+            cache.update(torch.ones(1, 2, 1, 8), torch.ones(1, 2, 1, 8), 0)
+            filled += 1
+        assert cache.layers[0].k.shape[2] == slots, (limit, cache.layers[0].k.shape)
+        assert cache.get_seq_length() == filled
+
+
+def test_the_thinkers_cache_stays_within_its_reservation(pipeline: Any) -> None:
+    thinker = pipeline.thinker
+    prompt = pipeline.prompt_ids("Tell me a short story about a robot who learns to sing.")
+    state = thinker.new_state(SamplingParams(max_tokens=6))
+    thinker.set_prompt(state, prompt)
+    pos = 0
+    while not state.finished:
+        n = len(prompt) if pos == 0 else 1
+        thinker.step([(state, pos, n)])
+        pos += n
+    assert state.cache.layers[0].k.shape[2] == len(prompt) + 6  # not the 64 the first buffer had
+    thinker.release(state)
+
+
 def test_a_model_with_sliding_window_layers_keeps_transformers_cache() -> None:
     from transformers import DynamicCache, Qwen2Config
 

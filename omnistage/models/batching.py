@@ -272,9 +272,13 @@ class SlotCache:
 
     is_compileable = False
 
-    def __init__(self, num_layers: int, capacity: int = 64) -> None:
+    def __init__(self, num_layers: int, capacity: int = 64, limit: int | None = None) -> None:
+        """`limit`: the most positions the cache will hold (a request's reservation): no buffer
+        is made larger, so the memory a cache takes stays within what the scheduler reserved
+        for it (doubling alone overshoots it by up to 2x)."""
         self.layers = [_Slots() for _ in range(num_layers)]
-        self.capacity = capacity
+        self.capacity = capacity if limit is None else max(1, min(capacity, limit))
+        self.limit = limit
 
     @staticmethod
     def fits(config: Any) -> bool:
@@ -283,11 +287,11 @@ class SlotCache:
         return all(kind == "full_attention" for kind in kinds)
 
     @classmethod
-    def for_model(cls, config: Any) -> SlotCache | DynamicCache:
-        """A SlotCache for a decoder of `config`, or transformers' DynamicCache where it has
-        sliding-window layers."""
+    def for_model(cls, config: Any, limit: int | None = None) -> SlotCache | DynamicCache:
+        """A SlotCache for a decoder of `config` (holding at most `limit` positions), or
+        transformers' DynamicCache where it has sliding-window layers."""
         if cls.fits(config):
-            return cls(int(config.num_hidden_layers))
+            return cls(int(config.num_hidden_layers), limit=limit)
         return DynamicCache(config=config)
 
     def reset(self) -> None:
@@ -321,6 +325,8 @@ class SlotCache:
         capacity = max(self.capacity, old.shape[2] if old is not None else 0)
         while capacity < end:
             capacity *= 2
+        if self.limit is not None and end <= self.limit:
+            capacity = min(capacity, self.limit)
         batch = max(slots.batch, old.shape[0] if old is not None else 0)
         shape = (batch, heads, capacity, dim)
         k, v = like.new_empty(shape), like.new_empty(shape)

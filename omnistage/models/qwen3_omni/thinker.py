@@ -210,7 +210,7 @@ class Thinker:
             if state.finished:
                 raise RuntimeError("thinker request already finished")
             if state.cache is None:
-                state.cache = SlotCache.for_model(self.model.config.text_config)
+                state.cache = SlotCache.for_model(self.model.config.text_config, self._cache_limit(state))
                 state.history = list(state.prompt_ids)
             if pos < len(state.prompt_ids):
                 if n < 1 or pos + n > len(state.prompt_ids):
@@ -320,12 +320,18 @@ class Thinker:
             except RuntimeError as e:  # right size, wrong contents
                 raise ValueError(f"sampler state: {e}") from None
         state.prompt_ids = list(prompt_ids)
-        state.cache = SlotCache.for_model(self.model.config.text_config)
+        state.cache = SlotCache.for_model(self.model.config.text_config, self._cache_limit(state))
         for i, (k, v) in enumerate(kv):
             state.cache.update(k.to(self.device), v.to(self.device), i)
         state.history = [*state.prompt_ids, token_id]
         state.last_position = last_position.to(self.device)
         state.finished = stopped_on is not None
+
+    @staticmethod
+    def _cache_limit(state: ThinkerState) -> int:
+        """The positions a request's cache can reach: its prompt and every token it may make
+        (its reservation in the scheduler)."""
+        return min(state.max_len, len(state.prompt_ids) + state.sampling.max_tokens)
 
     def release(self, state: ThinkerState) -> None:
         state.cache = None
