@@ -212,3 +212,39 @@ def test_talker_refuses_media_sizes_that_do_not_fit_the_prompt(pipeline: Any) ->
     right = _builder(pipeline).build(_messages("image")[0])[1]
     talker.set_prompt(state, torch.tensor(ids), rows, rows, {"image_grid_thw": right["image_grid_thw"]})
     assert state.prompt_positions is not None and state.prompt_positions.shape[0] == 4
+
+
+@pytest.mark.parametrize("kind", ["audio", "image+video", "audio-in-video"])
+def test_talker_refuses_sizes_that_place_positions_but_disagree_with_the_prompt(pipeline: Any, kind: str) -> None:
+    """Sizes from which positions can be computed, but not the prompt's: one image's grid twice
+    as high, one audio longer, an item more or fewer. Each is INVALID_ARGUMENT material (a
+    ValueError naming what disagrees) when the prompt arrives, where it gave wrong positions."""
+    messages, in_video = _messages(kind)
+    ids, inputs = _builder(pipeline).build(messages, use_audio_in_video=in_video)
+    mm = MultimodalInputs.from_mapping(inputs, use_audio_in_video=in_video)
+    right = mm.rope().tensors()
+    talker = pipeline.talker
+    rows = torch.zeros(len(ids), pipeline.spec.thinker_hidden)
+
+    def prompt(rope: dict[str, torch.Tensor]) -> None:
+        state = talker.new_state(pipeline.family.talker_defaults(), pipeline.spec.default_speaker)
+        talker.set_prompt(state, torch.tensor(ids), rows, rows, rope)
+
+    prompt(right)  # the right sizes place the prompt
+    wrongs: list[tuple[dict[str, torch.Tensor], str]] = []
+    if "audio_lengths" in right:
+        longer = right["audio_lengths"].clone()
+        longer[0] += 400
+        wrongs += [({**right, "audio_lengths": longer}, "audio placeholders"),
+                   ({**right, "audio_lengths": right["audio_lengths"].repeat(2)}, "audio")]  # fmt: skip
+    for name in ("image_grid_thw", "video_grid_thw"):
+        if name in right:
+            higher = right[name].clone()
+            higher[0, 1] *= 2
+            wrongs.append(({**right, name: higher}, f"{name.split('_')[0]} placeholders"))
+    if "image_grid_thw" in right:
+        wrongs.append(({k: v for k, v in right.items() if k != "image_grid_thw"}, "image"))
+    assert wrongs
+    for rope, what in wrongs:
+        with pytest.raises(ValueError, match=f"sizes do not fit its placeholders: .*{what}"):
+            prompt(rope)

@@ -264,6 +264,55 @@ def encode_prompt(thinker: Any, ids: torch.Tensor, mm: MultimodalInputs) -> Prom
     return PromptInputs(embeds[0], positions, None if visual_mask is None else visual_mask[0], deepstack)
 
 
+def check_rope_sizes(ids: torch.Tensor, rope: RopeInputs, config: Any, audio_rows: AudioRows = qwen3_audio_rows
+                     ) -> None:  # fmt: skip
+    """The talker's side of `MultimodalInputs.check`: the media sizes it is sent (for its
+    positions) must give the prompt's placeholders, item for item and row for row; a size that
+    disagrees would place wrong positions without an error (ValueError naming it). `config`:
+    the talker's (its token ids, `spatial_merge_size`, the audio tower's `audio_config`)."""
+    ids = ids.view(-1)
+
+    def count(token_id: int) -> int:
+        return int((ids == token_id).sum())
+
+    def runs(next_id: int) -> int:  # vision starts followed by next_id
+        return int(((ids[:-1] == config.vision_start_token_id) & (ids[1:] == next_id)).sum())
+
+    merge = int(config.spatial_merge_size)
+    items = {}
+    for name, grid, token_id in (("image", rope.image_grid_thw, config.image_token_id),
+                                 ("video", rope.video_grid_thw, config.video_token_id)):  # fmt: skip
+        n, rows = 0, 0
+        if grid is not None and grid.numel():
+            if grid.dim() != 2 or grid.shape[1] != 3 or grid.dtype.is_floating_point:
+                raise ValueError(f"{name}_grid_thw must be integer [items, 3], got {grid.dtype} {list(grid.shape)}")
+            if bool((grid <= 0).any()) or bool((grid[:, 1:] % merge != 0).any()):
+                raise ValueError(f"{name}_grid_thw must hold positive sizes with height and width multiples of {merge}")
+            n, rows = int(grid.shape[0]), int((grid.prod(-1) // merge**2).sum())
+        if count(token_id) != rows:
+            raise ValueError(f"the prompt has {count(token_id)} {name} placeholders but {name}_grid_thw gives "
+                             f"{rows} rows")  # fmt: skip
+        items[name] = n
+    if runs(config.image_token_id) != items["image"]:
+        raise ValueError(f"the prompt has {runs(config.image_token_id)} image placeholder run(s) but "
+                         f"image_grid_thw has {items['image']}")  # fmt: skip
+    videos = count(config.vision_start_token_id) - runs(config.image_token_id)  # a video's run may open with its audio
+    if videos != items["video"]:
+        raise ValueError(f"the prompt has {videos} video placeholder run(s) but video_grid_thw has {items['video']}")
+    lengths, audios, rows = rope.audio_lengths, 0, 0
+    if lengths is not None and lengths.numel():
+        if lengths.dim() != 1 or lengths.dtype.is_floating_point or bool((lengths <= 0).any()):
+            raise ValueError(f"audio_lengths must be positive integers [audios], got {lengths.dtype} "
+                             f"{list(lengths.shape)}")  # fmt: skip
+        audios, rows = int(lengths.shape[0]), int(audio_rows(lengths, config.audio_config).sum())
+    if count(config.audio_token_id) != rows:
+        raise ValueError(f"the prompt has {count(config.audio_token_id)} audio placeholders but audio_lengths gives "
+                         f"{rows} rows")  # fmt: skip
+    if count(config.audio_start_token_id) != audios:
+        raise ValueError(f"the prompt has {count(config.audio_start_token_id)} audio placeholder run(s) but "
+                         f"audio_lengths has {audios}")  # fmt: skip
+
+
 def talker_positions(talker: Any, talker_ids: torch.Tensor, rope: RopeInputs) -> torch.Tensor | None:
     """The talker prompt's positions `[4, 1, n]` as `generate()` gives them, or None where
     they are plain text positions (no audio, image or video in the request)."""

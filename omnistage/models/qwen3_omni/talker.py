@@ -28,7 +28,7 @@ import torch
 
 from omnistage.models.batching import PackedBatching, PackedCache, SlotCache
 from omnistage.models.qwen3_omni.code_predictor import CodePredictorLoop, greedy
-from omnistage.models.qwen3_omni.multimodal import RopeInputs, talker_positions
+from omnistage.models.qwen3_omni.multimodal import RopeInputs, check_rope_sizes, talker_positions
 from omnistage.models.qwen3_omni.prompt import (
     ASSISTANT_HEADER_LEN,
     TalkerPromptBuilder,
@@ -128,6 +128,8 @@ class Talker:
             raise ValueError("the prompt has audio/image/video placeholders but no thinker hidden states")
         state.set_prompt(ids, embeds, hidden, self.spec, RopeInputs(**(rope or {})))
         try:
+            check_rope_sizes(ids.cpu(), RopeInputs(**{k: v.cpu() for k, v in state.rope.tensors().items()}),
+                             self.model.config)  # fmt: skip
             talker_ids = talker_input_ids(ids, self.spec).to(self.device)
             state.prompt_positions = talker_positions(self.model, talker_ids, state.rope)
         except (IndexError, RuntimeError, ValueError, TypeError) as e:
