@@ -567,10 +567,13 @@ class ChunkAssembler:
             if chunk.part != 0:
                 raise TensorBlobError(f"split chunk starts at part {chunk.part}, not 0")
             p = self._pending = _Pending(parts=chunk.parts, next_part=0, first=chunk)
-        if chunk.part != p.next_part or chunk.parts != p.parts or chunk.offset != p.first.offset:
+        # a split chunk's parts are consecutive messages: one seq each, from the first part's
+        want_seq = p.first.seq + p.next_part
+        if chunk.part != p.next_part or chunk.parts != p.parts or chunk.offset != p.first.offset \
+                or chunk.seq != want_seq:  # fmt: skip
             raise TensorBlobError(
-                f"split chunk out of order: got part {chunk.part}/{chunk.parts} at offset {chunk.offset}, "
-                f"expected {p.next_part}/{p.parts} at offset {p.first.offset}"
+                f"split chunk out of order: got part {chunk.part}/{chunk.parts} at offset {chunk.offset} "
+                f"(seq {chunk.seq}), expected {p.next_part}/{p.parts} at offset {p.first.offset} (seq {want_seq})"
             )
         if chunk.finished and chunk.part != p.parts - 1:
             raise TensorBlobError("finished set before the last part of a split chunk")

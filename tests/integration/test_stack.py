@@ -255,13 +255,29 @@ def test_gateway_rejects_an_empty_prompt(stack: Stack) -> None:
 
 @pytest.fixture(scope="module")
 def spare_stack(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A second stack the fault tests may break."""
-    cfg = stack_config(talker={"replicas": 1}, timeouts={"drain_grace_s": 60})
+    """A second stack the fault tests may break; its messages are small and never in shared
+    memory, so large chunks (audio of 16 frames and more) cross every hop in parts."""
+    cfg = stack_config(talker={"replicas": 1}, timeouts={"drain_grace_s": 60}, max_message_bytes=64 << 10, shm=False)
     s = start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("spare"))
     try:
         yield s
     finally:
         s.stop()
+
+
+def test_chunks_split_into_parts_cross_every_hop_whole(spare_stack: Stack, pipeline: Any) -> None:
+    """Audio chunks over the message limit go up from code2wav in parts, relayed by the talker
+    and the thinker between their own chunks: the reply equals the in-process pipeline's."""
+    ids = pipeline.prompt_ids(PROMPT)
+    events = list(pipeline.run(PipelineRequest(ids, pipeline.thinker_defaults().with_overrides(max_tokens=THINKER_MAX),
+                                               SamplingParams(max_tokens=TALKER_MAX))))  # fmt: skip
+    audio = [e.pcm for e in events if isinstance(e, AudioEvent)]
+    assert max(a.numel() * 4 for a in audio) > 64 << 10  # some chunk must be split
+    reply = run(generate(spare_stack.gateway_address, PROMPT, thinker_max_tokens=THINKER_MAX,
+                         talker_max_tokens=TALKER_MAX, timeout=60))  # fmt: skip
+    assert reply.token_ids == events[-1].token_ids
+    expected = torch.cat(audio).numpy()  # within float rounding: the stage processes run other thread counts
+    assert reply.pcm.shape == expected.shape and np.allclose(reply.pcm, expected, atol=1e-5, rtol=0)
 
 
 def test_downstream_down_is_unavailable_naming_the_stage(spare_stack: Stack) -> None:

@@ -109,6 +109,10 @@ def test_assembler_rejects_broken_sequences() -> None:
     bad_offset.CopyFrom(chunks[1])
     bad_offset.offset = 99
     cases.append([chunks[0], bad_offset])
+    other_seq = Chunk()  # a part of another message stream (its seq does not follow on)
+    other_seq.CopyFrom(chunks[1])
+    other_seq.seq += 7
+    cases.append([chunks[0], other_seq])
     missing_piece = Chunk()
     missing_piece.CopyFrom(chunks[-1])
     del missing_piece.tensors["x"]
@@ -146,7 +150,7 @@ def test_a_split_chunk_counts_its_whole_tensors_against_the_bound() -> None:
     with pytest.raises(TensorBlobError, match=r"split chunk exceeds 4194304 bytes"):
         for i in range(64):
             part = tb.encode_chunk({f"t{i}": torch.zeros(1 << 18)}, offset=0, length=0)  # 1 MiB each
-            part.parts, part.part = 64, i
+            part.parts, part.part, part.seq = 64, i, i
             assert asm.push(part) is None
             taken += 1
     assert taken == 4 and not asm.in_progress
