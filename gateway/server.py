@@ -385,7 +385,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     got = assemblers.setdefault(resp.stage, ChunkAssembler()).push(resp.chunk, received.views)
                     if got is None:
                         continue
-                    seen = resume.classify(resp.stage, got.offset, got.length)
+                    seen = resume.classify(resp.stage, got.offset, got.length, got.finished)
                     if seen is Seen.OLD:
                         continue
                     if seen is Seen.OVERLAP:

@@ -633,7 +633,7 @@ class StageService:
         meta = get_meta(chunk.meta)
         length = meta.get(LENGTH_KEY, 0)
         length = length if isinstance(length, int) else 0
-        seen = resume.classify(stage, chunk.offset, length)
+        seen = resume.classify(stage, chunk.offset, length, chunk.finished)
         if seen is Seen.OLD:
             return []
         if seen is Seen.NEW:

@@ -29,14 +29,17 @@ class Resume:
     end: dict[str, int] = field(default_factory=dict)  # per stage: positions delivered so far
     finished: set[str] = field(default_factory=set)  # stages whose finished chunk was delivered
 
-    def classify(self, stage: str, offset: int, length: int) -> Seen:
+    def classify(self, stage: str, offset: int, length: int, finished: bool = False) -> Seen:
         if stage in self.finished:
             return Seen.OLD
         end = self.end.get(stage, 0)
         if offset >= end:
             return Seen.NEW
         if offset + length <= end:
-            return Seen.OLD
+            # A chunk whose positions the caller has, but which ends the stream where the first
+            # call had not yet said so (boundaries differ between calls): its empty tail carries
+            # the end. Dropped, the caller would wait for an end that had come.
+            return Seen.OVERLAP if finished else Seen.OLD
         return Seen.OVERLAP
 
     def delivered(self, stage: str, offset: int, length: int, finished: bool) -> None:

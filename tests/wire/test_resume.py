@@ -33,3 +33,18 @@ def test_a_replayed_stream_delivers_each_position_once_whatever_its_chunk_bounda
     r.delivered("talker", 9, 0, True)
     assert r.classify("talker", 9, 0) is Seen.OLD  # nothing after the finished chunk, twice
     assert r.classify("code2wav", 0, 100) is Seen.NEW  # each stage's stream on its own
+
+
+def test_the_end_comes_through_on_a_chunk_whose_positions_the_caller_has() -> None:
+    """The first call delivered positions 0..5 and was lost before its (empty) finished chunk;
+    the replay sends 0..5 with the end on the same chunk: its empty tail, finished, goes on."""
+    r = Resume()
+    r.delivered("code2wav", 0, 6, False)
+    last = chunk(0, 6, finished=True)
+    assert r.classify("code2wav", 0, 6, finished=True) is Seen.OVERLAP
+    tail = r.tail("code2wav", last)
+    assert (tail.offset, tail.length, tail.finished) == (6, 0, True)
+    assert tail.tensors["codes"].shape == (3, 0)
+    r.delivered("code2wav", tail.offset, tail.length, tail.finished)
+    assert r.classify("code2wav", 0, 6, finished=True) is Seen.OLD  # delivered once
+    assert r.classify("talker", 0, 4) is Seen.NEW and r.classify("code2wav", 0, 3) is Seen.OLD
