@@ -66,6 +66,22 @@ class StageConfig(_Strict):
         "every request's rows, close but not bitwise (thinker and talker: models/batching.py; Qwen2.5-Omni's "
         "token2wav: one DiT pass per ODE step over every due request)")  # fmt: skip
 
+    @property
+    def prefill_chunk(self) -> int | None:
+        """Exact batching splits a long prompt at fixed points, whatever else is in the step:
+        chunks of the step's token budget less one token for each other request it may hold (so
+        a chunk fits next to a full step of decodes). Fast batching lets a chunk take what the
+        step leaves (engine/scheduler.py)."""
+        if self.batching != "exact" or not self.chunked_prefill:
+            return None
+        return max(1, self.max_num_batched_tokens - self.max_num_seqs + 1)
+
+    def engine_limits(self) -> dict[str, Any]:
+        """This stage's scheduling arguments of `Engine`."""
+        return {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
+                "cache_capacity_tokens": self.cache_capacity_tokens, "chunked_prefill": self.chunked_prefill,
+                "prefill_chunk": self.prefill_chunk}  # fmt: skip
+
 
 class ThinkerConfig(StageConfig):
     """The thinker's block; with `disaggregated: true` its `prefill` and `decode` blocks run it

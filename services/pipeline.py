@@ -84,9 +84,7 @@ class InProcessPipeline:
     def _engine(self, name: str, worker: Any) -> Engine:
         """The stage's engine with its config's scheduling limits, as a stage process has it."""
         c = self.cfg.stage(name)
-        return Engine(worker, 0, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
-                      cache_capacity_tokens=c.cache_capacity_tokens, chunked_prefill=c.chunked_prefill,
-                      background=False)  # fmt: skip
+        return Engine(worker, 0, **c.engine_limits(), background=False)
 
     # the family's parts, as each stage holds them
     @property

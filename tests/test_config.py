@@ -130,3 +130,14 @@ def test_the_cuda_example_puts_every_stage_on_the_gpu() -> None:
     cfg = load_config(Path(__file__).resolve().parents[1] / "deploy" / "examples" / "cuda.yaml")
     assert [cfg.stage(name).device for name in cfg.stage_names()] == ["cuda"] * 3
     assert DeployConfig().stage("thinker").device == "cpu"
+
+
+def test_exact_batching_splits_prompts_in_fixed_chunks() -> None:
+    """Exact batching: a prompt's prefill chunks are fixed (the budget less a token per other
+    request a step may hold), so where it is split does not depend on the other requests."""
+    cfg = parse_config({"thinker": {"max_num_batched_tokens": 512, "max_num_seqs": 16}})
+    assert cfg.thinker.prefill_chunk == 497
+    assert cfg.thinker.engine_limits()["prefill_chunk"] == 497
+    assert parse_config({"thinker": {"batching": "fast"}}).thinker.prefill_chunk is None
+    assert parse_config({"thinker": {"chunked_prefill": False}}).thinker.prefill_chunk is None
+    assert parse_config({"thinker": {"max_num_batched_tokens": 4, "max_num_seqs": 16}}).thinker.prefill_chunk == 1

@@ -27,9 +27,10 @@ class Harness:
     """The scheduler with string ids, stepping as the engine does."""
 
     def __init__(self, max_num_seqs: int = 8, max_num_batched_tokens: int = 16, max_model_len: int = 1000,
-                 cache_capacity_tokens: int | None = None, chunked_prefill: bool = True) -> None:  # fmt: skip
+                 cache_capacity_tokens: int | None = None, chunked_prefill: bool = True,
+                 prefill_chunk: int | None = None) -> None:  # fmt: skip
         self.cfg = SchedulerConfig(
-            max_num_seqs, max_num_batched_tokens, max_model_len, cache_capacity_tokens, chunked_prefill
+            max_num_seqs, max_num_batched_tokens, max_model_len, cache_capacity_tokens, chunked_prefill, prefill_chunk
         )
         self.s = Scheduler(self.cfg)
         self.reqs: dict[str, Request] = {}
@@ -399,9 +400,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         mml=st.integers(4, 40),
         cap=st.none() | st.integers(8, 80),
         chunked=st.booleans(),
+        fixed=st.none() | st.integers(1, 16),
     )
-    def setup(self, seqs: int, budget: int, mml: int, cap: int | None, chunked: bool) -> None:
-        self.h = Harness(seqs, budget, mml, cap, chunked)
+    def setup(self, seqs: int, budget: int, mml: int, cap: int | None, chunked: bool, fixed: int | None) -> None:
+        self.h = Harness(seqs, budget, mml, cap, chunked, min(fixed, budget) if fixed else None)
+
+    def _next_piece(self, pending: int) -> int:
+        """The prefill a request needs room for next: the rest without chunking, its fixed chunk
+        with `prefill_chunk`, one token when a chunk takes what is left."""
+        cfg = self.h.cfg
+        if not cfg.chunked_prefill:
+            return pending
+        return min(pending, cfg.prefill_chunk) if cfg.prefill_chunk else min(pending, 1)
 
     # -- rules --
 
@@ -489,8 +499,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert p.can_step and n >= 1
             if is_prefill:
                 assert n <= p.pending
-                if not cfg.chunked_prefill:
-                    assert n == p.pending
+                if not cfg.chunked_prefill or cfg.prefill_chunk:
+                    assert n == self._next_piece(p.pending)
             else:
                 assert n == 1 and p.pending == 0 and p.can_decode
         # order: admitted requests' decodes, their prefills, then new admissions in arrival order
@@ -516,13 +526,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         if slots_left and budget_left:
             for rid, p in pre.items():
                 if p.status is R and p.can_step and rid not in ids:
-                    assert not cfg.chunked_prefill and p.pending > budget_left
+                    assert self._next_piece(p.pending) > budget_left
             if first_left < len(waiting):
                 p = pre[waiting[first_left]]
                 cap = cfg.cache_capacity_tokens
                 admitted_now = sum(pre[r].reservation for r in h.admitted)
                 over_cap = cap is not None and reserved_before + admitted_now + p.reservation > cap
-                too_big = not cfg.chunked_prefill and p.pending > budget_left
+                too_big = self._next_piece(p.pending) > budget_left
                 blocked_by_old = any(q.status is R and q.can_step and r not in ids for r, q in pre.items())
                 assert over_cap or too_big or blocked_by_old
         return got
@@ -631,3 +641,30 @@ def test_a_request_reserving_early_is_admitted_before_it_can_step_in_its_turn() 
     h.end("a")
     assert h.step() == [("d", 4, True)]  # b reserved (no step: its cache is still to come), then d
     assert b.admitted and b.status == WFI and h.s.stats()["reserved_tokens"] == 60 + 6
+
+
+def _chunks(h: Harness, rid: str, steps: int = 40) -> list[int]:
+    """The prefill chunks `rid` gets while the harness steps (everyone else too)."""
+    got = []
+    for _ in range(steps):
+        got += [n for r, n, prefill in h.step() if r == rid and prefill]
+        for req in [r for r in h.live() if r.is_exhausted]:
+            h.end(req.request_id)
+    return got
+
+
+def test_fixed_prefill_chunks_split_a_prompt_the_same_alone_and_under_load() -> None:
+    """With `prefill_chunk` a prompt is split where its length alone says (exact batching's
+    "as if alone"); without it, where the budget other requests left runs out."""
+    # worked out from the policy: x (5) and y (1) take 6 of the first step's 8, then both decode
+    for fixed, alone_split, loaded_split in ((5, [5, 5, 2], [5, 5, 2]), (None, [8, 4], [2, 6, 4])):
+        alone = Harness(max_num_seqs=4, max_num_batched_tokens=8, prefill_chunk=fixed)
+        alone.add("p", 12, 1)
+        assert _chunks(alone, "p") == alone_split
+        loaded = Harness(max_num_seqs=4, max_num_batched_tokens=8, prefill_chunk=fixed)
+        loaded.add("x", 5, 3)  # a shorter prompt first, decoding while p prefills
+        loaded.add("y", 1, 4)
+        loaded.add("p", 12, 1)
+        assert _chunks(loaded, "p") == loaded_split, fixed
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        SchedulerConfig(4, 8, 100, None, True, 9)

@@ -78,6 +78,7 @@ class Engine:
         max_num_batched_tokens: int = 2048,
         cache_capacity_tokens: int | None = None,
         chunked_prefill: bool = True,
+        prefill_chunk: int | None = None,
         background: bool = True,
         observer: StepObserver | None = None,
         output_stall_timeout_s: float = 60.0,
@@ -94,6 +95,7 @@ class Engine:
                 max_model_len=worker.max_model_len(),
                 cache_capacity_tokens=cache_capacity_tokens,
                 chunked_prefill=chunked_prefill,
+                prefill_chunk=prefill_chunk,
             )
         )
         self._requests: dict[str, Request] = {}

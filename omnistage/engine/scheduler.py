@@ -6,8 +6,9 @@ gRPC, no clock.
 
 Token model. A queued request has `num_prompt_tokens` of input and may take up to
 `max_new_tokens` decode steps. A step for a request is either a *prefill* of `n` pending prompt
-tokens (chunked prefill: up to the step's remaining token budget; without it the whole prompt,
-and a prompt larger than `max_num_batched_tokens` is refused at `add`) or a *decode* of one
+tokens (chunked prefill: up to the step's remaining token budget, or with `prefill_chunk` exactly
+that many, the last chunk what is left, waiting for a step with room for it; without it the whole
+prompt, and a prompt larger than `max_num_batched_tokens` is refused at `add`) or a *decode* of one
 token. Stages that only decode (the talker, code2wav) queue with no prompt tokens and count
 steps. `update_from_output` advances the counters of what was scheduled and ends the requests
 whose output says they are done; the worker may end a request before its limit (EOS).
@@ -58,6 +59,11 @@ class SchedulerConfig:
     max_model_len: int  # prompt + generated tokens of one request
     cache_capacity_tokens: int | None  # tokens the cache holds over all admitted requests; None: unbounded
     chunked_prefill: bool = True
+    # With chunked prefill: every prefill chunk is this many tokens (a prompt's last one what is
+    # left), so where a prompt is split depends on its length alone, not on the other requests in
+    # a step (exact batching: a request's numbers as if alone). None: a chunk takes what the
+    # step's budget leaves.
+    prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int("max_num_seqs", self.max_num_seqs)
@@ -65,6 +71,11 @@ class SchedulerConfig:
         _positive_int("max_model_len", self.max_model_len)
         if self.cache_capacity_tokens is not None:
             _positive_int("cache_capacity_tokens", self.cache_capacity_tokens)
+        if self.prefill_chunk is not None:
+            _positive_int("prefill_chunk", self.prefill_chunk)
+            if self.prefill_chunk > self.max_num_batched_tokens:
+                raise ValueError(f"SchedulerConfig.prefill_chunk ({self.prefill_chunk}) exceeds max_num_batched_tokens "
+                                 f"({self.max_num_batched_tokens})")  # fmt: skip
         if not isinstance(self.chunked_prefill, bool):
             raise ValueError(f"SchedulerConfig.chunked_prefill must be a bool, got {self.chunked_prefill!r}")
 
@@ -212,7 +223,7 @@ class Scheduler:
                 if not self._can_step(req) or req.num_pending_prompt == 0:
                     continue
                 n = self._prefill_tokens(req, budget)
-                if n == 0:  # without chunking it does not fit: it goes first next step
+                if n == 0:  # its next piece does not fit: it goes first next step
                     head_blocked = True
                     break
                 out.append(ScheduledItem(req, n, True))
@@ -272,11 +283,14 @@ class Scheduler:
         return req.ready and (req.num_pending_prompt > 0 or req.num_output_tokens < req.decode_limit)
 
     def _prefill_tokens(self, req: Request, budget: int) -> int:
-        """Prompt tokens to prefill now; 0 when (without chunking) the rest does not fit."""
+        """Prompt tokens to prefill now; 0 when the next piece does not fit: without chunking the
+        rest of the prompt, with a fixed `prefill_chunk` that chunk."""
         pending = req.num_pending_prompt
-        if self.config.chunked_prefill:
+        cfg = self.config
+        if cfg.chunked_prefill and cfg.prefill_chunk is None:
             return min(pending, budget)
-        return pending if pending <= budget else 0
+        want = min(pending, cfg.prefill_chunk) if cfg.chunked_prefill and cfg.prefill_chunk else pending
+        return want if want <= budget else 0
 
     # ---- state and metrics -------------------------------------------------------------------
 

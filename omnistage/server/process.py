@@ -36,10 +36,7 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
     engine = Engine(
         worker,
         cfg.timeouts.input_wait_timeout_s,
-        max_num_seqs=stage_cfg.max_num_seqs,
-        max_num_batched_tokens=stage_cfg.max_num_batched_tokens,
-        cache_capacity_tokens=stage_cfg.cache_capacity_tokens,
-        chunked_prefill=stage_cfg.chunked_prefill,
+        **stage_cfg.engine_limits(),
         output_stall_timeout_s=cfg.timeouts.output_stall_timeout_s,
     )
     service = StageService(
