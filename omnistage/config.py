@@ -70,11 +70,13 @@ class StageConfig(_Strict):
     def prefill_chunk(self) -> int | None:
         """Exact batching splits a long prompt at fixed points, whatever else is in the step:
         chunks of the step's token budget less one token for each other request it may hold (so
-        a chunk fits next to a full step of decodes). Fast batching lets a chunk take what the
-        step leaves (engine/scheduler.py)."""
+        a chunk fits next to a full step of decodes), and at least half the budget (a budget
+        below max_num_seqs; a chunk then waits for a step with fewer decodes). Fast batching
+        lets a chunk take what the step leaves (engine/scheduler.py)."""
         if self.batching != "exact" or not self.chunked_prefill:
             return None
-        return max(1, self.max_num_batched_tokens - self.max_num_seqs + 1)
+        budget = self.max_num_batched_tokens
+        return max(budget - self.max_num_seqs + 1, (budget + 1) // 2)
 
     def engine_limits(self) -> dict[str, Any]:
         """This stage's scheduling arguments of `Engine`."""
@@ -96,7 +98,8 @@ class ThinkerConfig(StageConfig):
 class TalkerConfig(StageConfig):
     cuda_graphs: bool = Field(
         False, description="on CUDA: replay the code predictor's per-frame loop (greedy) as CUDA graphs captured "
-        "at start-up for batches 1, 2, 4, ... up to max_num_seqs (Qwen3-Omni; a family without one ignores it)")
+        "at start-up for batches 1, 2, 4, ... up to max_num_seqs (at most 256; Qwen3-Omni; a family without one "
+        "ignores it). Greedy speech only: a batch with a sampled request runs eagerly")
 
     @model_validator(mode="after")
     def _graphs_on_cuda(self) -> TalkerConfig:

@@ -140,4 +140,5 @@ def test_exact_batching_splits_prompts_in_fixed_chunks() -> None:
     assert cfg.thinker.engine_limits()["prefill_chunk"] == 497
     assert parse_config({"thinker": {"batching": "fast"}}).thinker.prefill_chunk is None
     assert parse_config({"thinker": {"chunked_prefill": False}}).thinker.prefill_chunk is None
-    assert parse_config({"thinker": {"max_num_batched_tokens": 4, "max_num_seqs": 16}}).thinker.prefill_chunk == 1
+    # a budget below max_num_seqs: half of it (not 1 token a step)
+    assert parse_config({"thinker": {"max_num_batched_tokens": 8, "max_num_seqs": 16}}).thinker.prefill_chunk == 4

@@ -203,3 +203,22 @@ def test_check_kv_meta_names_each_difference() -> None:
     for bad in (0, "5", True, None):
         with pytest.raises(StageError, match=edges.PROMPT_TOKENS):
             edges.check_kv_meta("thinker-decode", {**mine, edges.PROMPT_TOKENS: bad}, mine)
+
+
+def test_each_roles_cache_is_sized_by_what_it_reserves(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill role's cache holds the prompt (its reservation: prompt + first token), the
+    decode role's the prompt and every token it may make: neither grows past its reservation."""
+    from omnistage.models.batching import SlotCache
+
+    limits: list[int | None] = []
+    made = SlotCache.for_model.__func__  # type: ignore[attr-defined]
+
+    def spy(cls: type, config: Any, limit: int | None = None) -> Any:
+        limits.append(limit)
+        return made(cls, config, limit)
+
+    monkeypatch.setattr(SlotCache, "for_model", classmethod(spy))
+    split = _pd(tiny_dir)
+    ids = split.prompt_ids(PROMPTS[0])
+    _run(split, ids, split.thinker_defaults().with_overrides(max_tokens=24), want_audio=False)
+    assert limits == [len(ids) + 1, len(ids) + 24]  # prefill role, then decode role

@@ -52,22 +52,26 @@ class BatchGraphs:
         self.fn = fn
         largest = self.sizes[-1]
         self.input = like.new_zeros((largest, *like.shape[1:]))
+        self.device = like.device
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        pool = torch.cuda.graph_pool_handle()
         started = time.perf_counter()
-        for size in reversed(self.sizes):  # largest first: its buffers serve the smaller ones
-            x = self.input[:size]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up off the capture (lazy init, workspace allocation)
-                for _ in range(warmup):
-                    fn(x)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = fn(x)
-            self.graphs[size] = (graph, out)
-        torch.cuda.synchronize()
+        # Streams, captures and pools act on the current device: make it the tensors' (cuda:1 ...),
+        # else the kernels run on a stream that is not captured and the graph is empty.
+        with torch.cuda.device(self.device):
+            pool = torch.cuda.graph_pool_handle()
+            for size in reversed(self.sizes):  # largest first: its buffers serve the smaller ones
+                x = self.input[:size]
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm-up off the capture (lazy init, workspace allocation)
+                    for _ in range(warmup):
+                        fn(x)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = fn(x)
+                self.graphs[size] = (graph, out)
+            torch.cuda.synchronize()
         log.info("captured %d CUDA graphs (batch %s) in %.2f s", len(self.sizes), self.sizes,
                  time.perf_counter() - started)  # fmt: skip
 
@@ -80,8 +84,9 @@ class BatchGraphs:
         if batch > self.max_batch:
             raise ValueError(f"batch {batch} over the largest captured ({self.max_batch})")
         size = self.sizes[bisect.bisect_left(self.sizes, batch)]
-        self.input[:batch].copy_(x)
-        graph, out = self.graphs[size]
-        graph.replay()
-        # a copy: the next replay (of this graph or another sharing the pool) overwrites `out`
-        return out.narrow(self.out_batch_dim, 0, batch).clone()
+        with torch.cuda.device(self.device):  # replayed on that device's current stream
+            self.input[:batch].copy_(x)
+            graph, out = self.graphs[size]
+            graph.replay()
+            # a copy: the next replay (of this graph or another sharing the pool) overwrites `out`
+            return out.narrow(self.out_batch_dim, 0, batch).clone()

@@ -52,7 +52,10 @@ class Resume:
         """The part of an OVERLAP chunk after what was delivered: every tensor whose last axis
         spans the chunk's positions is cut along it; the rest is kept as it is."""
         n = chunk.length
-        cut = self.end[stage] - chunk.offset
+        start = self.end[stage]
+        # (a finished chunk that ends before what was delivered, from a replay that was not the
+        # same stream, ends it there, empty, rather than going back)
+        cut = min(start - chunk.offset, n)
         tensors = {k: (t[..., cut:] if t.dim() and t.shape[-1] == n else t) for k, t in chunk.tensors.items()}
         meta = {**chunk.meta, LENGTH_KEY: n - cut}
-        return DecodedChunk(tensors, meta, chunk.offset + cut, chunk.seq, chunk.finished)
+        return DecodedChunk(tensors, meta, start, chunk.seq, chunk.finished)

@@ -28,6 +28,10 @@ _REASONS = {"stop_id": FinishReason.STOP, "no_text": FinishReason.STOP, "max_tok
 # the thinker's rows, which the talker only reads on its device (copied as they arrive)
 _ON_DEVICE = frozenset({edges.PROMPT_EMBED, edges.PROMPT_HIDDEN, edges.EMBED, edges.HIDDEN})
 
+# The largest batch captured as a CUDA graph (larger ones run eagerly): each capture costs start-up
+# time and graph memory, and an exact-mode capture grows with its batch.
+MAX_GRAPH_BATCH = 256
+
 
 class TalkerWorker(StageWorker):
     name = "talker"
@@ -129,7 +133,7 @@ class TalkerWorker(StageWorker):
 def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> TalkerWorker:
     stage = cfg.stage("talker")
     assert isinstance(stage, TalkerConfig)
-    graphs = stage.max_num_seqs if stage.cuda_graphs else 0
+    graphs = min(stage.max_num_seqs, MAX_GRAPH_BATCH) if stage.cuda_graphs else 0
     talker = ckpt.family.talker(ckpt, stage.dtype, stage.device, stage.batching, graphs)
     code2wav = cfg.stage("code2wav")
     assert isinstance(code2wav, Code2WavConfig)

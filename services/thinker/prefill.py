@@ -31,6 +31,10 @@ class PrefillWorker(ThinkerWorker):
         super().__init__(thinker, *args, **kwargs)
         self.checks = role_checks(thinker)
 
+    def open(self, req: Request) -> None:
+        super().open(req)
+        req.state.cache_new_tokens = 1  # its cache holds the prompt (as its demand says), not the decode's tokens
+
     def sends_down(self, req: Request) -> bool:
         return True  # every prefill chunk's KV, then the handoff, to the decode role
 

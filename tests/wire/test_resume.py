@@ -48,3 +48,7 @@ def test_the_end_comes_through_on_a_chunk_whose_positions_the_caller_has() -> No
     r.delivered("code2wav", tail.offset, tail.length, tail.finished)
     assert r.classify("code2wav", 0, 6, finished=True) is Seen.OLD  # delivered once
     assert r.classify("talker", 0, 4) is Seen.NEW and r.classify("code2wav", 0, 3) is Seen.OLD
+    # a replay that ends short of what was delivered (not the same stream) ends it where it is
+    r.delivered("talker", 0, 4, False)
+    short = r.tail("talker", chunk(0, 3, finished=True))
+    assert (short.offset, short.length, short.finished) == (4, 0, True) and short.tensors["codes"].shape == (3, 0)

@@ -296,7 +296,7 @@ def check_rope_sizes(ids: torch.Tensor, rope: RopeInputs, config: Any, audio_row
     if runs(config.image_token_id) != items["image"]:
         raise ValueError(f"the prompt has {runs(config.image_token_id)} image placeholder run(s) but "
                          f"image_grid_thw has {items['image']}")  # fmt: skip
-    videos = count(config.vision_start_token_id) - runs(config.image_token_id)  # a video's run may open with its audio
+    videos = runs(config.video_token_id) + runs(config.audio_start_token_id)  # a video's run may open with its audio
     if videos != items["video"]:
         raise ValueError(f"the prompt has {videos} video placeholder run(s) but video_grid_thw has {items['video']}")
     lengths, audios, rows = rope.audio_lengths, 0, 0

@@ -68,6 +68,8 @@ class ThinkerState:
     last_position: torch.Tensor | None = None  # [4, 1, 1] position of the last token fed
     finished: bool = False
     role: Any = None  # what a prefill/decode role of the thinker keeps for the request (services/thinker)
+    # the generated tokens its cache will hold when fewer than max_tokens (a prefill role's: its first)
+    cache_new_tokens: int | None = None
 
     @property
     def generated(self) -> int:
@@ -331,7 +333,8 @@ class Thinker:
     def _cache_limit(state: ThinkerState) -> int:
         """The positions a request's cache can reach: its prompt and every token it may make
         (its reservation in the scheduler)."""
-        return min(state.max_len, len(state.prompt_ids) + state.sampling.max_tokens)
+        new = state.sampling.max_tokens if state.cache_new_tokens is None else state.cache_new_tokens
+        return min(state.max_len, len(state.prompt_ids) + new)
 
     def release(self, state: ThinkerState) -> None:
         state.cache = None
