@@ -225,17 +225,22 @@ STOPPED_ON = "stopped_on"
 FIRST_ID, FIRST_EMBED, LAST_POSITION, GENERATOR_STATE = "first_id", "first_embed", "last_position", "generator_state"
 
 
-def kv_chunk(offset: int, kv: list[tuple[torch.Tensor, torch.Tensor]], meta: Mapping[str, Any] | None = None
-             ) -> OutChunk:  # fmt: skip
+def kv_chunk(offset: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> OutChunk:
     """One prompt chunk's keys and values, per layer (copied out of the live cache)."""
     tensors: dict[str, torch.Tensor] = {}
     for i, (k, v) in enumerate(kv):
         tensors[f"k.{i}"], tensors[f"v.{i}"] = k.contiguous(), v.contiguous()
-    return OutChunk(tensors, offset=offset, length=int(kv[0][0].shape[-2]) if kv else 0, meta=dict(meta or {}))
+    return OutChunk(tensors, offset=offset, length=int(kv[0][0].shape[-2]) if kv else 0)
+
+
+def kv_header(meta: Mapping[str, Any]) -> OutChunk:
+    """The first chunk to a decode role: no KV, only the prompt's size and the roles' checks
+    (`meta`), so that the decode role can reserve the cache before any of it is sent."""
+    return OutChunk({}, offset=0, length=0, meta=dict(meta))
 
 
 def check_kv_meta(stage: str, meta: Mapping[str, Any], mine: Mapping[str, str]) -> int:
-    """The first KV chunk's meta against this role's own values: FAILED_PRECONDITION naming
+    """The KV header's meta against this role's own values: FAILED_PRECONDITION naming
     each difference. Returns the prompt's token count."""
     diffs = [f"{k}: prefill has {meta.get(k)!r}, decode has {mine[k]!r}" for k in KV_CHECKS if meta.get(k) != mine[k]]
     if diffs:

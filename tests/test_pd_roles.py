@@ -127,21 +127,24 @@ def test_a_bad_handoff_fails_its_request_invalid_argument(tiny_dir: Path, monkey
     assert pipe.engines["thinker-decode"].idle
 
 
-def test_a_request_the_decode_role_cannot_hold_is_refused_at_its_first_kv_chunk(
+def test_a_request_the_decode_role_cannot_hold_is_refused_at_its_kv_header(
         tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """Its demand is known from the first KV chunk: a request over the decode role's cache is
-    refused RESOURCE_EXHAUSTED there, not after its whole cache has crossed and been rebuilt."""
+    """Its demand is known from the KV header: a request over the decode role's cache is refused
+    RESOURCE_EXHAUSTED there, not after its whole cache has crossed and been rebuilt. (In
+    process the header and the first KV chunk are taken in one engine iteration; a stage's
+    transport reads no KV before the request is admitted.)"""
     pipe = _pd(tiny_dir, prefill={"max_num_batched_tokens": 8}, decode={"cache_capacity_tokens": 24})
     decode = pipe.engines["thinker-decode"].worker
     fed: list[int] = []
     real = decode.feed
-    monkeypatch.setattr(decode, "feed", lambda req, chunk: (fed.append(chunk.offset), real(req, chunk))[1])
+    monkeypatch.setattr(decode, "feed", lambda req, chunk: (fed.append((chunk.offset, chunk.length)),
+                                                            real(req, chunk))[1])  # fmt: skip
     ids = pipe.prompt_ids(PROMPTS[0])
     assert len(ids) > 3 * 8
     with pytest.raises(StageError) as err:
         _run(pipe, ids, pipe.thinker_defaults().with_overrides(max_tokens=4))
     assert err.value.code == Code.RESOURCE_EXHAUSTED and "cache_capacity_tokens=24" in err.value.message
-    assert fed == [0]
+    assert fed == [(0, 0), (0, 4)]  # the header and the first prefill chunk (4: half the 8-token budget), no more
     assert pipe.engines["thinker-decode"].idle
 
 
@@ -222,3 +225,22 @@ def test_each_roles_cache_is_sized_by_what_it_reserves(tiny_dir: Path, monkeypat
     ids = split.prompt_ids(PROMPTS[0])
     _run(split, ids, split.thinker_defaults().with_overrides(max_tokens=24), want_audio=False)
     assert limits == [len(ids) + 1, len(ids) + 24]  # prefill role, then decode role
+
+
+def test_the_decode_role_refuses_kv_before_its_header(pair: tuple[Any, Any]) -> None:
+    """The first chunk must be the header (no KV): KV first is INVALID_ARGUMENT, naming it."""
+    from benchmarks.stages import make_start
+    from omnistage.engine import Request
+    from services.pipeline import received
+
+    _, split = pair
+    decode = split.engines["thinker-decode"].worker
+    req = Request("kv-first", make_start(split.thinker_defaults(), SamplingParams()))
+    decode.open(req)
+    layout = decode.layout
+    shape = (1, int(layout["kv_heads"]), 2, int(layout["head_dim"]))
+    kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(int(layout["layers"]))]
+    with pytest.raises(StageError, match="the first chunk must be the KV header") as err:
+        decode.feed(req, received(edges.kv_chunk(0, kv)))
+    assert err.value.code == Code.INVALID_ARGUMENT
+    decode.close(req)

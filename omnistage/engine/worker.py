@@ -71,10 +71,10 @@ class StageWorker(ABC):
 
     name: str
     device: torch.device = torch.device("cpu")
-    # True: what a request receives after its first chunk is cache (a KV cache streamed in), so
-    # its cache is reserved before the rest of its input comes, and the transport reads no more
-    # of its input until then (the sender waits: gRPC flow control). Its demand must be known
-    # from the first chunk.
+    # True: what a request receives after its first chunk is cache (a KV cache streamed in after
+    # a header), so its cache is reserved before the rest of its input comes, and the transport
+    # reads no more of its input until then (the sender waits). Its demand must be known from
+    # the first chunk.
     holds_input_until_admitted: bool = False
 
     def wants_on_device(self, name: str) -> bool:

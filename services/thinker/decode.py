@@ -24,17 +24,15 @@ from services.thinker.worker import FINISH_REASONS, ThinkerWorker
 class _Incoming:
     """A request's KV cache as it arrives: per layer keys and values of every prompt position."""
 
-    prompt_tokens: int = 0
-    first: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # the first chunk's, until admitted
-    first_length: int = 0
-    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    prompt_tokens: int = 0  # from the header chunk
+    kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # made when the first KV comes
     forward: list[OutChunk] = field(default_factory=list)  # to the talker before the first decode
 
 
 class DecodeWorker(ThinkerWorker):
-    """A request's cache is reserved from its first KV chunk (which gives its size) before the
-    rest is read (`holds_input_until_admitted`); only then is room made for the whole cache, so
-    requests waiting for room hold one chunk each, not a whole prompt's cache."""
+    """A request's cache is reserved from its header chunk (no KV, its size and the roles'
+    checks: edges.kv_header) before any KV is read (`holds_input_until_admitted`), so requests
+    waiting for room hold no cache; the cache is made when its first KV chunk comes."""
 
     name = "thinker-decode"
     holds_input_until_admitted = True
@@ -53,44 +51,30 @@ class DecodeWorker(ThinkerWorker):
         if chunk.finished:
             self._adopt(req, chunk)
             return
-        if chunk.offset == 0:
+        if not inc.prompt_tokens:  # the header: the cache's size, before any of it
+            if chunk.offset != 0 or chunk.length != 0:
+                raise invalid(f"{self.name}: the first chunk must be the KV header (offset 0, length 0), got offset "
+                              f"{chunk.offset}, length {chunk.length}")  # fmt: skip
             inc.prompt_tokens = edges.check_kv_meta(self.name, chunk.meta, self.checks)
             if inc.prompt_tokens >= state.max_len:
                 raise invalid(f"{self.name}: a prompt of {inc.prompt_tokens} tokens exceeds the model maximum "
                               f"of {state.max_len - 1}")  # fmt: skip
+            return
         end = chunk.offset + chunk.length
         if end > inc.prompt_tokens:
             raise invalid(f"{self.name}: KV chunk [{chunk.offset}, {end}) past the prompt's {inc.prompt_tokens} tokens")
-        kv = edges.read_kv(self.name, chunk, self.layout)
-        if chunk.offset == 0:  # kept as it came until the request is admitted (more comes only then)
-            inc.first, inc.first_length = list(kv), end
-            return
-        self._place(inc, kv, chunk.offset, end)
-
-    def _make_cache(self, inc: _Incoming) -> None:
-        """The request's whole cache, holding the first chunk (once admitted: more input came)."""
-        if inc.kv:
-            return
-        shape = (1, int(self.layout["kv_heads"]), inc.prompt_tokens, int(self.layout["head_dim"]))
-        dtype, device = getattr(torch, str(self.layout["dtype"])), self.thinker.device
-        inc.kv = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-                  for _ in range(int(self.layout["layers"]))]  # fmt: skip
-        first, inc.first = inc.first, []
-        if first:
-            self._place(inc, first, 0, inc.first_length)
-
-    def _place(self, inc: _Incoming, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], start: int, end: int) -> None:
-        """Copy positions [start, end) of every layer into the request's cache."""
-        self._make_cache(inc)
-        for (k, v), (dk, dv) in zip(kv, inc.kv, strict=True):
-            dk[:, :, start:end].copy_(k)  # out of the received bytes, into place
-            dv[:, :, start:end].copy_(v)
+        if not inc.kv:  # the request is admitted (its input is read only then): room for the whole cache
+            shape = (1, int(self.layout["kv_heads"]), inc.prompt_tokens, int(self.layout["head_dim"]))
+            dtype, device = getattr(torch, str(self.layout["dtype"])), self.thinker.device
+            inc.kv = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+                      for _ in range(int(self.layout["layers"]))]  # fmt: skip
+        for (k, v), (dk, dv) in zip(edges.read_kv(self.name, chunk, self.layout), inc.kv, strict=True):
+            dk[:, :, chunk.offset : end].copy_(k)  # out of the received bytes, into place
+            dv[:, :, chunk.offset : end].copy_(v)
 
     def _adopt(self, req: Request, chunk: DecodedChunk) -> None:
         state, inc = req.state, req.state.role
         start: stage_pb2.Start = req.params
-        if inc.first:  # the whole cache came in its first chunk
-            self._make_cache(inc)
         h = edges.read_handoff(self.name, chunk, inc.prompt_tokens, self.spec.thinker_hidden, start.want_audio)
         gen = state.chooser.generator
         if h.generator_state is not None and gen is not None and h.generator_state.numel() != gen.get_state().numel():
@@ -113,8 +97,8 @@ class DecodeWorker(ThinkerWorker):
         inc.kv = []
 
     def demand(self, req: Request) -> Demand | None:
-        # known from the first KV chunk: a request that can never fit is refused before the rest
-        # of its cache comes (it waits for input until the handoff)
+        # known from the KV header: a request that can never fit is refused before any of its
+        # cache comes (it waits for input until the handoff)
         state, n = req.state, req.state.role.prompt_tokens
         if not n:
             return None

@@ -48,8 +48,9 @@ class PrefillWorker(ThinkerWorker):
         req, state = item.request, item.request.state
         start: stage_pb2.Start = req.params
         pos, n = req.num_computed_tokens, item.num_tokens
-        meta = {**self.checks, edges.PROMPT_TOKENS: len(state.prompt_ids)} if pos == 0 else None
-        out = StepOutput(down=[edges.kv_chunk(pos, self.thinker.kv_rows(state, pos, n), meta)])
+        out = StepOutput(down=[edges.kv_chunk(pos, self.thinker.kv_rows(state, pos, n))])
+        if pos == 0:  # first the header: the decode role reserves the cache before any of it comes
+            out.down.insert(0, edges.kv_header({**self.checks, edges.PROMPT_TOKENS: len(state.prompt_ids)}))
         tok = step.token
         if tok is None:  # a prefill chunk that is not the last
             return out
