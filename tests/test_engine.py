@@ -168,14 +168,14 @@ def test_a_holding_workers_request_is_admitted_before_its_input_and_told_so() ->
     """With room for one cache, the first request is admitted at its first chunk (its sink told,
     so the server reads the rest); the second waits, untold, until the first ends, and meanwhile
     it is not starved of input (it waits for room, longer than the input wait)."""
-    engine = Engine(HoldsInput(), 0.2, background=False, cache_capacity_tokens=15)
+    engine = Engine(HoldsInput(), 0.5, background=False, cache_capacity_tokens=15)
     sinks = [AdmittedSink(), AdmittedSink()]
     reqs = [engine.open(f"r{i}", {"cache": 10, "steps": 2}, sink) for i, sink in enumerate(sinks)]
     for req in reqs:
         engine.feed(req, chunk(0, 4))
     engine.run_once()
-    time.sleep(0.3)
-    engine.feed(reqs[0], chunk(4, 2))  # the first one's input goes on; the second waits past 0.2 s
+    time.sleep(0.7)
+    engine.feed(reqs[0], chunk(4, 2))  # the first one's input goes on; the second waits past 0.5 s
     engine.run_once()
     assert [s.admitted for s in sinks] == [1, 0] and not sinks[1].ended.is_set()
     assert [r.status for r in reqs] == [RequestStatus.WAITING_FOR_INPUT] * 2

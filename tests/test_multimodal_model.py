@@ -224,6 +224,7 @@ def test_talker_refuses_sizes_that_place_positions_but_disagree_with_the_prompt(
     mm = MultimodalInputs.from_mapping(inputs, use_audio_in_video=in_video)
     right = mm.rope().tensors()
     talker = pipeline.talker
+    assert talker.check_sizes  # the talker's config names the thinker's placeholder ids
     rows = torch.zeros(len(ids), pipeline.spec.thinker_hidden)
 
     def prompt(rope: dict[str, torch.Tensor]) -> None:

@@ -114,6 +114,11 @@ class Talker:
         self.codec_embedding = model.get_input_embeddings()
         self.batching = PackedBatching(model, row_modules, batching)
         self.code_predictor = CodePredictorLoop(model.code_predictor, self.batching, spec.num_code_groups)
+        # The sizes are checked against the placeholders the talker's positions look for; where its
+        # config names other ids than the thinker's, generate() places them as text, and so do we.
+        cfg = model.config
+        talker_ids = tuple(getattr(cfg, k, None) for k in ("audio_token_id", "image_token_id", "video_token_id"))
+        self.check_sizes = talker_ids == tuple(spec.multimodal_ids)
         if cuda_graphs:
             like = torch.zeros(1, 2, spec.talker_hidden, dtype=model.dtype, device=self.device)
             self.code_predictor.capture(cuda_graphs, like)
@@ -128,8 +133,9 @@ class Talker:
             raise ValueError("the prompt has audio/image/video placeholders but no thinker hidden states")
         state.set_prompt(ids, embeds, hidden, self.spec, RopeInputs(**(rope or {})))
         try:
-            check_rope_sizes(ids.cpu(), RopeInputs(**{k: v.cpu() for k, v in state.rope.tensors().items()}),
-                             self.model.config)  # fmt: skip
+            if self.check_sizes:
+                check_rope_sizes(ids.cpu(), RopeInputs(**{k: v.cpu() for k, v in state.rope.tensors().items()}),
+                                 self.model.config)  # fmt: skip
             talker_ids = talker_input_ids(ids, self.spec).to(self.device)
             state.prompt_positions = talker_positions(self.model, talker_ids, state.rope)
         except (IndexError, RuntimeError, ValueError, TypeError) as e:
