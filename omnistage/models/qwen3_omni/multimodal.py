@@ -115,22 +115,14 @@ class _Checker:
         self.ids, self.mm, self.config = ids, mm, config  # config: the thinker's
         self.audio_rows = audio_rows
 
-    def count(self, token_id: int) -> int:
-        return int((self.ids == token_id).sum())
-
-    def starts_followed_by(self, start_id: int, next_id: int) -> int:
-        ids = self.ids
-        return int(((ids[:-1] == start_id) & (ids[1:] == next_id)).sum())
-
     def run(self) -> None:
         cfg, mm = self.config, self.mm
         for name in ("input_features", "pixel_values", "pixel_values_videos"):
             t = getattr(mm, name)
             if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{name} holds NaN or infinite values")
-        audio_items = self._audio()
-        image_rows = self._vision("pixel_values", "image_grid_thw", cfg.image_token_id)
-        video_rows = self._vision("pixel_values_videos", "video_grid_thw", cfg.video_token_id)
+        given = {"audio": self._audio(), "image": self._vision("pixel_values", "image_grid_thw"),
+                 "video": self._vision("pixel_values_videos", "video_grid_thw")}  # fmt: skip
         if mm.video_grid_thw is not None:
             spg = mm.video_second_per_grid
             n = mm.video_grid_thw.shape[0]
@@ -140,33 +132,21 @@ class _Checker:
                 raise ValueError(f"video_second_per_grid must be {n} finite seconds >= 0 (one per video)")
         elif mm.video_second_per_grid is not None:
             raise ValueError("video_second_per_grid without videos")
-        vision_start = cfg.vision_start_token_id
-        images = 0 if mm.image_grid_thw is None else mm.image_grid_thw.shape[0]
-        videos = 0 if mm.video_grid_thw is None else mm.video_grid_thw.shape[0]
-        if self.starts_followed_by(vision_start, cfg.image_token_id) != images:
-            raise ValueError(f"the prompt has {self.starts_followed_by(vision_start, cfg.image_token_id)} image "
-                             f"placeholder run(s) but image_grid_thw has {images}")  # fmt: skip
-        video_runs = self.starts_followed_by(vision_start, cfg.audio_start_token_id if mm.use_audio_in_video
-                                             else cfg.video_token_id)  # fmt: skip
-        if video_runs != videos:
-            raise ValueError(f"the prompt has {video_runs} video placeholder run(s) but video_grid_thw has {videos}")
-        if self.count(cfg.audio_start_token_id) != audio_items:
-            raise ValueError(f"the prompt has {self.count(cfg.audio_start_token_id)} audio placeholder run(s) but "
-                             f"{audio_items} audio input(s)")  # fmt: skip
-        for name, rows, token_id in (("image", image_rows, cfg.image_token_id),
-                                     ("video", video_rows, cfg.video_token_id)):  # fmt: skip
-            if self.count(token_id) != rows:
-                raise ValueError(f"the prompt has {self.count(token_id)} {name} placeholders but the {name} inputs "
-                                 f"give {rows} rows")  # fmt: skip
+        video_next = cfg.audio_start_token_id if mm.use_audio_in_video else cfg.video_token_id
+        _check_placeholders(self.ids, cfg, given, (video_next,),
+                            {kind: (has, f"the {kind} inputs give") for kind, has in
+                             (("image", "image_grid_thw has"), ("video", "video_grid_thw has"),
+                              ("audio", "input_features has"))})  # fmt: skip
 
-    def _audio(self) -> int:
+    def _audio(self) -> tuple[int, int]:
+        """(audios, placeholder rows they give)."""
         mm, cfg = self.mm, self.config
         feats, mask = mm.input_features, mm.feature_attention_mask
-        pads = self.count(cfg.audio_token_id)
         if feats is None and mask is None:
+            pads = int((self.ids == cfg.audio_token_id).sum())
             if pads:
                 raise ValueError(f"the prompt has {pads} audio placeholders but no input_features")
-            return 0
+            return 0, 0
         if feats is None or mask is None:
             raise ValueError("input_features and feature_attention_mask come together")
         mel = cfg.audio_config.num_mel_bins
@@ -181,30 +161,24 @@ class _Checker:
         lengths = mask.sum(-1)
         if bool((lengths == 0).any()):
             raise ValueError("an audio input has no feature frames")
-        rows = int(self.audio_rows(lengths, cfg.audio_config).sum())
-        if pads != rows:
-            raise ValueError(f"the prompt has {pads} audio placeholders but the audio inputs give {rows} rows")
-        return int(feats.shape[0])
+        return int(feats.shape[0]), int(self.audio_rows(lengths, cfg.audio_config).sum())
 
-    def _vision(self, pixels_name: str, grid_name: str, token_id: int) -> int:
+    def _vision(self, pixels_name: str, grid_name: str) -> tuple[int, int]:
+        """(items, placeholder rows they give)."""
         pixels, grid = getattr(self.mm, pixels_name), getattr(self.mm, grid_name)
         if pixels is None and grid is None:
-            return 0
+            return 0, 0
         if pixels is None or grid is None:
             raise ValueError(f"{pixels_name} and {grid_name} come together")
         vc = self.config.vision_config
         dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
         if pixels.dim() != 2 or pixels.shape[1] != dim or not pixels.dtype.is_floating_point:
             raise ValueError(f"{pixels_name} must be float [patches, {dim}], got {pixels.dtype} {list(pixels.shape)}")
-        merge = vc.spatial_merge_size
-        if grid.dim() != 2 or grid.shape[1] != 3 or grid.dtype.is_floating_point or grid.shape[0] == 0:
-            raise ValueError(f"{grid_name} must be integer [items, 3], got {grid.dtype} {list(grid.shape)}")
-        if bool((grid <= 0).any()) or bool((grid[:, 1:] % merge != 0).any()):
-            raise ValueError(f"{grid_name} must hold positive sizes with height and width multiples of {merge}")
+        rows = _grid_rows(grid_name, grid, vc.spatial_merge_size)
         if int(grid.prod(-1).sum()) != pixels.shape[0]:
             raise ValueError(f"{grid_name} covers {int(grid.prod(-1).sum())} patches but {pixels_name} has "
                              f"{pixels.shape[0]}")  # fmt: skip
-        return int((grid.prod(-1) // merge**2).sum())
+        return int(grid.shape[0]), rows
 
 
 @dataclass
@@ -270,47 +244,58 @@ def check_rope_sizes(ids: torch.Tensor, rope: RopeInputs, config: Any, audio_row
     positions) must give the prompt's placeholders, item for item and row for row; a size that
     disagrees would place wrong positions without an error (ValueError naming it). `config`:
     the talker's (its token ids, `spatial_merge_size`, the audio tower's `audio_config`)."""
-    ids = ids.view(-1)
-
-    def count(token_id: int) -> int:
-        return int((ids == token_id).sum())
-
-    def runs(next_id: int) -> int:  # vision starts followed by next_id
-        return int(((ids[:-1] == config.vision_start_token_id) & (ids[1:] == next_id)).sum())
-
     merge = int(config.spatial_merge_size)
-    items = {}
-    for name, grid, token_id in (("image", rope.image_grid_thw, config.image_token_id),
-                                 ("video", rope.video_grid_thw, config.video_token_id)):  # fmt: skip
-        n, rows = 0, 0
-        if grid is not None and grid.numel():
-            if grid.dim() != 2 or grid.shape[1] != 3 or grid.dtype.is_floating_point:
-                raise ValueError(f"{name}_grid_thw must be integer [items, 3], got {grid.dtype} {list(grid.shape)}")
-            if bool((grid <= 0).any()) or bool((grid[:, 1:] % merge != 0).any()):
-                raise ValueError(f"{name}_grid_thw must hold positive sizes with height and width multiples of {merge}")
-            n, rows = int(grid.shape[0]), int((grid.prod(-1) // merge**2).sum())
-        if count(token_id) != rows:
-            raise ValueError(f"the prompt has {count(token_id)} {name} placeholders but {name}_grid_thw gives "
-                             f"{rows} rows")  # fmt: skip
-        items[name] = n
-    if runs(config.image_token_id) != items["image"]:
-        raise ValueError(f"the prompt has {runs(config.image_token_id)} image placeholder run(s) but "
-                         f"image_grid_thw has {items['image']}")  # fmt: skip
-    videos = runs(config.video_token_id) + runs(config.audio_start_token_id)  # a video's run may open with its audio
-    if videos != items["video"]:
-        raise ValueError(f"the prompt has {videos} video placeholder run(s) but video_grid_thw has {items['video']}")
-    lengths, audios, rows = rope.audio_lengths, 0, 0
+    given = {}
+    for kind, grid in (("image", rope.image_grid_thw), ("video", rope.video_grid_thw)):
+        present = grid is not None and grid.numel() > 0
+        given[kind] = (int(grid.shape[0]), _grid_rows(f"{kind}_grid_thw", grid, merge)) if present else (0, 0)
+    lengths = rope.audio_lengths
+    given["audio"] = (0, 0)
     if lengths is not None and lengths.numel():
         if lengths.dim() != 1 or lengths.dtype.is_floating_point or bool((lengths <= 0).any()):
             raise ValueError(f"audio_lengths must be positive integers [audios], got {lengths.dtype} "
                              f"{list(lengths.shape)}")  # fmt: skip
-        audios, rows = int(lengths.shape[0]), int(audio_rows(lengths, config.audio_config).sum())
-    if count(config.audio_token_id) != rows:
-        raise ValueError(f"the prompt has {count(config.audio_token_id)} audio placeholders but audio_lengths gives "
-                         f"{rows} rows")  # fmt: skip
-    if count(config.audio_start_token_id) != audios:
-        raise ValueError(f"the prompt has {count(config.audio_start_token_id)} audio placeholder run(s) but "
-                         f"audio_lengths has {audios}")  # fmt: skip
+        given["audio"] = (int(lengths.shape[0]), int(audio_rows(lengths, config.audio_config).sum()))
+    # a video's run opens with its video token, or with its audio when that is interleaved
+    _check_placeholders(ids.view(-1), config, given, (config.video_token_id, config.audio_start_token_id),
+                        {kind: (f"{name} has", f"{name} gives") for kind, name in
+                         (("image", "image_grid_thw"), ("video", "video_grid_thw"), ("audio", "audio_lengths"))})
+
+
+def _grid_rows(name: str, grid: torch.Tensor, merge: int) -> int:
+    """The placeholder rows an `[items, 3]` grid gives after the spatial merge (ValueError
+    naming `name` when it is no such grid)."""
+    if grid.dim() != 2 or grid.shape[1] != 3 or grid.dtype.is_floating_point or grid.shape[0] == 0:
+        raise ValueError(f"{name} must be integer [items, 3], got {grid.dtype} {list(grid.shape)}")
+    if bool((grid <= 0).any()) or bool((grid[:, 1:] % merge != 0).any()):
+        raise ValueError(f"{name} must hold positive sizes with height and width multiples of {merge}")
+    return int((grid.prod(-1) // merge**2).sum())
+
+
+def _check_placeholders(ids: torch.Tensor, config: Any, given: Mapping[str, tuple[int, int]],
+                        video_next: tuple[int, ...], source: Mapping[str, tuple[str, str]]) -> None:  # fmt: skip
+    """The prompt's placeholders against what the inputs give, per kind (image, video, audio):
+    `(items, rows)`. An item is a run (an image or video: a vision start followed by its token,
+    a video's by one of `video_next`; an audio: its start token), a row one placeholder.
+    `source[kind]` says what gives the items and what the rows, in the messages."""
+
+    def count(token_id: int) -> int:
+        return int((ids == token_id).sum())
+
+    def runs(*next_ids: int) -> int:
+        starts = ids[:-1] == config.vision_start_token_id
+        return sum(int((starts & (ids[1:] == n)).sum()) for n in next_ids)
+
+    found = {"image": (runs(config.image_token_id), count(config.image_token_id)),
+             "video": (runs(*video_next), count(config.video_token_id)),
+             "audio": (count(config.audio_start_token_id), count(config.audio_token_id))}  # fmt: skip
+    for kind in ("image", "video", "audio"):
+        (runs_found, rows_found), (items, rows) = found[kind], given[kind]
+        has, gives = source[kind]
+        if runs_found != items:
+            raise ValueError(f"the prompt has {runs_found} {kind} placeholder run(s) but {has} {items}")
+        if rows_found != rows:
+            raise ValueError(f"the prompt has {rows_found} {kind} placeholders but {gives} {rows} rows")
 
 
 def talker_positions(talker: Any, talker_ids: torch.Tensor, rope: RopeInputs) -> torch.Tensor | None:
