@@ -17,13 +17,10 @@ from typing import Any
 
 import torch
 
+from benchmarks.stats import percentile
 from omnistage.cli.serve import default_model_dir
 from omnistage.models.checkpoint import open_checkpoint
 from omnistage.models.qwen3_omni.code_predictor import greedy
-
-
-def percentile(values: list[float], q: float) -> float:
-    return float(torch.quantile(torch.tensor(values, dtype=torch.float64), q / 100))
 
 
 def _times(call: Any, iters: int, budget_s: float) -> list[float]:
@@ -66,9 +63,10 @@ def main() -> None:
         graphed = _times(lambda first=first: loop.run(first), args.iters, args.budget_s)
         eager = _times(lambda first=first: loop._run(first, greedy, loop.cache), args.iters, args.budget_s)
         same = torch.equal(loop.run(first), loop._run(first, greedy, loop.cache))
-        row = {"batch": batch, "eager_ms_p50": percentile(eager, 50), "eager_ms_p99": percentile(eager, 99),
-               "graph_ms_p50": percentile(graphed, 50), "graph_ms_p99": percentile(graphed, 99),
-               "speedup_p50": percentile(eager, 50) / percentile(graphed, 50), "codes_equal": same,
+        eager_p50, graph_p50 = percentile(eager, 50) or 0.0, percentile(graphed, 50) or 0.0  # each ran at least once
+        row = {"batch": batch, "eager_ms_p50": eager_p50, "eager_ms_p99": percentile(eager, 99),
+               "graph_ms_p50": graph_p50, "graph_ms_p99": percentile(graphed, 99),
+               "speedup_p50": eager_p50 / graph_p50 if graph_p50 else None, "codes_equal": same,
                "calls": [len(eager), len(graphed)]}  # fmt: skip
         rows.append(row)
         print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)

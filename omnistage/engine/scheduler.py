@@ -287,9 +287,12 @@ class Scheduler:
         rest of the prompt, with a fixed `prefill_chunk` that chunk."""
         pending = req.num_pending_prompt
         cfg = self.config
-        if cfg.chunked_prefill and cfg.prefill_chunk is None:
+        if not cfg.chunked_prefill:
+            want = pending
+        elif cfg.prefill_chunk is None:
             return min(pending, budget)
-        want = min(pending, cfg.prefill_chunk) if cfg.chunked_prefill and cfg.prefill_chunk else pending
+        else:
+            want = min(pending, cfg.prefill_chunk)
         return want if want <= budget else 0
 
     # ---- state and metrics -------------------------------------------------------------------

@@ -112,7 +112,6 @@ class _Call:
         self.failed = False  # the request failed: its input is read and dropped until the call ends
         # set once the request's cache is reserved, or it ended (a worker that holds its input until then)
         self.admitted = asyncio.Event()
-        self._told_admitted = False  # written by the engine thread only
 
     # Outputs waiting for the caller to take them: past either bound the engine pauses the
     # request and the relay stops reading from downstream (backpressure).
@@ -174,10 +173,8 @@ class _Call:
         self._post(_OPEN_DOWN)
 
     def on_admitted(self, req: Request) -> None:
-        if not self._told_admitted:
-            self._told_admitted = True
-            with contextlib.suppress(RuntimeError):  # loop closed: the call is gone
-                self.loop.call_soon_threadsafe(self.admitted.set)
+        with contextlib.suppress(RuntimeError):  # loop closed: the call is gone
+            self.loop.call_soon_threadsafe(self.admitted.set)
 
 
 class _DownBuffer:
