@@ -188,6 +188,58 @@ def test_a_holding_workers_request_is_admitted_before_its_input_and_told_so() ->
     assert [len(s.outputs) for s in sinks] == [2, 2]
 
 
+class HoldsUntilSent(Counting):
+    """A prefill role's shape: a prompt of `prompt` tokens (its cache), one step, sent down."""
+
+    holds_reservation_until_sent = True
+
+    def demand(self, req: Request) -> tuple[int, int]:
+        return req.params["prompt"], 1
+
+
+class LaterSink(Sink):
+    sends_later = True  # a transport: outputs leave the process after the engine hands them over
+
+
+@pytest.mark.parametrize("sink_type", [LaterSink, Sink])
+def test_a_reservation_lasts_until_the_transport_has_sent_the_request(sink_type: type[Sink]) -> None:
+    """With room for one prompt, a request that ended keeps its reservation until `sent`, so the
+    next one is admitted only then: what waits to be sent counts against the cache capacity. A
+    sink that does not send later (in process) frees it as the request ends."""
+    engine = Engine(HoldsUntilSent(), background=False, cache_capacity_tokens=15)
+    sinks = [sink_type(), sink_type()]
+    reqs = [engine.open(f"r{i}", {"prompt": 10, "steps": 1}, sink) for i, sink in enumerate(sinks)]
+    for _ in range(3):
+        engine.run_once()
+    assert sinks[0].ended.is_set()
+    held = sink_type is LaterSink
+    stats = engine.scheduler.stats()
+    assert (stats["held_tokens"], stats["reserved_tokens"]) == ((11, 11) if held else (0, 0))
+    assert sinks[1].ended.is_set() is not held  # in process: the second ran as the first ended
+    assert reqs[1].status is (RequestStatus.WAITING if held else RequestStatus.FINISHED_STOPPED)
+    engine.sent(reqs[0])
+    run_until_idle(engine)
+    assert sinks[1].ended.is_set()
+    engine.sent(reqs[1])
+    engine.sent(reqs[1])  # again (the call's end says so too): a no-op
+    engine.run_once()
+    assert engine.scheduler.stats()["reserved_tokens"] == 0
+
+
+def test_a_cancelled_or_failed_request_keeps_no_reservation() -> None:
+    """Only a request that ended well holds its reservation for its outputs: one cancelled (its
+    call ended, and may have said sent before the engine saw the cancel) or failed does not."""
+    engine = Engine(HoldsUntilSent(), background=False, cache_capacity_tokens=100)
+    cancelled = engine.open("cancelled", {"prompt": 10, "steps": 2}, LaterSink())
+    failed = engine.open("failed", {"prompt": 10, "steps": 2, "fail_at": 1}, LaterSink())
+    engine.run_once()
+    engine.abort(cancelled)
+    engine.sent(cancelled)
+    run_until_idle(engine)
+    assert failed.status is RequestStatus.FAILED and cancelled.status is RequestStatus.FINISHED_ABORTED
+    assert engine.scheduler.stats()["reserved_tokens"] == 0
+
+
 def test_one_failing_request_does_not_take_the_others_down() -> None:
     worker = Counting()
     engine = Engine(worker, background=False)

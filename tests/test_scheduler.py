@@ -51,9 +51,9 @@ class Harness:
         self.s.update_from_output(out, [None] * len(out))
         return [(i.request.request_id, i.num_tokens, i.is_prefill) for i in out]
 
-    def end(self, rid: str, how: str = "finish") -> Request:
+    def end(self, rid: str, how: str = "finish", hold: bool = False) -> Request:
         req = self.reqs[rid]
-        self.s.finish(req, REASONS[how])
+        self.s.finish(req, REASONS[how], hold=hold)
         return req
 
     def live(self) -> list[Request]:
@@ -235,6 +235,29 @@ def test_capacity_blocks_admission_and_is_released(release: str) -> None:
     assert h.s.stats()[f"total_{total}"] == 1
 
 
+def test_a_held_reservation_blocks_admission_until_released() -> None:
+    """A request ended with `hold` (its outputs still wait to leave: a prefill role's KV) keeps
+    its reservation, by `update_from_output` as by `finish`, until `release`."""
+    h = Harness(max_num_batched_tokens=100, cache_capacity_tokens=100)
+    h.add("a", 50, 10)
+    (item,) = h.s.schedule()
+    h.s.update_from_output([item], [FinishReason.STOP], [True])
+    h.add("b", 50, 10)
+    h.step()
+    assert h.reqs["a"].status is RequestStatus.FINISHED_STOPPED and h.reqs["a"].reserved_tokens == 0
+    assert h.admitted == [] and h.s.stats()["held_tokens"] == 60 and h.s.stats()["reserved_tokens"] == 60
+    h.s.release("b")  # not held: nothing changes
+    h.s.release("a")
+    h.s.release("a")
+    assert h.s.stats()["reserved_tokens"] == 0
+    h.step()
+    assert h.admitted == ["b"]
+    h.end("b", "abort", hold=True)  # held however it ended: the engine decides when to hold
+    assert h.s.stats()["held_tokens"] == 60
+    h.s.release("b")
+    assert h.s.stats()["reserved_tokens"] == 0 and h.s.stats()["total_aborted"] == 1
+
+
 def test_reservation_is_capped_at_max_model_len_and_so_are_decodes() -> None:
     h = Harness(max_model_len=50, cache_capacity_tokens=50, max_num_batched_tokens=100)
     req = h.add("a", 40, 100)
@@ -392,6 +415,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         super().__init__()
         self.h: Harness
         self.ended: dict[str, RequestStatus] = {}
+        self.held: dict[str, int] = {}  # ended with their reservation kept, until released
         self.n = 0
 
     @initialize(
@@ -456,10 +480,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         if req is not None:
             self._end(req, how)
 
-    @rule()
-    def finish_exhausted(self) -> None:
+    @rule(hold=st.booleans())
+    def finish_exhausted(self, hold: bool = False) -> None:
         for req in [r for r in self.h.live() if r.is_exhausted]:
-            self._end(req, "finish")
+            self._end(req, "finish", hold)
+
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        """Free a held reservation (or one never held, or twice: a no-op)."""
+        rid = data.draw(st.sampled_from([*sorted(self.held), "r0", "unknown"]))
+        self.h.s.release(rid)
+        self.held.pop(rid, None)
 
     @rule()
     def step(self) -> None:
@@ -473,11 +504,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step_again(self) -> None:
         self._step()
 
-    def _end(self, req: Request, how: str) -> None:
+    def _end(self, req: Request, how: str, hold: bool = False) -> None:
         rid = req.request_id
         assert rid not in self.ended
-        self.h.end(rid, how)
+        reservation = req.reserved_tokens
+        self.h.end(rid, how, hold)
         assert req.status.is_finished and req.reserved_tokens == 0 and not req.admitted
+        if hold and reservation:
+            self.held[rid] = reservation
         self.ended[rid] = req.status
         self.h.end(rid, "abort")  # a second ending changes nothing
         assert req.status is self.ended[rid]
@@ -546,8 +580,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         h, cfg = self.h, self.h.cfg
         stats = h.s.stats()
         live = h.live()
-        reserved = sum(r.reserved_tokens for r in live if r.admitted)
-        assert stats["reserved_tokens"] == reserved
+        reserved = sum(r.reserved_tokens for r in live if r.admitted) + sum(self.held.values())
+        assert stats["reserved_tokens"] == reserved and stats["held_tokens"] == sum(self.held.values())
         if cfg.cache_capacity_tokens is not None:
             assert reserved <= cfg.cache_capacity_tokens
             assert stats["cache_usage"] == reserved / cfg.cache_capacity_tokens
@@ -566,7 +600,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not hasattr(self, "h"):
             return
-        # every worker can step again: everything must then run to the end
+        # every worker can step again, and held reservations are released as their outputs leave:
+        # everything must then run to the end
+        for rid in list(self.held):
+            self.h.s.release(rid)
+            del self.held[rid]
         for req in self.h.live():
             self.h.s.set_ready(req, True)
         work = sum(r.num_pending_prompt + r.decode_limit - r.num_output_tokens for r in self.h.live())

@@ -34,7 +34,9 @@ log = logging.getLogger(__name__)
 
 
 class EngineSink(Protocol):
-    """Receives one request's outputs; called on the engine thread (hand over, do not block)."""
+    """Receives one request's outputs; called on the engine thread (hand over, do not block).
+    A sink whose outputs leave the process later (a transport) has `sends_later = True` and
+    calls `Engine.sent(req)` once the request's last output has left, or its call has ended."""
 
     def on_output(self, req: Request, out: StepOutput) -> None: ...
 
@@ -100,6 +102,7 @@ class Engine:
         )
         self._requests: dict[str, Request] = {}
         self._arrivals = 0
+        self._sent: list[str] = []  # requests whose transport is done with them (see `sent`)
         self._cond = threading.Condition()
         self._stop = False
         self.step_seconds_total = 0.0  # time in worker.execute, for metrics
@@ -157,6 +160,14 @@ class Engine:
             req.abort_requested = True
             self._cond.notify()
 
+    def sent(self, req: Request) -> None:
+        """The transport has sent the request's last output, or its call ended: free the
+        reservation its worker kept past its end (`StageWorker.holds_reservation_until_sent`).
+        Idempotent; call `abort` first when the call ended early."""
+        with self._cond:
+            self._sent.append(req.request_id)
+            self._cond.notify()
+
     def load(self) -> dict[str, Any]:
         """Requests by status plus the scheduler's cache use and totals."""
         with self._cond:
@@ -192,7 +203,7 @@ class Engine:
                     return
             if not self.run_once():
                 with self._cond:
-                    if not any(r.inbox or r.abort_requested for r in self._requests.values()):
+                    if not self._sent and not any(r.inbox or r.abort_requested for r in self._requests.values()):
                         self._cond.wait(timeout=0.05)
 
     def run_once(self) -> bool:
@@ -200,8 +211,11 @@ class Engine:
         happened (input taken or a step run)."""
         with self._cond:
             active = list(self._requests.values())
+            sent, self._sent = self._sent, []
+        for request_id in sent:  # after the step that ended it: its hold exists by now
+            self.scheduler.release(request_id)
         now = time.monotonic()
-        progressed = False
+        progressed = bool(sent)
         for req in active:
             try:
                 progressed |= self._prepare(req, now)
@@ -306,7 +320,8 @@ class Engine:
             produced = sum(c.length for out in outputs if isinstance(out, StepOutput) for c in out.up)
             self.observer.on_step(len(batch), seconds, cpu_seconds, produced)
         reasons = [out.finished if isinstance(out, StepOutput) else FinishReason.ERROR for out in outputs]
-        self.scheduler.update_from_output(batch, reasons)
+        holds = [self._holds(it.request, r) for it, r in zip(batch, reasons, strict=True)]
+        self.scheduler.update_from_output(batch, reasons, holds)
         for item, out in zip(batch, outputs, strict=True):
             req = item.request
             if isinstance(out, Exception):
@@ -347,6 +362,13 @@ class Engine:
             req.error = err
         self._end(req, FinishReason.ERROR)
 
+    def _holds(self, req: Request, reason: FinishReason | None) -> bool:
+        """Does the request keep its reservation past its end until `sent`? One that ended well,
+        of a worker that asks for it, whose outputs wait to be sent; a cancelled or failed one
+        sends nothing more (and its transport may have said so already)."""
+        return (self.worker.holds_reservation_until_sent and getattr(req.sink, "sends_later", False)
+                and reason in (FinishReason.STOP, FinishReason.LENGTH) and not req.abort_requested)  # fmt: skip
+
     def _end(self, req: Request, reason: FinishReason) -> None:
         """Free the request here and tell its sink; every ending goes through this once."""
         try:
@@ -355,7 +377,7 @@ class Engine:
         except Exception:  # closing must never take the engine down
             log.exception("%s: close failed for %s", self.worker.name, req.request_id)
         req.state = None
-        self.scheduler.finish(req, reason)
+        self.scheduler.finish(req, reason, hold=self._holds(req, reason))
         with self._cond:
             if self._requests.pop(req.request_id, None) is None:
                 return

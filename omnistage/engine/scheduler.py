@@ -27,7 +27,8 @@ Policy per step, within `max_num_batched_tokens` tokens and `max_num_seqs` reque
    their turn before they can step, so that their cache is taken in only once it is reserved.
 
 Cache accounting. On admission a request reserves `min(max_model_len, prompt + max_new_tokens)`
-tokens, released when it ends. An admitted request never exceeds its reservation, so admission
+tokens, released when it ends, or, when it ends with `hold` (what it made still waits to leave
+the process: a prefill role's KV cache), at `release`. An admitted request never exceeds its reservation, so admission
 never lets in a request that cannot finish. There is no preemption.
 
 Threading. The engine thread is the only caller of every method except `stats()`; a lock is
@@ -106,7 +107,8 @@ class Scheduler:
         self._lock = threading.Lock()
         self._waiting: dict[str, Request] = {}  # queued, not admitted, in arrival order
         self._admitted: dict[str, Request] = {}  # in admission order
-        self._reserved = 0
+        self._reserved = 0  # admitted requests' reservations plus the held ones
+        self._held: dict[str, int] = {}  # ended requests' reservations kept until `release`
         self._totals: dict[str, int] = dict.fromkeys(
             ("added", "rejected", "admitted", "finished", "aborted", "failed",
              "steps", "scheduled_requests", "scheduled_tokens", "prefill_tokens", "decode_tokens"),
@@ -181,20 +183,29 @@ class Scheduler:
             req.ready = ready
             self._refresh(req)
 
-    def finish(self, req: Request, reason: FinishReason) -> None:
-        """End the request (done, aborted or failed) and release its reservation; idempotent."""
+    def finish(self, req: Request, reason: FinishReason, *, hold: bool = False) -> None:
+        """End the request (done, aborted or failed) and release its reservation; idempotent.
+        `hold`: keep the reservation until `release(req.request_id)`."""
         with self._lock:
             if req.status.is_finished:
                 return
             self._waiting.pop(req.request_id, None)
             if self._admitted.pop(req.request_id, None) is not None:
-                self._reserved -= req.reserved_tokens
+                if hold:
+                    self._held[req.request_id] = req.reserved_tokens
+                else:
+                    self._reserved -= req.reserved_tokens
                 req.reserved_tokens = 0
             req.admitted = False
             req.status = RequestStatus.for_reason(reason)
             if req.queued:
                 key = {FinishReason.ABORT: "aborted", FinishReason.ERROR: "failed"}.get(reason, "finished")
                 self._totals[key] += 1
+
+    def release(self, request_id: str) -> None:
+        """Free the reservation an ended request held (`finish(hold=True)`); a no-op otherwise."""
+        with self._lock:
+            self._reserved -= self._held.pop(request_id, 0)
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -263,8 +274,10 @@ class Scheduler:
                 self._totals["scheduled_tokens"] += tokens
             return out
 
-    def update_from_output(self, scheduled: Sequence[ScheduledItem], finished: Sequence[FinishReason | None]) -> None:
-        """Advance what ran; end each request whose step says it is done (`finished[i]` not None)."""
+    def update_from_output(self, scheduled: Sequence[ScheduledItem], finished: Sequence[FinishReason | None],
+                           hold: Sequence[bool] | None = None) -> None:  # fmt: skip
+        """Advance what ran; end each request whose step says it is done (`finished[i]` not None),
+        keeping its reservation where `hold[i]` (see `finish`)."""
         with self._lock:
             for item in scheduled:
                 req = item.request
@@ -275,9 +288,9 @@ class Scheduler:
                     req.num_computed_tokens += 1
                     req.num_output_tokens += 1
                     self._totals["decode_tokens"] += 1
-        for item, reason in zip(scheduled, finished, strict=True):
+        for i, (item, reason) in enumerate(zip(scheduled, finished, strict=True)):
             if reason is not None:
-                self.finish(item.request, reason)
+                self.finish(item.request, reason, hold=bool(hold and hold[i]))
 
     def _can_step(self, req: Request) -> bool:
         return req.ready and (req.num_pending_prompt > 0 or req.num_output_tokens < req.decode_limit)
@@ -311,6 +324,7 @@ class Scheduler:
             cap = self.config.cache_capacity_tokens
             stats: dict[str, int | float] = {
                 "reserved_tokens": self._reserved,
+                "held_tokens": sum(self._held.values()),
                 "cache_capacity_tokens": cap or 0,
                 "cache_usage": self._reserved / cap if cap else 0.0,
             }

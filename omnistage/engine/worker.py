@@ -76,6 +76,11 @@ class StageWorker(ABC):
     # reads no more of its input until then (the sender waits). Its demand must be known from
     # the first chunk.
     holds_input_until_admitted: bool = False
+    # True: what a request sends is large and may wait to leave the process (a prefill role's KV
+    # cache, held back while the decode role has no room for it), so the request's reservation
+    # lasts until the transport has sent its last output (`Engine.sent`), not only until it ends:
+    # the scheduler's cache capacity then bounds what waits to be sent too.
+    holds_reservation_until_sent: bool = False
 
     def wants_on_device(self, name: str) -> bool:
         """Is input tensor `name` copied to `device` as it arrives (off the engine's thread)?

@@ -96,6 +96,7 @@ class _Call:
     """One Stage.Stream call: where the engine's outputs for its request go (an EngineSink)."""
 
     _serial = 0
+    sends_later = True  # the service tells the engine when a request's last output has left
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -410,6 +411,7 @@ class StageService:
             self.open_streams -= 1
             if req is not None:
                 self.engine.abort(req)  # no-op when already finished
+                self.engine.sent(req)  # whatever it had not sent will not be
                 self.pool.release_request(req.request_id)
             if call.down_call is not None and not call.down_call.done():
                 call.down_call.cancel()
@@ -536,8 +538,11 @@ class StageService:
         while True:
             item = await call.down.get(index)
             index += 1
-            if item is None or call.attempt != attempt:
-                return  # the end, or a newer attempt has taken over
+            if item is None:  # the stream has taken every message before this: all of it has left
+                self.engine.sent(req)
+                return
+            if call.attempt != attempt:
+                return  # a newer attempt has taken over
             if call.down_call.done():
                 continue  # the downstream finished first (e.g. the talker hit its limit): drop
             if accepted is None:

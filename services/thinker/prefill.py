@@ -1,7 +1,9 @@
 """The thinker's prefill role (`thinker.disaggregated`): it runs each prompt (chunked prefill as
 the thinker does) and its first token, and streams the request's KV cache to the decode role
 as it is made, one chunk per prefill step, then a handoff with the first token; the first
-token's text goes up from here. Its cache is freed once the handoff is out."""
+token's text goes up from here. Its cache is freed once the handoff is made; its reservation
+lasts until the stream has taken the last of its KV (a decode role with no room for it holds it
+back), so `cache_capacity_tokens` bounds the KV waiting here as well as the KV being made."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ def role_checks(thinker: Any) -> dict[str, str]:
 
 class PrefillWorker(ThinkerWorker):
     name = "thinker-prefill"
+    holds_reservation_until_sent = True  # its KV waits here while the decode role has no room
 
     def __init__(self, thinker: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(thinker, *args, **kwargs)

@@ -117,18 +117,25 @@ def test_pd_concurrent_requests_match_their_solo_runs(pd_stack: Stack, pipeline:
 def test_a_decode_role_with_room_for_one_cache_serves_requests_in_turn(tiny_dir: Path, pipeline: Any,
                                                                         tmp_path: Path) -> None:  # fmt: skip
     """The decode role takes a request's KV cache in only once it has reserved room for it (the
-    rest waits with the prefill role, gRPC flow control holding the stream): with room for one
-    request at a time, concurrent requests run one after another, each as it runs alone, and the
-    role ends idle. (That a held request is not read on before its reservation, and is not
-    failed as starved of input meanwhile: tests/test_engine.py, tests/wire/test_stage_server_units.py.)"""
+    rest waits with the prefill role, gRPC flow control holding the stream), and the prefill
+    role, with room for one prompt too, keeps a prompt's reservation until its KV has left: with
+    room for one request at a time in each role, concurrent requests run one after another, each
+    as it runs alone, and both roles end idle with nothing reserved. (That a held request is not
+    read on before its reservation, is not failed as starved of input meanwhile, and that the
+    prefill role's reservation lasts until its stream has taken the last KV message:
+    tests/test_engine.py, tests/wire/test_stage_server_units.py.)"""
     prompts = [PROMPT, "Numbers one two three", "Where is the nearest train station from here?", "Sing!"]
     limit, room = 24, 60
-    demands = [len(pipeline.prompt_ids(p)) + limit - 1 for p in prompts]  # prompt + the decode role's tokens
+    lengths = [len(pipeline.prompt_ids(p)) for p in prompts]
+    demands = [n + limit - 1 for n in lengths]  # prompt + the decode role's tokens
     assert all(room / 2 < d <= room for d in demands), demands  # one fits, no two do
+    prefill_room = max(lengths) + 1  # a prompt and its first token
+    assert sum(sorted(lengths)[:2]) + 2 > prefill_room, lengths  # one fits, no two do
     cfg = stack_config(talker={"replicas": 1})
     base = cfg.thinker.base_port
     cfg = apply_overrides(cfg, {"thinker.disaggregated": True, "thinker.prefill.base_port": base,
                                 "thinker.decode.base_port": base + 1,
+                                "thinker.prefill.cache_capacity_tokens": prefill_room,
                                 "thinker.decode.cache_capacity_tokens": room})  # fmt: skip
     solo = []
     for p in prompts:
@@ -144,16 +151,18 @@ def test_a_decode_role_with_room_for_one_cache_serves_requests_in_turn(tiny_dir:
         for reply, (ids, audio) in zip(run(together()), solo, strict=True):
             assert reply.token_ids == ids
             assert reply.pcm.shape == audio.shape and np.allclose(reply.pcm, audio, atol=1e-5, rtol=0)
-        load = run(info(stack.addresses("thinker-decode")[0])).load
-        assert load.steps_total > 0 and load.step_requests_total == load.steps_total, "one request at a time"
-        assert _idle(stack.addresses("thinker-decode")[0])
+        for role in ROLES:
+            load = run(info(stack.addresses(role)[0])).load
+            assert load.steps_total > 0 and load.step_requests_total == load.steps_total, f"{role}: one at a time"
+            assert _idle(stack.addresses(role)[0])
     finally:
         stack.stop()
 
 
 def _idle(address: str) -> bool:
     load = run(info(address)).load
-    return (load.running, load.waiting, load.waiting_for_input, load.open_streams, load.shm_segments) == (0,) * 5
+    return (load.running, load.waiting, load.waiting_for_input, load.open_streams, load.shm_segments,
+            load.cache_usage) == (0,) * 6  # fmt: skip
 
 
 def test_cancel_frees_both_roles(pd_stack: Stack, pipeline: Any) -> None:

@@ -192,3 +192,41 @@ def test_a_holding_worker_gets_no_more_input_until_the_request_is_admitted() -> 
     # before: only chunk 0 fed, and no further message taken from the stream
     assert seen == [("before", [0], 1), ("after", [0, 1, 2], 3)]
     assert engine.closed
+
+
+def test_the_engine_hears_a_request_has_left_once_the_stream_has_taken_its_last_message() -> None:
+    """A prefill role's reservation lasts until its KV has left (Engine.sent): that is when the
+    downstream stream comes back for the message after the request's last one (gRPC takes the
+    next message only once it has written the one before), not when the engine hands it over."""
+    from omnistage.engine import OutChunk
+    from omnistage.server.stage_server import _DownBuffer
+
+    left: list[str] = []
+    engine = SimpleNamespace(worker=SimpleNamespace(name="thinker-prefill", holds_input_until_admitted=False),
+                             sent=lambda req: left.append(req.request_id))  # fmt: skip
+    service = StageService(engine, model_name="m", arch="a", device="cpu", dtype="float32",  # type: ignore[arg-type]
+                           downstream="127.0.0.1:1", downstream_name="thinker-decode", edge_mode=0,
+                           max_message_bytes=1 << 20, shm=False)  # fmt: skip
+
+    async def go() -> list[tuple[str, list[str]]]:
+        call = _Call(asyncio.get_running_loop())
+        call.down = _DownBuffer(1 << 20)
+        call.down_call = SimpleNamespace(done=lambda: False)
+        req = SimpleNamespace(request_id="r#1")
+        messages = service._down_messages(req, call, stage_pb2.Start(request_id="r"), 0)  # type: ignore[arg-type]
+        seen = []
+        await anext(messages)  # the Start
+        call.down.put(OutChunk({"k": torch.zeros(4)}, offset=0, length=2))
+        call.down.put(OutChunk({"k": torch.zeros(2)}, offset=2, length=1, finished=True))
+        call.down.put(None)
+        await anext(messages)
+        seen.append(("first chunk taken", list(left)))
+        await anext(messages)
+        seen.append(("last chunk taken", list(left)))
+        with pytest.raises(StopAsyncIteration):
+            await anext(messages)
+        seen.append(("stream came back for more", list(left)))
+        return seen
+
+    assert asyncio.run(go()) == [("first chunk taken", []), ("last chunk taken", []),
+                                 ("stream came back for more", ["r#1"])]  # fmt: skip
