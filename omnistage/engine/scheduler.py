@@ -28,8 +28,8 @@ Policy per step, within `max_num_batched_tokens` tokens and `max_num_seqs` reque
 
 Cache accounting. On admission a request reserves `min(max_model_len, prompt + max_new_tokens)`
 tokens, released when it ends, or, when it ends with `hold` (what it made still waits to leave
-the process: a prefill role's KV cache), at `release`. An admitted request never exceeds its reservation, so admission
-never lets in a request that cannot finish. There is no preemption.
+the process: a prefill role's KV cache), at `release`. An admitted request never exceeds its
+reservation, so admission never lets in a request that cannot finish. There is no preemption.
 
 Threading. The engine thread is the only caller of every method except `stats()`; a lock is
 still taken so that `stats()` (metrics, the `Info` RPC) sees a consistent snapshot.
