@@ -215,6 +215,7 @@ def test_a_reservation_lasts_until_the_transport_has_sent_the_request(sink_type:
     held = sink_type is LaterSink
     stats = engine.scheduler.stats()
     assert (stats["held_tokens"], stats["reserved_tokens"]) == ((11, 11) if held else (0, 0))
+    assert engine.load()["held_tokens"] == stats["held_tokens"]  # what the stage's metrics show
     assert sinks[1].ended.is_set() is not held  # in process: the second ran as the first ended
     assert reqs[1].status is (RequestStatus.WAITING if held else RequestStatus.FINISHED_STOPPED)
     engine.sent(reqs[0])

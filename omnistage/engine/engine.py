@@ -180,6 +180,7 @@ class Engine:
             "open": len(statuses),
             "cache_usage": float(stats["cache_usage"]),
             "reserved_tokens": int(stats["reserved_tokens"]),
+            "held_tokens": int(stats["held_tokens"]),
             "steps_total": int(stats["total_steps"]),
             "step_requests_total": int(stats["total_scheduled_requests"]),
             "step_seconds_total": self.step_seconds_total,

@@ -12,7 +12,9 @@ A stage's metrics, each labelled with `stage`:
                                               steps' time when it waited for a core or the GIL)
   omnistage_stage_output_{unit}_total         tokens (thinker), frames (talker), samples (code2wav) made
   omnistage_stage_requests_opened_total       requests opened
-  omnistage_stage_kv_cache_usage_ratio        admitted KV-cache tokens / capacity (0 when unbounded)
+  omnistage_stage_kv_cache_usage_ratio        reserved KV-cache tokens / capacity (0 when unbounded)
+  omnistage_stage_kv_held_tokens              of those, the tokens of ended requests whose outputs
+                                              wait to be sent (a prefill role's KV)
   omnistage_stage_shm_segments                shared-memory segments this process holds
 and prometheus_client's process metrics (process_cpu_seconds_total, process_resident_memory_bytes, ...).
 The gateway's are in gateway/server.py (`GatewayMetrics`).
@@ -57,8 +59,10 @@ class StageMetrics:
         depth = Gauge("omnistage_stage_queue_depth", "Requests held by the stage (waiting + running)", labels,
                       registry=registry)  # fmt: skip
         by_state = Gauge("omnistage_stage_requests", "Requests by state", [*labels, "state"], registry=registry)
-        cache = Gauge("omnistage_stage_kv_cache_usage_ratio", "Admitted KV-cache tokens over the capacity", labels,
+        cache = Gauge("omnistage_stage_kv_cache_usage_ratio", "Reserved KV-cache tokens over the capacity", labels,
                       registry=registry)  # fmt: skip
+        held = Gauge("omnistage_stage_kv_held_tokens", "KV-cache tokens reserved for ended requests whose outputs "
+                     "wait to be sent", labels, registry=registry)  # fmt: skip
         shm = Gauge("omnistage_stage_shm_segments", "Shared-memory segments held", labels, registry=registry)
         registry.register(_CounterOnScrape("omnistage_stage_requests_opened", "Requests opened", stage,
                                            requests_total))  # fmt: skip
@@ -79,6 +83,7 @@ class StageMetrics:
         for state in ("running", "waiting", "waiting_for_input"):
             by_state.labels(stage, state).set_function(lambda s=state: float(load()[s]))
         cache.labels(stage).set_function(lambda: float(load()["cache_usage"]))
+        held.labels(stage).set_function(lambda: float(load()["held_tokens"]))
         shm.labels(stage).set_function(lambda: float(shm_segments()))
 
     def on_step(self, batch_size: int, seconds: float, cpu_seconds: float, produced: int) -> None:
