@@ -81,6 +81,10 @@ class StageWorker(ABC):
     # lasts until the transport has sent its last output (`Engine.sent`), not only until it ends:
     # the scheduler's cache capacity then bounds what waits to be sent too.
     holds_reservation_until_sent: bool = False
+    # True: the downstream stage takes in all of a request's input, keeping no view of the
+    # received bytes, before it answers anything (the decode role: KV and handoff, then tokens),
+    # so the request's shared memory is released at the first answer, not at the call's end.
+    downstream_consumes_input_first: bool = False
 
     def wants_on_device(self, name: str) -> bool:
         """Is input tensor `name` copied to `device` as it arrives (off the engine's thread)?

@@ -575,10 +575,15 @@ class StageService:
         the call again (another replica), send everything again, and pass up only what the
         caller does not have yet."""
         resume = Resume()
+        # shared memory the downstream is done with once it answers (StageWorker.downstream_consumes_input_first)
+        release_at_answer = self.engine.worker.downstream_consumes_input_first
         while True:
             parts: dict[str, list[Received[stage_pb2.StageResponse]]] = {}  # per stage: a split chunk, held whole
             try:
                 async for raw in call.down_call:
+                    if release_at_answer:
+                        release_at_answer = False
+                        self.pool.release_request(req.request_id)
                     for out in self._resume(raw, parts, resume):
                         await call.relay(out)
                 await call.relay(_DOWN_DONE)

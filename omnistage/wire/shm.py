@@ -13,7 +13,8 @@ Lifetimes
   or cancelled) returns its segments to the free list; free segments beyond
   ``max_free_segments`` are unlinked. Receivers must be done with (or have copied) the tensors
   of a request before its sender releases it, which the one-call-per-request protocol gives:
-  the sender releases when its call to the receiver ends.
+  the sender releases when its call to the receiver ends, or, for a receiver that copies all of
+  a request's input in before it answers (the decode role), at the receiver's first answer.
 * Segments are never truncated while they exist, so a late reader sees stale bytes at worst,
   never a SIGBUS. Space is reserved with ``posix_fallocate`` at creation so a full /dev/shm
   (Docker's default is 64 MB) makes the pool fall back to inline bytes instead of crashing.

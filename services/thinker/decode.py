@@ -32,7 +32,10 @@ class _Incoming:
 class DecodeWorker(ThinkerWorker):
     """A request's cache is reserved from its header chunk (no KV, its size and the roles'
     checks: edges.kv_header) before any KV is read (`holds_input_until_admitted`), so requests
-    waiting for room hold no cache; the cache is made when its first KV chunk comes."""
+    waiting for room hold no cache; the cache is made when its first KV chunk comes. It keeps
+    no view of what it receives (the KV is copied into place as it comes, the handoff's tensors
+    are copied out), and it answers only once it has it all, so the prefill role releases a
+    request's shared memory at its first answer (`downstream_consumes_input_first`)."""
 
     name = "thinker-decode"
     holds_input_until_admitted = True

@@ -159,6 +159,44 @@ def test_a_decode_role_with_room_for_one_cache_serves_requests_in_turn(tiny_dir:
         stack.stop()
 
 
+def test_long_prompts_cross_the_split_through_shared_memory_released_at_the_first_answer(
+        tiny_dir: Path, pipeline: Any, tmp_path: Path) -> None:  # fmt: skip
+    """Prompts long enough that the handoff's talker prompt (a row per prompt token) goes through
+    the prefill role's shared memory: the prefill role releases each request's segments at the
+    decode role's first answer, while the reply goes on, and reuses them for the next requests'
+    (tests/wire/test_stage_server_units.py). Concurrent replies still equal their solo runs: the
+    decode role kept no view of the released bytes."""
+    prompts = ["Hello there, how are you? " * 105, "one two three four five " * 84, "Numbers one two three " * 106]
+    lengths = [len(pipeline.prompt_ids(p)) for p in prompts]
+    hidden = pipeline.spec.thinker_hidden
+    # float32 rows over the pool's 256 KiB threshold, and room for the reply in the tiny's 2048 positions
+    assert all(n * hidden * 4 >= 256 << 10 and n + 16 < 2048 for n in lengths), lengths
+    limit = 8
+    solo = []
+    for p in prompts:
+        thinker = pipeline.thinker_defaults().with_overrides(max_tokens=limit)
+        events = list(pipeline.run(PipelineRequest(pipeline.prompt_ids(p), thinker, SamplingParams(max_tokens=30))))
+        solo.append((events[-1].token_ids, torch.cat([e.pcm for e in events if isinstance(e, AudioEvent)]).numpy()))
+    cfg = stack_config(talker={"replicas": 1}, shm=True)
+    base = cfg.thinker.base_port
+    cfg = apply_overrides(cfg, {"thinker.disaggregated": True, "thinker.prefill.base_port": base,
+                                "thinker.decode.base_port": base + 1})  # fmt: skip
+    stack = start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path)
+    try:
+        async def together() -> list[Any]:
+            return await asyncio.gather(*(generate(stack.gateway_address, p, thinker_max_tokens=limit,
+                                                   talker_max_tokens=30, timeout=120) for p in prompts))  # fmt: skip
+
+        for _ in range(2):  # the second round reuses the segments the first released
+            for reply, (ids, audio) in zip(run(together()), solo, strict=True):
+                assert reply.token_ids == ids
+                assert reply.pcm.shape == audio.shape and np.allclose(reply.pcm, audio, atol=1e-5, rtol=0)
+        load = run(info(stack.addresses("thinker-prefill")[0])).load
+        assert load.open_streams == 0 and 1 <= load.shm_segments <= 4, load  # used, then kept free for reuse
+    finally:
+        stack.stop()
+
+
 def _idle(address: str) -> bool:
     load = run(info(address)).load
     return (load.running, load.waiting, load.waiting_for_input, load.open_streams, load.shm_segments,

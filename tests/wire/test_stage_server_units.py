@@ -230,3 +230,43 @@ def test_the_engine_hears_a_request_has_left_once_the_stream_has_taken_its_last_
 
     assert asyncio.run(go()) == [("first chunk taken", []), ("last chunk taken", []),
                                  ("stream came back for more", ["r#1"])]  # fmt: skip
+
+
+@pytest.mark.parametrize("consumes_first", [True, False])
+def test_shared_memory_is_released_at_the_first_answer_of_a_downstream_that_consumes_its_input_first(
+        consumes_first: bool, tmp_path: Any) -> None:  # fmt: skip
+    """The prefill role's KV in shared memory: the decode role answers only once it has copied
+    all of a request's input in, so the prefill role releases the request's segments at that
+    first answer (for the next requests' KV) rather than when the call ends, after the whole
+    reply. Another stage's downstream may still read what it was sent: its segments stay."""
+    from omnistage.wire.shm import ShmPool
+
+    worker = SimpleNamespace(name="thinker-prefill", holds_input_until_admitted=False,
+                             downstream_consumes_input_first=consumes_first)  # fmt: skip
+    service = StageService(SimpleNamespace(worker=worker), model_name="m", arch="a", device="cpu",  # type: ignore[arg-type]
+                           dtype="float32", downstream="127.0.0.1:1", downstream_name="thinker-decode", edge_mode=0,
+                           max_message_bytes=1 << 20, shm=False)  # fmt: skip
+    service.pool = pool = ShmPool(enabled=True, directory=tmp_path, threshold_bytes=1, sweep=False)
+    assert pool.enabled and pool.allocate("r#1", 1024) is not None
+    answers = [stage_pb2.StageResponse(stage="thinker", chunk=encode_chunk(
+        {"ids": torch.tensor([5 + i])}, offset=1 + i, length=1, finished=i == 1)).SerializeToString()
+        for i in range(2)]  # fmt: skip
+    held: list[list[str]] = []
+
+    class _DownCall:
+        def __aiter__(self) -> Any:
+            async def answers_in_turn() -> Any:
+                for a in answers:
+                    held.append(pool.held_requests())  # before this answer is read
+                    yield a
+                held.append(pool.held_requests())
+            return answers_in_turn()
+
+    async def go() -> None:
+        call = _Call(asyncio.get_running_loop())
+        call.down_call = _DownCall()
+        await service._relay(SimpleNamespace(request_id="r#1"), call, SimpleNamespace())  # type: ignore[arg-type]
+
+    asyncio.run(go())
+    assert held == ([["r#1"], [], []] if consumes_first else [["r#1"]] * 3)
+    pool.close()
