@@ -331,14 +331,17 @@ def test_abort_frees_the_request_and_says_so() -> None:
 def test_input_wait_timeout_and_deadline_fail_with_their_status() -> None:
     engine = Engine(Counting(), input_wait_timeout_s=0.05, background=False)
     starved, late = Sink(), Sink()
-    engine.open("starved", {"needs_input": True}, starved)
-    engine.open("late", {"needs_input": True}, late, deadline=time.monotonic() - 1)
+    engine.open("starved#7", {"needs_input": True}, starved, caller_id="starved")
+    engine.open("late#8", {"needs_input": True}, late, deadline=time.monotonic() - 1, caller_id="late")
     time.sleep(0.1)
     run_until_idle(engine)
     assert starved.req is not None and starved.req.error is not None
     assert starved.req.error.code is Code.DEADLINE_EXCEEDED and "input_wait_timeout_s" in starved.req.error.message
     assert late.req is not None and late.req.error is not None
     assert late.req.error.code is Code.DEADLINE_EXCEEDED and "deadline" in late.req.error.message
+    # each names the request by the id its caller knows, not the stage's own (which adds to it)
+    assert "request starved starved" in starved.req.error.message and "#" not in starved.req.error.message
+    assert "request late passed" in late.req.error.message and "#" not in late.req.error.message
 
 
 def test_a_request_that_uses_its_budget_unfinished_fails() -> None:

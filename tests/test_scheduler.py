@@ -344,6 +344,13 @@ def test_rejections() -> None:
     assert ok.reserved_tokens == 80
 
 
+def test_a_rejection_names_the_request_by_its_callers_id() -> None:
+    s = Scheduler(SchedulerConfig(4, 16, 100, None))
+    with pytest.raises(RequestRejected, match=r"^request 'abc': input of 101 tokens") as e:
+        s.add(Request("abc#3", None, caller_id="abc"), 101, 1)
+    assert "#" not in str(e.value)
+
+
 def test_bad_arguments() -> None:
     h = Harness(max_model_len=100)
     a = h.add("a", 1, 1)

@@ -115,8 +115,10 @@ class Engine:
 
     # ---- called from the transport side ---------------------------------------------------
 
-    def open(self, request_id: str, params: Any, sink: EngineSink, deadline: float | None = None) -> Request:
-        """A new request; `deadline` is a time.monotonic() value."""
+    def open(self, request_id: str, params: Any, sink: EngineSink, deadline: float | None = None,
+             caller_id: str = "") -> Request:  # fmt: skip
+        """A new request; `deadline` is a time.monotonic() value; `caller_id`: the id the caller
+        knows it by, which error messages name (default `request_id`)."""
         name = self.worker.name
         if not request_id:
             raise invalid(f"{name}: Start.request_id is empty")
@@ -124,7 +126,8 @@ class Engine:
             if request_id in self._requests:
                 raise invalid(f"{name}: Start.request_id {request_id!r} is already open")
             self._arrivals += 1
-            req = Request(request_id, params, arrival=self._arrivals, sink=sink, deadline=deadline)
+            req = Request(request_id, params, arrival=self._arrivals, caller_id=caller_id, sink=sink,
+                          deadline=deadline)  # fmt: skip
             self._requests[request_id] = req
             self._cond.notify()
         return req
@@ -249,7 +252,7 @@ class Engine:
             self._end(req, FinishReason.ERROR if req.error else FinishReason.ABORT)
             return False
         if req.deadline is not None and now > req.deadline:
-            raise StageError(Code.DEADLINE_EXCEEDED, f"{worker.name}: request {req.request_id} passed its deadline")
+            raise StageError(Code.DEADLINE_EXCEEDED, f"{worker.name}: request {req.shown_id} passed its deadline")
         if req.state is None:
             worker.open(req)
         took = False
@@ -282,7 +285,7 @@ class Engine:
             req.stalled_since = now
         elif self.output_stall_timeout_s and now - req.stalled_since > self.output_stall_timeout_s:
             raise StageError(Code.DEADLINE_EXCEEDED, f"{worker.name}: the caller read none of request "
-                             f"{req.request_id}'s outputs for {now - req.stalled_since:.1f} s "
+                             f"{req.shown_id}'s outputs for {now - req.stalled_since:.1f} s "
                              f"(output_stall_timeout_s={self.output_stall_timeout_s:g})")  # fmt: skip
         if req.queued:
             self.scheduler.set_ready(req, ready and not congested)
@@ -297,7 +300,7 @@ class Engine:
             raise StageError(
                 Code.DEADLINE_EXCEEDED,
                 f"{worker.name}: no input for {waited:.1f} s (input_wait_timeout_s="
-                f"{self.input_wait_timeout_s:g}); request {req.request_id} starved",
+                f"{self.input_wait_timeout_s:g}); request {req.shown_id} starved",
             )
         return took
 
@@ -333,7 +336,7 @@ class Engine:
                 req.finish_detail = out.detail
                 self._end(req, out.finished)
             elif req.is_exhausted:  # would never be scheduled again
-                self._fail(req, StageError(Code.INTERNAL, f"{self.worker.name}: request {req.request_id} "
+                self._fail(req, StageError(Code.INTERNAL, f"{self.worker.name}: request {req.shown_id} "
                                                           "used its scheduled budget unfinished"))
 
     def _shared_failure(self, exc: Exception, batch: Sequence[ScheduledItem]) -> StageError:

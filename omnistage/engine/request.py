@@ -72,6 +72,7 @@ class Request:
     request_id: str
     params: Any  # what the stage was asked (its Start message); opaque to the engine
     arrival: int = 0  # arrival order, set by the engine
+    caller_id: str = ""  # the id its caller knows it by, when `request_id` adds to it (error messages)
     status: RequestStatus = RequestStatus.WAITING_FOR_INPUT
 
     sink: Any = None  # where its outputs go (an `EngineSink`)
@@ -104,6 +105,11 @@ class Request:
     state: Any = None  # per-model state, owned by the worker
     finish_detail: str = ""  # what made it stop, e.g. "stop_id", "max_tokens"
     error: StageError | None = None
+
+    @property
+    def shown_id(self) -> str:
+        """The id error messages name: the caller's."""
+        return self.caller_id or self.request_id
 
     @property
     def num_pending_prompt(self) -> int:

@@ -133,7 +133,7 @@ class Scheduler:
             if req.queued or req.status.is_finished:
                 raise ValueError(f"request {req.request_id!r} is already queued or finished")
             try:
-                reservation = self._check_fits(req.request_id, num_prompt_tokens, max_new_tokens, num_cached_tokens)
+                reservation = self._check_fits(req.shown_id, num_prompt_tokens, max_new_tokens, num_cached_tokens)
             except RequestRejected:
                 self._totals["rejected"] += 1
                 raise

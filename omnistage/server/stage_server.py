@@ -367,7 +367,7 @@ class StageService:
             try:
                 # Known here by its id and this call: an id may be open twice, e.g. a replay from
                 # a new caller while the lost caller's call (frozen, not yet noticed) is still open.
-                req = self.engine.open(f"{start.request_id}#{call.serial}", start, call, deadline)
+                req = self.engine.open(f"{start.request_id}#{call.serial}", start, call, deadline, start.request_id)
             except StageError as e:
                 await self._reject(context, request_iterator, e)
             self.requests_total += 1
@@ -606,7 +606,7 @@ class StageService:
                     # holds all of it), may replay it from there: a lost replica loses no request
                     # only because this one sent too much to keep
                     code = grpc.StatusCode.UNAVAILABLE
-                    detail = (f"{self.stage}: request {req.request_id} lost its {self.downstream_name} call and "
+                    detail = (f"{self.stage}: request {req.shown_id} lost its {self.downstream_name} call and "
                               f"cannot replay it: {why} ({detail})")  # fmt: skip
                 elif lost_peer(code, detail) and not detail.startswith(self.downstream_name):
                     code = grpc.StatusCode.UNAVAILABLE
