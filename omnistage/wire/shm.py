@@ -195,9 +195,13 @@ def _unlink_all(paths: set[Path]) -> None:
 class ShmPool:
     """Sender-side pool of shared-memory segments; thread-safe.
 
-    ``threshold_bytes``: smaller blobs travel inline. ``segment_bytes``: size of a pooled segment
-    (a larger blob gets a dedicated segment, unlinked on release). ``max_total_bytes``: all
-    segments together; beyond it ``allocate`` returns None (inline fallback).
+    ``threshold_bytes``: smaller blobs travel inline. ``segment_bytes``: the largest pooled
+    segment (a larger blob gets a dedicated segment, unlinked on release). A request's segments
+    grow: its first is the smallest power of two (at least ``min_segment_bytes``) that holds its
+    first slot, each further one at least twice the last, so a request that sends little (the
+    thinker's prompt rows for the talker) holds little for as long as its call lives, and one that
+    sends much (a prefill role's KV) holds few segments. ``max_total_bytes``: all segments
+    together; beyond it ``allocate`` returns None (inline fallback).
     ``max_request_bytes``: what one request may hold. ``max_free_segments``: free segments kept
     for reuse after a release. ``enabled=None`` follows OMNISTAGE_SHM.
     """
@@ -208,6 +212,7 @@ class ShmPool:
         enabled: bool | None = None,
         threshold_bytes: int = 256 << 10,
         segment_bytes: int = 64 << 20,
+        min_segment_bytes: int = 1 << 20,
         max_total_bytes: int = 2 << 30,
         max_request_bytes: int = 1 << 30,
         max_free_segments: int = 4,
@@ -219,6 +224,7 @@ class ShmPool:
         self.enabled = bool(want) and _usable_dir(self.directory)
         self.threshold_bytes = threshold_bytes
         self.segment_bytes = segment_bytes
+        self.min_segment_bytes = min(min_segment_bytes, segment_bytes)
         self.max_total_bytes = max_total_bytes
         self.max_request_bytes = max_request_bytes
         self.max_free_segments = max_free_segments
@@ -270,7 +276,7 @@ class ShmPool:
             seg = held[-1] if held else None
             start = (seg.used + _ALIGN - 1) // _ALIGN * _ALIGN if seg else 0
             if seg is None or start + nbytes > seg.size:
-                seg = self._take_segment(nbytes)
+                seg = self._take_segment(nbytes, seg.size if seg else 0)
                 if seg is None:
                     return None
                 self._held.setdefault(request_id, []).append(seg)
@@ -279,13 +285,21 @@ class ShmPool:
             self._held_bytes[request_id] = self._held_bytes.get(request_id, 0) + nbytes
             return ShmSlot(seg.name, start, nbytes, seg.view[start : start + nbytes])
 
-    def _take_segment(self, nbytes: int) -> _Segment | None:
-        for i, seg in enumerate(self._free):
-            if seg.size >= nbytes:
-                del self._free[i]
-                seg.used = 0
-                return seg
-        size = self.segment_bytes if nbytes <= self.segment_bytes else -(-nbytes // (1 << 20)) << 20
+    def _take_segment(self, nbytes: int, last: int) -> _Segment | None:
+        """A segment for a slot of `nbytes` (`last`: the size of the request's last segment, 0
+        for its first): a free one of the size the request grows to, else a new one; with the
+        pool full, a free one that holds the slot, else room made by dropping free ones."""
+        if nbytes > self.segment_bytes:
+            size = -(-nbytes // (1 << 20)) << 20  # dedicated
+        else:
+            size = min(self.segment_bytes, max(self.min_segment_bytes, 1 << (nbytes - 1).bit_length(), 2 * last))
+        fits = [s for s in self._free if s.size >= size] or (
+            [s for s in self._free if s.size >= nbytes] if self._total + size > self.max_total_bytes else [])
+        if fits:
+            seg = min(fits, key=lambda s: s.size)
+            self._free.remove(seg)
+            seg.used = 0
+            return seg
         while self._total + size > self.max_total_bytes and self._free:
             self._drop(self._free.pop(0))
         if self._total + size > self.max_total_bytes:

@@ -285,3 +285,23 @@ def test_reader_forgets_segments_the_sender_unlinked(pool: ShmPool) -> None:
     assert r.num_mapped == 1  # the second only
     pool.release_request("b")
     r.close()
+
+
+def test_a_request_holds_segments_sized_to_what_it_sends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply holds its segments for its whole call. A request that sends one small blob (the
+    thinker's prompt rows for the talker) holds a segment its size, not a whole pooled segment,
+    so many more requests in flight share the pool; one that sends much (a prefill role's KV)
+    gets segments that double, so it holds few."""
+    monkeypatch.delenv("OMNISTAGE_SHM", raising=False)
+    with ShmPool(threshold_bytes=1, segment_bytes=8 << 20, min_segment_bytes=1 << 20,
+                 max_total_bytes=16 << 20, max_free_segments=0) as p:  # fmt: skip
+        kinds = [tb.encode(torch.randn(125_000), pool=p, request_id=f"r{i}").WhichOneof("data") for i in range(16)]
+        assert kinds == ["shm"] * 16  # 500 kB each in a 1 MiB segment (a whole 8 MiB one each: 2 of them)
+        assert tb.encode(torch.randn(125_000), pool=p, request_id="r16").WhichOneof("data") == "raw"  # full
+        for i in range(17):
+            p.release_request(f"r{i}")
+        assert p.num_segments == 0
+        for _ in range(20):  # 20 slots of 500 kB for one request
+            assert tb.encode(torch.randn(125_000), pool=p, request_id="big").WhichOneof("data") == "shm"
+        sizes = sorted(os.path.getsize(p.directory / n) for n in p.segment_names() if not n.endswith("-probe"))
+        assert sizes == [1 << 20, 2 << 20, 4 << 20, 8 << 20]  # 1 + 2 + 4 + 8 MiB hold 2 + 4 + 8 + 16 slots
