@@ -59,7 +59,8 @@ class StageConfig(_Strict):
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget per engine step")
     chunked_prefill: bool = Field(True, description="split a prompt larger than the step's budget over steps")
     cache_capacity_tokens: int | None = Field(
-        None, ge=1, description="KV cache tokens over all admitted requests; null: unbounded"
+        None, ge=1, description="KV cache tokens over all admitted requests (and, in a prefill role, ended ones "
+        "whose KV waits to be sent); null: unbounded"
     )
     batching: Literal["exact", "fast"] = Field(
         "exact", description="exact: each request bitwise as alone (parity); fast: one GEMM per layer over "

@@ -227,6 +227,22 @@ def test_a_reservation_lasts_until_the_transport_has_sent_the_request(sink_type:
     assert engine.scheduler.stats()["reserved_tokens"] == 0
 
 
+def test_a_request_its_transport_is_done_with_before_it_ends_holds_nothing() -> None:
+    """The transport may be done with a request before the step that ends it (a worker that sends
+    its last output a step before it finishes, or a call that ended): whichever comes first, no
+    reservation is held past the end with nobody left to release it."""
+    engine = Engine(HoldsUntilSent(), background=False, cache_capacity_tokens=15)
+    first = engine.open("first", {"prompt": 10, "steps": 2}, LaterSink())
+    engine.run_once()  # its first step
+    engine.sent(first)  # the transport is done with it before its last step
+    engine.run_once()  # its last step ends it
+    assert first.status is RequestStatus.FINISHED_STOPPED
+    assert engine.scheduler.stats()["reserved_tokens"] == 0
+    second = engine.open("second", {"prompt": 10, "steps": 1}, LaterSink())
+    run_until_idle(engine)
+    assert second.status is RequestStatus.FINISHED_STOPPED  # admitted: nothing was left held
+
+
 def test_a_cancelled_or_failed_request_keeps_no_reservation() -> None:
     """Only a request that ended well holds its reservation for its outputs: one cancelled (its
     call ended, and may have said sent before the engine saw the cancel) or failed does not."""

@@ -168,6 +168,7 @@ class Engine:
         reservation its worker kept past its end (`StageWorker.holds_reservation_until_sent`).
         Idempotent; call `abort` first when the call ended early."""
         with self._cond:
+            req.sent = True  # a request that ends after this holds nothing (see _holds)
             self._sent.append(req.request_id)
             self._cond.notify()
 
@@ -216,7 +217,7 @@ class Engine:
         with self._cond:
             active = list(self._requests.values())
             sent, self._sent = self._sent, []
-        for request_id in sent:  # after the step that ended it: its hold exists by now
+        for request_id in sent:  # a hold made before; one not made yet never will be (req.sent)
             self.scheduler.release(request_id)
         now = time.monotonic()
         progressed = bool(sent)
@@ -368,10 +369,13 @@ class Engine:
 
     def _holds(self, req: Request, reason: FinishReason | None) -> bool:
         """Does the request keep its reservation past its end until `sent`? One that ended well,
-        of a worker that asks for it, whose outputs wait to be sent; a cancelled or failed one
-        sends nothing more (and its transport may have said so already)."""
+        of a worker that asks for it, whose outputs wait to be sent and whose transport has not
+        said `sent` yet (whatever the order of the two); a cancelled or failed one sends nothing more."""
+        with self._cond:  # `sent` is set from the transport's thread
+            if req.sent or req.abort_requested:
+                return False
         return (self.worker.holds_reservation_until_sent and getattr(req.sink, "sends_later", False)
-                and reason in (FinishReason.STOP, FinishReason.LENGTH) and not req.abort_requested)  # fmt: skip
+                and reason in (FinishReason.STOP, FinishReason.LENGTH))  # fmt: skip
 
     def _end(self, req: Request, reason: FinishReason) -> None:
         """Free the request here and tell its sink; every ending goes through this once."""

@@ -98,6 +98,7 @@ class Request:
     admitted: bool = False  # holds a cache reservation
     reserve_early: bool = False  # admitted before its worker can step (its input is cache)
     told_admitted: bool = False  # ... and its sink told so (its input is read from then)
+    sent: bool = False  # its transport is done with it (`Engine.sent`): nothing to hold a reservation for
     ready: bool = False  # its worker can step now
     started: bool = False  # it has been in a step
 

@@ -83,7 +83,9 @@ class StageWorker(ABC):
     holds_reservation_until_sent: bool = False
     # True: the downstream stage takes in all of a request's input, keeping no view of the
     # received bytes, before it answers anything (the decode role: KV and handoff, then tokens),
-    # so the request's shared memory is released at the first answer, not at the call's end.
+    # so the request's shared memory is released at the first answer, not at the call's end. A
+    # claim about the other process: it holds because the topology fixes that downstream
+    # (topology.py: a prefill role's is always the decode role, whose versions the KV header checks).
     downstream_consumes_input_first: bool = False
 
     def wants_on_device(self, name: str) -> bool:

@@ -118,12 +118,13 @@ def test_a_decode_role_with_room_for_one_cache_serves_requests_in_turn(tiny_dir:
                                                                         tmp_path: Path) -> None:  # fmt: skip
     """The decode role takes a request's KV cache in only once it has reserved room for it (the
     rest waits with the prefill role, gRPC flow control holding the stream), and the prefill
-    role, with room for one prompt too, keeps a prompt's reservation until its KV has left: with
-    room for one request at a time in each role, concurrent requests run one after another, each
-    as it runs alone, and both roles end idle with nothing reserved. (That a held request is not
-    read on before its reservation, is not failed as starved of input meanwhile, and that the
-    prefill role's reservation lasts until its stream has taken the last KV message:
-    tests/test_engine.py, tests/wire/test_stage_server_units.py.)"""
+    role has room for one prompt too (it keeps a prompt's reservation until its KV has left):
+    concurrent requests run one after another, each as it runs alone, and both roles end idle
+    with nothing reserved, no reservation left held. (That a held request is not read on before
+    its reservation, is not failed as starved of input meanwhile, and that the prefill role's
+    reservation lasts until its stream has taken the last KV message: tests/test_engine.py,
+    tests/wire/test_stage_server_units.py. On the tiny checkpoint a request's KV fits gRPC's
+    window, so here the hold is short.)"""
     prompts = [PROMPT, "Numbers one two three", "Where is the nearest train station from here?", "Sing!"]
     limit, room = 24, 60
     lengths = [len(pipeline.prompt_ids(p)) for p in prompts]
