@@ -316,10 +316,15 @@ class ShmPool:
             self._held_bytes.pop(request_id, None)
             for seg in segs:
                 seg.used = 0
-                if seg.size > self.segment_bytes or len(self._free) >= self.max_free_segments:
+                if seg.size > self.segment_bytes:  # dedicated
                     self._drop(seg)
                 else:
                     self._free.append(seg)
+            if len(self._free) > self.max_free_segments:  # keep the largest: they serve any request
+                self._free.sort(key=lambda s: s.size, reverse=True)
+                for seg in self._free[self.max_free_segments :]:
+                    self._drop(seg)
+                del self._free[self.max_free_segments :]
             return len(segs)
 
     # -- handshake ----------------------------------------------------------------------------

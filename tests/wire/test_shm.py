@@ -305,3 +305,18 @@ def test_a_request_holds_segments_sized_to_what_it_sends(monkeypatch: pytest.Mon
             assert tb.encode(torch.randn(125_000), pool=p, request_id="big").WhichOneof("data") == "shm"
         sizes = sorted(os.path.getsize(p.directory / n) for n in p.segment_names() if not n.endswith("-probe"))
         assert sizes == [1 << 20, 2 << 20, 4 << 20, 8 << 20]  # 1 + 2 + 4 + 8 MiB hold 2 + 4 + 8 + 16 slots
+
+
+def test_the_free_list_keeps_the_largest_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Released segments beyond max_free_segments are dropped smallest first: a large one is
+    costly to make again (posix_fallocate) and serves any request, a small one only small ones."""
+    monkeypatch.delenv("OMNISTAGE_SHM", raising=False)
+    with ShmPool(threshold_bytes=1, segment_bytes=8 << 20, min_segment_bytes=1 << 20,
+                 max_total_bytes=64 << 20, max_free_segments=2) as p:  # fmt: skip
+        assert p.allocate("big", 7 << 20) is not None  # an 8 MiB segment
+        for i in range(3):
+            assert p.allocate(f"small{i}", 100_000) is not None  # 1 MiB each
+        for rid in ("small0", "small1", "small2", "big"):  # the large one last, with the list full
+            p.release_request(rid)
+        sizes = sorted(os.path.getsize(p.directory / n) for n in p.segment_names() if not n.endswith("-probe"))
+        assert sizes == [1 << 20, 8 << 20]
