@@ -371,11 +371,11 @@ class Engine:
         """Does the request keep its reservation past its end until `sent`? One that ended well,
         of a worker that asks for it, whose outputs wait to be sent and whose transport has not
         said `sent` yet (whatever the order of the two); a cancelled or failed one sends nothing more."""
+        if not (self.worker.holds_reservation_until_sent and reason in (FinishReason.STOP, FinishReason.LENGTH)
+                and getattr(req.sink, "sends_later", False)):  # fmt: skip
+            return False
         with self._cond:  # `sent` is set from the transport's thread
-            if req.sent or req.abort_requested:
-                return False
-        return (self.worker.holds_reservation_until_sent and getattr(req.sink, "sends_later", False)
-                and reason in (FinishReason.STOP, FinishReason.LENGTH))  # fmt: skip
+            return not (req.sent or req.abort_requested)
 
     def _end(self, req: Request, reason: FinishReason) -> None:
         """Free the request here and tell its sink; every ending goes through this once."""
