@@ -16,6 +16,8 @@ A stage's metrics, each labelled with `stage`:
   omnistage_stage_kv_held_tokens              of those, the tokens of ended requests whose outputs
                                               wait to be sent (a prefill role's KV)
   omnistage_stage_shm_segments                shared-memory segments this process holds
+  omnistage_stage_shm_inline_fallbacks_total  large blobs sent inline because the pool was full (or
+                                              the request over its share): size /dev/shm by it
 and prometheus_client's process metrics (process_cpu_seconds_total, process_resident_memory_bytes, ...).
 The gateway's are in gateway/server.py (`GatewayMetrics`).
 """
@@ -52,7 +54,8 @@ class StageMetrics:
     and the load figures are read from `load()` and `shm_segments()` on each scrape."""
 
     def __init__(self, stage: str, unit: str, load: Callable[[], dict[str, float]],
-                 shm_segments: Callable[[], int], requests_total: Callable[[], int]) -> None:  # fmt: skip
+                 shm_segments: Callable[[], int], requests_total: Callable[[], int],
+                 shm_fallbacks: Callable[[], int] = lambda: 0) -> None:  # fmt: skip
         self.registry = registry = CollectorRegistry()
         ProcessCollector(registry=registry)  # process_cpu_seconds_total and friends (Linux)
         labels = ["stage"]
@@ -66,6 +69,9 @@ class StageMetrics:
         shm = Gauge("omnistage_stage_shm_segments", "Shared-memory segments held", labels, registry=registry)
         registry.register(_CounterOnScrape("omnistage_stage_requests_opened", "Requests opened", stage,
                                            requests_total))  # fmt: skip
+        registry.register(_CounterOnScrape("omnistage_stage_shm_inline_fallbacks", "Large blobs sent inline "
+                                           "because the shared-memory pool was full or the request over its share",
+                                           stage, shm_fallbacks))  # fmt: skip
         self._batch = Histogram("omnistage_stage_batch_size", "Requests per engine step", labels,
                                 buckets=BATCH_BUCKETS, registry=registry).labels(stage)  # fmt: skip
         self._step = Histogram("omnistage_stage_step_seconds", "Engine step time", labels, buckets=STEP_BUCKETS,

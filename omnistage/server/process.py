@@ -61,7 +61,7 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
     metrics_port = cfg.metrics_port(port)
     if metrics_port is not None:
         metrics = StageMetrics(name, definition.output_unit, engine.load, lambda: service.pool.num_segments,
-                               lambda: service.requests_total)  # fmt: skip
+                               lambda: service.requests_total, lambda: service.pool.inline_fallbacks)  # fmt: skip
         engine.observer = metrics
 
     async def main() -> None:

@@ -234,6 +234,7 @@ class ShmPool:
         self._held_bytes: dict[str, int] = {}
         self._total = 0
         self._counter = 0
+        self.inline_fallbacks = 0  # slots refused (pool full, request over its share): those blobs went inline
         pid = os.getpid()
         self._stem = f"{PREFIX}{pid}-{_pid_namespace()}-{_start_time(pid) or 0}-{secrets.token_hex(4)}"
         self._paths: set[Path] = set()
@@ -271,6 +272,7 @@ class ShmPool:
             if self._closed:
                 return None
             if self._held_bytes.get(request_id, 0) + nbytes > self.max_request_bytes:
+                self.inline_fallbacks += 1
                 return None
             held = self._held.get(request_id)
             seg = held[-1] if held else None
@@ -278,6 +280,7 @@ class ShmPool:
             if seg is None or start + nbytes > seg.size:
                 seg = self._take_segment(nbytes, seg.size if seg else 0)
                 if seg is None:
+                    self.inline_fallbacks += 1
                     return None
                 self._held.setdefault(request_id, []).append(seg)
                 start = 0

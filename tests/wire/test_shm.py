@@ -238,11 +238,12 @@ def test_full_pool_and_request_cap_fall_back_inline(monkeypatch: pytest.MonkeyPa
             tb.encode(torch.randn(200_000), pool=p, request_id=f"r{i}").WhichOneof("data") for i in range(4)
         ]
         assert kinds == ["shm", "shm", "raw", "raw"]
+        assert p.inline_fallbacks == 2  # what the stage's metrics count
         p.release_request("r0")
         assert tb.encode(torch.randn(200_000), pool=p, request_id="r9").WhichOneof("data") == "shm"
     with ShmPool(threshold_bytes=1, max_request_bytes=1 << 20) as p:
         kinds = [tb.encode(torch.randn(100_000), pool=p, request_id="r").WhichOneof("data") for _ in range(3)]
-        assert kinds == ["shm", "shm", "raw"]
+        assert kinds == ["shm", "shm", "raw"] and p.inline_fallbacks == 1
 
 
 def test_reader_cache_is_bounded(pool: ShmPool) -> None:
@@ -320,3 +321,20 @@ def test_the_free_list_keeps_the_largest_segments(monkeypatch: pytest.MonkeyPatc
             p.release_request(rid)
         sizes = sorted(os.path.getsize(p.directory / n) for n in p.segment_names() if not n.endswith("-probe"))
         assert sizes == [1 << 20, 8 << 20]
+
+
+def test_a_stages_metrics_count_the_pools_inline_fallbacks() -> None:
+    """`omnistage_stage_shm_inline_fallbacks_total` reads the stage's pool on each scrape: what
+    an operator sizes /dev/shm (and the pool) by."""
+    from prometheus_client import generate_latest
+
+    from omnistage.server.metrics import StageMetrics
+
+    with ShmPool(threshold_bytes=1, segment_bytes=1 << 20, max_total_bytes=1 << 20, enabled=True) as p:
+        load = {"waiting": 0, "waiting_for_input": 0, "running": 0, "cache_usage": 0.0, "held_tokens": 0}
+        metrics = StageMetrics("thinker", "tokens", lambda: load, lambda: p.num_segments, lambda: 0,
+                               lambda: p.inline_fallbacks)  # fmt: skip
+        for i in range(3):
+            tb.encode(torch.randn(200_000), pool=p, request_id=f"r{i}")  # 800 kB: one fits the pool
+        text = generate_latest(metrics.registry).decode()
+        assert 'omnistage_stage_shm_inline_fallbacks_total{stage="thinker"} 2.0' in text
