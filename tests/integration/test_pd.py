@@ -6,6 +6,8 @@ request with UNAVAILABLE naming it."""
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +23,7 @@ from omnistage.cli.serve import Stack, start_stack
 from omnistage.config import apply_overrides
 from omnistage.models.sampling import SamplingParams
 from omnistage.v1 import gateway_pb2_grpc
+from omnistage.wire.shm import DEFAULT_DIR
 from services.pipeline import AudioEvent, PipelineRequest
 from tests.integration.conftest import info, prompt_chunk, run, stack_config, stage_call
 from tests.integration.test_multimodal import MEDIA_LIMITS, _case, _request_options, reference_output
@@ -160,6 +163,8 @@ def test_a_decode_role_with_room_for_one_cache_serves_requests_in_turn(tiny_dir:
         stack.stop()
 
 
+@pytest.mark.skipif(not (sys.platform.startswith("linux") and DEFAULT_DIR.is_dir() and os.access(DEFAULT_DIR, os.W_OK)),
+                    reason="shared memory needs a writable /dev/shm (Linux)")
 def test_long_prompts_cross_the_split_through_shared_memory_released_at_the_first_answer(
         tiny_dir: Path, pipeline: Any, tmp_path: Path) -> None:  # fmt: skip
     """Prompts long enough that the handoff's talker prompt (a row per prompt token) goes through
