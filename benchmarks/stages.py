@@ -60,10 +60,9 @@ def run_stage(
     `per_step`: input chunks each request receives per engine iteration (None: all at once), to
     let a stage that decodes what has arrived (code2wav) stream as it does in service."""
     stage = pipe.cfg.stage(name)
-    # the stage's own prompt split (exact batching: fixed chunks), with room for the whole batch
-    engine = Engine(pipe.workers[name], 0, max_num_seqs=max(1, len(inputs)),
-                    max_num_batched_tokens=stage.max_num_batched_tokens, chunked_prefill=stage.chunked_prefill,
-                    prefill_chunk=stage.prefill_chunk, background=False)  # fmt: skip
+    # the stage's own limits and prompt split (exact batching: fixed chunks), with room for the whole batch
+    limits = {**stage.engine_limits(), "max_num_seqs": max(1, len(inputs)), "cache_capacity_tokens": None}
+    engine = Engine(pipe.workers[name], 0, **limits, background=False)
     records = [Recorded() for _ in inputs]
     queues = []
     for (start, chunks), rec in zip(inputs, records, strict=True):

@@ -166,7 +166,10 @@ class Engine:
     def sent(self, req: Request) -> None:
         """The transport has sent the request's last output, or its call ended: free the
         reservation its worker kept past its end (`StageWorker.holds_reservation_until_sent`).
-        Idempotent; call `abort` first when the call ended early."""
+        Idempotent; call `abort` first when the call ended early. A no-op for a worker that
+        holds nothing (the transport tells every stage alike)."""
+        if not self.worker.holds_reservation_until_sent:
+            return
         with self._cond:
             req.sent = True  # a request that ends after this holds nothing (see _holds)
             self._sent.append(req.request_id)
