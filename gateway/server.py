@@ -313,7 +313,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         encoder = AudioEncoder(request.audio_format, self.sample_rate) if request.want_audio else None
         timings: dict[str, gateway_pb2.StageTiming] = {}
         frames = 0
-        outputs = self._outputs(messages, time.monotonic() + timeout, request.request_id)
+        outputs = self._outputs(messages, time.monotonic() + timeout, request.request_id, start.request_id)
         speech_cut = False  # the talker reached its max_tokens before the reply's end
         try:
             async for stage, got in outputs:
@@ -367,10 +367,12 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         yield gateway_pb2.GenerateResponse(final=final)
 
     async def _outputs(self, messages: Callable[[], AsyncIterator[stage_pb2.StageRequest]], deadline: float,
-                       request_id: str) -> AsyncIterator[tuple[str, DecodedChunk]]:  # fmt: skip
+                       request_id: str, stage_id: str) -> AsyncIterator[tuple[str, DecodedChunk]]:  # fmt: skip
         """(producing stage, chunk) of the thinker call, in order. When the thinker replica is
         lost mid-request the call is made again (another replica) and only what this reply
-        does not have yet comes through (wire/resume.py); GatewayError when it cannot."""
+        does not have yet comes through (wire/resume.py); GatewayError when it cannot. A stage's
+        error names the request by `stage_id`; the client gets its own `request_id` there (the
+        access log pairs the two)."""
         resume = Resume()
         attempt = 0
         while True:
@@ -408,7 +410,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     detail = f"{self.stages[0]} unavailable at {self.thinker_target}: {detail}"
                     if attempt:
                         detail += f" (after {attempt} replays)"
-                raise GatewayError(code, detail) from None
+                raise GatewayError(code, detail.replace(stage_id, request_id)) from None
             except TensorBlobError as e:
                 raise GatewayError(grpc.StatusCode.INTERNAL, f"gateway: bad chunk from a stage: {e}") from None
             finally:

@@ -159,6 +159,12 @@ def test_a_decode_role_with_room_for_one_cache_serves_requests_in_turn(tiny_dir:
             load = run(info(stack.addresses(role)[0])).load
             assert load.steps_total > 0 and load.step_requests_total == load.steps_total, f"{role}: one at a time"
             assert _settles_idle(stack.addresses(role)[0]), str(run(info(stack.addresses(role)[0])).load)
+        # a prompt the prefill role can never hold: refused, naming the id the client gave, not the
+        # stages' own id for it (the client's id plus a suffix)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            run(generate(stack.gateway_address, PROMPT * 20, thinker_max_tokens=limit, request_id="mine", timeout=60))
+        detail = refused.value.details() or ""
+        assert "'mine'" in detail and "tokens of cache" in detail, detail
     finally:
         stack.stop()
 
