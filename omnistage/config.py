@@ -180,6 +180,10 @@ class FailoverConfig(_Strict):
     replay_budget_bytes: int = Field(64 * 1024 * 1024, ge=0, le=1 << 34,
                                      description="what a request may have sent downstream and still be "
                                      "replayed (kept in memory until it ends)")  # fmt: skip
+    replay_memory_bytes: int = Field(1 << 30, ge=0, le=1 << 40,
+                                     description="what all requests of one stage process may keep for replay "
+                                     "together; a request whose next output would pass it is no longer replayed on "
+                                     "its hop (the caller above replays it, up to the gateway)")  # fmt: skip
 
 
 class TlsConfig(_Strict):

@@ -18,6 +18,10 @@ A stage's metrics, each labelled with `stage`:
   omnistage_stage_shm_segments                shared-memory segments this process holds
   omnistage_stage_shm_inline_fallbacks_total  large blobs sent inline because the pool was full (or
                                               the request over its share): size /dev/shm by it
+  omnistage_stage_replay_bytes                what requests keep of what they sent downstream, to
+                                              replay it on another replica (failover)
+  omnistage_stage_replay_memory_full_total    requests no longer replayable on their hop because the
+                                              process's failover.replay_memory_bytes was full
 and prometheus_client's process metrics (process_cpu_seconds_total, process_resident_memory_bytes, ...).
 The gateway's are in gateway/server.py (`GatewayMetrics`).
 """
@@ -55,7 +59,8 @@ class StageMetrics:
 
     def __init__(self, stage: str, unit: str, load: Callable[[], dict[str, float]],
                  shm_segments: Callable[[], int], requests_total: Callable[[], int],
-                 shm_fallbacks: Callable[[], int] = lambda: 0) -> None:  # fmt: skip
+                 shm_fallbacks: Callable[[], int] = lambda: 0, replay_bytes: Callable[[], int] = lambda: 0,
+                 replay_refusals: Callable[[], int] = lambda: 0) -> None:  # fmt: skip
         self.registry = registry = CollectorRegistry()
         ProcessCollector(registry=registry)  # process_cpu_seconds_total and friends (Linux)
         labels = ["stage"]
@@ -67,11 +72,16 @@ class StageMetrics:
         held = Gauge("omnistage_stage_kv_held_tokens", "KV-cache tokens reserved for ended requests whose outputs "
                      "wait to be sent", labels, registry=registry)  # fmt: skip
         shm = Gauge("omnistage_stage_shm_segments", "Shared-memory segments held", labels, registry=registry)
+        replay = Gauge("omnistage_stage_replay_bytes", "Bytes requests keep of what they sent downstream, for "
+                       "failover replay", labels, registry=registry)  # fmt: skip
         registry.register(_CounterOnScrape("omnistage_stage_requests_opened", "Requests opened", stage,
                                            requests_total))  # fmt: skip
         registry.register(_CounterOnScrape("omnistage_stage_shm_inline_fallbacks", "Large blobs sent inline "
                                            "because the shared-memory pool was full or the request over its share",
                                            stage, shm_fallbacks))  # fmt: skip
+        registry.register(_CounterOnScrape("omnistage_stage_replay_memory_full", "Requests no longer replayable "
+                                           "on their hop because failover.replay_memory_bytes was full", stage,
+                                           replay_refusals))  # fmt: skip
         self._batch = Histogram("omnistage_stage_batch_size", "Requests per engine step", labels,
                                 buckets=BATCH_BUCKETS, registry=registry).labels(stage)  # fmt: skip
         self._step = Histogram("omnistage_stage_step_seconds", "Engine step time", labels, buckets=STEP_BUCKETS,
@@ -91,6 +101,7 @@ class StageMetrics:
         cache.labels(stage).set_function(lambda: float(load()["cache_usage"]))
         held.labels(stage).set_function(lambda: float(load()["held_tokens"]))
         shm.labels(stage).set_function(lambda: float(shm_segments()))
+        replay.labels(stage).set_function(lambda: float(replay_bytes()))
 
     def on_step(self, batch_size: int, seconds: float, cpu_seconds: float, produced: int) -> None:
         self._batch.observe(batch_size)

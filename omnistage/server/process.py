@@ -51,6 +51,7 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
         max_message_bytes=cfg.max_message_bytes,
         shm=cfg.shm,
         replay_budget_bytes=cfg.failover.replay_budget_bytes,
+        replay_memory_bytes=cfg.failover.replay_memory_bytes,
         failover_attempts=cfg.failover.attempts,
         routing=cfg.routing,
         tls=cfg.tls,
@@ -61,7 +62,8 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
     metrics_port = cfg.metrics_port(port)
     if metrics_port is not None:
         metrics = StageMetrics(name, definition.output_unit, engine.load, lambda: service.pool.num_segments,
-                               lambda: service.requests_total, lambda: service.pool.inline_fallbacks)  # fmt: skip
+                               lambda: service.requests_total, lambda: service.pool.inline_fallbacks,
+                               lambda: service.replay_memory.held, lambda: service.replay_memory.refusals)  # fmt: skip
         engine.observer = metrics
 
     async def main() -> None:

@@ -178,27 +178,65 @@ class _Call:
             self.loop.call_soon_threadsafe(self.admitted.set)
 
 
-class _DownBuffer:
-    """What one request sends downstream, in order (None: its end), read by index so a replayed
-    call can send it all again. Kept while it fits `budget` bytes; past that the request can no
-    longer be replayed and what was sent is dropped."""
+class ReplayMemory:
+    """What all of one stage process's requests keep of what they sent downstream, for replay,
+    against `budget` bytes (`failover.replay_memory_bytes`): the per-request bound alone lets
+    `gateway.max_in_flight` requests keep 64 MiB each. Used on the event loop only."""
 
     def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.held = 0
+        self.refusals = 0  # requests that stopped being replayable because it was full
+
+    def take(self, nbytes: int) -> bool:
+        if self.held + nbytes > self.budget:
+            self.refusals += 1
+            return False
+        self.held += nbytes
+        return True
+
+    def give(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+
+class _DownBuffer:
+    """What one request sends downstream, in order (None: its end), read by index so a replayed
+    call can send it all again. Kept while it fits `budget` bytes and the process's `memory`;
+    past either the request can no longer be replayed on this hop (`why` says which) and what
+    was sent is dropped."""
+
+    def __init__(self, budget: int, memory: ReplayMemory | None = None) -> None:
         self.items: list[OutChunk | None] = []
         self.first = 0  # index of items[0] (earlier ones dropped)
-        self.nbytes = 0
+        self.nbytes = 0  # kept for replay, counted in `memory`
         self.budget = budget
+        self.memory = memory or ReplayMemory(budget)
         self.replayable = True
+        self.why = ""  # why it is not replayable
         self._added = asyncio.Event()
 
     def put(self, item: OutChunk | None) -> None:
         self.items.append(item)
         if item is not None and self.replayable:
-            self.nbytes += _nbytes(item)
-            if self.nbytes > self.budget:
-                self.replayable = False
+            nbytes = _nbytes(item)
+            if self.nbytes + nbytes > self.budget:
+                self._give_up(f"the request sent more than failover.replay_budget_bytes ({self.budget})")
+            elif not self.memory.take(nbytes):
+                self._give_up(f"the stage's replay memory is full (failover.replay_memory_bytes: "
+                              f"{self.memory.budget})")
+            else:
+                self.nbytes += nbytes
         added, self._added = self._added, asyncio.Event()
         added.set()
+
+    def _give_up(self, why: str) -> None:
+        self.replayable, self.why = False, why
+        self.close()
+
+    def close(self) -> None:
+        """Hand back what is counted (the request's call has ended, or it gave up replay)."""
+        self.memory.give(self.nbytes)
+        self.nbytes = 0
 
     async def get(self, index: int) -> OutChunk | None:
         while index >= self.first + len(self.items):
@@ -225,6 +263,7 @@ class StageService:
         max_message_bytes: int,
         shm: bool,
         replay_budget_bytes: int = 64 << 20,
+        replay_memory_bytes: int = 1 << 30,
         failover_attempts: int = 3,
         routing: str = "round_robin",
         tls: TlsConfig | None = None,
@@ -252,7 +291,7 @@ class StageService:
         self.routing = routing
         self.tls = tls or TlsConfig()
         self.replay_budget_bytes = replay_budget_bytes
-        self.over_budget = f"the request sent more than failover.replay_budget_bytes ({replay_budget_bytes})"
+        self.replay_memory = ReplayMemory(replay_memory_bytes)
         self.failover_attempts = failover_attempts
         self.keepalive_s = keepalive_s
         self.pool = ShmPool(enabled=shm)
@@ -409,6 +448,8 @@ class StageService:
                 await context.abort(grpc_code(late.code), late.message)
         finally:
             self.open_streams -= 1
+            if call.down is not None:
+                call.down.close()
             if req is not None:
                 self.engine.abort(req)  # no-op when already finished
                 self.engine.sent(req)  # whatever it had not sent will not be
@@ -507,7 +548,7 @@ class StageService:
         if call.down is not None:
             return
         pending.add("down")
-        call.down = _DownBuffer(self.replay_budget_bytes)
+        call.down = _DownBuffer(self.replay_budget_bytes, self.replay_memory)
         self._open_downstream(req, call, context)
         tasks.append(asyncio.create_task(self._relay(req, call, context)))
 
@@ -561,8 +602,8 @@ class StageService:
             return "not a lost replica"
         if detail.startswith(tuple(s for s in self.below if s != self.downstream_name)):
             return "a stage further down failed"  # that stage's caller has already tried
-        if call.down is None or not call.down.replayable:
-            return self.over_budget
+        if call.down is not None and not call.down.replayable:
+            return call.down.why
         if call.attempt >= self.failover_attempts:
             return f"{call.attempt} replays failed (failover.attempts)"
         remaining = context.time_remaining()
@@ -601,7 +642,7 @@ class StageService:
                     continue
                 code = e.code()
                 detail = e.details() or ""
-                if why == self.over_budget:
+                if call.down is not None and why == call.down.why:
                     # this stage's own failure, so its caller, which holds the request (the gateway
                     # holds all of it), may replay it from there: a lost replica loses no request
                     # only because this one sent too much to keep

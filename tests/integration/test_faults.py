@@ -325,20 +325,26 @@ def test_killing_one_replica_of_each_stage_under_load_loses_no_request(replicate
     _assert_same_replies(faulted, baseline)
 
 
-def test_a_request_too_big_to_replay_on_a_hop_is_replayed_by_the_gateway(tiny_dir: Path, tmp_path: Path) -> None:
-    """With `failover.replay_budget_bytes: 0` no stage keeps what it sent, so none can replay a
-    lost call itself: it fails the request as its own loss, and the gateway, which holds the
-    whole request, replays it from the top. SIGKILL of a talker and a code2wav replica loses no
-    request, and every reply equals the fault-free run's."""
+@pytest.mark.parametrize(("failover", "why"), [
+    ({"replay_budget_bytes": 0}, "the request sent more than failover.replay_budget_bytes (0)"),
+    ({"replay_memory_bytes": 0}, "the stage's replay memory is full (failover.replay_memory_bytes: 0)"),
+], ids=["request-bound", "process-bound"])
+def test_a_request_too_big_to_replay_on_a_hop_is_replayed_by_the_gateway(tiny_dir: Path, tmp_path: Path,
+                                                                         failover: dict[str, int], why: str) -> None:
+    """With `failover.replay_budget_bytes: 0` (what one request may keep) or
+    `failover.replay_memory_bytes: 0` (what a process's requests may keep together) no stage
+    keeps what it sent, so none can replay a lost call itself: it fails the request as its own
+    loss, and the gateway, which holds the whole request, replays it from the top. SIGKILL of a
+    talker and a code2wav replica loses no request, and every reply equals the fault-free run's."""
     cfg = stack_config(thinker={"replicas": 1}, talker={"replicas": 2}, code2wav={"replicas": 2},
-                       failover={"replay_budget_bytes": 0})  # fmt: skip
+                       failover=failover)  # fmt: skip
     with start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path) as s:
         victims = {1: "code2wav", 3: "talker"}  # at the nth first audio
         baseline, faulted, hits = _replies_under_fault(s, PROMPTS[:8], 4, victims, lambda v: v.proc.kill(),
                                                        thinker_max_tokens=12, talker_max_tokens=24)  # fmt: skip
         assert all(v.proc.poll() is not None for v in hits), "a victim was not killed during the run"
         gateway_log = _logs(s, "gateway")
-    assert "cannot replay it: the request sent more than failover.replay_budget_bytes (0)" in gateway_log
+    assert f"cannot replay it: {why}" in gateway_log
     assert "lost its thinker call" in gateway_log, "the gateway replayed no request"
     _assert_same_replies(faulted, baseline)
 

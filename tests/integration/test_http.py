@@ -424,7 +424,18 @@ def test_metrics_count_the_requests(http_stack: Stack, client: openai.OpenAI) ->
     assert tokens and tokens[0] >= 2 * MAX_TOKENS
     assert "omnistage_stage_kv_cache_usage_ratio" in stage and "omnistage_stage_shm_segments" in stage
     assert [x.value for x in stage["omnistage_stage_kv_held_tokens"].samples] == [0.0]  # the thinker holds none
-    assert "omnistage_stage_shm_inline_fallbacks" in stage
+    assert "omnistage_stage_shm_inline_fallbacks" in stage and "omnistage_stage_replay_bytes" in stage
+    assert [x.value for x in stage["omnistage_stage_replay_memory_full"].samples if x.name.endswith("_total")] == [0]
+
+    def replay_bytes() -> float:  # what the thinker keeps to replay to a talker: handed back as each call ends
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        return sum(x.value for f in text_string_to_metric_families(text) if f.name == "omnistage_stage_replay_bytes"
+                   for x in f.samples)  # fmt: skip
+
+    deadline = time.monotonic() + 10
+    while replay_bytes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert replay_bytes() == 0
 
 
 # ---- a gateway of its own: API key, and a thinker that is down ---------------------------------------

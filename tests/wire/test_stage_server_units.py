@@ -270,3 +270,42 @@ def test_shared_memory_is_released_at_the_first_answer_of_a_downstream_that_cons
     asyncio.run(go())
     assert held == ([["r#1"], [], []] if consumes_first else [["r#1"]] * 3)
     pool.close()
+
+
+def test_what_requests_keep_for_replay_is_bounded_per_process_and_handed_back_at_their_end() -> None:
+    """`failover.replay_memory_bytes` bounds what all of a process's requests keep of what they
+    sent (the per-request bound alone lets every request in flight keep 64 MiB): a request whose
+    next output does not fit stops being replayable, saying why, and hands back what it kept;
+    a request's end hands back the rest, so later requests are kept again."""
+    from omnistage.engine import OutChunk
+    from omnistage.server.stage_server import ReplayMemory, _DownBuffer
+
+    def out(nbytes: int) -> OutChunk:
+        return OutChunk({"x": torch.zeros(nbytes // 4)}, offset=0, length=1)
+
+    async def go() -> None:
+        memory = ReplayMemory(1000)
+        first, second = _DownBuffer(800, memory), _DownBuffer(800, memory)
+        first.put(out(400))
+        second.put(out(400))
+        first.put(out(160))
+        assert (memory.held, memory.refusals) == (960, 0) and first.replayable and second.replayable
+        second.put(out(80))  # 1040 > 1000: the process is full, though the request is under its own 800
+        assert not second.replayable and "failover.replay_memory_bytes: 1000" in second.why
+        assert (memory.held, memory.refusals) == (560, 1)  # what it kept is handed back
+        second.put(out(4))  # no longer counted
+        assert memory.held == 560
+        first.put(out(400))  # 960 > the request's own 800
+        assert not first.replayable and "failover.replay_budget_bytes (800)" in first.why
+        assert (memory.held, memory.refusals) == (0, 1)
+        third = _DownBuffer(800, memory)
+        third.put(out(600))
+        third.put(None)
+        assert third.replayable and memory.held == 600
+        assert [await third.get(i) is None for i in range(2)] == [False, True]  # kept to replay
+        assert third.items[0] is not None and third.first == 0
+        for buffer in (first, second, third):  # the calls end
+            buffer.close()
+        assert memory.held == 0
+
+    asyncio.run(go())
