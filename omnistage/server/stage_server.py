@@ -164,7 +164,10 @@ class _Call:
         return None
 
     def on_output(self, req: Request, out: StepOutput) -> None:
-        self._post(out)
+        # Most talker steps send nothing (frames go down in chunks): posting them would only
+        # wake the event loop (its end comes as _Finished)
+        if out.up or out.down:
+            self._post(out)
 
     def on_finished(self, req: Request) -> None:
         self._post(_Finished(req.error))
