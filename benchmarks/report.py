@@ -168,6 +168,8 @@ def format_stage_load(result: dict[str, Any]) -> str:
         parts = []
         for role, f in load.items():
             cpu = "" if f["cpu_cores"] is None else f" cpu {f['cpu_cores']:.2f}"
+            if f.get("cpu_outside_steps") is not None:
+                cpu += f" ({f['cpu_outside_steps']:.0%} outside steps)"
             if f["steps"]:
                 on_cpu = "" if f.get("step_on_cpu") is None else f" ({f['step_on_cpu']:.0%} on a core)"
                 parts.append(f"{role} busy {f['busy']:.2f} batch {f['mean_batch']:.1f} "
@@ -180,7 +182,8 @@ def format_stage_load(result: dict[str, Any]) -> str:
     if not lines:
         return ""
     return "\n".join(["stage load (each stack process's own metrics over the level, and the bench client's CPU; "
-                      "busy = share of the level in engine steps, cpu = cores used):", *lines])
+                      "busy = share of the level in engine steps, cpu = cores used, outside steps = the share "
+                      "of them not in engine steps: gRPC, encoding, relaying):", *lines])
 
 
 def format_ratios(result: dict[str, Any]) -> str:

@@ -86,5 +86,8 @@ def load_between(before: dict[str, dict[str, float]], after: dict[str, dict[str,
             # the engine thread's share of its step time on a core: the rest it waited (a core, the GIL)
             "step_on_cpu": step_cpu / step_s if step_cpu is not None and step_s else None,
             "cpu_cores": cpu / wall_s if cpu is not None and wall_s > 0 else None,
+            # the process's CPU outside engine steps: its event loop (gRPC, encoding, relaying) and the rest
+            # (at least 0: process CPU counts in clock ticks, the engine thread's more finely)
+            "cpu_outside_steps": max(0.0, 1 - step_cpu / cpu) if step_cpu is not None and cpu else None,
         }
     return out
