@@ -234,12 +234,13 @@ class _DownBuffer:
 
     def _give_up(self, why: str) -> None:
         self.replayable, self.why = False, why
-        self.close()
-
-    def close(self) -> None:
-        """Hand back what is counted (the request's call has ended, or it gave up replay)."""
         self.memory.give(self.nbytes)
         self.nbytes = 0
+
+    def close(self) -> None:
+        """The request's call has ended: hand back what is counted, and count nothing more."""
+        if self.replayable:
+            self._give_up("its call has ended")
 
     async def get(self, index: int) -> OutChunk | None:
         while index >= self.first + len(self.items):

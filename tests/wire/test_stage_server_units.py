@@ -307,5 +307,7 @@ def test_what_requests_keep_for_replay_is_bounded_per_process_and_handed_back_at
         for buffer in (first, second, third):  # the calls end
             buffer.close()
         assert memory.held == 0
+        third.put(out(40))  # too late to count
+        assert memory.held == 0 and memory.refusals == 1
 
     asyncio.run(go())
