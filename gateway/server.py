@@ -55,6 +55,12 @@ _NO_KEY = "gateway: missing or wrong API key (metadata authorization: Bearer <ke
 HEALTH_POLL_S = 1.0
 
 
+def client_ids(detail: str, stage_id: str, request_id: str) -> str:
+    """A stage's error text naming the request by the client's `request_id`, not the stages'
+    `stage_id` for it, as written plain or quoted (`!r`: a backslash or quote in the id is escaped)."""
+    return detail.replace(repr(stage_id), repr(request_id)).replace(stage_id, request_id)
+
+
 class GatewayError(Exception):
     """A request the gateway ends with this status (both front doors map it)."""
 
@@ -410,7 +416,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     detail = f"{self.stages[0]} unavailable at {self.thinker_target}: {detail}"
                     if attempt:
                         detail += f" (after {attempt} replays)"
-                raise GatewayError(code, detail.replace(stage_id, request_id)) from None
+                raise GatewayError(code, client_ids(detail, stage_id, request_id)) from None
             except TensorBlobError as e:
                 raise GatewayError(grpc.StatusCode.INTERNAL, f"gateway: bad chunk from a stage: {e}") from None
             finally:

@@ -390,3 +390,18 @@ def test_a_clients_deadline_is_capped_at_the_request_timeout() -> None:
 
     service = SimpleNamespace(cfg=parse_config({"timeouts": {"request_timeout_s": 50}}))
     assert [GatewayService._timeout(service, t) for t in (86_400.0, None, 3.0)] == [50, 50, 3.0]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("client_id", ["mine", "a\\b", "it's", 'say "hi"'])
+def test_a_stage_error_names_the_request_by_the_clients_own_id(client_id: str) -> None:
+    """The stages know a request as the client's id plus a suffix; an error they send up names the
+    client's id, whether they wrote it plain or quoted (a backslash or quote is escaped in repr)."""
+    from gateway.server import client_ids
+
+    stage_id = f"{client_id}.1a2b3c4d"
+    details = [f"thinker: request {stage_id!r}: needs 409 tokens of cache",  # the scheduler's
+               f"talker: request {stage_id} passed its deadline"]  # the engine's  # fmt: skip
+    shown = [client_ids(d, stage_id, client_id) for d in details]
+    assert shown == [f"thinker: request {client_id!r}: needs 409 tokens of cache",
+                     f"talker: request {client_id} passed its deadline"]  # fmt: skip
+    assert all("1a2b3c4d" not in s for s in shown)

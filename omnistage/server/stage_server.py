@@ -243,13 +243,18 @@ class _DownBuffer:
             self._give_up("its call has ended")
 
     async def get(self, index: int) -> OutChunk | None:
+        """Item `index`, once there is one (None also for an index already dropped: only a
+        superseded attempt's reader, which sends nothing more, can ask for one)."""
         while index >= self.first + len(self.items):
             await self._added.wait()
-        item = self.items[index - self.first]
-        if not self.replayable and index >= self.first:  # nobody will need it again
+        return self.items[index - self.first] if index >= self.first else None
+
+    def taken(self, index: int) -> None:
+        """The current attempt has taken item `index`: drop it and those before it when nobody
+        will need them again (a superseded attempt's reader must not: the replay still reads them)."""
+        if not self.replayable and index >= self.first:
             del self.items[: index + 1 - self.first]
             self.first = index + 1
-        return item
 
 
 class StageService:
@@ -582,12 +587,13 @@ class StageService:
         accepted: bool | None = None if attempt == 0 else False
         while True:
             item = await call.down.get(index)
+            if call.attempt != attempt:
+                return  # a newer attempt has taken over (its reader alone drops what was sent)
+            call.down.taken(index)
             index += 1
             if item is None:  # the stream has taken every message before this: all of it has left
                 self.engine.sent(req)
                 return
-            if call.attempt != attempt:
-                return  # a newer attempt has taken over
             if call.down_call.done():
                 continue  # the downstream finished first (e.g. the talker hit its limit): drop
             if accepted is None:

@@ -432,6 +432,11 @@ def test_metrics_count_the_requests(http_stack: Stack, client: openai.OpenAI) ->
         return sum(x.value for f in text_string_to_metric_families(text) if f.name == "omnistage_stage_replay_bytes"
                    for x in f.samples)  # fmt: skip
 
+    during = None  # while a reply streams, the thinker keeps what it sent the talker
+    for event in _chat(client, "pcm16", stream=True):
+        if during is None and event.choices and event.choices[0].delta.audio is not None:
+            during = replay_bytes()
+    assert during is not None and during > 0
     deadline = time.monotonic() + 10
     while replay_bytes() and time.monotonic() < deadline:
         time.sleep(0.1)

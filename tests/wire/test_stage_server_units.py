@@ -311,3 +311,54 @@ def test_what_requests_keep_for_replay_is_bounded_per_process_and_handed_back_at
         assert memory.held == 0 and memory.refusals == 1
 
     asyncio.run(go())
+
+
+def test_a_superseded_attempts_reader_drops_nothing_the_replay_still_sends() -> None:
+    """A lost downstream call's message reader may still wait at the end of what was sent while
+    the replay sends it all again from the start. When the request then stops being replayable
+    (here: another request fills the process's replay memory) and a new output wakes both, the
+    old reader returns without dropping anything: the replay sends every output in order."""
+    from omnistage.engine import OutChunk
+    from omnistage.server.stage_server import _DownBuffer
+
+    engine = SimpleNamespace(worker=SimpleNamespace(name="thinker", holds_input_until_admitted=False),
+                             sent=lambda req: None)  # fmt: skip
+    service = StageService(engine, model_name="m", arch="a", device="cpu", dtype="float32",  # type: ignore[arg-type]
+                           downstream="127.0.0.1:1", downstream_name="talker", edge_mode=0, max_message_bytes=1 << 20,
+                           shm=False, replay_budget_bytes=800, replay_memory_bytes=1000)  # fmt: skip
+
+    def out(i: int) -> OutChunk:
+        return OutChunk({"k": torch.full((25,), float(i))}, offset=i, length=1)  # 100 bytes
+
+    async def go() -> tuple[list[int], bool]:
+        call = _Call(asyncio.get_running_loop())
+        call.down = _DownBuffer(800, service.replay_memory)
+        call.down_call = SimpleNamespace(done=lambda: False)
+        req = SimpleNamespace(request_id="r#1")
+        start = stage_pb2.Start(request_id="r")
+        for i in range(4):
+            call.down.put(out(i))
+        lost = service._down_messages(req, call, start, 0)  # type: ignore[arg-type]
+        for _ in range(5):  # the Start, then outputs 0-3
+            await anext(lost)
+        waiting = asyncio.ensure_future(anext(lost))  # waits for output 4
+        await asyncio.sleep(0)
+        call.attempt = 1  # the call was lost: the replay sends everything again
+        replay = service._down_messages(req, call, start, 1)  # type: ignore[arg-type]
+        await anext(replay)  # the Start
+        sent = [(await anext(replay)).chunk.message().offset for _ in range(2)]
+        assert service.replay_memory.take(1000 - service.replay_memory.held)  # another request fills it
+        call.down.put(out(4))
+        call.down.put(None)
+        assert not call.down.replayable
+        old_reader_ended = False
+        try:
+            await waiting
+        except StopAsyncIteration:
+            old_reader_ended = True
+        sent += [(await anext(replay)).chunk.message().offset for _ in range(3)]
+        with pytest.raises(StopAsyncIteration):
+            await anext(replay)
+        return sent, old_reader_ended
+
+    assert asyncio.run(go()) == ([0, 1, 2, 3, 4], True)
