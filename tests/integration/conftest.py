@@ -6,7 +6,7 @@ import asyncio
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import pytest
@@ -101,3 +101,38 @@ def prompt_chunk(ids: list[int]) -> Any:
     import torch
 
     return encode_chunk({"ids": torch.tensor(ids)}, offset=0, finished=True, meta={"n": len(ids)})
+
+
+def call_outputs(out: dict[str, list[Any]]) -> tuple[list[int], Any, Any]:
+    """What a direct thinker call (`stage_call`) brought back up: the text ids, the talker's codes
+    `[groups, frames]` and code2wav's audio, each in order."""
+    import torch
+
+    tokens = [int(i) for c in out["thinker"] for i in c.tensors["ids"].tolist()]
+    codes = torch.cat([c.tensors["codes"] for c in out["talker"] if "codes" in c.tensors], dim=1)
+    audio = torch.cat([c.tensors["audio"] for c in out["code2wav"] if "audio" in c.tensors])
+    return tokens, codes, audio
+
+
+class Solo(NamedTuple):
+    token_ids: list[int]
+    pcm: Any  # float32 numpy samples (empty when it did not speak)
+    frames: int
+
+
+def solo_reply(pipeline: Any, prompt: str, thinker_max: int, talker_max: int, **request: Any) -> Solo:
+    """One greedy request through the in-process pipeline alone: what a stack's reply to the same
+    request must equal. `request`: further PipelineRequest fields (e.g. code2wav_seed)."""
+    import numpy as np
+    import torch
+
+    from omnistage.models.sampling import SamplingParams
+    from services.pipeline import AudioEvent, PipelineRequest
+
+    thinker = pipeline.thinker_defaults().with_overrides(max_tokens=thinker_max)
+    talker = SamplingParams(max_tokens=talker_max)
+    events = list(pipeline.run(PipelineRequest(pipeline.prompt_ids(prompt), thinker, talker, **request)))
+    audio = [e.pcm for e in events if isinstance(e, AudioEvent)]
+    codes = events[-1].codes
+    return Solo(events[-1].token_ids, torch.cat(audio).numpy() if audio else np.zeros(0, np.float32),
+                0 if codes is None else int(codes.shape[1]))  # fmt: skip

@@ -21,11 +21,9 @@ import torch
 from gateway.client import build_request, generate
 from omnistage.cli.serve import Stack, start_stack
 from omnistage.config import apply_overrides
-from omnistage.models.sampling import SamplingParams
 from omnistage.v1 import gateway_pb2_grpc
 from omnistage.wire.shm import DEFAULT_DIR
-from services.pipeline import AudioEvent, PipelineRequest
-from tests.integration.conftest import info, prompt_chunk, run, stack_config, stage_call
+from tests.integration.conftest import call_outputs, info, prompt_chunk, run, solo_reply, stack_config, stage_call
 from tests.integration.test_multimodal import MEDIA_LIMITS, _case, _request_options, reference_output
 from tests.integration.test_stack import PROMPT, TALKER_MAX, THINKER_MAX, greedy_start
 
@@ -59,9 +57,7 @@ def test_pd_matches_generate(pd_stack: Stack, pipeline: Any, reference: Any) -> 
 
     # Straight into the prefill role: every part's chunks come back up through it.
     out = run(stage_call(pd_stack.addresses("thinker-prefill")[0], greedy_start("pd-1"), [prompt_chunk(ids)]))
-    tokens = [int(i) for c in out["thinker"] for i in c.tensors["ids"].tolist()]
-    codes = torch.cat([c.tensors["codes"] for c in out["talker"] if "codes" in c.tensors], dim=1)
-    audio = torch.cat([c.tensors["audio"] for c in out["code2wav"] if "audio" in c.tensors])
+    tokens, codes, audio = call_outputs(out)
     assert tokens == ref_ids
     assert torch.equal(codes, ref_codes)
     assert audio.shape == ref_wav.shape and torch.allclose(audio, ref_wav, atol=1e-5, rtol=0)
@@ -98,19 +94,14 @@ def test_pd_concurrent_requests_match_their_solo_runs(pd_stack: Stack, pipeline:
     the single in-process thinker gives each alone."""
     prompts = [PROMPT, "Numbers one two three", "Where is the nearest train station from here?", "hi", "ok", "Sing!"]
     limits = [24, 24, 24, 24, 1, 24]  # max_tokens 1: the prefill's token is the last
-    solo = []
-    for p, limit in zip(prompts, limits, strict=True):
-        thinker = pipeline.thinker_defaults().with_overrides(max_tokens=limit)
-        events = list(pipeline.run(PipelineRequest(pipeline.prompt_ids(p), thinker, SamplingParams(max_tokens=40))))
-        audio = [e.pcm for e in events if isinstance(e, AudioEvent)]
-        solo.append((events[-1].token_ids, torch.cat(audio).numpy() if audio else np.zeros(0, np.float32)))
+    solo = [solo_reply(pipeline, p, limit, 40) for p, limit in zip(prompts, limits, strict=True)]
 
     async def together() -> list[Any]:
         return await asyncio.gather(*(generate(pd_stack.gateway_address, p, thinker_max_tokens=limit,
                                                talker_max_tokens=40, timeout=120)
                                       for p, limit in zip(prompts, limits, strict=True)))  # fmt: skip
 
-    for reply, (ids, audio) in zip(run(together()), solo, strict=True):
+    for reply, (ids, audio, _) in zip(run(together()), solo, strict=True):
         assert reply.token_ids == ids
         assert reply.pcm.shape == audio.shape and np.allclose(reply.pcm, audio, atol=1e-5, rtol=0)
     steps = run(info(pd_stack.addresses("thinker-decode")[0])).load
@@ -141,18 +132,14 @@ def test_a_decode_role_with_room_for_one_cache_serves_requests_in_turn(tiny_dir:
                                 "thinker.decode.base_port": base + 1,
                                 "thinker.prefill.cache_capacity_tokens": prefill_room,
                                 "thinker.decode.cache_capacity_tokens": room})  # fmt: skip
-    solo = []
-    for p in prompts:
-        thinker = pipeline.thinker_defaults().with_overrides(max_tokens=limit)
-        events = list(pipeline.run(PipelineRequest(pipeline.prompt_ids(p), thinker, SamplingParams(max_tokens=20))))
-        solo.append((events[-1].token_ids, torch.cat([e.pcm for e in events if isinstance(e, AudioEvent)]).numpy()))
+    solo = [solo_reply(pipeline, p, limit, 20) for p in prompts]
     stack = start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path)
     try:
         async def together() -> list[Any]:
             return await asyncio.gather(*(generate(stack.gateway_address, p, thinker_max_tokens=limit,
                                                    talker_max_tokens=20, timeout=120) for p in prompts))  # fmt: skip
 
-        for reply, (ids, audio) in zip(run(together()), solo, strict=True):
+        for reply, (ids, audio, _) in zip(run(together()), solo, strict=True):
             assert reply.token_ids == ids
             assert reply.pcm.shape == audio.shape and np.allclose(reply.pcm, audio, atol=1e-5, rtol=0)
         for role in ROLES:
@@ -184,11 +171,7 @@ def test_long_prompts_cross_the_split_through_shared_memory_released_at_the_firs
     # float32 rows over the pool's 256 KiB threshold, and room for the reply in the tiny's 2048 positions
     assert all(n * hidden * 4 >= 256 << 10 and n + 16 < 2048 for n in lengths), lengths
     limit = 8
-    solo = []
-    for p in prompts:
-        thinker = pipeline.thinker_defaults().with_overrides(max_tokens=limit)
-        events = list(pipeline.run(PipelineRequest(pipeline.prompt_ids(p), thinker, SamplingParams(max_tokens=30))))
-        solo.append((events[-1].token_ids, torch.cat([e.pcm for e in events if isinstance(e, AudioEvent)]).numpy()))
+    solo = [solo_reply(pipeline, p, limit, 30) for p in prompts]
     cfg = stack_config(talker={"replicas": 1}, shm=True)
     base = cfg.thinker.base_port
     cfg = apply_overrides(cfg, {"thinker.disaggregated": True, "thinker.prefill.base_port": base,
@@ -200,7 +183,7 @@ def test_long_prompts_cross_the_split_through_shared_memory_released_at_the_firs
                                                    talker_max_tokens=30, timeout=120) for p in prompts))  # fmt: skip
 
         for _ in range(2):  # the second round reuses the segments the first released
-            for reply, (ids, audio) in zip(run(together()), solo, strict=True):
+            for reply, (ids, audio, _) in zip(run(together()), solo, strict=True):
                 assert reply.token_ids == ids
                 assert reply.pcm.shape == audio.shape and np.allclose(reply.pcm, audio, atol=1e-5, rtol=0)
         prefill = stack.addresses("thinker-prefill")[0]

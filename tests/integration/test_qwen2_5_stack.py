@@ -17,10 +17,8 @@ import torch
 
 from gateway.client import build_request, generate
 from omnistage.cli.serve import Stack, start_stack
-from omnistage.models.sampling import SamplingParams
 from omnistage.v1 import gateway_pb2_grpc, stage_pb2
-from services.pipeline import AudioEvent, PipelineRequest
-from tests.integration.conftest import info, prompt_chunk, run, stack_config, stage_call
+from tests.integration.conftest import info, prompt_chunk, run, solo_reply, stack_config, stage_call
 
 SEED = 7
 STREAM_ATOL = 5e-5  # streamed exact token2wav against the full decode (tests/test_qwen2_5_omni.py)
@@ -76,14 +74,8 @@ def test_concurrent_requests_match_their_solo_runs(q25_stack: Stack, q25_checkpo
     pipeline, _ = q25_checkpoints("published")
     prompts = ["hi", "What is the weather like?", "Numbers one two three", "Tell me about the sea.",
                "Where is the nearest train station from here?", "Name three colours."]  # fmt: skip
-    solo = []
-    for p in prompts:
-        thinker = pipeline.thinker_defaults().with_overrides(max_tokens=24)
-        events = list(pipeline.run(PipelineRequest(pipeline.prompt_ids(p), thinker, SamplingParams(max_tokens=40),
-                                                   code2wav_seed=SEED)))  # fmt: skip
-        audio = [e.pcm for e in events if isinstance(e, AudioEvent)]
-        solo.append((events[-1].token_ids, torch.cat(audio).numpy() if audio else np.zeros(0, np.float32)))
-    assert sum(a.size > 0 for _, a in solo) >= 4  # most of them speak
+    solo = [solo_reply(pipeline, p, 24, 40, code2wav_seed=SEED) for p in prompts]
+    assert sum(s.pcm.size > 0 for s in solo) >= 4  # most of them speak
 
     def load(stage: str) -> tuple[int, int]:
         loads = [run(info(a)).load for a in q25_stack.addresses(stage)]
@@ -96,7 +88,7 @@ def test_concurrent_requests_match_their_solo_runs(q25_stack: Stack, q25_checkpo
                                                talker_max_tokens=40, sampling=SAMPLING, timeout=180)
                                       for p in prompts))  # fmt: skip
 
-    for reply, (ids, audio) in zip(run(together()), solo, strict=True):
+    for reply, (ids, audio, _) in zip(run(together()), solo, strict=True):
         assert reply.token_ids == ids
         assert reply.pcm.shape == audio.shape
         assert np.allclose(reply.pcm, audio, atol=STREAM_ATOL, rtol=0)

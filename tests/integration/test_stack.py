@@ -19,7 +19,7 @@ from omnistage.models.sampling import SamplingParams
 from omnistage.v1 import gateway_pb2_grpc, stage_pb2
 from omnistage.wire.tensor_blob import encode_chunk
 from services.pipeline import AudioEvent, PipelineRequest
-from tests.integration.conftest import info, prompt_chunk, run, stack_config, stage_call
+from tests.integration.conftest import call_outputs, info, prompt_chunk, run, solo_reply, stack_config, stage_call
 
 PROMPT = "Tell me a short story about a robot who learns to sing."
 THINKER_MAX, TALKER_MAX = 40, 80
@@ -43,9 +43,7 @@ def test_stack_matches_pipeline_and_generate(stack: Stack, pipeline: Any, refere
 
     # Straight into the thinker, as the gateway does: every stage's chunks come back up.
     out = run(stage_call(stack.addresses("thinker")[0], greedy_start("parity-1"), [prompt_chunk(ids)]))
-    tokens = [int(i) for c in out["thinker"] for i in c.tensors["ids"].tolist()]
-    codes = torch.cat([c.tensors["codes"] for c in out["talker"] if "codes" in c.tensors], dim=1)
-    audio = torch.cat([c.tensors["audio"] for c in out["code2wav"] if "audio" in c.tensors])
+    tokens, codes, audio = call_outputs(out)
     assert tokens == ref_ids == in_process.token_ids
     assert torch.equal(codes, ref_codes) and torch.equal(codes, in_process.codes)
     assert audio.shape == ref_wav.shape
@@ -66,19 +64,13 @@ def test_concurrent_requests_match_their_solo_runs(stack: Stack, pipeline: Any) 
     """Requests sharing the stages at once (code2wav decodes them in one batched step) give
     the tokens and audio each gives alone."""
     prompts = [PROMPT, "Numbers one two three", "Where is the nearest train station from here?", "hi"]
-    solo = []
-    for p in prompts:
-        ids = pipeline.prompt_ids(p)
-        thinker = pipeline.thinker_defaults().with_overrides(max_tokens=24)
-        events = list(pipeline.run(PipelineRequest(ids, thinker, SamplingParams(max_tokens=40))))
-        audio = [e.pcm for e in events if isinstance(e, AudioEvent)]
-        solo.append((events[-1].token_ids, torch.cat(audio).numpy() if audio else np.zeros(0, np.float32)))
+    solo = [solo_reply(pipeline, p, 24, 40) for p in prompts]
 
     async def together() -> list[Any]:
         return await asyncio.gather(*(generate(stack.gateway_address, p, thinker_max_tokens=24,
                                                talker_max_tokens=40, timeout=120) for p in prompts))
 
-    for reply, (ids, audio) in zip(run(together()), solo, strict=True):
+    for reply, (ids, audio, _) in zip(run(together()), solo, strict=True):
         assert reply.token_ids == ids
         assert reply.pcm.shape == audio.shape
         assert np.allclose(reply.pcm, audio, atol=1e-5, rtol=0)

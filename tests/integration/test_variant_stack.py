@@ -23,9 +23,15 @@ import torch
 
 from gateway.client import generate
 from omnistage.cli.serve import Stack, start_stack
-from omnistage.models.sampling import SamplingParams
-from services.pipeline import AudioEvent, PipelineRequest
-from tests.integration.conftest import free_port_block, prompt_chunk, run, stack_config, stage_call
+from tests.integration.conftest import (
+    call_outputs,
+    free_port_block,
+    prompt_chunk,
+    run,
+    solo_reply,
+    stack_config,
+    stage_call,
+)
 from tests.integration.test_stack import greedy_start
 
 PROMPTS = ["Tell me a short story about a robot who learns to sing.", "Where is the station?", "Numbers one two"]
@@ -53,20 +59,13 @@ def test_the_variant_checkpoint_through_the_stack_is_generate(variant_stack: Sta
     # straight into the thinker: the talker's 8-group frames and code2wav's audio come back up
     out = run(stage_call(variant_stack.addresses("thinker")[0], greedy_start("variant-1", thinker=THINKER_MAX,
                                                                             talker=TALKER_MAX), [prompt_chunk(ids)]))
-    tokens = [int(i) for c in out["thinker"] for i in c.tensors["ids"].tolist()]
-    codes = torch.cat([c.tensors["codes"] for c in out["talker"] if "codes" in c.tensors], dim=1)
-    audio = torch.cat([c.tensors["audio"] for c in out["code2wav"] if "audio" in c.tensors])
+    tokens, codes, audio = call_outputs(out)
     assert tokens == ref_ids
     assert torch.equal(codes, ref_codes)
     assert audio.shape == ref_wav.shape and torch.allclose(audio, ref_wav, atol=1e-5, rtol=0)
 
     # through the gateway, concurrently: each reply equals its request's in-process run alone
-    solo = []
-    for p in PROMPTS:
-        events = list(pipeline.run(PipelineRequest(pipeline.prompt_ids(p), pipeline.thinker_defaults().with_overrides(
-            max_tokens=THINKER_MAX), SamplingParams(max_tokens=TALKER_MAX))))  # fmt: skip
-        solo.append((events[-1].token_ids, torch.cat([e.pcm for e in events if isinstance(e, AudioEvent)]).numpy(),
-                     events[-1].codes.shape[1]))  # fmt: skip
+    solo = [solo_reply(pipeline, p, THINKER_MAX, TALKER_MAX) for p in PROMPTS]
     assert solo[0][0] == ref_ids
 
     async def together() -> list[Any]:
