@@ -328,7 +328,7 @@ class Engine:
             produced = sum(c.length for out in outputs if isinstance(out, StepOutput) for c in out.up)
             self.observer.on_step(len(batch), seconds, cpu_seconds, produced)
         reasons = [out.finished if isinstance(out, StepOutput) else FinishReason.ERROR for out in outputs]
-        holds = [self._holds(it.request, r) for it, r in zip(batch, reasons, strict=True)]
+        holds = [r is not None and self._holds(it.request, r) for it, r in zip(batch, reasons, strict=True)]
         self.scheduler.update_from_output(batch, reasons, holds)
         for item, out in zip(batch, outputs, strict=True):
             req = item.request
@@ -388,7 +388,7 @@ class Engine:
         except Exception:  # closing must never take the engine down
             log.exception("%s: close failed for %s", self.worker.name, req.request_id)
         req.state = None
-        self.scheduler.finish(req, reason, hold=self._holds(req, reason))
+        self.scheduler.finish(req, reason)  # a no-op for one a step ended (update_from_output, with its hold)
         with self._cond:
             if self._requests.pop(req.request_id, None) is None:
                 return
