@@ -23,6 +23,7 @@ Chat completions (OpenAI's shapes; what differs is said here):
   checkpoint's defaults. `max_tokens` / `max_completion_tokens`, `top_p`, `top_k`,
   `repetition_penalty`, `seed` (it seeds the speech too), `stop`. A field sent as null is unset.
   `tools`, a non-text `response_format` and `logprobs` are refused (400), not ignored.
+* vLLM-Omni's `sampling_params_list`: each stage's own sampling, in stage order (`StageSampling`).
 * Streamed: `chat.completion.chunk` events with `delta.content`, and `delta.audio {id, data,
   transcript}` as soon as each piece exists (wav and flac come whole at the end; every `data`
   but the last holds whole base64 groups of whole samples, so joined strings decode too), then
@@ -48,7 +49,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from importlib import resources
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -67,6 +68,7 @@ from starlette.routing import Route
 
 from gateway.audio_out import FORMAT_NAMES, MIME
 from gateway.server import GatewayError, GatewayService
+from omnistage.topology import STAGES
 from omnistage.v1 import gateway_pb2, stage_pb2
 
 __all__ = ["build_app"]
@@ -159,6 +161,35 @@ class ProcessorKwargs(_Body):  # vLLM's `mm_processor_kwargs`
     use_audio_in_video: bool | None = None
 
 
+# vLLM's SamplingParams fields that would change a stage's output and have no counterpart here,
+# with the value that changes nothing: any other value is refused, not ignored.
+_NO_COUNTERPART: dict[str, Any] = {"presence_penalty": 0, "frequency_penalty": 0, "min_p": 0, "min_tokens": 0,
+                                   "ignore_eos": False, "n": 1, "best_of": 1, "logprobs": None, "stop": None}
+
+
+class StageSampling(_Body):
+    """One stage's entry of vLLM-Omni's `sampling_params_list` (its fields are vLLM's
+    `SamplingParams`; ones that only shape vLLM's output objects, such as `detokenize`, are
+    ignored)."""
+
+    temperature: float | None = Field(None, ge=0)  # 0: greedy
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=1 << 20)  # -1 or 0: off
+    max_tokens: int | None = Field(None, ge=1, le=1 << 20)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=1 << 62)]] | None = Field(None, max_length=1024)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    n: int | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+    stop: str | list[str] | None = None
+
+
 # Fields some clients send as null for "unset" are optional; None means the default.
 class ChatRequest(_Body):
     model: str | None = None
@@ -178,6 +209,8 @@ class ChatRequest(_Body):
     n: int | None = Field(1, ge=1, le=1)
     use_audio_in_video: bool | None = None
     mm_processor_kwargs: ProcessorKwargs | None = None
+    # vLLM-Omni's per-stage sampling, in stage order (thinker, talker, code2wav): over the fields above
+    sampling_params_list: list[StageSampling | None] | None = Field(None, max_length=len(STAGES))
     # Asked for, these would change the reply's shape; this server has none of them, so it says so.
     tools: list[Any] | None = None
     functions: list[Any] | None = None  # the legacy form of tools
@@ -340,10 +373,57 @@ def _talker_seed(seed: int) -> int:
     return (seed + TALKER_SEED_OFFSET + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
-def to_generate_request(body: ChatRequest, voices: list[str],
-                        transcripts: TranscriptLookup = lambda _id: None) -> gateway_pb2.GenerateRequest:  # fmt: skip
+def _stage_sampling(entry: StageSampling, where: str, stop_ids: Sequence[int]) -> stage_pb2.SamplingParams:
+    """A thinker or talker entry of `sampling_params_list` as that stage's sampling; its
+    `stop_token_ids` stop the stage besides its own stop ids (`stop_ids`), as in vLLM."""
+    for name, neutral in _NO_COUNTERPART.items():
+        value = getattr(entry, name)
+        if value is not None and value != neutral and value != []:
+            raise HttpError(400, f"{where}.{name}: not supported by this server", param=f"{where}.{name}")
+    msg = stage_pb2.SamplingParams()
+    if entry.temperature is not None:
+        msg.do_sample = entry.temperature > 0
+        if entry.temperature > 0:
+            msg.temperature = entry.temperature
+    if entry.top_p is not None:
+        msg.top_p = entry.top_p
+    if entry.top_k is not None:
+        msg.top_k = max(entry.top_k, 0)
+    if entry.max_tokens is not None:
+        msg.max_tokens = entry.max_tokens
+    if entry.repetition_penalty is not None:
+        msg.repetition_penalty = entry.repetition_penalty
+    if entry.seed is not None:
+        msg.seed = entry.seed
+    if entry.stop_token_ids:
+        msg.stop_ids.extend(dict.fromkeys([*stop_ids, *entry.stop_token_ids]))
+    return msg
+
+
+def _apply_sampling_list(req: gateway_pb2.GenerateRequest, entries: Sequence[StageSampling | None],
+                         stop_ids: Mapping[str, Sequence[int]]) -> None:  # fmt: skip
+    """vLLM-Omni's per-stage sampling over what the body's own fields set: each field an entry
+    sets replaces theirs for its stage. The talker's and code2wav's count only when speech is
+    asked for (they do not run otherwise); code2wav samples nothing, so only its `seed` counts
+    (a sampled vocoder's noise), as vLLM-Omni's own example sends it other fields that do nothing."""
+    for i, (stage, entry) in enumerate(zip(STAGES, entries, strict=False)):
+        if entry is None or (stage != "thinker" and not req.want_audio):
+            continue
+        if stage == "code2wav":
+            if entry.seed is not None:
+                req.sampling[stage].seed = entry.seed
+            continue
+        req.sampling[stage].MergeFrom(_stage_sampling(entry, f"sampling_params_list[{i}]", stop_ids.get(stage, ())))
+
+
+def to_generate_request(
+    body: ChatRequest, voices: list[str], transcripts: TranscriptLookup = lambda _id: None,
+    stop_ids: Mapping[str, Sequence[int]] | None = None,
+) -> gateway_pb2.GenerateRequest:
     """The chat request as the gateway's own request (HttpError naming the field).
-    `transcripts(audio_id)` is the text of an earlier reply's audio, None when unknown."""
+    `transcripts(audio_id)` is the text of an earlier reply's audio, None when unknown;
+    `stop_ids`: each stage's own stop ids, which a `sampling_params_list` entry's
+    `stop_token_ids` add to."""
     _unsupported(body)
     want_audio = "audio" in (body.modalities or ["text"])
     audio = body.audio or AudioOut()
@@ -395,6 +475,7 @@ def to_generate_request(body: ChatRequest, voices: list[str],
         if want_audio:  # the same seed gives the same speech too
             req.sampling["talker"].seed = _talker_seed(body.seed)
     req.sampling["thinker"].CopyFrom(thinker)
+    _apply_sampling_list(req, body.sampling_params_list or (), stop_ids or {})
     return req
 
 
@@ -527,6 +608,9 @@ class ChatCompletions:
     def __init__(self, service: GatewayService) -> None:
         self.service = service
         self.voices = sorted(service.ckpt.spec.speakers) if service.cfg.audio_output else []
+        self.stop_ids = {"thinker": service.thinker_defaults.stop_ids}  # what a stage stops on unless told
+        if service.cfg.audio_output:
+            self.stop_ids["talker"] = service.ckpt.spec.talker_stop_ids()
         self.transcripts = Transcripts()
 
     async def parse(self, request: Request, model: type[BodyT]) -> BodyT:
@@ -555,7 +639,7 @@ class ChatCompletions:
             if "audio" in (body.modalities or ()) and not self.service.cfg.audio_output:
                 raise HttpError(400, "modalities: this stack serves text only (no talker); ask for [\"text\"]",
                                 param="modalities")  # fmt: skip
-            req = to_generate_request(body, self.voices, self.transcripts.get)
+            req = to_generate_request(body, self.voices, self.transcripts.get, self.stop_ids)
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
         except HttpError as e:
             return self._refused(e)

@@ -230,6 +230,41 @@ def test_what_other_openai_clients_send_is_understood() -> None:
     assert zero.HasField("do_sample") and not zero.do_sample and zero.temperature == 0 and zero.top_p == 0
 
 
+def test_vllm_omni_sampling_params_list_sets_each_stage() -> None:
+    """Entry i is stage i's sampling, over the body's own fields; stop_token_ids add to the
+    stage's stop ids (vLLM's meaning); code2wav takes only a seed; a field with no counterpart
+    that would change the output is refused."""
+    from pydantic import ValidationError
+
+    from gateway.http_api import HttpError, to_generate_request
+
+    stages = [{"temperature": 0, "max_tokens": 5, "stop_token_ids": [7, 50], "detokenize": True, "n": 1, "stop": []},
+              {"temperature": 0.9, "top_k": -1, "top_p": 0.8, "seed": 11, "stop_token_ids": [2150],
+               "repetition_penalty": 1.05, "max_tokens": 4096},
+              {"temperature": 0.0, "top_p": 1.0, "max_tokens": 65536, "seed": 42, "repetition_penalty": 1.1}]
+    stops = {"thinker": (50, 51), "talker": (99,)}
+    body = _chat(modalities=["text", "audio"], temperature=0.7, seed=3, max_tokens=50, sampling_params_list=stages)
+    req = to_generate_request(body, ["ethan"], stop_ids=stops)
+    thinker, talker, code2wav = (req.sampling[s] for s in ("thinker", "talker", "code2wav"))
+    assert (thinker.do_sample, thinker.max_tokens, thinker.seed, list(thinker.stop_ids)) == (False, 5, 3, [50, 51, 7])
+    assert (talker.do_sample, talker.top_k, talker.seed, list(talker.stop_ids)) == (True, 0, 11, [99, 2150])
+    assert abs(talker.temperature - 0.9) < 1e-9 and abs(talker.top_p - 0.8) < 1e-9 and talker.max_tokens == 4096
+    assert [f.name for f, _ in code2wav.ListFields()] == ["seed"] and code2wav.seed == 42
+    text_only = to_generate_request(_chat(sampling_params_list=stages), ["ethan"], stop_ids=stops)
+    assert set(text_only.sampling) == {"thinker"}  # the talker and code2wav do not run
+    skipped = to_generate_request(_chat(modalities=["text", "audio"], temperature=0.5,
+                                        sampling_params_list=[None, {"temperature": 0}]), ["ethan"])  # fmt: skip
+    assert skipped.sampling["thinker"].do_sample and not skipped.sampling["talker"].do_sample
+    for entry, field in (({"presence_penalty": 0.5}, "presence_penalty"), ({"min_tokens": 2}, "min_tokens"),
+                         ({"ignore_eos": True}, "ignore_eos"), ({"stop": ["x"]}, "stop"), ({"n": 2}, "n")):  # fmt: skip
+        with pytest.raises(HttpError) as e:
+            to_generate_request(_chat(sampling_params_list=[entry]), ["ethan"])
+        assert e.value.status == 400 and e.value.param == f"sampling_params_list[0].{field}", e.value.message
+    for bad in ([{}, {}, {}, {}], [{"temperature": -1}], [{"stop_token_ids": [-3]}]):
+        with pytest.raises(ValidationError):
+            _chat(sampling_params_list=bad)
+
+
 def test_a_validation_error_names_the_field_a_client_sent() -> None:
     """Not the content part's type tag pydantic puts in its path (`image_url.image_url.url`)."""
     from pydantic import ValidationError
@@ -364,8 +399,10 @@ def test_a_failure_nothing_answered_is_an_openai_error_not_retried(monkeypatch: 
     from omnistage.config import parse_config
 
     service = SimpleNamespace(model_name="m", cfg=parse_config({}), metrics=GatewayMetrics(),
-                              ckpt=SimpleNamespace(spec=SimpleNamespace(speakers=[], default_speaker="")),
-                              check_api_key=lambda header: True, sample_rate=24_000)  # fmt: skip
+                              ckpt=SimpleNamespace(spec=SimpleNamespace(speakers=[], default_speaker="",
+                                                                        talker_stop_ids=lambda: ())),
+                              thinker_defaults=SimpleNamespace(stop_ids=()), check_api_key=lambda header: True,
+                              sample_rate=24_000)  # fmt: skip
 
     def broken(*args: Any) -> Any:
         raise RuntimeError("a bug")

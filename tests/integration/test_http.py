@@ -261,6 +261,33 @@ def test_speech_speaks_the_given_words(http_stack: Stack, client: openai.OpenAI)
     assert "given reply" in r.json()["error"]["message"]  # the gateway's own check: prompt and reply
 
 
+def test_vllm_omni_per_stage_sampling_reaches_each_stage(http_stack: Stack, client: openai.OpenAI) -> None:
+    """vLLM-Omni's clients send each stage's sampling as `sampling_params_list` (in `extra_body`),
+    with no top-level temperature: greedy thinker and talker entries give the same reply as
+    temperature 0 (the talker samples unless told), and a thinker entry's max_tokens ends the text."""
+    text, pcm = _grpc_reply(http_stack)
+    model = client.models.list().data[0].id
+    stages = [{"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": MAX_TOKENS, "detokenize": True},
+              {"temperature": 0.0, "top_k": 50, "repetition_penalty": 1.05, "detokenize": False},
+              # what vLLM-Omni's own example sends its vocoder; only the seed means anything to one
+              {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 65536, "seed": 42, "detokenize": True,
+               "repetition_penalty": 1.1}]  # fmt: skip
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
+                                           modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"},
+                                           extra_body={"sampling_params_list": stages})  # fmt: skip
+    message = reply.choices[0].message
+    assert message.content == text and np.array_equal(np.frombuffer(base64.b64decode(message.audio.data), "<i2"),
+                                                      _pcm16(pcm))  # fmt: skip
+    short = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
+                                           max_tokens=MAX_TOKENS, extra_body={"sampling_params_list": [
+                                               {"temperature": 0, "max_tokens": 2}]})  # fmt: skip
+    assert short.usage.completion_tokens == 2 and short.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
+                                       extra_body={"sampling_params_list": [{"min_tokens": 3}]})  # fmt: skip
+    assert e.value.body["param"] == "sampling_params_list[0].min_tokens"
+
+
 def test_text_only_and_stop_texts(http_stack: Stack, client: openai.OpenAI) -> None:
     whole = client.chat.completions.create(model=client.models.list().data[0].id, temperature=0, max_tokens=24,
                                            messages=[{"role": "user", "content": QUESTION}])  # fmt: skip

@@ -96,6 +96,10 @@ class FamilySpec:
             max_positions=thinker.text_config.max_position_embeddings,
         )
 
+    def talker_stop_ids(self) -> tuple[int, ...]:
+        """`generate()`'s talker EOS id: codec end."""
+        return (self.codec_eos_id,)
+
     def talker_suppressed_ids(self) -> list[int]:
         """`generate()` forbids the talker's control range except codec EOS."""
         return [i for i in range(self.talker_vocab - 1024, self.talker_vocab) if i != self.codec_eos_id]

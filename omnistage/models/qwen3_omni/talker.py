@@ -144,7 +144,7 @@ class Talker:
     def new_state(self, sampling: SamplingParams, speaker: str) -> TalkerState:
         self.spec.speaker_id(speaker)  # unknown speaker: clear error before any model work
         if not sampling.stop_ids:
-            sampling = sampling.with_overrides(stop_ids=[self.spec.codec_eos_id])
+            sampling = sampling.with_overrides(stop_ids=self.spec.talker_stop_ids())
         # The code predictor samples exactly when the talker does (as generate() mirrors it).
         residual = CODE_PREDICTOR_SAMPLED if sampling.do_sample else GREEDY
         if sampling.seed is not None:
