@@ -149,3 +149,19 @@ def test_bad_thinker_rows_are_refused_as_they_arrive(pipeline: Any) -> None:
     with pytest.raises(StageError, match="an empty finished chunk after the tokens"):
         worker.feed(req, DecodedChunk({}, {LENGTH_KEY: 0}, 1, 0, True))
     worker.close(req)
+
+
+def test_a_stage_takes_its_own_default_max_tokens_back_but_not_more() -> None:
+    """A client may send the default back (vLLM-Omni's examples ask the talker for generate()'s
+    4096 frames) even where it is over the stage's limit; more than both is refused."""
+    from omnistage.models.sampling import TALKER_DEFAULTS
+    from omnistage.wire import StageError
+
+    start = stage_pb2.Start(request_id="r")
+    for limit, asked in ((2048, 4096), (2048, 2048), (8192, 8192)):
+        start.sampling["talker"].max_tokens = asked
+        assert edges.sampling("talker", start, TALKER_DEFAULTS, limit).max_tokens == asked
+    for limit, asked in ((2048, 4097), (8192, 8193)):
+        start.sampling["talker"].max_tokens = asked
+        with pytest.raises(StageError, match=f"max_tokens {asked} exceeds this stage's limit {max(limit, 4096)}"):
+            edges.sampling("talker", start, TALKER_DEFAULTS, limit)
