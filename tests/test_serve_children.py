@@ -129,3 +129,24 @@ def test_a_child_that_dies_soon_after_serving_is_restarted_later_each_time(monke
     assert delays == [min(cap, first * 2.0**n) for n in range(1, len(delays) + 1)]  # 1, 2, 4, ... up to the cap
     assert delays[-1] == cap
     assert life(serve.HEALTHY_RESET_S + 1) == serve.RESTART_BACKOFF_S[0]  # a long life: the backoff starts over
+
+
+def test_the_stop_flag_wakes_its_waiter_soon_after_a_signal_sets_it() -> None:
+    """`serve`'s stop flag (set from signal handlers, without a lock a second signal could wait
+    on): a wait ends soon after a signal handler sets it, and runs to its timeout otherwise."""
+    import signal
+    import time
+
+    from omnistage.cli.main import StopFlag
+
+    flag = StopFlag()
+    t0 = time.monotonic()
+    assert not flag.wait(0.3) and time.monotonic() - t0 >= 0.3
+    previous = signal.signal(signal.SIGALRM, lambda *_: flag.set())
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        t0 = time.monotonic()
+        assert flag.wait(10) and time.monotonic() - t0 < 2
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

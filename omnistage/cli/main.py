@@ -14,6 +14,7 @@ import enum
 import json
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -290,7 +291,6 @@ def serve(
 ) -> None:
     """Run the whole stack locally: one process per stage replica plus the gateway, on loopback."""
     import signal
-    import threading
 
     from omnistage.cli.logs import setup_logging
     from omnistage.cli.serve import StartupError, start_stack
@@ -298,7 +298,7 @@ def serve(
     from omnistage.topology import PROCESSES
 
     setup_logging("serve", log_level.value, log_format.value)
-    stop = threading.Event()
+    stop = StopFlag()
     with _errors(log_level.value):
         overrides: dict[str, object] = dict(parse_replicas(replicas)) if replicas else {}
         if port is not None:
@@ -316,6 +316,9 @@ def serve(
         def interrupt(*_: object) -> None:
             # Remembered as well as raised: once, under load, a Ctrl-C during start-up did not
             # stop it (its KeyboardInterrupt never surfaced); start-up also polls the flag.
+            # Raised once: a second Ctrl-C must not break into the clean-up the first started.
+            if stop.is_set():
+                return
             stop.set()
             raise KeyboardInterrupt
 
@@ -357,6 +360,28 @@ def serve(
         typer.echo("stopping ...")
         stack.stop()
     raise typer.Exit(code)
+
+
+class StopFlag:
+    """Set from signal handlers, polled by `serve`'s loop. Not a `threading.Event`: its `set()`
+    takes a lock, and a second signal whose handler runs while the first one's holds it waits on
+    that lock forever (seen: `timeout` and `pkill` each sending SIGTERM, `serve` never stopped)."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float) -> bool:
+        """True once set; False after `timeout` seconds without."""
+        deadline = time.monotonic() + timeout
+        while not self._set and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, 0.05))
+        return self._set
 
 
 @app.command("stage")
