@@ -151,6 +151,24 @@ def _stage_overrides(stages: tuple[str, ...], dtype: Dtype | None, device: str |
     return out
 
 
+StackPortOpt = Annotated[
+    int | None, typer.Option("--port", help="Move the whole stack: gateway P, stage k at P + 100k.")
+]
+
+
+def _port_overrides(config: Path | None, port: int | None) -> dict[str, object]:
+    """`--port P`'s layout over the deploy config; HTTP moves to P + 50 only where the config
+    serves it (`gateway.http_port: null` keeps it off)."""
+    from omnistage.config import port_layout
+
+    if port is None:
+        return {}
+    layout: dict[str, object] = dict(port_layout(port))
+    if _load_cfg(config, {}, default=True).gateway.http_port is None:
+        del layout["gateway.http_port"]
+    return layout
+
+
 ModelArg = Annotated[
     str | None, typer.Argument(help="Checkpoint directory (default: the config's, else the built-in tiny one).")
 ]
@@ -215,15 +233,16 @@ def make_tiny(
 
 @deploy_app.command("render")
 def deploy_render(
-    config: Annotated[Path | None, typer.Option("--config", help="Deploy YAML (default: built-in defaults).")] = None,
+    config: ConfigOpt = None,
     target: Annotated[RenderTarget, typer.Option("--target", help="compose or k8s")] = RenderTarget.k8s,
     out: Annotated[Path, typer.Option("--out", help="Directory to write into.")] = Path("deploy"),
 ) -> None:
     """Render docker-compose or Kubernetes files from the deploy YAML that `serve` reads."""
     from omnistage.cli.deploy_render import render_to_dir
+    from omnistage.config import default_config_path
 
     with _errors():
-        for path in render_to_dir(config, target.value, out):
+        for path in render_to_dir(config or default_config_path(), target.value, out):
             typer.echo(str(path))
 
 
@@ -233,17 +252,20 @@ def health(
         list[str] | None, typer.Option("--target", help="HOST:PORT to check (repeatable; default: the whole stack).")
     ] = None,
     config: ConfigOpt = None,
+    port: StackPortOpt = None,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for each answer.")] = 3.0,
     service: Annotated[str, typer.Option("--service", help="Health service name ('' = the server).")] = "",
     text_only: TextOnlyOpt = False,
 ) -> None:
     """grpc.health.v1 status of each service (exit 0 only when every one is SERVING): by default
-    every process of the stack the deploy config describes. TLS as the deploy config's `tls` says."""
+    every process of the stack the deploy config describes (moved by `--port` as `serve --port`
+    moves it). TLS as the deploy config's `tls` says."""
     from omnistage.server.health_check import health_status
     from omnistage.server.tls import gateway_channel_credentials, name_override, stage_channel_credentials
 
     with _errors():
-        cfg = _load_cfg(config, {"audio_output": False if text_only else None}, default=True)
+        cfg = _load_cfg(config, {**_port_overrides(config, port), "audio_output": False if text_only else None},
+                        default=True)  # fmt: skip
         tls = cfg.tls
         grpc_ports = {port: role for port, role in cfg.ports() if not role.endswith(("metrics", "http"))}
 
@@ -272,9 +294,7 @@ def serve(
     model: ModelOpt = None,
     config: ConfigOpt = None,
     host: HostOpt = None,
-    port: Annotated[
-        int | None, typer.Option("--port", help="Move the whole stack: gateway P, stage k at P + 100k.")
-    ] = None,
+    port: StackPortOpt = None,
     replicas: Annotated[str | None, typer.Option("--replicas", help="e.g. talker=2,code2wav=2")] = None,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
@@ -294,15 +314,14 @@ def serve(
 
     from omnistage.cli.logs import setup_logging
     from omnistage.cli.serve import StartupError, start_stack
-    from omnistage.config import default_config_path, parse_replicas, port_layout
+    from omnistage.config import default_config_path, parse_replicas
     from omnistage.topology import PROCESSES
 
     setup_logging("serve", log_level.value, log_format.value)
     stop = StopFlag()
     with _errors(log_level.value):
         overrides: dict[str, object] = dict(parse_replicas(replicas)) if replicas else {}
-        if port is not None:
-            overrides.update(port_layout(port))
+        overrides.update(_port_overrides(config, port))
         overrides.update(_stage_overrides(PROCESSES, dtype, device))
         flags = {"host": host, "served_model_name": served_model_name, "max_model_len": max_model_len,
                  "gateway.http_port": http_port, "audio_output": False if text_only else None}

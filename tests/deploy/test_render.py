@@ -312,3 +312,17 @@ def test_the_package_carries_the_default_deploy_file() -> None:
     packaged = DEPLOY.parent / "omnistage" / "data" / "omnistage.yaml"
     assert packaged.is_file() and not packaged.is_symlink()
     assert DEFAULT_YAML.resolve() == packaged.resolve()  # one file, two names
+
+
+def test_render_without_config_reads_the_file_serve_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`deploy render` with no --config renders `$OMNISTAGE_CONFIG` (then deploy/omnistage.yaml),
+    what `omnistage serve` would run, not the built-in defaults."""
+    from omnistage.cli.main import app
+
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("metrics:\n  port_offset: 500\n")
+    monkeypatch.setenv("OMNISTAGE_CONFIG", str(mine))
+    result = CliRunner().invoke(app, ["deploy", "render", "--target", "k8s", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    code2wav = (tmp_path / "out" / "k8s" / "code2wav.yaml").read_text()
+    assert "prometheus.io/port: '7801'" in code2wav and "'8301'" not in code2wav, code2wav[:2000]

@@ -318,3 +318,22 @@ def test_host_must_be_an_ip_address() -> None:
     with pytest.raises(ConfigError, match=r"host: .*'localhost' is not an IP address"):
         parse_config({"host": "localhost"}, "test")
     assert parse_config({"host": "::1"}, "test").stage_target("talker").startswith("ipv6:[::1]:")
+
+
+def test_port_moves_health_and_keeps_http_off_where_the_config_has_none(tmp_path: Path) -> None:
+    """`--port P` means the same stack for `health` as for `serve`; HTTP moves to P + 50 only
+    where the deploy config serves HTTP at all."""
+    from typer.testing import CliRunner
+
+    from omnistage.cli.main import _port_overrides, app
+
+    base = free_layout()  # nothing listens there: every process is reported down, at its moved port
+    result = CliRunner().invoke(app, ["health", "--port", str(base), "--timeout", "0.2"])
+    assert result.exit_code == 1, result.output
+    for role, port in stack_ports(base).items():
+        assert any(line.startswith(role) and f"127.0.0.1:{port} " in line for line in result.output.splitlines()), \
+            result.output  # fmt: skip
+    off = tmp_path / "no-http.yaml"
+    off.write_text("gateway:\n  http_port: null\n")
+    assert "gateway.http_port" not in _port_overrides(off, base)
+    assert _port_overrides(None, base)["gateway.http_port"] == base + HTTP_PORT_OFFSET
