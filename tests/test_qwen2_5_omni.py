@@ -145,6 +145,17 @@ def test_token2wav_streams_the_full_decode(q25_checkpoints: Any) -> None:
     assert float((exact_pcm - full).abs().max()) <= STREAM_ATOL
     assert float((windowed_pcm - full).abs().max()) <= 1e-3
     assert exact[0][1].shape[0] > 0 and windowed[1][0] <= exact[1][0]  # windowed's second chunk comes no later
+    # a backlog (every code there, the input done) a bounded number of frames a call: the same audio
+    s = t2w.open_stream("exact", 0, seed=SEED)
+    s.pending.extend(codes[:, j].clone() for j in range(codes.shape[1]))
+    s.input_done = True
+    capped = []
+    while s.pending:
+        first, pcm = t2w.decode_pending([s], 40)[0]
+        assert first == sum(p.shape[0] for p in capped) and 0 < pcm.shape[0] <= 40 * t2w.samples_per_frame
+        capped.append(pcm)
+    t2w.close(s)
+    assert len(capped) == 4 and float((torch.cat(capped) - full).abs().max()) <= STREAM_ATOL
 
 
 def test_noise_of_a_prefix_is_the_prefix_of_the_noise() -> None:

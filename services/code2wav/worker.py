@@ -2,8 +2,8 @@
 
 Chunking: a request's pending frames are decoded once its next chunk's worth of them
 (`Code2WavConfig.chunk_target`: `first_chunk_frames`, then growing to `chunk_frames`) are final,
-or whatever is left once its input has finished; every request due in a step is decoded in one
-batched call.
+or whatever is left once its input has finished, at most `max_frames_per_step` of them a step;
+every request due in a step is decoded in one batched call.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ class Code2WavWorker(StageWorker):
     def execute(self, batch: Sequence[ScheduledItem]) -> list[StepOutput | Exception]:
         """Every due request's frames go through one batched decode."""
         due = [it.request for it in batch if self._due(it.request)]
-        decoded = dict(zip(due, self.code2wav.decode_pending([r.state for r in due]), strict=True))
+        decoded = dict(zip(due, self.code2wav.decode_pending([r.state for r in due], self.cfg.max_frames_per_step),
+                           strict=True))  # fmt: skip
         outputs: list[StepOutput | Exception] = []
         for item in batch:
             req, out = item.request, StepOutput()

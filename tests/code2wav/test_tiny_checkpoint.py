@@ -83,3 +83,22 @@ def test_streams_at_different_points_of_their_segments_share_a_step(runner: Code
         reference = runner.model.chunked_decode(c.unsqueeze(0), 300, 25).reshape(-1).float()
         assert torch.cat(got).shape == reference.shape
         assert float((torch.cat(got) - reference).abs().max()) <= 1e-5
+
+
+def test_a_backlog_decoded_a_bounded_number_of_frames_a_call_is_the_same_audio(runner: Code2Wav) -> None:
+    """`max_frames`: each call decodes at most that many pending frames (the rest stay pending);
+    the pieces, across segment ends, are generate()'s decode of all of them."""
+    codes = _codes(runner, 420, 11)
+    reference = runner.model.chunked_decode(codes.unsqueeze(0), 300, 25).reshape(-1).float()
+    stream = runner.open_stream("exact")
+    stream.pending = list(codes.unbind(1))
+    parts, frames = [], []
+    while stream.pending:
+        before = stream.frames_in
+        first, pcm = runner.decode_pending([stream], 130)[0]
+        assert first == sum(p.shape[0] for p in parts)
+        parts.append(pcm)
+        frames.append(stream.frames_in - before)
+    runner.close(stream)
+    assert frames == [130, 130, 130, 30]
+    assert torch.cat(parts).shape == reference.shape and float((torch.cat(parts) - reference).abs().max()) <= 1e-5

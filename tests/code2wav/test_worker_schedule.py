@@ -49,14 +49,14 @@ class _FakeCode2Wav:
     def ready_frames(self, stream: _Stream) -> int:
         return len(stream.pending)
 
-    def decode_pending(self, streams: list[_Stream]) -> list[tuple[int, torch.Tensor]]:
+    def decode_pending(self, streams: list[_Stream], max_frames: int | None = None) -> list[tuple[int, torch.Tensor]]:
         out = []
         for s in streams:
-            frames = [int(f[0]) for f in s.pending]
+            frames = [int(f[0]) for f in s.pending[:max_frames]]
             s.decoded.append(frames)
             out.append((s.frames_in, torch.tensor(frames, dtype=torch.float32)))
             s.frames_in += len(frames)
-            s.pending = []
+            s.pending = s.pending[len(frames) :]
         return out
 
     def close(self, stream: _Stream) -> None:
@@ -99,6 +99,15 @@ def test_frames_that_arrive_together_are_decoded_together() -> None:
     decoded = _decode(12, Code2WavConfig(base_port=7301, first_chunk_frames=2, chunk_frames=5), per_message=6)
     assert [len(d) for d in decoded] == [6, 6]
     assert [f for d in decoded for f in d] == list(range(12))
+
+
+def test_a_backlog_goes_through_in_steps_of_at_most_max_frames_per_step() -> None:
+    """Frames that piled up (the decoder behind its talker) are decoded a bounded number a step,
+    in order, the end only after the last of them."""
+    cfg = Code2WavConfig(base_port=7301, first_chunk_frames=2, chunk_frames=5, max_frames_per_step=4)
+    decoded = _decode(23, cfg, per_message=23)
+    assert [len(d) for d in decoded] == [4, 4, 4, 4, 4, 3]
+    assert [f for d in decoded for f in d] == list(range(23))
 
 
 def test_the_default_schedule_is_the_documented_one() -> None:

@@ -174,10 +174,12 @@ class Token2Wav:
         return stream.noise[:mel_frames]
 
     @torch.no_grad()
-    def decode_pending(self, streams: Sequence[Token2WavStream]) -> list[tuple[int, torch.Tensor]]:
-        """Emit each stream's frames whose audio is final: `(first_sample, pcm)` per stream. The
-        windows' ODEs run one request at a time (exact batching: each as alone) or together
-        (fast batching: one DiT pass per ODE step for all of them, padded to the longest)."""
+    def decode_pending(self, streams: Sequence[Token2WavStream], max_frames: int | None = None
+                       ) -> list[tuple[int, torch.Tensor]]:  # fmt: skip
+        """Emit each stream's frames whose audio is final, at most `max_frames` of each (the rest
+        wait for the next call): `(first_sample, pcm)` per stream. The windows' ODEs run one
+        request at a time (exact batching: each as alone) or together (fast batching: one DiT
+        pass per ODE step for all of them, padded to the longest)."""
         jobs: list[_Window] = []
         for s in streams:
             if s.closed:
@@ -185,6 +187,8 @@ class Token2Wav:
             merged = len(s.codes) - s.frames_in  # pending frames already in `codes`
             s.codes.extend(int(c) for frame in s.pending[merged:] for c in frame.view(-1).tolist())
             n = self.ready_frames(s)
+            if max_frames is not None and not (s.input_done and not self.noise_streams):  # that one: all at once
+                n = min(n, max_frames)
             if n:
                 jobs.append(self._window(s, s.frames_in, s.frames_in + n))
         groups = [jobs] if self.batching == "fast" and jobs else [[j] for j in jobs]

@@ -88,10 +88,12 @@ class Code2Wav:
         return len(stream.pending)
 
     @torch.no_grad()
-    def decode_pending(self, streams: Sequence[Code2WavStream]) -> list[tuple[int, torch.Tensor]]:
-        """Decode each stream's pending frames: `(first_sample, pcm)` per stream. Exact streams
-        are decoded together in one batched step."""
-        codes = [torch.stack(s.pending, dim=1) if s.pending else self._no_frames() for s in streams]
+    def decode_pending(self, streams: Sequence[Code2WavStream], max_frames: int | None = None
+                       ) -> list[tuple[int, torch.Tensor]]:  # fmt: skip
+        """Decode each stream's pending frames, at most `max_frames` of each (the rest stay
+        pending): `(first_sample, pcm)` per stream. Exact streams are decoded together in one
+        batched step."""
+        codes = [torch.stack(s.pending[:max_frames], dim=1) if s.pending else self._no_frames() for s in streams]
         starts = [s.samples_out for s in streams]
         for s, c in zip(streams, codes, strict=True):
             if s.closed:
@@ -119,7 +121,7 @@ class Code2Wav:
         for s, c, o in zip(streams, codes, out, strict=True):
             s.frames_in += int(c.shape[1])
             s.samples_out += int(o.shape[0])
-            s.pending = []
+            s.pending = s.pending[int(c.shape[1]) :]
         return list(zip(starts, out, strict=True))
 
     def _segment_feed(self, s: Code2WavStream, codes: torch.Tensor) -> tuple[torch.Tensor, int]:
