@@ -162,9 +162,13 @@ class ProcessorKwargs(_Body):  # vLLM's `mm_processor_kwargs`
 
 
 # vLLM's SamplingParams fields that would change a stage's output and have no counterpart here,
-# with the value that changes nothing: any other value is refused, not ignored.
-_NO_COUNTERPART: dict[str, Any] = {"presence_penalty": 0, "frequency_penalty": 0, "min_p": 0, "min_tokens": 0,
-                                   "ignore_eos": False, "n": 1, "best_of": 1, "logprobs": None, "stop": None}
+# with the value that changes nothing (besides null, [] and {}): any other value is refused.
+_NO_COUNTERPART: dict[str, Any] = {
+    "presence_penalty": 0, "frequency_penalty": 0, "min_p": 0, "min_tokens": 0, "ignore_eos": False, "n": 1,
+    "best_of": 1, "logprobs": None, "prompt_logprobs": None, "stop": None, "logit_bias": None,
+    "allowed_token_ids": None, "bad_words": None, "logits_processors": None, "structured_outputs": None,
+    "guided_decoding": None, "truncate_prompt_tokens": None,
+}  # fmt: skip
 
 
 class StageSampling(_Body):
@@ -179,15 +183,24 @@ class StageSampling(_Body):
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
     stop_token_ids: list[Annotated[int, Field(ge=0, lt=1 << 62)]] | None = Field(None, max_length=1024)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
-    ignore_eos: bool | None = None
-    n: int | None = None
-    best_of: int | None = None
-    logprobs: int | None = None
-    stop: str | list[str] | None = None
+    # the fields of `_NO_COUNTERPART`, taken as sent to be refused unless they change nothing
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    ignore_eos: Any = None
+    n: Any = None
+    best_of: Any = None
+    logprobs: Any = None
+    prompt_logprobs: Any = None
+    stop: Any = None
+    logit_bias: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    structured_outputs: Any = None
+    guided_decoding: Any = None
+    truncate_prompt_tokens: Any = None
 
 
 # Fields some clients send as null for "unset" are optional; None means the default.
@@ -373,13 +386,9 @@ def _talker_seed(seed: int) -> int:
     return (seed + TALKER_SEED_OFFSET + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
-def _stage_sampling(entry: StageSampling, where: str, stop_ids: Sequence[int]) -> stage_pb2.SamplingParams:
+def _stage_sampling(entry: StageSampling, stop_ids: Sequence[int]) -> stage_pb2.SamplingParams:
     """A thinker or talker entry of `sampling_params_list` as that stage's sampling; its
     `stop_token_ids` stop the stage besides its own stop ids (`stop_ids`), as in vLLM."""
-    for name, neutral in _NO_COUNTERPART.items():
-        value = getattr(entry, name)
-        if value is not None and value != neutral and value != []:
-            raise HttpError(400, f"{where}.{name}: not supported by this server", param=f"{where}.{name}")
     msg = stage_pb2.SamplingParams()
     if entry.temperature is not None:
         msg.do_sample = entry.temperature > 0
@@ -407,13 +416,21 @@ def _apply_sampling_list(req: gateway_pb2.GenerateRequest, entries: Sequence[Sta
     asked for (they do not run otherwise); code2wav samples nothing, so only its `seed` counts
     (a sampled vocoder's noise), as vLLM-Omni's own example sends it other fields that do nothing."""
     for i, (stage, entry) in enumerate(zip(STAGES, entries, strict=False)):
-        if entry is None or (stage != "thinker" and not req.want_audio):
+        if entry is None:
+            continue
+        where = f"sampling_params_list[{i}]"
+        for name, neutral in _NO_COUNTERPART.items():
+            value = getattr(entry, name)
+            # a vocoder samples nothing: vLLM-Omni's examples send it fields that change nothing
+            if stage != "code2wav" and value not in (None, neutral, [], {}):
+                raise HttpError(400, f"{where}.{name}: not supported by this server", param=f"{where}.{name}")
+        if stage != "thinker" and not req.want_audio:
             continue
         if stage == "code2wav":
             if entry.seed is not None:
                 req.sampling[stage].seed = entry.seed
             continue
-        req.sampling[stage].MergeFrom(_stage_sampling(entry, f"sampling_params_list[{i}]", stop_ids.get(stage, ())))
+        req.sampling[stage].MergeFrom(_stage_sampling(entry, stop_ids.get(stage, ())))
 
 
 def to_generate_request(

@@ -280,7 +280,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         try:
             edges.check_start("gateway", start)
             edges.sampling("thinker", start, self.thinker_defaults, self.max_prompt_tokens + 1)
-            edges.sampling("talker", start, self.talker_defaults, int(self.ckpt.spec.max_positions))
+            edges.sampling("talker", start, self.talker_defaults, int(self.ckpt.spec.max_positions),
+                           "the model's positions")
         except StageError as e:
             raise bad(e.message.removeprefix("gateway: ")) from None
         return start

@@ -362,7 +362,7 @@ def check_start(stage: str, start: stage_pb2.Start) -> None:
 
 
 def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,
-             max_tokens_limit: int | None = None) -> SamplingParams:  # fmt: skip
+             max_tokens_limit: int | None = None, limit_name: str = "max_model_len") -> SamplingParams:  # fmt: skip
     """The stage's sampling from `Start.sampling[stage]` (unset fields keep `defaults`); a
     requested max_tokens over `max_tokens_limit` (what the stage can ever produce) is refused,
     unless it is no more than the stage's default: a client may send that back (vLLM-Omni's
@@ -372,9 +372,9 @@ def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,
         return defaults
     if max_tokens_limit is not None and msg.HasField("max_tokens") \
             and msg.max_tokens > max(max_tokens_limit, defaults.max_tokens):  # fmt: skip
+        why = limit_name if max_tokens_limit >= defaults.max_tokens else "this stage's default"
         raise invalid(f"{stage}: sampling: max_tokens {msg.max_tokens} exceeds this stage's limit "
-                      f"{max(max_tokens_limit, defaults.max_tokens)} (max_model_len, or the stage's default "
-                      "if more)")  # fmt: skip
+                      f"{max(max_tokens_limit, defaults.max_tokens)} ({why})")  # fmt: skip
     overrides: dict[str, Any] = {f: getattr(msg, f) for f in _SAMPLING_FIELDS if msg.HasField(f)}
     if msg.stop_ids:  # replaces the stage's default stop ids, as generate()'s *_eos_token_id does
         overrides["stop_ids"] = tuple(int(i) for i in msg.stop_ids)

@@ -238,7 +238,8 @@ def test_vllm_omni_sampling_params_list_sets_each_stage() -> None:
 
     from gateway.http_api import HttpError, to_generate_request
 
-    stages = [{"temperature": 0, "max_tokens": 5, "stop_token_ids": [7, 50], "detokenize": True, "n": 1, "stop": []},
+    stages = [{"temperature": 0, "max_tokens": 5, "stop_token_ids": [7, 50], "detokenize": True, "n": 1, "stop": [],
+               "logit_bias": {}, "bad_words": None},
               {"temperature": 0.9, "top_k": -1, "top_p": 0.8, "seed": 11, "stop_token_ids": [2150],
                "repetition_penalty": 1.05, "max_tokens": 4096},
               {"temperature": 0.0, "top_p": 1.0, "max_tokens": 65536, "seed": 42, "repetition_penalty": 1.1}]
@@ -256,10 +257,15 @@ def test_vllm_omni_sampling_params_list_sets_each_stage() -> None:
                                         sampling_params_list=[None, {"temperature": 0}]), ["ethan"])  # fmt: skip
     assert skipped.sampling["thinker"].do_sample and not skipped.sampling["talker"].do_sample
     for entry, field in (({"presence_penalty": 0.5}, "presence_penalty"), ({"min_tokens": 2}, "min_tokens"),
-                         ({"ignore_eos": True}, "ignore_eos"), ({"stop": ["x"]}, "stop"), ({"n": 2}, "n")):  # fmt: skip
+                         ({"ignore_eos": True}, "ignore_eos"), ({"stop": ["x"]}, "stop"), ({"n": 2}, "n"),
+                         ({"logit_bias": {"5": 1}}, "logit_bias"), ({"allowed_token_ids": [1]}, "allowed_token_ids"),
+                         ({"structured_outputs": {"json": {}}}, "structured_outputs")):  # fmt: skip
         with pytest.raises(HttpError) as e:
             to_generate_request(_chat(sampling_params_list=[entry]), ["ethan"])
         assert e.value.status == 400 and e.value.param == f"sampling_params_list[0].{field}", e.value.message
+    with pytest.raises(HttpError) as e:  # checked even where the talker will not run (text only)
+        to_generate_request(_chat(sampling_params_list=[{}, {"ignore_eos": True}]), ["ethan"])
+    assert e.value.param == "sampling_params_list[1].ignore_eos"
     for bad in ([{}, {}, {}, {}], [{"temperature": -1}], [{"stop_token_ids": [-3]}]):
         with pytest.raises(ValidationError):
             _chat(sampling_params_list=bad)

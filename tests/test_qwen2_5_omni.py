@@ -145,17 +145,34 @@ def test_token2wav_streams_the_full_decode(q25_checkpoints: Any) -> None:
     assert float((exact_pcm - full).abs().max()) <= STREAM_ATOL
     assert float((windowed_pcm - full).abs().max()) <= 1e-3
     assert exact[0][1].shape[0] > 0 and windowed[1][0] <= exact[1][0]  # windowed's second chunk comes no later
-    # a backlog (every code there, the input done) a bounded number of frames a call: the same audio
+
+
+
+@needs_cpu_rng
+def test_a_backlog_goes_through_in_pieces_no_smaller_than_the_windows_reach(q25_checkpoints: Any) -> None:
+    """Every code there and the input done, decoded `max_frames` a call, or as many codes as a
+    piece's window reaches around it where that is more (a smaller piece would cost more than
+    it saves): the same audio as the full decode, within the streaming tolerance."""
+    pipeline, _ = q25_checkpoints("published")
+    t2w = pipeline.code2wav
+    codes = torch.randint(0, t2w.spec.codebook_size, (1, 500), generator=torch.Generator().manual_seed(2))
+    full = t2w.decode(codes, seed=SEED)
     s = t2w.open_stream("exact", 0, seed=SEED)
-    s.pending.extend(codes[:, j].clone() for j in range(codes.shape[1]))
-    s.input_done = True
-    capped = []
-    while s.pending:
-        first, pcm = t2w.decode_pending([s], 40)[0]
-        assert first == sum(p.shape[0] for p in capped) and 0 < pcm.shape[0] <= 40 * t2w.samples_per_frame
-        capped.append(pcm)
-    t2w.close(s)
-    assert len(capped) == 4 and float((torch.cat(capped) - full).abs().max()) <= STREAM_ATOL
+    back, ahead = t2w._reach(s)
+    reach = (back + ahead) * t2w.block // t2w.repeats
+    assert 0 < reach < 240  # so that 40 (the reach, below) and 240 (max_frames) each bind
+    for max_frames, piece in ((40, reach), (240, 240)):
+        s = t2w.open_stream("exact", 0, seed=SEED)
+        s.pending.extend(codes[:, j].clone() for j in range(codes.shape[1]))
+        s.input_done = True
+        pieces = []
+        while s.pending:
+            first, pcm = t2w.decode_pending([s], max_frames)[0]
+            assert first == sum(p.shape[0] for p in pieces)
+            pieces.append(pcm)
+        t2w.close(s)
+        assert [p.shape[0] // t2w.samples_per_frame for p in pieces[:-1]] == [piece] * (500 // piece)
+        assert float((torch.cat(pieces) - full).abs().max()) <= STREAM_ATOL
 
 
 def test_noise_of_a_prefix_is_the_prefix_of_the_noise() -> None:

@@ -132,8 +132,9 @@ def test_a_child_that_dies_soon_after_serving_is_restarted_later_each_time(monke
 
 
 def test_the_stop_flag_wakes_its_waiter_soon_after_a_signal_sets_it() -> None:
-    """`serve`'s stop flag (set from signal handlers, without a lock a second signal could wait
-    on): a wait ends soon after a signal handler sets it, and runs to its timeout otherwise."""
+    """`serve`'s stop flag polls: a wait ends soon after a signal handler sets it, and runs to
+    its timeout otherwise. (That it takes no lock, which a second signal could wait on forever,
+    is what test_operations' signal storm on a running `serve` exercises.)"""
     import signal
     import time
 

@@ -161,7 +161,8 @@ def test_a_stage_takes_its_own_default_max_tokens_back_but_not_more() -> None:
     for limit, asked in ((2048, 4096), (2048, 2048), (8192, 8192)):
         start.sampling["talker"].max_tokens = asked
         assert edges.sampling("talker", start, TALKER_DEFAULTS, limit).max_tokens == asked
-    for limit, asked in ((2048, 4097), (8192, 8193)):
+    for limit, asked, why in ((2048, 4097, "this stage's default"), (8192, 8193, "the model's positions")):
         start.sampling["talker"].max_tokens = asked
-        with pytest.raises(StageError, match=f"max_tokens {asked} exceeds this stage's limit {max(limit, 4096)}"):
-            edges.sampling("talker", start, TALKER_DEFAULTS, limit)
+        with pytest.raises(StageError) as e:
+            edges.sampling("talker", start, TALKER_DEFAULTS, limit, "the model's positions")
+        assert f"max_tokens {asked} exceeds this stage's limit {max(limit, 4096)} ({why})" in str(e.value)

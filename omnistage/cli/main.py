@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
+import os
 import signal
 import sys
 import time
@@ -335,20 +336,22 @@ def serve(
         def interrupt(*_: object) -> None:
             # Remembered as well as raised: once, under load, a Ctrl-C during start-up did not
             # stop it (its KeyboardInterrupt never surfaced); start-up also polls the flag.
-            # Raised once: a second Ctrl-C must not break into the clean-up the first started.
+            # Raised once, not into the clean-up the first started; another Ctrl-C exits at once
+            # (the children, which die with this process, get SIGTERM).
             if stop.is_set():
-                return
+                os.write(2, b"interrupted again: exiting now\n")  # not print: the handler may interrupt one
+                os._exit(130)
             stop.set()
             raise KeyboardInterrupt
 
         signal.signal(signal.SIGINT, interrupt)
         stack = start_stack(cfg, model=model_arg or model, log_dir=log_dir, log_level=log_level.value,
                             log_format=log_format.value, api_key=api_key, interrupted=stop.is_set)  # fmt: skip
+        for sig in (signal.SIGINT, signal.SIGTERM):  # from here on a signal only sets the flag
+            signal.signal(sig, lambda *_: stop.set())
         if stop.is_set():
             stack.stop()
             raise KeyboardInterrupt
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     code = 0
     try:
         typer.echo(f"logs: {stack.run_dir}")

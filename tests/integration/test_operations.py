@@ -268,6 +268,22 @@ def test_ctrl_c_stops_cleanly_during_start_up_and_after(tiny_dir: Path, tmp_path
     code, out = finish(starting)
     out = "".join(lines) + out
     assert code == 130 and "interrupted" in out and "Traceback" not in out
+    # Ctrl-C twice: the second exits at once, in clean-up or not; no child outlives it
+    twice = omnistage("serve", str(tiny_dir), "--port", str(base), "--log-dir", str(tmp_path / "a2"))
+    assert twice.stdout is not None
+    while "starting omnistage" not in twice.stdout.readline():
+        pass
+    time.sleep(1)
+    twice.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    twice.send_signal(signal.SIGINT)
+    code, out = finish(twice)
+    # 130, or killed by the SIGINT itself if it came while the interpreter was exiting (a shell says 130)
+    assert code in (130, -signal.SIGINT) and "Traceback" not in out, out
+    deadline = time.monotonic() + 30
+    while subprocess.run(["pgrep", "-f", f"--port {base + PORT_STRIDE} "], capture_output=True).returncode == 0:
+        assert time.monotonic() < deadline, "a child outlived serve"
+        time.sleep(0.2)
     serving = omnistage("serve", str(tiny_dir), "--port", str(base), "--log-dir", str(tmp_path / "b"))
     wait_serving(serving, f"127.0.0.1:{base}")
     assert serving.stdout is not None

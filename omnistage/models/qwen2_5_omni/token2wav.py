@@ -176,10 +176,12 @@ class Token2Wav:
     @torch.no_grad()
     def decode_pending(self, streams: Sequence[Token2WavStream], max_frames: int | None = None
                        ) -> list[tuple[int, torch.Tensor]]:  # fmt: skip
-        """Emit each stream's frames whose audio is final, at most `max_frames` of each (the rest
-        wait for the next call): `(first_sample, pcm)` per stream. The windows' ODEs run one
-        request at a time (exact batching: each as alone) or together (fast batching: one DiT
-        pass per ODE step for all of them, padded to the longest)."""
+        """Emit each stream's frames whose audio is final, at most `max_frames` of each, or the
+        codes its window reaches around them if more (the rest wait for the next call; a smaller
+        piece would cost more than it saves: each is computed over that much context), and all
+        at once where its noise cannot stream: `(first_sample, pcm)` per stream. The windows'
+        ODEs run one request at a time (exact batching: each as alone) or together (fast
+        batching: one DiT pass per ODE step for all of them, padded to the longest)."""
         jobs: list[_Window] = []
         for s in streams:
             if s.closed:
@@ -187,8 +189,9 @@ class Token2Wav:
             merged = len(s.codes) - s.frames_in  # pending frames already in `codes`
             s.codes.extend(int(c) for frame in s.pending[merged:] for c in frame.view(-1).tolist())
             n = self.ready_frames(s)
-            if max_frames is not None and not (s.input_done and not self.noise_streams):  # that one: all at once
-                n = min(n, max_frames)
+            if max_frames is not None and not (s.input_done and not self.noise_streams):
+                back, ahead = self._reach(s)
+                n = min(n, max(max_frames, (back + ahead) * self.block // self.repeats))
             if n:
                 jobs.append(self._window(s, s.frames_in, s.frames_in + n))
         groups = [jobs] if self.batching == "fast" and jobs else [[j] for j in jobs]

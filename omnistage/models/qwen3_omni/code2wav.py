@@ -93,6 +93,8 @@ class Code2Wav:
         """Decode each stream's pending frames, at most `max_frames` of each (the rest stay
         pending): `(first_sample, pcm)` per stream. Exact streams are decoded together in one
         batched step."""
+        if max_frames is not None and max_frames < 1:
+            raise ValueError(f"max_frames must be >= 1, got {max_frames}")
         codes = [torch.stack(s.pending[:max_frames], dim=1) if s.pending else self._no_frames() for s in streams]
         starts = [s.samples_out for s in streams]
         for s, c in zip(streams, codes, strict=True):
