@@ -115,8 +115,9 @@ class Code2WavConfig(StageConfig):
     left_context_frames: int = Field(25, ge=0, le=1000)
     streaming: Literal["exact", "windowed"] = "exact"
     # A request's backlog (code2wav behind its talker) goes through in steps of at most this many
-    # frames, so one long reply neither holds the engine (the other requests' audio, cancellation)
-    # nor, for a decoder whose cost grows faster than its length (Qwen2.5-Omni's DiT), costs more.
+    # frames (Qwen2.5-Omni: or its window's reach, if more), so one long reply neither holds the
+    # engine (the other requests' audio, cancellation) nor, for a decoder whose cost grows faster
+    # than its length (Qwen2.5-Omni's DiT), costs more.
     max_frames_per_step: int = Field(250, ge=1, le=1 << 20, description="most frames of one request "
                                      "decoded in one step; the rest wait for the next")  # fmt: skip
 
