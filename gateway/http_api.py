@@ -278,6 +278,9 @@ _HTTP_NAMES = (  # (message prefix, param, code)
 )
 
 
+_TALKER_FIELD = re.compile(r"talker: sampling: (\w+)")
+
+
 def _from_gateway(e: GatewayError) -> HttpError:
     """The gateway's error as OpenAI's: its status, and the field its message starts with."""
     status, kind = STATUS.get(e.code, (500, "server_error"))
@@ -288,6 +291,9 @@ def _from_gateway(e: GatewayError) -> HttpError:
     for prefix, name, http_code in _HTTP_NAMES:
         if status == 400 and message.startswith(prefix):
             param, code = name, http_code or code
+    # over HTTP only a `sampling_params_list` entry sets the talker's sampling fields
+    if status == 400 and (talker := _TALKER_FIELD.match(message)):
+        param = f"sampling_params_list[{STAGES.index('talker')}].{talker[1]}"
     return HttpError(status, message, kind, param=param, code=code)
 
 

@@ -286,6 +286,11 @@ def test_vllm_omni_per_stage_sampling_reaches_each_stage(http_stack: Stack, clie
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
                                        extra_body={"sampling_params_list": [{"min_tokens": 3}]})  # fmt: skip
     assert e.value.body["param"] == "sampling_params_list[0].min_tokens"
+    with pytest.raises(openai.BadRequestError) as e:  # over the talker's limit: the gateway refuses it
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
+                                       modalities=["text", "audio"],
+                                       extra_body={"sampling_params_list": [{}, {"max_tokens": 1 << 20}]})  # fmt: skip
+    assert e.value.body["param"] == "sampling_params_list[1].max_tokens" and "talker" in e.value.body["message"]
 
 
 def test_text_only_and_stop_texts(http_stack: Stack, client: openai.OpenAI) -> None:
