@@ -53,11 +53,8 @@ def stack_config(**overrides: Any) -> DeployConfig:
 @pytest.fixture(scope="module")
 def stack(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     logs = tmp_path_factory.mktemp("stack-logs")
-    s = start_stack(stack_config(), model=str(tiny_dir), log_dir=logs)
-    try:
+    with start_stack(stack_config(), model=str(tiny_dir), log_dir=logs) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def run(coro: Any) -> Any:

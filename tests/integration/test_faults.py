@@ -41,11 +41,8 @@ def replicated(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     """Two replicas of every stage: one of each may be killed."""
     cfg = stack_config(thinker={"replicas": 2}, talker={"replicas": 2}, code2wav={"replicas": 2},
                        timeouts={"keepalive_s": 2})  # a frozen replica is lost within 4 s
-    s = start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("replicated"))
-    try:
+    with start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("replicated")) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.mark.parametrize("stage", STAGES)

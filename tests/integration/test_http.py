@@ -44,11 +44,8 @@ def http_stack(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     # max_model_len: below the tiny checkpoint's positions, so a long spoken input meets it
     cfg = stack_config(gateway={"http_port": free_port_block(1), "cors_allow_origins": [APP_ORIGIN]},
                        max_model_len=MAX_MODEL_LEN)  # fmt: skip
-    s = start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("http-logs"))
-    try:
+    with start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("http-logs")) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -40,11 +40,9 @@ def layout(request: pytest.FixtureRequest) -> str:
 def mm_stack(layout: str, tiny_dir: Path, tiny_fused_dir: Path,
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:  # fmt: skip
     model = tiny_dir if layout == "published" else tiny_fused_dir
-    s = start_stack(stack_config(media=MEDIA_LIMITS), model=str(model), log_dir=tmp_path_factory.mktemp("mm-logs"))
-    try:
+    logs = tmp_path_factory.mktemp("mm-logs")
+    with start_stack(stack_config(media=MEDIA_LIMITS), model=str(model), log_dir=logs) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def published_only(layout: str) -> None:

@@ -36,11 +36,8 @@ def pd_stack(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     base = cfg.thinker.base_port  # the roles take the thinker's two ports of the block
     cfg = apply_overrides(cfg, {"thinker.disaggregated": True, "thinker.prefill.base_port": base,
                                 "thinker.decode.base_port": base + 1})  # fmt: skip
-    s = start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("pd-logs"))
-    try:
+    with start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("pd-logs")) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def test_the_stack_runs_both_roles_and_no_thinker(pd_stack: Stack) -> None:

@@ -27,11 +27,8 @@ SAMPLING = {"code2wav": {"seed": SEED}}
 
 @pytest.fixture(scope="module")
 def q25_stack(q25_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = start_stack(stack_config(), model=str(q25_dir), log_dir=tmp_path_factory.mktemp("q25-stack-logs"))
-    try:
+    with start_stack(stack_config(), model=str(q25_dir), log_dir=tmp_path_factory.mktemp("q25-stack-logs")) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def test_stack_matches_generate(q25_stack: Stack, q25_checkpoints: Any) -> None:

@@ -250,11 +250,8 @@ def spare_stack(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any
     """A second stack the fault tests may break; its messages are small and never in shared
     memory, so large chunks (audio of 16 frames and more) cross every hop in parts."""
     cfg = stack_config(talker={"replicas": 1}, timeouts={"drain_grace_s": 60}, max_message_bytes=64 << 10, shm=False)
-    s = start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("spare"))
-    try:
+    with start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("spare")) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def test_chunks_split_into_parts_cross_every_hop_whole(spare_stack: Stack, pipeline: Any) -> None:

@@ -46,11 +46,8 @@ def tls_stack(tiny_dir: Path, certs: dict[str, Path], tmp_path_factory: pytest.T
     tls = {"gateway": True, "stages": True, "cert_file": str(certs["cert"]), "key_file": str(certs["key"]),
            "ca_file": str(certs["cert"])}  # fmt: skip
     cfg = stack_config(talker={"replicas": 1}, tls=tls, gateway={"http_port": free_port_block(1)})
-    s = start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("tls-logs"), api_key=KEY)
-    try:
+    with start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("tls-logs"), api_key=KEY) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def test_a_request_with_tls_and_the_key_is_served(tls_stack: Stack, certs: dict[str, Path]) -> None:

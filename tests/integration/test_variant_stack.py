@@ -41,11 +41,8 @@ THINKER_MAX, TALKER_MAX = 30, 60
 @pytest.fixture(scope="module")
 def variant_stack(tiny_variant_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     cfg = stack_config(talker={"replicas": 1}, gateway={"http_port": free_port_block(1)})
-    s = start_stack(cfg, model=str(tiny_variant_dir), log_dir=tmp_path_factory.mktemp("variant-stack-logs"))
-    try:
+    with start_stack(cfg, model=str(tiny_variant_dir), log_dir=tmp_path_factory.mktemp("variant-stack-logs")) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def test_the_variant_checkpoint_through_the_stack_is_generate(variant_stack: Stack, checkpoints: Any) -> None:
@@ -110,12 +107,9 @@ def test_the_http_door_speaks_with_the_variant_voices(variant_stack: Stack) -> N
 @pytest.fixture(scope="module")
 def q25_variant_stack(q25_checkpoints: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     pipeline, _ = q25_checkpoints("variant")
-    s = start_stack(stack_config(talker={"replicas": 1}), model=str(pipeline.checkpoint.path),
-                    log_dir=tmp_path_factory.mktemp("q25-variant-stack-logs"))  # fmt: skip
-    try:
+    with start_stack(stack_config(talker={"replicas": 1}), model=str(pipeline.checkpoint.path),
+                     log_dir=tmp_path_factory.mktemp("q25-variant-stack-logs")) as s:  # fmt: skip
         yield s
-    finally:
-        s.stop()
 
 
 def test_the_qwen2_5_variant_through_the_stack_is_generate(q25_variant_stack: Stack, q25_checkpoints: Any) -> None:
