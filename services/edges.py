@@ -370,11 +370,12 @@ def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,
     msg = start.sampling.get(stage)
     if msg is None:
         return defaults
-    if max_tokens_limit is not None and msg.HasField("max_tokens") \
-            and msg.max_tokens > max(max_tokens_limit, defaults.max_tokens):  # fmt: skip
-        why = limit_name if max_tokens_limit >= defaults.max_tokens else "this stage's default"
-        raise invalid(f"{stage}: sampling: max_tokens {msg.max_tokens} exceeds this stage's limit "
-                      f"{max(max_tokens_limit, defaults.max_tokens)} ({why})")  # fmt: skip
+    if max_tokens_limit is not None and msg.HasField("max_tokens"):
+        limit, why = max_tokens_limit, limit_name
+        if defaults.max_tokens > limit:
+            limit, why = defaults.max_tokens, "this stage's default"
+        if msg.max_tokens > limit:
+            raise invalid(f"{stage}: sampling: max_tokens {msg.max_tokens} exceeds this stage's limit {limit} ({why})")
     overrides: dict[str, Any] = {f: getattr(msg, f) for f in _SAMPLING_FIELDS if msg.HasField(f)}
     if msg.stop_ids:  # replaces the stage's default stop ids, as generate()'s *_eos_token_id does
         overrides["stop_ids"] = tuple(int(i) for i in msg.stop_ids)
