@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 19, as run on the device machine (an H100: Python 3.12, its own CUDA torch;
 # the project's other pinned packages travel as wheels in .whl/, see the README). Usage:
-#   benchmarks/gpu/run.sh setup tests graphs trace bench-exact bench-fast bench-graphs wide
+#   benchmarks/gpu/run.sh setup tests graph-tests graphs trace bench-exact bench-fast bench-graphs wide
 # Small results (logs, json, md) are packed into $OUT/results-<steps>.tgz at the end; the gzipped
 # Chrome traces are left beside it.
 set -uo pipefail
@@ -12,6 +12,7 @@ mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
 bench() { python3 -c "from benchmarks.cli import bench_app; bench_app()" "$@"; }
 LIMIT=${LIMIT:-30}  # seconds per bench level: every level is bounded in time as well as count
+GRAPH_BUDGET=${GRAPH_BUDGET:-20}  # seconds per batch size and path in the graphs steps
 serve_bench() {  # NAME CONFIG [bench args]: 32 requests per level, baseline 16, c=1,4,16
   local name=$1 config=$2; shift 2
   bench --serve --config "$config" --num-requests 32 --baseline-requests 16 --concurrency 1,4,16 \
@@ -33,9 +34,11 @@ for step in "$@"; do
       OMNISTAGE_TEST_DEVICE=cuda OMNISTAGE_TEST_DIFFS="$W/wave-diffs.tsv" python3 -m pytest -q -rfs --tb=short -p no:cacheprovider \
         tests/test_device_copy.py tests/test_cuda_graphs.py tests/test_parity.py tests/test_multimodal_model.py tests/test_qwen2_5_omni.py \
         2>&1 | tee "$W/tests.log" | tail -40 ;;
+    graph-tests)  # the CUDA graph tests alone (graphs against the eager loop, exact-mode parity with graphs on)
+      python3 -m pytest -q -rfs --tb=short -p no:cacheprovider tests/test_cuda_graphs.py 2>&1 | tee "$W/graph-tests.log" | tail -20 ;;
     graphs)  # the code predictor's loop, eager against its CUDA graphs, in one process
       for b in fast exact; do
-        python3 -m benchmarks.gpu.code_predictor_graphs --batching $b --batches 1,2,4,8,16 --json "$W/graphs-$b.json" \
+        python3 -m benchmarks.gpu.code_predictor_graphs --batching $b --batches 1,2,4,8,16 --budget-s "$GRAPH_BUDGET" --json "$W/graphs-$b.json" \
           2>&1 | tee "$W/graphs-$b.log" | grep -v Warning
       done ;;
     trace)
@@ -57,7 +60,7 @@ PY
     wide-graphs)  # the code predictor's loop at the real widths (5 layers, 1024 wide, 16 groups), bfloat16
       [ -d /tmp/wide ] || python3 -m benchmarks.gpu.wide_checkpoint /tmp/wide 2>&1 | tail -2
       python3 -m benchmarks.gpu.code_predictor_graphs --model /tmp/wide --dtype bfloat16 --batches 1,4,16 \
-        --json "$W/graphs-wide.json" 2>&1 | tee "$W/graphs-wide.log" | grep -v Warning ;;
+        --budget-s "$GRAPH_BUDGET" --json "$W/graphs-wide.json" 2>&1 | tee "$W/graphs-wide.log" | grep -v Warning ;;
     wide)  # the real model's widths, a few layers (benchmarks/gpu/wide_checkpoint.py), bfloat16
       python3 -m benchmarks.gpu.wide_checkpoint /tmp/wide 2>&1 | tail -2
       bench trace --model /tmp/wide --dtype bfloat16 --out "$W/trace-wide" --batching both --requests 2
