@@ -48,6 +48,7 @@ from benchmarks.drivers import (
 )
 from benchmarks.load import LevelResult, run_concurrency, run_poisson
 from benchmarks.prompts import load_prompts, request_sequence
+from benchmarks.report import level_line
 from benchmarks.stage_load import endpoints, load_between, snapshot
 from benchmarks.stages import STAGES, batch_sizes_for, stage_summary, time_stages
 from benchmarks.stats import RATIO_KEYS, RatioInputs, compute_ratios, percentile
@@ -300,6 +301,7 @@ class Run:
         if level.stopped_by_time_limit:
             level.notes.append(f"time limit reached after {len(level.records)} request(s)")
         self.levels.append(level)
+        self.log(level_line(level.name, level.summary()))
 
 
 def _with_mode(reqs: Sequence[BenchRequest], mode: str) -> list[BenchRequest]:

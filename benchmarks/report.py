@@ -38,6 +38,14 @@ def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def level_line(name: str, summary: dict[str, Any]) -> str:
+    """One level's figures on one line, logged as the level ends: a run stopped before its report
+    (a time-boxed GPU session) still leaves them in its log."""
+    shown = [c for c in COLUMNS if c[0] not in ("ok", "stall p50")]
+    cells = ", ".join(f"{label} {_cell(summary, k, s, f)}" for label, k, s, f in shown)
+    return f"{name}: ok {summary['ok']}/{summary['requests']}, {cells}"
+
+
 def format_table(result: dict[str, Any]) -> str:
     header, rows = table_rows(result)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

@@ -85,3 +85,17 @@ def test_stage_load_endpoints_cover_every_replica_and_role() -> None:
     assert eps["gateway"] == ["http://127.0.0.1:8000/metrics"]
     assert set(eps) == {"thinker", "talker", "code2wav", "gateway"}
     assert endpoints(apply_overrides(cfg, {"metrics.enabled": False})) == {}
+
+
+def test_a_levels_line_gives_its_figures_as_it_ends() -> None:
+    """Logged when the level ends, before the report: a run killed later keeps them."""
+    from benchmarks.report import level_line
+    from benchmarks.stats import summarize
+
+    summary = {"requests": 3, "ok": 2, "ttft_s": summarize([0.01, 0.03]), "ttfa_s": summarize([0.1, 0.3]),
+               "e2e_s": summarize([1.0, 2.0]), "rtf": summarize([0.5, 0.5]), "stall_s": summarize([0.0]),
+               "requests_per_s": 2.5, "audio_s_per_s": None, "text_tokens_per_s": 40.0}  # fmt: skip
+    line = level_line("grpc c=4", summary)
+    assert line.startswith("grpc c=4: ok 2/3, ")
+    assert "TTFA p50 0.200" in line and "E2E p50 1.500" in line and "req/s 2.50" in line
+    assert "audio s/s -" in line and "stall p99 0.000" in line
