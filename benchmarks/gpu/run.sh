@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 19, as run on the device machine (an H100: Python 3.12, its own CUDA torch;
 # the project's other pinned packages travel as wheels in .whl/, see the README). Usage:
-#   benchmarks/gpu/run.sh setup tests graph-tests graphs trace bench-exact bench-fast bench-graphs wide
+#   benchmarks/gpu/run.sh setup tests graph-tests graphs trace bench-exact bench-fast bench-fast-eager
+#     wide-graphs wide-graphs-bench wide
 # Small results (logs, json, md) are packed into $OUT/results-<steps>.tgz at the end; the gzipped
 # Chrome traces are left beside it.
 set -uo pipefail
@@ -19,8 +20,18 @@ serve_bench() {  # NAME CONFIG [bench args]: 32 requests per level, baseline 16,
     --time-limit "$LIMIT" --no-progress --json "$W/bench-$name.json" --markdown "$W/bench-$name.md" "$@" \
     2>&1 | tee "$W/bench-$name.log" | tail -30
 }
-with() {  # SRC DST KEY VALUE: the deploy YAML with KEY: VALUE added to every stage
-  sed "s/^  device: cuda/  device: cuda\n  $3: $4/" "$1" > "$2"
+with() {  # SRC DST KEY=VALUE...: the deploy YAML with each STAGE.KEY (or KEY, for every stage) set to VALUE (YAML)
+  python3 - "$@" <<'PY'
+import sys, yaml
+src, dst, *pairs = sys.argv[1:]
+cfg = yaml.safe_load(open(src))
+for pair in pairs:
+    key, value = pair.split("=", 1)
+    stage, _, field = key.rpartition(".")
+    for name in [stage] if stage else ["thinker", "talker", "code2wav"]:
+        cfg.setdefault(name, {})[field] = yaml.safe_load(value)
+yaml.safe_dump(cfg, open(dst, "w"))
+PY
 }
 for step in "$@"; do
   echo "=== $step $(date -u +%T)"
@@ -45,27 +56,26 @@ for step in "$@"; do
       bench trace --out "$W/trace-tiny" --batching both --requests 2 ;;
     bench-exact)
       serve_bench cuda-exact deploy/examples/cuda.yaml ;;
-    bench-fast)
-      with deploy/examples/cuda.yaml /tmp/cuda-fast.yaml batching fast
+    bench-fast)  # fast batching, the example's talker graphs on
+      with deploy/examples/cuda.yaml /tmp/cuda-fast.yaml batching=fast
       serve_bench cuda-fast /tmp/cuda-fast.yaml ;;
-    bench-graphs)  # fast mode with the talker's code predictor as CUDA graphs
-      with deploy/examples/cuda.yaml /tmp/cuda-fast.yaml batching fast
-      python3 - <<'PY'
-import yaml
-cfg = yaml.safe_load(open("/tmp/cuda-fast.yaml"))
-cfg["talker"]["cuda_graphs"] = True
-yaml.safe_dump(cfg, open("/tmp/cuda-graphs.yaml", "w"))
-PY
-      serve_bench cuda-graphs /tmp/cuda-graphs.yaml ;;
+    bench-fast-eager)  # fast batching, the code predictor's loop eager (what the graphs save)
+      with deploy/examples/cuda.yaml /tmp/cuda-eager.yaml batching=fast talker.cuda_graphs=false
+      serve_bench cuda-eager /tmp/cuda-eager.yaml ;;
     wide-graphs)  # the code predictor's loop at the real widths (5 layers, 1024 wide, 16 groups), bfloat16
       [ -d /tmp/wide ] || python3 -m benchmarks.gpu.wide_checkpoint /tmp/wide 2>&1 | tail -2
       python3 -m benchmarks.gpu.code_predictor_graphs --model /tmp/wide --dtype bfloat16 --batches 1,4,16 \
         --budget-s "$GRAPH_BUDGET" --json "$W/graphs-wide.json" 2>&1 | tee "$W/graphs-wide.log" | grep -v Warning ;;
+    wide-graphs-bench)  # the real model's widths served in fast mode with the code predictor's CUDA graphs, bfloat16
+      [ -d /tmp/wide ] || python3 -m benchmarks.gpu.wide_checkpoint /tmp/wide 2>&1 | tail -2
+      with deploy/examples/cuda.yaml /tmp/wide-graphs.yaml batching=fast dtype=bfloat16
+      # no stage baselines: on this checkpoint they outlast a session's device time (2026-11-26)
+      serve_bench wide-graphs /tmp/wide-graphs.yaml --model /tmp/wide --no-stages --baseline-requests 8 ;;
     wide)  # the real model's widths, a few layers (benchmarks/gpu/wide_checkpoint.py), bfloat16
       python3 -m benchmarks.gpu.wide_checkpoint /tmp/wide 2>&1 | tail -2
       bench trace --model /tmp/wide --dtype bfloat16 --out "$W/trace-wide" --batching both --requests 2
-      with deploy/examples/cuda.yaml /tmp/wide-exact.yaml dtype bfloat16
-      with /tmp/wide-exact.yaml /tmp/wide-fast.yaml batching fast
+      with deploy/examples/cuda.yaml /tmp/wide-exact.yaml dtype=bfloat16
+      with /tmp/wide-exact.yaml /tmp/wide-fast.yaml batching=fast
       LIMIT=40 serve_bench wide-exact /tmp/wide-exact.yaml --model /tmp/wide
       LIMIT=40 serve_bench wide-fast /tmp/wide-fast.yaml --model /tmp/wide ;;
     *) echo "unknown step $step"; exit 2 ;;
