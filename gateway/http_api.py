@@ -19,8 +19,8 @@ Chat completions (OpenAI's shapes; what differs is said here):
 * `modalities`: ["text"] (default) or ["text", "audio"]; `audio: {voice, format}` with voice one
   of the checkpoint's speakers (or one of OpenAI's own voice names, which stand for the default
   speaker) and format wav, mp3, flac, opus or pcm16 (default wav).
-* `temperature` 0 makes the whole reply deterministic (text and speech greedy); unset keeps the
-  checkpoint's defaults. `max_tokens` / `max_completion_tokens`, `top_p`, `top_k`,
+* `temperature` 0 (or under 1e-5, as in vLLM) makes the whole reply deterministic (text and speech
+  greedy); unset keeps the checkpoint's defaults. `max_tokens` / `max_completion_tokens`, `top_p`, `top_k`,
   `repetition_penalty`, `seed` (it seeds the speech too), `stop`. A field sent as null is unset.
   `tools`, a non-text `response_format` and `logprobs` are refused (400), not ignored.
 * vLLM-Omni's `sampling_params_list`: each stage's own sampling, in stage order (`StageSampling`).
@@ -68,6 +68,7 @@ from starlette.routing import Route
 
 from gateway.audio_out import FORMAT_NAMES, MIME
 from gateway.server import GatewayError, GatewayService
+from omnistage.models.sampling import MIN_TEMPERATURE
 from omnistage.topology import STAGES
 from omnistage.v1 import gateway_pb2, stage_pb2
 
@@ -392,13 +393,19 @@ def _talker_seed(seed: int) -> int:
     return (seed + TALKER_SEED_OFFSET + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
+def _greedy(temperature: float) -> bool:
+    """0, and as in vLLM any temperature under 1e-5 (sampling there would divide the logits
+    into overflow), is greedy."""
+    return temperature < MIN_TEMPERATURE
+
+
 def _stage_sampling(entry: StageSampling, stop_ids: Sequence[int]) -> stage_pb2.SamplingParams:
     """A thinker or talker entry of `sampling_params_list` as that stage's sampling; its
     `stop_token_ids` stop the stage besides its own stop ids (`stop_ids`), as in vLLM."""
     msg = stage_pb2.SamplingParams()
     if entry.temperature is not None:
-        msg.do_sample = entry.temperature > 0
-        if entry.temperature > 0:
+        msg.do_sample = not _greedy(entry.temperature)
+        if msg.do_sample:
             msg.temperature = entry.temperature
     if entry.top_p is not None:
         msg.top_p = entry.top_p
@@ -478,7 +485,7 @@ def to_generate_request(
     if max_tokens is not None:
         thinker.max_tokens = max_tokens
     if body.temperature is not None:
-        if body.temperature == 0:  # deterministic: greedy text and greedy speech
+        if _greedy(body.temperature):  # deterministic: greedy text and greedy speech
             thinker.do_sample = False
             req.sampling["talker"].do_sample = False
         else:

@@ -225,6 +225,16 @@ def test_what_other_openai_clients_send_is_understood() -> None:
     assert wrap.sampling["talker"].seed == -(1 << 63) + TALKER_SEED_OFFSET - 1  # wrapped into int64
     assert to_generate_request(_chat(modalities=["text", "audio"], audio={"voice": {"id": "Ethan"}}),
                                ["ethan"]).speaker == "Ethan"  # fmt: skip
+    # as in vLLM, a temperature under 1e-5 is greedy (sampling there overflows), in the body and in an entry
+    tiny = to_generate_request(_chat(modalities=["text", "audio"], temperature=1e-6,
+                                     sampling_params_list=[{"temperature": 9e-6}, {"temperature": 1e-7}]), ["ethan"])
+    for stage in ("thinker", "talker"):
+        assert tiny.sampling[stage].HasField("do_sample") and not tiny.sampling[stage].do_sample, stage
+        assert tiny.sampling[stage].temperature == 0, stage
+    tiny_body = to_generate_request(_chat(modalities=["text", "audio"], temperature=9.9e-6), ["ethan"]).sampling
+    assert not tiny_body["thinker"].do_sample and not tiny_body["talker"].do_sample
+    edge = to_generate_request(_chat(temperature=1e-5, sampling_params_list=[{"temperature": 1e-5}]), ["ethan"])
+    assert edge.sampling["thinker"].do_sample and edge.sampling["thinker"].temperature > 0
     # OpenAI takes top_p 0 (only the most likely token): greedy text, whatever the temperature
     zero = to_generate_request(_chat(temperature=0.8, top_p=0), ["ethan"]).sampling["thinker"]
     assert zero.HasField("do_sample") and not zero.do_sample and zero.temperature == 0 and zero.top_p == 0

@@ -18,7 +18,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-MIN_TEMPERATURE = 1e-5  # below it, sampled logits overflow float32 (vLLM treats it as greedy; here it is refused)
+# Below it, sampled logits overflow float32: a stage refuses it with sampling on; the HTTP API,
+# as vLLM does, takes it as greedy.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
