@@ -282,6 +282,23 @@ _HTTP_NAMES = (  # (message prefix, param, code)
 _TALKER_FIELD = re.compile(r"talker: sampling: (\w+)")
 
 
+_THINKER_FIELD = re.compile(r"thinker: sampling: (\w+)")
+ResultT = TypeVar("ResultT")
+
+
+async def _entry_named(call: Awaitable[ResultT], body: ChatRequest) -> ResultT:
+    """A refusal of a thinker sampling field that the body's `sampling_params_list` entry set (it
+    replaces the body's own) names that entry's field."""
+    try:
+        return await call
+    except HttpError as e:
+        entry = (body.sampling_params_list or [None])[0]
+        field = _THINKER_FIELD.match(e.message)
+        if entry is not None and field and getattr(entry, field[1], None) is not None:
+            e.param = f"sampling_params_list[{STAGES.index('thinker')}].{field[1]}"
+        raise
+
+
 def _from_gateway(e: GatewayError) -> HttpError:
     """The gateway's error as OpenAI's: its status, and the field its message starts with."""
     status, kind = STATUS.get(e.code, (500, "server_error"))
@@ -674,8 +691,9 @@ class ChatCompletions:
         except HttpError as e:
             return self._refused(e)
         if not body.stream:
-            return await self._serve(request, req, timeout, lambda responses: self._whole(req, responses))
-        return await self._serve(request, req, timeout, self._first,
+            return await self._serve(request, req, timeout,
+                                     lambda responses: _entry_named(self._whole(req, responses), body))
+        return await self._serve(request, req, timeout, lambda responses: _entry_named(self._first(responses), body),
                                  lambda first, responses: self._stream(req, body, first, responses))  # fmt: skip
 
     async def speech(self, request: Request) -> Response:

@@ -288,6 +288,12 @@ def test_vllm_omni_per_stage_sampling_reaches_each_stage(http_stack: Stack, clie
                                        modalities=["text", "audio"],
                                        extra_body={"sampling_params_list": [{}, {"max_tokens": 1 << 20}]})  # fmt: skip
     assert e.value.body["param"] == "sampling_params_list[1].max_tokens" and "talker" in e.value.body["message"]
+    for extra, param in (({"sampling_params_list": [{"max_tokens": 1 << 20}]}, "sampling_params_list[0].max_tokens"),
+                         ({"max_tokens": 1 << 20, "sampling_params_list": [{"top_k": 5}]}, "max_tokens")):
+        with pytest.raises(openai.BadRequestError) as e:  # the thinker's: named where the body set it
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
+                                           extra_body=extra)  # fmt: skip
+        assert e.value.body["param"] == param and "thinker" in e.value.body["message"], e.value.body
 
 
 def test_text_only_and_stop_texts(http_stack: Stack, client: openai.OpenAI) -> None:
