@@ -345,6 +345,55 @@ def test_choose_batch_is_each_rows_own_choice() -> None:
     assert own[0] != top[0] and own[1] != top[1]  # the penalty and the suppression both acted
 
 
+def test_a_draw_follows_its_rows_probabilities_from_its_own_generator() -> None:
+    from omnistage.models.sampling import draw
+
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3], [0.0, 0.0, 0.0, 1.0], [0.25, 0.25, 0.25, 0.25]])
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
+    counts = torch.zeros(3, 4)
+    n = 20000
+    for _ in range(n):
+        counts[torch.arange(3), draw(probs, gens)] += 1
+    assert counts[0, 1] == 0 and counts[1, 3] == n  # no draw where a row has no probability
+    assert torch.allclose(counts / n, probs, atol=0.015)  # ~5 standard deviations at 20,000 draws
+    # a row's draws are its own: alone, with the same seed, it draws the same ids
+    alone, beside = torch.Generator().manual_seed(7), [torch.Generator().manual_seed(s) for s in (7, 8)]
+    row = probs[2:3]
+    assert [int(draw(row, [alone])) for _ in range(50)] == [int(draw(probs[[2, 0]], beside)[0]) for _ in range(50)]
+    edge = torch.tensor([[0.0, 0.5, 0.5, 0.0]])
+    assert {int(draw(edge, [torch.Generator().manual_seed(s)])) for s in range(200)} == {1, 2}
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_the_code_predictors_sampled_rows_pick_what_each_rows_own_choose_picks(tiny_dir: Any, mode: str) -> None:
+    """The talker's sampled residual codes, chosen for the whole batch at once (`choose_rows`:
+    the processors on `[B, V]`, each row's draw from its own generator, no host sync), are the
+    codes each row's own `TokenChooser.choose` draws, seed for seed, with greedy rows among them."""
+    from omnistage.models import open_checkpoint
+    from omnistage.models.sampling import CODE_PREDICTOR_SAMPLED, GREEDY, TokenChooser, choose_rows
+
+    ckpt = open_checkpoint(tiny_dir)
+    loop = ckpt.family.talker(ckpt, "float32", "cpu", mode).code_predictor
+    first = torch.randn(5, 2, ckpt.spec.talker_hidden, generator=torch.Generator().manual_seed(3))
+    params = [CODE_PREDICTOR_SAMPLED.with_overrides(seed=s) for s in (1, 2, 3)] + [GREEDY]
+    params.insert(1, GREEDY)
+
+    def choosers() -> list[TokenChooser]:
+        return [TokenChooser(p) for p in params]
+
+    own = choosers()
+    empty = torch.empty(0, dtype=torch.long)
+    per_row = loop.run(first, lambda logits: torch.tensor([c.choose(logits[b], empty) for b, c in enumerate(own)]))
+    together = choosers()
+    batched = loop.run(first, lambda logits: choose_rows(together, logits))
+    assert torch.equal(batched, per_row)
+    assert batched.shape == (ckpt.spec.num_code_groups - 1, 5)
+    greedy = loop.run(first)
+    assert torch.equal(batched[:, [1, 4]], greedy[:, [1, 4]])  # the greedy rows are greedy
+    assert not torch.equal(batched[:, 0], greedy[:, 0])  # and the sampled ones sampled
+    assert choose_rows([], torch.zeros(0, 8)).shape == (0,)
+
+
 def test_slot_cache_holds_what_dynamic_cache_holds_without_concatenating() -> None:
     """Rows written in place: the same keys and values as transformers' DynamicCache after every
     update (prefill chunks and single rows, past the first capacity), the buffer moved only

@@ -37,7 +37,14 @@ from omnistage.models.qwen3_omni.prompt import (
     text_positions,
 )
 from omnistage.models.qwen3_omni.spec import FamilySpec
-from omnistage.models.sampling import CODE_PREDICTOR_SAMPLED, GREEDY, SamplingParams, TokenChooser, choose_batch
+from omnistage.models.sampling import (
+    CODE_PREDICTOR_SAMPLED,
+    GREEDY,
+    SamplingParams,
+    TokenChooser,
+    choose_batch,
+    choose_rows,
+)
 
 __all__ = ["Talker", "TalkerState"]
 
@@ -279,10 +286,10 @@ class Talker:
         choosers = [s.residual_chooser for s in states]
         choose: Callable[[torch.Tensor], torch.Tensor] = greedy  # one argmax per group for the batch, on the device
         if not all(c.plain_greedy for c in choosers):
-            empty = torch.empty(0, dtype=torch.long)
-
+            # alike rows through their processors as one batch, each sampled row from its own
+            # generator, the ids left on the device (no host sync per group)
             def sampled(logits: torch.Tensor) -> torch.Tensor:
-                return torch.tensor([c.choose(logits[b], empty) for b, c in enumerate(choosers)], device=self.device)
+                return choose_rows(choosers, logits)
 
             choose = sampled
 
