@@ -27,6 +27,9 @@ def bench(
     seed: Annotated[int, typer.Option("--seed", help="Request order and Poisson arrivals.")] = 0,
     thinker_max_tokens: Annotated[int, typer.Option("--thinker-max-tokens")] = 24,
     talker_max_tokens: Annotated[int, typer.Option("--talker-max-tokens")] = 48,
+    sampled_speech: Annotated[bool, typer.Option(
+        "--sampled-speech", help="The talker samples (its defaults, seed = request index), as an HTTP request's "
+        "does; text stays greedy. generate() and the stage baselines are greedy: skipped.")] = False,
     baseline_requests: Annotated[
         int | None, typer.Option("--baseline-requests", help="Requests per baseline (default: --num-requests).")
     ] = None,
@@ -57,10 +60,10 @@ def bench(
             target=target, serve=serve, config=config, model=model, replicas=replicas,
             concurrency=parse_int_list(concurrency), rates=parse_float_list(rate), num_requests=num_requests,
             time_limit=time_limit or None, prompts=prompts, seed=seed, thinker_max_tokens=thinker_max_tokens,
-            talker_max_tokens=talker_max_tokens, baseline_requests=baseline_requests, monolithic=monolithic,
-            inprocess=inprocess, full_payload=full_payload, stages=stages, warmup=warmup, threads=threads,
-            request_timeout=request_timeout, json_out=json_out, plot_out=plot_out, markdown_out=markdown_out,
-            progress=progress, http=http, http_target=http_target,
+            talker_max_tokens=talker_max_tokens, sampled_speech=sampled_speech, baseline_requests=baseline_requests,
+            monolithic=monolithic, inprocess=inprocess, full_payload=full_payload, stages=stages, warmup=warmup,
+            threads=threads, request_timeout=request_timeout, json_out=json_out, plot_out=plot_out,
+            markdown_out=markdown_out, progress=progress, http=http, http_target=http_target,
         )
     )
 

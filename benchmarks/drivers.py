@@ -43,6 +43,7 @@ class BenchRequest:
     talker_max_tokens: int
     want_audio: bool = True
     mode: str | None = None  # "async_chunk" | "full_payload" (gRPC: per request)
+    talker_seed: int | None = None  # set: the talker samples (its own defaults) with this seed; None: greedy
 
 
 @dataclass(frozen=True)
@@ -93,10 +94,14 @@ class SyncDriver(Driver):
 
 
 def _sampling(pipe: Any, req: BenchRequest) -> tuple[SamplingParams, SamplingParams]:
-    """Greedy thinker (the checkpoint's generation config, max_tokens set) and greedy talker."""
+    """Greedy thinker (the checkpoint's generation config, max_tokens set) and greedy talker, or
+    the talker's own sampled defaults with the request's seed."""
     thinker = pipe.thinker_defaults().with_overrides(max_tokens=req.thinker_max_tokens)
     if thinker.do_sample:
         thinker = thinker.with_overrides(do_sample=False)
+    if req.talker_seed is not None:
+        return thinker, pipe.family.talker_defaults().with_overrides(max_tokens=req.talker_max_tokens,
+                                                                     seed=req.talker_seed)  # fmt: skip
     return thinker, SamplingParams(max_tokens=req.talker_max_tokens)
 
 
@@ -211,6 +216,9 @@ class GrpcDriver(Driver):
         options: dict[str, Any] = {"greedy": True}
         if self.openai_greedy:
             options = {"greedy": False, "sampling": {"thinker": {"do_sample": False}, "talker": {"do_sample": False}}}
+        elif req.talker_seed is not None:  # the talker's own sampled defaults, seeded
+            talker = {"seed": req.talker_seed}
+            options = {"greedy": False, "sampling": {"thinker": {"do_sample": False}, "talker": talker}}
         async for ev in stream_generate(
             self.target,
             req.prompt,

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,7 @@ class BenchOptions:
     seed: int = 0
     thinker_max_tokens: int = 24
     talker_max_tokens: int = 48
+    sampled_speech: bool = False  # the talker samples (its defaults, a seed per request), as an HTTP request's does
     baseline_requests: int | None = None  # None: as many as --num-requests
     monolithic: bool = True
     inprocess: bool = True
@@ -445,9 +446,11 @@ def ratio_inputs(run: Run, sut: str) -> tuple[RatioInputs, dict[str, str]]:
     return x, basis
 
 
-def consistency(levels: Sequence[LevelResult], eos_id: int | None) -> dict[str, Any]:
+def consistency(levels: Sequence[LevelResult], eos_id: int | None, by_request: bool = False) -> dict[str, Any]:
     """Greedy everywhere: every configuration should produce the same text ids and the same
-    number of audio samples per prompt, so the ratios compare the same work."""
+    number of audio samples per prompt, so the ratios compare the same work. `by_request`
+    (sampled speech, a seed per request): per request instead, as two requests of one prompt
+    sample different speech."""
     seen: dict[int, dict[str, tuple[tuple[int, ...], int]]] = {}
     for lv in levels:
         for r in lv.records:
@@ -456,13 +459,13 @@ def consistency(levels: Sequence[LevelResult], eos_id: int | None) -> dict[str, 
             ids = list(r.token_ids)
             if eos_id is not None and ids and ids[-1] == eos_id:
                 ids = ids[:-1]
-            seen.setdefault(r.prompt_index, {})[lv.name] = (tuple(ids), r.audio_samples)
+            seen.setdefault(r.index if by_request else r.prompt_index, {})[lv.name] = (tuple(ids), r.audio_samples)
     mismatches: list[dict[str, Any]] = []
     for p, by_cfg in sorted(seen.items()):
         variants = {v for v in by_cfg.values()}
         if len(variants) > 1:
             mismatches.append({
-                "prompt_index": p,
+                "request_index" if by_request else "prompt_index": p,
                 "text_tokens": {k: len(v[0]) for k, v in by_cfg.items()},
                 "audio_samples": {k: v[1] for k, v in by_cfg.items()},
                 "text_ids_differ": len({v[0] for v in by_cfg.values()}) > 1,
@@ -520,11 +523,18 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
     machine = machine_info()
     prompts = load_prompts(opts.prompts)
     order = request_sequence(len(prompts), opts.num_requests, opts.seed)
+    if opts.sampled_speech and (opts.monolithic or opts.stages):
+        opts = replace(opts, monolithic=False, stages=False)
+        skipped = ["sampled speech: generate() and the stage baselines run greedy speech, skipped"]
+    else:
+        skipped = []
     requests = [
-        BenchRequest(i, p, prompts[p], opts.thinker_max_tokens, opts.talker_max_tokens) for i, p in enumerate(order)
+        BenchRequest(i, p, prompts[p], opts.thinker_max_tokens, opts.talker_max_tokens,
+                     talker_seed=i if opts.sampled_speech else None)
+        for i, p in enumerate(order)
     ]
     nb = opts.num_requests if opts.baseline_requests is None else max(1, min(opts.baseline_requests, len(requests)))
-    run = Run(opts, requests, requests[:nb])
+    run = Run(opts, requests, requests[:nb], notes=skipped)
     model_dir = Path(opts.model) if opts.model is not None else default_model_dir()
     box: dict[str, Any] = {"model_dir": model_dir}
     sut = asyncio.run(_run_async(run, model_dir, box, run.log))
@@ -557,7 +567,7 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
         "ratios": ratios,
         "ratio_inputs": asdict(inputs),
         "ratio_basis": basis,
-        "consistency": consistency(run.levels, eos),
+        "consistency": consistency(run.levels, eos, by_request=opts.sampled_speech),
         "notes": run.notes,
         "phase_seconds": run.phase_seconds,
         "total_seconds": time.perf_counter() - run.t0,

@@ -259,9 +259,13 @@ def markdown_summary(result: dict[str, Any], json_name: str | None, plot_name: s
     cons = result.get("consistency") or {}
     if cons:
         same = not cons.get("mismatches")
+        sampled = (result.get("settings") or {}).get("sampled_speech")
+        unit, how = ("prompts", "greedy")
+        if sampled:
+            unit, how = "requests", "greedy text, speech sampled with the request's seed"
         notes.insert(0, (
-            f"Same work everywhere: for each of the {cons.get('prompts_compared')} prompts, every configuration "
-            "produced the same text token ids and the same number of audio samples (greedy)."
+            f"Same work everywhere: for each of the {cons.get('prompts_compared')} {unit}, every configuration "
+            f"produced the same text token ids and the same number of audio samples ({how})."
         ) if same else f"Outputs differ between configurations: {cons['mismatches'][:3]}")
     start = m.get("load_average") or [0.0]
     if m.get("cpu_count") and start[0] > 0.5 * m["cpu_count"]:

@@ -154,3 +154,29 @@ def test_the_monolithic_baseline_takes_the_stacks_dtype_auto(tiny_dir: Path) -> 
     ckpt = open_checkpoint(tiny_dir)
     mono = MonolithicDriver(tiny_dir, lambda prompt: [1], ckpt.spec.im_end_id, ckpt.sample_rate, dtype="auto")
     assert str(next(mono.reference.model.parameters()).dtype) == f"torch.{ckpt.resolve_dtype('auto')}"
+
+
+def test_sampled_speech_runs_the_talkers_seeded_defaults_the_same_in_every_configuration(
+    tiny_dir: Path, tmp_path: Path, pipeline: Any
+) -> None:
+    """`--sampled-speech`: each request's talker samples (the family's defaults, seed = request
+    index) while its text stays greedy; exact mode gives a request the same speech at every
+    level; the greedy-only baselines are skipped, saying so."""
+    from benchmarks.drivers import BenchRequest, _sampling
+
+    request = BenchRequest(3, 0, "hi", 8, 12, talker_seed=3)
+    thinker, talker = _sampling(pipeline, request)
+    assert not thinker.do_sample and talker.do_sample and talker.seed == 3 and talker.max_tokens == 12
+    assert talker == pipeline.family.talker_defaults().with_overrides(max_tokens=12, seed=3)
+    assert not _sampling(pipeline, BenchRequest(3, 0, "hi", 8, 12))[1].do_sample
+
+    opts = BenchOptions(model=tiny_dir, concurrency=[1, 2], num_requests=2, thinker_max_tokens=8,
+                        talker_max_tokens=12, sampled_speech=True, json_out=tmp_path / "r.json", progress=False,
+                        quiet=True)  # fmt: skip
+    result = main(opts, command="omnistage bench --sampled-speech")
+    assert [c["name"] for c in result["configurations"]] == ["inprocess c=1", "inprocess c=2",
+                                                             "inprocess full_payload c=1"]  # fmt: skip
+    assert result["stage_baseline"] is None and result["ratios"]["throughput_cmax_over_sequential_monolithic"] is None
+    assert any("sampled speech" in n for n in result["notes"])
+    assert result["consistency"]["mismatches"] == []
+    assert all(c["summary"]["ok"] == 2 for c in result["configurations"])
