@@ -362,6 +362,9 @@ def test_a_draw_follows_its_rows_probabilities_from_its_own_generator() -> None:
     assert [int(draw(row, [alone])) for _ in range(50)] == [int(draw(probs[[2, 0]], beside)[0]) for _ in range(50)]
     edge = torch.tensor([[0.0, 0.5, 0.5, 0.0]])
     assert {int(draw(edge, [torch.Generator().manual_seed(s)])) for s in range(200)} == {1, 2}
+    for broken in (torch.full((1, 4), float("nan")), torch.zeros(1, 4)):  # no distribution: an error, no id past V
+        with pytest.raises(RuntimeError, match="not a distribution"):
+            draw(torch.cat((probs[:1], broken)), gens[:2])
 
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])

@@ -126,7 +126,17 @@ def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> t
     never lands past the last id with any probability, and one of 0 takes the first."""
     u = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generators]).double()
     cdf = probs.double().cumsum(dim=-1)
-    return torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).view(-1)
+    picks = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).view(-1)
+    # A row that is no distribution (NaN or infinite logits: a broken checkpoint, an overflow)
+    # finds no id: V. On the CPU that fails the step's requests (internal), as multinomial did;
+    # on a GPU, where checking costs a host sync, the id is kept in range instead (an id past the
+    # embedding would be a device-side assert, fatal to the process).
+    vocab = probs.shape[-1]
+    if picks.device.type == "cpu":
+        if bool((picks >= vocab).any()):
+            raise RuntimeError("sampling: a row's probabilities are not a distribution (NaN or infinite logits)")
+        return picks
+    return picks.clamp_(max=vocab - 1)
 
 
 def forced_token(params: SamplingParams, generated: int) -> int | None:
