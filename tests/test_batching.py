@@ -369,11 +369,11 @@ def test_a_draw_follows_its_rows_probabilities_from_its_own_generator() -> None:
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_the_code_predictors_sampled_rows_pick_what_each_rows_own_choose_picks(tiny_dir: Any, mode: str) -> None:
-    """The talker's sampled residual codes, chosen for the whole batch at once (`choose_rows`:
+    """The talker's sampled residual codes, chosen for the whole batch at once (`RowChoice`:
     the processors on `[B, V]`, each row's draw from its own generator, no host sync), are the
     codes each row's own `TokenChooser.choose` draws, seed for seed, with greedy rows among them."""
     from omnistage.models import open_checkpoint
-    from omnistage.models.sampling import CODE_PREDICTOR_SAMPLED, GREEDY, TokenChooser, choose_rows
+    from omnistage.models.sampling import CODE_PREDICTOR_SAMPLED, GREEDY, RowChoice, TokenChooser
 
     ckpt = open_checkpoint(tiny_dir)
     loop = ckpt.family.talker(ckpt, "float32", "cpu", mode).code_predictor
@@ -388,13 +388,13 @@ def test_the_code_predictors_sampled_rows_pick_what_each_rows_own_choose_picks(t
     empty = torch.empty(0, dtype=torch.long)
     per_row = loop.run(first, lambda logits: torch.tensor([c.choose(logits[b], empty) for b, c in enumerate(own)]))
     together = choosers()
-    batched = loop.run(first, lambda logits: choose_rows(together, logits))
+    batched = loop.run(first, RowChoice(together, "cpu"))  # two kinds of row: greedy and sampled
     assert torch.equal(batched, per_row)
     assert batched.shape == (ckpt.spec.num_code_groups - 1, 5)
     greedy = loop.run(first)
     assert torch.equal(batched[:, [1, 4]], greedy[:, [1, 4]])  # the greedy rows are greedy
     assert not torch.equal(batched[:, 0], greedy[:, 0])  # and the sampled ones sampled
-    assert choose_rows([], torch.zeros(0, 8)).shape == (0,)
+    assert RowChoice([], "cpu")(torch.zeros(0, 8)).shape == (0,)
 
 
 def test_slot_cache_holds_what_dynamic_cache_holds_without_concatenating() -> None:

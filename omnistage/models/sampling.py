@@ -111,13 +111,13 @@ class TokenChooser:
         scores = self.processors(history.view(1, -1).to(logits.device), logits.view(1, -1).float())
         if not self.params.do_sample:
             return int(torch.argmax(scores, dim=-1))
-        return int(draw(torch.softmax(scores, dim=-1), [self.generator]))
+        return int(draw(torch.softmax(scores, dim=-1), [self.generator], check=True))
 
     def is_stop(self, token: int) -> bool:
         return token in self.params.stop_ids
 
 
-def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None], check: bool = False) -> torch.Tensor:
     """Row i's id drawn from `probs[i]` (`[n, V]`) with `generators[i]`, `[n]` on the device: one
     uniform per row from its own generator, then the inverse of the row's cumulative sum, the rows
     together. A row's draw is its own whatever rows are beside it, and a batch costs one small
@@ -128,11 +128,11 @@ def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> t
     cdf = probs.double().cumsum(dim=-1)
     picks = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).view(-1)
     # A row that is no distribution (NaN or infinite logits: a broken checkpoint, an overflow)
-    # finds no id: V. On the CPU that fails the step's requests (internal), as multinomial did;
-    # on a GPU, where checking costs a host sync, the id is kept in range instead (an id past the
+    # finds no id: V. That raises on the CPU, and on a GPU with `check` (a host sync: callers
+    # that bring the ids to the host anyway); else the id is kept in range (an id past the
     # embedding would be a device-side assert, fatal to the process).
     vocab = probs.shape[-1]
-    if picks.device.type == "cpu":
+    if check or picks.device.type == "cpu":
         if bool((picks >= vocab).any()):
             raise RuntimeError("sampling: a row's probabilities are not a distribution (NaN or infinite logits)")
         return picks
@@ -150,8 +150,9 @@ def forced_token(params: SamplingParams, generated: int) -> int | None:
 def choose_batch(
     choosers: Sequence[TokenChooser], logits: torch.Tensor, histories: Sequence[Sequence[int]]
 ) -> list[int]:
-    """Row i's choice, as `choosers[i].choose(logits[i], histories[i])` makes it (`choose_rows`)."""
-    return choose_rows(choosers, logits, histories).tolist()  # type: ignore[no-any-return]
+    """Row i's choice, as `choosers[i].choose(logits[i], histories[i])` makes it (`RowChoice`);
+    a row with no distribution left raises, on any device (the ids come to the host anyway)."""
+    return RowChoice(choosers, logits.device, check=True)(logits, histories).tolist()  # type: ignore[no-any-return]
 
 
 def _alike(chooser: TokenChooser) -> tuple[Any, ...]:
@@ -161,36 +162,52 @@ def _alike(chooser: TokenChooser) -> tuple[Any, ...]:
     return p.do_sample, *warpers, p.repetition_penalty, chooser.suppress_ids
 
 
-def choose_rows(choosers: Sequence[TokenChooser], logits: torch.Tensor,
-                histories: Sequence[Sequence[int]] | None = None) -> torch.Tensor:  # fmt: skip
+class RowChoice:
     """Row i's choice, as `choosers[i].choose(logits[i], histories[i])` makes it (no history:
-    empty ones), as a `[n]` tensor on the logits' device with no host sync. Rows whose choosers
-    are alike (the same processors) run through them as one `[n, V]` batch: every processor, the
-    softmax and the argmax work row by row, so each row's numbers are its own; a sampled row then
-    draws from its own generator, as it would alone. Histories are padded with the id `V`, which
-    the repetition penalty sets aside (ids past the vocabulary land in a column it drops)."""
-    n, vocab = logits.shape
-    device = logits.device
-    groups: dict[tuple[Any, ...], list[int]] = {}
-    for i, chooser in enumerate(choosers):
-        groups.setdefault(_alike(chooser), []).append(i)
-    out = None if len(groups) == 1 else torch.empty(n, dtype=torch.long, device=device)
-    for rows in groups.values():
-        if histories is None:
-            ids = torch.empty((len(rows), 0), dtype=torch.long, device=device)
-        else:
-            longest = max(len(histories[i]) for i in rows)
-            padded = [[*histories[i], *[vocab] * (longest - len(histories[i]))] for i in rows]
-            ids = torch.tensor(padded, dtype=torch.long).view(len(rows), longest).to(device)
-        index = None if out is None else torch.tensor(rows, device=device)
-        scores = logits if index is None else logits.index_select(0, index)
-        lead = choosers[rows[0]]
-        scores = lead.processors(ids, scores.float())
-        if lead.params.do_sample:
-            picks = draw(torch.softmax(scores, dim=-1), [choosers[i].generator for i in rows])
-        else:
-            picks = torch.argmax(scores, dim=-1)
-        if out is None:
-            return picks
-        out.index_copy_(0, index, picks)  # type: ignore[arg-type]
-    return out if out is not None else torch.empty(0, dtype=torch.long, device=device)
+    empty ones), as a `[n]` tensor on the device. Rows whose choosers are alike (the same
+    processors) run through them as one `[n, V]` batch: every processor, the softmax and the
+    argmax work row by row, so each row's numbers are its own; a sampled row then draws from its
+    own generator, as it would alone (`draw`). Histories are padded with the id `V`, which the
+    repetition penalty sets aside (ids past the vocabulary land in a column it drops).
+
+    The groups and their row indices are worked out once, at construction: a call for a batch
+    of one kind (the talker's code predictor, all its groups) runs with no host sync, and one of
+    several kinds copies no index to the device. `check`: a sampled row with no distribution
+    raises on the device too (a host sync); otherwise only on the CPU (`draw`)."""
+
+    def __init__(self, choosers: Sequence[TokenChooser], device: torch.device | str, check: bool = False) -> None:
+        self.choosers = choosers
+        self.device = torch.device(device)
+        self.check = check
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        for i, chooser in enumerate(choosers):
+            groups.setdefault(_alike(chooser), []).append(i)
+        self.groups = list(groups.values())
+        self.index = ([torch.tensor(rows, device=self.device) for rows in self.groups]
+                      if len(self.groups) > 1 else [None])  # fmt: skip
+
+    def __call__(self, logits: torch.Tensor, histories: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        if not self.groups:
+            return torch.empty(0, dtype=torch.long, device=logits.device)
+        out = None if len(self.groups) == 1 else torch.empty(len(self.choosers), dtype=torch.long,
+                                                             device=logits.device)  # fmt: skip
+        for rows, index in zip(self.groups, self.index, strict=True):
+            if histories is None:
+                ids = torch.empty((len(rows), 0), dtype=torch.long, device=logits.device)
+            else:
+                longest = max(len(histories[i]) for i in rows)
+                padded = [[*histories[i], *[vocab] * (longest - len(histories[i]))] for i in rows]
+                ids = torch.tensor(padded, dtype=torch.long).view(len(rows), longest).to(logits.device)
+            lead = self.choosers[rows[0]]
+            scores = lead.processors(ids, (logits if index is None else logits.index_select(0, index)).float())
+            if lead.params.do_sample:
+                gens = [self.choosers[i].generator for i in rows]
+                picks = draw(torch.softmax(scores, dim=-1), gens, check=self.check)
+            else:
+                picks = torch.argmax(scores, dim=-1)
+            if out is None:
+                return picks
+            out.index_copy_(0, index, picks)  # type: ignore[arg-type]
+        assert out is not None
+        return out

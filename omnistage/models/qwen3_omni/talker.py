@@ -40,10 +40,10 @@ from omnistage.models.qwen3_omni.spec import FamilySpec
 from omnistage.models.sampling import (
     CODE_PREDICTOR_SAMPLED,
     GREEDY,
+    RowChoice,
     SamplingParams,
     TokenChooser,
     choose_batch,
-    choose_rows,
 )
 
 __all__ = ["Talker", "TalkerState"]
@@ -288,10 +288,7 @@ class Talker:
         if not all(c.plain_greedy for c in choosers):
             # alike rows through their processors as one batch, each sampled row from its own
             # generator, the ids left on the device (no host sync per group)
-            def sampled(logits: torch.Tensor) -> torch.Tensor:
-                return choose_rows(choosers, logits)
-
-            choose = sampled
+            choose = RowChoice(choosers, self.device)
 
         residuals = self.code_predictor.run(first, choose)  # [G - 1, B]
         codes = torch.cat((code0.view(1, -1), residuals)).t().cpu()  # [B, G]: one copy to the host
