@@ -470,7 +470,8 @@ def consistency(levels: Sequence[LevelResult], eos_id: int | None, by_request: b
                 "audio_samples": {k: v[1] for k, v in by_cfg.items()},
                 "text_ids_differ": len({v[0] for v in by_cfg.values()}) > 1,
             })
-    return {"prompts_compared": len(seen), "mismatches": mismatches}
+    return {"prompts_compared": len(seen), "compared_by": "request" if by_request else "prompt",
+            "mismatches": mismatches}
 
 
 async def _run_async(run: Run, model_dir: Path, pipe_box: dict[str, Any], log: Callable[[str], None]) -> str:
@@ -514,6 +515,9 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
         raise ValueError(f"--concurrency levels must be >= 1, got {opts.concurrency}")
     if opts.target and opts.serve:
         raise ValueError("--target and --serve are exclusive: drive a running stack or start one")
+    if opts.http and opts.sampled_speech:
+        raise ValueError("--sampled-speech with --http: the HTTP comparison sends temperature 0 (greedy) "
+                         "to both front doors")
     if opts.http:
         from benchmarks.front_doors import main as front_doors
 

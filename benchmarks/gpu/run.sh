@@ -46,7 +46,7 @@ for step in "$@"; do
         tests/test_device_copy.py tests/test_cuda_graphs.py tests/test_parity.py tests/test_multimodal_model.py tests/test_qwen2_5_omni.py \
         2>&1 | tee "$W/tests.log" | tail -40 ;;
     graph-tests)  # the CUDA graph tests alone (graphs against the eager loop, exact-mode parity with graphs on)
-      python3 -m pytest -q -rfs --tb=short -p no:cacheprovider tests/test_cuda_graphs.py 2>&1 | tee "$W/graph-tests.log" | tail -20 ;;
+      OMNISTAGE_TEST_DEVICE=cuda python3 -m pytest -q -rfs --tb=short -p no:cacheprovider tests/test_cuda_graphs.py 2>&1 | tee "$W/graph-tests.log" | tail -20 ;;
     graphs)  # the code predictor's loop, eager against its CUDA graphs, in one process
       for b in fast exact; do
         python3 -m benchmarks.gpu.code_predictor_graphs --batching $b --batches 1,2,4,8,16 --budget-s "$GRAPH_BUDGET" --json "$W/graphs-$b.json" \

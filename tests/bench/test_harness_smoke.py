@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from benchmarks.harness import BenchOptions, main
@@ -170,13 +171,19 @@ def test_sampled_speech_runs_the_talkers_seeded_defaults_the_same_in_every_confi
     assert talker == pipeline.family.talker_defaults().with_overrides(max_tokens=12, seed=3)
     assert not _sampling(pipeline, BenchRequest(3, 0, "hi", 8, 12))[1].do_sample
 
-    opts = BenchOptions(model=tiny_dir, concurrency=[1, 2], num_requests=2, thinker_max_tokens=8,
-                        talker_max_tokens=12, sampled_speech=True, json_out=tmp_path / "r.json", progress=False,
-                        quiet=True)  # fmt: skip
+    (tmp_path / "prompts.txt").write_text("Tell me a story.\n")  # one prompt: its requests differ by seed alone
+    opts = BenchOptions(model=tiny_dir, concurrency=[1, 2], num_requests=3, thinker_max_tokens=8,
+                        talker_max_tokens=60, sampled_speech=True, markdown_out=tmp_path / "r.md", progress=False,
+                        quiet=True, prompts=tmp_path / "prompts.txt")  # fmt: skip
     result = main(opts, command="omnistage bench --sampled-speech")
     assert [c["name"] for c in result["configurations"]] == ["inprocess c=1", "inprocess c=2",
                                                              "inprocess full_payload c=1"]  # fmt: skip
     assert result["stage_baseline"] is None and result["ratios"]["throughput_cmax_over_sequential_monolithic"] is None
     assert any("sampled speech" in n for n in result["notes"])
-    assert result["consistency"]["mismatches"] == []
-    assert all(c["summary"]["ok"] == 2 for c in result["configurations"])
+    assert result["consistency"] == {"prompts_compared": 3, "compared_by": "request", "mismatches": []}
+    assert "for each of the 3 requests" in (tmp_path / "r.md").read_text()
+    assert [c["summary"]["ok"] for c in result["configurations"]] == [3, 3, 3]
+    samples = {r["index"]: r["audio_samples"] for r in result["configurations"][0]["requests"]}
+    assert len(set(samples.values())) > 1, samples  # one prompt, three seeds: not three times the same speech
+    with pytest.raises(ValueError, match="--sampled-speech with --http"):
+        main(BenchOptions(model=tiny_dir, sampled_speech=True, http=True))
