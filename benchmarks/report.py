@@ -259,9 +259,8 @@ def markdown_summary(result: dict[str, Any], json_name: str | None, plot_name: s
     cons = result.get("consistency") or {}
     if cons:
         same = not cons.get("mismatches")
-        sampled = (result.get("settings") or {}).get("sampled_speech")
         unit, how = ("prompts", "greedy")
-        if sampled:
+        if cons.get("compared_by") == "request":  # sampled speech, a seed per request
             unit, how = "requests", "greedy text, speech sampled with the request's seed"
         notes.insert(0, (
             f"Same work everywhere: for each of the {cons.get('prompts_compared')} {unit}, every configuration "

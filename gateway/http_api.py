@@ -279,10 +279,7 @@ _HTTP_NAMES = (  # (message prefix, param, code)
 )
 
 
-_TALKER_FIELD = re.compile(r"talker: sampling: (\w+)")
-
-
-_THINKER_FIELD = re.compile(r"thinker: sampling: (\w+)")
+_SAMPLING_FIELD = re.compile(r"(thinker|talker): sampling: (\w+)")  # a stage's refusal: its stage, the field
 ResultT = TypeVar("ResultT")
 
 
@@ -293,9 +290,9 @@ async def _entry_named(call: Awaitable[ResultT], body: ChatRequest) -> ResultT:
         return await call
     except HttpError as e:
         entry = (body.sampling_params_list or [None])[0]
-        field = _THINKER_FIELD.match(e.message)
-        if entry is not None and field and getattr(entry, field[1], None) is not None:
-            e.param = f"sampling_params_list[{STAGES.index('thinker')}].{field[1]}"
+        field = _SAMPLING_FIELD.match(e.message)
+        if entry is not None and field and field[1] == "thinker" and getattr(entry, field[2], None) is not None:
+            e.param = f"sampling_params_list[{STAGES.index('thinker')}].{field[2]}"
         raise
 
 
@@ -310,8 +307,8 @@ def _from_gateway(e: GatewayError) -> HttpError:
         if status == 400 and message.startswith(prefix):
             param, code = name, http_code or code
     # over HTTP only a `sampling_params_list` entry sets the talker's sampling fields
-    if status == 400 and (talker := _TALKER_FIELD.match(message)):
-        param = f"sampling_params_list[{STAGES.index('talker')}].{talker[1]}"
+    if status == 400 and (field := _SAMPLING_FIELD.match(message)) and field[1] == "talker":
+        param = f"sampling_params_list[{STAGES.index('talker')}].{field[2]}"
     return HttpError(status, message, kind, param=param, code=code)
 
 

@@ -33,6 +33,9 @@ for pair in pairs:
 yaml.safe_dump(cfg, open(dst, "w"))
 PY
 }
+wide_checkpoint() {  # /tmp/wide, built once per machine (3.9 GB of seeded weights)
+  [ -d /tmp/wide ] || python3 -m benchmarks.gpu.wide_checkpoint /tmp/wide 2>&1 | tail -2
+}
 for step in "$@"; do
   echo "=== $step $(date -u +%T)"
   case $step in
@@ -66,16 +69,16 @@ for step in "$@"; do
       with deploy/examples/cuda.yaml /tmp/cuda-eager.yaml batching=fast talker.cuda_graphs=false
       serve_bench cuda-eager /tmp/cuda-eager.yaml ;;
     wide-graphs)  # the code predictor's loop at the real widths (5 layers, 1024 wide, 16 groups), bfloat16
-      [ -d /tmp/wide ] || python3 -m benchmarks.gpu.wide_checkpoint /tmp/wide 2>&1 | tail -2
+      wide_checkpoint
       python3 -m benchmarks.gpu.code_predictor_graphs --model /tmp/wide --dtype bfloat16 --batches 1,4,16 \
         --budget-s "$GRAPH_BUDGET" --json "$W/graphs-wide.json" 2>&1 | tee "$W/graphs-wide.log" | grep -v Warning ;;
     wide-graphs-bench)  # the real model's widths served in fast mode with the code predictor's CUDA graphs, bfloat16
-      [ -d /tmp/wide ] || python3 -m benchmarks.gpu.wide_checkpoint /tmp/wide 2>&1 | tail -2
+      wide_checkpoint
       with deploy/examples/cuda.yaml /tmp/wide-graphs.yaml batching=fast dtype=bfloat16
       # no stage baselines: on this checkpoint they outlast a session's device time (2026-11-26)
       serve_bench wide-graphs /tmp/wide-graphs.yaml --model /tmp/wide --no-stages --baseline-requests 8 ;;
     wide)  # the real model's widths, a few layers (benchmarks/gpu/wide_checkpoint.py), bfloat16
-      python3 -m benchmarks.gpu.wide_checkpoint /tmp/wide 2>&1 | tail -2
+      wide_checkpoint
       bench trace --model /tmp/wide --dtype bfloat16 --out "$W/trace-wide" --batching both --requests 2
       with deploy/examples/cuda.yaml /tmp/wide-exact.yaml dtype=bfloat16
       with /tmp/wide-exact.yaml /tmp/wide-fast.yaml batching=fast

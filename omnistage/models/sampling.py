@@ -109,9 +109,14 @@ class TokenChooser:
     def choose(self, logits: torch.Tensor, history: torch.Tensor) -> int:
         """`logits`: `[V]` (float); `history`: `[T]` ids seen so far (for the repetition penalty)."""
         scores = self.processors(history.view(1, -1).to(logits.device), logits.view(1, -1).float())
+        return int(self.pick(scores, [self.generator], check=True))
+
+    def pick(self, scores: torch.Tensor, generators: Sequence[torch.Generator | None], check: bool) -> torch.Tensor:
+        """Each row's id from its processed `scores` (`[n, V]`): the argmax, or sampled with
+        `generators[i]` (`draw`)."""
         if not self.params.do_sample:
-            return int(torch.argmax(scores, dim=-1))
-        return int(draw(torch.softmax(scores, dim=-1), [self.generator], check=True))
+            return torch.argmax(scores, dim=-1)
+        return draw(torch.softmax(scores, dim=-1), generators, check=check)
 
     def is_stop(self, token: int) -> bool:
         return token in self.params.stop_ids
@@ -177,13 +182,12 @@ class RowChoice:
 
     def __init__(self, choosers: Sequence[TokenChooser], device: torch.device | str, check: bool = False) -> None:
         self.choosers = choosers
-        self.device = torch.device(device)
         self.check = check
         groups: dict[tuple[Any, ...], list[int]] = {}
         for i, chooser in enumerate(choosers):
             groups.setdefault(_alike(chooser), []).append(i)
         self.groups = list(groups.values())
-        self.index = ([torch.tensor(rows, device=self.device) for rows in self.groups]
+        self.index = ([torch.tensor(rows, device=device) for rows in self.groups]
                       if len(self.groups) > 1 else [None])  # fmt: skip
 
     def __call__(self, logits: torch.Tensor, histories: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
@@ -201,11 +205,7 @@ class RowChoice:
                 ids = torch.tensor(padded, dtype=torch.long).view(len(rows), longest).to(logits.device)
             lead = self.choosers[rows[0]]
             scores = lead.processors(ids, (logits if index is None else logits.index_select(0, index)).float())
-            if lead.params.do_sample:
-                gens = [self.choosers[i].generator for i in rows]
-                picks = draw(torch.softmax(scores, dim=-1), gens, check=self.check)
-            else:
-                picks = torch.argmax(scores, dim=-1)
+            picks = lead.pick(scores, [self.choosers[i].generator for i in rows], self.check)
             if out is None:
                 return picks
             out.index_copy_(0, index, picks)  # type: ignore[arg-type]
