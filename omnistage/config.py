@@ -98,9 +98,9 @@ class ThinkerConfig(StageConfig):
 
 class TalkerConfig(StageConfig):
     cuda_graphs: bool = Field(
-        False, description="on CUDA: replay the code predictor's per-frame loop (greedy) as CUDA graphs captured "
-        "at start-up for batches 1, 2, 4, ... up to max_num_seqs (at most 256; Qwen3-Omni; a family without one "
-        "ignores it). Greedy speech only: a batch with a sampled request runs eagerly")
+        False, description="on CUDA: replay the code predictor's per-frame loop as CUDA graphs captured at "
+        "start-up for batches 1, 2, 4, ... up to max_num_seqs (at most 256; Qwen3-Omni; a family without one "
+        "ignores it), greedy and sampled (the talker's default)")
 
     @model_validator(mode="after")
     def _graphs_on_cuda(self) -> TalkerConfig:

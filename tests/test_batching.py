@@ -297,11 +297,11 @@ def test_code_predictor_loop_is_the_forward_bitwise(checkpoints: Any, name: str)
     def loop(rows: torch.Tensor) -> list[torch.Tensor]:
         seen: list[torch.Tensor] = []
 
-        def choose(logits: torch.Tensor) -> torch.Tensor:
+        def choose(logits: torch.Tensor, group: int) -> torch.Tensor:
             seen.append(logits.clone())
             return torch.argmax(logits, dim=-1)
 
-        talker.code_predictor.run(rows, choose)
+        talker.code_predictor._run(rows, choose, talker.code_predictor.cache)
         return seen
 
     def forward(row: torch.Tensor) -> list[torch.Tensor]:
@@ -369,32 +369,74 @@ def test_a_draw_follows_its_rows_probabilities_from_its_own_generator() -> None:
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_the_code_predictors_sampled_rows_pick_what_each_rows_own_choose_picks(tiny_dir: Any, mode: str) -> None:
-    """The talker's sampled residual codes, chosen for the whole batch at once (`RowChoice`:
-    the processors on `[B, V]`, each row's draw from its own generator, no host sync), are the
-    codes each row's own `TokenChooser.choose` draws, seed for seed, with greedy rows among them."""
+    """The talker's residual codes for a batch of frames, chosen for every row at once
+    (`ResidualChoice`: every row through the same ops, a sampled row with the uniforms it drew
+    from its own generator when the frame started, one per group), are the codes each row's own
+    `TokenChooser` picks from the same logits with those uniforms, seed for seed, greedy rows
+    among them; rows of several sampled kinds (each kind through its own processors) too."""
     from omnistage.models import open_checkpoint
-    from omnistage.models.sampling import CODE_PREDICTOR_SAMPLED, GREEDY, RowChoice, TokenChooser
+    from omnistage.models.qwen3_omni.code_predictor import ResidualChoice
+    from omnistage.models.sampling import CODE_PREDICTOR_SAMPLED, GREEDY, TokenChooser
 
     ckpt = open_checkpoint(tiny_dir)
     loop = ckpt.family.talker(ckpt, "float32", "cpu", mode).code_predictor
+    groups = ckpt.spec.num_code_groups
     first = torch.randn(5, 2, ckpt.spec.talker_hidden, generator=torch.Generator().manual_seed(3))
-    params = [CODE_PREDICTOR_SAMPLED.with_overrides(seed=s) for s in (1, 2, 3)] + [GREEDY]
-    params.insert(1, GREEDY)
-
-    def choosers() -> list[TokenChooser]:
-        return [TokenChooser(p) for p in params]
-
-    own = choosers()
+    other = SamplingParams(do_sample=True, top_k=5, temperature=0.7)
     empty = torch.empty(0, dtype=torch.long)
-    per_row = loop.run(first, lambda logits: torch.tensor([c.choose(logits[b], empty) for b, c in enumerate(own)]))
-    together = choosers()
-    batched = loop.run(first, RowChoice(together, "cpu"))  # two kinds of row: greedy and sampled
-    assert torch.equal(batched, per_row)
-    assert batched.shape == (ckpt.spec.num_code_groups - 1, 5)
-    greedy = loop.run(first)
-    assert torch.equal(batched[:, [1, 4]], greedy[:, [1, 4]])  # the greedy rows are greedy
-    assert not torch.equal(batched[:, 0], greedy[:, 0])  # and the sampled ones sampled
-    assert RowChoice([], "cpu")(torch.zeros(0, 8)).shape == (0,)
+    greedy_codes = loop.run(first)
+    for kinds in ([CODE_PREDICTOR_SAMPLED] * 3, [CODE_PREDICTOR_SAMPLED, other, CODE_PREDICTOR_SAMPLED]):
+        params = [p.with_overrides(seed=s) for p, s in zip(kinds, (1, 2, 3), strict=True)] + [GREEDY]
+        params.insert(1, GREEDY)
+        own = [TokenChooser(p) for p in params]
+        # a sampled row's uniforms: G - 1 from its generator, at the start of the frame
+        drawn = [torch.rand(groups - 1, generator=c.generator) if c.generator is not None else None for c in own]
+
+        def per_row(logits: torch.Tensor, group: int, own: list[TokenChooser] = own,
+                    drawn: list[Any] = drawn) -> torch.Tensor:  # fmt: skip
+            picks = []
+            for b, c in enumerate(own):
+                scores = c.processors(empty.view(1, 0), logits[b : b + 1].float())
+                u = None if drawn[b] is None else drawn[b][group - 1 : group]
+                picks.append(int(c.pick(scores, [None], check=True, uniforms=u)))
+            return torch.tensor(picks)
+
+        reference = loop._run(first, per_row, loop.cache)
+        choice = ResidualChoice([TokenChooser(p) for p in params], groups, "cpu")
+        assert (choice.lead is None) == (other in kinds)  # several sampled kinds: each its own processors
+        batched = loop.run(first, choice)
+        assert torch.equal(batched, reference), kinds
+        assert batched.shape == (groups - 1, 5)
+        assert torch.equal(batched[:, [1, 4]], greedy_codes[:, [1, 4]])  # the greedy rows are greedy
+        assert not torch.equal(batched[:, 0], greedy_codes[:, 0])  # and the sampled ones sampled
+    empty_choice = ResidualChoice([], groups, "cpu")
+    assert empty_choice.uniforms.shape == (0, groups - 1) and empty_choice(torch.zeros(0, 8), 1).shape == (0,)
+
+
+def test_one_kind_of_sampled_row_gives_the_ids_rowchoice_gives() -> None:
+    """`greedy_or_drawn` (every row through the sampled rows' processors, then each row's argmax
+    or draw: what a CUDA graph replays) picks what `RowChoice` (each kind through its own) picks
+    from the same uniforms, and keeps no id past the vocabulary on a row with no distribution."""
+    from omnistage.models.sampling import CODE_PREDICTOR_SAMPLED, GREEDY, RowChoice, TokenChooser, greedy_or_drawn
+
+    g = torch.Generator().manual_seed(0)
+    params = [CODE_PREDICTOR_SAMPLED, GREEDY, CODE_PREDICTOR_SAMPLED, GREEDY, CODE_PREDICTOR_SAMPLED]
+    choosers = [TokenChooser(p) for p in params]
+    sampled = torch.tensor([p.do_sample for p in params])
+    lead = choosers[0]
+    for _ in range(20):
+        logits = torch.randn(5, 300, generator=g) * 3
+        uniforms = torch.rand(5, generator=g)
+        rows = RowChoice(choosers, "cpu")(logits, uniforms=uniforms)
+        assert torch.equal(greedy_or_drawn(lead, logits, uniforms, sampled), rows)
+        assert torch.equal(rows[[1, 3]], logits[[1, 3]].argmax(-1))
+    broken = torch.randn(5, 300, generator=g)
+    broken[2] = float("nan")
+    with pytest.raises(RuntimeError, match="not a distribution"):
+        greedy_or_drawn(lead, broken, torch.rand(5, generator=g), sampled)
+    broken[2] = 0.0
+    broken[1] = float("nan")  # a greedy row's NaN is its own argmax's business, not a draw's
+    assert greedy_or_drawn(lead, broken, torch.rand(5, generator=g), sampled).shape == (5,)
 
 
 def test_slot_cache_holds_what_dynamic_cache_holds_without_concatenating() -> None:

@@ -1,9 +1,11 @@
 """CUDA graphs of the talker's code-predictor loop (models/cuda_graphs.py, `talker.cuda_graphs`).
 
 What the graphs rest on is checked on CPU: a row of the loop does not depend on the rows beside
-it (exact mode, bitwise), which is what lets a call pad its batch up to a captured size; and the
-loop replays a graph only for greedy batches that fit one. The captures themselves run where a
-GPU is (the device machine: `OMNISTAGE_TEST_DEVICE=cuda`); here those tests skip, saying so."""
+it (exact mode, bitwise), which is what lets a call pad its batch up to a captured size; the
+loop replays a graph only for batches of a captured kind (greedy, or sampled the code
+predictor's way) that fit one; and what the graphs record gives the eager loop's codes. The
+captures themselves run where a GPU is (the device machine: `OMNISTAGE_TEST_DEVICE=cuda`); here
+those tests skip, saying so."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ import torch
 
 from omnistage.config import ConfigError, parse_config
 from omnistage.models.cuda_graphs import BatchGraphs, bucket_sizes
-from omnistage.models.qwen3_omni.code_predictor import greedy
-from omnistage.models.sampling import SamplingParams
+from omnistage.models.qwen3_omni.code_predictor import ResidualChoice, greedy
+from omnistage.models.sampling import CODE_PREDICTOR_SAMPLED, GREEDY, SamplingParams, TokenChooser, alike
 from services.pipeline import DoneEvent, InProcessPipeline, PipelineRequest
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on the GPU machine)")
@@ -65,25 +67,75 @@ class _Recorder:
     max_batch = 4
 
     def __init__(self) -> None:
-        self.batches: list[int] = []
+        self.calls: list[tuple[int, ...]] = []
 
-    def __call__(self, first: torch.Tensor) -> torch.Tensor:
-        self.batches.append(first.shape[0])
+    def __call__(self, first: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        self.calls.append((first.shape[0], *(t.shape[0] for t in rest)))
         return torch.zeros(2, first.shape[0], dtype=torch.long)
 
 
-def test_the_loop_replays_graphs_only_for_greedy_batches_that_fit(
+def _choice(pipeline: Any, *params: SamplingParams) -> ResidualChoice:
+    device = next(pipeline.talker.model.parameters()).device
+    return ResidualChoice([TokenChooser(p, device=str(device)) for p in params], pipeline.spec.num_code_groups, device)
+
+
+def test_the_loop_replays_graphs_only_for_batches_of_the_captured_kinds_that_fit(
     pipeline: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Greedy batches replay the greedy graphs; batches whose sampled rows sample the captured
+    way (greedy rows among them) replay the sampled graphs, with their uniforms and which rows
+    sample; anything else, or a batch over the largest captured, runs eagerly."""
     loop = _loop(pipeline)
-    recorder = _Recorder()
-    monkeypatch.setattr(loop, "graphs", recorder)
+    greedy_graphs, sampled_graphs = _Recorder(), _Recorder()
+    monkeypatch.setattr(loop, "graphs", greedy_graphs)
+    monkeypatch.setattr(loop, "sampled_graphs", sampled_graphs)
+    monkeypatch.setattr(loop, "sampled_kind", alike(TokenChooser(CODE_PREDICTOR_SAMPLED)))
     like = next(pipeline.talker.model.parameters())
     hidden = pipeline.spec.talker_hidden
+    groups = pipeline.spec.num_code_groups
+    sampled, other = CODE_PREDICTOR_SAMPLED.with_overrides(seed=1), SamplingParams(do_sample=True, top_k=3, seed=2)
     assert loop.run(_first(3, hidden, 0, like)).shape == (2, 3)  # the recorder's
-    loop.run(_first(5, hidden, 0, like))  # over the largest captured: eager
-    loop.run(_first(2, hidden, 0, like), lambda logits: greedy(logits))  # not the plain greedy choice: eager
-    assert recorder.batches == [3]
+    assert loop.run(_first(5, hidden, 0, like)).shape == (groups - 1, 5)  # over the largest captured: eager
+    assert loop.run(_first(2, hidden, 0, like), _choice(pipeline, sampled, GREEDY)).shape == (2, 2)  # recorded
+    assert loop.run(_first(2, hidden, 0, like), _choice(pipeline, other, GREEDY)).shape == (groups - 1, 2)  # eager
+    assert loop.run(_first(5, hidden, 0, like), _choice(pipeline, *[sampled] * 5)).shape == (groups - 1, 5)  # eager
+    assert greedy_graphs.calls == [(3,)]
+    assert sampled_graphs.calls == [(2, 2, 2)]  # the frames, their uniforms, which rows sample
+
+
+class _Direct:
+    """Stands in for BatchGraphs on the CPU: calls what would be captured."""
+
+    def __init__(self, fn: Any, sizes: list[int], like: Any, out_batch_dim: int = 0) -> None:
+        self.fn, self.sizes = fn, sizes
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def __call__(self, *xs: torch.Tensor) -> torch.Tensor:
+        return self.fn(*xs)
+
+
+def test_what_the_graphs_record_gives_the_eager_loops_codes(pipeline: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`capture`'s functions, the loops the graphs record (with their own caches, the sampled one
+    taking its uniforms and which rows sample as inputs), run here without a capture: they give
+    the eager loop's codes, greedy and sampled."""
+    from omnistage.models.qwen3_omni import code_predictor
+
+    loop = _loop(pipeline)
+    for name in ("graphs", "sampled_graphs", "sampled_kind"):
+        monkeypatch.setattr(loop, name, None)  # put back after the test (the pipeline is shared)
+    monkeypatch.setattr(code_predictor, "BatchGraphs", _Direct)
+    like = next(pipeline.talker.model.parameters())
+    loop.capture(4, like.new_zeros(1, 2, pipeline.spec.talker_hidden), TokenChooser(CODE_PREDICTOR_SAMPLED))
+    assert isinstance(loop.sampled_graphs, _Direct) and loop.sampled_graphs.sizes == [1, 2, 4]
+    first = _first(3, pipeline.spec.talker_hidden, 7, like)
+    params = [CODE_PREDICTOR_SAMPLED.with_overrides(seed=5), GREEDY, CODE_PREDICTOR_SAMPLED.with_overrides(seed=6)]
+    assert torch.equal(loop.run(first), loop._run(first, greedy, loop.cache))
+    recorded = loop.run(first, _choice(pipeline, *params))
+    assert torch.equal(recorded, loop._run(first, _choice(pipeline, *params), loop.cache))
+    assert torch.equal(recorded[:, 1], loop.run(first)[:, 1]) and not torch.equal(recorded, loop.run(first))
 
 
 def _graphed_pipeline(model_dir: Path, batching: str) -> InProcessPipeline:
@@ -110,6 +162,26 @@ def test_a_graph_gives_the_eager_loops_codes(tiny_dir: Path, batching: str) -> N
         graphed = loop.run(first[:batch])
         assert torch.equal(graphed, eager[:, :batch]), f"batch {batch} (bucket {bucket})"
     assert loop.run(_first(9, hidden, 9, like)).shape[1] == 9  # over the largest: eager
+
+
+@cuda
+@pytest.mark.parametrize("batching", ["exact", "fast"])
+def test_a_sampled_graph_gives_the_eager_loops_codes(tiny_dir: Path, batching: str) -> None:
+    """Batches with sampled rows (greedy ones among them), against the eager loop at the
+    bucket's size over the same rows and the same seeds (bitwise: the same kernels run)."""
+    pipe = _graphed_pipeline(tiny_dir, batching)
+    loop = _loop(pipe)
+    assert loop.sampled_graphs is not None and loop.sampled_graphs.sizes == [1, 2, 4, 8]
+    like = next(pipe.talker.model.parameters())
+    hidden = pipe.spec.talker_hidden
+    for batch in (1, 2, 3, 5, 8):
+        bucket = next(s for s in loop.sampled_graphs.sizes if s >= batch)
+        params = [GREEDY if i % 3 == 1 else CODE_PREDICTOR_SAMPLED.with_overrides(seed=i) for i in range(bucket)]
+        first = _first(bucket, hidden, batch, like)
+        eager = loop._run(first, _choice(pipe, *params), loop.cache)
+        graphed = loop.run(first[:batch], _choice(pipe, *params[:batch]))
+        assert torch.equal(graphed, eager[:, :batch]), f"batch {batch} (bucket {bucket})"
+        assert not torch.equal(graphed[:, 0], loop.run(first[:1])[:, 0])  # row 0 sampled
 
 
 @cuda

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 19, as run on the device machine (an H100: Python 3.12, its own CUDA torch;
 # the project's other pinned packages travel as wheels in .whl/, see the README). Usage:
-#   benchmarks/gpu/run.sh setup tests graph-tests graphs trace bench-exact bench-fast bench-sampled bench-fast-eager
-#     wide-graphs wide-graphs-bench wide
+#   benchmarks/gpu/run.sh setup tests graph-tests graphs trace bench-exact bench-fast bench-sampled bench-sampled-eager
+#     bench-fast-eager wide-graphs wide-graphs-bench wide
 # Small results (logs, json, md) are packed into $OUT/results-<steps>.tgz at the end; the gzipped
 # Chrome traces are left beside it.
 set -uo pipefail
@@ -62,9 +62,12 @@ for step in "$@"; do
     bench-fast)  # fast batching, the example's talker graphs on
       with deploy/examples/cuda.yaml /tmp/cuda-fast.yaml batching=fast
       serve_bench cuda-fast /tmp/cuda-fast.yaml ;;
-    bench-sampled)  # fast batching, the talker sampling (the HTTP default): its code predictor runs eagerly
+    bench-sampled)  # fast batching, the talker sampling (the HTTP default), its code predictor's sampled graphs on
       with deploy/examples/cuda.yaml /tmp/cuda-fast.yaml batching=fast
       serve_bench cuda-sampled /tmp/cuda-fast.yaml --sampled-speech ;;
+    bench-sampled-eager)  # the same, the code predictor's loop eager (what the sampled graphs save)
+      with deploy/examples/cuda.yaml /tmp/cuda-eager.yaml batching=fast talker.cuda_graphs=false
+      serve_bench cuda-sampled-eager /tmp/cuda-eager.yaml --sampled-speech ;;
     bench-fast-eager)  # fast batching, the code predictor's loop eager (what the graphs save)
       with deploy/examples/cuda.yaml /tmp/cuda-eager.yaml batching=fast talker.cuda_graphs=false
       serve_bench cuda-eager /tmp/cuda-eager.yaml ;;

@@ -111,32 +111,44 @@ class TokenChooser:
         scores = self.processors(history.view(1, -1).to(logits.device), logits.view(1, -1).float())
         return int(self.pick(scores, [self.generator], check=True))
 
-    def pick(self, scores: torch.Tensor, generators: Sequence[torch.Generator | None], check: bool) -> torch.Tensor:
+    def pick(self, scores: torch.Tensor, generators: Sequence[torch.Generator | None], check: bool,
+             uniforms: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Each row's id from its processed `scores` (`[n, V]`): the argmax, or sampled with
-        `generators[i]` (`draw`)."""
+        `generators[i]` or, given, `uniforms[i]` (`draw`)."""
         if not self.params.do_sample:
             return torch.argmax(scores, dim=-1)
-        return draw(torch.softmax(scores, dim=-1), generators, check=check)
+        return draw(torch.softmax(scores, dim=-1), generators, check=check, uniforms=uniforms)
 
     def is_stop(self, token: int) -> bool:
         return token in self.params.stop_ids
 
 
-def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None], check: bool = False) -> torch.Tensor:
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None], check: bool = False,
+         uniforms: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Row i's id drawn from `probs[i]` (`[n, V]`) with `generators[i]`, `[n]` on the device: one
-    uniform per row from its own generator, then the inverse of the row's cumulative sum, the rows
-    together. A row's draw is its own whatever rows are beside it, and a batch costs one small
-    call per row instead of one `multinomial` each (those were over a quarter of the code
-    predictor's sampled frame at batch 16 on CPU). The sum is in float64, so a uniform below 1
-    never lands past the last id with any probability, and one of 0 takes the first."""
-    u = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generators]).double()
+    uniform per row from its own generator (or `uniforms[i]`, drawn before), then the inverse of
+    the row's cumulative sum, the rows together. A row's draw is its own whatever rows are beside
+    it, and a batch costs one small call per row instead of one `multinomial` each (those were
+    over a quarter of the code predictor's sampled frame at batch 16 on CPU)."""
+    if uniforms is None:
+        uniforms = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generators])
+    return in_vocabulary(inverse_cdf(probs, uniforms), probs.shape[-1], check)
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Row i's first id whose cumulative probability passes `uniforms[i]` of the row's total,
+    `[n]`; `V` for a row that is no distribution. The sum is in float64, so a uniform below 1
+    never lands past the last id with any probability, and one of 0 takes the first. Fixed
+    shapes and no host sync: capturable in a CUDA graph."""
     cdf = probs.double().cumsum(dim=-1)
-    picks = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).view(-1)
-    # A row that is no distribution (NaN or infinite logits: a broken checkpoint, an overflow)
-    # finds no id: V. That raises on the CPU, and on a GPU with `check` (a host sync: callers
-    # that bring the ids to the host anyway); else the id is kept in range (an id past the
-    # embedding would be a device-side assert, fatal to the process).
-    vocab = probs.shape[-1]
+    return torch.searchsorted(cdf, (uniforms.double() * cdf[:, -1]).unsqueeze(-1), right=True).view(-1)
+
+
+def in_vocabulary(picks: torch.Tensor, vocab: int, check: bool) -> torch.Tensor:
+    """`picks`, where a row that found no id (NaN or infinite logits: a broken checkpoint, an
+    overflow) is `vocab`. That raises on the CPU, and on a GPU with `check` (a host sync: callers
+    that bring the ids to the host anyway); else the id is kept in range (an id past the
+    embedding would be a device-side assert, fatal to the process)."""
     if check or picks.device.type == "cpu":
         if bool((picks >= vocab).any()):
             raise RuntimeError("sampling: a row's probabilities are not a distribution (NaN or infinite logits)")
@@ -160,7 +172,20 @@ def choose_batch(
     return RowChoice(choosers, logits.device, check=True)(logits, histories).tolist()  # type: ignore[no-any-return]
 
 
-def _alike(chooser: TokenChooser) -> tuple[Any, ...]:
+def greedy_or_drawn(lead: TokenChooser, logits: torch.Tensor, uniforms: torch.Tensor, sampled: torch.Tensor,
+                    check: bool = False) -> torch.Tensor:  # fmt: skip
+    """Row i's id: where `sampled[i]`, drawn through `lead`'s processors with `uniforms[i]`;
+    elsewhere the argmax of its raw logits. Every row goes through the same ops, whatever it is:
+    fixed shapes and no host sync (off the CPU, without `check`), so a CUDA graph can replay it.
+    For a batch whose sampled rows have `lead`'s processors and whose other rows none: `RowChoice`
+    gives it the same ids (each op works row by row)."""
+    raw = logits.float()
+    scores = lead.processors(raw.new_empty((raw.shape[0], 0), dtype=torch.long), raw)
+    drawn = inverse_cdf(torch.softmax(scores, dim=-1), uniforms)
+    return in_vocabulary(torch.where(sampled, drawn, torch.argmax(raw, dim=-1)), raw.shape[-1], check)
+
+
+def alike(chooser: TokenChooser) -> tuple[Any, ...]:
     """What a chooser's processors and pick depend on, its generator aside (greedy: no warpers)."""
     p = chooser.params
     warpers = (p.temperature, p.top_k, p.top_p) if p.do_sample else ()
@@ -185,12 +210,15 @@ class RowChoice:
         self.check = check
         groups: dict[tuple[Any, ...], list[int]] = {}
         for i, chooser in enumerate(choosers):
-            groups.setdefault(_alike(chooser), []).append(i)
+            groups.setdefault(alike(chooser), []).append(i)
         self.groups = list(groups.values())
         self.index = ([torch.tensor(rows, device=device) for rows in self.groups]
                       if len(self.groups) > 1 else [None])  # fmt: skip
 
-    def __call__(self, logits: torch.Tensor, histories: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, histories: Sequence[Sequence[int]] | None = None,
+                 uniforms: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """`uniforms` (`[n]`, on the device): the sampled rows' draws, made before (else each
+        row's generator gives one now)."""
         vocab = logits.shape[-1]
         if not self.groups:
             return torch.empty(0, dtype=torch.long, device=logits.device)
@@ -205,7 +233,8 @@ class RowChoice:
                 ids = torch.tensor(padded, dtype=torch.long).view(len(rows), longest).to(logits.device)
             lead = self.choosers[rows[0]]
             scores = lead.processors(ids, (logits if index is None else logits.index_select(0, index)).float())
-            picks = lead.pick(scores, [self.choosers[i].generator for i in rows], self.check)
+            drawn = None if uniforms is None else uniforms if index is None else uniforms.index_select(0, index)
+            picks = lead.pick(scores, [self.choosers[i].generator for i in rows], self.check, drawn)
             if out is None:
                 return picks
             out.index_copy_(0, index, picks)  # type: ignore[arg-type]

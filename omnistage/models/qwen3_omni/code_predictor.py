@@ -17,30 +17,69 @@ order on the same inputs, so its numbers are the forward's bitwise:
 * no mask is built: the packed attention kernels (models/batching.py) take none on the batch
   axis, where a two-row prefill is causal and a one-row step sees every slot.
 
-On CUDA, `capture(max_batch)` records the greedy loop as CUDA graphs (models/cuda_graphs.py),
-one per batch size bucket, with its own slot cache at fixed addresses: a frame's 15 groups are
-then one launch instead of hundreds. Each row is computed on its own in both batching modes
-(exact: by construction; fast: a GEMM's rows and the batch axis of SDPA are independent in
-value, only their last bits depend on the batch), so the padding rows of a bucket touch no
-real row.
+Sampled rows (the talker's default over HTTP) draw their codes with `ResidualChoice`: a row's
+uniforms for all of a frame's groups come from its generator before the frame, so the loop
+itself is the same fixed ops whatever the rows are (`greedy_or_drawn`).
+
+On CUDA, `capture(max_batch, like, sampled)` records the loop as CUDA graphs
+(models/cuda_graphs.py), one per batch size bucket, for greedy batches and for batches with
+rows sampled `sampled`'s way, each set with its own slot cache at fixed addresses: a frame's 15
+groups are then one launch instead of hundreds. Each row is computed on its own in both
+batching modes (exact: by construction; fast: a GEMM's rows and the batch axis of SDPA are
+independent in value, only their last bits depend on the batch), so the padding rows of a
+bucket touch no real row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from omnistage.models.batching import PackedBatching, SlotCache
 from omnistage.models.cuda_graphs import BatchGraphs, bucket_sizes
+from omnistage.models.sampling import RowChoice, TokenChooser, alike, greedy_or_drawn
 
-__all__ = ["CodePredictorLoop", "greedy"]
+__all__ = ["CodePredictorLoop", "ResidualChoice", "greedy"]
+
+# choose(logits [B, V], group) -> [B] ids on the logits' device
+Choose = Callable[[torch.Tensor, int], torch.Tensor]
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
+def greedy(logits: torch.Tensor, group: int = 0) -> torch.Tensor:
     """Each row's argmax, on the logits' device (no host sync: capturable)."""
     return torch.argmax(logits.float(), dim=-1)
+
+
+class ResidualChoice:
+    """How one batch of frames picks its residual codes, row i as `choosers[i]` would: the
+    argmax of its raw logits, or drawn through its processors. A sampled row draws all of the
+    frame's uniforms (one per group, `[G - 1]`) from its generator here, before the loop: the
+    loop then runs the same ops whatever the rows are (a CUDA graph can replay it, with the
+    uniforms and which rows sample as inputs), and a row's draws stay its own whatever rows are
+    beside it (a seed replays them)."""
+
+    def __init__(self, choosers: Sequence[TokenChooser], groups: int, device: torch.device | str) -> None:
+        sampled = [c.params.do_sample for c in choosers]
+        drawn = [torch.rand(groups - 1, generator=c.generator, device=device) if s else None
+                 for c, s in zip(choosers, sampled, strict=True)]  # fmt: skip
+        zeros = torch.zeros(groups - 1, device=device)
+        self.uniforms = (torch.stack([zeros if u is None else u for u in drawn]) if choosers
+                         else torch.zeros(0, groups - 1, device=device))  # fmt: skip
+        self.sampled = torch.tensor(sampled, dtype=torch.bool, device=device)
+        # the sampled rows' processors, when they all have the same and the other rows none
+        leads = {alike(c): c for c, s in zip(choosers, sampled, strict=True) if s}
+        greedy_rest = all(s or c.plain_greedy for c, s in zip(choosers, sampled, strict=True))
+        self.lead = next(iter(leads.values())) if len(leads) == 1 and greedy_rest else None
+        self.rows = None if self.lead is not None else RowChoice(choosers, device)
+
+    def __call__(self, logits: torch.Tensor, group: int) -> torch.Tensor:
+        uniforms = self.uniforms[:, group - 1]
+        if self.rows is not None:  # rows of several kinds: each kind through its own processors
+            return self.rows(logits, uniforms=uniforms)
+        assert self.lead is not None
+        return greedy_or_drawn(self.lead, logits, uniforms, self.sampled)
 
 
 class CodePredictorLoop:
@@ -60,6 +99,8 @@ class CodePredictorLoop:
         self.cache = SlotCache(len(self.layers), capacity=num_code_groups)
         self._rope: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.graphs: BatchGraphs | None = None
+        self.sampled_graphs: BatchGraphs | None = None
+        self.sampled_kind: tuple[object, ...] | None = None
 
     def _step_rope(self, like: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each step's (cos, sin), as the forward computes them for that step's positions."""
@@ -81,30 +122,53 @@ class CodePredictorLoop:
             return self.heads[group - 1](self.norm(hidden))
 
     @torch.no_grad()
-    def run(self, first: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor] = greedy) -> torch.Tensor:
-        """`first`: `[B, 2, H]`; `choose(logits [B, V]) -> [B]` ids (on `first`'s device) picks
-        group j's codes. Returns the codes of groups 1..groups-1, `[groups - 1, B]`, where the
-        forwards ran: the ids go from one group's head to the next group's embedding without
-        leaving the device (on CUDA, no host sync per group). Greedy batches up to the captured
-        size replay a CUDA graph."""
-        graphs = self.graphs
-        if choose is greedy and graphs is not None and first.shape[0] <= graphs.max_batch:
-            return graphs(first)
-        return self._run(first, choose, self.cache)
+    def run(self, first: torch.Tensor, choice: ResidualChoice | None = None) -> torch.Tensor:
+        """`first`: `[B, 2, H]`; `choice` picks each group's codes (None: greedy). Returns the
+        codes of groups 1..groups-1, `[groups - 1, B]`, where the forwards ran: the ids go from
+        one group's head to the next group's embedding without leaving the device (on CUDA, no
+        host sync per group). A batch up to the captured size replays a CUDA graph: a greedy
+        one, or one whose sampled rows are all of the captured kind."""
+        batch = first.shape[0]
+        if choice is None:
+            if self.graphs is not None and batch <= self.graphs.max_batch:
+                return self.graphs(first)
+            return self._run(first, greedy, self.cache)
+        graphs = self.sampled_graphs
+        if (graphs is not None and batch <= graphs.max_batch and choice.lead is not None
+                and alike(choice.lead) == self.sampled_kind):  # fmt: skip
+            return graphs(first, choice.uniforms, choice.sampled)
+        return self._run(first, choice, self.cache)
 
     @torch.no_grad()  # nothing recorded for autograd, in the warm-up or the capture
-    def capture(self, max_batch: int, like: torch.Tensor) -> None:
-        """CUDA graphs of the greedy loop for batches up to `max_batch`, for inputs of `like`'s
-        dtype and device (`[1, 2, H]`)."""
-        # Its own cache, sized for the largest batch before the first capture: the eager loop's
-        # may grow (reallocate) later, which would leave a graph writing to freed memory.
+    def capture(self, max_batch: int, like: torch.Tensor, sampled: TokenChooser | None = None) -> None:
+        """CUDA graphs of the loop for batches up to `max_batch`, for inputs of `like`'s dtype and
+        device (`[1, 2, H]`): greedy, and, given `sampled`, with rows that sample its way (its
+        processors; each row's own uniforms) among greedy ones."""
+        # Each set its own cache, sized for the largest batch before the first capture: the eager
+        # loop's may grow (reallocate) later, which would leave a graph writing to freed memory.
         # The same for RoPE's tables: held here, not recomputed by a call in another dtype.
-        cache = SlotCache(len(self.layers), capacity=self.groups)
         rope = self._step_rope(like)
-        self.graphs = BatchGraphs(lambda first: self._run(first, greedy, cache, rope), bucket_sizes(max_batch),
-                                  like, out_batch_dim=1)  # fmt: skip
+        sizes = bucket_sizes(max_batch)
+        cache = SlotCache(len(self.layers), capacity=self.groups)
+        self.graphs = BatchGraphs(lambda first: self._run(first, greedy, cache, rope), sizes, like,
+                                  out_batch_dim=1)  # fmt: skip
+        if sampled is None:
+            return
+        lead = sampled
+        sampled_cache = SlotCache(len(self.layers), capacity=self.groups)
 
-    def _run(self, first: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor], cache: SlotCache,
+        def loop(first: torch.Tensor, uniforms: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            def choose(logits: torch.Tensor, group: int) -> torch.Tensor:
+                return greedy_or_drawn(lead, logits, uniforms[:, group - 1], rows)
+
+            return self._run(first, choose, sampled_cache, rope)
+
+        inputs = (like, like.new_zeros((1, self.groups - 1), dtype=torch.float32),
+                  like.new_ones(1, dtype=torch.bool))  # fmt: skip
+        self.sampled_graphs = BatchGraphs(loop, sizes, inputs, out_batch_dim=1)
+        self.sampled_kind = alike(lead)
+
+    def _run(self, first: torch.Tensor, choose: Choose, cache: SlotCache,
              rope: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:  # fmt: skip
         batch = first.shape[0]
         rope = rope or self._step_rope(first)
@@ -112,7 +176,7 @@ class CodePredictorLoop:
         logits = self._forward(first, rope[0], 1, cache)
         codes = []
         for group in range(1, self.groups):
-            step = choose(logits[:, -1])
+            step = choose(logits[:, -1], group)
             codes.append(step)
             if group == self.groups - 1:
                 break

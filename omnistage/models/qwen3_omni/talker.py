@@ -20,14 +20,14 @@ is needed, so the talker runs one token behind the thinker.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from omnistage.models.batching import PackedBatching, PackedCache, SlotCache
-from omnistage.models.qwen3_omni.code_predictor import CodePredictorLoop, greedy
+from omnistage.models.qwen3_omni.code_predictor import CodePredictorLoop, ResidualChoice
 from omnistage.models.qwen3_omni.multimodal import RopeInputs, check_rope_sizes, talker_positions
 from omnistage.models.qwen3_omni.prompt import (
     ASSISTANT_HEADER_LEN,
@@ -40,7 +40,6 @@ from omnistage.models.qwen3_omni.spec import FamilySpec
 from omnistage.models.sampling import (
     CODE_PREDICTOR_SAMPLED,
     GREEDY,
-    RowChoice,
     SamplingParams,
     TokenChooser,
     choose_batch,
@@ -111,8 +110,8 @@ class Talker:
     def __init__(self, model: Any, spec: FamilySpec, tts_special_embeds: torch.Tensor,
                  row_modules: tuple[type, ...] = (), batching: str = "exact",
                  cuda_graphs: int = 0) -> None:  # fmt: skip
-        """`cuda_graphs`: on CUDA, the largest batch whose greedy code-predictor loop replays a
-        captured graph (0: none; code_predictor.py)."""
+        """`cuda_graphs`: on CUDA, the largest batch whose code-predictor loop replays a captured
+        graph, greedy or sampled (0: none; code_predictor.py)."""
         self.model = model
         self.spec = spec
         self.device = next(model.parameters()).device
@@ -128,7 +127,9 @@ class Talker:
         self.check_sizes = talker_ids == tuple(spec.multimodal_ids)
         if cuda_graphs:
             like = torch.zeros(1, 2, spec.talker_hidden, dtype=model.dtype, device=self.device)
-            self.code_predictor.capture(cuda_graphs, like)
+            # the code predictor's sampled rows all sample its defaults (`new_state`)
+            sampled = TokenChooser(CODE_PREDICTOR_SAMPLED, device=str(self.device))
+            self.code_predictor.capture(cuda_graphs, like, sampled)
 
     def set_prompt(self, state: TalkerState, ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None,
                    rope: Mapping[str, torch.Tensor] | None = None) -> None:  # fmt: skip
@@ -284,13 +285,12 @@ class Talker:
         code0 = torch.tensor([[s.code0] for s in states], device=self.device)
         first = torch.cat((torch.cat([s.past_hidden for s in states]), self.codec_embedding(code0)), dim=1)  # type: ignore[misc]
         choosers = [s.residual_chooser for s in states]
-        choose: Callable[[torch.Tensor], torch.Tensor] = greedy  # one argmax per group for the batch, on the device
+        choice = None  # greedy: one argmax per group for the batch, on the device
         if not all(c.plain_greedy for c in choosers):
-            # alike rows through their processors as one batch, each sampled row from its own
-            # generator, the ids left on the device (no host sync per group)
-            choose = RowChoice(choosers, self.device)
-
-        residuals = self.code_predictor.run(first, choose)  # [G - 1, B]
+            # every row through the same ops, each sampled row with its own uniforms, the ids left
+            # on the device (no host sync per group)
+            choice = ResidualChoice(choosers, self.spec.num_code_groups, self.device)
+        residuals = self.code_predictor.run(first, choice)  # [G - 1, B]
         codes = torch.cat((code0.view(1, -1), residuals)).t().cpu()  # [B, G]: one copy to the host
         return list(codes.unbind(0))
 
