@@ -326,7 +326,7 @@ def test_code_predictor_loop_is_the_forward_bitwise(checkpoints: Any, name: str)
 def test_choose_batch_is_each_rows_own_choice() -> None:
     """Greedy rows with a repetition penalty and suppressed ids chosen as one batch (histories of
     different lengths, one empty) pick what each row's own `choose` picks; a sampled row too."""
-    from omnistage.models.sampling import TokenChooser, choose_batch
+    from omnistage.models.sampling import TokenChooser, choose_batch, choose_rows
 
     vocab = 40
     torch.manual_seed(1)
@@ -342,7 +342,17 @@ def test_choose_batch_is_each_rows_own_choice() -> None:
 
     own = [c.choose(logits[i], torch.tensor(histories[i], dtype=torch.long)) for i, c in enumerate(choosers())]
     assert choose_batch(choosers(), logits, histories) == own
+    assert choose_rows(choosers(), logits, histories) == own
     assert own[0] != top[0] and own[1] != top[1]  # the penalty and the suppression both acted
+    # a sampled row with no distribution gets its error; the others their own ids, the sampled
+    # one among them drawn once (what it draws alone)
+    broken = logits.clone()
+    broken[2] = float("nan")
+    params[2] = sampled
+    got = choose_rows(choosers(), broken, histories)
+    assert isinstance(got[2], RuntimeError) and "not a distribution" in str(got[2])
+    assert [got[i] for i in (0, 1, 3, 4)] == [own[i] for i in (0, 1, 3, 4)]
+    assert choose_rows([], logits[:0], []) == []
 
 
 def test_a_draw_follows_its_rows_probabilities_from_its_own_generator() -> None:

@@ -443,25 +443,39 @@ def test_sampling_params_are_validated() -> None:
     SamplingParams(temperature=1e-40)  # greedy: the temperature is never applied
 
 
-def test_a_token_that_cannot_be_chosen_fails_its_request_alone(pipeline: Any, monkeypatch: pytest.MonkeyPatch
-                                                              ) -> None:  # fmt: skip
-    """A sampler with no distribution left (NaN logits) raises while choosing; raised out of the
-    shared step it would fail every request in it: it stays on that request's result."""
+def test_a_token_that_cannot_be_chosen_fails_its_request_alone(pipeline: Any) -> None:
+    """A sampled request whose logits are no distribution (NaN) gets no token; raised out of the
+    shared step it would fail every request in it: it stays on that request's result, and the
+    request beside it gets the token it gets alone (its draw is made once)."""
     thinker = pipeline.thinker
-    states = [thinker.new_state(pipeline.thinker_defaults()) for _ in range(2)]
+    sampled = pipeline.thinker_defaults().with_overrides(do_sample=True, top_k=0, top_p=1.0, seed=3)
     ids = [pipeline.prompt_ids("hi"), pipeline.prompt_ids("Where is the train station?")]
-    for state, prompt in zip(states, ids, strict=True):
-        thinker.set_prompt(state, prompt)
 
-    def broken(logits: Any, history: Any) -> int:
-        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+    def step(prompts: list[Any]) -> list[Any]:
+        states = [thinker.new_state(sampled) for _ in prompts]
+        for state, prompt in zip(states, prompts, strict=True):
+            thinker.set_prompt(state, prompt)
+        try:
+            return thinker.step([(s, 0, len(p)) for s, p in zip(states, prompts, strict=True)])
+        finally:
+            for state in states:
+                thinker.release(state)
 
-    monkeypatch.setattr(states[1].chooser, "choose", broken)
-    good, bad = thinker.step([(s, 0, len(p)) for s, p in zip(states, ids, strict=True)])
-    assert good.error is None and good.token is not None
-    assert bad.token is None and bad.error is not None and "no token could be chosen" in str(bad.error)
-    for state in states:
-        thinker.release(state)
+    alone = step(ids[:1])[0]
+
+    def nan_last_row(module: Any, args: Any, out: torch.Tensor) -> torch.Tensor:
+        out = out.clone()
+        out[..., -1, :] = float("nan")  # the step's last row: the second request's last prompt position
+        return out
+
+    hook = thinker.model.lm_head.register_forward_hook(nan_last_row)
+    try:
+        good, bad = step(ids)
+    finally:
+        hook.remove()
+    assert good.error is None and good.token is not None and good.token.token_id == alone.token.token_id
+    assert bad.token is None and bad.error is not None
+    assert "no token could be chosen" in str(bad.error) and "not a distribution" in str(bad.error)
 
 
 def test_sampling_with_a_seed_is_repeatable(pipeline: Any) -> None:

@@ -172,6 +172,29 @@ def choose_batch(
     return RowChoice(choosers, logits.device, check=True)(logits, histories).tolist()  # type: ignore[no-any-return]
 
 
+def choose_rows(choosers: Sequence[TokenChooser], logits: torch.Tensor,
+                histories: Sequence[Sequence[int]]) -> list[int | RuntimeError]:  # fmt: skip
+    """Row i's choice, as `choosers[i].choose(logits[i], histories[i])` makes it, the rows
+    together (`RowChoice`: one host sync for them all). A row with no distribution left gets the
+    error it raises alone, and the others their ids: each sampled row's uniform is drawn once,
+    first, so the retry row by row draws nothing more."""
+    device = logits.device
+    zero = torch.zeros(1, device=device)
+    drawn = [zero if c.generator is None else torch.rand(1, generator=c.generator, device=device) for c in choosers]
+    uniforms = torch.cat(drawn) if drawn else zero[:0]
+    try:
+        return RowChoice(choosers, device, check=True)(logits, histories, uniforms).tolist()  # type: ignore[no-any-return]
+    except RuntimeError:
+        out: list[int | RuntimeError] = []
+        for i, chooser in enumerate(choosers):
+            try:
+                out.append(int(RowChoice([chooser], device, check=True)(logits[i : i + 1], histories[i : i + 1],
+                                                                        uniforms[i : i + 1])))  # fmt: skip
+            except RuntimeError as e:
+                out.append(e)
+        return out
+
+
 def greedy_or_drawn(lead: TokenChooser, logits: torch.Tensor, uniforms: torch.Tensor, sampled: torch.Tensor,
                     check: bool = False) -> torch.Tensor:  # fmt: skip
     """Row i's id: where `sampled[i]`, drawn through `lead`'s processors with `uniforms[i]`;
@@ -225,13 +248,13 @@ class RowChoice:
         out = None if len(self.groups) == 1 else torch.empty(len(self.choosers), dtype=torch.long,
                                                              device=logits.device)  # fmt: skip
         for rows, index in zip(self.groups, self.index, strict=True):
-            if histories is None:
+            lead = self.choosers[rows[0]]
+            if histories is None or lead.params.repetition_penalty == 1.0:  # the one processor that reads them
                 ids = torch.empty((len(rows), 0), dtype=torch.long, device=logits.device)
             else:
                 longest = max(len(histories[i]) for i in rows)
                 padded = [[*histories[i], *[vocab] * (longest - len(histories[i]))] for i in rows]
                 ids = torch.tensor(padded, dtype=torch.long).view(len(rows), longest).to(logits.device)
-            lead = self.choosers[rows[0]]
             scores = lead.processors(ids, (logits if index is None else logits.index_select(0, index)).float())
             drawn = None if uniforms is None else uniforms if index is None else uniforms.index_select(0, index)
             picks = lead.pick(scores, [self.choosers[i].generator for i in rows], self.check, drawn)

@@ -25,7 +25,7 @@ from omnistage.models.batching import PackedBatching, PackedCache, SlotCache
 from omnistage.models.qwen3_omni.multimodal import AudioRows, MultimodalInputs, PromptInputs, RopeInputs, encode_prompt
 from omnistage.models.qwen3_omni.prompt import text_positions
 from omnistage.models.qwen3_omni.spec import FamilySpec
-from omnistage.models.sampling import SamplingParams, TokenChooser, forced_token
+from omnistage.models.sampling import SamplingParams, TokenChooser, choose_rows, forced_token
 
 __all__ = ["PromptOutput", "Thinker", "ThinkerState", "ThinkerStep", "TokenOutput"]
 
@@ -179,27 +179,35 @@ class Thinker:
             "deepstack_visual_embeds": [torch.cat(layer) for layer in zip(*rows, strict=True)],
         }
 
-    def _emit(self, state: ThinkerState, logits: torch.Tensor, hidden_row: torch.Tensor) -> TokenOutput:
-        token = forced_token(state.sampling, len(state.history) - len(state.prompt_ids))
-        if token is None:
-            token = state.chooser.choose(logits, torch.tensor(state.history, device=self.device))
-        state.history.append(token)
-        stopped_on = None
-        if state.chooser.is_stop(token):
-            stopped_on = "stop_id"
-        elif state.generated >= state.sampling.max_tokens or len(state.history) >= state.max_len:
-            stopped_on = "max_tokens"
-        state.finished = stopped_on is not None
-        embed = self.embedding(torch.tensor([token], device=self.device))[0]
-        return TokenOutput(state.generated - 1, token, embed, hidden_row, stopped_on)
-
-    def _emit_into(self, result: ThinkerStep, state: ThinkerState, logits: torch.Tensor, hidden: torch.Tensor) -> None:
-        """`_emit`, its failure (NaN logits from NaN media, a sampler with no distribution left)
-        kept on this request's result: raised, it would fail every request in the step."""
-        try:
-            result.token = self._emit(state, logits, hidden)
-        except RuntimeError as e:
-            result.error = ValueError(f"no token could be chosen from this request's logits: {e}")
+    def _emit(self, emits: Sequence[tuple[ThinkerStep, ThinkerState, torch.Tensor]], logits: torch.Tensor) -> None:
+        """Each `(result, state, hidden row)`'s next token from its row of `logits` (`[n, V]`):
+        its given reply's, or chosen for all of them at once (`choose_rows`: one host sync for
+        the step). A row with no token to choose (NaN logits from NaN media, a sampler with no
+        distribution left) fails only its own request, on its result."""
+        tokens: list[int | RuntimeError | None] = [
+            forced_token(state.sampling, len(state.history) - len(state.prompt_ids)) for _, state, _ in emits
+        ]
+        free = [i for i, token in enumerate(tokens) if token is None]
+        if free:
+            states = [emits[i][1] for i in free]
+            rows = logits if len(free) == len(emits) else logits[free]
+            chosen = choose_rows([s.chooser for s in states], rows, [s.history for s in states])
+            for i, token in zip(free, chosen, strict=True):
+                tokens[i] = token
+        ids = [token if isinstance(token, int) else 0 for token in tokens]
+        embeds = self.embedding(torch.tensor(ids, device=self.device))
+        for (result, state, hidden_row), token, embed in zip(emits, tokens, embeds, strict=True):
+            if not isinstance(token, int):
+                result.error = ValueError(f"no token could be chosen from this request's logits: {token}")
+                continue
+            state.history.append(token)
+            stopped_on = None
+            if state.chooser.is_stop(token):
+                stopped_on = "stop_id"
+            elif state.generated >= state.sampling.max_tokens or len(state.history) >= state.max_len:
+                stopped_on = "max_tokens"
+            state.finished = stopped_on is not None
+            result.token = TokenOutput(state.generated - 1, token, embed, hidden_row, stopped_on)
 
     @torch.no_grad()
     def step(self, items: Sequence[tuple[ThinkerState, int, int]]) -> list[ThinkerStep]:
@@ -240,18 +248,19 @@ class Thinker:
                 output_hidden_states=True,
                 **self._deepstack(items),
             )
-            ends = list(itertools.accumulate(lengths))
+            lasts = [end - 1 for end in itertools.accumulate(lengths)]
             if self.batching.mode == "exact":  # each request's lm_head over all its rows, as generate() runs it
-                logits_all = self.model.lm_head(out.last_hidden_state)[0]
-                last_logits = [logits_all[end - 1] for end in ends]
+                last_logits = self.model.lm_head(out.last_hidden_state)[0, lasts]
             else:  # only the rows a token is chosen from: a 100-row prefill's lm_head at the published
                 # vocabulary (151,936 x 2,048) took 512 ms on one CPU thread, one row 80 ms
-                last_logits = list(self.model.lm_head(out.last_hidden_state[0, [end - 1 for end in ends]]))
+                last_logits = self.model.lm_head(out.last_hidden_state[0, lasts])
         embeds_all = out.hidden_states[0][0]
         accept_all = out.hidden_states[self.spec.accept_hidden_layer][0]
         results = []
+        emits: list[tuple[ThinkerStep, ThinkerState, torch.Tensor]] = []
+        emit_rows: list[int] = []
         start = 0
-        for (state, pos, n), logits in zip(items, last_logits, strict=True):
+        for row, (state, pos, n) in enumerate(items):
             end = start + n
             accept = accept_all[start:end]
             result = ThinkerStep()
@@ -266,11 +275,15 @@ class Thinker:
                     )
                     state.prompt_parts = []
                     state.prompt_inputs = None
-                    self._emit_into(result, state, logits, accept[-1])
+                    emits.append((result, state, accept[-1]))
+                    emit_rows.append(row)
             else:
-                self._emit_into(result, state, logits, accept[-1])
+                emits.append((result, state, accept[-1]))
+                emit_rows.append(row)
             results.append(result)
             start = end
+        if emits:
+            self._emit(emits, last_logits if len(emit_rows) == len(items) else last_logits[emit_rows])
         return results
 
     # ---- prefill/decode roles: the KV cache and the state moved between processes --------------
