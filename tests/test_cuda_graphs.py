@@ -138,6 +138,34 @@ def test_what_the_graphs_record_gives_the_eager_loops_codes(pipeline: Any, monke
     assert torch.equal(recorded[:, 1], loop.run(first)[:, 1]) and not torch.equal(recorded, loop.run(first))
 
 
+def test_a_sampled_capture_that_fails_leaves_sampled_batches_eager(
+    pipeline: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The sampled loop's capture failing (an op a graph cannot hold on some GPU) keeps the
+    stage serving: the greedy graphs stay, sampled batches run eagerly, and the log says why."""
+    from omnistage.models.qwen3_omni import code_predictor
+
+    loop = _loop(pipeline)
+    for name in ("graphs", "sampled_graphs", "sampled_kind"):
+        monkeypatch.setattr(loop, name, None)
+
+    def graphs(fn: Any, sizes: list[int], like: Any, out_batch_dim: int = 0) -> _Direct:
+        if not isinstance(like, torch.Tensor):  # the sampled set's inputs
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return _Direct(fn, sizes, like)
+
+    monkeypatch.setattr(code_predictor, "BatchGraphs", graphs)
+    like = next(pipeline.talker.model.parameters())
+    with caplog.at_level("WARNING"):
+        loop.capture(2, like.new_zeros(1, 2, pipeline.spec.talker_hidden), TokenChooser(CODE_PREDICTOR_SAMPLED))
+    assert isinstance(loop.graphs, _Direct) and loop.sampled_graphs is None and loop.sampled_kind is None
+    assert "sampled batches run eagerly" in caplog.text and "stream is capturing" in caplog.text
+    first = _first(2, pipeline.spec.talker_hidden, 1, like)
+    choice = [CODE_PREDICTOR_SAMPLED.with_overrides(seed=1), GREEDY]
+    assert torch.equal(loop.run(first, _choice(pipeline, *choice)), loop._run(first, _choice(pipeline, *choice),
+                                                                              loop.cache))  # fmt: skip
+
+
 def _graphed_pipeline(model_dir: Path, batching: str) -> InProcessPipeline:
     device = {"device": "cuda", "batching": batching}
     cfg = parse_config({"thinker": device, "talker": {**device, "cuda_graphs": True, "max_num_seqs": 8},

@@ -34,7 +34,7 @@ import torch
 
 from omnistage.models.batching import PackedBatching, PackedCache, SlotCache
 from omnistage.models.qwen2_5_omni.spec import FamilySpec
-from omnistage.models.sampling import SamplingParams, TokenChooser
+from omnistage.models.sampling import SamplingParams, TokenChooser, choose_batch
 
 __all__ = ["Talker", "TalkerState"]
 
@@ -185,11 +185,13 @@ class Talker:
             out = model.model(inputs_embeds=inputs, position_ids=torch.cat(positions, dim=-1), past_key_values=cache,
                               use_cache=True)  # fmt: skip
             logits_all = model.codec_head(out.last_hidden_state)[0].float()  # every row, as generate() does
-        ends = itertools.accumulate(lengths)
-        return [self._choose(state, logits_all[end - 1]) for (state, _), end in zip(items, ends, strict=True)]
+        lasts = [end - 1 for end in itertools.accumulate(lengths)]
+        states = [state for state, _ in items]
+        # every request's code at once, as its own `choose` picks it (one host sync for the step)
+        codes = choose_batch([s.chooser for s in states], logits_all[lasts], [s.history for s in states])
+        return [self._take(state, code) for state, code in zip(states, codes, strict=True)]
 
-    def _choose(self, state: TalkerState, logits: torch.Tensor) -> int | None:
-        code = state.chooser.choose(logits, torch.tensor(state.history, dtype=torch.long))
+    def _take(self, state: TalkerState, code: int) -> int | None:
         state.history.append(code)
         state.step += 1
         if state.chooser.is_stop(code):

@@ -32,6 +32,7 @@ bucket touch no real row.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -42,6 +43,8 @@ from omnistage.models.cuda_graphs import BatchGraphs, bucket_sizes
 from omnistage.models.sampling import RowChoice, TokenChooser, alike, greedy_or_drawn
 
 __all__ = ["CodePredictorLoop", "ResidualChoice", "greedy"]
+
+log = logging.getLogger(__name__)
 
 # choose(logits [B, V], group) -> [B] ids on the logits' device
 Choose = Callable[[torch.Tensor, int], torch.Tensor]
@@ -165,7 +168,12 @@ class CodePredictorLoop:
 
         inputs = (like, like.new_zeros((1, self.groups - 1), dtype=torch.float32),
                   like.new_ones(1, dtype=torch.bool))  # fmt: skip
-        self.sampled_graphs = BatchGraphs(loop, sizes, inputs, out_batch_dim=1)
+        try:
+            self.sampled_graphs = BatchGraphs(loop, sizes, inputs, out_batch_dim=1)
+        except RuntimeError as e:  # sampled batches still run, eagerly: the stage serves
+            log.warning("the code predictor's sampled loop could not be captured as CUDA graphs (%s); sampled "
+                        "batches run eagerly", e)  # fmt: skip
+            return
         self.sampled_kind = alike(lead)
 
     def _run(self, first: torch.Tensor, choose: Choose, cache: SlotCache,
