@@ -132,6 +132,20 @@ def bench_relay(
     main(target, thinker, requests, concurrency, json_out)
 
 
+@bench_app.command("grpc-floor")
+def bench_grpc_floor(
+    messages: Annotated[int, typer.Option("--messages", help="Messages per run (at most 200000).")] = 20_000,
+    payload: Annotated[int, typer.Option("--payload", help="Bytes per message (a token chunk: ~600).")] = 600,
+    repeats: Annotated[int, typer.Option("--repeats", help="Runs; the median is printed.")] = 3,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
+) -> None:
+    """CPU per streamed message of grpc.aio on loopback, client and server: the floor under every
+    token, frame and audio chunk a stage sends or relays."""
+    from benchmarks.grpc_floor import main
+
+    main(messages, payload, repeats, json_out)
+
+
 @bench_app.command("load")
 def bench_load(
     model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: a synthetic large one).")] = None,

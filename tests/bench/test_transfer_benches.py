@@ -1,11 +1,11 @@
 """The transfer benchmarks' gRPC paths run and count what arrived (short forms of
-`omnistage bench wire` and `omnistage bench pd`'s KV transfer)."""
+`omnistage bench wire`, `omnistage bench pd`'s KV transfer and `omnistage bench grpc-floor`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks import wire
+from benchmarks import grpc_floor, wire
 from benchmarks.pd import kv_transfer
 from omnistage.wire.shm import ShmPool
 
@@ -28,3 +28,13 @@ def test_wire_grpc_throughput_runs(monkeypatch: pytest.MonkeyPatch) -> None:
         pool.close()
     assert res["bytes_per_request"] == 3 * wire.GRPC_CHUNK_BYTES
     assert res["inline_mb_s"] > 0 and res["shm_mb_s"] > 0 and res["shm_used"]
+
+
+def test_the_grpc_floor_counts_every_answer_and_each_sides_cpu() -> None:
+    result = grpc_floor.measure(messages=300, repeats=1)
+    (run,) = result["runs"]
+    assert run["messages"] == 300  # every message answered (measure raises otherwise)
+    assert run["client_cpu_s"] > 0 and run["server_cpu_s"] > 0  # the server's own CPU, from its process
+    assert result["median"]["client_us_per_message"] == pytest.approx(1e6 * run["client_cpu_s"] / 300)
+    with pytest.raises(ValueError, match="--messages"):
+        grpc_floor.measure(messages=0)
