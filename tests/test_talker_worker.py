@@ -30,6 +30,7 @@ class _State:
     frames: int = 0
     stopped_on: str | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -166,3 +167,61 @@ def test_a_stage_takes_its_own_default_max_tokens_back_but_not_more() -> None:
         with pytest.raises(StageError) as e:
             edges.sampling("talker", start, TALKER_DEFAULTS, limit, "the model's positions")
         assert f"max_tokens {asked} exceeds this stage's limit {max(limit, 4096)} ({why})" in str(e.value)
+
+
+@pytest.mark.parametrize("family", ["qwen3_omni", "qwen2_5_omni"])
+def test_a_code_that_cannot_be_chosen_fails_its_request_alone(family: str, request: pytest.FixtureRequest) -> None:
+    """A sampled request whose talker logits are no distribution (NaN) fails with a clear error
+    (raised out of the shared step it would fail every request in it); the request beside it gets
+    the code it gets alone (its draw is made once)."""
+    from omnistage.wire import Code, DecodedChunk, StageError
+    from omnistage.wire.tensor_blob import LENGTH_KEY
+    from tests.conftest import staged_pipeline
+
+    pipeline = request.getfixturevalue("pipeline") if family == "qwen3_omni" else \
+        staged_pipeline(request.getfixturevalue("q25_dir"))  # fmt: skip
+    worker = pipeline.workers["talker"]
+    ids = torch.tensor(pipeline.prompt_ids("hi"))
+    h = pipeline.spec.thinker_hidden
+    g = torch.Generator().manual_seed(0)
+    prompt = {edges.PROMPT_IDS: ids, edges.PROMPT_EMBED: torch.randn(len(ids), h, generator=g),
+              edges.PROMPT_HIDDEN: torch.randn(len(ids), h, generator=g)}  # fmt: skip
+    tokens = {"ids": torch.tensor([1, 2]), edges.EMBED: torch.randn(2, h, generator=g)}
+    if pipeline.spec.talker_needs_hidden:
+        tokens[edges.HIDDEN] = torch.randn(2, h, generator=g)
+
+    def ready(name: str) -> Request:
+        start = stage_pb2.Start(request_id=name)
+        start.sampling["talker"].do_sample = True
+        start.sampling["talker"].seed = 5
+        req = Request(name, start)
+        worker.open(req)
+        worker.feed(req, DecodedChunk(prompt, {LENGTH_KEY: 0}, 0, 0, False))
+        worker.feed(req, DecodedChunk(tokens, {LENGTH_KEY: 2}, 0, 0, False))
+        return req
+
+    def step(reqs: list[Request]) -> list[Any]:
+        try:
+            return worker.execute([ScheduledItem(r, 1, False) for r in reqs])
+        finally:
+            for r in reqs:
+                worker.close(r)
+
+    alone = ready("alone")
+    step([alone])
+    good, bad = ready("good"), ready("bad")
+
+    def nan_last_row(module: Any, args: Any, out: torch.Tensor) -> torch.Tensor:
+        out = out.clone()
+        out[..., -1, :] = float("nan")  # the step's last row: the second request's last prompt position
+        return out
+
+    hook = worker.talker.model.codec_head.register_forward_hook(nan_last_row)
+    try:
+        good_out, bad_out = step([good, bad])
+    finally:
+        hook.remove()
+    assert isinstance(bad_out, StageError) and bad_out.code == Code.INVALID_ARGUMENT
+    assert "talker: no code could be chosen" in bad_out.message and "not a distribution" in bad_out.message
+    assert not isinstance(good_out, Exception)
+    assert good.state.history == alone.state.history and good.state.frames == alone.state.frames == 1  # drawn once

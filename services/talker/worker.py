@@ -106,8 +106,10 @@ class TalkerWorker(StageWorker):
         frames = dict(zip(live, self.talker.step([(r.state, r.input_finished) for r in live]), strict=True))
         return [self._output(it.request, frames.get(it.request)) for it in batch]
 
-    def _output(self, req: Request, frame: Any) -> StepOutput:
+    def _output(self, req: Request, frame: Any) -> StepOutput | Exception:
         state = req.state
+        if state.error is not None:  # this request's logits were no distribution: it alone fails
+            return invalid(f"talker: {state.error}")
         out = StepOutput()
         held = self.held[req.request_id]
         if frame is not None:

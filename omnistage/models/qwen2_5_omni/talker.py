@@ -34,7 +34,7 @@ import torch
 
 from omnistage.models.batching import PackedBatching, PackedCache, SlotCache
 from omnistage.models.qwen2_5_omni.spec import FamilySpec
-from omnistage.models.sampling import SamplingParams, TokenChooser, choose_batch
+from omnistage.models.sampling import SamplingParams, TokenChooser, choose_rows
 
 __all__ = ["Talker", "TalkerState"]
 
@@ -62,7 +62,8 @@ class TalkerState:
     code: int | None = None  # the last code, fed back next step
     history: list[int] = field(default_factory=list)  # prompt ids then codes (repetition penalty)
     frames: int = 0  # frames handed out
-    stopped_on: str | None = None  # "stop_id" | "max_tokens" | "no_text" once finished
+    stopped_on: str | None = None  # "stop_id" | "max_tokens" | "no_text" | "error" once finished
+    error: str | None = None  # why this request failed (its logits were no distribution)
 
     @property
     def finished(self) -> bool:
@@ -188,10 +189,14 @@ class Talker:
         lasts = [end - 1 for end in itertools.accumulate(lengths)]
         states = [state for state, _ in items]
         # every request's code at once, as its own `choose` picks it (one host sync for the step)
-        codes = choose_batch([s.chooser for s in states], logits_all[lasts], [s.history for s in states])
+        codes = choose_rows([s.chooser for s in states], logits_all[lasts], [s.history for s in states])
         return [self._take(state, code) for state, code in zip(states, codes, strict=True)]
 
-    def _take(self, state: TalkerState, code: int) -> int | None:
+    def _take(self, state: TalkerState, code: int | RuntimeError) -> int | None:
+        if isinstance(code, RuntimeError):  # this request alone fails; the others go on
+            state.stopped_on = "error"
+            state.error = f"no code could be chosen from this request's logits: {code}"
+            return None
         state.history.append(code)
         state.step += 1
         if state.chooser.is_stop(code):

@@ -42,7 +42,7 @@ from omnistage.models.sampling import (
     GREEDY,
     SamplingParams,
     TokenChooser,
-    choose_batch,
+    choose_rows,
 )
 
 __all__ = ["Talker", "TalkerState"]
@@ -72,7 +72,8 @@ class TalkerState:
     prompt_positions: torch.Tensor | None = None  # [4, 1, n] of a multimodal talker prompt
     last_position: torch.Tensor | None = None  # [4, 1, 1] position of the last row fed
     frames: int = 0  # frames handed out
-    stopped_on: str | None = None  # "stop_id" | "max_tokens" | "no_text" once finished
+    stopped_on: str | None = None  # "stop_id" | "max_tokens" | "no_text" | "error" once finished
+    error: str | None = None  # why this request failed (its logits were no distribution)
 
     @property
     def finished(self) -> bool:
@@ -263,9 +264,13 @@ class Talker:
         for (state, _), end in zip(items, ends.tolist(), strict=True):
             state.past_hidden = last_layer[:, end : end + 1]
         states = [state for state, _ in items]
-        code0s = choose_batch([s.chooser for s in states], out.logits[0].index_select(0, ends),
-                              [s.history for s in states])  # fmt: skip
+        code0s = choose_rows([s.chooser for s in states], out.logits[0].index_select(0, ends),
+                             [s.history for s in states])  # fmt: skip
         for state, code0 in zip(states, code0s, strict=True):
+            if isinstance(code0, RuntimeError):  # this request alone fails; the others go on
+                state.code0, state.stopped_on = None, "error"
+                state.error = f"no code could be chosen from this request's logits: {code0}"
+                continue
             self._take_code0(state, code0)
 
     @staticmethod
