@@ -323,10 +323,10 @@ def test_code_predictor_loop_is_the_forward_bitwise(checkpoints: Any, name: str)
         assert all(torch.equal(x[b : b + 1], y) for x, y in zip(together, alone, strict=True))
 
 
-def test_choose_batch_is_each_rows_own_choice() -> None:
+def test_choose_rows_is_each_rows_own_choice() -> None:
     """Greedy rows with a repetition penalty and suppressed ids chosen as one batch (histories of
     different lengths, one empty) pick what each row's own `choose` picks; a sampled row too."""
-    from omnistage.models.sampling import TokenChooser, choose_batch, choose_rows
+    from omnistage.models.sampling import TokenChooser, choose_rows
 
     vocab = 40
     torch.manual_seed(1)
@@ -341,7 +341,6 @@ def test_choose_batch_is_each_rows_own_choice() -> None:
         return [TokenChooser(p, suppress_ids=[top[1]]) for p in params]
 
     own = [c.choose(logits[i], torch.tensor(histories[i], dtype=torch.long)) for i, c in enumerate(choosers())]
-    assert choose_batch(choosers(), logits, histories) == own
     assert choose_rows(choosers(), logits, histories) == own
     assert own[0] != top[0] and own[1] != top[1]  # the penalty and the suppression both acted
     # a sampled row with no distribution gets its error; the others their own ids, the sampled

@@ -164,14 +164,6 @@ def forced_token(params: SamplingParams, generated: int) -> int | None:
     return params.forced_ids[generated] if generated < len(params.forced_ids) else params.stop_ids[0]
 
 
-def choose_batch(
-    choosers: Sequence[TokenChooser], logits: torch.Tensor, histories: Sequence[Sequence[int]]
-) -> list[int]:
-    """Row i's choice, as `choosers[i].choose(logits[i], histories[i])` makes it (`RowChoice`);
-    a row with no distribution left raises, on any device (the ids come to the host anyway)."""
-    return RowChoice(choosers, logits.device, check=True)(logits, histories).tolist()  # type: ignore[no-any-return]
-
-
 def choose_rows(choosers: Sequence[TokenChooser], logits: torch.Tensor,
                 histories: Sequence[Sequence[int]]) -> list[int | RuntimeError]:  # fmt: skip
     """Row i's choice, as `choosers[i].choose(logits[i], histories[i])` makes it, the rows
