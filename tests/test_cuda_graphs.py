@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from omnistage.config import ConfigError, parse_config
 from omnistage.models.cuda_graphs import BatchGraphs, bucket_sizes
@@ -136,6 +137,54 @@ def test_what_the_graphs_record_gives_the_eager_loops_codes(pipeline: Any, monke
     recorded = loop.run(first, _choice(pipeline, *params))
     assert torch.equal(recorded, loop._run(first, _choice(pipeline, *params), loop.cache))
     assert torch.equal(recorded[:, 1], loop.run(first)[:, 1]) and not torch.equal(recorded, loop.run(first))
+
+
+class _HostSyncs(TorchDispatchMode):
+    """Records the ops that bring a value to the host or size a tensor by its contents: each is
+    a host sync on a GPU, which a CUDA graph capture refuses."""
+
+    SYNCS = frozenset({torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+                       torch.ops.aten.masked_select.default, torch.ops.aten.unique_dim.default,
+                       torch.ops.aten._unique2.default})  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in self.SYNCS:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("batching", ["exact", "fast"])
+def test_what_the_graphs_record_brings_nothing_to_the_host(
+    batching: str, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loops the graphs record, greedy and sampled, run here op by op: none of their ops is a
+    host sync (which a capture would refuse), the CPU's own check that a draw found an id aside
+    (on a GPU the id is kept in range instead, `in_vocabulary`)."""
+    from omnistage.models import sampling
+    from omnistage.models.checkpoint import open_checkpoint
+    from omnistage.models.qwen3_omni import code_predictor
+
+    ckpt = open_checkpoint(tiny_dir)
+    loop = ckpt.family.talker(ckpt, "float32", "cpu", batching).code_predictor
+    monkeypatch.setattr(code_predictor, "BatchGraphs", _Direct)
+    like = torch.zeros(1, 2, ckpt.spec.talker_hidden)
+    loop.capture(4, like, TokenChooser(CODE_PREDICTOR_SAMPLED))
+    assert isinstance(loop.graphs, _Direct) and isinstance(loop.sampled_graphs, _Direct)
+    monkeypatch.setattr(sampling, "in_vocabulary", lambda picks, vocab, check: picks.clamp_(max=vocab - 1))
+    first = _first(3, ckpt.spec.talker_hidden, 2, like)
+    uniforms = torch.rand(3, ckpt.spec.num_code_groups - 1, generator=torch.Generator().manual_seed(0))
+    sampled = torch.tensor([True, False, True])
+    with torch.no_grad(), _HostSyncs() as syncs:
+        loop.graphs.fn(first)
+        loop.sampled_graphs.fn(first, uniforms, sampled)
+    assert syncs.seen == []
+    with _HostSyncs() as syncs:  # the mode sees them
+        bool(first.sum() > 0)
+    assert syncs.seen == ["aten._local_scalar_dense.default"]
 
 
 def test_a_sampled_capture_that_fails_leaves_sampled_batches_eager(
