@@ -376,8 +376,11 @@ def test_a_draw_follows_its_rows_probabilities_from_its_own_generator() -> None:
             draw(torch.cat((probs[:1], broken)), gens[:2])
 
 
-@pytest.mark.parametrize("mode", ["exact", "fast"])
-def test_the_code_predictors_sampled_rows_pick_what_each_rows_own_choose_picks(tiny_dir: Any, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "checkpoint"), [("exact", "tiny_dir"), ("fast", "tiny_dir"),
+                                                  ("fast", "tiny_variant_dir")])  # fmt: skip
+def test_the_code_predictors_sampled_rows_pick_what_each_rows_own_choose_picks(
+    mode: str, checkpoint: str, request: pytest.FixtureRequest
+) -> None:
     """The talker's residual codes for a batch of frames, chosen for every row at once
     (`ResidualChoice`: every row through the same ops, a sampled row with the uniforms it drew
     from its own generator when the frame started, one per group), are the codes each row's own
@@ -387,7 +390,7 @@ def test_the_code_predictors_sampled_rows_pick_what_each_rows_own_choose_picks(t
     from omnistage.models.qwen3_omni.code_predictor import ResidualChoice
     from omnistage.models.sampling import CODE_PREDICTOR_SAMPLED, GREEDY, TokenChooser
 
-    ckpt = open_checkpoint(tiny_dir)
+    ckpt = open_checkpoint(request.getfixturevalue(checkpoint))  # the variant: other code groups, widths
     loop = ckpt.family.talker(ckpt, "float32", "cpu", mode).code_predictor
     groups = ckpt.spec.num_code_groups
     first = torch.randn(5, 2, ckpt.spec.talker_hidden, generator=torch.Generator().manual_seed(3))

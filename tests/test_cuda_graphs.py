@@ -157,18 +157,20 @@ class _HostSyncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("batching", ["exact", "fast"])
+@pytest.mark.parametrize(("batching", "checkpoint"), [("exact", "tiny_dir"), ("fast", "tiny_dir"),
+                                                     ("exact", "tiny_variant_dir")])  # fmt: skip
 def test_what_the_graphs_record_brings_nothing_to_the_host(
-    batching: str, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+    batching: str, checkpoint: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The loops the graphs record, greedy and sampled, run here op by op: none of their ops is a
     host sync (which a capture would refuse), the CPU's own check that a draw found an id aside
-    (on a GPU the id is kept in range instead, `in_vocabulary`)."""
+    (on a GPU the id is kept in range instead, `in_vocabulary`). The variant checkpoint has
+    other code groups and widths."""
     from omnistage.models import sampling
     from omnistage.models.checkpoint import open_checkpoint
     from omnistage.models.qwen3_omni import code_predictor
 
-    ckpt = open_checkpoint(tiny_dir)
+    ckpt = open_checkpoint(request.getfixturevalue(checkpoint))
     loop = ckpt.family.talker(ckpt, "float32", "cpu", batching).code_predictor
     monkeypatch.setattr(code_predictor, "BatchGraphs", _Direct)
     like = torch.zeros(1, 2, ckpt.spec.talker_hidden)
@@ -179,9 +181,11 @@ def test_what_the_graphs_record_brings_nothing_to_the_host(
     uniforms = torch.rand(3, ckpt.spec.num_code_groups - 1, generator=torch.Generator().manual_seed(0))
     sampled = torch.tensor([True, False, True])
     with torch.no_grad(), _HostSyncs() as syncs:
-        loop.graphs.fn(first)
-        loop.sampled_graphs.fn(first, uniforms, sampled)
+        greedy_codes = loop.graphs.fn(first)
+        sampled_codes = loop.sampled_graphs.fn(first, uniforms, sampled)
     assert syncs.seen == []
+    assert greedy_codes.shape == sampled_codes.shape == (ckpt.spec.num_code_groups - 1, 3)
+    assert torch.equal(sampled_codes[:, 1], greedy_codes[:, 1])  # the greedy row among sampled ones
     with _HostSyncs() as syncs:  # the mode sees them
         bool(first.sum() > 0)
     assert syncs.seen == ["aten._local_scalar_dense.default"]
