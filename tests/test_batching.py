@@ -528,3 +528,22 @@ def test_a_model_with_sliding_window_layers_keeps_transformers_cache() -> None:
     sliding = Qwen2Config(num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=16,
                           use_sliding_window=True, sliding_window=8, max_window_layers=0)  # fmt: skip
     assert isinstance(SlotCache.for_model(sliding), DynamicCache)
+
+
+def test_a_choosers_history_ids_follow_its_history_as_it_grows() -> None:
+    """`history_ids` converts only what was appended since its last call; another list starts
+    over; a view it handed out stays as it was."""
+    from omnistage.models.sampling import TokenChooser
+
+    chooser = TokenChooser(SamplingParams(repetition_penalty=1.5))
+    history: list[int] = []
+    assert chooser.history_ids(history).tolist() == []
+    seen = []
+    for i in range(40):  # past several growths of the buffer
+        history.append(i * 7 % 11)
+        seen.append(chooser.history_ids(history))
+        assert seen[-1].tolist() == history
+    assert seen[3].tolist() == history[:4]  # earlier views unchanged by later appends
+    other = [5, 4, 3]
+    assert chooser.history_ids(other).tolist() == other and seen[-1].tolist() == history
+    assert chooser.history_ids(history[:2]).tolist() == history[:2]  # a new list, shorter
