@@ -109,9 +109,8 @@ class TokenChooser:
     def history_ids(self, history: Sequence[int]) -> torch.Tensor:
         """`history` as an int64 tensor (on the CPU; a view that later calls leave as it is): a
         request's history only grows by appends, so a call converts only the ids appended since
-        the last one (another sequence starts over). A
-        long history (a multimodal prompt, minutes of speech) converted whole every step took
-        milliseconds a step at batch 16."""
+        the last one (another sequence starts over). A long history (a multimodal prompt, minutes
+        of speech) converted whole every step took milliseconds a step at batch 16."""
         done = self._history_len
         if history is not self._history or len(history) < done:  # a fresh buffer: views handed out stay as they were
             self._history, self._history_ids, done = history, torch.empty(0, dtype=torch.long), 0
