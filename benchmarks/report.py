@@ -174,10 +174,15 @@ def format_stage_load(result: dict[str, Any]) -> str:
         if not load:
             continue
         parts = []
+        served = (c.get("summary") or {}).get("ok") or 0
         for role, f in load.items():
             cpu = "" if f["cpu_cores"] is None else f" cpu {f['cpu_cores']:.2f}"
             if f.get("cpu_outside_steps") is not None:
                 cpu += f" ({f['cpu_outside_steps']:.0%} outside steps)"
+            if f.get("messages") and served:
+                per = f.get("us_outside_per_message")
+                cpu += f", {f['messages'] / served:.0f} messages a request" + ("" if per is None else
+                                                                                f" ({per:.0f} us each outside steps)")
             if f["steps"]:
                 on_cpu = "" if f.get("step_on_cpu") is None else f" ({f['step_on_cpu']:.0%} on a core)"
                 parts.append(f"{role} busy {f['busy']:.2f} batch {f['mean_batch']:.1f} "
@@ -191,7 +196,8 @@ def format_stage_load(result: dict[str, Any]) -> str:
         return ""
     return "\n".join(["stage load (each stack process's own metrics over the level, and the bench client's CPU; "
                       "busy = share of the level in engine steps, cpu = cores used, outside steps = the share "
-                      "of them not in engine steps: gRPC, encoding, relaying):", *lines])
+                      "of them not in engine steps: gRPC, encoding, relaying; messages = gRPC messages sent and "
+                      "received, every hop):", *lines])
 
 
 def format_ratios(result: dict[str, Any]) -> str:

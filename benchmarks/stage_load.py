@@ -1,7 +1,9 @@
 """What each process of a served stack did during a load level, read from its own Prometheus
 metrics before and after the level: engine steps, mean batch size, mean step time, the share of
 the level's wall time spent in steps (busy), the share of the step time the engine thread was on
-a core (the rest it waited for a core or for the GIL), and the CPU the process used, in cores.
+a core (the rest it waited for a core or for the GIL), the CPU the process used, in cores, and
+the gRPC messages it sent and received (with the CPU outside steps per message: compare
+`omnistage bench grpc-floor`).
 
 Busy near 1 marks the stage that limits the pipeline. The CPU column shows how the processes
 share the machine: on 2 cores, four processes whose cores add up to about 2 are limited by the
@@ -23,6 +25,8 @@ _SAMPLES = {
     "omnistage_stage_step_seconds_sum": "step_s",
     "omnistage_stage_step_cpu_seconds_total": "step_cpu_s",
     "process_cpu_seconds_total": "cpu_s",
+    "omnistage_stage_messages_sent_total": "messages",
+    "omnistage_stage_messages_received_total": "messages",
 }
 
 
@@ -77,7 +81,8 @@ def load_between(before: dict[str, dict[str, float]], after: dict[str, dict[str,
             return _end[key] - _start.get(key, 0.0) if key in _end else None
 
         steps, batch, step_s, cpu = delta("steps"), delta("batch_sum"), delta("step_s"), delta("cpu_s")
-        step_cpu = delta("step_cpu_s")
+        step_cpu, messages = delta("step_cpu_s"), delta("messages")
+        outside = max(0.0, cpu - step_cpu) if cpu is not None and step_cpu is not None else None
         out[role] = {
             "steps": steps,
             "mean_batch": batch / steps if steps and batch is not None else None,
@@ -89,5 +94,8 @@ def load_between(before: dict[str, dict[str, float]], after: dict[str, dict[str,
             # the process's CPU outside engine steps: its event loop (gRPC, encoding, relaying) and the rest
             # (at least 0: process CPU counts in clock ticks, the engine thread's more finely)
             "cpu_outside_steps": max(0.0, 1 - step_cpu / cpu) if step_cpu is not None and cpu else None,
+            # gRPC messages sent and received (every hop), and the CPU outside steps per message
+            "messages": messages,
+            "us_outside_per_message": 1e6 * outside / messages if outside is not None and messages else None,
         }
     return out

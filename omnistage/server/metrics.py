@@ -12,6 +12,8 @@ A stage's metrics, each labelled with `stage`:
                                               steps' time when it waited for a core or the GIL)
   omnistage_stage_output_{unit}_total         tokens (thinker), frames (talker), samples (code2wav) made
   omnistage_stage_requests_opened_total       requests opened
+  omnistage_stage_messages_{sent,received}_total  gRPC messages, every hop and direction (each costs
+                                              the process CPU outside its steps: `bench grpc-floor`)
   omnistage_stage_kv_cache_usage_ratio        reserved KV-cache tokens / capacity (0 when unbounded)
   omnistage_stage_kv_held_tokens              of those, the tokens of ended requests whose outputs
                                               wait to be sent (a prefill role's KV)
@@ -60,7 +62,8 @@ class StageMetrics:
     def __init__(self, stage: str, unit: str, load: Callable[[], dict[str, float]],
                  shm_segments: Callable[[], int], requests_total: Callable[[], int],
                  shm_fallbacks: Callable[[], int] = lambda: 0, replay_bytes: Callable[[], int] = lambda: 0,
-                 replay_refusals: Callable[[], int] = lambda: 0) -> None:  # fmt: skip
+                 replay_refusals: Callable[[], int] = lambda: 0, messages_sent: Callable[[], int] = lambda: 0,
+                 messages_received: Callable[[], int] = lambda: 0) -> None:  # fmt: skip
         self.registry = registry = CollectorRegistry()
         ProcessCollector(registry=registry)  # process_cpu_seconds_total and friends (Linux)
         labels = ["stage"]
@@ -76,6 +79,9 @@ class StageMetrics:
                        "failover replay", labels, registry=registry)  # fmt: skip
         registry.register(_CounterOnScrape("omnistage_stage_requests_opened", "Requests opened", stage,
                                            requests_total))  # fmt: skip
+        for way, read in (("sent", messages_sent), ("received", messages_received)):
+            registry.register(_CounterOnScrape(f"omnistage_stage_messages_{way}", f"gRPC messages {way}, every hop",
+                                               stage, read))  # fmt: skip
         registry.register(_CounterOnScrape("omnistage_stage_shm_inline_fallbacks", "Large blobs sent inline "
                                            "because the shared-memory pool was full or the request over its share",
                                            stage, shm_fallbacks))  # fmt: skip

@@ -63,7 +63,8 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
     if metrics_port is not None:
         metrics = StageMetrics(name, definition.output_unit, engine.load, lambda: service.pool.num_segments,
                                lambda: service.requests_total, lambda: service.pool.inline_fallbacks,
-                               lambda: service.replay_memory.held, lambda: service.replay_memory.refusals)  # fmt: skip
+                               lambda: service.replay_memory.held, lambda: service.replay_memory.refusals,
+                               lambda: service.messages_sent, lambda: service.messages_received)  # fmt: skip
         engine.observer = metrics
 
     async def main() -> None:

@@ -307,6 +307,8 @@ class StageService:
         self.reader = ShmReader(enabled=shm)
         self.open_streams = 0
         self.requests_total = 0
+        # gRPC messages this process sent and received, both directions and every hop (metrics)
+        self.messages_sent = self.messages_received = 0
         self.draining = False
         self._router: Router | None = None
         self.watcher: ChainWatcher | None = None  # the stages below, polled (see start_watching)
@@ -419,17 +421,20 @@ class StageService:
             except StageError as e:
                 await self._reject(context, request_iterator, e)
             self.requests_total += 1
+            self.messages_received += 1  # the Start
             tasks.append(asyncio.create_task(self._read_inputs(req, call, request_iterator, shm_reader)))
             pending = {"self"}
             seq = 0
             while pending:
                 item = await call.get()
                 if isinstance(item, (bytes, Outgoing)):  # relayed from downstream (unchanged or resumed)
+                    self.messages_sent += 1
                     yield item
                 elif isinstance(item, StepOutput):
                     for out in item.up:
                         for chunk in await self._encode(out, seq, None, req.request_id):
                             seq += 1
+                            self.messages_sent += 1
                             yield Outgoing(stage_pb2.StageResponse(stage=self.stream), chunk)
                     if item.down:
                         self._begin_downstream(req, call, context, pending, tasks)
@@ -479,6 +484,7 @@ class StageService:
         try:
             async for msg in request_iterator:
                 index += 1
+                self.messages_received += 1
                 if call.failed:
                     continue  # the request has failed: read what the caller still sends, drop it
                 try:
@@ -579,6 +585,7 @@ class StageService:
     async def _down_messages(
         self, req: Request, call: _Call, start: stage_pb2.Start, attempt: int
     ) -> AsyncIterator[stage_pb2.StageRequest | Outgoing]:
+        self.messages_sent += 1
         yield stage_pb2.StageRequest(start=start)
         assert call.down is not None
         seq = 0
@@ -603,6 +610,7 @@ class StageService:
                         accepted = peer_accepts_shm(await call.down_call.initial_metadata())
             for chunk in await self._encode(item, seq, self.pool if accepted else None, req.request_id):
                 seq += 1
+                self.messages_sent += 1
                 yield Outgoing(stage_pb2.StageRequest(), chunk)
 
     def _replayable(self, e: grpc.aio.AioRpcError, call: _Call, context: grpc.aio.ServicerContext) -> str:
@@ -632,6 +640,7 @@ class StageService:
             parts: dict[str, list[Received[stage_pb2.StageResponse]]] = {}  # per stage: a split chunk, held whole
             try:
                 async for raw in call.down_call:
+                    self.messages_received += 1
                     if release_at_answer:
                         release_at_answer = False
                         self.pool.release_request(req.request_id)

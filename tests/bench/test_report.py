@@ -57,19 +57,21 @@ def test_stage_load_divides_the_metrics_difference_by_the_level() -> None:
     from benchmarks.report import format_stage_load
     from benchmarks.stage_load import load_between
 
-    before = {"talker": {"steps": 10.0, "batch_sum": 20.0, "step_s": 1.0, "step_cpu_s": 0.5, "cpu_s": 5.0},
-              "gateway": {"cpu_s": 1.0}}  # fmt: skip
-    after = {"talker": {"steps": 110.0, "batch_sum": 820.0, "step_s": 4.0, "step_cpu_s": 2.9, "cpu_s": 8.6},
-             "gateway": {"cpu_s": 1.4}}  # fmt: skip
+    before = {"talker": {"steps": 10.0, "batch_sum": 20.0, "step_s": 1.0, "step_cpu_s": 0.5, "cpu_s": 5.0,
+                         "messages": 100.0}, "gateway": {"cpu_s": 1.0}}  # fmt: skip
+    after = {"talker": {"steps": 110.0, "batch_sum": 820.0, "step_s": 4.0, "step_cpu_s": 2.9, "cpu_s": 8.6,
+                        "messages": 1300.0}, "gateway": {"cpu_s": 1.4}}  # fmt: skip
     load = load_between(before, after, 4.0)
     assert load["talker"] == pytest.approx({"steps": 100.0, "mean_batch": 8.0, "mean_step_ms": 30.0, "busy": 0.75,
                                             "step_on_cpu": 0.8, "cpu_cores": 0.9,
-                                            "cpu_outside_steps": 1 - 2.4 / 3.6})  # fmt: skip
+                                            "cpu_outside_steps": 1 - 2.4 / 3.6, "messages": 1200.0,
+                                            "us_outside_per_message": 1e6 * 1.2 / 1200})  # fmt: skip
     assert load["gateway"]["steps"] is None and load["gateway"]["cpu_cores"] == pytest.approx(0.1)
-    levels = [{"name": "grpc c=16", "stage_load": load}, {"name": "x"}]
+    assert load["gateway"]["messages"] is None and load["gateway"]["us_outside_per_message"] is None
+    levels = [{"name": "grpc c=16", "stage_load": load, "summary": {"ok": 4}}, {"name": "x"}]
     text = format_stage_load({"machine": {"affinity_cpus": 2}, "configurations": levels})
-    assert "grpc c=16: talker busy 0.75 batch 8.0 step 30.0 ms (80% on a core) cpu 0.90 (33% outside steps); " \
-           "gateway cpu 0.10; " \
+    assert "grpc c=16: talker busy 0.75 batch 8.0 step 30.0 ms (80% on a core) cpu 0.90 (33% outside steps), " \
+           "300 messages a request (1000 us each outside steps); gateway cpu 0.10; " \
            "all 1.00 cores of 2" in text  # fmt: skip
     assert format_stage_load({"configurations": [{"name": "x"}]}) == ""
 

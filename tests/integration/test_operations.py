@@ -142,6 +142,9 @@ def test_the_bench_reads_each_process_load_over_a_request(served: dict[str, Any]
         assert 0 < load[name]["busy"] < 1 and load[name]["mean_step_ms"] > 0, (name, load[name])
         assert 0 < load[name]["step_on_cpu"] <= 1.05, (name, load[name])  # thread CPU time has coarse ticks
     assert all(f["cpu_cores"] is not None and f["cpu_cores"] > 0 for f in load.values()), load
+    # gRPC messages: the thinker sent its 6 tokens up and down at least; the others took some in
+    assert load["thinker"]["messages"] >= 12 and load["talker"]["messages"] >= 3, load
+    assert load["code2wav"]["messages"] >= 3 and load["gateway"]["messages"] is None, load
 
 
 def test_client_json_has_the_text_and_request_id_and_the_access_log_has_a_line(
