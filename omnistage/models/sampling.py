@@ -155,8 +155,17 @@ def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None], chec
     it, and a batch costs one small call per row instead of one `multinomial` each (those were
     over a quarter of the code predictor's sampled frame at batch 16 on CPU)."""
     if uniforms is None:
-        uniforms = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generators])
+        uniforms = draw_uniforms(generators, 1, probs.device).view(-1)
     return in_vocabulary(inverse_cdf(probs, uniforms), probs.shape[-1], check)
+
+
+def draw_uniforms(generators: Sequence[torch.Generator | None], per_row: int,
+                  device: torch.device | str) -> torch.Tensor:  # fmt: skip
+    """`[n, per_row]` uniforms, row i from `generators[i]` in one call; zeros for a row with none
+    (greedy: it reads none)."""
+    zeros = torch.zeros(per_row, device=device)
+    rows = [zeros if g is None else torch.rand(per_row, generator=g, device=device) for g in generators]
+    return torch.stack(rows) if rows else torch.zeros(0, per_row, device=device)
 
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -195,9 +204,7 @@ def choose_rows(choosers: Sequence[TokenChooser], logits: torch.Tensor,
     error it raises alone, and the others their ids: each sampled row's uniform is drawn once,
     first, so the retry row by row draws nothing more."""
     device = logits.device
-    zero = torch.zeros(1, device=device)
-    drawn = [zero if c.generator is None else torch.rand(1, generator=c.generator, device=device) for c in choosers]
-    uniforms = torch.cat(drawn) if drawn else zero[:0]
+    uniforms = draw_uniforms([c.generator for c in choosers], 1, device).view(-1)
     try:
         return RowChoice(choosers, device, check=True)(logits, histories, uniforms).tolist()  # type: ignore[no-any-return]
     except RuntimeError:
@@ -211,17 +218,17 @@ def choose_rows(choosers: Sequence[TokenChooser], logits: torch.Tensor,
         return out
 
 
-def greedy_or_drawn(lead: TokenChooser, logits: torch.Tensor, uniforms: torch.Tensor, sampled: torch.Tensor,
-                    check: bool = False) -> torch.Tensor:  # fmt: skip
+def greedy_or_drawn(lead: TokenChooser, logits: torch.Tensor, uniforms: torch.Tensor,
+                    sampled: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """Row i's id: where `sampled[i]`, drawn through `lead`'s processors with `uniforms[i]`;
     elsewhere the argmax of its raw logits. Every row goes through the same ops, whatever it is:
-    fixed shapes and no host sync (off the CPU, without `check`), so a CUDA graph can replay it.
+    fixed shapes and no host sync (off the CPU), so a CUDA graph can replay it.
     For a batch whose sampled rows have `lead`'s processors and whose other rows none: `RowChoice`
     gives it the same ids (each op works row by row)."""
     raw = logits.float()
     scores = lead.processors(raw.new_empty((raw.shape[0], 0), dtype=torch.long), raw)
     drawn = inverse_cdf(torch.softmax(scores, dim=-1), uniforms)
-    return in_vocabulary(torch.where(sampled, drawn, torch.argmax(raw, dim=-1)), raw.shape[-1], check)
+    return in_vocabulary(torch.where(sampled, drawn, torch.argmax(raw, dim=-1)), raw.shape[-1], check=False)
 
 
 def alike(chooser: TokenChooser) -> tuple[Any, ...]:

@@ -40,7 +40,7 @@ from torch import nn
 
 from omnistage.models.batching import PackedBatching, SlotCache
 from omnistage.models.cuda_graphs import BatchGraphs, bucket_sizes
-from omnistage.models.sampling import RowChoice, TokenChooser, alike, greedy_or_drawn
+from omnistage.models.sampling import RowChoice, TokenChooser, alike, draw_uniforms, greedy_or_drawn
 
 __all__ = ["CodePredictorLoop", "ResidualChoice", "greedy"]
 
@@ -65,11 +65,7 @@ class ResidualChoice:
 
     def __init__(self, choosers: Sequence[TokenChooser], groups: int, device: torch.device | str) -> None:
         sampled = [c.params.do_sample for c in choosers]
-        drawn = [torch.rand(groups - 1, generator=c.generator, device=device) if s else None
-                 for c, s in zip(choosers, sampled, strict=True)]  # fmt: skip
-        zeros = torch.zeros(groups - 1, device=device)
-        self.uniforms = (torch.stack([zeros if u is None else u for u in drawn]) if choosers
-                         else torch.zeros(0, groups - 1, device=device))  # fmt: skip
+        self.uniforms = draw_uniforms([c.generator for c in choosers], groups - 1, device)  # greedy rows: none
         self.sampled = torch.tensor(sampled, dtype=torch.bool, device=device)
         # the sampled rows' processors, when they all have the same and the other rows none
         leads = {alike(c): c for c, s in zip(choosers, sampled, strict=True) if s}
@@ -166,8 +162,9 @@ class CodePredictorLoop:
 
             return self._run(first, choose, sampled_cache, rope)
 
+        # the frames, the uniforms and which rows sample (their shapes and dtypes: BatchGraphs holds zeros)
         inputs = (like, like.new_zeros((1, self.groups - 1), dtype=torch.float32),
-                  like.new_ones(1, dtype=torch.bool))  # fmt: skip
+                  like.new_zeros(1, dtype=torch.bool))  # fmt: skip
         try:
             self.sampled_graphs = BatchGraphs(loop, sizes, inputs, out_batch_dim=1)
         except RuntimeError as e:  # sampled batches still run, eagerly: the stage serves
