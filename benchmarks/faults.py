@@ -144,7 +144,9 @@ def _bad_chunks(stage: str, dims: Dims, rng: random.Random) -> list[tuple[str, A
             ("length-mismatch", encode_chunk({"codes": torch.zeros(g, 2, dtype=torch.long)}, offset=0, length=5)),
             ("wrong-name", encode_chunk({"audio": torch.zeros(8)}, offset=0, length=8)),
             ("code-out-of-range", encode_chunk({"codes": torch.full((g, 2), dims.codebook_size)}, offset=0,
-                                               length=2))]  # fmt: skip
+                                               length=2)),
+            ("decode-now-not-a-bool", encode_chunk({"codes": torch.zeros(g, 2, dtype=torch.long)}, offset=0,
+                                                   length=2, meta={"decode_now": 1}))]  # fmt: skip
 
 
 def _bad_starts(stage: str, rid: str) -> list[tuple[str, stage_pb2.Start]]:

@@ -112,6 +112,11 @@ class TalkerConfig(StageConfig):
 class Code2WavConfig(StageConfig):
     chunk_frames: int = Field(25, ge=1, le=1000)
     first_chunk_frames: int = Field(2, ge=1, le=1000)
+    first_chunk_frames_idle: int | None = Field(
+        1, ge=1, le=1000, description="the first chunk's frames when the talker makes a request's first frame "
+        "with no other request in its step: an idle pipeline gives the first audio a talker step sooner, and its "
+        "next chunk comes well before that audio has played; under load first_chunk_frames, whose longer first "
+        "audio covers a slower next chunk. null: first_chunk_frames always")
     left_context_frames: int = Field(25, ge=0, le=1000)
     streaming: Literal["exact", "windowed"] = "exact"
     # A request's backlog (code2wav behind its talker) goes through in steps of at most this many
@@ -121,17 +126,32 @@ class Code2WavConfig(StageConfig):
     max_frames_per_step: int = Field(250, ge=1, le=1 << 20, description="most frames of one request "
                                      "decoded in one step; the rest wait for the next")  # fmt: skip
 
-    def chunk_target(self, frames_done: int) -> int:
+    @model_validator(mode="after")
+    def _idle_first_chunk_no_longer(self) -> Code2WavConfig:
+        if self.first_chunk_frames_idle is not None and self.first_chunk_frames_idle > self.first_chunk_frames:
+            raise ValueError(f"first_chunk_frames_idle ({self.first_chunk_frames_idle}) must not exceed "
+                             f"first_chunk_frames ({self.first_chunk_frames}): it is the idle pipeline's shorter one")
+        return self
+
+    def chunk_target(self, frames_done: int, idle: bool = False) -> int:
         """Frames in a request's next decode: `first_chunk_frames` for its first, then as many as
         were already decoded, up to `chunk_frames` (2, 2, 4, 8, 16, 25, 25, ... by default). The
         first audio waits for few frames, and no later chunk is longer than the audio already
         out, so a pipeline faster than real time delivers it before the client has played what it
         has (a fixed 25 after the first left 4 frames of audio to cover 25: at c=16 on 2 cores,
         clients ran dry for 0.4-0.7 s, p99). The code2wav stage decodes when that many are final;
-        a talker feeding a causal decoder sends its frames on the same schedule."""
+        a talker feeding a causal decoder sends its frames on the same schedule.
+
+        `idle`: the talker made the request's first frame alone in its step. Its first chunk is
+        then `first_chunk_frames_idle` (1, 1, 2, 4, 8, 16, 25, ... by default: one decode more), and
+        the talker tells code2wav to decode it at once (edges.DECODE_NOW). The chunks after it keep
+        the rule, so a burst of requests that arrives just after (the pipeline no longer idle) has
+        one frame's time, not two, to get the second chunk out before the first has played."""
         if frames_done == 0:
+            if idle and self.first_chunk_frames_idle is not None:
+                return self.first_chunk_frames_idle
             return self.first_chunk_frames
-        return min(self.chunk_frames, max(self.first_chunk_frames, frames_done))
+        return min(self.chunk_frames, frames_done)
 
 
 class GatewayConfig(_Strict):

@@ -26,7 +26,9 @@ checks a receiver makes (errors name the stage and the field: INVALID_ARGUMENT).
                                         holding the thinker's last token is finished (the talker
                                         turns that token into tts_eos, so an empty finished chunk
                                         after it is refused)
-    talker   -> code2wav  Frames        codes [G, n]; then an empty finished chunk
+    talker   -> code2wav  Frames        codes [G, n], meta decode_now when the talker cut the chunk
+                                        short of the schedule (an idle pipeline's first chunk);
+                                        then an empty finished chunk
     talker   -> caller    Frames        the same chunks, and the finished one says why
     code2wav -> caller    Audio         audio [samples] float32, meta sample_rate; then finished
 
@@ -67,6 +69,7 @@ ROPE = ("audio_lengths", "image_grid_thw", "video_grid_thw", "video_second_per_g
 FINISH_REASON = "finish_reason"  # on a finished chunk to the caller: "stop_id", "max_tokens", ...
 SAMPLE_RATE = "sample_rate"
 USE_AUDIO_IN_VIDEO = "use_audio_in_video"
+DECODE_NOW = "decode_now"  # on a Frames chunk cut short of code2wav's schedule: decode what is final at once
 
 INT_DTYPES = (torch.int64, torch.int32)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -85,6 +88,14 @@ def check_names(stage: str, chunk: DecodedChunk, required: set[str], optional: s
     if problems:
         expected = sorted(required | optional)
         raise invalid(f"{stage}: chunk at offset {chunk.offset}: {', '.join(problems)}; expected {expected}")
+
+
+def meta_flag(stage: str, chunk: DecodedChunk, key: str) -> bool:
+    """A bool meta key (absent: False)."""
+    flag = chunk.meta.get(key, False)
+    if not isinstance(flag, bool):
+        raise invalid(f"{stage}: meta {key!r} must be a bool, got {flag!r}")
+    return flag
 
 
 def tensor(
@@ -143,9 +154,7 @@ def read_prompt(stage: str, chunk: DecodedChunk) -> Prompt:
     check_names(stage, chunk, {IDS}, set(MULTIMODAL))
     ids = tensor(stage, chunk, IDS, INT_DTYPES, (None,))
     _check_length(stage, chunk, int(ids.shape[0]), "prompt ids")
-    flag = chunk.meta.get(USE_AUDIO_IN_VIDEO, False)
-    if not isinstance(flag, bool):
-        raise invalid(f"{stage}: meta {USE_AUDIO_IN_VIDEO!r} must be a bool, got {flag!r}")
+    flag = meta_flag(stage, chunk, USE_AUDIO_IN_VIDEO)
     mm = {k: v.clone() for k, v in chunk.tensors.items() if k != IDS}  # out of the received bytes
     return Prompt([int(i) for i in ids.tolist()], mm, flag)
 
@@ -318,9 +327,11 @@ def read_handoff(stage: str, chunk: DecodedChunk, prompt_tokens: int, hidden_siz
 # ---- talker -> code2wav, talker -> caller ----------------------------------------------------------
 
 
-def frames_chunk(offset: int, codes: torch.Tensor) -> OutChunk:
-    """`codes`: `[G, n]` frames."""
-    return OutChunk({CODES: codes}, offset=offset, length=int(codes.shape[1]))
+def frames_chunk(offset: int, codes: torch.Tensor, decode_now: bool = False) -> OutChunk:
+    """`codes`: `[G, n]` frames; `decode_now`: the receiver decodes them without waiting for its
+    schedule's count."""
+    return OutChunk({CODES: codes}, offset=offset, length=int(codes.shape[1]),
+                    meta={DECODE_NOW: True} if decode_now else {})  # fmt: skip
 
 
 def read_frames(stage: str, chunk: DecodedChunk, groups: int) -> torch.Tensor:
@@ -328,6 +339,8 @@ def read_frames(stage: str, chunk: DecodedChunk, groups: int) -> torch.Tensor:
     codes = tensor(stage, chunk, CODES, INT_DTYPES, (groups, None)).long()
     _check_length(stage, chunk, int(codes.shape[1]), "frames")
     return codes
+
+
 
 
 # ---- code2wav -> caller -----------------------------------------------------------------------------

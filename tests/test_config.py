@@ -37,6 +37,8 @@ def test_default_deploy_file_is_the_default_config() -> None:
         ({"thinker": {"device": "tpu"}}, "thinker.device"),
         ({"timeouts": {"input_wait_timeout_s": -1}}, "timeouts.input_wait_timeout_s"),
         ({"talker": {"base_port": 7101}}, "talker.base_port: port 7101"),
+        ({"code2wav": {"first_chunk_frames_idle": 3}}, "first_chunk_frames_idle (3) must not exceed"),
+        ({"code2wav": {"first_chunk_frames_idle": 0}}, "code2wav.first_chunk_frames_idle"),
     ],
 )
 def test_bad_fields_are_refused_by_name(data: dict, needle: str) -> None:

@@ -61,17 +61,25 @@ class _FakeTalker:
         pass
 
 
-def _run(causal: bool, total: int, schedule: Code2WavConfig) -> list[Any]:
+def _run_all(causal: bool, total: int, schedule: Code2WavConfig, requests: int = 1) -> list[list[Any]]:
+    """`requests` requests stepped together until each has made `total` frames: what each sent down."""
     worker = TalkerWorker(_FakeTalker(_Spec(causal), total), SamplingParams(), schedule)  # type: ignore[arg-type]
-    req = Request("r1", stage_pb2.Start(request_id="r1"))
-    worker.open(req)
-    down = []
-    while not req.state.finished:
-        (out,) = worker.execute([ScheduledItem(req, 1, False)])
-        down += out.down
-    worker.close(req)
-    assert worker.held == {}  # nothing left for the request once closed
+    reqs = [Request(f"r{i}", stage_pb2.Start(request_id=f"r{i}")) for i in range(requests)]
+    for req in reqs:
+        worker.open(req)
+    down: list[list[Any]] = [[] for _ in reqs]
+    while not all(req.state.finished for req in reqs):
+        outs = worker.execute([ScheduledItem(req, 1, False) for req in reqs])
+        for sent, out in zip(down, outs, strict=True):
+            sent += out.down
+    for req in reqs:
+        worker.close(req)
+    assert worker.held == {}  # nothing left for the requests once closed
     return down
+
+
+def _run(causal: bool, total: int, schedule: Code2WavConfig) -> list[Any]:
+    return _run_all(causal, total, schedule)[0]
 
 
 @pytest.mark.parametrize(
@@ -87,13 +95,51 @@ def _run(causal: bool, total: int, schedule: Code2WavConfig) -> list[Any]:
     ],
 )
 def test_a_causal_decoder_gets_its_frames_on_its_decode_schedule(first: int, total: int, sizes: list[int]) -> None:
-    down = _run(True, total, Code2WavConfig(base_port=7301, first_chunk_frames=first, chunk_frames=5))
+    cfg = Code2WavConfig(base_port=7301, first_chunk_frames=first, chunk_frames=5, first_chunk_frames_idle=None)
+    down = _run(True, total, cfg)
     frames = [c for c in down if edges.CODES in c.tensors]
     assert [c.length for c in frames] == sizes
     assert [c.offset for c in frames] == [sum(sizes[:i]) for i in range(len(sizes))]
     codes = torch.cat([c.tensors[edges.CODES] for c in frames], dim=1)
     assert codes.shape == (3, total) and codes[0].tolist() == list(range(total))
     assert down[-1].finished and down[-1].offset == total
+
+
+def test_a_lone_requests_first_chunk_is_the_idle_one_and_code2wav_is_told() -> None:
+    """Made alone in its step, a request's first frame goes down at once marked decode_now (not on
+    code2wav's own count); the chunks after it follow the schedule from there, unmarked."""
+    cfg = Code2WavConfig(base_port=7301, first_chunk_frames=2, chunk_frames=5)  # first_chunk_frames_idle: 1
+    down = _run(True, 12, cfg)
+    frames = [c for c in down if edges.CODES in c.tensors]
+    assert [c.length for c in frames] == [1, 1, 2, 4, 4]
+    assert [c.meta.get(edges.DECODE_NOW, False) for c in frames] == [True, False, False, False, False]
+    codes = torch.cat([c.tensors[edges.CODES] for c in frames], dim=1)
+    assert codes[0].tolist() == list(range(12))
+
+
+def test_requests_stepped_together_keep_the_first_chunk_of_the_schedule() -> None:
+    cfg = Code2WavConfig(base_port=7301, first_chunk_frames=2, chunk_frames=5)
+    for down in _run_all(True, 12, cfg, requests=2):
+        frames = [c for c in down if edges.CODES in c.tensors]
+        assert [c.length for c in frames] == [2, 2, 4, 4]
+        assert not any(edges.DECODE_NOW in c.meta for c in frames)
+
+
+def test_a_request_stepped_alone_beside_an_open_one_keeps_the_first_chunk_of_the_schedule() -> None:
+    """Another request open in the talker (say, waiting for its thinker's first token) is a
+    pipeline about to be busy: no idle first chunk, even in a step of one."""
+    cfg = Code2WavConfig(base_port=7301, first_chunk_frames=2, chunk_frames=5)
+    worker = TalkerWorker(_FakeTalker(_Spec(True), 12), SamplingParams(), cfg)  # type: ignore[arg-type]
+    stepped, waiting = (Request(r, stage_pb2.Start(request_id=r)) for r in ("stepped", "waiting"))
+    worker.open(stepped)
+    worker.open(waiting)
+    down = []
+    while not down:
+        (out,) = worker.execute([ScheduledItem(stepped, 1, False)])
+        down = [c for c in out.down if edges.CODES in c.tensors]
+    assert [c.length for c in down] == [2] and edges.DECODE_NOW not in down[0].meta
+    worker.close(waiting)
+    worker.close(stepped)
 
 
 def test_a_decoder_that_looks_ahead_gets_each_frame_as_it_is_made() -> None:

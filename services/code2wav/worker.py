@@ -3,7 +3,8 @@
 Chunking: a request's pending frames are decoded once its next chunk's worth of them
 (`Code2WavConfig.chunk_target`: `first_chunk_frames`, then growing to `chunk_frames`) are final,
 or whatever is left once its input has finished, at most `max_frames_per_step` of them a step;
-every request due in a step is decoded in one batched call.
+every request due in a step is decoded in one batched call. A chunk the talker marks decode_now
+(an idle pipeline's short first chunk) is decoded at once, as far as it is final.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Code2WavWorker(StageWorker):
         self.spec = code2wav.spec
         self.cfg = cfg
         self.sample_rate = sample_rate
+        self.decode_now: set[str] = set()  # requests whose talker asked for what they have at once
 
     def open(self, req: Request) -> None:
         start: stage_pb2.Start = req.params
@@ -46,6 +48,8 @@ class Code2WavWorker(StageWorker):
             self.code2wav.validate_codes(codes)
         except ValueError as e:
             raise invalid(f"code2wav: tensor 'codes': {e}") from None
+        if edges.meta_flag(self.name, chunk, edges.DECODE_NOW):
+            self.decode_now.add(req.request_id)
         req.state.pending.extend(codes[:, t].clone() for t in range(codes.shape[1]))
 
     def _due(self, req: Request) -> bool:
@@ -53,9 +57,11 @@ class Code2WavWorker(StageWorker):
         stream.input_done = req.input_finished
         if not stream.pending:
             return False
-        target = self.cfg.chunk_target(stream.frames_in)
         # the family's decoder says how many pending frames can be final now (a look-ahead holds some back)
-        return req.input_finished or self.code2wav.ready_frames(stream) >= target
+        ready = self.code2wav.ready_frames(stream)
+        if req.request_id in self.decode_now:
+            return ready > 0 or req.input_finished
+        return req.input_finished or ready >= self.cfg.chunk_target(stream.frames_in)
 
     def ready(self, req: Request) -> bool:
         start: stage_pb2.Start = req.params
@@ -66,6 +72,7 @@ class Code2WavWorker(StageWorker):
     def execute(self, batch: Sequence[ScheduledItem]) -> list[StepOutput | Exception]:
         """Every due request's frames go through one batched decode."""
         due = [it.request for it in batch if self._due(it.request)]
+        self.decode_now.difference_update(r.request_id for r in due)
         decoded = dict(zip(due, self.code2wav.decode_pending([r.state for r in due], self.cfg.max_frames_per_step),
                            strict=True))  # fmt: skip
         outputs: list[StepOutput | Exception] = []
@@ -81,6 +88,7 @@ class Code2WavWorker(StageWorker):
         return outputs
 
     def close(self, req: Request) -> None:
+        self.decode_now.discard(req.request_id)
         self.code2wav.close(req.state)
 
 

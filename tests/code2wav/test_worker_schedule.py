@@ -13,7 +13,7 @@ import torch
 from omnistage.config import Code2WavConfig
 from omnistage.engine import Request, ScheduledItem
 from omnistage.v1 import stage_pb2
-from omnistage.wire import DecodedChunk
+from omnistage.wire import Code, DecodedChunk, StageError
 from omnistage.wire.tensor_blob import LENGTH_KEY
 from services import edges
 from services.code2wav.worker import Code2WavWorker
@@ -63,16 +63,27 @@ class _FakeCode2Wav:
         pass
 
 
-def _decode(total: int, cfg: Code2WavConfig, per_message: int) -> list[list[int]]:
+def _frames(offset: int, n: int, **meta: Any) -> DecodedChunk:
+    codes = torch.arange(offset, offset + n).repeat(GROUPS, 1)
+    return DecodedChunk({edges.CODES: codes}, {LENGTH_KEY: n, **meta}, offset=offset)
+
+
+def _decode(total: int, cfg: Code2WavConfig, per_message: int, first_decode_now: int = 0) -> list[list[int]]:
+    """Frames `per_message` a message (the first `first_decode_now` of them in one chunk marked
+    decode_now, as a talker's idle first chunk); what each decode took."""
     worker = Code2WavWorker(_FakeCode2Wav(), cfg, sample_rate=24000)
     req = Request("r", stage_pb2.Start(request_id="r"))
     worker.open(req)
     sent = 0
+    if first_decode_now:
+        worker.feed(req, _frames(0, first_decode_now, decode_now=True))
+        sent = first_decode_now
+        if worker.ready(req):
+            worker.execute([ScheduledItem(req, 1, False)])
     while not (req.input_finished and not req.state.pending):
         n = min(per_message, total - sent)
         if n:
-            codes = torch.arange(sent, sent + n).repeat(GROUPS, 1)
-            worker.feed(req, DecodedChunk({edges.CODES: codes}, {LENGTH_KEY: n}, offset=sent))
+            worker.feed(req, _frames(sent, n))
             sent += n
         req.input_finished = sent == total
         if worker.ready(req):
@@ -93,6 +104,28 @@ def test_frames_arriving_one_by_one_are_decoded_on_the_schedule(first: int, tota
     decoded = _decode(total, Code2WavConfig(base_port=7301, first_chunk_frames=first, chunk_frames=5), per_message=1)
     assert [len(d) for d in decoded] == sizes
     assert [f for d in decoded for f in d] == list(range(total))
+
+
+def test_a_chunk_marked_decode_now_is_decoded_at_once_then_the_schedule_goes_on() -> None:
+    """The talker's idle first chunk (1 frame, under first_chunk_frames 2) is not held for a second
+    frame; after it, frames arriving one by one are decoded as many as were decoded before (from 1:
+    no chunk longer than the audio already out)."""
+    cfg = Code2WavConfig(base_port=7301, first_chunk_frames=2, chunk_frames=5)
+    decoded = _decode(12, cfg, per_message=1, first_decode_now=1)
+    assert [len(d) for d in decoded] == [1, 1, 2, 4, 4]
+    assert [f for d in decoded for f in d] == list(range(12))
+    unmarked = _decode(12, cfg, per_message=1)  # without the mark the first decode waits for 2
+    assert [len(d) for d in unmarked] == [2, 2, 4, 4]
+
+
+def test_a_decode_now_that_is_not_a_bool_is_refused() -> None:
+    worker = Code2WavWorker(_FakeCode2Wav(), Code2WavConfig(base_port=7301), sample_rate=24000)
+    req = Request("r", stage_pb2.Start(request_id="r"))
+    worker.open(req)
+    with pytest.raises(StageError) as e:
+        worker.feed(req, _frames(0, 1, decode_now=1))
+    assert e.value.code is Code.INVALID_ARGUMENT and "'decode_now' must be a bool" in e.value.message
+    assert not req.state.pending and not worker.decode_now
 
 
 def test_frames_that_arrive_together_are_decoded_together() -> None:
@@ -116,3 +149,8 @@ def test_the_default_schedule_is_the_documented_one() -> None:
         sizes.append(cfg.chunk_target(done))
         done += sizes[-1]
     assert sizes == [2, 2, 4, 8, 16, 25, 25]  # docs/architecture.md, "code2wav streaming"
+    done, idle = 0, []
+    while len(idle) < 7:
+        idle.append(cfg.chunk_target(done, idle=True))
+        done += idle[-1]
+    assert idle == [1, 1, 2, 4, 8, 16, 25]  # an idle pipeline's (the talker's first frame made alone)

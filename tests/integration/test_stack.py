@@ -50,6 +50,12 @@ def test_stack_matches_pipeline_and_generate(stack: Stack, pipeline: Any, refere
     assert torch.allclose(audio, ref_wav, atol=1e-5, rtol=0)
     streamed = torch.cat([e.pcm for e in events if isinstance(e, AudioEvent)])
     assert torch.allclose(audio, streamed, atol=1e-5, rtol=0)
+    # Alone in the stack, its first frame went down by itself (first_chunk_frames_idle: 1) and
+    # came back as one frame's audio, ahead of the schedule's first chunk of 2.
+    first_codes = next(c for c in out["talker"] if "codes" in c.tensors)
+    first_audio = next(c for c in out["code2wav"] if "audio" in c.tensors)
+    assert first_codes.length == 1 and first_codes.meta.get("decode_now") is True
+    assert first_audio.length == pipeline.workers["code2wav"].code2wav.incremental.samples_for_frames(1)
 
     # Through the gateway: the same ids and the same audio.
     reply = run(generate(stack.gateway_address, PROMPT, thinker_max_tokens=THINKER_MAX,
