@@ -114,7 +114,7 @@ class Code2WavConfig(StageConfig):
     first_chunk_frames: int = Field(2, ge=1, le=1000)
     first_chunk_frames_idle: int | None = Field(
         1, ge=1, le=1000, description="the first chunk's frames when the talker makes a request's first frame "
-        "with no other request in its step: an idle pipeline gives the first audio a talker step sooner, and its "
+        "with no other request open there: an idle pipeline gives the first audio a talker step sooner, and its "
         "next chunk comes well before that audio has played; under load first_chunk_frames, whose longer first "
         "audio covers a slower next chunk. null: first_chunk_frames always")
     left_context_frames: int = Field(25, ge=0, le=1000)
@@ -142,11 +142,12 @@ class Code2WavConfig(StageConfig):
         clients ran dry for 0.4-0.7 s, p99). The code2wav stage decodes when that many are final;
         a talker feeding a causal decoder sends its frames on the same schedule.
 
-        `idle`: the talker made the request's first frame alone in its step. Its first chunk is
-        then `first_chunk_frames_idle` (1, 1, 2, 4, 8, 16, 25, ... by default: one decode more), and
-        the talker tells code2wav to decode it at once (edges.DECODE_NOW). The chunks after it keep
-        the rule, so a burst of requests that arrives just after (the pipeline no longer idle) has
-        one frame's time, not two, to get the second chunk out before the first has played."""
+        `idle`: the talker made the request's first frame with no other request open there. Its
+        first chunk is then `first_chunk_frames_idle` (1, 1, 2, 4, 8, 16, 25, ... by default: one
+        decode more), and the talker tells code2wav to decode it at once (edges.DECODE_NOW). The
+        chunks after it keep the rule, so a burst of requests that arrives just after (the pipeline
+        no longer idle) has one frame's time, not two, to get the second chunk out before the first
+        has played."""
         if frames_done == 0:
             if idle and self.first_chunk_frames_idle is not None:
                 return self.first_chunk_frames_idle
