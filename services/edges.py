@@ -341,8 +341,6 @@ def read_frames(stage: str, chunk: DecodedChunk, groups: int) -> torch.Tensor:
     return codes
 
 
-
-
 # ---- code2wav -> caller -----------------------------------------------------------------------------
 
 
