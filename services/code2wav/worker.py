@@ -58,10 +58,8 @@ class Code2WavWorker(StageWorker):
         if not stream.pending:
             return False
         # the family's decoder says how many pending frames can be final now (a look-ahead holds some back)
-        ready = self.code2wav.ready_frames(stream)
-        if req.request_id in self.decode_now:
-            return ready > 0 or req.input_finished
-        return req.input_finished or ready >= self.cfg.chunk_target(stream.frames_in)
+        target = 1 if req.request_id in self.decode_now else self.cfg.chunk_target(stream.frames_in)
+        return req.input_finished or self.code2wav.ready_frames(stream) >= target
 
     def ready(self, req: Request) -> bool:
         start: stage_pb2.Start = req.params
