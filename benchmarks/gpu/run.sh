@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 19, as run on the device machine (an H100: Python 3.12, its own CUDA torch;
-# the project's other pinned packages travel as wheels in .whl/, see the README). Usage:
+# the project's other pinned packages travel as wheels in .whl/, made here by benchmarks/gpu/wheels.sh). Usage:
 #   benchmarks/gpu/run.sh setup tests graph-tests graphs trace bench-exact bench-fast bench-sampled bench-sampled-eager
 #     bench-fast-eager wide-graphs wide-graphs-bench wide
 # Small results (logs, json, md) are packed into $OUT/results-<steps>.tgz at the end; the gzipped
