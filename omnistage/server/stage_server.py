@@ -41,6 +41,7 @@ from omnistage.server.grpc_common import (
     stage_stream,
     wait_for_signal,
 )
+from omnistage.server.handoff import LoopHandoff
 from omnistage.server.routing import Router
 from omnistage.server.tls import name_override, server_credentials, stage_channel_credentials
 from omnistage.topology import PROCESSES, stage_def, stages_below
@@ -99,7 +100,7 @@ class _Call:
     sends_later = True  # the service tells the engine when a request's last output has left
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+        self.handoff = LoopHandoff.of(loop)  # the engine thread's way to the loop (one wake-up a step)
         _Call._serial += 1
         self.serial = _Call._serial
         self.out_q: asyncio.Queue[Any] = asyncio.Queue()
@@ -122,8 +123,7 @@ class _Call:
     def _post(self, item: Any) -> None:
         self.posted += 1  # these two written by the engine thread only
         self.posted_bytes += _size(item)
-        with contextlib.suppress(RuntimeError):  # loop closed: the call is gone
-            self.loop.call_soon_threadsafe(self.out_q.put_nowait, item)
+        self.handoff.post(self.out_q.put_nowait, item)
 
     def _over(self) -> bool:
         items = self.posted + self.relayed - self.taken
@@ -177,8 +177,7 @@ class _Call:
         self._post(_OPEN_DOWN)
 
     def on_admitted(self, req: Request) -> None:
-        with contextlib.suppress(RuntimeError):  # loop closed: the call is gone
-            self.loop.call_soon_threadsafe(self.admitted.set)
+        self.handoff.post(self.admitted.set)
 
 
 class ReplayMemory:
