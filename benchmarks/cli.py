@@ -146,6 +146,20 @@ def bench_grpc_floor(
     main(messages, payload, repeats, json_out)
 
 
+@bench_app.command("handoff")
+def bench_handoff(
+    batches: Annotated[str, typer.Option("--batches", help="Outputs per step, comma-separated.")] = "1,4,16",
+    steps: Annotated[int, typer.Option("--steps", help="Steps per run (at most 100000).")] = 2000,
+    work_us: Annotated[float, typer.Option("--work-us", help="Microseconds of GIL-holding work between steps.")] = 2000,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
+) -> None:
+    """What handing a step's outputs to the event loop costs the engine thread: one
+    call_soon_threadsafe per output against one wake-up per step (omnistage/server/handoff.py)."""
+    from benchmarks.handoff import main
+
+    main([int(b) for b in batches.split(",")], steps, work_us, json_out)
+
+
 @bench_app.command("load")
 def bench_load(
     model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: a synthetic large one).")] = None,

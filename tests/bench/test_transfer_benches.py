@@ -1,7 +1,11 @@
 """The transfer benchmarks' gRPC paths run and count what arrived (short forms of
-`omnistage bench wire`, `omnistage bench pd`'s KV transfer and `omnistage bench grpc-floor`)."""
+`omnistage bench wire`, `omnistage bench pd`'s KV transfer, `omnistage bench grpc-floor` and
+`omnistage bench handoff`)."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
@@ -38,3 +42,15 @@ def test_the_grpc_floor_counts_every_answer_and_each_sides_cpu() -> None:
     assert result["median"]["client_us_per_message"] == pytest.approx(1e6 * run["client_cpu_s"] / 300)
     with pytest.raises(ValueError, match="--messages"):
         grpc_floor.measure(messages=0)
+
+
+def test_the_handoff_bench_times_both_ways_for_each_batch(tmp_path: Path) -> None:
+    from benchmarks import handoff
+
+    rows = handoff.main([1, 3], steps=20, work_us=100, json_out=tmp_path / "handoff.json")
+    # each way twice per batch (alternated); every output reached its queue (run raises otherwise)
+    assert [(r["batch"], r["mode"]) for r in rows] == [(b, m) for b in (1, 3) for m in handoff.MODES * 2]
+    assert all(r["wall_us_p50"] > 0 and r["cpu_us_mean"] >= 0 for r in rows)
+    assert json.loads((tmp_path / "handoff.json").read_text())["rows"] == rows
+    with pytest.raises(ValueError, match="steps"):
+        handoff.main([1], steps=0, work_us=0, json_out=None)
