@@ -4,10 +4,11 @@
 step hands over one output per request in it, so a step of 16 requests made 16 writes, each a
 system call that lets go of the GIL, and the woken loop thread could take the GIL between two of
 them (py-spy under load at c=16 on 2 cores: `_write_to_self` was in 7 % of the samples of the
-thinker's engine thread and 4 % of the talker's). `LoopHandoff.post` queues the callback and
-wakes the loop only when no run of the queue is pending; the loop runs the whole queue, in order,
-when it next gets the GIL. Measured by `omnistage bench handoff` (2-core VM, a step of 16
-outputs): the engine thread's handoff took 41-200 us (p50, six runs) one write each, 5-8 us so.
+thinker's engine thread and 4 % of the talker's; with this, 3 % and 2.8 %: a write a step
+remains). `LoopHandoff.post` queues the callback and wakes the loop only when no run of the
+queue is pending; the loop runs the whole queue, in order, when it next gets the GIL. Measured
+by `omnistage bench handoff` (2-core VM, a step of 16 outputs): the engine thread's handoff took
+41-200 us (p50, six runs) with a write each, 5-8 us with one.
 """
 
 from __future__ import annotations
