@@ -5,8 +5,11 @@
   over the row each request's token is chosen from), MoE routers and experts run
   over all rows at once (transformers' `grouped_mm`), and the code predictor's attention is one
   SDPA over its batch axis. Results are close to a lone request's, not bitwise (a GEMM's rows
-  depend on how many rows it has). Attention over the packed sequence axis stays one SDPA per
-  request over its own cache (the variable-length case). Its linears stay plain `nn.Linear`,
+  depend on how many rows it has). A request's KV cache is a slot of the model's `KVPool` (the
+  talkers'; `new_cache`): a decode step's one-row requests are written with one indexed store
+  per layer and attended with one SDPA over the pool, each row masked to its own length
+  (`PooledRows`); a prefill chunk, or a decode row alone, attends over its own slot as exact
+  mode does (the variable-length case). Its linears stay plain `nn.Linear`,
   and transformers' standard RMSNorm runs as one `F.rms_norm` call (on CPU the same ops, so a
   lone request's numbers are exact mode's; measured: the talker alone 6-11 % more requests/s).
 
@@ -45,6 +48,7 @@ bitwise the same alone and in any batch.
 from __future__ import annotations
 
 import functools
+import heapq
 import inspect
 import logging
 from collections.abc import Iterator, Sequence
@@ -60,7 +64,17 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_expe
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-__all__ = ["MODES", "ExactLinear", "PackedBatching", "PackedCache", "SlotCache", "fuse_rms_norms", "grouped_linear"]
+__all__ = [
+    "MODES",
+    "ExactLinear",
+    "KVPool",
+    "PackedBatching",
+    "PackedCache",
+    "PoolSlot",
+    "SlotCache",
+    "fuse_rms_norms",
+    "grouped_linear",
+]
 
 MODES = ("exact", "fast")
 
@@ -211,27 +225,37 @@ class _PerRequestRows(nn.Module):
 
 class PackedCache:
     """The `past_key_values` of a packed forward: hands each request's slice of the new keys
-    and values to that request's own cache and keeps the full ones for attention."""
+    and values to that request's own cache and keeps the full ones for attention.
+
+    One-row requests whose caches are slots of one `KVPool` (fast mode's decode steps) are
+    written together and attended together (`PooledRows`); the rest request by request."""
 
     is_compileable = False
 
-    def __init__(self, caches: Sequence[DynamicCache | SlotCache], lengths: Sequence[int]) -> None:
+    def __init__(self, caches: Sequence[DynamicCache | SlotCache | PoolSlot], lengths: Sequence[int]) -> None:
         if len(caches) != len(lengths):
             raise ValueError("one cache per request")
         self.caches = list(caches)
         self.lengths = list(lengths)
-        self.full: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.pooled = PooledRows.of(self.caches, self.lengths)
+        self.full: dict[int, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        full = []
+        full: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         start = 0
-        for cache, n in zip(self.caches, self.lengths, strict=True):
-            k = key_states[:, :, start : start + n]
-            v = value_states[:, :, start : start + n]
-            full.append(cache.update(k, v, layer_idx))
+        members = self.pooled.members if self.pooled is not None else frozenset()
+        for i, (cache, n) in enumerate(zip(self.caches, self.lengths, strict=True)):
+            if i in members:
+                full.append(None)  # written below with the pool's other rows
+            else:
+                k = key_states[:, :, start : start + n]
+                v = value_states[:, :, start : start + n]
+                full.append(cache.update(k, v, layer_idx))
             start += n
+        if self.pooled is not None:
+            self.pooled.write(key_states, value_states, layer_idx)
         self.full[layer_idx] = full
         return key_states, value_states
 
@@ -339,6 +363,197 @@ class SlotCache:
         return self.layers[layer_idx].filled
 
 
+class KVPool:
+    """Every request's keys and values of one model in one buffer per layer,
+    `[slots, kv_heads, capacity, dim]`: a request holds a slot (`acquire()`, a `PoolSlot`, its
+    `past_key_values`), its positions fill that slot's row in place. Buffers start zeroed and
+    grow by doubling, in slots or in capacity (copying what they hold, the one copy, amortized);
+    a released slot is reused by the next request, and when the last one is released the buffers
+    go (what a burst of long requests grew is not held while the stage is idle).
+
+    What it is for: a decode step's one-row requests are written with one indexed store per layer
+    and attended with one SDPA over the pool's rows up to the highest slot in use and positions up
+    to the longest of them, each row masked to its own length (`PooledRows`), instead of one
+    write and one SDPA per request. Nothing is gathered or concatenated: the keys SDPA reads are a
+    view of the pool. Its cost: the pool holds as many positions per slot as its longest request
+    (and the padding is attended, masked); fast mode only (exact mode's per-request SDPA is what
+    `generate()` computes)."""
+
+    def __init__(self, num_layers: int, slots: int = 4, capacity: int = 64) -> None:
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.num_layers = num_layers
+        self.min_slots = max(1, slots)
+        self.min_capacity = max(1, capacity)
+        self.free: list[int] = []  # released slots, reused lowest first
+        self.next_slot = 0  # slots ever handed out
+        self.in_use: set[int] = set()
+
+    def acquire(self) -> PoolSlot:
+        if self.free:
+            index = heapq.heappop(self.free)
+        else:
+            index = self.next_slot
+            self.next_slot += 1
+        self.in_use.add(index)
+        return PoolSlot(self, index)
+
+    def release(self, slot: PoolSlot) -> None:
+        if slot.index not in self.in_use:
+            return
+        self.in_use.discard(slot.index)
+        heapq.heappush(self.free, slot.index)
+        if not self.in_use:  # idle: let the buffers go (the next requests grow new ones, amortized)
+            self.k = [None] * self.num_layers
+            self.v = [None] * self.num_layers
+            self.free.clear()
+            self.next_slot = 0
+
+    def buffers(self, layer_idx: int, slot: int, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s keys and values with room for `slot` and `end` positions (grown if
+        need be) for new rows `like` `[., kv_heads, n, dim]`."""
+        k = self.k[layer_idx]
+        _, heads, _, dim = like.shape
+        if k is None or k.shape[0] <= slot or k.shape[2] < end or k.shape[1] != heads or k.shape[3] != dim \
+                or k.dtype != like.dtype or k.device != like.device:  # fmt: skip
+            self._grow(layer_idx, slot, end, like)
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        assert k is not None and v is not None
+        return k, v
+
+    def _grow(self, layer_idx: int, slot: int, end: int, like: torch.Tensor) -> None:
+        old_k, old_v = self.k[layer_idx], self.v[layer_idx]
+        _, heads, _, dim = like.shape
+        same = old_k is not None and old_k.shape[1] == heads and old_k.shape[3] == dim and old_k.dtype == like.dtype \
+            and old_k.device == like.device  # fmt: skip
+        slots, capacity = self.min_slots, self.min_capacity
+        if same:
+            assert old_k is not None
+            slots, capacity = max(slots, old_k.shape[0]), max(capacity, old_k.shape[2])
+        while slots <= slot:
+            slots *= 2
+        while capacity < end:
+            capacity *= 2
+        k = like.new_zeros((slots, heads, capacity, dim))
+        v = like.new_zeros((slots, heads, capacity, dim))
+        if same:
+            assert old_k is not None and old_v is not None
+            k[: old_k.shape[0], :, : old_k.shape[2]] = old_k
+            v[: old_v.shape[0], :, : old_v.shape[2]] = old_v
+        self.k[layer_idx], self.v[layer_idx] = k, v
+
+
+class PoolSlot:
+    """One request's `past_key_values` in a `KVPool`: its row of every layer's buffer and how
+    many positions of it are filled. Alone (a prefill chunk, exact mode's shape of a step) it is
+    a cache like `SlotCache`: a step writes its rows after the filled ones and attention reads a
+    view. `release()` gives the slot back (once; the pool reuses it)."""
+
+    is_compileable = False
+
+    def __init__(self, pool: KVPool, index: int) -> None:
+        self.pool = pool
+        self.index = index
+        self.filled = [0] * pool.num_layers
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if key_states.shape[0] != 1:
+            raise RuntimeError(f"a pool slot holds one request, got a batch of {key_states.shape[0]}")
+        start = self.filled[layer_idx]
+        end = start + key_states.shape[2]
+        k, v = self.pool.buffers(layer_idx, self.index, end, key_states)
+        k[self.index, :, start:end] = key_states[0]
+        v[self.index, :, start:end] = value_states[0]
+        self.filled[layer_idx] = end
+        row = slice(self.index, self.index + 1)
+        return k[row, :, :end], v[row, :, :end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.filled[layer_idx]
+
+    def release(self) -> None:
+        self.pool.release(self)
+
+
+@dataclass
+class PooledRows:
+    """The one-row requests of a packed step whose caches are slots of one `KVPool`: their new
+    keys and values go in with one indexed store per layer, and their attention is one SDPA over
+    the pool's rows `[:top]` and positions `[:longest]`, each row masked to its own filled
+    positions (rows of slots not in the step attend to their first position only: finite
+    numbers, dropped)."""
+
+    pool: KVPool
+    members: frozenset[int]  # indices into the step's requests
+    rows: torch.Tensor  # [B] their rows in the packed sequence
+    slots: torch.Tensor  # [B] their slots
+    positions: torch.Tensor  # [B] where each one's new row goes
+    caches: list[PoolSlot]
+    top: int  # slots [0, top) are attended
+    longest: int  # positions [0, longest) are attended
+    _mask: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, caches: Sequence[Any], lengths: Sequence[int]) -> PooledRows | None:
+        """The pooled rows of a step, if two or more one-row requests share a pool (one alone
+        attends as a `PoolSlot` does, with a lone request's shapes)."""
+        groups: dict[int, list[int]] = {}
+        for i, (cache, n) in enumerate(zip(caches, lengths, strict=True)):
+            if n == 1 and isinstance(cache, PoolSlot) and len(set(cache.filled)) == 1:
+                groups.setdefault(id(cache.pool), []).append(i)
+        members = max(groups.values(), key=len, default=[])
+        if len(members) < 2:
+            return None
+        pooled: list[PoolSlot] = [caches[i] for i in members]
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        positions = [c.filled[0] for c in pooled]
+        device = _pool_device(pooled[0].pool)
+        as_tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
+        return cls(
+            pool=pooled[0].pool, members=frozenset(members), rows=as_tensor([starts[i] for i in members]),
+            slots=as_tensor([c.index for c in pooled]), positions=as_tensor(positions), caches=pooled,
+            top=max(c.index for c in pooled) + 1, longest=max(positions) + 1,
+        )  # fmt: skip
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
+        """The members' new rows of `[1, kv_heads, R, dim]` into their slots."""
+        k, v = self.pool.buffers(layer_idx, self.top - 1, self.longest, key_states)
+        k[self.slots, :, self.positions] = key_states[0].index_select(1, self.rows).transpose(0, 1)
+        v[self.slots, :, self.positions] = value_states[0].index_select(1, self.rows).transpose(0, 1)
+        for cache in self.caches:
+            cache.filled[layer_idx] += 1
+
+    def mask(self, device: torch.device) -> torch.Tensor:
+        """`[top, 1, 1, longest]` bool: each member's row its filled positions, the other rows
+        their first position (the same for every layer: made once)."""
+        if self._mask is None:
+            lengths = torch.ones(self.top, dtype=torch.long, device=device)
+            lengths[self.slots] = self.positions + 1
+            self._mask = (torch.arange(self.longest, device=device).view(1, -1) < lengths.view(-1, 1)).view(
+                self.top, 1, 1, self.longest
+            )
+        return self._mask
+
+    def attend(self, module: nn.Module, query: torch.Tensor, layer_idx: int, **kwargs: Any) -> torch.Tensor:
+        """The members' attention outputs `[B, 1, heads, dim]` for packed queries `[1, heads, R, dim]`."""
+        k, v = self.pool.k[layer_idx], self.pool.v[layer_idx]
+        assert k is not None and v is not None
+        q = query.new_zeros((self.top, query.shape[1], 1, query.shape[3]))
+        q[self.slots, :, 0] = query[0].index_select(1, self.rows).transpose(0, 1)
+        keys, values = k[: self.top, :, : self.longest], v[: self.top, :, : self.longest]
+        out, _ = sdpa_attention_forward(module, q, keys, values, self.mask(query.device), **kwargs)
+        return out.index_select(0, self.slots)
+
+
+def _pool_device(pool: KVPool) -> torch.device | None:
+    k = next((t for t in pool.k if t is not None), None)
+    return None if k is None else k.device
+
+
 def _causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
     """Bool mask [1, 1, q, kv] for a chunk whose first row sits at kv_len - q_len."""
     q = torch.arange(kv_len - q_len, kv_len, device=device).view(-1, 1)
@@ -382,15 +597,27 @@ def exact_attention(
     if cache is None:
         raise RuntimeError("packed forward over the sequence axis needs a PackedCache")
     layer_idx = module.layer_idx  # type: ignore[attr-defined]
+    pooled = cache.pooled.attend(module, query, layer_idx, **kwargs) if cache.pooled is not None else None
+    if pooled is not None and len(cache.pooled.members) == len(layout.lengths):  # type: ignore[union-attr]
+        return pooled.transpose(0, 1), None  # a decode step of pooled requests only: [1, B, heads, dim]
     start = 0
-    for n, (k, v) in zip(layout.lengths, cache.full[layer_idx], strict=True):
+    for n, full in zip(layout.lengths, cache.full[layer_idx], strict=True):
+        if full is None:  # a pooled row, placed below
+            outs.append(query.new_empty((1, 1, query.shape[1], query.shape[3])))
+            start += n
+            continue
+        k, v = full
         q = query[:, :, start : start + n]
         past = k.shape[-2] - n
         mask = _causal_mask(n, k.shape[-2], q.device) if n > 1 and past > 0 else None
         out, _ = sdpa_attention_forward(module, q, k, v, mask, **kwargs)
         outs.append(out)
         start += n
-    return torch.cat(outs, dim=1), None
+    packed = torch.cat(outs, dim=1)
+    if pooled is not None:
+        assert cache.pooled is not None
+        packed[0, cache.pooled.rows] = pooled[:, 0]
+    return packed, None
 
 
 def exact_experts(
@@ -510,6 +737,7 @@ class PackedBatching:
         self.mode = mode
         self.fast = mode == "fast"
         self.layout: _Layout | None = None
+        self.kv_pool: KVPool | None = None  # fast mode's request caches (`new_cache`), made on first use
         _register_kernels()
         self._check_defaults(model)
         # Fast mode computes every row together: nothing to wrap, and its norms are fused.
@@ -567,6 +795,22 @@ class PackedBatching:
             type(self.model).__name__, result["linears"], result["shapes"], result["row_by_row"],
         )  # fmt: skip
         return result
+
+    def new_cache(self, config: Any) -> SlotCache | DynamicCache | PoolSlot:
+        """A new request's KV cache for the decoder of `config`: in fast mode a slot of this
+        model's `KVPool` (a decode step writes and attends its row with the other requests'),
+        else its own `SlotCache` (transformers' `DynamicCache` where the decoder has
+        sliding-window layers). `free_cache` gives a pool slot back."""
+        if not self.fast or not SlotCache.fits(config):
+            return SlotCache.for_model(config)
+        if self.kv_pool is None:
+            self.kv_pool = KVPool(int(config.num_hidden_layers))
+        return self.kv_pool.acquire()
+
+    @staticmethod
+    def free_cache(cache: Any) -> None:
+        if isinstance(cache, PoolSlot):
+            cache.release()
 
     @contextmanager
     def step(

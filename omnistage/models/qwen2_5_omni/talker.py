@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from omnistage.models.batching import PackedBatching, PackedCache, SlotCache
+from omnistage.models.batching import PackedBatching, PackedCache
 from omnistage.models.qwen2_5_omni.spec import FamilySpec
 from omnistage.models.sampling import SamplingParams, TokenChooser, choose_rows
 
@@ -177,7 +177,7 @@ class Talker:
         positions = []
         for (state, _), n in zip(items, lengths, strict=True):
             if state.cache is None:
-                state.cache = SlotCache.for_model(model.config)
+                state.cache = self.batching.new_cache(model.config)
             positions.append(text_positions(state.cache.get_seq_length(), n, self.device))
             state.started = True
         cache = PackedCache([state.cache for state, _ in items], lengths)
@@ -209,9 +209,9 @@ class Talker:
         return code
 
     def release(self, state: TalkerState) -> None:
+        self.batching.free_cache(state.cache)
         state.cache = None
         state.prompt = None
         state.tokens = []
         if state.stopped_on is None:
             state.stopped_on = "released"
-

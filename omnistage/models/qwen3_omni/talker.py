@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from omnistage.models.batching import PackedBatching, PackedCache, SlotCache
+from omnistage.models.batching import PackedBatching, PackedCache
 from omnistage.models.qwen3_omni.code_predictor import CodePredictorLoop, ResidualChoice
 from omnistage.models.qwen3_omni.multimodal import RopeInputs, check_rope_sizes, talker_positions
 from omnistage.models.qwen3_omni.prompt import (
@@ -239,7 +239,7 @@ class Talker:
         positions = []
         for (state, _), n in zip(items, lengths, strict=True):
             if state.cache is None:  # the prompt
-                state.cache = SlotCache.for_model(self.model.config.text_config)
+                state.cache = self.batching.new_cache(self.model.config.text_config)
                 position = state.prompt_positions
                 if position is None:
                     position = text_positions(0, n, self.device)
@@ -310,6 +310,7 @@ class Talker:
         return torch.cat(parts, dim=1).sum(1, keepdim=True)
 
     def release(self, state: TalkerState) -> None:
+        self.batching.free_cache(state.cache)
         state.cache = None
         state.past_hidden = None
         state.pending_frame = None
