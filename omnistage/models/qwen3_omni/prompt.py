@@ -14,6 +14,7 @@ Talker prompt (mirrors `Qwen3OmniMoeForConditionalGeneration.generate`):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -161,18 +162,32 @@ class TalkerPromptBuilder:
         return torch.cat((user_part, assistant_part), dim=1), talker_input_ids(ids, spec)
 
     @torch.no_grad()
-    def trailing_embed(self, token_embed: torch.Tensor | None, is_last: bool) -> torch.Tensor:
-        """Trailing text for one talker step, `[1, 1, H]`.
+    def trailing_embeds(self, elements: Sequence[tuple[torch.Tensor | None, bool]], batching: Any) -> torch.Tensor:
+        """Trailing text for one talker step of several requests, `[B, 1, H]`.
 
-        `token_embed`: the layer-0 embedding `[Ht]` of thinker token g+1 for step g, or None
-        once the thinker has no token g+1 (then tts_pad). `is_last`: token g+1 is the
-        thinker's final token, which is replaced by tts_eos.
+        Each element: the layer-0 embedding `[Ht]` of thinker token g+1 for the request's step
+        g, or None once the thinker has no token g+1 (then tts_pad); and whether token g+1 is
+        the thinker's final token, which is replaced by tts_eos. The tokens are projected in one
+        call, as a packed step of one row each (`batching`, models/batching.py): in exact mode
+        each row is what projecting it alone gives, in fast mode one GEMM.
         """
-        if token_embed is None:
-            return self.tts_pad
-        if is_last:
-            return self.tts_eos
-        return self.talker.text_projection(token_embed.view(1, 1, -1))
+        project = [i for i, (embed, last) in enumerate(elements) if embed is not None and not last]
+        projected = None
+        if project:
+            rows = torch.stack([elements[i][0] for i in project]).unsqueeze(1)  # type: ignore[misc]
+            with batching.step([1] * len(project), batch_axis=True):
+                projected = self.talker.text_projection(rows)
+            if len(project) == len(elements):
+                return projected  # type: ignore[no-any-return]
+        pieces = []
+        at = {i: j for j, i in enumerate(project)}
+        for i, (embed, _) in enumerate(elements):
+            if i in at:
+                assert projected is not None
+                pieces.append(projected[at[i] : at[i] + 1])
+            else:
+                pieces.append(self.tts_pad if embed is None else self.tts_eos)
+        return torch.cat(pieces)
 
 
 @torch.no_grad()

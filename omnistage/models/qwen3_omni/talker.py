@@ -175,7 +175,7 @@ class Talker:
         state's new frame (`[num_code_groups]` codes) or None. (A frame is out in the step that
         chose its code-0, so the first frame comes with the prompt's step.)"""
         rows: list[tuple[TalkerState, torch.Tensor]] = []
-        advancing: list[tuple[TalkerState, torch.Tensor]] = []  # (state, its frame's trailing text)
+        advancing: list[tuple[TalkerState, tuple[torch.Tensor | None, bool]]] = []  # (state, its trailing text)
         for state, text_done in items:
             if state.finished:
                 continue
@@ -190,8 +190,9 @@ class Talker:
                     advancing.append((state, trailing))
         if advancing:
             sums = self._frame_sums([s.pending_frame for s, _ in advancing])  # type: ignore[misc]
-            for (state, trailing), frame_sum in zip(advancing, sums.split(1), strict=True):
-                rows.append((state, frame_sum + trailing.to(self.model.dtype)))
+            trailing = self.prompts.trailing_embeds([t for _, t in advancing], self.batching)
+            for (state, _), fed in zip(advancing, (sums + trailing.to(self.model.dtype)).split(1), strict=True):
+                rows.append((state, fed))
                 state.pending_frame = None
                 state.step += 1
         if rows:
@@ -222,15 +223,14 @@ class Talker:
         state.prompt = (ids, embeds.new_empty((0, embeds.shape[1])), None)
         return prompt.to(self.model.dtype)
 
-    def _trailing(self, state: TalkerState, text_done: bool) -> torch.Tensor | None:
-        """The trailing text `[1, 1, H]` fed with the pending frame at step g: thinker token g+1,
-        once it (or the end) is known."""
+    def _trailing(self, state: TalkerState, text_done: bool) -> tuple[torch.Tensor | None, bool] | None:
+        """The trailing text fed with the pending frame at step g, once it is known: thinker
+        token g+1 and whether it is the last (`(None, False)`: the thinker has ended)."""
         element = state._element(ASSISTANT_HEADER_LEN + 1 + state.step)
         if element is None and not text_done:
             return None
-        embed, is_last = element if element is not None else (None, False)
         assert state.pending_frame is not None
-        return self.prompts.trailing_embed(embed, is_last)
+        return element if element is not None else (None, False)
 
     def _forward(self, items: list[tuple[TalkerState, torch.Tensor]]) -> None:
         """One packed talker forward over `(state, embeds [1, n, H])`: a talker prompt (n > 1)
