@@ -455,6 +455,9 @@ class PoolSlot:
         self.pool = pool
         self.index = index
         self.filled = [0] * pool.num_layers
+        # per layer: the pool's buffer and this slot's `[1, heads, capacity, dim]` rows of it (views
+        # made once per buffer: a lone request's step slices no more than a SlotCache's)
+        self._rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * pool.num_layers
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs: Any = None
@@ -464,11 +467,15 @@ class PoolSlot:
         start = self.filled[layer_idx]
         end = start + key_states.shape[2]
         k, v = self.pool.buffers(layer_idx, self.index, end, key_states)
-        k[self.index, :, start:end] = key_states[0]
-        v[self.index, :, start:end] = value_states[0]
+        rows = self._rows[layer_idx]
+        if rows is None or rows[0] is not k:
+            row = slice(self.index, self.index + 1)
+            rows = self._rows[layer_idx] = (k, k[row], v[row])
+        _, k_row, v_row = rows
+        k_row[:, :, start:end] = key_states
+        v_row[:, :, start:end] = value_states
         self.filled[layer_idx] = end
-        row = slice(self.index, self.index + 1)
-        return k[row, :, :end], v[row, :, :end]
+        return k_row[:, :, :end], v_row[:, :, :end]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.filled[layer_idx]
