@@ -238,3 +238,42 @@ def test_qwen2_5_omnis_fast_talker_pools_its_decode_rows_too(q25_dir: Path, monk
     assert sum(len(f) > 1 for f in alone) >= 2 and members and max(members) >= 2
     assert together == alone
     assert not pipe.talker.batching.kv_pool.in_use
+
+
+def test_a_fast_talker_steps_ops_hardly_grow_with_its_batch(fast_talkers: dict[str, Any]) -> None:
+    """The decode step runs its requests' rows together (the pool's attention, one projection of
+    the trailing text, one GEMM per linear): the ops it dispatches (about one kernel launch each on
+    a GPU) grow by a few per request, not by dozens as one attention and one projection per
+    request did (38 per request on this checkpoint)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    pipe = fast_talkers["published"]
+    talker, spec = pipe.talker, pipe.spec
+    ids = torch.tensor(pipe.prompt_ids("Tell me about the sea."))
+
+    def decode_step_ops(batch: int) -> int:
+        torch.manual_seed(3)
+        states = [talker.new_state(SamplingParams(max_tokens=6, stop_ids=(-1,)), spec.default_speaker)
+                  for _ in range(batch)]  # fmt: skip
+        for state in states:
+            state.set_prompt(ids, torch.randn(len(ids), spec.thinker_hidden), None, spec)
+            for k in range(6):
+                state.add_token(torch.randn(spec.thinker_hidden), k == 5)
+        talker.step([(s, True) for s in states])  # the prompts
+        talker.step([(s, True) for s in states])
+        with Count() as count:
+            frames = talker.step([(s, True) for s in states])
+        assert all(f is not None for f in frames)
+        for state in states:
+            talker.release(state)
+        return count.ops
+
+    per_request = (decode_step_ops(9) - decode_step_ops(1)) / 8
+    assert 0 < per_request <= 10, per_request
