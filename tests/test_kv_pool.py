@@ -275,5 +275,8 @@ def test_a_fast_talker_steps_ops_hardly_grow_with_its_batch(fast_talkers: dict[s
             talker.release(state)
         return count.ops
 
-    per_request = (decode_step_ops(9) - decode_step_ops(1)) / 8
-    assert 0 < per_request <= 10, per_request
+    def ops(batch: int) -> int:  # the fewer of two runs: a buffer grown in the first is not counted
+        return min(decode_step_ops(batch), decode_step_ops(batch))
+
+    per_request = (ops(16) - ops(2)) / 14  # both on the pool
+    assert per_request <= 10, per_request
