@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -64,6 +65,22 @@ def run(coro: Any) -> Any:
 async def info(address: str) -> stage_pb2.InfoResponse:
     async with grpc.aio.insecure_channel(address) as ch:
         return await stage_pb2_grpc.StageStub(ch).Info(stage_pb2.InfoRequest(), timeout=5)
+
+
+def stage_is_idle(address: str) -> bool:
+    """The stage at `address` holds nothing: no request running, waiting or waiting for input, no
+    open stream, no shared-memory segment, no KV reserved."""
+    load = run(info(address)).load
+    return (load.running, load.waiting, load.waiting_for_input, load.open_streams, load.shm_segments,
+            load.cache_usage) == (0,) * 6  # fmt: skip
+
+
+def assert_all_idle(stages: list[str], seconds: float) -> None:
+    """Every stage at `stages` holds nothing within `seconds` (calls end just after the client's reply)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not all(stage_is_idle(a) for a in stages):
+        time.sleep(0.1)
+    assert all(stage_is_idle(a) for a in stages), {a: str(run(info(a)).load) for a in stages}
 
 
 async def stage_call(

@@ -23,7 +23,17 @@ from omnistage.cli.serve import Stack, start_stack
 from omnistage.config import apply_overrides
 from omnistage.v1 import gateway_pb2_grpc
 from omnistage.wire.shm import DEFAULT_DIR
-from tests.integration.conftest import call_outputs, info, prompt_chunk, run, solo_reply, stack_config, stage_call
+from tests.integration.conftest import (
+    assert_all_idle,
+    call_outputs,
+    info,
+    prompt_chunk,
+    run,
+    solo_reply,
+    stack_config,
+    stage_call,
+    stage_is_idle,
+)
 from tests.integration.test_multimodal import MEDIA_LIMITS, _case, _request_options, reference_output
 from tests.integration.test_stack import PROMPT, TALKER_MAX, THINKER_MAX, greedy_start
 
@@ -191,12 +201,6 @@ def test_long_prompts_cross_the_split_through_shared_memory_released_at_the_firs
         stack.stop()
 
 
-def _idle(address: str) -> bool:
-    load = run(info(address)).load
-    return (load.running, load.waiting, load.waiting_for_input, load.open_streams, load.shm_segments,
-            load.cache_usage) == (0,) * 6  # fmt: skip
-
-
 def _settles(check: Any, timeout: float = 10.0) -> bool:
     """`check()` comes true within `timeout` (a role's calls end just after the client's reply)."""
     deadline = time.monotonic() + timeout
@@ -208,7 +212,7 @@ def _settles(check: Any, timeout: float = 10.0) -> bool:
 
 
 def _settles_idle(address: str) -> bool:
-    return _settles(lambda: _idle(address))
+    return _settles(lambda: stage_is_idle(address))
 
 
 def test_cancel_frees_both_roles(pd_stack: Stack, pipeline: Any) -> None:
@@ -237,10 +241,7 @@ def test_cancel_frees_both_roles(pd_stack: Stack, pipeline: Any) -> None:
     for delay in (0.0, 0.05, 0.1, 0.2):
         run(cancel_during_prefill(delay))
     stages = [a for name in (*ROLES, "talker", "code2wav") for a in pd_stack.addresses(name)]
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and not all(_idle(a) for a in stages):
-        time.sleep(0.2)
-    assert all(_idle(a) for a in stages), {a: str(run(info(a)).load) for a in stages}
+    assert_all_idle(stages, 15)
 
 
 def test_a_dead_decode_role_is_unavailable_naming_it(pd_stack: Stack) -> None:

@@ -5,7 +5,6 @@ together equal to each alone, and a cancel that frees every stage."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import torch
 from gateway.client import build_request, generate
 from omnistage.cli.serve import Stack, start_stack
 from omnistage.v1 import gateway_pb2_grpc, stage_pb2
-from tests.integration.conftest import info, prompt_chunk, run, solo_reply, stack_config, stage_call
+from tests.integration.conftest import assert_all_idle, info, prompt_chunk, run, solo_reply, stack_config, stage_call
 
 SEED = 7
 STREAM_ATOL = 5e-5  # streamed exact token2wav against the full decode (tests/test_qwen2_5_omni.py)
@@ -94,11 +93,6 @@ def test_concurrent_requests_match_their_solo_runs(q25_stack: Stack, q25_checkpo
         assert steps > 0 and requests / steps > 1.2, f"{stage}: mean batch {requests / max(steps, 1):.2f}"
 
 
-def _idle(address: str) -> bool:
-    load = run(info(address)).load
-    return (load.running, load.waiting, load.waiting_for_input, load.open_streams, load.shm_segments) == (0,) * 5
-
-
 def test_cancellation_frees_every_stage(q25_stack: Stack, q25_checkpoints: Any) -> None:
     pipeline, _ = q25_checkpoints("published")
 
@@ -117,10 +111,7 @@ def test_cancellation_frees_every_stage(q25_stack: Stack, q25_checkpoints: Any) 
 
     assert run(cancel_mid_reply()) == 30
     stages = [a for s in ("thinker", "talker", "code2wav") for a in q25_stack.addresses(s)]
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and not all(_idle(a) for a in stages):
-        time.sleep(0.2)
-    assert all(_idle(a) for a in stages), {a: str(run(info(a)).load) for a in stages}
+    assert_all_idle(stages, 15)
 
 
 def test_openai_http_door_speaks_with_the_checkpoint_voices(q25_stack: Stack) -> None:

@@ -19,7 +19,16 @@ from omnistage.models.sampling import SamplingParams
 from omnistage.v1 import gateway_pb2_grpc, stage_pb2
 from omnistage.wire.tensor_blob import encode_chunk
 from services.pipeline import AudioEvent, PipelineRequest
-from tests.integration.conftest import call_outputs, info, prompt_chunk, run, solo_reply, stack_config, stage_call
+from tests.integration.conftest import (
+    assert_all_idle,
+    call_outputs,
+    info,
+    prompt_chunk,
+    run,
+    solo_reply,
+    stack_config,
+    stage_call,
+)
 
 PROMPT = "Tell me a short story about a robot who learns to sing."
 THINKER_MAX, TALKER_MAX = 40, 80
@@ -126,19 +135,6 @@ def test_both_talker_replicas_receive_requests(stack: Stack) -> None:
     assert len(totals) == 2 and all(t > 0 for t in totals), totals
 
 
-def _idle(address: str) -> bool:
-    load = run(info(address)).load
-    return (load.running, load.waiting, load.waiting_for_input, load.open_streams, load.shm_segments) == (0,) * 5
-
-
-def _assert_all_idle(stages: list[str], seconds: float) -> None:
-    """Every stage at `stages` holds nothing within `seconds`."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not all(_idle(a) for a in stages):
-        time.sleep(0.1)
-    assert all(_idle(a) for a in stages), {a: str(run(info(a)).load) for a in stages}
-
-
 def test_cancellation_frees_every_stage(stack: Stack, pipeline: Any) -> None:
     async def cancel_after_first_audio() -> None:
         req = build_request("hi", thinker_max_tokens=300, talker_max_tokens=200,
@@ -151,7 +147,7 @@ def test_cancellation_frees_every_stage(stack: Stack, pipeline: Any) -> None:
                     break
 
     run(cancel_after_first_audio())
-    _assert_all_idle(stack.addresses("thinker") + stack.addresses("talker") + stack.addresses("code2wav"), 15)
+    assert_all_idle(stack.addresses("thinker") + stack.addresses("talker") + stack.addresses("code2wav"), 15)
 
 
 def test_a_one_token_reply_with_speech_ends_cleanly(stack: Stack) -> None:
@@ -163,7 +159,7 @@ def test_a_one_token_reply_with_speech_ends_cleanly(stack: Stack) -> None:
     reply = run(generate(stack.gateway_address, PROMPT, thinker_max_tokens=1, talker_max_tokens=20, timeout=30))
     assert len(reply.token_ids) == 1 and reply.pcm.size == 0
     assert sum(run(info(a)).load.requests_total for a in code2wav) == before + 1
-    _assert_all_idle(stack.addresses("thinker") + stack.addresses("talker") + code2wav, 10)
+    assert_all_idle(stack.addresses("thinker") + stack.addresses("talker") + code2wav, 10)
 
 
 def test_deadline_exceeded_is_reported(stack: Stack, pipeline: Any) -> None:
