@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 19, as run on the device machine (an H100: Python 3.12, its own CUDA torch;
 # the project's other pinned packages travel as wheels in .whl/, made here by benchmarks/gpu/wheels.sh). Usage:
-#   benchmarks/gpu/run.sh setup tests graph-tests graphs trace bench-exact bench-fast bench-sampled bench-sampled-eager
+#   benchmarks/gpu/run.sh setup tests graph-tests graphs trace bench-exact bench-fast bench-fast-steady bench-sampled bench-sampled-eager
 #     bench-fast-eager wide-graphs wide-graphs-bench wide
 # Small results (logs, json, md) are packed into $OUT/results-<steps>.tgz at the end; the gzipped
 # Chrome traces are left beside it.
@@ -62,6 +62,11 @@ for step in "$@"; do
     bench-fast)  # fast batching, the example's talker graphs on
       with deploy/examples/cuda.yaml /tmp/cuda-fast.yaml batching=fast
       serve_bench cuda-fast /tmp/cuda-fast.yaml ;;
+    bench-fast-steady)  # fast + graphs, c=16 and 32 with 96 requests a level: the pipeline ratio with less of the
+      # level in its ramp up and down (with 32 requests at c=16 much of it ran with fewer than 16 open)
+      with deploy/examples/cuda.yaml /tmp/cuda-fast.yaml batching=fast
+      LIMIT=40 serve_bench cuda-fast-steady /tmp/cuda-fast.yaml --concurrency 16,32 --num-requests 96 \
+        --no-monolithic --no-inprocess --no-full-payload ;;
     bench-sampled)  # fast batching, the talker sampling (the HTTP default), its code predictor's sampled graphs on
       with deploy/examples/cuda.yaml /tmp/cuda-fast.yaml batching=fast
       serve_bench cuda-sampled /tmp/cuda-fast.yaml --sampled-speech ;;
