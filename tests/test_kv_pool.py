@@ -134,10 +134,22 @@ def test_a_lone_decode_row_or_one_of_another_cache_is_not_pooled() -> None:
 
 
 @pytest.fixture(scope="module")
-def fast_talkers(tiny_dir: Path, tiny_variant_dir: Path) -> dict[str, Any]:
+def deep_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint with a deeper talker (4 layers; `omnistage make-tiny --set`)."""
+    from omnistage.models.qwen3_omni.tiny import write_tiny_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny-deep-talker")
+    write_tiny_checkpoint(out, settings={"talker_config.text_config.num_hidden_layers": 4})
+    return out
+
+
+@pytest.fixture(scope="module")
+def fast_talkers(tiny_dir: Path, tiny_variant_dir: Path, deep_dir: Path) -> dict[str, Any]:
     from omnistage.config import parse_config
+
     cfg = parse_config({"talker": {"batching": "fast"}})
-    return {"published": staged_pipeline(tiny_dir, cfg), "variant": staged_pipeline(tiny_variant_dir, cfg)}
+    dirs = {"published": tiny_dir, "variant": tiny_variant_dir, "deep": deep_dir}
+    return {name: staged_pipeline(d, cfg) for name, d in dirs.items()}
 
 
 def _talk(pipe: Any, group: list[int], inputs: list[Any]) -> dict[int, list[Any]]:
@@ -163,15 +175,16 @@ def _talk(pipe: Any, group: list[int], inputs: list[Any]) -> dict[int, list[Any]
     return trace
 
 
-@pytest.mark.parametrize("name", ["published", "variant"])
+@pytest.mark.parametrize("name", ["published", "variant", "deep"])
 def test_the_fast_talker_attends_its_decode_rows_through_the_pool(
-    name: str, fast_talkers: dict[str, Any], checkpoints: Any, monkeypatch: pytest.MonkeyPatch
+    name: str, fast_talkers: dict[str, Any], checkpoints: Any, deep_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Fast mode's talker keeps its requests' caches in one pool and attends a step's decode rows
     together; a lone request computes what exact mode computes, bitwise, and requests together
     what each computes alone, to the last bits (frames equal on these checkpoints)."""
     fast = fast_talkers[name]
-    exact, _ = checkpoints(name)
+    exact = staged_pipeline(deep_dir) if name == "deep" else checkpoints(name)[0]
+    assert len(exact.talker.model.model.layers) == (4 if name == "deep" else 2)
     spec = fast.spec
     prompts = [fast.prompt_ids(p) for p in ("hi", "Tell me about the sea.", "Name three colours.")]
     torch.manual_seed(3)

@@ -513,3 +513,33 @@ def test_a_given_reply_is_emitted_as_given_then_spoken(pipeline: Any) -> None:
     out_of_vocab = greedy.with_overrides(forced_ids=[pipeline.spec.thinker_vocab])
     with pytest.raises(StageError, match=r"forced_ids .*outside the vocabulary"):
         list(pipeline.run(PipelineRequest(ids, out_of_vocab, want_audio=False)))
+
+
+@pytest.mark.parametrize(("family", "key", "config_path"), [
+    ("qwen3_omni_moe", "talker_config.text_config.num_hidden_layers", ("talker_config", "text_config")),
+    ("qwen2_5_omni", "talker_config.num_hidden_layers", ("talker_config",)),
+])  # fmt: skip
+def test_make_tiny_sets_config_values_by_path(tmp_path: Path, family: str, key: str,
+                                               config_path: tuple[str, ...]) -> None:  # fmt: skip
+    """`make-tiny --set` builds another configuration of the family (here its talker's depth):
+    the config holds the value, and the weights the model of that config has load. A path the
+    config does not have, or a malformed pair, is refused naming it; nothing is written."""
+    from typer.testing import CliRunner
+
+    from omnistage.cli.main import app
+
+    out = tmp_path / "deep"
+    result = CliRunner().invoke(app, ["make-tiny", str(out), "--family", family, "--set", f"{key}=3"])
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    for part in config_path:
+        config = config[part]
+    assert config["num_hidden_layers"] == 3
+    ckpt = open_checkpoint(out)
+    layers = {int(m.group(1)) for k in ckpt.tensors if (m := re.match(r"talker\.model\.layers\.(\d+)\.", k))}
+    assert layers == {0, 1, 2}
+    for bad, needle in ((f"{key[:-2]}=3", "has no key 'num_hidden_laye'"), (key, "expected KEY.PATH=VALUE"),
+                        (f"{key}=[", "not YAML")):  # fmt: skip
+        result = CliRunner().invoke(app, ["make-tiny", str(tmp_path / "bad"), "--family", family, "--set", bad])
+        assert result.exit_code == 2 and needle in result.output, result.output
+        assert not (tmp_path / "bad").exists()

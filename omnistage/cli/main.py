@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+import yaml
 
 if TYPE_CHECKING:
     from omnistage.config import DeployConfig
@@ -215,6 +216,11 @@ def make_tiny(
         Layout, typer.Option("--layout", help="published (sharded, experts one by one) or fused (one file).")
     ] = Layout.published,
     dtype: Annotated[StorageDtype, typer.Option("--dtype", help="Storage dtype.")] = StorageDtype.float32,
+    settings: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="A config value by dotted path, e.g. talker_config.text_config.num_hidden_layers=20 "
+                     "(the real talker's depth at tiny widths); repeatable; the value is read as YAML."),
+    ] = None,
 ) -> None:
     """Write a deterministic tiny checkpoint (Hugging Face layout) into OUT_DIR."""
     from omnistage.models.family import UnknownFamily, family_for
@@ -225,11 +231,27 @@ def make_tiny(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     try:
-        summary = chosen.write_tiny(out_dir, layout=layout.value, dtype=dtype.value)
-    except ValueError as e:  # an option this family's tiny checkpoint does not have
+        changes = _dotted_settings(settings or [])
+        options: dict[str, Any] = {"settings": changes} if changes else {}
+        summary = chosen.write_tiny(out_dir, layout=layout.value, dtype=dtype.value, **options)
+    except ValueError as e:  # an option this family's tiny checkpoint does not have, or a bad --set
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     typer.echo(json.dumps(summary, indent=2))
+
+
+def _dotted_settings(pairs: list[str]) -> dict[str, Any]:
+    """`["a.b=3", "c=[1, 2]"]` -> `{"a.b": 3, "c": [1, 2]}` (values read as YAML)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip() or any(not part for part in key.strip().split(".")):
+            raise ValueError(f"--set {pair!r}: expected KEY.PATH=VALUE")
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ValueError(f"--set {pair!r}: the value is not YAML: {e}") from None
+    return out
 
 
 @deploy_app.command("render")

@@ -1,8 +1,8 @@
 """What every family's tiny checkpoint writer shares: the byte-level BPE tokenizer (the 256 byte
 tokens, merges learnt from a fixed corpus, the family's special tokens and role words at the ids
 its config names, reserved fillers up to the vocabulary size), the chat template and processor
-files around it, and the config files and summary of the written checkpoint. Deterministic: two
-runs give the same files."""
+files around it, the config files and summary of the written checkpoint, and config overrides
+(`omnistage make-tiny --set`). Deterministic: two runs give the same files."""
 
 from __future__ import annotations
 
@@ -210,3 +210,32 @@ def summary(out: Path, model: Any, layout: str, dtype: str) -> dict[str, Any]:
         "safetensors_bytes": sum(f.stat().st_size for f in weights),
         "safetensors_sha256": digest.hexdigest(),
     }
+
+
+def merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `changes` merged in, nested dicts key by key."""
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def dotted_overrides(base: Mapping[str, Any], pairs: Mapping[str, Any]) -> dict[str, Any]:
+    """`{"talker_config.text_config.num_hidden_layers": 20}` as nested overrides of a config
+    dict `base`. Every path must name a key `base` has (a typo would otherwise be a key the
+    model's config silently ignores): ValueError naming it and the keys that level has."""
+    out: dict[str, Any] = {}
+    for path, value in pairs.items():
+        keys = path.split(".")
+        level: Any = base
+        for depth, key in enumerate(keys):
+            if not isinstance(level, Mapping) or key not in level:
+                where = ".".join(keys[:depth]) or "the config"
+                known = ", ".join(sorted(level)) if isinstance(level, Mapping) else "none (not a section)"
+                raise ValueError(f"{path}: {where} has no key {key!r} (its keys: {known})")
+            level = level[key]
+        node = out
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = value
+    return out

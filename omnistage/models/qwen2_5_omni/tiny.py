@@ -15,6 +15,7 @@ some prompts stop on EOS within a few dozen steps and others hit the token limit
 from __future__ import annotations
 
 import io
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,8 +127,9 @@ def _text_config(vocab: int, hidden: int, max_positions: int) -> dict[str, Any]:
     }
 
 
-def tiny_config_dict(shape: TinyShape = DEFAULT) -> dict[str, Any]:
-    """The full Qwen2_5OmniConfig as a plain dict (what config.json holds)."""
+def tiny_config_dict(shape: TinyShape = DEFAULT, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The full Qwen2_5OmniConfig as a plain dict (what config.json holds), with `overrides`
+    merged in."""
     sid, cid = shape.special_id, shape.codec_id
     tokens = {
         "audio_token_index": sid("<|AUDIO|>"),
@@ -213,14 +215,14 @@ def tiny_config_dict(shape: TinyShape = DEFAULT) -> dict[str, Any]:
         "upsample_rates": list(shape.upsample_rates),
         "upsample_kernel_sizes": [2 * r + (1 if r % 2 else 0) for r in shape.upsample_rates],
     }
-    return {
+    return tiny_files.merge({
         "architectures": ["Qwen2_5OmniForConditionalGeneration"],
         "model_type": "qwen2_5_omni",
         "thinker_config": thinker,
         "talker_config": talker,
         "token2wav_config": {"dit_config": dit, "bigvgan_config": bigvgan},
         "enable_audio_output": True,
-    }
+    }, overrides or {})  # fmt: skip
 
 
 def _fan_in(shape: torch.Size) -> int:
@@ -231,7 +233,7 @@ def _fan_in(shape: torch.Size) -> int:
 
 
 @torch.no_grad()
-def build_tiny_model(shape: TinyShape = DEFAULT) -> torch.nn.Module:
+def build_tiny_model(shape: TinyShape = DEFAULT, overrides: dict[str, Any] | None = None) -> torch.nn.Module:
     """Construct the tiny model in memory with its seeded weights."""
     from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
     from transformers.utils import logging as hf_logging
@@ -241,7 +243,7 @@ def build_tiny_model(shape: TinyShape = DEFAULT) -> torch.nn.Module:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        config = Qwen2_5OmniConfig(**tiny_config_dict(shape))
+        config = Qwen2_5OmniConfig(**tiny_config_dict(shape, overrides))
     finally:
         hf_logging.set_verbosity(verbosity)
     torch.manual_seed(SEED)
@@ -288,15 +290,18 @@ def processor_files(shape: TinyShape = DEFAULT) -> dict[str, str]:
 
 
 def write_tiny_checkpoint(out_dir: Path | str, *, shape: TinyShape = DEFAULT, layout: str = "published",
-                          dtype: str = "float32", shard_bytes: int = 1 << 20) -> dict[str, Any]:  # fmt: skip
+                          dtype: str = "float32", shard_bytes: int = 1 << 20,
+                          settings: Mapping[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """Write the checkpoint into `out_dir` in the published layout (shards and an index); return
-    a summary (parameters, files, bytes, sha256)."""
+    a summary (parameters, files, bytes, sha256). `settings`: config changes by dotted path
+    (`omnistage make-tiny --set`), each naming a key the config has."""
     if layout != "published":  # a dense model: nothing to fuse
         raise ValueError(f"Qwen2.5-Omni's tiny checkpoint has one layout, 'published'; got {layout!r}")
+    overrides = tiny_files.dotted_overrides(tiny_config_dict(shape), settings) if settings else None
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = build_tiny_model(shape).to(torch_dtype)
+    model = build_tiny_model(shape, overrides).to(torch_dtype)
     model.save_pretrained(out, max_shard_size=shard_bytes)
     generation = {
         "do_sample": False,

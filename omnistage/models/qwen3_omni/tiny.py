@@ -18,6 +18,7 @@ prompts stop on EOS while others hit the token limit).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,14 +136,6 @@ def _moe_text_config(vocab: int, hidden: int, max_positions: int, **extra: Any) 
     }
 
 
-def merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
-    """`base` with `changes` merged in, nested dicts key by key."""
-    out = dict(base)
-    for key, value in changes.items():
-        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
 def tiny_config_dict(shape: TinyShape = DEFAULT, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The full Qwen3OmniMoeConfig as a plain dict (what config.json will hold), with `overrides`
     merged in."""
@@ -232,7 +225,7 @@ def tiny_config_dict(shape: TinyShape = DEFAULT, overrides: dict[str, Any] | Non
         # the real 0.01 would make the pre-transformer a near no-op on random weights
         "layer_scale_initial_scale": 0.5,
     }
-    return merge({
+    return tiny_files.merge({
         "architectures": ["Qwen3OmniMoeForConditionalGeneration"],
         "model_type": "qwen3_omni_moe",
         "thinker_config": thinker,
@@ -306,6 +299,7 @@ def write_tiny_checkpoint(
     layout: str = "published",
     dtype: str = "float32",
     overrides: dict[str, Any] | None = None,
+    settings: Mapping[str, Any] | None = None,
     shard_bytes: int = 4 << 20,
 ) -> dict[str, Any]:
     """Write the checkpoint into `out_dir`; return a summary (parameters, files, bytes, sha256).
@@ -314,9 +308,15 @@ def write_tiny_checkpoint(
     look like: MoE experts stored one by one, weights in shards of at most `shard_bytes` with a
     `model.safetensors.index.json`) or `fused` (one `model.safetensors` in the in-memory layout,
     experts fused). `dtype`: the storage dtype (`float32` or `bfloat16`). `overrides`: nested
-    changes to the config (other sizes, ids, code groups), merged into `tiny_config_dict()`.
+    changes to the config (other sizes, ids, code groups), merged into `tiny_config_dict()`;
+    `settings`: more of them by dotted path (`omnistage make-tiny --set`), each naming a key the
+    config has.
     """
     from safetensors.torch import save_file
+
+    if settings:
+        given = tiny_files.dotted_overrides(tiny_config_dict(shape, overrides), settings)
+        overrides = tiny_files.merge(overrides or {}, given)
 
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
