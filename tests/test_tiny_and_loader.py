@@ -543,3 +543,14 @@ def test_make_tiny_sets_config_values_by_path(tmp_path: Path, family: str, key: 
         result = CliRunner().invoke(app, ["make-tiny", str(tmp_path / "bad"), "--family", family, "--set", bad])
         assert result.exit_code == 2 and needle in result.output, result.output
         assert not (tmp_path / "bad").exists()
+
+
+def test_dotted_overrides_nest_known_paths_and_refuse_the_rest() -> None:
+    from omnistage.models.tiny_files import dotted_overrides
+
+    base = {"a": {"b": {"c": 1, "d": 2}}, "e": 3}
+    assert dotted_overrides(base, {"a.b.c": 5, "a.b.d": [1], "e": None}) == {"a": {"b": {"c": 5, "d": [1]}}, "e": None}
+    for pairs, needle in (({"a.x": 1}, "a has no key 'x' (its keys: b)"), ({"e.f": 1}, "not a section"),
+                          ({"a.b": 5, "a.b.c": 2}, "'b' was set to a value by another --set")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            dotted_overrides(base, pairs)

@@ -237,5 +237,7 @@ def dotted_overrides(base: Mapping[str, Any], pairs: Mapping[str, Any]) -> dict[
         node = out
         for key in keys[:-1]:
             node = node.setdefault(key, {})
+            if not isinstance(node, dict):  # an earlier pair set this section to a value
+                raise ValueError(f"{path}: {key!r} was set to a value by another --set")
         node[keys[-1]] = value
     return out
