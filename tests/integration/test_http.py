@@ -37,6 +37,7 @@ MAX_TOKENS, RATE = 12, 24_000
 APP_ORIGIN = "http://app.example"
 MAX_MODEL_LEN = 1024  # a browser page on another origin the stack lets in
 QUESTION = "Can you explain how streaming works?"
+STREAM_TOL = 1e-5  # streamed code2wav against its full decode (tests/code2wav/test_streaming_exact.py)
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +79,17 @@ def _grpc_reply(stack: Stack, prompt: str = QUESTION, greedy_talker: bool = True
 
 def _pcm16(samples: np.ndarray) -> np.ndarray:
     return (np.clip(samples, -1, 1) * 32767).round().astype("<i2")
+
+
+def _same_pcm16(got: np.ndarray, pcm: np.ndarray) -> bool:
+    """`got` (16-bit samples of one reply) is the 16-bit form of `pcm` (another request's float
+    samples of the same greedy reply): the same length, each sample the float one rounded, to
+    within the waveform's tolerance. The streamed waveform equals the full decode to 1e-5, not
+    bitwise (tests/code2wav/test_streaming_exact.py), and how a reply is cut into decode chunks
+    depends on timing (seen: the first requests on a fresh stack differ in the 7th digit), so now
+    and then a sample rounds to the next 16-bit value. A lossy format moves far more than that."""
+    exact = np.clip(pcm, -1, 1).astype(np.float64) * 32767
+    return got.shape == pcm.shape and bool(np.all(np.abs(got - exact) <= 0.5 + 32767 * STREAM_TOL))
 
 
 def _wav_samples(data: bytes) -> np.ndarray:
@@ -143,7 +155,7 @@ def test_lossless_formats_carry_the_grpc_samples(http_stack: Stack, client: open
     else:
         got = _flac_samples(data)
     assert message.content == text == message.audio.transcript and text
-    assert got.shape == pcm.shape and np.array_equal(got, _pcm16(pcm))
+    assert _same_pcm16(got, pcm)
     usage, details = reply.usage, reply.usage.completion_tokens_details
     tokens = details.text_tokens
     assert reply.choices[0].finish_reason == ("length" if tokens == MAX_TOKENS else "stop") and tokens > 0
@@ -180,7 +192,7 @@ def test_streamed_chat_sends_pieces_as_they_exist(http_stack: Stack, client: ope
         finish = event.choices[0].finish_reason or finish
     assert "".join(content) == text
     got = np.frombuffer(b"".join(audio), "<i2")
-    assert np.array_equal(got, _pcm16(pcm))
+    assert _same_pcm16(got, pcm)
     assert audio_events > 1  # streamed in pieces, not one file at the end
     # pieces of whole base64 groups and whole samples: joining the strings first decodes the same
     assert base64.b64decode("".join(pieces)) == b"".join(audio)
@@ -203,7 +215,7 @@ def test_audio_and_image_in(http_stack: Stack, client: openai.OpenAI) -> None:
     text, pcm = _grpc_reply(http_stack, "What is this?", audio=[wav], images=[png])
     message = _chat(client, "pcm16", content).choices[0].message
     assert message.content == text
-    assert np.array_equal(np.frombuffer(base64.b64decode(message.audio.data), "<i2"), _pcm16(pcm))
+    assert _same_pcm16(np.frombuffer(base64.b64decode(message.audio.data), "<i2"), pcm)
 
 
 def test_a_later_turn_names_a_spoken_reply_by_its_audio_id(http_stack: Stack, client: openai.OpenAI) -> None:
@@ -241,7 +253,7 @@ def test_speech_speaks_the_given_words(http_stack: Stack, client: openai.OpenAI)
     text, pcm = _grpc_reply(http_stack, words, greedy_talker=False, thinker_max_tokens=len(ids) + 1, speaker="ethan",
                             sampling=sampling)  # fmt: skip
     assert text == words  # it said exactly the given words
-    assert got.size > 0 and np.array_equal(got, _pcm16(pcm))
+    assert got.size > 0 and _same_pcm16(got, pcm)
     url = f"http://{http_stack.http_address}/v1/audio/speech"
     body = {"input": words, "voice": "ethan", "response_format": "pcm", "seed": 11, "stream_format": "sse"}
     events = [json.loads(line[5:]) for line in httpx.post(url, json=body, timeout=60).text.splitlines()
@@ -273,8 +285,7 @@ def test_vllm_omni_per_stage_sampling_reaches_each_stage(http_stack: Stack, clie
                                            modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"},
                                            extra_body={"sampling_params_list": stages})  # fmt: skip
     message = reply.choices[0].message
-    assert message.content == text and np.array_equal(np.frombuffer(base64.b64decode(message.audio.data), "<i2"),
-                                                      _pcm16(pcm))  # fmt: skip
+    assert message.content == text and _same_pcm16(np.frombuffer(base64.b64decode(message.audio.data), "<i2"), pcm)
     short = client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
                                            max_tokens=MAX_TOKENS, extra_body={"sampling_params_list": [
                                                {"temperature": 0, "max_tokens": 2}]})  # fmt: skip
