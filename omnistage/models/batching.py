@@ -518,7 +518,7 @@ class PooledRows:
         for n in lengths:
             starts.append(starts[-1] + n)
         positions = [c.filled[0] for c in pooled]
-        device = _pool_device(pooled[0].pool)
+        device = pooled[0].pool.k[0].device  # type: ignore[union-attr]  # every member has filled layer 0
         as_tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
         return cls(
             pool=pooled[0].pool, members=frozenset(members), rows=as_tensor([starts[i] for i in members]),
@@ -554,11 +554,6 @@ class PooledRows:
         keys, values = k[: self.top, :, : self.longest], v[: self.top, :, : self.longest]
         out, _ = sdpa_attention_forward(module, q, keys, values, self.mask(query.device), **kwargs)
         return out.index_select(0, self.slots)
-
-
-def _pool_device(pool: KVPool) -> torch.device | None:
-    k = next((t for t in pool.k if t is not None), None)
-    return None if k is None else k.device
 
 
 def _causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:

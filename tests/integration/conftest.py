@@ -67,6 +67,21 @@ async def info(address: str) -> stage_pb2.InfoResponse:
         return await stage_pb2_grpc.StageStub(ch).Info(stage_pb2.InfoRequest(), timeout=5)
 
 
+async def cancel_at_first_audio(gateway: str, never_stop_id: int) -> None:
+    """A long spoken reply (its thinker stop id one it never makes), cancelled by the client as
+    its first audio arrives."""
+    from gateway.client import build_request
+    from omnistage.v1 import gateway_pb2_grpc
+
+    req = build_request("hi", thinker_max_tokens=300, talker_max_tokens=200, thinker_stop_ids=[never_stop_id])
+    async with grpc.aio.insecure_channel(gateway) as ch:
+        call = gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=60)
+        async for resp in call:
+            if resp.WhichOneof("kind") == "audio":
+                call.cancel()
+                break
+
+
 def stage_is_idle(address: str) -> bool:
     """The stage at `address` holds nothing: no request running, waiting or waiting for input, no
     open stream, no shared-memory segment, no KV reserved."""

@@ -10,15 +10,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.client import build_request, generate
+from gateway.client import generate
 from omnistage.cli.serve import Stack, start_stack
-from omnistage.v1 import gateway_pb2_grpc
-from tests.integration.conftest import assert_all_idle, run, solo_reply, stack_config
+from tests.integration.conftest import assert_all_idle, cancel_at_first_audio, run, solo_reply, stack_config
 
 FAST = {"batching": "fast"}
 
@@ -62,14 +60,7 @@ def test_a_cancelled_fast_request_frees_every_stage(fast_stack: Stack, pipeline:
         others = [asyncio.ensure_future(generate(fast_stack.gateway_address, p, thinker_max_tokens=24,
                                                  talker_max_tokens=40, timeout=120))
                   for p in ("Numbers one two three", "Name three colours.")]  # fmt: skip
-        req = build_request("hi", thinker_max_tokens=300, talker_max_tokens=200,
-                            thinker_stop_ids=[pipeline.spec.tts_pad_id])  # fmt: skip
-        async with grpc.aio.insecure_channel(fast_stack.gateway_address) as ch:
-            call = gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=60)
-            async for resp in call:
-                if resp.WhichOneof("kind") == "audio":
-                    call.cancel()
-                    break
+        await cancel_at_first_audio(fast_stack.gateway_address, pipeline.spec.tts_pad_id)
         return list(await asyncio.gather(*others))
 
     replies = run(scenario())

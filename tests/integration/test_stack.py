@@ -22,6 +22,7 @@ from services.pipeline import AudioEvent, PipelineRequest
 from tests.integration.conftest import (
     assert_all_idle,
     call_outputs,
+    cancel_at_first_audio,
     info,
     prompt_chunk,
     run,
@@ -136,17 +137,7 @@ def test_both_talker_replicas_receive_requests(stack: Stack) -> None:
 
 
 def test_cancellation_frees_every_stage(stack: Stack, pipeline: Any) -> None:
-    async def cancel_after_first_audio() -> None:
-        req = build_request("hi", thinker_max_tokens=300, talker_max_tokens=200,
-                            thinker_stop_ids=[pipeline.spec.tts_pad_id])
-        async with grpc.aio.insecure_channel(stack.gateway_address) as ch:
-            call = gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=60)
-            async for resp in call:
-                if resp.WhichOneof("kind") == "audio":
-                    call.cancel()
-                    break
-
-    run(cancel_after_first_audio())
+    run(cancel_at_first_audio(stack.gateway_address, pipeline.spec.tts_pad_id))
     assert_all_idle(stack.addresses("thinker") + stack.addresses("talker") + stack.addresses("code2wav"), 15)
 
 
