@@ -457,7 +457,7 @@ def test_slot_cache_holds_what_dynamic_cache_holds_without_concatenating() -> No
     when it doubled, and reused after `reset`."""
     from transformers import DynamicCache
 
-    from omnistage.models.batching import SlotCache
+    from omnistage.models.kv_caches import SlotCache
 
     torch.manual_seed(2)
     slot, dyn = SlotCache(num_layers=2, capacity=4), DynamicCache()
@@ -489,7 +489,7 @@ def test_a_slot_cache_with_a_limit_never_holds_more_than_it() -> None:
     """A request's cache grows by doubling up to its limit (its reservation), never past it: the
     memory it takes stays within what the scheduler reserved. Without a limit, 70 positions take
     a 128-slot buffer."""
-    from omnistage.models.batching import SlotCache
+    from omnistage.models.kv_caches import SlotCache
 
     for limit, slots in ((70, 70), (None, 128), (20, 20)):
         cache = SlotCache(num_layers=1, capacity=64, limit=limit)
@@ -521,7 +521,7 @@ def test_the_thinkers_cache_stays_within_its_reservation(pipeline: Any) -> None:
 def test_a_model_with_sliding_window_layers_keeps_transformers_cache() -> None:
     from transformers import DynamicCache, Qwen2Config
 
-    from omnistage.models.batching import SlotCache
+    from omnistage.models.kv_caches import SlotCache
 
     full = Qwen2Config(num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=16)
     assert isinstance(SlotCache.for_model(full), SlotCache)

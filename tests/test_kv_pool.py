@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from omnistage.models.batching import KVPool, PackedCache, PooledRows, PoolSlot, SlotCache, exact_attention
+from omnistage.models.batching import PackedCache, exact_attention
+from omnistage.models.kv_caches import KVPool, PooledRows, PoolSlot, SlotCache
 from omnistage.models.sampling import SamplingParams
 from tests.conftest import TEST_DEVICE, staged_pipeline
 

@@ -211,7 +211,7 @@ def test_check_kv_meta_names_each_difference() -> None:
 def test_each_roles_cache_is_sized_by_what_it_reserves(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The prefill role's cache holds the prompt (its reservation: prompt + first token), the
     decode role's the prompt and every token it may make: neither grows past its reservation."""
-    from omnistage.models.batching import SlotCache
+    from omnistage.models.kv_caches import SlotCache
 
     limits: list[int | None] = []
     made = SlotCache.for_model.__func__  # type: ignore[attr-defined]

@@ -11,7 +11,7 @@ order on the same inputs, so its numbers are the forward's bitwise:
 
 * RoPE's cos/sin of every step are computed once, with the shapes each step's own call has
   (positions `[[0, 1]]`, then `[[2]]`, `[[3]]`, ...), and reused for every frame;
-* the keys and values go into preallocated slots (models/batching.py's `SlotCache`), one
+* the keys and values go into preallocated slots (models/kv_caches.py's `SlotCache`), one
   buffer per layer reused from frame to frame; attention reads a view of the filled slots
   instead of a concatenation;
 * no mask is built: the packed attention kernels (models/batching.py) take none on the batch
@@ -38,8 +38,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from omnistage.models.batching import PackedBatching, SlotCache
+from omnistage.models.batching import PackedBatching
 from omnistage.models.cuda_graphs import BatchGraphs, bucket_sizes
+from omnistage.models.kv_caches import SlotCache
 from omnistage.models.sampling import RowChoice, TokenChooser, alike, draw_uniforms, greedy_or_drawn
 
 __all__ = ["CodePredictorLoop", "ResidualChoice", "greedy"]

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from omnistage.models.batching import PackedBatching, PackedCache, SlotCache
+from omnistage.models.batching import PackedBatching, PackedCache
+from omnistage.models.kv_caches import SlotCache
 from omnistage.models.qwen3_omni.multimodal import AudioRows, MultimodalInputs, PromptInputs, RopeInputs, encode_prompt
 from omnistage.models.qwen3_omni.prompt import text_positions
 from omnistage.models.qwen3_omni.spec import FamilySpec

@@ -1,0 +1,316 @@
+"""Where packed steps keep requests' keys and values (models/batching.py runs the steps).
+
+* `SlotCache`: one request's (or one equal-shaped batch's) cache in preallocated buffers that a
+  step writes in place; exact mode's, and the code predictor's.
+* `KVPool` / `PoolSlot`: fast mode's talkers: every request a row of one `[slots, heads,
+  capacity, dim]` buffer per layer, so a decode step's rows are written and attended together
+  (`PooledRows`).
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+__all__ = ["KVPool", "PoolSlot", "PooledRows", "SlotCache"]
+
+
+class _Slots:
+    """One layer's keys and values `[B, heads, capacity, dim]` and how many positions are filled."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.filled = 0
+        self.batch = 0
+
+    @property
+    def keys(self) -> torch.Tensor:
+        assert self.k is not None
+        return self.k[: self.batch, :, : self.filled]
+
+    @property
+    def values(self) -> torch.Tensor:
+        assert self.v is not None
+        return self.v[: self.batch, :, : self.filled]
+
+
+class SlotCache:
+    """A model's `past_key_values` held in preallocated slots: each layer's keys and values live
+    in one `[B, heads, capacity, dim]` buffer, a step writes its rows in place after the filled
+    ones, and attention reads a view of the filled positions. Nothing is concatenated per step
+    (transformers' `DynamicCache` concatenates the whole cache every step); when a buffer is full
+    its capacity doubles, the one copy, amortized. `reset()` empties it for reuse, keeping the
+    buffers (the code predictor reuses one for every frame).
+
+    Attention over a view of a buffer gives the same numbers as over the concatenated tensor
+    (SDPA's result does not depend on the keys' strides; the parity tests run on it)."""
+
+    is_compileable = False
+
+    def __init__(self, num_layers: int, capacity: int = 64, limit: int | None = None) -> None:
+        """`limit`: the most positions the cache will hold (a request's reservation): no buffer
+        is made larger, so the memory a cache takes stays within what the scheduler reserved
+        for it (doubling alone overshoots it by up to 2x)."""
+        self.layers = [_Slots() for _ in range(num_layers)]
+        self.capacity = capacity if limit is None else max(1, min(capacity, limit))
+        self.limit = limit
+
+    @staticmethod
+    def fits(config: Any) -> bool:
+        """Every layer attends to all of its past (no sliding-window layers, which DynamicCache trims)."""
+        kinds = getattr(config, "layer_types", None) or ["full_attention"]
+        return all(kind == "full_attention" for kind in kinds)
+
+    @classmethod
+    def for_model(cls, config: Any, limit: int | None = None) -> SlotCache | DynamicCache:
+        """A SlotCache for a decoder of `config` (holding at most `limit` positions), or
+        transformers' DynamicCache where it has sliding-window layers."""
+        if cls.fits(config):
+            return cls(int(config.num_hidden_layers), limit=limit)
+        return DynamicCache(config=config)
+
+    def reset(self) -> None:
+        for slots in self.layers:
+            slots.filled = 0
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = self.layers[layer_idx]
+        b, heads, n, dim = key_states.shape
+        end = slots.filled + n
+        if slots.filled == 0:
+            slots.batch = b
+        elif b != slots.batch:
+            raise RuntimeError(f"slot cache: a step of batch {b} on a cache filled with batch {slots.batch}")
+        k = slots.k
+        if k is None or k.shape[0] < b or k.shape[2] < end or k.shape[1] != heads or k.shape[3] != dim \
+                or k.dtype != key_states.dtype or k.device != key_states.device:  # fmt: skip
+            self._grow(slots, key_states, end)
+        assert slots.k is not None and slots.v is not None
+        slots.k[:b, :, slots.filled : end] = key_states
+        slots.v[:b, :, slots.filled : end] = value_states
+        slots.filled = end
+        return slots.keys, slots.values
+
+    def _grow(self, slots: _Slots, like: torch.Tensor, end: int) -> None:
+        """New buffers holding at least `end` positions (doubling), with the filled ones copied."""
+        _, heads, _, dim = like.shape
+        old = slots.k
+        capacity = max(self.capacity, old.shape[2] if old is not None else 0)
+        while capacity < end:
+            capacity *= 2
+        if self.limit is not None and end <= self.limit:
+            capacity = min(capacity, self.limit)
+        batch = max(slots.batch, old.shape[0] if old is not None else 0)
+        shape = (batch, heads, capacity, dim)
+        k, v = like.new_empty(shape), like.new_empty(shape)
+        if slots.filled:  # the same request(s) growing: keep what is there
+            k[: slots.batch, :, : slots.filled] = slots.keys
+            v[: slots.batch, :, : slots.filled] = slots.values
+        slots.k, slots.v = k, v
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].filled
+
+
+class KVPool:
+    """Every request's keys and values of one model in one buffer per layer,
+    `[slots, kv_heads, capacity, dim]`: a request holds a slot (`acquire()`, a `PoolSlot`, its
+    `past_key_values`), its positions fill that slot's row in place. Buffers start zeroed and
+    grow by doubling, in slots or in capacity (copying what they hold, the one copy, amortized);
+    a released slot is reused by the next request, and when the last one is released the buffers
+    go (what a burst of long requests grew is not held while the stage is idle).
+
+    What it is for: a decode step's one-row requests are written with one indexed store per layer
+    and attended with one SDPA over the pool's rows up to the highest slot in use and positions up
+    to the longest of them, each row masked to its own length (`PooledRows`), instead of one
+    write and one SDPA per request. Nothing is gathered or concatenated: the keys SDPA reads are a
+    view of the pool. Its cost: the pool holds as many positions per slot as its longest request
+    (and the padding is attended, masked); fast mode only (exact mode's per-request SDPA is what
+    `generate()` computes)."""
+
+    def __init__(self, num_layers: int, slots: int = 4, capacity: int = 64) -> None:
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.num_layers = num_layers
+        self.min_slots = max(1, slots)
+        self.min_capacity = max(1, capacity)
+        self.free: list[int] = []  # released slots, reused lowest first
+        self.next_slot = 0  # slots ever handed out
+        self.in_use: set[int] = set()
+
+    def acquire(self) -> PoolSlot:
+        if self.free:
+            index = heapq.heappop(self.free)
+        else:
+            index = self.next_slot
+            self.next_slot += 1
+        self.in_use.add(index)
+        return PoolSlot(self, index)
+
+    def release(self, slot: PoolSlot) -> None:
+        if slot.index not in self.in_use:
+            return
+        self.in_use.discard(slot.index)
+        heapq.heappush(self.free, slot.index)
+        if not self.in_use:  # idle: let the buffers go (the next requests grow new ones, amortized)
+            self.k = [None] * self.num_layers
+            self.v = [None] * self.num_layers
+            self.free.clear()
+            self.next_slot = 0
+
+    def buffers(self, layer_idx: int, slot: int, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s keys and values with room for `slot` and `end` positions (grown if
+        need be) for new rows `like` `[., kv_heads, n, dim]`."""
+        k = self.k[layer_idx]
+        _, heads, _, dim = like.shape
+        if k is None or k.shape[0] <= slot or k.shape[2] < end or k.shape[1] != heads or k.shape[3] != dim \
+                or k.dtype != like.dtype or k.device != like.device:  # fmt: skip
+            self._grow(layer_idx, slot, end, like)
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        assert k is not None and v is not None
+        return k, v
+
+    def _grow(self, layer_idx: int, slot: int, end: int, like: torch.Tensor) -> None:
+        old_k, old_v = self.k[layer_idx], self.v[layer_idx]
+        _, heads, _, dim = like.shape
+        same = old_k is not None and old_k.shape[1] == heads and old_k.shape[3] == dim and old_k.dtype == like.dtype \
+            and old_k.device == like.device  # fmt: skip
+        slots, capacity = self.min_slots, self.min_capacity
+        if same:
+            assert old_k is not None
+            slots, capacity = max(slots, old_k.shape[0]), max(capacity, old_k.shape[2])
+        while slots <= slot:
+            slots *= 2
+        while capacity < end:
+            capacity *= 2
+        k = like.new_zeros((slots, heads, capacity, dim))
+        v = like.new_zeros((slots, heads, capacity, dim))
+        if same:
+            assert old_k is not None and old_v is not None
+            k[: old_k.shape[0], :, : old_k.shape[2]] = old_k
+            v[: old_v.shape[0], :, : old_v.shape[2]] = old_v
+        self.k[layer_idx], self.v[layer_idx] = k, v
+
+
+class PoolSlot:
+    """One request's `past_key_values` in a `KVPool`: its row of every layer's buffer and how
+    many positions of it are filled. Alone (a prefill chunk, exact mode's shape of a step) it is
+    a cache like `SlotCache`: a step writes its rows after the filled ones and attention reads a
+    view. `release()` gives the slot back (once; the pool reuses it)."""
+
+    is_compileable = False
+
+    def __init__(self, pool: KVPool, index: int) -> None:
+        self.pool = pool
+        self.index = index
+        self.filled = [0] * pool.num_layers
+        # per layer: the pool's buffer and this slot's `[1, heads, capacity, dim]` rows of it (views
+        # made once per buffer: a lone request's step slices no more than a SlotCache's)
+        self._rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * pool.num_layers
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if key_states.shape[0] != 1:
+            raise RuntimeError(f"a pool slot holds one request, got a batch of {key_states.shape[0]}")
+        start = self.filled[layer_idx]
+        end = start + key_states.shape[2]
+        k, v = self.pool.buffers(layer_idx, self.index, end, key_states)
+        rows = self._rows[layer_idx]
+        if rows is None or rows[0] is not k:
+            row = slice(self.index, self.index + 1)
+            rows = self._rows[layer_idx] = (k, k[row], v[row])
+        _, k_row, v_row = rows
+        k_row[:, :, start:end] = key_states
+        v_row[:, :, start:end] = value_states
+        self.filled[layer_idx] = end
+        return k_row[:, :, :end], v_row[:, :, :end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.filled[layer_idx]
+
+    def release(self) -> None:
+        self.pool.release(self)
+
+
+@dataclass
+class PooledRows:
+    """The one-row requests of a packed step whose caches are slots of one `KVPool`: their new
+    keys and values go in with one indexed store per layer, and their attention is one SDPA over
+    the pool's rows `[:top]` and positions `[:longest]`, each row masked to its own filled
+    positions (rows of slots not in the step attend to their first position only: finite
+    numbers, dropped)."""
+
+    pool: KVPool
+    members: frozenset[int]  # indices into the step's requests
+    rows: torch.Tensor  # [B] their rows in the packed sequence
+    slots: torch.Tensor  # [B] their slots
+    positions: torch.Tensor  # [B] where each one's new row goes
+    caches: list[PoolSlot]
+    top: int  # slots [0, top) are attended
+    longest: int  # positions [0, longest) are attended
+    _mask: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, caches: Sequence[Any], lengths: Sequence[int]) -> PooledRows | None:
+        """The pooled rows of a step, if two or more one-row requests share a pool (one alone
+        attends as a `PoolSlot` does, with a lone request's shapes)."""
+        groups: dict[int, list[int]] = {}
+        for i, (cache, n) in enumerate(zip(caches, lengths, strict=True)):
+            if n == 1 and isinstance(cache, PoolSlot) and len(set(cache.filled)) == 1:
+                groups.setdefault(id(cache.pool), []).append(i)
+        members = max(groups.values(), key=len, default=[])
+        if len(members) < 2:
+            return None
+        pooled: list[PoolSlot] = [caches[i] for i in members]
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        positions = [c.filled[0] for c in pooled]
+        device = pooled[0].pool.k[0].device  # type: ignore[union-attr]  # every member has filled layer 0
+        as_tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
+        return cls(
+            pool=pooled[0].pool, members=frozenset(members), rows=as_tensor([starts[i] for i in members]),
+            slots=as_tensor([c.index for c in pooled]), positions=as_tensor(positions), caches=pooled,
+            top=max(c.index for c in pooled) + 1, longest=max(positions) + 1,
+        )  # fmt: skip
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
+        """The members' new rows of `[1, kv_heads, R, dim]` into their slots."""
+        k, v = self.pool.buffers(layer_idx, self.top - 1, self.longest, key_states)
+        k[self.slots, :, self.positions] = key_states[0].index_select(1, self.rows).transpose(0, 1)
+        v[self.slots, :, self.positions] = value_states[0].index_select(1, self.rows).transpose(0, 1)
+        for cache in self.caches:
+            cache.filled[layer_idx] += 1
+
+    def mask(self, device: torch.device) -> torch.Tensor:
+        """`[top, 1, 1, longest]` bool: each member's row its filled positions, the other rows
+        their first position (the same for every layer: made once)."""
+        if self._mask is None:
+            lengths = torch.ones(self.top, dtype=torch.long, device=device)
+            lengths[self.slots] = self.positions + 1
+            self._mask = (torch.arange(self.longest, device=device).view(1, -1) < lengths.view(-1, 1)).view(
+                self.top, 1, 1, self.longest
+            )
+        return self._mask
+
+    def attend(self, module: nn.Module, query: torch.Tensor, layer_idx: int, **kwargs: Any) -> torch.Tensor:
+        """The members' attention outputs `[B, 1, heads, dim]` for packed queries `[1, heads, R, dim]`."""
+        k, v = self.pool.k[layer_idx], self.pool.v[layer_idx]
+        assert k is not None and v is not None
+        q = query.new_zeros((self.top, query.shape[1], 1, query.shape[3]))
+        q[self.slots, :, 0] = query[0].index_select(1, self.rows).transpose(0, 1)
+        keys, values = k[: self.top, :, : self.longest], v[: self.top, :, : self.longest]
+        out, _ = sdpa_attention_forward(module, q, keys, values, self.mask(query.device), **kwargs)
+        return out.index_select(0, self.slots)
