@@ -1,4 +1,4 @@
-"""Fast mode's KV pool (models/batching.py `KVPool`): every request's keys and values of one model
+"""Fast mode's KV pool (models/kv_caches.py `KVPool`): every request's keys and values of one model
 in one buffer per layer, a decode step's one-row requests written with one indexed store and
 attended with one masked SDPA over the pool instead of one per request."""
 

@@ -244,3 +244,20 @@ def test_the_decode_role_refuses_kv_before_its_header(pair: tuple[Any, Any]) -> 
         decode.feed(req, received(edges.kv_chunk(0, kv)))
     assert err.value.code == Code.INVALID_ARGUMENT
     decode.close(req)
+
+
+def test_a_fast_decode_role_adopts_the_cache_into_its_token_pool(tiny_dir: Path) -> None:
+    """In fast batching the decode role keeps each adopted cache in its thinker's token pool (and
+    gives it back), and the prefill role keeps its own caches (their KV chunks are read after its
+    request ends there); the split thinker's tokens are the single fast thinker's."""
+    fast = {"batching": "fast"}
+    single = InProcessPipeline(tiny_dir, parse_config({"thinker": fast}))
+    split = _pd(tiny_dir, prefill=fast, decode=fast)
+    for prompt in PROMPTS:
+        ids = single.prompt_ids(prompt)
+        greedy = single.thinker_defaults().with_overrides(max_tokens=12)
+        assert _run(split, ids, greedy, want_audio=False).token_ids == _run(single, ids, greedy, False).token_ids
+    decode, prefill = (split.workers[f"thinker-{r}"].thinker for r in ("decode", "prefill"))
+    assert decode.batching.fast and decode.pool_kv and not prefill.pool_kv and prefill.batching.token_pool is None
+    pool = decode.batching.token_pool
+    assert pool is not None and not pool.ranges and pool.k[0] is None  # made, and every range given back

@@ -46,7 +46,7 @@ for step in "$@"; do
       python3 -c "import torch, transformers, grpc; print(torch.__version__, transformers.__version__, grpc.__version__, torch.cuda.get_device_name())" ;;
     tests)
       OMNISTAGE_TEST_DEVICE=cuda OMNISTAGE_TEST_DIFFS="$W/wave-diffs.tsv" python3 -m pytest -q -rfs --tb=short -p no:cacheprovider \
-        tests/test_device_copy.py tests/test_cuda_graphs.py tests/test_parity.py tests/test_multimodal_model.py tests/test_qwen2_5_omni.py tests/test_kv_pool.py \
+        tests/test_device_copy.py tests/test_cuda_graphs.py tests/test_parity.py tests/test_multimodal_model.py tests/test_qwen2_5_omni.py tests/test_kv_pool.py tests/test_token_pool.py \
         2>&1 | tee "$W/tests.log" | tail -40 ;;
     graph-tests)  # the CUDA graph tests alone (graphs against the eager loop, exact-mode parity with graphs on)
       OMNISTAGE_TEST_DEVICE=cuda python3 -m pytest -q -rfs --tb=short -p no:cacheprovider tests/test_cuda_graphs.py 2>&1 | tee "$W/graph-tests.log" | tail -20 ;;

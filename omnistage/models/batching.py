@@ -5,10 +5,12 @@
   over the row each request's token is chosen from), MoE routers and experts run
   over all rows at once (transformers' `grouped_mm`), and the code predictor's attention is one
   SDPA over its batch axis. Results are close to a lone request's, not bitwise (a GEMM's rows
-  depend on how many rows it has). A request's KV cache is a slot of the model's `KVPool` (the
-  talkers'; `new_cache`): a decode step's one-row requests are written with one indexed store
-  per layer and attended with one SDPA over the pool, each row masked to its own length
-  (`PooledRows`); a prefill chunk, or a decode row alone, attends over its own slot as exact
+  depend on how many rows it has). A request's KV cache is pooled (`new_cache`;
+  models/kv_caches.py): a slot of the model's `KVPool` (the talkers'), or a range of its
+  `TokenPool` (the thinker's, whose caches the scheduler bounds): a decode step's one-row
+  requests are written with one indexed store per layer and attended with one SDPA over the
+  pool (`PooledRows`), or one per group of ranges (`PooledRanges`), each row masked to its own
+  positions; a prefill chunk, or a decode row alone, attends over its own slot or range as exact
   mode does (the variable-length case). Its linears stay plain `nn.Linear`,
   and transformers' standard RMSNorm runs as one `F.rms_norm` call (on CPU the same ops, so a
   lone request's numbers are exact mode's; measured: the talker alone 6-11 % more requests/s).
@@ -63,7 +65,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_expe
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from omnistage.models.kv_caches import KVPool, PooledRows, PoolSlot, SlotCache
+from omnistage.models.kv_caches import KVPool, PooledRanges, PooledRows, PoolRange, PoolSlot, SlotCache, TokenPool
 
 __all__ = [
     "MODES",
@@ -225,17 +227,24 @@ class PackedCache:
     """The `past_key_values` of a packed forward: hands each request's slice of the new keys
     and values to that request's own cache and keeps the full ones for attention.
 
-    One-row requests whose caches are slots of one `KVPool` (fast mode's decode steps) are
-    written together and attended together (`PooledRows`); the rest request by request."""
+    One-row requests whose caches are slots of one `KVPool` or ranges of one `TokenPool` (fast
+    mode's decode steps) are written together and attended together (`PooledRows`,
+    `PooledRanges`); the rest request by request."""
 
     is_compileable = False
 
-    def __init__(self, caches: Sequence[DynamicCache | SlotCache | PoolSlot], lengths: Sequence[int]) -> None:
+    def __init__(self, caches: Sequence[Any], lengths: Sequence[int]) -> None:
+        """`caches`: each request's (`SlotCache`, `DynamicCache`, `PoolSlot` or `PoolRange`)."""
         if len(caches) != len(lengths):
             raise ValueError("one cache per request")
         self.caches = list(caches)
         self.lengths = list(lengths)
-        self.pooled = PooledRows.of(self.caches, self.lengths)
+        for cache, n in zip(self.caches, self.lengths, strict=True):
+            if isinstance(cache, PoolRange):  # room first: no range moves while the layers write
+                cache.reserve(cache.filled[0] + n)
+        self.pooled: PooledRows | PooledRanges | None = PooledRows.of(self.caches, self.lengths) or PooledRanges.of(
+            self.caches, self.lengths
+        )
         self.full: dict[int, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
 
     def update(
@@ -306,7 +315,7 @@ def exact_attention(
     layer_idx = module.layer_idx  # type: ignore[attr-defined]
     pooled = cache.pooled.attend(module, query, layer_idx, **kwargs) if cache.pooled is not None else None
     if pooled is not None and len(cache.pooled.members) == len(layout.lengths):  # type: ignore[union-attr]
-        return pooled.transpose(0, 1), None  # a decode step of pooled requests only: [1, B, heads, dim]
+        return pooled.transpose(0, 1), None  # a decode step of pooled requests only, in step order: [1, B, heads, dim]
     start = 0
     for n, full in zip(layout.lengths, cache.full[layer_idx], strict=True):
         if full is None:  # a pooled row, placed below
@@ -445,6 +454,8 @@ class PackedBatching:
         self.fast = mode == "fast"
         self.layout: _Layout | None = None
         self.kv_pool: KVPool | None = None  # fast mode's request caches (`new_cache`), made on first use
+        self.token_pool: TokenPool | None = None
+        self.kv_budget: int | None = None  # the token pool's bound: the scheduler's cache_capacity_tokens
         _register_kernels()
         self._check_defaults(model)
         # Fast mode computes every row together: nothing to wrap, and its norms are fused.
@@ -503,20 +514,28 @@ class PackedBatching:
         )  # fmt: skip
         return result
 
-    def new_cache(self, config: Any) -> SlotCache | DynamicCache | PoolSlot:
-        """A new request's KV cache for the decoder of `config`: in fast mode a slot of this
-        model's `KVPool` (a decode step writes and attends its row with the other requests'),
-        else its own `SlotCache` (transformers' `DynamicCache` where the decoder has
-        sliding-window layers). `free_cache` gives a pool slot back."""
+    def new_cache(self, config: Any, limit: int | None = None) -> SlotCache | DynamicCache | PoolSlot | PoolRange:
+        """A new request's KV cache for the decoder of `config`. In fast mode, pooled (a decode
+        step writes and attends its row with the other requests'): with a `limit` (the positions
+        the scheduler reserved for it: the thinker's) a range of this model's `TokenPool`, whose
+        memory stays within `kv_budget`; without one (the talkers', of unknown length) a slot of
+        its `KVPool`. Otherwise its own `SlotCache` of at most `limit` positions (transformers'
+        `DynamicCache` where the decoder has sliding-window layers). `free_cache` gives a pooled
+        one back."""
         if not self.fast or not SlotCache.fits(config):
-            return SlotCache.for_model(config)
+            return SlotCache.for_model(config, limit)
+        layers = int(config.num_hidden_layers)
+        if limit is not None:
+            if self.token_pool is None:
+                self.token_pool = TokenPool(layers, budget=self.kv_budget)
+            return self.token_pool.acquire(limit)
         if self.kv_pool is None:
-            self.kv_pool = KVPool(int(config.num_hidden_layers))
+            self.kv_pool = KVPool(layers)
         return self.kv_pool.acquire()
 
     @staticmethod
     def free_cache(cache: Any) -> None:
-        if isinstance(cache, PoolSlot):
+        if isinstance(cache, PoolSlot | PoolRange):
             cache.release()
 
     @contextmanager

@@ -5,22 +5,36 @@
 * `KVPool` / `PoolSlot`: fast mode's talkers: every request a row of one `[slots, heads,
   capacity, dim]` buffer per layer, so a decode step's rows are written and attended together
   (`PooledRows`).
+* `TokenPool` / `PoolRange`: fast mode's thinker: every request a range of one token axis per
+  layer, of exactly its reservation, so the memory stays within the scheduler's budget
+  (`PooledRanges`).
 """
 
 from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-__all__ = ["KVPool", "PoolSlot", "PooledRows", "SlotCache"]
+__all__ = ["KVPool", "PoolRange", "PoolSlot", "PooledRanges", "PooledRows", "SlotCache", "TokenPool", "layer_kv"]
+
+
+def layer_kv(cache: Any, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A one-request cache's filled keys and values of one layer `[1, kv_heads, filled, dim]`
+    (views): a `PoolRange`'s, or a `SlotCache`'s or `DynamicCache`'s layer."""
+    if isinstance(cache, PoolRange):
+        return cache.kv(layer_idx)
+    layer = cache.layers[layer_idx]
+    return layer.keys, layer.values
 
 
 class _Slots:
@@ -314,3 +328,292 @@ class PooledRows:
         keys, values = k[: self.top, :, : self.longest], v[: self.top, :, : self.longest]
         out, _ = sdpa_attention_forward(module, q, keys, values, self.mask(query.device), **kwargs)
         return out.index_select(0, self.slots)
+
+
+def _finite(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`x` with NaN and infinities as 0 (finite values unchanged, bitwise), into `out` if given:
+    what a `TokenPool` stores, because another request's attention spans it, masked, and a
+    masked NaN key or value still makes SDPA's output NaN (measured on CPU)."""
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0, out=out)
+
+
+class TokenPool:
+    """Every request's keys and values of one model on one token axis per layer,
+    `[1, kv_heads, size, dim]`: a request holds a range of it as long as its reservation
+    (`acquire(limit)`, a `PoolRange`, its `past_key_values`), placed first fit.
+
+    What it is for: the thinker's KV is bounded by the scheduler (`cache_capacity_tokens`, the sum
+    of the requests' reservations). Ranges of exactly their reservations keep the memory within
+    that sum (`budget`: the buffers never grow past it while the ranges fit in it, and they always
+    do, by the scheduler's count), where `KVPool`'s rectangle holds every slot at its longest
+    request's length. A decode step's one-row requests are written with one indexed store per
+    layer and attended in groups of up to `GROUP`, each one SDPA over the span of the group's
+    ranges with each query masked to its own range (`PooledRanges`). Its cost: a group's queries
+    score every position of its span (masked), so a span holds its members' reserved capacity,
+    not only their filled positions; and a stored key is made finite first (`_finite`).
+
+    When no free run fits a new range, the ranges are packed from offset 0 (and the buffers grown
+    by doubling, up to `budget` where the need allows): copying what they hold, amortized. A
+    range that outgrows its capacity (a cache without a limit) moves, doubling. When the last
+    range is released the buffers go."""
+
+    GROUP = 8  # decode rows per SDPA: bounds the masked work, which grows with group size x span
+
+    def __init__(self, num_layers: int, budget: int | None = None, min_tokens: int = 256, min_range: int = 64) -> None:
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.num_layers = num_layers
+        self.budget = budget
+        self.min_tokens = max(1, min_tokens)
+        self.min_range = max(1, min_range)
+        self.size = 0  # tokens each buffer holds (a layer's is made at its first write)
+        self.ranges: list[PoolRange] = []  # the live ones, by offset
+        self.repacks = 0  # packings that copied what the buffers held
+
+    def acquire(self, limit: int | None = None) -> PoolRange:
+        """A range for a cache of at most `limit` positions (None: unknown; it grows as needed)."""
+        rng = PoolRange(self, max(1, limit) if limit else self.min_range, limit)
+        offset = self._free_run(rng.capacity)
+        if offset is None:
+            self._repack(extra=rng.capacity)
+            offset = self._end()
+        rng.offset = offset
+        self._insert(rng)
+        return rng
+
+    def release(self, rng: PoolRange) -> None:
+        if rng not in self.ranges:
+            return
+        self.ranges.remove(rng)
+        if not self.ranges:  # idle: let the buffers go
+            self.k = [None] * self.num_layers
+            self.v = [None] * self.num_layers
+            self.size = 0
+
+    def buffers(self, layer_idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s keys and values (made at the pool's size on first use) for rows
+        `like` `[1, kv_heads, n, dim]`."""
+        k = self.k[layer_idx]
+        if k is None:
+            shape = (1, like.shape[1], self.size, like.shape[3])
+            self.k[layer_idx], self.v[layer_idx] = like.new_zeros(shape), like.new_zeros(shape)
+        elif k.shape[1] != like.shape[1] or k.shape[3] != like.shape[3] or k.dtype != like.dtype \
+                or k.device != like.device:  # fmt: skip
+            raise RuntimeError(f"token pool of {list(k.shape)} {k.dtype} on {k.device}: rows of "
+                               f"{list(like.shape)} {like.dtype} on {like.device}")  # fmt: skip
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        assert k is not None and v is not None
+        return k, v
+
+    def extend(self, rng: PoolRange, end: int) -> None:
+        """Room for `end` positions in `rng`: in place if the run after it is free, else moved."""
+        capacity = max(end, 2 * rng.capacity)
+        if rng.limit is not None and end <= rng.limit:
+            capacity = min(capacity, rng.limit)
+        i = self.ranges.index(rng)
+        following = self.ranges[i + 1].offset if i + 1 < len(self.ranges) else self.size
+        if rng.offset + capacity <= following:
+            rng.capacity = capacity
+            return
+        offset = self._free_run(capacity)
+        if offset is None:
+            rng.capacity = capacity
+            self._repack(extra=0)
+            return
+        for k, v, filled in zip(self.k, self.v, rng.filled, strict=True):
+            if k is not None and v is not None and filled:
+                k[:, :, offset : offset + filled] = k[:, :, rng.offset : rng.offset + filled]
+                v[:, :, offset : offset + filled] = v[:, :, rng.offset : rng.offset + filled]
+        self.ranges.remove(rng)
+        rng.offset, rng.capacity = offset, capacity
+        self._insert(rng)
+
+    def _insert(self, rng: PoolRange) -> None:
+        at = next((i for i, r in enumerate(self.ranges) if r.offset > rng.offset), len(self.ranges))
+        self.ranges.insert(at, rng)
+
+    def _end(self) -> int:
+        return self.ranges[-1].offset + self.ranges[-1].capacity if self.ranges else 0
+
+    def _free_run(self, n: int) -> int | None:
+        """The lowest offset with `n` free positions after it (first fit), or None."""
+        at = 0
+        for r in self.ranges:
+            if r.offset - at >= n:
+                return at
+            at = r.offset + r.capacity
+        return at if self.size - at >= n else None
+
+    def _repack(self, extra: int) -> None:
+        """The ranges packed from offset 0 in new buffers with `extra` free positions after them:
+        the same size if that leaves half of it free (fragmentation), else doubled (to the
+        budget, unless the ranges need more)."""
+        need = sum(r.capacity for r in self.ranges) + extra
+        size = self.size
+        if need > size or (need > size // 2 and (self.budget is None or size < self.budget)):
+            size = max(self.min_tokens, 2 * size, need)
+            if self.budget is not None:
+                size = max(min(size, self.budget), need)
+        offsets = list(itertools.accumulate((r.capacity for r in self.ranges), initial=0))
+        self.repacks += any(k is not None for k in self.k)  # (counted where it copies)
+        for layer_idx, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+            if k is None or v is None:
+                continue
+            shape = (1, k.shape[1], size, k.shape[3])
+            new_k, new_v = k.new_zeros(shape), v.new_zeros(shape)
+            for r, offset in zip(self.ranges, offsets, strict=False):
+                n = r.filled[layer_idx]
+                new_k[:, :, offset : offset + n] = k[:, :, r.offset : r.offset + n]
+                new_v[:, :, offset : offset + n] = v[:, :, r.offset : r.offset + n]
+            self.k[layer_idx], self.v[layer_idx] = new_k, new_v
+        for r, offset in zip(self.ranges, offsets, strict=False):
+            r.offset = offset
+        self.size = size
+
+
+class PoolRange:
+    """One request's `past_key_values` in a `TokenPool`: positions [offset, offset + capacity)
+    of every layer's buffer, and how many of them are filled. Alone (a prefill chunk, a decode
+    row alone) it is a cache like `SlotCache`: a step writes its rows after the filled ones and
+    attention reads a view. `release()` gives the range back (once)."""
+
+    is_compileable = False
+
+    def __init__(self, pool: TokenPool, capacity: int, limit: int | None) -> None:
+        self.pool = pool
+        self.offset = 0
+        self.capacity = capacity
+        self.limit = limit
+        self.filled = [0] * pool.num_layers
+
+    def reserve(self, end: int) -> None:
+        """Room for `end` positions (a step calls it for its rows before any layer writes)."""
+        if end > self.capacity:
+            self.pool.extend(self, end)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if key_states.shape[0] != 1:
+            raise RuntimeError(f"a pool range holds one request, got a batch of {key_states.shape[0]}")
+        start = self.filled[layer_idx]
+        end = start + key_states.shape[2]
+        self.reserve(end)
+        k, v = self.pool.buffers(layer_idx, key_states)
+        at = self.offset
+        _finite(key_states, out=k[:, :, at + start : at + end])
+        _finite(value_states, out=v[:, :, at + start : at + end])
+        self.filled[layer_idx] = end
+        return k[:, :, at : at + end], v[:, :, at : at + end]
+
+    def kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s filled keys and values `[1, kv_heads, filled, dim]` (views)."""
+        k, v = self.pool.k[layer_idx], self.pool.v[layer_idx]
+        assert k is not None and v is not None
+        end = self.offset + self.filled[layer_idx]
+        return k[:, :, self.offset : end], v[:, :, self.offset : end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.filled[layer_idx]
+
+    def release(self) -> None:
+        self.pool.release(self)
+
+
+@dataclass
+class PooledRanges:
+    """The one-row requests of a packed step whose caches are ranges of one `TokenPool`: their
+    new keys and values go in with one indexed store per layer; their attention is one SDPA per
+    group of up to `TokenPool.GROUP` of them (by offset) over the group's span of the buffer, each
+    query masked to its own filled positions. Grouped-query heads are packed into the query rows
+    (no repeated keys)."""
+
+    pool: TokenPool
+    members: frozenset[int]  # indices into the step's requests
+    rows: torch.Tensor  # [B] their rows in the packed sequence, in step order
+    positions: torch.Tensor  # [B] where each one's new row goes in the buffers
+    all_rows: bool  # the members are every row of the step, in order
+    order: torch.Tensor | None  # [B] the members by offset (None: step order is offset order)
+    inverse: torch.Tensor | None  # back to step order
+    groups: list[tuple[int, int, int, int]]  # (first, end) members by offset, (lo, hi) their span
+    ends: torch.Tensor  # [B] by offset: each member's range start, and its filled end after the step
+    starts: torch.Tensor
+    caches: list[PoolRange]
+    _masks: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, caches: Sequence[Any], lengths: Sequence[int]) -> PooledRanges | None:
+        """The pooled rows of a step, if two or more one-row requests share a pool."""
+        groups: dict[int, list[int]] = {}
+        for i, (cache, n) in enumerate(zip(caches, lengths, strict=True)):
+            if n == 1 and isinstance(cache, PoolRange) and len(set(cache.filled)) == 1:
+                groups.setdefault(id(cache.pool), []).append(i)
+        members = max(groups.values(), key=len, default=[])
+        if len(members) < 2:
+            return None
+        pooled: list[PoolRange] = [caches[i] for i in members]
+        pool = pooled[0].pool
+        starts = list(itertools.accumulate(lengths, initial=0))
+        by_offset = sorted(range(len(pooled)), key=lambda j: pooled[j].offset)
+        sorted_ = by_offset == list(range(len(pooled)))
+        spans = []
+        for first in range(0, len(by_offset), TokenPool.GROUP):
+            chunk = [pooled[j] for j in by_offset[first : first + TokenPool.GROUP]]
+            spans.append((first, first + len(chunk), chunk[0].offset, max(c.offset + c.filled[0] + 1 for c in chunk)))
+        device = pool.k[0].device  # type: ignore[union-attr]  # every member has filled layer 0
+        as_tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
+        inverse = sorted(range(len(pooled)), key=lambda j: by_offset[j])
+        return cls(
+            pool=pool, members=frozenset(members), rows=as_tensor([starts[i] for i in members]),
+            positions=as_tensor([c.offset + c.filled[0] for c in pooled]),
+            all_rows=len(members) == len(lengths), order=None if sorted_ else as_tensor(by_offset),
+            inverse=None if sorted_ else as_tensor(inverse), groups=spans,
+            starts=as_tensor([pooled[j].offset for j in by_offset]),
+            ends=as_tensor([pooled[j].offset + pooled[j].filled[0] + 1 for j in by_offset]), caches=pooled,
+        )  # fmt: skip
+
+    def _new_rows(self, states: torch.Tensor) -> torch.Tensor:
+        """The members' rows `[heads, B, dim]` of packed `[1, heads, R, dim]`, in step order."""
+        return states[0] if self.all_rows else states[0].index_select(1, self.rows)
+
+    def write(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> None:
+        k, v = self.pool.buffers(layer_idx, key_states)
+        k[0, :, self.positions] = _finite(self._new_rows(key_states))
+        v[0, :, self.positions] = _finite(self._new_rows(value_states))
+        for cache in self.caches:
+            cache.filled[layer_idx] += 1
+
+    def _group_masks(self, repeat: int) -> list[torch.Tensor]:
+        """Per group `[1, 1, repeat * g, span]` bool: each query row its member's filled positions
+        (a query head's rows are its key head's `repeat` query heads, member after member)."""
+        if repeat not in self._masks:
+            masks = []
+            for first, end, lo, hi in self.groups:
+                at = torch.arange(lo, hi, device=self.starts.device).view(1, -1)
+                mask = (at >= self.starts[first:end].view(-1, 1)) & (at < self.ends[first:end].view(-1, 1))
+                masks.append(mask.repeat(repeat, 1).view(1, 1, repeat * (end - first), hi - lo))
+            self._masks[repeat] = masks
+        return self._masks[repeat]
+
+    def attend(self, module: nn.Module, query: torch.Tensor, layer_idx: int, **kwargs: Any) -> torch.Tensor:
+        """The members' attention outputs `[B, 1, heads, dim]`, in step order, for packed queries
+        `[1, heads, R, dim]`."""
+        k, v = self.pool.k[layer_idx], self.pool.v[layer_idx]
+        assert k is not None and v is not None
+        heads, dim = query.shape[1], query.shape[3]
+        kv_heads = k.shape[1]
+        repeat = heads // kv_heads
+        q = self._new_rows(query)
+        if self.order is not None:
+            q = q.index_select(1, self.order)
+        outs = []
+        for (first, end, lo, hi), mask in zip(self.groups, self._group_masks(repeat), strict=True):
+            g = end - first
+            qg = q[:, first:end].reshape(1, kv_heads, repeat * g, dim)
+            out = F.scaled_dot_product_attention(qg, k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask,
+                                                 scale=kwargs.get("scaling"))  # fmt: skip
+            outs.append(out.view(heads, g, dim))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if self.inverse is not None:
+            out = out.index_select(1, self.inverse)
+        return out.transpose(0, 1).unsqueeze(1)

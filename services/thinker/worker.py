@@ -123,6 +123,7 @@ class ThinkerWorker(StageWorker):
         """This role's worker with the settings of its block of the deploy config."""
         stage = cfg.stage(cls.name)
         thinker = ckpt.family.thinker(ckpt, stage.dtype, stage.device, stage.batching)
+        thinker.set_kv_budget(stage.cache_capacity_tokens)
         return cls(thinker, ckpt.family.thinker_defaults(ckpt), cfg.max_model_len, cfg.audio_output)
 
 

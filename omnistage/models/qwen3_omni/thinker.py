@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from omnistage.models.batching import PackedBatching, PackedCache
-from omnistage.models.kv_caches import SlotCache
+from omnistage.models.kv_caches import SlotCache, layer_kv
 from omnistage.models.qwen3_omni.multimodal import AudioRows, MultimodalInputs, PromptInputs, RopeInputs, encode_prompt
 from omnistage.models.qwen3_omni.prompt import text_positions
 from omnistage.models.qwen3_omni.spec import FamilySpec
@@ -95,6 +95,9 @@ class Thinker:
         self.device = next(model.parameters()).device
         self.embedding = model.get_input_embeddings()
         self.batching = PackedBatching(model, row_modules, batching)
+        # fast mode keeps the requests' caches in one pool (`PackedBatching.new_cache`); a role
+        # whose cache is read after its request ends turns it off (services/thinker/prefill.py)
+        self.pool_kv = True
 
     def validate_prompt(self, prompt_ids: Sequence[int], max_len: int | None = None) -> None:
         """Refuse a prompt before any model work: empty, too long, or out of vocabulary."""
@@ -221,7 +224,7 @@ class Thinker:
             if state.finished:
                 raise RuntimeError("thinker request already finished")
             if state.cache is None:
-                state.cache = SlotCache.for_model(self.model.config.text_config, self._cache_limit(state))
+                state.cache = self._new_cache(state)
                 state.history = list(state.prompt_ids)
             if pos < len(state.prompt_ids):
                 if n < 1 or pos + n > len(state.prompt_ids):
@@ -300,7 +303,8 @@ class Thinker:
 
     def kv_rows(self, state: ThinkerState, pos: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer the keys and values of cache positions [pos, pos + n) (views)."""
-        return [(layer.keys[:, :, pos : pos + n], layer.values[:, :, pos : pos + n]) for layer in state.cache.layers]
+        layers = (layer_kv(state.cache, i) for i in range(int(self.model.config.text_config.num_hidden_layers)))
+        return [(k[:, :, pos : pos + n], v[:, :, pos : pos + n]) for k, v in layers]
 
     def decode_state(self, state: ThinkerState) -> tuple[torch.Tensor, torch.Tensor | None]:
         """After the prefill's first token, what a decode role needs besides the cache, the
@@ -336,12 +340,17 @@ class Thinker:
             except RuntimeError as e:  # right size, wrong contents
                 raise ValueError(f"sampler state: {e}") from None
         state.prompt_ids = list(prompt_ids)
-        state.cache = SlotCache.for_model(self.model.config.text_config, self._cache_limit(state))
+        self.batching.free_cache(state.cache)
+        state.cache = self._new_cache(state)
         for i, (k, v) in enumerate(kv):
             state.cache.update(k.to(self.device), v.to(self.device), i)
         state.history = [*state.prompt_ids, token_id]
         state.last_position = last_position.to(self.device)
         state.finished = stopped_on is not None
+
+    def _new_cache(self, state: ThinkerState) -> Any:
+        config, limit = self.model.config.text_config, self._cache_limit(state)
+        return self.batching.new_cache(config, limit) if self.pool_kv else SlotCache.for_model(config, limit)
 
     @staticmethod
     def _cache_limit(state: ThinkerState) -> int:
@@ -350,7 +359,13 @@ class Thinker:
         new = state.sampling.max_tokens if state.cache_new_tokens is None else state.cache_new_tokens
         return min(state.max_len, len(state.prompt_ids) + new)
 
+    def set_kv_budget(self, tokens: int | None) -> None:
+        """The KV tokens the scheduler lets all requests reserve (`cache_capacity_tokens`; None:
+        unbounded): fast mode's pool of request caches grows no further while they fit in it."""
+        self.batching.kv_budget = tokens
+
     def release(self, state: ThinkerState) -> None:
+        self.batching.free_cache(state.cache)
         state.cache = None
         state.prompt_parts = []
         state.multimodal = state.prompt_inputs = None
