@@ -164,6 +164,8 @@ class Thinker:
     def _deepstack(self, items: Sequence[tuple[ThinkerState, int, int]]) -> dict[str, Any]:
         """The text model's deepstack arguments for a packed step: the visual rows' mask over
         all rows, and per deepstack layer the features of those rows in row order."""
+        if all(state.prompt_inputs is None for state, _, _ in items):  # no media in the step (decode steps)
+            return {}
         masks, rows = [], []
         for state, pos, n in items:
             inputs = state.prompt_inputs
