@@ -42,7 +42,7 @@ def test_a_pool_slot_holds_what_dynamic_cache_holds_as_the_pool_grows() -> None:
     slots.append(pool.acquire())  # a third request: the pool doubles its slots, keeping the others'
     dyns.append(DynamicCache())
     feed(2, 2)
-    assert pool.k[0].shape[0] == 4
+    assert pool.k[0].shape[0] == 4 and pool.tokens == 4 * 8  # what the stage's metrics report
     for i in range(3):
         for layer in range(2):
             keys, _ = dyns[i].update(torch.empty(1, 2, 0, 8, device=DEV), torch.empty(1, 2, 0, 8, device=DEV), layer)
@@ -56,7 +56,7 @@ def test_a_pool_slot_holds_what_dynamic_cache_holds_as_the_pool_grows() -> None:
         slot.release()
     assert pool.in_use == {3} and pool.k[0] is not None
     pool.release(PoolSlot(pool, 3))
-    assert pool.k == [None, None] and pool.acquire().index == 0  # idle: the buffers went
+    assert pool.k == [None, None] and pool.tokens == 0 and pool.acquire().index == 0  # idle: the buffers went
 
 
 class _Batching:
@@ -218,7 +218,7 @@ def test_the_fast_talker_attends_its_decode_rows_through_the_pool(
                     torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5)
                 torch.testing.assert_close(t, a, rtol=1e-4, atol=1e-5)
     pool = fast.talker.batching.kv_pool
-    assert pool is not None and not pool.in_use  # every slot given back
+    assert pool is not None and not pool.in_use and fast.talker.batching.pooled_tokens() == 0  # every slot back
 
 
 def test_qwen2_5_omnis_fast_talker_pools_its_decode_rows_too(q25_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -261,3 +261,4 @@ def test_a_fast_decode_role_adopts_the_cache_into_its_token_pool(tiny_dir: Path)
     assert decode.batching.fast and decode.pool_kv and not prefill.pool_kv and prefill.batching.token_pool is None
     pool = decode.batching.token_pool
     assert pool is not None and not pool.ranges and pool.k[0] is None  # made, and every range given back
+    assert split.engines["thinker-decode"].load()["kv_pool_tokens"] == 0

@@ -227,13 +227,13 @@ def test_the_fast_thinker_attends_its_decode_rows_through_the_token_pool(
 
     def spy(self: PooledRanges, *args: Any, **kwargs: Any) -> torch.Tensor:
         pooled.append(len(self.members))
-        sizes.append(self.pool.size)
+        sizes.append(fast.thinker.batching.pooled_tokens())  # what the stage's metrics report
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(PooledRanges, "attend", spy)
     group = list(range(len(TEXTS)))
     together = _think(fast, group, TEXTS)
-    assert pooled and max(pooled) == len(TEXTS) and max(sizes) <= 1000
+    assert pooled and max(pooled) == len(TEXTS) and 0 < max(sizes) <= 1000
     pooled.clear()
     alone = {i: _think(fast, [i], TEXTS)[i] for i in group}
     assert not pooled  # one request: its own range's shapes
@@ -242,6 +242,7 @@ def test_the_fast_thinker_attends_its_decode_rows_through_the_token_pool(
     assert all(len(t) > 1 for t in together.values())
     pool = fast.thinker.batching.token_pool
     assert pool is not None and not pool.ranges and pool.k[0] is None  # every range given back: idle
+    assert fast.thinker.batching.pooled_tokens() == 0
 
 
 def test_a_fast_thinker_steps_ops_hardly_grow_with_its_batch(fast_thinkers: dict[str, Any]) -> None:

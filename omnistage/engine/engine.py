@@ -191,6 +191,7 @@ class Engine:
             "steps_total": int(stats["total_steps"]),
             "step_requests_total": int(stats["total_scheduled_requests"]),
             "step_seconds_total": self.step_seconds_total,
+            "kv_pool_tokens": self.worker.kv_pool_tokens(),
         }
 
     def stop(self) -> None:

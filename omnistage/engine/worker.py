@@ -134,3 +134,8 @@ class StageWorker(ABC):
 
     def capacity(self) -> dict[str, int]:
         return {}
+
+    def kv_pool_tokens(self) -> int:
+        """Positions per layer fast batching's pooled KV buffers hold now (0 when idle; read from
+        other threads, so approximate while a step runs)."""
+        return 0

@@ -533,6 +533,10 @@ class PackedBatching:
             self.kv_pool = KVPool(layers)
         return self.kv_pool.acquire()
 
+    def pooled_tokens(self) -> int:
+        """Positions per layer this model's pools hold now (0 when idle or not pooling)."""
+        return sum(pool.tokens for pool in (self.kv_pool, self.token_pool) if pool is not None)
+
     @staticmethod
     def free_cache(cache: Any) -> None:
         if isinstance(cache, PoolSlot | PoolRange):

@@ -163,6 +163,12 @@ class KVPool:
         self.next_slot = 0  # slots ever handed out
         self.in_use: set[int] = set()
 
+    @property
+    def tokens(self) -> int:
+        """Positions per layer its buffers hold (slots x capacity; 0 when idle)."""
+        k = self.k[0]
+        return 0 if k is None else k.shape[0] * k.shape[2]
+
     def acquire(self) -> PoolSlot:
         if self.free:
             index = heapq.heappop(self.free)
@@ -369,6 +375,11 @@ class TokenPool:
         self.size = 0  # tokens each buffer holds (a layer's is made at its first write)
         self.ranges: list[PoolRange] = []  # the live ones, by offset
         self.repacks = 0  # packings that copied what the buffers held
+
+    @property
+    def tokens(self) -> int:
+        """Positions per layer its buffers hold (or will, at their first write; 0 when idle)."""
+        return self.size
 
     def acquire(self, limit: int | None = None) -> PoolRange:
         """A range for a cache of at most `limit` positions (None: unknown; it grows as needed)."""

@@ -17,6 +17,8 @@ A stage's metrics, each labelled with `stage`:
   omnistage_stage_kv_cache_usage_ratio        reserved KV-cache tokens / capacity (0 when unbounded)
   omnistage_stage_kv_held_tokens              of those, the tokens of ended requests whose outputs
                                               wait to be sent (a prefill role's KV)
+  omnistage_stage_kv_pool_tokens              positions per layer fast batching's pooled KV buffers
+                                              hold (a pool's memory, reservations aside; 0 when idle)
   omnistage_stage_shm_segments                shared-memory segments this process holds
   omnistage_stage_shm_inline_fallbacks_total  large blobs sent inline because the pool was full (or
                                               the request over its share): size /dev/shm by it
@@ -74,6 +76,8 @@ class StageMetrics:
                       registry=registry)  # fmt: skip
         held = Gauge("omnistage_stage_kv_held_tokens", "KV-cache tokens reserved for ended requests whose outputs "
                      "wait to be sent", labels, registry=registry)  # fmt: skip
+        pooled = Gauge("omnistage_stage_kv_pool_tokens", "Positions per layer the pooled KV buffers of fast "
+                       "batching hold", labels, registry=registry)  # fmt: skip
         shm = Gauge("omnistage_stage_shm_segments", "Shared-memory segments held", labels, registry=registry)
         replay = Gauge("omnistage_stage_replay_bytes", "Bytes requests keep of what they sent downstream, for "
                        "failover replay", labels, registry=registry)  # fmt: skip
@@ -106,6 +110,7 @@ class StageMetrics:
             by_state.labels(stage, state).set_function(lambda s=state: float(load()[s]))
         cache.labels(stage).set_function(lambda: float(load()["cache_usage"]))
         held.labels(stage).set_function(lambda: float(load()["held_tokens"]))
+        pooled.labels(stage).set_function(lambda: float(load()["kv_pool_tokens"]))
         shm.labels(stage).set_function(lambda: float(shm_segments()))
         replay.labels(stage).set_function(lambda: float(replay_bytes()))
 

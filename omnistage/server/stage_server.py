@@ -368,6 +368,7 @@ class StageService:
                 shm_segments=self.pool.num_segments,
                 requests_total=self.requests_total,
                 step_seconds_total=load["step_seconds_total"],
+                kv_pool_tokens=load["kv_pool_tokens"],
             ),
             serving=not self.draining,
             chain=self.watcher.chain if self.watcher is not None else [],

@@ -96,7 +96,7 @@ class Capacity(_message.Message):
     def __init__(self, max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("running", "waiting", "waiting_for_input", "cache_usage", "open_streams", "shm_segments", "requests_total", "steps_total", "step_requests_total", "step_seconds_total")
+    __slots__ = ("running", "waiting", "waiting_for_input", "cache_usage", "open_streams", "shm_segments", "requests_total", "steps_total", "step_requests_total", "step_seconds_total", "kv_pool_tokens")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_INPUT_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class Load(_message.Message):
     STEPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STEP_REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_POOL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     waiting_for_input: int
@@ -117,7 +118,8 @@ class Load(_message.Message):
     steps_total: int
     step_requests_total: int
     step_seconds_total: float
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_for_input: _Optional[int] = ..., cache_usage: _Optional[float] = ..., open_streams: _Optional[int] = ..., shm_segments: _Optional[int] = ..., requests_total: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_requests_total: _Optional[int] = ..., step_seconds_total: _Optional[float] = ...) -> None: ...
+    kv_pool_tokens: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_for_input: _Optional[int] = ..., cache_usage: _Optional[float] = ..., open_streams: _Optional[int] = ..., shm_segments: _Optional[int] = ..., requests_total: _Optional[int] = ..., steps_total: _Optional[int] = ..., step_requests_total: _Optional[int] = ..., step_seconds_total: _Optional[float] = ..., kv_pool_tokens: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
     __slots__ = ("model", "arch", "role", "capacity", "load", "device", "dtype", "serving", "chain")

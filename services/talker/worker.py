@@ -139,6 +139,9 @@ class TalkerWorker(StageWorker):
         self.held.pop(req.request_id, None)
         self.talker.release(req.state)
 
+    def kv_pool_tokens(self) -> int:
+        return int(self.talker.batching.pooled_tokens())
+
 
 def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> TalkerWorker:
     stage = cfg.stage("talker")

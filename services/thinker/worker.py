@@ -68,6 +68,9 @@ class ThinkerWorker(StageWorker):
     def capacity(self) -> dict[str, int]:
         return {"max_model_len": self.max_model_len()}
 
+    def kv_pool_tokens(self) -> int:
+        return int(self.thinker.batching.pooled_tokens())
+
     def execute(self, batch: Sequence[ScheduledItem]) -> list[StepOutput | Exception]:
         """One packed forward: prefill chunks of the tokens the scheduler gave, and decodes. A
         request whose audio/image/video cannot be encoded fails alone, before the forward."""

@@ -84,10 +84,10 @@ async def cancel_at_first_audio(gateway: str, never_stop_id: int) -> None:
 
 def stage_is_idle(address: str) -> bool:
     """The stage at `address` holds nothing: no request running, waiting or waiting for input, no
-    open stream, no shared-memory segment, no KV reserved."""
+    open stream, no shared-memory segment, no KV reserved, no pooled KV buffer."""
     load = run(info(address)).load
     return (load.running, load.waiting, load.waiting_for_input, load.open_streams, load.shm_segments,
-            load.cache_usage) == (0,) * 6  # fmt: skip
+            load.cache_usage, load.kv_pool_tokens) == (0,) * 7  # fmt: skip
 
 
 def assert_all_idle(stages: list[str], seconds: float) -> None:

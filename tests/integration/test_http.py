@@ -470,6 +470,7 @@ def test_metrics_count_the_requests(http_stack: Stack, client: openai.OpenAI) ->
     assert tokens and tokens[0] >= 2 * MAX_TOKENS
     assert "omnistage_stage_kv_cache_usage_ratio" in stage and "omnistage_stage_shm_segments" in stage
     assert [x.value for x in stage["omnistage_stage_kv_held_tokens"].samples] == [0.0]  # the thinker holds none
+    assert [x.value for x in stage["omnistage_stage_kv_pool_tokens"].samples] == [0.0]  # exact mode: no pool
     assert "omnistage_stage_shm_inline_fallbacks" in stage and "omnistage_stage_replay_bytes" in stage
     assert [x.value for x in stage["omnistage_stage_replay_memory_full"].samples if x.name.endswith("_total")] == [0]
 
