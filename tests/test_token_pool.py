@@ -53,28 +53,30 @@ def test_a_range_holds_what_dynamic_cache_holds_as_ranges_move_and_the_pool_grow
         assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)) and spans[-1][1] <= pool.size
 
     ranges["a"], own["a"] = pool.acquire(None), DynamicCache()
-    feed("a", 6)  # past its 4 positions, the run after it free: doubled in place
-    assert (ranges["a"].offset, ranges["a"].capacity) == (0, 8)
+    feed("a", 6)  # past its 4 positions, the run after it free: twice 6, in place
+    assert (ranges["a"].offset, ranges["a"].capacity) == (0, 12)
     ranges.pop("a").release()
     own.pop("a")
     assert pool.k == [None, None]  # idle: the buffers went
     for name, limit, n in (("a", 6, 4), ("b", None, 3), ("c", 5, 5)):
         ranges[name], own[name] = pool.acquire(limit), DynamicCache()
         feed(name, n)
-    assert pool.size == 16 and [(r.offset, r.capacity) for r in ranges.values()] == [(0, 6), (6, 4), (10, 5)]
-    feed("b", 3)  # past its 4 positions, "c" after it and no free run of 8: packed into 32
-    assert (ranges["b"].capacity, pool.size, pool.repacks) == (8, 32, 1)
+    # each starts at min_range (4) or less: "c" grew to its limit of 5 in place
+    assert pool.size == 16 and [(r.offset, r.capacity) for r in ranges.values()] == [(0, 4), (4, 4), (8, 5)]
+    feed("b", 3)  # past its 4 positions, "c" after it and no free run of 12: packed into 32
+    assert (ranges["b"].capacity, pool.size, pool.repacks) == (12, 32, 1)
     check()
     ranges.pop("a").release()
     own.pop("a")
     ranges["d"], own["d"] = pool.acquire(3), DynamicCache()  # first fit: "a"'s hole at 0
     assert ranges["d"].offset == 0
     feed("d", 3)
-    ranges["e"], own["e"] = pool.acquire(14), DynamicCache()  # no run of 14 free: packed, grown to 64
+    ranges["e"], own["e"] = pool.acquire(14), DynamicCache()  # 4 positions, at the end
+    assert (ranges["e"].offset, ranges["e"].capacity, pool.repacks) == (21, 4, 1)
+    feed("e", 9)  # to its limit of 14: no run of 14 free, packed and grown to 64
     assert pool.repacks == 2 and pool.size == 64 and pool.k[0] is not None and pool.k[0].shape[2] == 64
-    feed("e", 9)
-    feed("b", 6)  # 12 of 8: 16, moved to the free run after "e"
-    assert ranges["b"].capacity == 16 and ranges["b"].offset > ranges["e"].offset and pool.repacks == 2
+    feed("b", 7)  # 13 of 12: 26, moved to the free run after "e"
+    assert ranges["b"].capacity == 26 and ranges["b"].offset > ranges["e"].offset and pool.repacks == 2
     check()
     for rng in ranges.values():
         rng.release()
@@ -85,24 +87,37 @@ def test_a_range_holds_what_dynamic_cache_holds_as_ranges_move_and_the_pool_grow
 def test_the_pool_stays_within_its_budget() -> None:
     """With a budget (the scheduler's cache_capacity_tokens), the buffers grow no further than it
     while the ranges' limits sum to no more than it (what the scheduler's admission guarantees),
-    whatever the order of arrivals and departures; a range filled to its limit stays in it."""
+    whatever the order of arrivals, growth and departures; no range holds more than its limit,
+    and each holds what its own cache holds after every move and packing."""
     rng = random.Random(5)
     budget = 200
-    pool = TokenPool(num_layers=1, budget=budget, min_tokens=16)
-    live: list[PoolRange] = []
-    for _ in range(300):
-        if live and (rng.random() < 0.45 or sum(r.limit or 0 for r in live) > budget - 10):
-            live.pop(rng.randrange(len(live))).release()
-            continue
-        limit = rng.randint(1, 40)
-        if sum(r.limit or 0 for r in live) + limit > budget:
-            continue
-        r = pool.acquire(limit)
-        fill = rng.randint(1, limit)
-        r.update(*_kv(1, fill), 0)
-        live.append(r)
-        assert pool.size <= budget and all(x.capacity == x.limit for x in live)
-    assert pool.repacks > 0  # the walk did pack the pool
+    pool = TokenPool(num_layers=1, budget=budget, min_tokens=16, min_range=4)
+    live: list[tuple[PoolRange, DynamicCache]] = []
+    for _ in range(400):
+        roll = rng.random()
+        if live and (roll < 0.25 or sum(r.limit or 0 for r, _ in live) > budget - 10):
+            live.pop(rng.randrange(len(live)))[0].release()
+        elif live and roll < 0.6:  # one of them decodes or prefills some more, within its limit
+            r, own = live[rng.randrange(len(live))]
+            n = min(rng.randint(1, 6), (r.limit or 0) - r.get_seq_length())
+            if n > 0:
+                kv = _kv(1, n)
+                r.update(*kv, 0)
+                own.update(*kv, 0)
+        else:
+            limit = rng.randint(1, 40)
+            if sum(r.limit or 0 for r, _ in live) + limit > budget:
+                continue
+            r, own = pool.acquire(limit), DynamicCache()
+            kv = _kv(1, rng.randint(1, limit))
+            r.update(*kv, 0)
+            own.update(*kv, 0)
+            live.append((r, own))
+        assert pool.size <= budget and all(r.capacity <= (r.limit or 0) for r, _ in live)
+    assert pool.repacks > 0 and live  # the walk did pack the pool
+    for r, own in live:
+        k, v = layer_kv(r, 0)
+        assert torch.equal(k, own.layers[0].keys) and torch.equal(v, own.layers[0].values)
 
 
 class _Batching:
