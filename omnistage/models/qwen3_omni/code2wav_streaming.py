@@ -212,6 +212,17 @@ class _KVAppend:
         return torch.cat([self.past_k, key_states], dim=2), torch.cat([self.past_v, value_states], dim=2)
 
 
+def _windows(x: Tensor, starts: Sequence[int], length: int) -> tuple[Tensor, ...]:
+    """`x[b, :, starts[b] : starts[b] + length]` for every b of `[B, C, T]`, copied out in one op
+    for the whole batch (one slice, or one gather where the starts differ) and handed back as
+    views of that copy: what each request keeps for its next step. (A view keeps the batch's copy
+    alive until every request of the step has stepped again or closed: one step's worth.)"""
+    if len(set(starts)) == 1:
+        return x[:, :, starts[0] : starts[0] + length].clone().unbind(0)
+    at = torch.tensor(starts, device=x.device)[:, None] + torch.arange(length, device=x.device)
+    return torch.gather(x, 2, at[:, None, :].expand(-1, x.shape[1], -1)).unbind(0)
+
+
 class _Batch:
     """A padded batch in the conv part: ``x`` is ``[B, C, max(lens)]``, request b's valid part is
     ``x[b, :, :lens[b]]`` (the rest is padding whose values never reach a valid output)."""
@@ -523,9 +534,8 @@ class IncrementalCode2Wav:
         hist = torch.stack([s.conv_history[idx] for s in states])
         xx = torch.cat([hist, batch.x], dim=-1)
         y = mod.conv(xx)
-        for b, s in enumerate(states):
-            n = batch.lens[b]
-            s.conv_history[idx] = xx[b, :, n : n + hist_len].clone()
+        for s, kept in zip(states, _windows(xx, batch.lens, hist_len), strict=True):
+            s.conv_history[idx] = kept
         return y
 
     def _trans_conv(
@@ -547,10 +557,12 @@ class IncrementalCode2Wav:
         bias = conv.bias[None, :, None] if conv.bias is not None else None
         out_lens: list[int] = []
         starts: list[int] = []
+        finals = [n * stride for n in batch.lens]  # outputs [0, final) can no longer change
+        if tail_len:
+            for s, tail in zip(states, _windows(y, finals, tail_len), strict=True):
+                s.trans_tail[idx] = tail
         for b, s in enumerate(states):
-            final = batch.lens[b] * stride  # outputs [0, final) can no longer change
-            if tail_len:
-                s.trans_tail[idx] = y[b, :, final : final + tail_len].clone()
+            final = finals[b]
             drop = min(s.trans_drop[idx], final)
             s.trans_drop[idx] -= drop
             starts.append(drop)
