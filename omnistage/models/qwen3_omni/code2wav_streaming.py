@@ -205,22 +205,27 @@ class _KVAppend:
         self.past_v = past_v
         self.new_k: Tensor | None = None
         self.new_v: Tensor | None = None
+        self.keys: Tensor | None = None  # [past | new] as attended
+        self.values: Tensor | None = None
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: object, **kw: object):
         self.new_k = key_states
         self.new_v = value_states
-        return torch.cat([self.past_k, key_states], dim=2), torch.cat([self.past_v, value_states], dim=2)
+        self.keys = torch.cat([self.past_k, key_states], dim=2)
+        self.values = torch.cat([self.past_v, value_states], dim=2)
+        return self.keys, self.values
 
 
 def _windows(x: Tensor, starts: Sequence[int], length: int) -> tuple[Tensor, ...]:
-    """`x[b, :, starts[b] : starts[b] + length]` for every b of `[B, C, T]`, copied out in one op
-    for the whole batch (one slice, or one gather where the starts differ) and handed back as
+    """`x[b, :, starts[b] : starts[b] + length]` for every b of `[B, C, T, ...]`, copied out in one
+    op for the whole batch (one slice, or one gather where the starts differ) and handed back as
     views of that copy: what each request keeps for its next step. (A view keeps the batch's copy
     alive until every request of the step has stepped again or closed: one step's worth.)"""
     if len(set(starts)) == 1:
         return x[:, :, starts[0] : starts[0] + length].clone().unbind(0)
     at = torch.tensor(starts, device=x.device)[:, None] + torch.arange(length, device=x.device)
-    return torch.gather(x, 2, at[:, None, :].expand(-1, x.shape[1], -1)).unbind(0)
+    index = at.view(x.shape[0], 1, length, *[1] * (x.dim() - 3)).expand(*x.shape[:2], length, *x.shape[3:])
+    return torch.gather(x, 2, index).unbind(0)
 
 
 class _Batch:
@@ -494,13 +499,18 @@ class IncrementalCode2Wav:
             masks[w] = additive.masked_fill(~allowed, min_value)[:, None]  # [B, 1, n_max, c_max + n_max]
 
         adapters: list[_KVAppend] = []
+        full_caches = all(n == c_max for n in cache_lens)
         for i, layer in enumerate(pre.layers[: self.num_layers]):
-            past_k = hidden.new_zeros(bsz, self.num_kv_heads, c_max, self.head_dim)
-            past_v = torch.zeros_like(past_k)
-            for b, s in enumerate(states):
-                if cache_lens[b]:
-                    past_k[b, :, c_max - cache_lens[b] :] = s.kv[i][0]
-                    past_v[b, :, c_max - cache_lens[b] :] = s.kv[i][1]
+            if full_caches:  # every cache as long (a full window): stacked, one op for the batch
+                past_k = torch.stack([s.kv[i][0] for s in states])
+                past_v = torch.stack([s.kv[i][1] for s in states])
+            else:
+                past_k = hidden.new_zeros(bsz, self.num_kv_heads, c_max, self.head_dim)
+                past_v = torch.zeros_like(past_k)
+                for b, s in enumerate(states):
+                    if cache_lens[b]:
+                        past_k[b, :, c_max - cache_lens[b] :] = s.kv[i][0]
+                        past_v[b, :, c_max - cache_lens[b] :] = s.kv[i][1]
             adapter = _KVAppend(past_k, past_v)
             hidden = layer(
                 hidden,
@@ -514,6 +524,16 @@ class IncrementalCode2Wav:
         for i, adapter in enumerate(adapters):
             assert adapter.new_k is not None and adapter.new_v is not None
             keep = None if self.windows[i] is None else self.windows[i] - 1
+            # each request keeps the last `keep` of its valid keys, [c_max - cache, c_max + new) of
+            # the attended [past padded left | new padded right]: as one copy when all keep as many
+            held = [n + m if keep is None else min(keep, n + m) for n, m in zip(cache_lens, lens, strict=True)]
+            if len(set(held)) == 1 and adapter.keys is not None and adapter.values is not None:
+                ends = [c_max + m for m in lens]
+                starts = [end - held[0] for end in ends]
+                for s, k, v in zip(states, _windows(adapter.keys, starts, held[0]),
+                                   _windows(adapter.values, starts, held[0]), strict=True):  # fmt: skip
+                    s.kv[i] = (k, v)
+                continue
             for b, s in enumerate(states):
                 k = torch.cat([s.kv[i][0], adapter.new_k[b, :, : lens[b]]], dim=1)
                 v = torch.cat([s.kv[i][1], adapter.new_v[b, :, : lens[b]]], dim=1)
