@@ -261,9 +261,10 @@ def test_the_fast_thinker_attends_its_decode_rows_through_the_token_pool(
 
 
 def test_a_fast_thinker_steps_ops_hardly_grow_with_its_batch(fast_thinkers: dict[str, Any]) -> None:
-    """The decode step attends its requests' rows together: the ops it dispatches (about one
-    kernel launch each on a GPU) grow by a few per request, not by the 31 that one attention and
-    cache write per request per layer cost on this checkpoint."""
+    """The decode step attends its requests' rows together and makes their embeddings and
+    positions at once: the ops it dispatches (about one kernel launch each on a GPU) grow by a
+    few per request (2.5 on this checkpoint), not by the 31 that one attention and cache write
+    per request per layer, and its own embedding and position, cost."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -293,4 +294,4 @@ def test_a_fast_thinker_steps_ops_hardly_grow_with_its_batch(fast_thinkers: dict
         return min(decode_step_ops(batch), decode_step_ops(batch))
 
     per_request = (ops(16) - ops(2)) / 14
-    assert per_request <= 12, per_request
+    assert per_request <= 6, per_request

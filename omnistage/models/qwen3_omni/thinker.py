@@ -220,9 +220,10 @@ class Thinker:
         """One forward for every `(state, position, n)`: `position` is how many tokens the
         request has in its cache; `n` prompt tokens from there (a prefill chunk) or, past the
         prompt, one decode step."""
-        embeds = []
-        positions = []
-        for state, pos, n in items:
+        embeds: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
+        decodes: list[int] = []
+        for i, (state, pos, n) in enumerate(items):
             if state.finished:
                 raise RuntimeError("thinker request already finished")
             if state.cache is None:
@@ -232,23 +233,31 @@ class Thinker:
                 if n < 1 or pos + n > len(state.prompt_ids):
                     raise ValueError(f"prefill chunk [{pos}, {pos + n}) outside a prompt of {len(state.prompt_ids)}")
                 rows, position = self._prompt_rows(state, pos, n)
+                state.last_position = position[..., -1:]
             else:
                 if n != 1 or pos != len(state.history) - 1:
                     want = len(state.history) - 1
                     raise ValueError(f"decode step at position {pos} of {n} tokens; expected 1 at {want}")
-                rows = self.embedding(torch.tensor([state.history[-1]], device=self.device))
                 assert state.last_position is not None
-                position = state.last_position + 1  # as generate() steps every axis on
+                rows = position = state.last_position  # placeholders: the decode rows are made below
+                decodes.append(i)
             embeds.append(rows)
             positions.append(position)
-            state.last_position = position[..., -1:]
+        if decodes:  # every decode row's embedding and position in one op each, not per request
+            states = [items[i][0] for i in decodes]
+            rows = self.embedding(torch.tensor([s.history[-1] for s in states], device=self.device))
+            stepped = torch.cat([s.last_position for s in states], dim=-1) + 1  # as generate() steps every axis on
+            for i, state, row, position in zip(decodes, states, rows.split(1), stepped.split(1, dim=-1), strict=True):
+                embeds[i], positions[i] = row, position
+                state.last_position = position
+        only_decodes = len(decodes) == len(items)
         lengths = [n for _, _, n in items]
         cache = PackedCache([state.cache for state, _, _ in items], lengths)
         with self.batching.step(lengths, cache):
             # the thinker's forward, with deepstack features it cannot take as arguments
             out = self.model.model.language_model(
-                inputs_embeds=torch.cat(embeds).unsqueeze(0),
-                position_ids=torch.cat(positions, dim=-1),
+                inputs_embeds=(rows if only_decodes else torch.cat(embeds)).unsqueeze(0),
+                position_ids=stepped if only_decodes else torch.cat(positions, dim=-1),
                 past_key_values=cache,
                 use_cache=True,
                 output_hidden_states=True,
@@ -265,13 +274,16 @@ class Thinker:
         results = []
         emits: list[tuple[ThinkerStep, ThinkerState, torch.Tensor]] = []
         emit_rows: list[int] = []
+        # each token's hidden state, the last row of its request: in a decode step every row, as
+        # views made in one op (else one index per request)
+        last_rows = accept_all.unbind(0) if only_decodes else None
         start = 0
         for row, (state, pos, n) in enumerate(items):
             end = start + n
-            accept = accept_all[start:end]
+            last = last_rows[row] if last_rows is not None else accept_all[end - 1]
             result = ThinkerStep()
             if pos < len(state.prompt_ids):
-                state.prompt_parts.append((embeds_all[start:end], accept))
+                state.prompt_parts.append((embeds_all[start:end], accept_all[start:end]))
                 if pos + n == len(state.prompt_ids):
                     result.prompt = PromptOutput(
                         ids=torch.tensor(state.prompt_ids, dtype=torch.long),
@@ -281,10 +293,10 @@ class Thinker:
                     )
                     state.prompt_parts = []
                     state.prompt_inputs = None
-                    emits.append((result, state, accept[-1]))
+                    emits.append((result, state, last))
                     emit_rows.append(row)
             else:
-                emits.append((result, state, accept[-1]))
+                emits.append((result, state, last))
                 emit_rows.append(row)
             results.append(result)
             start = end
