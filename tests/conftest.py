@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Two cores on CI: keep torch from oversubscribing when services run beside the tests.
 torch.set_num_threads(int(os.environ.get("OMNISTAGE_TEST_THREADS", "2")))
@@ -40,6 +41,24 @@ def assert_same_wave(ours: torch.Tensor, ref: torch.Tensor, what: str = "wavefor
 needs_cpu_rng = pytest.mark.skipif(
     TEST_DEVICE != "cpu", reason="Qwen2.5's streamed DiT noise is drawn on the CPU generator (its prefix property); "
     "generate() on CUDA draws it with CUDA's, so only the full decode can match there")
+
+
+class DispatchCount(TorchDispatchMode):
+    """The aten ops dispatched inside it (`with DispatchCount() as count: ...; count.ops`): about
+    one kernel launch each on a GPU."""
+
+    ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_further_request(step_ops: Callable[[int], int], small: int = 2, large: int = 16) -> float:
+    """How many more ops a step of `large` requests dispatches than one of `small`, per further
+    request; each the fewer of two runs (a buffer grown in the first is not counted)."""
+    fewest = {b: min(step_ops(b), step_ops(b)) for b in (small, large)}
+    return (fewest[large] - fewest[small]) / (large - small)
 
 
 def staged_pipeline(model_dir: Path, cfg: Any = None) -> Any:

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from omnistage.models.batching import PackedCache, exact_attention
 from omnistage.models.kv_caches import KVPool, PooledRows, PoolSlot, SlotCache
 from omnistage.models.sampling import SamplingParams
-from tests.conftest import TEST_DEVICE, staged_pipeline
+from tests.conftest import TEST_DEVICE, DispatchCount, ops_per_further_request, staged_pipeline
 
 DEV = TEST_DEVICE  # the pool's tests run on CUDA too (benchmarks/gpu/run.sh tests)
 
@@ -261,15 +261,6 @@ def test_a_fast_talker_steps_ops_hardly_grow_with_its_batch(fast_talkers: dict[s
     the trailing text, one GEMM per linear): the ops it dispatches (about one kernel launch each on
     a GPU) grow by a few per request, not by dozens as one attention and one projection per
     request did (38 per request on this checkpoint)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            self.ops += 1
-            return func(*args, **(kwargs or {}))
-
     pipe = fast_talkers["published"]
     talker, spec = pipe.talker, pipe.spec
     ids = torch.tensor(pipe.prompt_ids("Tell me about the sea."), device=talker.device)
@@ -284,15 +275,12 @@ def test_a_fast_talker_steps_ops_hardly_grow_with_its_batch(fast_talkers: dict[s
                 state.add_token(torch.randn(spec.thinker_hidden, device=talker.device), k == 5)
         talker.step([(s, True) for s in states])  # the prompts
         talker.step([(s, True) for s in states])
-        with Count() as count:
+        with DispatchCount() as count:
             frames = talker.step([(s, True) for s in states])
         assert all(f is not None for f in frames)
         for state in states:
             talker.release(state)
         return count.ops
 
-    def ops(batch: int) -> int:  # the fewer of two runs: a buffer grown in the first is not counted
-        return min(decode_step_ops(batch), decode_step_ops(batch))
-
-    per_request = (ops(16) - ops(2)) / 14  # both on the pool
+    per_request = ops_per_further_request(decode_step_ops)  # batches 2 and 16: both on the pool
     assert per_request <= 10, per_request

@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from omnistage.models.batching import PackedCache, _Layout, exact_attention
 from omnistage.models.kv_caches import PooledRanges, PoolRange, SlotCache, TokenPool, layer_kv
 from omnistage.models.sampling import SamplingParams
-from tests.conftest import TEST_DEVICE, staged_pipeline
+from tests.conftest import TEST_DEVICE, DispatchCount, ops_per_further_request, staged_pipeline
 
 DEV = TEST_DEVICE  # on CUDA too (benchmarks/gpu/run.sh tests)
 
@@ -265,15 +265,6 @@ def test_a_fast_thinker_steps_ops_hardly_grow_with_its_batch(fast_thinkers: dict
     positions at once: the ops it dispatches (about one kernel launch each on a GPU) grow by a
     few per request (2.5 on this checkpoint), not by the 31 that one attention and cache write
     per request per layer, and its own embedding and position, cost."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            self.ops += 1
-            return func(*args, **(kwargs or {}))
-
     pipe = fast_thinkers["published"]
     th = pipe.thinker
     ids = pipe.prompt_ids("Tell me about the sea.")
@@ -284,14 +275,11 @@ def test_a_fast_thinker_steps_ops_hardly_grow_with_its_batch(fast_thinkers: dict
             th.set_prompt(state, ids)
         th.step([(s, 0, len(ids)) for s in states])
         th.step([(s, len(ids), 1) for s in states])
-        with Count() as count:
+        with DispatchCount() as count:
             th.step([(s, len(ids) + 1, 1) for s in states])
         for state in states:
             th.release(state)
         return count.ops
 
-    def ops(batch: int) -> int:
-        return min(decode_step_ops(batch), decode_step_ops(batch))
-
-    per_request = (ops(16) - ops(2)) / 14
+    per_request = ops_per_further_request(decode_step_ops)  # batches 2 and 16
     assert per_request <= 6, per_request

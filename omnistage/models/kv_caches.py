@@ -264,6 +264,17 @@ class PoolSlot:
         self.pool.release(self)
 
 
+def _pool_members(caches: Sequence[Any], lengths: Sequence[int], kind: type) -> list[int]:
+    """The step's requests attended together: the one-row requests whose caches are `kind` on
+    the pool most of them share (every layer filled alike), if two or more; else none."""
+    groups: dict[int, list[int]] = {}
+    for i, (cache, n) in enumerate(zip(caches, lengths, strict=True)):
+        if n == 1 and isinstance(cache, kind) and len(set(cache.filled)) == 1:
+            groups.setdefault(id(cache.pool), []).append(i)
+    members = max(groups.values(), key=len, default=[])
+    return members if len(members) >= 2 else []
+
+
 @dataclass
 class PooledRows:
     """The one-row requests of a packed step whose caches are slots of one `KVPool`: their new
@@ -286,17 +297,11 @@ class PooledRows:
     def of(cls, caches: Sequence[Any], lengths: Sequence[int]) -> PooledRows | None:
         """The pooled rows of a step, if two or more one-row requests share a pool (one alone
         attends as a `PoolSlot` does, with a lone request's shapes)."""
-        groups: dict[int, list[int]] = {}
-        for i, (cache, n) in enumerate(zip(caches, lengths, strict=True)):
-            if n == 1 and isinstance(cache, PoolSlot) and len(set(cache.filled)) == 1:
-                groups.setdefault(id(cache.pool), []).append(i)
-        members = max(groups.values(), key=len, default=[])
-        if len(members) < 2:
+        members = _pool_members(caches, lengths, PoolSlot)
+        if not members:
             return None
         pooled: list[PoolSlot] = [caches[i] for i in members]
-        starts = [0]
-        for n in lengths:
-            starts.append(starts[-1] + n)
+        starts = list(itertools.accumulate(lengths, initial=0))
         positions = [c.filled[0] for c in pooled]
         device = pooled[0].pool.k[0].device  # type: ignore[union-attr]  # every member has filled layer 0
         as_tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
@@ -559,12 +564,8 @@ class PooledRanges:
     @classmethod
     def of(cls, caches: Sequence[Any], lengths: Sequence[int]) -> PooledRanges | None:
         """The pooled rows of a step, if two or more one-row requests share a pool."""
-        groups: dict[int, list[int]] = {}
-        for i, (cache, n) in enumerate(zip(caches, lengths, strict=True)):
-            if n == 1 and isinstance(cache, PoolRange) and len(set(cache.filled)) == 1:
-                groups.setdefault(id(cache.pool), []).append(i)
-        members = max(groups.values(), key=len, default=[])
-        if len(members) < 2:
+        members = _pool_members(caches, lengths, PoolRange)
+        if not members:
             return None
         pooled: list[PoolRange] = [caches[i] for i in members]
         pool = pooled[0].pool

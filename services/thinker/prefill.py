@@ -34,8 +34,8 @@ class PrefillWorker(ThinkerWorker):
     def __init__(self, thinker: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(thinker, *args, **kwargs)
         self.checks = role_checks(thinker)
-        # its KV chunks are views of the cache, sent after the request ends here: a pooled range
-        # would be reused under them (and a prefill role has no decode steps to pool)
+        # its KV chunks are views of the cache, which can wait to be sent after the request ends
+        # here: a pooled range would be reused under them (and a prefill role has no decodes)
         thinker.pool_kv = False
 
     def open(self, req: Request) -> None:
