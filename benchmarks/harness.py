@@ -52,6 +52,7 @@ from benchmarks.report import level_line
 from benchmarks.stage_load import endpoints, load_between, snapshot
 from benchmarks.stages import STAGES, batch_sizes_for, stage_summary, time_stages
 from benchmarks.stats import RATIO_KEYS, RatioInputs, compute_ratios, percentile
+from omnistage.models.onednn import widen_primitive_cache
 from omnistage.models.sampling import SamplingParams
 
 SCHEMA = "omnistage.bench/1"
@@ -523,6 +524,7 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
 
         return front_doors(opts, command)
     torch.set_num_threads(opts.threads)
+    widen_primitive_cache()  # as a stage process does: the in-process baselines get the same cache
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     machine = machine_info()
     prompts = load_prompts(opts.prompts)

@@ -12,6 +12,7 @@ import torch
 from omnistage.config import DeployConfig
 from omnistage.engine import Engine
 from omnistage.models import open_checkpoint
+from omnistage.models.onednn import widen_primitive_cache
 from omnistage.server.metrics import StageMetrics, serve_metrics
 from omnistage.server.stage_server import StageServer, StageService
 from omnistage.topology import stage_def, stages_below
@@ -27,6 +28,7 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
     below = cfg.downstream(name)
     stage_cfg = cfg.stage(name)
     torch.set_num_threads(stage_cfg.threads)
+    widen_primitive_cache()  # before any convolution runs here
     if below is not None and not downstream:
         raise SystemExit(f"{name}: --downstream TARGET is required (the {below} stage)")
     ckpt = open_checkpoint(model_dir)
