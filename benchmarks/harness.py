@@ -25,7 +25,9 @@ import contextlib
 import datetime as dt
 import json
 import os
+import random
 import shlex
+import socket
 import sys
 import tempfile
 import time
@@ -124,29 +126,43 @@ def command_line(argv: Sequence[str] | None = None) -> str:
 # ---- stack -------------------------------------------------------------------------------
 
 
-def free_port_blocks(
-    sizes: Sequence[int], host: str = "127.0.0.1", start: int = 30000, metrics_offset: int = 1000
-) -> list[int]:
-    """Base ports of non-overlapping blocks of free consecutive ports, one block per size, each
-    port's metrics port (`metrics_offset` above it) free too."""
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out as a connection's source port."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port_blocks(sizes: Sequence[int], host: str = "127.0.0.1", metrics_offset: int = 1000) -> list[int]:
+    """Base ports of non-overlapping blocks of free consecutive ports on `host`, one block per
+    size, each port's metrics port (`metrics_offset` above it) free too; a bounded search.
+    Drawn below the kernel's ephemeral range where there is room: a port from that range can
+    become any outgoing connection's source port between this check and the server's bind (a
+    CI run lost a gateway's HTTP port that way)."""
     from omnistage.server.grpc_common import port_free
 
+    draw = random.Random()
     bases: list[int] = []
-    port = start + (os.getpid() * 37) % 20000
     taken: set[int] = set()
     for n in sizes:
-        for _ in range((65000 - start) // n + 2):  # one pass over the range at most
-            block = list(range(port, port + n))
-            port += n
-            if port > 65000:
-                port = start
-            metrics = [p + metrics_offset for p in block]
-            if all(p not in taken and port_free(host, p) for p in block + metrics):
-                bases.append(block[0])
-                taken.update(block + metrics)
+        top = _ephemeral_low() - n - metrics_offset
+        for _ in range(200):
+            if top > 10_000:
+                base = draw.randrange(10_000, top)
+            else:  # no room below the ephemeral range: the kernel's choice
+                with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+                    s.bind((host, 0))
+                    base = s.getsockname()[1]
+            if base + n + metrics_offset >= 65535:
+                continue
+            wanted = [*range(base, base + n), *range(base + metrics_offset, base + metrics_offset + n)]
+            if all(p not in taken and port_free(host, p) for p in wanted):
+                bases.append(base)
+                taken.update(wanted)
                 break
         else:
-            raise RuntimeError(f"no block of {n} free ports on {host} (and their metrics ports) in {start}..65000")
+            raise RuntimeError(f"no block of {n} free ports on {host} (and their metrics ports)")
     return bases
 
 

@@ -233,3 +233,17 @@ def test_ratios_pair_requests_with_monolithic_and_inprocess() -> None:
     assert ratios["ttfa_async_over_full"] is None and ratios["pipeline_over_bottleneck_stage"] is None
     # The in-process pipeline as the system under test: no gRPC figure to divide.
     assert compute_ratios(ratio_inputs(run, "inprocess")[0])["e2e_grpc_over_inprocess_c1"] is None
+
+
+def test_free_port_blocks_are_free_apart_and_below_the_ephemeral_range() -> None:
+    from benchmarks.harness import _ephemeral_low, free_port_blocks
+    from omnistage.server.grpc_common import port_free
+
+    sizes, offset = [3, 1, 12], 1000
+    bases = free_port_blocks(sizes, metrics_offset=offset)
+    blocks = [set(range(b, b + n)) | set(range(b + offset, b + offset + n)) for b, n in zip(bases, sizes, strict=True)]
+    ports = set().union(*blocks)
+    assert len(ports) == sum(map(len, blocks))  # no two blocks share a port, metrics ports included
+    assert all(port_free("127.0.0.1", p) for p in ports)
+    if _ephemeral_low() - max(sizes) - offset > 10_000:  # room below the range: drawn there
+        assert max(ports) < _ephemeral_low()

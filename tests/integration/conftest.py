@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import random
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,42 +11,17 @@ from typing import Any, NamedTuple
 import grpc
 import pytest
 
+from benchmarks.harness import free_port_blocks
 from omnistage.cli.serve import Stack, start_stack
 from omnistage.config import DeployConfig, parse_config
-from omnistage.server.grpc_common import port_free
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from omnistage.wire.tensor_blob import ChunkAssembler, encode_chunk
 
 
-def _ephemeral_low() -> int:
-    """The lowest port the kernel hands out as a connection's source port."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def free_port_block(n: int, metrics_offset: int = 1000) -> int:
-    """A base port with n consecutive free ports on 127.0.0.1, and free at `metrics_offset`
-    above each too (every process serves metrics there); bounded search. Drawn below the
-    kernel's ephemeral range where it can: a port from that range can become any outgoing
-    connection's source port between this check and the server's bind (a CI run lost a
-    gateway's HTTP port that way)."""
-    top = _ephemeral_low() - n - metrics_offset
-    draw = random.Random()
-    for _ in range(200):
-        if top > 10_000:
-            base = draw.randrange(10_000, top)
-        else:  # no room below the ephemeral range: the kernel's choice
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                base = s.getsockname()[1]
-        if base + n + metrics_offset >= 65535:
-            continue
-        wanted = [*range(base, base + n), *range(base + metrics_offset, base + metrics_offset + n)]
-        if all(port_free("127.0.0.1", p) for p in wanted):
-            return base
-    raise RuntimeError("no free port block on 127.0.0.1")
+    """A base port with n consecutive free ports on 127.0.0.1, free at `metrics_offset` above
+    each too (every process serves metrics there): the bench's picker."""
+    return free_port_blocks([n], metrics_offset=metrics_offset)[0]
 
 
 def stack_config(**overrides: Any) -> DeployConfig:
