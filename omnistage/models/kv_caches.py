@@ -6,8 +6,8 @@
   capacity, dim]` buffer per layer, so a decode step's rows are written and attended together
   (`PooledRows`).
 * `TokenPool` / `PoolRange`: fast mode's thinker: every request a range of one token axis per
-  layer, of exactly its reservation, so the memory stays within the scheduler's budget
-  (`PooledRanges`).
+  layer, growing by doubling but never past its reservation, so the memory stays within the
+  scheduler's budget (`PooledRanges`).
 """
 
 from __future__ import annotations
@@ -556,8 +556,8 @@ class PooledRanges:
     order: torch.Tensor | None  # [B] the members by offset (None: step order is offset order)
     inverse: torch.Tensor | None  # back to step order
     groups: list[tuple[int, int, int, int]]  # (first, end) members by offset, (lo, hi) their span
-    ends: torch.Tensor  # [B] by offset: each member's range start, and its filled end after the step
-    starts: torch.Tensor
+    starts: torch.Tensor  # [B] by offset: each member's range start
+    ends: torch.Tensor  # [B] by offset: each member's filled end after the step
     caches: list[PoolRange]
     _masks: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
