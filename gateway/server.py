@@ -265,8 +265,12 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         # The stages know the request by an id no other request shares: clients may reuse theirs
         # (a retry while the first attempt still runs below the thinker, two clients alike).
         stage_id = f"{request.request_id}.{secrets.token_hex(4)}"
+        # The reply needs the talker's frame count, not its codes: its finished chunk says it,
+        # and the codes stay off the three hops up. A stop text may end the reply before the
+        # talker ends: then the frames counted are those whose codes had come up.
         start = stage_pb2.Start(request_id=stage_id, want_audio=request.want_audio, mode=request.mode,
-                                speaker=request.speaker, deadline_unix_s=time.time() + timeout)  # fmt: skip
+                                speaker=request.speaker, deadline_unix_s=time.time() + timeout,
+                                omit_codes=not request.stop)  # fmt: skip
         for name, params in request.sampling.items():
             if name not in STAGES:
                 raise bad(f"sampling: unknown stage {name!r}")
@@ -340,8 +344,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     if text.stopped:  # a stop text: the reply ends here, for every stage
                         outcome.finish_reason = "stop"
                         break
-                elif edges.CODES in got.tensors:
-                    frames += int(got.tensors[edges.CODES].shape[1])
+                elif stage == "talker":  # its frames (codes), or its finished chunk at the count
+                    frames = max(frames, got.offset + got.length)
                 elif edges.AUDIO in got.tensors and encoder is not None:
                     pcm = got.tensors[edges.AUDIO].float().contiguous().numpy()
                     outcome.audio_samples += int(pcm.shape[0])

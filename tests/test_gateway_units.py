@@ -458,3 +458,24 @@ def test_a_stage_error_names_the_request_by_the_clients_own_id(client_id: str) -
     assert shown == [f"thinker: request {client_id!r}: needs 409 tokens of cache",
                      f"talker: request {client_id} passed its deadline"]  # fmt: skip
     assert all("1a2b3c4d" not in s for s in shown)
+
+
+def test_the_thinkers_start_omits_the_talkers_codes_unless_a_stop_text_may_cut_the_reply(tiny_dir: Path) -> None:
+    """The gateway counts frames from the talker's finished chunk, so the codes stay below; a
+    reply a stop text may end before the talker ends counts the frames whose codes came up."""
+    from types import SimpleNamespace
+
+    from gateway.server import GatewayService
+    from omnistage.config import parse_config
+    from omnistage.models import open_checkpoint
+
+    ckpt = open_checkpoint(tiny_dir)
+    service = SimpleNamespace(cfg=parse_config({}), ckpt=ckpt, thinker_defaults=ckpt.family.thinker_defaults(ckpt),
+                              talker_defaults=ckpt.family.talker_defaults(), max_prompt_tokens=100)  # fmt: skip
+
+    def start(**fields: Any) -> Any:
+        request = gateway_pb2.GenerateRequest(**{"prompt": "hi", "want_audio": True, **fields})
+        return GatewayService._start(service, request, 30.0)  # type: ignore[arg-type]
+
+    assert start().omit_codes and start(want_audio=False).omit_codes
+    assert not start(stop=["robot"]).omit_codes

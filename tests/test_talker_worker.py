@@ -105,6 +105,29 @@ def test_a_causal_decoder_gets_its_frames_on_its_decode_schedule(first: int, tot
     assert down[-1].finished and down[-1].offset == total
 
 
+def test_omit_codes_sends_the_frames_down_only_and_the_count_up() -> None:
+    """A Start with omit_codes (the gateway's) gets only the finished chunk up, at the frame count;
+    down goes the same as for one without, which gets every frame up too."""
+    cfg = Code2WavConfig(base_port=7301, first_chunk_frames=2, chunk_frames=5)
+    worker = TalkerWorker(_FakeTalker(_Spec(True), 9), SamplingParams(), cfg)  # type: ignore[arg-type]
+    reqs = [Request(f"r{omit}", stage_pb2.Start(request_id=f"r{omit}", omit_codes=omit)) for omit in (False, True)]
+    for req in reqs:
+        worker.open(req)
+    up: list[list[Any]] = [[], []]
+    down: list[list[Any]] = [[], []]
+    while not all(req.state.finished for req in reqs):
+        for i, out in enumerate(worker.execute([ScheduledItem(req, 1, False) for req in reqs])):
+            up[i] += out.up
+            down[i] += out.down
+    assert [(c.offset, c.length, c.finished) for c in down[0]] == [(c.offset, c.length, c.finished) for c in down[1]]
+    assert all(torch.equal(a.tensors[edges.CODES], b.tensors[edges.CODES])
+               for a, b in zip(down[0][:-1], down[1][:-1], strict=True))  # fmt: skip
+    sent = [c for c in up[0] if edges.CODES in c.tensors]
+    assert torch.cat([c.tensors[edges.CODES] for c in sent], dim=1)[0].tolist() == list(range(9))
+    assert len(up[1]) == 1 and up[1][0].finished and not up[1][0].tensors and up[1][0].offset == 9
+    assert up[0][-1].finished and up[0][-1].offset == 9
+
+
 def test_a_lone_requests_first_chunk_is_the_idle_one_and_code2wav_is_told() -> None:
     """Made alone in its step, a request's first frame goes down at once marked decode_now (not on
     code2wav's own count); the chunks after it follow the schedule from there, unmarked."""

@@ -39,7 +39,7 @@ class SamplingParams(_message.Message):
     def __init__(self, do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., forced_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Start(_message.Message):
-    __slots__ = ("request_id", "sampling", "want_audio", "mode", "speaker", "deadline_unix_s")
+    __slots__ = ("request_id", "sampling", "want_audio", "mode", "speaker", "deadline_unix_s", "omit_codes")
     class SamplingEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -53,13 +53,15 @@ class Start(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     SPEAKER_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    OMIT_CODES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sampling: _containers.MessageMap[str, SamplingParams]
     want_audio: bool
     mode: EdgeMode
     speaker: str
     deadline_unix_s: float
-    def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Mapping[str, SamplingParams]] = ..., want_audio: _Optional[bool] = ..., mode: _Optional[_Union[EdgeMode, str]] = ..., speaker: _Optional[str] = ..., deadline_unix_s: _Optional[float] = ...) -> None: ...
+    omit_codes: bool
+    def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Mapping[str, SamplingParams]] = ..., want_audio: _Optional[bool] = ..., mode: _Optional[_Union[EdgeMode, str]] = ..., speaker: _Optional[str] = ..., deadline_unix_s: _Optional[float] = ..., omit_codes: _Optional[bool] = ...) -> None: ...
 
 class StageRequest(_message.Message):
     __slots__ = ("start", "chunk")

@@ -127,7 +127,8 @@ class TalkerWorker(StageWorker):
             chunk = edges.frames_chunk(sent, torch.stack(held, dim=1), decode_now=short)
             held.clear()
             out.down.append(chunk)
-            out.up.append(chunk)
+            if not req.params.omit_codes:
+                out.up.append(chunk)
         if state.finished:
             out.up.append(edges.end_chunk(state.frames, state.stopped_on))
             out.down.append(edges.end_chunk(state.frames))

@@ -51,7 +51,7 @@ def test_stack_matches_pipeline_and_generate(stack: Stack, pipeline: Any, refere
                                                SamplingParams(max_tokens=TALKER_MAX))))
     in_process = events[-1]
 
-    # Straight into the thinker, as the gateway does: every stage's chunks come back up.
+    # Straight into the thinker: every stage's chunks come back up.
     out = run(stage_call(stack.addresses("thinker")[0], greedy_start("parity-1"), [prompt_chunk(ids)]))
     tokens, codes, audio = call_outputs(out)
     assert tokens == ref_ids == in_process.token_ids
@@ -66,6 +66,16 @@ def test_stack_matches_pipeline_and_generate(stack: Stack, pipeline: Any, refere
     first_audio = next(c for c in out["code2wav"] if "audio" in c.tensors)
     assert first_codes.length == 1 and first_codes.meta.get("decode_now") is True
     assert first_audio.length == pipeline.workers["code2wav"].code2wav.incremental.samples_for_frames(1)
+
+    # With omit_codes (as the gateway asks, unless it has stop texts): the same audio, and of the
+    # talker only its finished chunk, at the frame count.
+    start = greedy_start("parity-omit")
+    start.omit_codes = True
+    omitted = run(stage_call(stack.addresses("thinker")[0], start, [prompt_chunk(ids)]))
+    assert [(c.offset, c.length, c.finished, dict(c.tensors)) for c in omitted["talker"]] == [
+        (ref_codes.shape[1], 0, True, {})]
+    assert torch.allclose(torch.cat([c.tensors["audio"] for c in omitted["code2wav"] if "audio" in c.tensors]), audio,
+                          atol=1e-5, rtol=0)
 
     # Through the gateway: the same ids and the same audio.
     reply = run(generate(stack.gateway_address, PROMPT, thinker_max_tokens=THINKER_MAX,
