@@ -61,21 +61,30 @@ class _FakeTalker:
         pass
 
 
-def _run_all(causal: bool, total: int, schedule: Code2WavConfig, requests: int = 1) -> list[list[Any]]:
-    """`requests` requests stepped together until each has made `total` frames: what each sent down."""
+def _sent(causal: bool, total: int, schedule: Code2WavConfig,
+          starts: list[Any]) -> list[tuple[list[Any], list[Any]]]:  # fmt: skip
+    """One request per Start, stepped together until each has made `total` frames: what each
+    sent (up, down)."""
     worker = TalkerWorker(_FakeTalker(_Spec(causal), total), SamplingParams(), schedule)  # type: ignore[arg-type]
-    reqs = [Request(f"r{i}", stage_pb2.Start(request_id=f"r{i}")) for i in range(requests)]
+    reqs = [Request(start.request_id, start) for start in starts]
     for req in reqs:
         worker.open(req)
-    down: list[list[Any]] = [[] for _ in reqs]
+    sent: list[tuple[list[Any], list[Any]]] = [([], []) for _ in reqs]
     while not all(req.state.finished for req in reqs):
         outs = worker.execute([ScheduledItem(req, 1, False) for req in reqs])
-        for sent, out in zip(down, outs, strict=True):
-            sent += out.down
+        for (up, down), out in zip(sent, outs, strict=True):
+            up += out.up
+            down += out.down
     for req in reqs:
         worker.close(req)
     assert worker.held == {}  # nothing left for the requests once closed
-    return down
+    return sent
+
+
+def _run_all(causal: bool, total: int, schedule: Code2WavConfig, requests: int = 1) -> list[list[Any]]:
+    """`requests` requests stepped together until each has made `total` frames: what each sent down."""
+    starts = [stage_pb2.Start(request_id=f"r{i}") for i in range(requests)]
+    return [down for _, down in _sent(causal, total, schedule, starts)]
 
 
 def _run(causal: bool, total: int, schedule: Code2WavConfig) -> list[Any]:
@@ -109,16 +118,8 @@ def test_omit_codes_sends_the_frames_down_only_and_the_count_up() -> None:
     """A Start with omit_codes (the gateway's) gets only the finished chunk up, at the frame count;
     down goes the same as for one without, which gets every frame up too."""
     cfg = Code2WavConfig(base_port=7301, first_chunk_frames=2, chunk_frames=5)
-    worker = TalkerWorker(_FakeTalker(_Spec(True), 9), SamplingParams(), cfg)  # type: ignore[arg-type]
-    reqs = [Request(f"r{omit}", stage_pb2.Start(request_id=f"r{omit}", omit_codes=omit)) for omit in (False, True)]
-    for req in reqs:
-        worker.open(req)
-    up: list[list[Any]] = [[], []]
-    down: list[list[Any]] = [[], []]
-    while not all(req.state.finished for req in reqs):
-        for i, out in enumerate(worker.execute([ScheduledItem(req, 1, False) for req in reqs])):
-            up[i] += out.up
-            down[i] += out.down
+    starts = [stage_pb2.Start(request_id=f"r{omit}", omit_codes=omit) for omit in (False, True)]
+    up, down = zip(*_sent(True, 9, cfg, starts), strict=True)  # per request: [without, with]
     assert [(c.offset, c.length, c.finished) for c in down[0]] == [(c.offset, c.length, c.finished) for c in down[1]]
     assert all(torch.equal(a.tensors[edges.CODES], b.tensors[edges.CODES])
                for a, b in zip(down[0][:-1], down[1][:-1], strict=True))  # fmt: skip
