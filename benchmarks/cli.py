@@ -68,6 +68,35 @@ def bench(
     )
 
 
+@bench_app.command("compare")
+def bench_compare(
+    configs: Annotated[list[Path], typer.Argument(help="Deploy YAML files; the first is the baseline.")],
+    rounds: Annotated[int, typer.Option("--rounds", help="Rounds; each starts every file's stack once.")] = 3,
+    loads: Annotated[int, typer.Option("--loads", help="Measured loads per stack start.")] = 2,
+    num_requests: Annotated[int, typer.Option("--num-requests", help="Requests per measured load.")] = 400,
+    warmup: Annotated[int, typer.Option("--warmup", help="Requests before a stack's first measured load.")] = 400,
+    concurrency: Annotated[int, typer.Option("--concurrency", help="Closed-loop concurrency.")] = 16,
+    time_limit: Annotated[float, typer.Option("--time-limit", help="Seconds per load at most (0: none).")] = 120.0,
+    model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: built-in tiny).")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Request order.")] = 0,
+    thinker_max_tokens: Annotated[int, typer.Option("--thinker-max-tokens")] = 24,
+    talker_max_tokens: Annotated[int, typer.Option("--talker-max-tokens")] = 48,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Every load's figures and the summary.")] = None,
+) -> None:
+    """Deploy files against each other in the steady state, their stacks alternated (A B, B A, ...)
+    so the machine's drift falls on each alike: req/s, TTFA, E2E, and per process CPU and gRPC
+    messages per request and mean batch; medians, spreads, ratios to the first file."""
+    from benchmarks.compare import CompareOptions, main
+
+    try:
+        main(CompareOptions(configs=configs, rounds=rounds, loads=loads, num_requests=num_requests, warmup=warmup,
+                            concurrency=concurrency, time_limit=time_limit or None, model=model, seed=seed,
+                            thinker_max_tokens=thinker_max_tokens, talker_max_tokens=talker_max_tokens,
+                            json_out=json_out))  # fmt: skip
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
 @bench_app.command("wire")
 def bench_wire(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write raw figures and ratios here.")] = None,
