@@ -70,7 +70,9 @@ def bench(
 
 @bench_app.command("compare")
 def bench_compare(
-    configs: Annotated[list[Path], typer.Argument(help="Deploy YAML files; the first is the baseline.")],
+    configs: Annotated[list[str], typer.Argument(
+        help="Deploy YAML files, the first the baseline; FILE@DIR runs the stack from the source tree DIR "
+        "(a git worktree of another commit) instead of this one.")],
     rounds: Annotated[int, typer.Option("--rounds", help="Rounds; each starts every file's stack once.")] = 3,
     loads: Annotated[int, typer.Option("--loads", help="Measured loads per stack start.")] = 2,
     num_requests: Annotated[int, typer.Option("--num-requests", help="Requests per measured load.")] = 400,
@@ -83,13 +85,17 @@ def bench_compare(
     talker_max_tokens: Annotated[int, typer.Option("--talker-max-tokens")] = 48,
     json_out: Annotated[Path | None, typer.Option("--json", help="Every load's figures and the summary.")] = None,
 ) -> None:
-    """Deploy files against each other in the steady state, their stacks alternated (A B, B A, ...)
-    so the machine's drift falls on each alike: req/s, TTFA, E2E, and per process CPU and gRPC
-    messages per request and mean batch; medians, spreads, ratios to the first file."""
+    """Deploy files (or code: FILE@DIR) against each other in the steady state, their stacks
+    alternated (A B, B A, ...) so the machine's drift falls on each alike: req/s, TTFA, E2E, and
+    per process CPU and gRPC messages per request and mean batch; medians, spreads, ratios to the
+    first."""
     from benchmarks.compare import CompareOptions, main
 
+    specs = [spec.partition("@") for spec in configs]
     try:
-        main(CompareOptions(configs=configs, rounds=rounds, loads=loads, num_requests=num_requests, warmup=warmup,
+        main(CompareOptions(configs=[Path(c) for c, _, _ in specs],
+                            checkouts=[Path(t) if sep else None for _, sep, t in specs], rounds=rounds,
+                            loads=loads, num_requests=num_requests, warmup=warmup,
                             concurrency=concurrency, time_limit=time_limit or None, model=model, seed=seed,
                             thinker_max_tokens=thinker_max_tokens, talker_max_tokens=talker_max_tokens,
                             json_out=json_out))  # fmt: skip

@@ -14,10 +14,12 @@ of this run, not a result."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
+import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,9 @@ PER_PROCESS = (
 @dataclass(frozen=True)
 class CompareOptions:
     configs: list[Path]
+    # per config, a source tree (a git worktree of another commit) whose packages its stack's
+    # processes import instead of this one's (PYTHONPATH): code against code; None: this tree
+    checkouts: list[Path | None] | None = None
     rounds: int = 3
     loads: int = 2  # measured loads per stack start
     num_requests: int = 400  # per measured load
@@ -154,15 +159,51 @@ def per_round(first: Sequence[dict[str, Any]], other: Sequence[dict[str, Any]], 
     return out
 
 
-async def _stack_loads(opts: CompareOptions, config: Path, round_no: int, requests: list[BenchRequest],
-                       warm: list[BenchRequest]) -> list[dict[str, Any]]:  # fmt: skip
-    """Start `config`'s stack, warm it, run the measured loads; their figures."""
+def label(config: Path, checkout: Path | None) -> str:
+    """How results name a stack: its deploy file, and `@` the source tree it runs, if another."""
+    return str(config) if checkout is None else f"{config}@{checkout}"
+
+
+def _shown(name: str) -> str:
+    config, _, checkout = name.partition("@")
+    return Path(config).name + (f"@{Path(checkout).name}" if checkout else "")
+
+
+def _entries(opts: CompareOptions) -> list[tuple[Path, Path | None]]:
+    return list(zip(opts.configs, opts.checkouts or [None] * len(opts.configs), strict=True))
+
+
+@contextlib.contextmanager
+def _source(checkout: Path | None) -> Iterator[None]:
+    """The stack's processes (children of this one, started meanwhile) import from `checkout`:
+    first on their path, and (PYTHONSAFEPATH) their working directory, which `python -m` would
+    put before it, left off."""
+    if checkout is None:
+        yield
+        return
+    old = {k: os.environ.get(k) for k in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(checkout.resolve()), *filter(None, [old["PYTHONPATH"]])])
+    os.environ["PYTHONSAFEPATH"] = "1"
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+async def _stack_loads(opts: CompareOptions, config: Path, checkout: Path | None, round_no: int,
+                       requests: list[BenchRequest], warm: list[BenchRequest]) -> list[dict[str, Any]]:  # fmt: skip
+    """Start `config`'s stack (from `checkout`'s code, if given), warm it, run the measured loads;
+    their figures."""
     bopts = BenchOptions(serve=True, config=config, model=opts.model, concurrency=[opts.concurrency],
                          num_requests=opts.num_requests, time_limit=opts.time_limit, seed=opts.seed,
                          thinker_max_tokens=opts.thinker_max_tokens, talker_max_tokens=opts.talker_max_tokens,
                          warmup=0, request_timeout=opts.request_timeout, progress=False, quiet=opts.quiet)  # fmt: skip
     run = Run(bopts, requests, requests)
-    with running_stack(bopts, run.log) as (target, _, cfg):
+    with _source(checkout), running_stack(bopts, run.log) as (target, _, cfg):
         assert target is not None
         run.metrics_endpoints = endpoints(cfg)
         driver = GrpcDriver(target, timeout=opts.request_timeout)
@@ -173,7 +214,8 @@ async def _stack_loads(opts: CompareOptions, config: Path, round_no: int, reques
                 if failed := [r for r in level.records if not r.ok]:
                     run.log(f"warm-up: {len(failed)} request(s) failed, first: {failed[0].error}")
             for i in range(opts.loads):
-                await run.level_concurrency(driver, f"{config.name} round {round_no + 1} load {i + 1}", "sut",
+                await run.level_concurrency(driver, f"{_shown(label(config, checkout))} round {round_no + 1} load "
+                                            f"{i + 1}", "sut",
                                             requests, opts.concurrency, "async_chunk", opts.time_limit)  # fmt: skip
         finally:
             await driver.aclose()
@@ -191,8 +233,14 @@ def check(opts: CompareOptions) -> None:
 
     if len(opts.configs) < 2:
         raise ValueError("compare needs two deploy files at least")
-    if len({str(p.resolve()) for p in opts.configs}) != len(opts.configs):
-        raise ValueError("compare: the same deploy file twice (compare a file with another)")
+    if opts.checkouts is not None and len(opts.checkouts) != len(opts.configs):
+        raise ValueError(f"compare: {len(opts.checkouts)} checkouts for {len(opts.configs)} deploy files")
+    runs = [(str(c.resolve()), str(t.resolve()) if t else None) for c, t in _entries(opts)]
+    if len(set(runs)) != len(runs):
+        raise ValueError("compare: the same deploy file twice from the same source (compare it with another)")
+    for _, checkout in _entries(opts):
+        if checkout is not None and not (checkout / "omnistage" / "__init__.py").is_file():
+            raise ValueError(f"compare: {checkout} is no omnistage source tree (no omnistage/__init__.py)")
     for name, value, least in (("--rounds", opts.rounds, 1), ("--loads", opts.loads, 1),
                                ("--num-requests", opts.num_requests, 1), ("--warmup", opts.warmup, 0),
                                ("--concurrency", opts.concurrency, 1)):  # fmt: skip
@@ -207,14 +255,15 @@ def main(opts: CompareOptions, command: str | None = None) -> dict[str, Any]:
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     requests = _requests(opts, opts.num_requests, opts.seed)
     warm = _requests(opts, opts.warmup, opts.seed + 1)
-    names = [str(p) for p in opts.configs]
+    entries = _entries(opts)
+    names = [label(c, t) for c, t in entries]
     loads: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     order: list[str] = []
     for r in range(opts.rounds):
-        for path in opts.configs if r % 2 == 0 else opts.configs[::-1]:
-            order.append(str(path))
-            for figures in asyncio.run(_stack_loads(opts, path, r, requests, warm)):
-                loads[str(path)].append({"round": r + 1, **figures})
+        for config, checkout in entries if r % 2 == 0 else entries[::-1]:
+            order.append(label(config, checkout))
+            for figures in asyncio.run(_stack_loads(opts, config, checkout, r, requests, warm)):
+                loads[order[-1]].append({"round": r + 1, **figures})
     summaries = {name: summarize(loads[name]) for name in names}
     result = {
         "schema": SCHEMA,
@@ -241,6 +290,7 @@ def main(opts: CompareOptions, command: str | None = None) -> dict[str, Any]:
 def _settings(opts: CompareOptions) -> dict[str, Any]:
     out = asdict(replace(opts, json_out=None))
     out["configs"] = [str(p) for p in opts.configs]
+    out["checkouts"] = [None if t is None else str(t) for _, t in _entries(opts)]
     return {k: str(v) if isinstance(v, Path) else v for k, v in out.items()}
 
 
@@ -263,7 +313,7 @@ def format_report(result: dict[str, Any]) -> str:
     had one load."""
     names = list(result["summary"])
     first = result["summary"][names[0]]
-    shown = [Path(n).name for n in names]
+    shown = [_shown(n) for n in names]
     rows: list[list[str]] = [["figure", *shown, *(f"{n} / first" for n in shown[1:])]]
     for key, label, scale, fmt in FIGURES:
         rows.append([label, *(_cell(result["summary"][n][key], scale, fmt) for n in names),
@@ -289,9 +339,9 @@ def format_report(result: dict[str, Any]) -> str:
             if known and (min(known) > 1 or max(known) < 1):
                 side = f"{'above' if known[0] > 1 else 'below'} 1 in every round"
             parts.append(f"{label} {' '.join('-' if r is None else f'{r:.3f}' for r in ratios)} ({side})")
-        lines.append(f"{Path(name).name} / first, round by round: " + "; ".join(parts))
+        lines.append(f"{_shown(name)} / first, round by round: " + "; ".join(parts))
     s = result["settings"]
-    order = ", ".join(Path(n).name for n in result["stack_order"])
+    order = ", ".join(_shown(n) for n in result["stack_order"])
     lines.insert(0, f"{s['rounds']} round(s), stacks in the order {order}; "
                     f"each: {s['warmup']} warm-up, then {s['loads']} x {s['num_requests']} requests at "
                     f"c={s['concurrency']}; cells: median (min-max) over the loads; ~: the loads overlap (noise); "

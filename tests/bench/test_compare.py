@@ -3,7 +3,11 @@ per file, medians and spreads, ratios to the first file that say when the loads 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +57,8 @@ def test_medians_spreads_and_ratios_say_when_the_loads_overlap() -> None:
 def test_stacks_alternate_their_order_every_round(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     started: list[tuple[str, int]] = []
 
-    async def fake(opts: CompareOptions, config: Path, round_no: int, requests: Any, warm: Any) -> list[Any]:
+    async def fake(opts: CompareOptions, config: Path, checkout: Path | None, round_no: int, requests: Any,
+                   warm: Any) -> list[Any]:  # fmt: skip
         started.append((config.name, round_no))
         assert len(requests) == opts.num_requests and len(warm) == opts.warmup
         return [_load(10 + round_no + i + (config == FAST)) for i in range(opts.loads)]
@@ -74,6 +79,52 @@ def test_stacks_alternate_their_order_every_round(monkeypatch: pytest.MonkeyPatc
     assert line.endswith("stack CPU ms/request 1.000 1.000 1.000 (not on one side of 1 in every round)")
 
 
+def _tree(path: Path) -> Path:
+    (path / "omnistage").mkdir(parents=True)
+    (path / "omnistage" / "__init__.py").write_text("")
+    return path
+
+
+def test_a_checkout_is_first_on_the_stack_processes_path_while_it_starts(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:  # fmt: skip
+    """FILE@DIR: the stack's processes (children, started under running_stack) import DIR's code;
+    this process's own path setting comes back after."""
+    tree = _tree(tmp_path / "old")
+    seen: list[tuple[Path | None, str | None, str | None]] = []
+
+    @contextlib.contextmanager
+    def fake_stack(bopts: Any, log: Any) -> Iterator[Any]:
+        seen.append((bopts.config, os.environ.get("PYTHONPATH"), os.environ.get("PYTHONSAFEPATH")))
+        raise RuntimeError("no stack here")
+        yield
+
+    monkeypatch.setattr(compare, "running_stack", fake_stack)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.delenv("PYTHONSAFEPATH", raising=False)
+    # PYTHONSAFEPATH: `python -m` would put the children's working directory before the checkout
+    for checkout, want in ((tree, (f"{tree.resolve()}{os.pathsep}/elsewhere", "1")), (None, ("/elsewhere", None))):
+        with pytest.raises(RuntimeError, match="no stack here"):
+            asyncio.run(compare._stack_loads(CompareOptions([EXACT, FAST]), FAST, checkout, 0, [], []))
+        assert seen[-1] == (FAST, *want)
+        assert os.environ["PYTHONPATH"] == "/elsewhere" and "PYTHONSAFEPATH" not in os.environ
+
+
+def test_one_file_from_two_source_trees_is_two_stacks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    tree = _tree(tmp_path / "old")
+    started: list[Path | None] = []
+
+    async def fake(opts: CompareOptions, config: Path, checkout: Path | None, *_: Any) -> list[Any]:
+        started.append(checkout)
+        return [_load(10)]
+
+    monkeypatch.setattr(compare, "_stack_loads", fake)
+    result = compare.main(CompareOptions([FAST, FAST], [None, tree], rounds=2, loads=1, quiet=True))
+    assert started == [None, tree, tree, None]
+    assert list(result["loads"]) == [str(FAST), f"{FAST}@{tree}"]
+    assert format_report(result).splitlines()[1].split()[1:] == ["fast.yaml", "fast.yaml@old", "fast.yaml@old", "/",
+                                                                 "first"]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("configs", "change", "needle"),
     [
@@ -82,6 +133,8 @@ def test_stacks_alternate_their_order_every_round(monkeypatch: pytest.MonkeyPatc
         ([EXACT, FAST], {"rounds": 0}, "--rounds must be >= 1"),
         ([EXACT, FAST], {"concurrency": 0}, "--concurrency must be >= 1"),
         ([EXACT, FAST], {"warmup": -1}, "--warmup must be >= 0"),
+        ([EXACT, FAST], {"checkouts": [None]}, "1 checkouts for 2 deploy files"),
+        ([EXACT, FAST], {"checkouts": [None, Path("/")]}, "no omnistage source tree"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_stack_starts(configs: list[Path], change: dict[str, Any],
