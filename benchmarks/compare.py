@@ -340,6 +340,9 @@ def format_report(result: dict[str, Any]) -> str:
                 side = f"{'above' if known[0] > 1 else 'below'} 1 in every round"
             parts.append(f"{label} {' '.join('-' if r is None else f'{r:.3f}' for r in ratios)} ({side})")
         lines.append(f"{_shown(name)} / first, round by round: " + "; ".join(parts))
+    for name, got in result.get("loads", {}).items():
+        if failed := sum(ld["failed"] for ld in got):
+            lines.append(f"{_shown(name)}: {failed} request(s) failed over its loads (their figures leave them out)")
     s = result["settings"]
     order = ", ".join(_shown(n) for n in result["stack_order"])
     lines.insert(0, f"{s['rounds']} round(s), stacks in the order {order}; "

@@ -76,6 +76,9 @@ def test_stacks_alternate_their_order_every_round(monkeypatch: pytest.MonkeyPatc
     assert result["per_round"][str(FAST)]["stack_cpu_ms_per_request"] == [1.0, 1.0, 1.0]
     line = format_report(result).splitlines()[-1]
     assert line.startswith("fast.yaml / first, round by round: req/s 1.095 1.087 1.080 (above 1 in every round)")
+    result["loads"][str(FAST)][1]["failed"] = 2  # a load with failures says so under the table
+    assert format_report(result).splitlines()[-1] == ("fast.yaml: 2 request(s) failed over its loads (their "
+                                                      "figures leave them out)")  # fmt: skip
     assert line.endswith("stack CPU ms/request 1.000 1.000 1.000 (not on one side of 1 in every round)")
 
 
