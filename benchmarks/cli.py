@@ -89,18 +89,20 @@ def bench_compare(
     alternated (A B, B A, ...) so the machine's drift falls on each alike: req/s, TTFA, E2E, and
     per process CPU and gRPC messages per request and mean batch; medians, spreads, ratios to the
     first."""
-    from benchmarks.compare import CompareOptions, main
+    from benchmarks.compare import CompareOptions, check, main
 
     specs = [spec.partition("@") for spec in configs]
+    opts = CompareOptions(configs=[Path(c) for c, _, _ in specs],
+                          checkouts=[Path(t) if sep else None for _, sep, t in specs], rounds=rounds, loads=loads,
+                          num_requests=num_requests, warmup=warmup, concurrency=concurrency,
+                          time_limit=time_limit or None, model=model, seed=seed,
+                          thinker_max_tokens=thinker_max_tokens, talker_max_tokens=talker_max_tokens,
+                          json_out=json_out)  # fmt: skip
     try:
-        main(CompareOptions(configs=[Path(c) for c, _, _ in specs],
-                            checkouts=[Path(t) if sep else None for _, sep, t in specs], rounds=rounds,
-                            loads=loads, num_requests=num_requests, warmup=warmup,
-                            concurrency=concurrency, time_limit=time_limit or None, model=model, seed=seed,
-                            thinker_max_tokens=thinker_max_tokens, talker_max_tokens=talker_max_tokens,
-                            json_out=json_out))  # fmt: skip
+        check(opts)  # the arguments and every deploy file, before any stack starts
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    main(opts)
 
 
 @bench_app.command("wire")
