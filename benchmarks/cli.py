@@ -89,7 +89,7 @@ def bench_compare(
     alternated (A B, B A, ...) so the machine's drift falls on each alike: req/s, TTFA, E2E, and
     per process CPU and gRPC messages per request and mean batch; medians, spreads, ratios to the
     first."""
-    from benchmarks.compare import CompareOptions, check, main
+    from benchmarks.compare import BadArguments, CompareOptions, main
 
     specs = [spec.partition("@") for spec in configs]
     opts = CompareOptions(configs=[Path(c) for c, _, _ in specs],
@@ -99,10 +99,9 @@ def bench_compare(
                           thinker_max_tokens=thinker_max_tokens, talker_max_tokens=talker_max_tokens,
                           json_out=json_out)  # fmt: skip
     try:
-        check(opts)  # the arguments and every deploy file, before any stack starts
-    except ValueError as e:
+        main(opts)
+    except BadArguments as e:  # found before any stack starts
         raise typer.BadParameter(str(e)) from None
-    main(opts)
 
 
 @bench_app.command("wire")

@@ -16,20 +16,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import json
 import os
-import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import machine_info
+from benchmarks.common import machine_info, write_json
 from benchmarks.drivers import BenchRequest, GrpcDriver
 from benchmarks.harness import BenchOptions, Run, command_line, running_stack
 from benchmarks.load import LevelResult, run_concurrency
 from benchmarks.prompts import load_prompts, request_sequence
+from benchmarks.report import aligned
 from benchmarks.stage_load import endpoints
+from benchmarks.stats import summarize as summarize_values
 
 SCHEMA = "omnistage.bench.compare/1"
 CLIENT = "bench client"  # stage_load's role for this process
@@ -100,10 +100,8 @@ def load_figures(level: LevelResult) -> dict[str, Any]:
 
 
 def _spread(values: Sequence[float | None]) -> dict[str, float | None]:
-    xs = [v for v in values if v is not None]
-    if not xs:
-        return {"n": 0, "median": None, "min": None, "max": None}
-    return {"n": len(xs), "median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+    got = summarize_values(values)
+    return {k: got[k] for k in ("n", "median", "min", "max")}
 
 
 def summarize(loads: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -228,26 +226,33 @@ def _requests(opts: CompareOptions, n: int, seed: int) -> list[BenchRequest]:
             for i, p in enumerate(request_sequence(len(prompts), n, seed))]  # fmt: skip
 
 
+class BadArguments(ValueError):
+    """Arguments or a deploy file that cannot be compared (found before any stack starts)."""
+
+
 def check(opts: CompareOptions) -> None:
     from omnistage.config import load_config
 
     if len(opts.configs) < 2:
-        raise ValueError("compare needs two deploy files at least")
+        raise BadArguments("compare needs two deploy files at least")
     if opts.checkouts is not None and len(opts.checkouts) != len(opts.configs):
-        raise ValueError(f"compare: {len(opts.checkouts)} checkouts for {len(opts.configs)} deploy files")
+        raise BadArguments(f"compare: {len(opts.checkouts)} checkouts for {len(opts.configs)} deploy files")
     runs = [(str(c.resolve()), str(t.resolve()) if t else None) for c, t in _entries(opts)]
     if len(set(runs)) != len(runs):
-        raise ValueError("compare: the same deploy file twice from the same source (compare it with another)")
+        raise BadArguments("compare: the same deploy file twice from the same source (compare it with another)")
     for _, checkout in _entries(opts):
         if checkout is not None and not (checkout / "omnistage" / "__init__.py").is_file():
-            raise ValueError(f"compare: {checkout} is no omnistage source tree (no omnistage/__init__.py)")
+            raise BadArguments(f"compare: {checkout} is no omnistage source tree (no omnistage/__init__.py)")
     for name, value, least in (("--rounds", opts.rounds, 1), ("--loads", opts.loads, 1),
                                ("--num-requests", opts.num_requests, 1), ("--warmup", opts.warmup, 0),
                                ("--concurrency", opts.concurrency, 1)):  # fmt: skip
         if value < least:
-            raise ValueError(f"{name} must be >= {least}, got {value}")
+            raise BadArguments(f"{name} must be >= {least}, got {value}")
     for path in opts.configs:  # every file is read (and refused with its field) before any stack starts
-        load_config(path)
+        try:
+            load_config(path)
+        except ValueError as e:
+            raise BadArguments(str(e)) from None
 
 
 def main(opts: CompareOptions, command: str | None = None) -> dict[str, Any]:
@@ -281,9 +286,7 @@ def main(opts: CompareOptions, command: str | None = None) -> dict[str, Any]:
     }
     if not opts.quiet:
         print(format_report(result))
-    if opts.json_out is not None:
-        opts.json_out.parent.mkdir(parents=True, exist_ok=True)
-        opts.json_out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(opts.json_out, result)
     return result
 
 
@@ -327,9 +330,7 @@ def format_report(result: dict[str, Any]) -> str:
             ratios = [_ratio(result["against_first"][n]["processes"].get(role, {}).get(key, {"ratio": None}))
                       for n in names[1:]]  # fmt: skip
             rows.append([f"{role} {label}", *cells, *ratios])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-             for r in rows]  # fmt: skip
+    lines = aligned(rows)
     for name, figures in result.get("per_round", {}).items():
         parts = []
         for key, ratios in figures.items():

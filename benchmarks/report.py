@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,15 +47,20 @@ def level_line(name: str, summary: dict[str, Any]) -> str:
     return f"{name}: ok {summary['ok']}/{summary['requests']}, {cells}"
 
 
+def aligned(rows: Sequence[Sequence[str]], rule: bool = False) -> list[str]:
+    """Rows as text columns: the first left-aligned, the rest right-aligned; `rule`: a line of
+    dashes under the first row (the header)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+             for r in rows]  # fmt: skip
+    if rule:
+        lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
 def format_table(result: dict[str, Any]) -> str:
     header, rows = table_rows(result)
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        pairs = enumerate(zip(cells, widths, strict=True))
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in pairs)
-
-    return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
+    return "\n".join(aligned([header, *rows], rule=True))
 
 
 def format_stages(result: dict[str, Any]) -> str:
