@@ -6,7 +6,8 @@ a comparison).
 Each round starts each file's stack in turn (the order reversed every other round: A B, B A,
 ...), warms it with `warmup` requests at the load's concurrency, then runs `loads` measured
 closed-loop loads of `num_requests` requests, reading every process's own metrics over each
-(stage_load.py): its CPU per request, gRPC messages per request and mean batch. Per file, every
+(stage_load.py): its CPU per request (and of which its engine thread, its main thread's event loop
+and gRPC's threads), context switches and gRPC messages per request, and mean batch. Per file, every
 measured load's figures and their median; per figure, each file's median over the first file's,
 and whether the two files' loads overlap (min to max): a difference inside that spread is noise
 of this run, not a result."""
@@ -44,9 +45,15 @@ FIGURES = (
 )
 PER_PROCESS = (
     ("cpu_ms_per_request", "CPU ms/request", ".1f"),
+    # of which, by kind of thread (omnistage/server/thread_cpu.py; the rest: other threads)
+    ("engine_cpu_ms_per_request", "engine thread CPU ms/request", ".1f"),
+    ("main_cpu_ms_per_request", "event loop CPU ms/request", ".1f"),
+    ("grpc_cpu_ms_per_request", "gRPC threads CPU ms/request", ".1f"),
+    ("switches_per_request", "context switches/request", ".0f"),
     ("messages_per_request", "messages/request", ".1f"),
     ("mean_batch", "mean batch", ".2f"),
 )
+THREAD_KINDS = ("engine", "main", "grpc")  # the kinds with a row
 
 
 @dataclass(frozen=True)
@@ -77,9 +84,13 @@ def load_figures(level: LevelResult) -> dict[str, Any]:
     ok, wall = s["ok"], level.wall_s
     processes: dict[str, dict[str, float | None]] = {}
     for role, got in (level.stage_load or {}).items():
-        cores, messages = got.get("cpu_cores"), got.get("messages")
+        cores, messages, switches = got.get("cpu_cores"), got.get("messages"), got.get("context_switches")
+        threads = got.get("thread_cpu_s") or {}
         processes[role] = {
             "cpu_ms_per_request": 1000 * cores * wall / ok if cores is not None and ok and wall else None,
+            **{f"{kind}_cpu_ms_per_request": 1000 * threads[kind] / ok if threads.get(kind) is not None and ok
+               else None for kind in THREAD_KINDS},  # fmt: skip  (None: the process has no such thread)
+            "switches_per_request": switches / ok if switches is not None and ok else None,
             "messages_per_request": messages / ok if messages is not None and ok else None,
             "mean_batch": got.get("mean_batch"),
         }

@@ -51,11 +51,12 @@ from benchmarks.drivers import (
 from benchmarks.load import LevelResult, run_concurrency, run_poisson
 from benchmarks.prompts import load_prompts, request_sequence
 from benchmarks.report import level_line
-from benchmarks.stage_load import endpoints, load_between, snapshot
+from benchmarks.stage_load import endpoints, load_between, own_snapshot, snapshot
 from benchmarks.stages import STAGES, batch_sizes_for, stage_summary, time_stages
 from benchmarks.stats import RATIO_KEYS, RatioInputs, compute_ratios, percentile
 from omnistage.models.onednn import widen_primitive_cache
 from omnistage.models.sampling import SamplingParams
+from omnistage.server.thread_cpu import ThreadCpuCollector
 
 SCHEMA = "omnistage.bench/1"
 
@@ -250,6 +251,7 @@ class Run:
     t0: float = field(default_factory=time.perf_counter)
     phase_seconds: dict[str, float] = field(default_factory=dict)
     metrics_endpoints: dict[str, list[str]] = field(default_factory=dict)  # of a stack this run started
+    client_threads: ThreadCpuCollector = field(default_factory=ThreadCpuCollector)  # this process's, by kind
 
     def log(self, msg: str) -> None:
         if not self.opts.quiet:
@@ -302,13 +304,13 @@ class Run:
             yield
             return
         before = await asyncio.to_thread(snapshot, self.metrics_endpoints)
-        t, cpu = time.perf_counter(), time.process_time()
+        t, client = time.perf_counter(), own_snapshot(self.client_threads)
         yield
-        wall, cpu_end = time.perf_counter() - t, time.process_time()
+        wall, client_end = time.perf_counter() - t, own_snapshot(self.client_threads)
         after = await asyncio.to_thread(snapshot, self.metrics_endpoints)
         if before is not None and after is not None:
             # the load generator shares the machine too: this process, all of its threads
-            before["bench client"], after["bench client"] = {"cpu_s": cpu}, {"cpu_s": cpu_end}
+            before["bench client"], after["bench client"] = client, client_end
             level.stage_load = load_between(before, after, wall)
 
     def _finish_level(self, level: LevelResult) -> None:

@@ -189,6 +189,12 @@ def format_stage_load(result: dict[str, Any]) -> str:
                 per = f.get("us_outside_per_message")
                 cpu += f", {f['messages'] / served:.0f} messages a request" + ("" if per is None else
                                                                                 f" ({per:.0f} us each outside steps)")
+            threads = f.get("thread_cpu_s") or {}
+            if served and threads:
+                split = ", ".join(f"{kind} {1000 * v / served:.1f}" for kind, v in threads.items() if v is not None)
+                cpu += f", by thread {split} ms a request"
+            if f.get("context_switches") is not None and served:
+                cpu += f", {f['context_switches'] / served:.0f} context switches a request"
             if f["steps"]:
                 on_cpu = "" if f.get("step_on_cpu") is None else f" ({f['step_on_cpu']:.0%} on a core)"
                 parts.append(f"{role} busy {f['busy']:.2f} batch {f['mean_batch']:.1f} "
@@ -203,7 +209,8 @@ def format_stage_load(result: dict[str, Any]) -> str:
     return "\n".join(["stage load (each stack process's own metrics over the level, and the bench client's CPU; "
                       "busy = share of the level in engine steps, cpu = cores used, outside steps = the share "
                       "of them not in engine steps: gRPC, encoding, relaying; messages = gRPC messages sent and "
-                      "received, every hop):", *lines])
+                      "received, every hop; by thread: CPU of the engine thread, the main thread's event loop, "
+                      "gRPC's threads and the others):", *lines])
 
 
 def format_ratios(result: dict[str, Any]) -> str:

@@ -3,7 +3,8 @@ metrics before and after the level: engine steps, mean batch size, mean step tim
 the level's wall time spent in steps (busy), the share of the step time the engine thread was on
 a core (the rest it waited for a core or for the GIL), the CPU the process used, in cores, and
 the gRPC messages it sent and received (with the CPU outside steps per message: compare
-`omnistage bench grpc-floor`).
+`omnistage bench grpc-floor`), and its CPU by kind of thread (the engine thread, the main
+thread's event loop, gRPC's threads, the rest) and context switches (omnistage/server/thread_cpu.py).
 
 Busy near 1 marks the stage that limits the pipeline. The CPU column shows how the processes
 share the machine: on 2 cores, four processes whose cores add up to about 2 are limited by the
@@ -12,12 +13,15 @@ machine, not by any one stage.
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["endpoints", "load_between", "snapshot"]
+from omnistage.server.thread_cpu import ThreadCpuCollector
+
+__all__ = ["endpoints", "load_between", "own_snapshot", "parse_metrics", "snapshot"]
 
 _SAMPLES = {
     "omnistage_stage_batch_size_sum": "batch_sum",
@@ -27,7 +31,9 @@ _SAMPLES = {
     "process_cpu_seconds_total": "cpu_s",
     "omnistage_stage_messages_sent_total": "messages",
     "omnistage_stage_messages_received_total": "messages",
+    "omnistage_thread_context_switches_total": "switches",  # every thread, voluntary or not
 }
+THREAD_CPU, THREAD_KEY = "omnistage_thread_cpu_seconds_total", "thread_cpu_s:"
 
 
 def endpoints(cfg: Any) -> dict[str, list[str]]:
@@ -45,11 +51,18 @@ def endpoints(cfg: Any) -> dict[str, list[str]]:
 
 def _scrape(url: str, timeout: float) -> dict[str, float]:
     with urllib.request.urlopen(url, timeout=timeout) as resp:  # loopback only: the bench's own stack
-        text = resp.read().decode()
+        return parse_metrics(resp.read().decode())
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The figures this module reads from one process's metrics page, summed over their labels
+    (threads: one figure per kind)."""
     got: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             key = _SAMPLES.get(sample.name)
+            if sample.name == THREAD_CPU:  # one figure per kind of thread
+                key = f"{THREAD_KEY}{sample.labels.get('thread', 'other')}"
             if key is not None:
                 got[key] = got.get(key, 0.0) + float(sample.value)
     return got
@@ -70,10 +83,20 @@ def snapshot(eps: dict[str, list[str]], timeout: float = 2.0) -> dict[str, dict[
     return out
 
 
+def own_snapshot(threads: ThreadCpuCollector) -> dict[str, float]:
+    """This process's figures (the bench client's), as a stack process's metrics give them: its
+    CPU, all of its threads, and the same by kind of thread, with their context switches."""
+    got = {"cpu_s": time.process_time()}
+    for kind, t in threads.totals().items():
+        got[f"{THREAD_KEY}{kind}"] = t.cpu_s
+        got["switches"] = got.get("switches", 0.0) + t.voluntary + t.involuntary
+    return got
+
+
 def load_between(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
-                 wall_s: float) -> dict[str, dict[str, float | None]]:  # fmt: skip
+                 wall_s: float) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Per role, what happened between two snapshots `wall_s` apart."""
-    out: dict[str, dict[str, float | None]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for role, end in after.items():
         start = before.get(role, {})
 
@@ -82,6 +105,7 @@ def load_between(before: dict[str, dict[str, float]], after: dict[str, dict[str,
 
         steps, batch, step_s, cpu = delta("steps"), delta("batch_sum"), delta("step_s"), delta("cpu_s")
         step_cpu, messages = delta("step_cpu_s"), delta("messages")
+        threads = {k.removeprefix(THREAD_KEY): delta(k) for k in end if k.startswith(THREAD_KEY)}
         outside = max(0.0, cpu - step_cpu) if cpu is not None and step_cpu is not None else None
         out[role] = {
             "steps": steps,
@@ -97,5 +121,8 @@ def load_between(before: dict[str, dict[str, float]], after: dict[str, dict[str,
             # gRPC messages sent and received (every hop), and the CPU outside steps per message
             "messages": messages,
             "us_outside_per_message": 1e6 * outside / messages if outside is not None and messages else None,
+            # CPU seconds by kind of thread (engine, main: the event loop, grpc, other) and context switches
+            "thread_cpu_s": threads or None,
+            "context_switches": delta("switches"),
         }
     return out

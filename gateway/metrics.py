@@ -9,6 +9,8 @@ metrics port and at `/metrics` on its HTTP port:
   omnistage_gateway_real_time_factor                  histogram: generation time / audio duration
   omnistage_gateway_audio_chunk_gap_seconds           histogram: between audio chunks of a request
   omnistage_gateway_prompt_tokens_total, _completion_tokens_total, _audio_seconds_total
+  omnistage_thread_cpu_seconds_total{thread}, omnistage_thread_context_switches_total{thread, switch}
+                                                      by kind of thread (omnistage/server/thread_cpu.py)
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+
+from omnistage.server.thread_cpu import ThreadCpuCollector
 
 __all__ = ["GatewayMetrics", "Outcome"]
 
@@ -49,6 +53,7 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)  # process_cpu_seconds_total and friends (Linux)
+        r.register(ThreadCpuCollector())  # the same by kind of thread: the event loop, gRPC, other
         self.requests = Counter("omnistage_gateway_requests", "Requests by front door and outcome",
                                 ["api", "outcome"], registry=r)  # fmt: skip
         self.in_flight = Gauge("omnistage_gateway_requests_in_flight", "Requests in flight", registry=r)

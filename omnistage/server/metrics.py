@@ -26,7 +26,10 @@ A stage's metrics, each labelled with `stage`:
                                               replay it on another replica (failover)
   omnistage_stage_replay_memory_full_total    requests no longer replayable on their hop because the
                                               process's failover.replay_memory_bytes was full
-and prometheus_client's process metrics (process_cpu_seconds_total, process_resident_memory_bytes, ...).
+and prometheus_client's process metrics (process_cpu_seconds_total, process_resident_memory_bytes, ...),
+and, in every process, the same CPU by kind of thread (thread_cpu.py):
+  omnistage_thread_cpu_seconds_total{thread}  engine, main (the event loop), grpc, other
+  omnistage_thread_context_switches_total{thread, switch}  voluntary, involuntary
 The gateway's are in gateway/server.py (`GatewayMetrics`).
 """
 
@@ -39,6 +42,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from omnistage.server.grpc_common import PortTaken, port_free
+from omnistage.server.thread_cpu import ThreadCpuCollector
 
 __all__ = ["StageMetrics", "serve_metrics"]
 
@@ -68,6 +72,7 @@ class StageMetrics:
                  messages_received: Callable[[], int] = lambda: 0) -> None:  # fmt: skip
         self.registry = registry = CollectorRegistry()
         ProcessCollector(registry=registry)  # process_cpu_seconds_total and friends (Linux)
+        registry.register(ThreadCpuCollector())  # the same by kind of thread: engine, event loop, gRPC
         labels = ["stage"]
         depth = Gauge("omnistage_stage_queue_depth", "Requests held by the stage (waiting + running)", labels,
                       registry=registry)  # fmt: skip

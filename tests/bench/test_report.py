@@ -57,22 +57,28 @@ def test_stage_load_divides_the_metrics_difference_by_the_level() -> None:
     from benchmarks.report import format_stage_load
     from benchmarks.stage_load import load_between
 
+    threads = {"thread_cpu_s:engine": 0.4, "thread_cpu_s:main": 4.0, "thread_cpu_s:grpc": 0.5}
     before = {"talker": {"steps": 10.0, "batch_sum": 20.0, "step_s": 1.0, "step_cpu_s": 0.5, "cpu_s": 5.0,
-                         "messages": 100.0}, "gateway": {"cpu_s": 1.0}}  # fmt: skip
+                         "messages": 100.0, **threads, "switches": 1000.0}, "gateway": {"cpu_s": 1.0}}  # fmt: skip
     after = {"talker": {"steps": 110.0, "batch_sum": 820.0, "step_s": 4.0, "step_cpu_s": 2.9, "cpu_s": 8.6,
-                        "messages": 1300.0}, "gateway": {"cpu_s": 1.4}}  # fmt: skip
+                        "messages": 1300.0, "thread_cpu_s:engine": 2.8, "thread_cpu_s:main": 5.0,
+                        "thread_cpu_s:grpc": 0.6, "switches": 1800.0}, "gateway": {"cpu_s": 1.4}}  # fmt: skip
     load = load_between(before, after, 4.0)
+    assert load["talker"].pop("thread_cpu_s") == pytest.approx({"engine": 2.4, "main": 1.0, "grpc": 0.1})
     assert load["talker"] == pytest.approx({"steps": 100.0, "mean_batch": 8.0, "mean_step_ms": 30.0, "busy": 0.75,
                                             "step_on_cpu": 0.8, "cpu_cores": 0.9,
                                             "cpu_outside_steps": 1 - 2.4 / 3.6, "messages": 1200.0,
-                                            "us_outside_per_message": 1e6 * 1.2 / 1200})  # fmt: skip
+                                            "us_outside_per_message": 1e6 * 1.2 / 1200,
+                                            "context_switches": 800.0})  # fmt: skip
+    load["talker"]["thread_cpu_s"] = {"engine": 2.4, "main": 1.0, "grpc": 0.1}
     assert load["gateway"]["steps"] is None and load["gateway"]["cpu_cores"] == pytest.approx(0.1)
     assert load["gateway"]["messages"] is None and load["gateway"]["us_outside_per_message"] is None
+    assert load["gateway"]["thread_cpu_s"] is None and load["gateway"]["context_switches"] is None
     levels = [{"name": "grpc c=16", "stage_load": load, "summary": {"ok": 4}}, {"name": "x"}]
     text = format_stage_load({"machine": {"affinity_cpus": 2}, "configurations": levels})
     assert "grpc c=16: talker busy 0.75 batch 8.0 step 30.0 ms (80% on a core) cpu 0.90 (33% outside steps), " \
-           "300 messages a request (1000 us each outside steps); gateway cpu 0.10; " \
-           "all 1.00 cores of 2" in text  # fmt: skip
+           "300 messages a request (1000 us each outside steps), by thread engine 600.0, main 250.0, grpc 25.0 ms " \
+           "a request, 200 context switches a request; gateway cpu 0.10; all 1.00 cores of 2" in text  # fmt: skip
     assert format_stage_load({"configurations": [{"name": "x"}]}) == ""
 
 

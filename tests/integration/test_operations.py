@@ -145,6 +145,11 @@ def test_the_bench_reads_each_process_load_over_a_request(served: dict[str, Any]
     # gRPC messages: the thinker sent its 6 tokens up and down at least; the others took some in
     assert load["thinker"]["messages"] >= 12 and load["talker"]["messages"] >= 3, load
     assert load["code2wav"]["messages"] >= 3 and load["gateway"]["messages"] is None, load
+    # the CPU by kind of thread (thread_cpu.py): the stages have an engine thread, the gateway none
+    for name in ("thinker", "talker", "code2wav"):
+        assert {"engine", "main", "grpc"} <= set(load[name]["thread_cpu_s"] or {}), (name, load[name])
+    assert "engine" not in (load["gateway"]["thread_cpu_s"] or {}) and "main" in load["gateway"]["thread_cpu_s"], load
+    assert all(f["context_switches"] > 0 for f in load.values()), load
 
 
 def test_client_json_has_the_text_and_request_id_and_the_access_log_has_a_line(
