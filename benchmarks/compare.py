@@ -6,8 +6,8 @@ a comparison).
 Each round starts each file's stack in turn (the order reversed every other round: A B, B A,
 ...), warms it with `warmup` requests at the load's concurrency, then runs `loads` measured
 closed-loop loads of `num_requests` requests, reading every process's own metrics over each
-(stage_load.py): its CPU per request (and of which its engine thread, its main thread's event loop
-and gRPC's threads), context switches and gRPC messages per request, and mean batch. Per file, every
+(stage_load.py): its CPU per request (and of which its engine thread, its main thread's event loop,
+gRPC's threads and the others), context switches and gRPC messages per request, and mean batch. Per file, every
 measured load's figures and their median; per figure, each file's median over the first file's,
 and whether the two files' loads overlap (min to max): a difference inside that spread is noise
 of this run, not a result."""
@@ -45,15 +45,16 @@ FIGURES = (
 )
 PER_PROCESS = (
     ("cpu_ms_per_request", "CPU ms/request", ".1f"),
-    # of which, by kind of thread (omnistage/server/thread_cpu.py; the rest: other threads)
+    # of which, by kind of thread (omnistage/server/thread_cpu.py)
     ("engine_cpu_ms_per_request", "engine thread CPU ms/request", ".1f"),
     ("main_cpu_ms_per_request", "event loop CPU ms/request", ".1f"),
     ("grpc_cpu_ms_per_request", "gRPC threads CPU ms/request", ".1f"),
+    ("other_cpu_ms_per_request", "other threads CPU ms/request", ".1f"),
     ("switches_per_request", "context switches/request", ".0f"),
     ("messages_per_request", "messages/request", ".1f"),
     ("mean_batch", "mean batch", ".2f"),
 )
-THREAD_KINDS = ("engine", "main", "grpc")  # the kinds with a row
+THREAD_KINDS = ("engine", "main", "grpc", "other")
 
 
 @dataclass(frozen=True)

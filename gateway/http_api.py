@@ -935,7 +935,9 @@ def build_app(service: GatewayService) -> Starlette:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(request: Request) -> Response:
-        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # off the event loop: a scrape reads every thread's /proc files (metrics' thread_cpu.py)
+        body = await asyncio.to_thread(generate_latest, service.metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def playground(request: Request) -> Response:
         return HTMLResponse(page)

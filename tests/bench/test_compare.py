@@ -169,13 +169,15 @@ def test_two_served_stacks_are_measured_from_their_own_metrics(tiny_dir: Path, t
         assert procs["thinker"]["messages_per_request"] >= 2 * 1 and procs["code2wav"]["messages_per_request"] >= 2
         assert all(procs[s]["mean_batch"] >= 1 for s in ("thinker", "talker", "code2wav")), procs
         # the CPU by kind of thread: the stages' engine threads, every process's event loop; together
-        # at most the process's CPU (clock ticks of 10 ms on each side), and most of it
+        # at most the process's CPU, give or take its clock ticks (10 ms a thread, before and after)
         assert all(procs[s]["engine_cpu_ms_per_request"] > 0 for s in ("thinker", "talker", "code2wav")), procs
         assert procs["gateway"]["engine_cpu_ms_per_request"] is None, procs  # no engine thread: no row
         for role, p in procs.items():
-            split = sum(p[f"{kind}_cpu_ms_per_request"] or 0.0 for kind in ("engine", "main", "grpc"))
+            split = sum(p[f"{kind}_cpu_ms_per_request"] or 0.0 for kind in ("engine", "main", "grpc", "other"))
             assert p["main_cpu_ms_per_request"] is not None and p["switches_per_request"] > 0, (role, p)
-            assert 0.5 * p["cpu_ms_per_request"] <= split <= 1.1 * p["cpu_ms_per_request"] + 60 / 4, (role, p)
+            assert split <= p["cpu_ms_per_request"] + 100 / 4, (role, p)
+            if role in ("thinker", "talker", "code2wav"):  # most of a stage's CPU is its engine thread's
+                assert p["engine_cpu_ms_per_request"] >= 0.5 * p["cpu_ms_per_request"] - 100 / 4, (role, p)
         assert load["stack_cpu_ms_per_request"] == pytest.approx(
             sum(p["cpu_ms_per_request"] for r, p in procs.items() if r != "bench client")
         )
