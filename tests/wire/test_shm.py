@@ -205,7 +205,9 @@ def test_handshake_accepts_and_declines(
     assert md and md[0][0] == shm_mod.SHM_PROBE_KEY
     assert peer_accepts_shm(reader.accept(md))
     assert not peer_accepts_shm(ShmReader(enabled=False).accept(md))
-    assert not peer_accepts_shm(reader.accept([(shm_mod.SHM_PROBE_KEY, md[0][1][:-2] + "00")]))  # wrong nonce
+    probe = md[0][1]
+    wrong = probe[:-2] + ("ff" if probe.endswith("00") else "00")  # (a random nonce ends in 00 once in 256)
+    assert not peer_accepts_shm(reader.accept([(shm_mod.SHM_PROBE_KEY, wrong)]))  # wrong nonce
     assert not peer_accepts_shm(reader.accept([(shm_mod.SHM_PROBE_KEY, "omnistage-nope-1:00")]))
     assert not peer_accepts_shm(reader.accept([(shm_mod.SHM_PROBE_KEY, "garbage")]))
     assert not peer_accepts_shm(reader.accept(None))
