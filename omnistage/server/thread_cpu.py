@@ -14,8 +14,8 @@ to its model or to serving it. On this project's processes the threads are:
   other      everything else: other Python threads (the metrics server, the gateway's executor
              workers: tokenizing, media decoding), torch's intra-op pool, CUDA's threads
 
-Each thread's figures are its own (`utime + stime`, `voluntary_ctxt_switches`,
-`nonvoluntary_ctxt_switches`), in clock ticks (10 ms on most kernels). A thread that has ended
+Each thread's figures are its own (`utime + stime`, in clock ticks of 10 ms on most kernels;
+`voluntary_ctxt_switches`, `nonvoluntary_ctxt_switches`). A thread that has ended
 keeps what it had at the last reading in its kind's total, so the counters never go down; what
 it did after that reading is lost, so the kinds add up to at most the process's CPU (a
 short-lived thread's, between two scrapes, is missing). Elsewhere than Linux the collector
