@@ -31,6 +31,7 @@ from benchmarks.prompts import load_prompts, request_sequence
 from benchmarks.report import aligned
 from benchmarks.stage_load import endpoints
 from benchmarks.stats import summarize as summarize_values
+from omnistage.server.thread_cpu import KINDS
 
 SCHEMA = "omnistage.bench.compare/1"
 CLIENT = "bench client"  # stage_load's role for this process
@@ -54,7 +55,6 @@ PER_PROCESS = (
     ("messages_per_request", "messages/request", ".1f"),
     ("mean_batch", "mean batch", ".2f"),
 )
-THREAD_KINDS = ("engine", "main", "grpc", "other")
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def load_figures(level: LevelResult) -> dict[str, Any]:
         processes[role] = {
             "cpu_ms_per_request": 1000 * cores * wall / ok if cores is not None and ok and wall else None,
             **{f"{kind}_cpu_ms_per_request": 1000 * threads[kind] / ok if threads.get(kind) is not None and ok
-               else None for kind in THREAD_KINDS},  # fmt: skip  (None: the process has no such thread)
+               else None for kind in KINDS},  # fmt: skip  (None: the process has no such thread)
             "switches_per_request": switches / ok if switches is not None and ok else None,
             "messages_per_request": messages / ok if messages is not None and ok else None,
             "mean_batch": got.get("mean_batch"),

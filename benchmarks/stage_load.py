@@ -17,6 +17,7 @@ import time
 import urllib.request
 from typing import Any
 
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from omnistage.server.thread_cpu import ThreadCpuCollector
@@ -86,11 +87,9 @@ def snapshot(eps: dict[str, list[str]], timeout: float = 2.0) -> dict[str, dict[
 def own_snapshot(threads: ThreadCpuCollector) -> dict[str, float]:
     """This process's figures (the bench client's), as a stack process's metrics give them: its
     CPU, all of its threads, and the same by kind of thread, with their context switches."""
-    got = {"cpu_s": time.process_time()}
-    for kind, t in threads.totals().items():
-        got[f"{THREAD_KEY}{kind}"] = t.cpu_s
-        got["switches"] = got.get("switches", 0.0) + t.voluntary + t.involuntary
-    return got
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(threads)  # read the way a stack process's page is: one mapping, parse_metrics'
+    return {**parse_metrics(generate_latest(registry).decode()), "cpu_s": time.process_time()}
 
 
 def load_between(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
