@@ -22,7 +22,7 @@ F = gateway_pb2.AudioFormat
 FORMAT_NAMES = {"pcm_f32le": F.PCM_F32LE, "pcm16": F.PCM16, "wav": F.WAV, "mp3": F.MP3, "flac": F.FLAC,
                 "opus": F.OPUS}  # fmt: skip
 STREAMED = {F.PCM_F32LE, F.PCM16, F.MP3, F.OPUS}
-MIME = {F.PCM_F32LE: "audio/L32", F.PCM16: "audio/L16", F.WAV: "audio/wav", F.MP3: "audio/mpeg", F.FLAC: "audio/flac",
+MIME = {F.PCM_F32LE: "audio/L32", F.PCM16: "audio/pcm", F.WAV: "audio/wav", F.MP3: "audio/mpeg", F.FLAC: "audio/flac",
         F.OPUS: "audio/ogg"}  # fmt: skip
 
 

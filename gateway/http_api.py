@@ -22,11 +22,13 @@ Chat completions (OpenAI's shapes; what differs is said here):
 * `temperature` 0 (or under 1e-5, as in vLLM) makes the whole reply deterministic (text and speech
   greedy); unset keeps the checkpoint's defaults. `max_tokens` / `max_completion_tokens`, `top_p`, `top_k`,
   `repetition_penalty`, `seed` (it seeds the speech too), `stop`. A field sent as null is unset.
-  `tools`, a non-text `response_format` and `logprobs` are refused (400), not ignored.
+  `tools`, a non-text `response_format` and `logprobs` are refused (400), not ignored; so are a
+  field of the wrong JSON type and a string with a lone UTF-16 surrogate.
 * vLLM-Omni's `sampling_params_list`: each stage's own sampling, in stage order (`StageSampling`).
 * Streamed: `chat.completion.chunk` events with `delta.content`, and `delta.audio {id, data,
-  transcript}` as soon as each piece exists (wav and flac come whole at the end; every `data`
-  but the last holds whole base64 groups of whole samples, so joined strings decode too), then
+  transcript}` (the id in the first alone) as soon as each piece exists (wav and flac come whole
+  at the end; every `data` but the last holds whole base64 groups of whole samples, so joined
+  strings decode too), then
   the finish, usage with `stream_options.include_usage`, and `[DONE]`. Nothing is sent before
   the reply's first piece, so a refused request gets its status streamed or not; an error after
   that is the stream's last event.
@@ -82,6 +84,7 @@ AUDIO_TTL_S = 3600  # a reply's audio id names its transcript this long (its `ex
 AUDIO_ALIGN = 6
 TALKER_SEED_OFFSET = 0x5EED  # the talker's seed is the request's plus this (wrapped to int64)
 PCM16_RATE = 24_000  # `input_audio.format: pcm16` (as OpenAI's realtime audio)
+OFF_LOOP_BYTES = 1 << 20  # a body this large is parsed in a worker thread
 TIMEOUT_HEADER = "x-omnistage-timeout"  # seconds the request may take (default: timeouts.request_timeout_s)
 AUDIO_OUT_FORMATS = ("wav", "mp3", "flac", "opus", "pcm16")
 STATUS = {
@@ -99,7 +102,9 @@ STATUS = {
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # strict: a JSON type other than the field's is refused, as OpenAI does ("stream": "true",
+    # "max_tokens": true, "temperature": "0.5"), not coerced; an integer is still a number
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class TextPart(_Body):
@@ -121,19 +126,20 @@ class Url(_Body):
     url: str
 
 
+# vLLM also takes a part's URL as a plain string (`"image_url": "data:..."`)
 class AudioUrlPart(_Body):  # vLLM's audio part
     type: Literal["audio_url"]
-    audio_url: Url
+    audio_url: Url | str
 
 
 class ImagePart(_Body):
     type: Literal["image_url"]
-    image_url: Url
+    image_url: Url | str
 
 
 class VideoPart(_Body):
     type: Literal["video_url"]
-    video_url: Url
+    video_url: Url | str
 
 
 Part = Annotated[TextPart | AudioPart | AudioUrlPart | ImagePart | VideoPart, Field(discriminator="type")]
@@ -228,8 +234,10 @@ class ChatRequest(_Body):
     # Asked for, these would change the reply's shape; this server has none of them, so it says so.
     tools: list[Any] | None = None
     functions: list[Any] | None = None  # the legacy form of tools
+    tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     # OpenAI's sampling knobs this server has no counterpart of: refused unless they change nothing
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -250,6 +258,7 @@ class SpeechRequest(_Body):
 
 
 BodyT = TypeVar("BodyT", bound=_Body)
+_MODELS = frozenset(cls.__name__ for cls in _Body.__subclasses__())  # union branches pydantic names in paths
 Replies = AsyncGenerator[gateway_pb2.GenerateResponse, None]
 
 
@@ -293,6 +302,8 @@ async def _entry_named(call: Awaitable[ResultT], body: ChatRequest) -> ResultT:
         field = _SAMPLING_FIELD.match(e.message)
         if entry is not None and field and field[1] == "thinker" and getattr(entry, field[2], None) is not None:
             e.param = f"sampling_params_list[{STAGES.index('thinker')}].{field[2]}"
+        elif e.param == "max_tokens" and body.max_completion_tokens is not None:  # the name the client used
+            e.param = "max_completion_tokens"
         raise
 
 
@@ -323,13 +334,16 @@ def _sse(event: dict[str, Any]) -> str:
 
 
 def _decode_b64(data: str, where: str) -> bytes:
-    try:  # line-wrapped base64 (MIME, `base64` without -w0) is still base64
-        return base64.b64decode("".join(data.split()), validate=True)
+    data = "".join(data.split())  # line-wrapped base64 (MIME, `base64` without -w0) is still base64
+    try:  # and so is base64 without its padding (base64url's habit)
+        return base64.b64decode(data + "=" * (-len(data) % 4), validate=True)
     except (binascii.Error, ValueError):
         raise HttpError(400, f"{where}: not valid base64", param=where) from None
 
 
-def _data_url(url: str, where: str) -> bytes:
+def _data_url(url: Url | str, where: str) -> bytes:
+    if isinstance(url, Url):
+        url, where = url.url, f"{where}.url"
     if not url.startswith("data:"):
         raise HttpError(400, f"{where}: only data: URLs are taken (the server fetches nothing)", param=where)
     head, sep, data = url.partition(",")
@@ -342,7 +356,7 @@ def _part(part: Any, where: str) -> gateway_pb2.ContentPart:
     if isinstance(part, TextPart):
         return gateway_pb2.ContentPart(text=part.text)
     if isinstance(part, AudioUrlPart):
-        data = _data_url(part.audio_url.url, f"{where}.audio_url.url")
+        data = _data_url(part.audio_url, f"{where}.audio_url")
         return gateway_pb2.ContentPart(audio=gateway_pb2.AudioPart(file=data))
     if isinstance(part, AudioPart):
         data = _decode_b64(part.input_audio.data, f"{where}.input_audio.data")
@@ -355,10 +369,9 @@ def _part(part: Any, where: str) -> gateway_pb2.ContentPart:
             return gateway_pb2.ContentPart(audio=gateway_pb2.AudioPart(pcm=raw))
         return gateway_pb2.ContentPart(audio=gateway_pb2.AudioPart(file=data))
     if isinstance(part, ImagePart):
-        return gateway_pb2.ContentPart(image=gateway_pb2.ImagePart(file=_data_url(part.image_url.url,
-                                                                                   f"{where}.image_url.url")))
-    return gateway_pb2.ContentPart(video=gateway_pb2.VideoPart(file=_data_url(part.video_url.url,
-                                                                               f"{where}.video_url.url")))
+        return gateway_pb2.ContentPart(image=gateway_pb2.ImagePart(file=_data_url(part.image_url,
+                                                                                   f"{where}.image_url")))
+    return gateway_pb2.ContentPart(video=gateway_pb2.VideoPart(file=_data_url(part.video_url, f"{where}.video_url")))
 
 
 # OpenAI's own voices: its SDK and examples always name one, so each stands for the checkpoint's
@@ -385,10 +398,15 @@ def _unsupported(body: ChatRequest) -> None:
     a reply the client would misread."""
     if body.tools:
         raise HttpError(400, "tools: tool calling is not supported by this server", param="tools")
+    if body.tool_choice not in (None, "none", "auto"):  # without tools only these mean anything
+        raise HttpError(400, "tool_choice: only allowed with tools, which this server does not support",
+                        param="tool_choice")  # fmt: skip
     if body.response_format is not None and body.response_format.get("type", "text") != "text":
         raise HttpError(400, 'response_format: only {"type": "text"} is supported', param="response_format")
     if body.logprobs:
         raise HttpError(400, "logprobs: not supported by this server", param="logprobs")
+    if body.top_logprobs:
+        raise HttpError(400, "top_logprobs: not supported by this server (it needs logprobs)", param="top_logprobs")
     if body.functions:
         raise HttpError(400, "functions: function calling is not supported by this server", param="functions")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -479,10 +497,7 @@ def to_generate_request(
     req.speaker = _speaker(audio.voice, voices) if want_audio else ""
     for i, m in enumerate(body.messages):
         role = "system" if m.role == "developer" else m.role
-        if isinstance(m.content, list):
-            parts = [_part(p, f"messages[{i}].content[{j}]") for j, p in enumerate(m.content)]
-            req.messages.append(gateway_pb2.ChatMessage(role=role, parts=parts))
-        elif not m.content and m.audio is not None:  # a spoken earlier reply: its words
+        if not m.content and m.audio is not None:  # a spoken earlier reply: its words (content null, "" or [])
             text = transcripts(m.audio.id) if role == "assistant" else None
             if text is None:
                 where = f"messages[{i}].audio.id"
@@ -490,6 +505,9 @@ def to_generate_request(
                                      "reply's transcript for an hour; send its text as content instead)",
                                 param=where)  # fmt: skip
             req.messages.append(gateway_pb2.ChatMessage(role=role, content=text))
+        elif isinstance(m.content, list):
+            parts = [_part(p, f"messages[{i}].content[{j}]") for j, p in enumerate(m.content)]
+            req.messages.append(gateway_pb2.ChatMessage(role=role, parts=parts))
         else:
             req.messages.append(gateway_pb2.ChatMessage(role=role, content=m.content or ""))
     if body.stop is not None:
@@ -577,7 +595,7 @@ def _field(loc: tuple[Any, ...]) -> str:
             out += f"[{item}]"
         elif i and item == loc[i - 1]:
             continue  # a content part's type tag, then its field of the same name: `image_url.url`
-        elif str(item).isidentifier() and item not in ("str", "list", "int", "float", "bool", "none"):
+        elif str(item).isidentifier() and item not in ("str", "list", "int", "float", "bool", "none", *_MODELS):
             out += ("." if out else "") + str(item)
     return out or "body"
 
@@ -588,6 +606,51 @@ def _first_error(e: ValidationError) -> tuple[str, str]:
     deep = [err for err in errors if "str" not in err["loc"]] or errors
     err = max(deep, key=lambda x: len(x["loc"]))
     return _field(err["loc"]), err["msg"]
+
+
+def _lone_surrogate(data: Any) -> str | None:
+    """The path of the first string (or key) in a parsed body that is not Unicode text, else
+    None. JSON lets a string escape half of a UTF-16 pair ("\\ud800"); Python keeps it, and
+    protobuf, which takes only UTF-8, would fail on it far from the field."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode()
+                except UnicodeEncodeError:
+                    return where or "body"
+        elif isinstance(value, dict):
+            for key, item in reversed(value.items()):
+                stack.append((f"{where}.{key}" if where else key, item))
+                stack.append((where or "body", key))  # a key: named by where it is
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+    return None
+
+
+def _parse_body(raw: bytes, model: type[BodyT]) -> BodyT:
+    """The body as `model`, or HttpError naming what is wrong."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # not JSON, a 5000-digit number, nesting past the stack
+        raise HttpError(400, f"body: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+    if (where := _lone_surrogate(data)) is not None:
+        raise HttpError(400, f"{where}: not valid Unicode (a lone UTF-16 surrogate)", param=where)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        where, msg = _first_error(e)
+        raise HttpError(400, f"{where}: {msg}", param=where) from None
+
+
+async def _off_loop(size: int, fn: Callable[..., ResultT], *args: Any) -> ResultT:
+    """`fn(*args)`, in a worker thread when the body is large: parsing and validating tens of MB
+    of JSON and decoding their base64 would stall every other stream on the event loop."""
+    if size < OFF_LOOP_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 async def _disconnect(request: Request) -> None:
@@ -662,15 +725,8 @@ class ChatCompletions:
             raise HttpError(401, "missing or wrong API key (header Authorization: Bearer <key>)",
                             "authentication_error", code="invalid_api_key")  # fmt: skip
         raw = await _read_body(request, self.service.cfg.media.max_request_bytes * 4 // 3 + 4096)  # base64: 4/3
-        try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError) as e:  # not JSON, a 5000-digit number, nesting past the stack
-            raise HttpError(400, f"body: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
-        try:
-            body = model.model_validate(data)
-        except ValidationError as e:
-            where, msg = _first_error(e)
-            raise HttpError(400, f"{where}: {msg}", param=where) from None
+        body = await _off_loop(len(raw), _parse_body, raw, model)
+        request.state.body_bytes = len(raw)
         name = getattr(body, "model", None)
         if name is not None and name != self.service.model_name:
             raise _unknown_model(name, self.service.model_name)
@@ -683,7 +739,8 @@ class ChatCompletions:
             if "audio" in (body.modalities or ()) and not self.service.cfg.audio_output:
                 raise HttpError(400, "modalities: this stack serves text only (no talker); ask for [\"text\"]",
                                 param="modalities")  # fmt: skip
-            req = to_generate_request(body, self.voices, self.transcripts.get, self.stop_ids)
+            req = await _off_loop(request.state.body_bytes, to_generate_request, body, self.voices,
+                                  self.transcripts.get, self.stop_ids)  # fmt: skip
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
         except HttpError as e:
             return self._refused(e)
@@ -706,6 +763,8 @@ class ChatCompletions:
             return self._refused(e)
         sse = body.stream_format == "sse"
         media = "text/event-stream" if sse else MIME[req.audio_format]
+        if req.audio_format == gateway_pb2.AudioFormat.PCM16:  # raw samples: their rate is not in them
+            media += f";rate={self.service.sample_rate}"
         # the status waits for the first audio: a stage that fails before it gets its own status
         return await self._serve(request, req, timeout, lambda responses: self._first(responses, audio=True),
                                  lambda first, responses: _speech_stream(first, responses, sse), media)  # fmt: skip
@@ -743,6 +802,9 @@ class ChatCompletions:
             response = e.response()
             response.headers.update(headers)
             return response
+        except Exception:  # a bug: the request's calls are not left to the generator's finalizer
+            await responses.aclose()
+            raise
         finally:
             gone.cancel()
         if stream is None:
@@ -815,8 +877,17 @@ class ChatCompletions:
                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}  # fmt: skip
             return _sse(event)
 
+        named = False  # OpenAI's SDK joins a string a delta repeats: the audio's id is in the first delta alone
+
+        def audio(**fields: Any) -> dict[str, Any]:
+            nonlocal named
+            if not named:
+                named = True
+                return {"id": audio_id, **fields}
+            return fields
+
         def audio_chunk(data: bytes) -> str:
-            return chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode()}})
+            return chunk({"audio": audio(data=base64.b64encode(data).decode())})
 
         text: list[str] = []
         held = b""  # audio bytes past the last whole AUDIO_ALIGN
@@ -828,7 +899,7 @@ class ChatCompletions:
                     text.append(resp.text.text)
                     delta: dict[str, Any] = {"content": resp.text.text}
                     if req.want_audio:
-                        delta["audio"] = {"id": audio_id, "transcript": resp.text.text}
+                        delta["audio"] = audio(transcript=resp.text.text)
                     yield chunk(delta)
                 elif kind == "audio":
                     data = held + resp.audio.data
@@ -843,7 +914,7 @@ class ChatCompletions:
                     if req.want_audio:
                         self.transcripts.put(audio_id, "".join(text))
                         # the last audio update holds only when its id expires (OpenAI's ChoiceDeltaAudio)
-                        yield chunk({"audio": {"id": audio_id, "expires_at": created + AUDIO_TTL_S}})
+                        yield chunk({"audio": audio(expires_at=created + AUDIO_TTL_S)})
                     yield chunk({}, resp.final.finish_reason or "stop")
                     if body.stream_options is not None and body.stream_options.include_usage:
                         event = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
@@ -885,9 +956,9 @@ async def _speech_stream(first: list[gateway_pb2.GenerateResponse], responses: R
                 event = {"type": "speech.audio.delta", "audio": base64.b64encode(resp.audio.data).decode()}
                 yield _sse(event)
             elif kind == "final" and sse:
-                u = resp.final.usage
-                usage = {"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
-                         "total_tokens": u.prompt_tokens + u.completion_tokens}  # fmt: skip
+                u = _usage(resp.final.usage)  # the output counts the speech's frames, as a chat reply's does
+                usage = {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
+                         "total_tokens": u["total_tokens"]}  # fmt: skip
                 yield _sse({"type": "speech.audio.done", "usage": usage})
     except GatewayError as e:
         log.warning("speech ended early: %s", e.message)
@@ -911,16 +982,17 @@ def _usage(u: gateway_pb2.Usage) -> dict[str, Any]:
 def build_app(service: GatewayService) -> Starlette:
     chat = ChatCompletions(service)
     page = resources.files("gateway").joinpath("static/playground.html").read_text()
+    started = int(time.time())  # the model card's `created`
 
     def model_card() -> dict[str, Any]:
-        return {"id": service.model_name, "object": "model", "created": 0, "owned_by": "omnistage",
+        return {"id": service.model_name, "object": "model", "created": started, "owned_by": "omnistage",
                 "voices": chat.voices,
                 "default_voice": service.ckpt.spec.default_speaker if chat.voices else None,
                 "sample_rate": service.sample_rate, "audio_output": service.cfg.audio_output}  # fmt: skip
 
     async def models(request: Request) -> Response:
         if not service.check_api_key(request.headers.get("authorization")):
-            return HttpError(401, "missing or wrong API key", "authentication_error").response()
+            return HttpError(401, "missing or wrong API key", "authentication_error", code="invalid_api_key").response()
         name = request.path_params.get("model")
         if name is None:
             return JSONResponse({"object": "list", "data": [model_card()]})

@@ -10,6 +10,7 @@ every failure names the message and the part: `messages[1].parts[0] (audio): can
 from __future__ import annotations
 
 import io
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +73,15 @@ class Budget:
         self.used += nbytes
 
 
+_REPR = re.compile(r" ?<[\w.]+ object at 0x[0-9a-f]+>")  # "<_io.BytesIO object at 0x7f...>"
+
+
+def _why(e: Exception) -> str:
+    """A decoder's exception for a client to read: its kind and message, without the reprs of
+    this process's objects that some put in it (Pillow names the BytesIO it was given)."""
+    return f"{type(e).__name__}: {_REPR.sub('', str(e))}"
+
+
 def _check_size(data: bytes, limits: Limits) -> None:
     if not data:
         raise MediaError("empty")
@@ -125,7 +135,7 @@ def decode_audio(data: bytes, target_rate: int, limits: Limits) -> AudioClip:
     except MediaError:
         raise
     except (av.FFmpegError, ValueError, OSError) as e:
-        raise MediaError(f"cannot decode the audio ({type(e).__name__}: {e})") from None
+        raise MediaError(f"cannot decode the audio ({_why(e)})") from None
     if samples.shape[0] == 0:
         raise MediaError("the audio has no samples")
     return AudioClip(samples, target_rate)
@@ -161,7 +171,7 @@ def decode_image(data: bytes, limits: Limits, budget: Budget | None = None) -> I
     except MediaError:
         raise
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
-        raise MediaError(f"cannot decode the image ({type(e).__name__}: {e})") from None
+        raise MediaError(f"cannot decode the image ({_why(e)})") from None
     return ImageInput(pixels)
 
 
@@ -218,7 +228,7 @@ def decode_video(data: bytes, limits: Limits, audio_rate: int | None = None, bud
     except MediaError:
         raise
     except (av.FFmpegError, ValueError, OSError) as e:
-        raise MediaError(f"cannot decode the video ({type(e).__name__}: {e})") from None
+        raise MediaError(f"cannot decode the video ({_why(e)})") from None
     return VideoClip(np.stack(picks), fps, audio)
 
 

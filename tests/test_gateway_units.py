@@ -3,8 +3,10 @@ translation."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
+import json
 import wave
 from pathlib import Path
 from typing import Any
@@ -178,7 +180,7 @@ def test_openai_request_errors_name_the_field() -> None:
         (_chat(messages=[{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:x,AAAA"}}]}]),
          "messages[0].content[0].video_url.url: expected data:"),
         (_chat(messages=[{"role": "user", "content": [{"type": "input_audio",
-                                                        "input_audio": {"data": "AAA", "format": "pcm16"}}]}]),
+                                                        "input_audio": {"data": "AAAAA", "format": "pcm16"}}]}]),
          "messages[0].content[0].input_audio.data"),
     ]  # fmt: skip
     for body, message in cases:
@@ -279,6 +281,99 @@ def test_vllm_omni_sampling_params_list_sets_each_stage() -> None:
     for bad in ([{}, {}, {}, {}], [{"temperature": -1}], [{"stop_token_ids": [-3]}]):
         with pytest.raises(ValidationError):
             _chat(sampling_params_list=bad)
+
+
+def test_a_body_is_refused_where_its_json_is_not_what_the_field_takes() -> None:
+    """Lone UTF-16 surrogates (JSON escapes them; protobuf would fail on them far from the field)
+    and JSON types other than the field's (OpenAI refuses them; pydantic's lax mode coerced)
+    are 400s naming the field; an integer is still a number."""
+    from gateway.http_api import ChatRequest, HttpError, _parse_body
+
+    def refused(raw: bytes) -> HttpError:
+        with pytest.raises(HttpError) as e:
+            _parse_body(raw, ChatRequest)
+        assert e.value.status == 400, e.value.message
+        return e.value
+
+    hi = '"messages": [{"role": "user", "content": "hi"}]'
+    for raw, where in ((b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
+                       (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+                        "messages[0].content[0].text"),
+                       (f'{{{hi}, "stop": ["ok", "\\udfff"]}}'.encode(), "stop[1]"),
+                       (f'{{{hi}, "logit_bias": {{"\\ud800": 1}}}}'.encode(), "logit_bias")):  # fmt: skip
+        e = refused(raw)
+        assert e.param == where and "surrogate" in e.message, (where, e.message)
+    for field, value in (("stream", '"true"'), ("max_tokens", "true"), ("max_tokens", "5.0"),
+                         ("temperature", '"0.5"'), ("seed", '"3"'), ("modalities", '"audio"')):  # fmt: skip
+        e = refused(f"{{{hi}, {json.dumps(field)}: {value}}}".encode())
+        assert e.param == field, (field, e.message)
+    body = _parse_body(f'{{{hi}, "temperature": 1, "top_p": 1, "stream": false, "content": "\u00e9"}}'.encode(),
+                       ChatRequest)  # fmt: skip
+    assert body.temperature == 1.0 and isinstance(body.temperature, float) and body.stream is False
+    paired = _parse_body(b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}', ChatRequest)
+    assert paired.messages[0].content == "\U0001f600"  # a whole pair is one character
+
+
+def test_fields_that_ask_for_what_this_server_lacks_are_refused_and_harmless_ones_taken() -> None:
+    from gateway.http_api import HttpError, to_generate_request
+
+    for fields, param in (({"tool_choice": "required"}, "tool_choice"),
+                          ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+                          ({"top_logprobs": 3}, "top_logprobs")):  # fmt: skip
+        with pytest.raises(HttpError) as e:
+            to_generate_request(_chat(**fields), ["ethan"])
+        assert e.value.status == 400 and e.value.param == param, e.value.message
+    for fields in ({"tool_choice": "none"}, {"tool_choice": "auto"}, {"top_logprobs": 0}, {"tool_choice": None}):
+        assert to_generate_request(_chat(**fields), ["ethan"]).messages[0].content == "hi"
+
+
+def test_vllm_url_strings_unpadded_base64_and_an_empty_spoken_turn() -> None:
+    """vLLM's `"image_url": "data:..."` (a string, not {url}); base64 without its padding; an
+    assistant turn of `content: []` and an audio id is that reply's words (the id was dropped)."""
+    from gateway.http_api import HttpError, to_generate_request
+
+    png = media.encode_image(media.image(8, 8, seed=1), "png")
+    wav = media.encode_audio(media.tone(0.1, 16_000, seed=2), 16_000, "wav")
+    unpadded = base64.b64encode(wav).decode().rstrip("=")
+    assert len(unpadded) % 4  # the test needs a body whose padding was cut
+    body = _chat(messages=[
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": "data:image/png;base64," + base64.b64encode(png).decode()},
+            {"type": "audio_url", "audio_url": "data:audio/wav;base64," + unpadded},
+            {"type": "input_audio", "input_audio": {"data": unpadded}},
+        ]},
+        {"role": "assistant", "content": [], "audio": {"id": "audio_1"}},
+    ])  # fmt: skip
+    req = to_generate_request(body, ["ethan"], {"audio_1": "It was a tone."}.get)
+    assert [p.image.file or p.audio.file for p in req.messages[0].parts] == [png, wav, wav]
+    assert (req.messages[1].role, req.messages[1].content) == ("assistant", "It was a tone.")
+    with pytest.raises(HttpError) as e:
+        to_generate_request(_chat(messages=[{"role": "user", "content": [
+            {"type": "video_url", "video_url": "https://example.com/v.mp4"}]}]), ["ethan"])  # fmt: skip
+    assert e.value.param == "messages[0].content[0].video_url" and "only data: URLs" in e.value.message
+
+
+def test_a_max_tokens_refusal_names_the_field_the_client_sent() -> None:
+    from gateway.http_api import HttpError, _entry_named
+
+    async def refuse() -> None:
+        raise HttpError(400, "thinker: sampling: max_tokens 5000 is over 4096", param="max_tokens")
+
+    for fields, param in (({"max_completion_tokens": 5000}, "max_completion_tokens"),
+                          ({"max_tokens": 5000}, "max_tokens"),
+                          ({"max_tokens": 5000, "sampling_params_list": [{"max_tokens": 5000}]},
+                           "sampling_params_list[0].max_tokens")):  # fmt: skip
+        with pytest.raises(HttpError) as e:
+            asyncio.run(_entry_named(refuse(), _chat(**fields)))
+        assert e.value.param == param, fields
+
+
+def test_a_decoder_error_shows_no_object_reprs() -> None:
+    from gateway.media import MediaError, decode_image
+
+    with pytest.raises(MediaError) as e:
+        decode_image(b"not an image at all", MediaConfig())
+    assert "cannot decode the image" in str(e.value) and " at 0x" not in str(e.value), str(e.value)
 
 
 def test_a_validation_error_names_the_field_a_client_sent() -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -201,7 +203,9 @@ def test_streamed_chat_sends_pieces_as_they_exist(http_stack: Stack, client: ope
     assert usage.completion_tokens == MAX_TOKENS + usage.completion_tokens_details.audio_tokens
     # the last audio update holds only when its id expires (OpenAI's ChoiceDeltaAudio), the others none
     assert updates[-1].expires_at > time.time() + 3000 and not updates[-1].data and not updates[-1].transcript
-    assert all(u.expires_at is None for u in updates[:-1]) and updates[-1].id == updates[0].id
+    assert all(u.expires_at is None for u in updates[:-1])
+    # the id once, in the first update: OpenAI's SDK joins the strings a stream repeats
+    assert updates[0].id.startswith("audio_") and all(u.id is None for u in updates[1:])
 
 
 def test_audio_and_image_in(http_stack: Stack, client: openai.OpenAI) -> None:
@@ -221,8 +225,16 @@ def test_audio_and_image_in(http_stack: Stack, client: openai.OpenAI) -> None:
 def test_a_later_turn_names_a_spoken_reply_by_its_audio_id(http_stack: Stack, client: openai.OpenAI) -> None:
     """OpenAI's multi-turn voice chat: the assistant turn is `{"audio": {"id"}}`, no text; the
     model then sees that reply's words, as if the client had sent them as content."""
-    first = _chat(client, "pcm16").choices[0].message
+    # streamed, through the SDK's own accumulator, which joins every string a delta repeats
+    with client.chat.completions.stream(model=client.models.list().data[0].id,
+                                        messages=[{"role": "user", "content": QUESTION}], modalities=["text", "audio"],
+                                        audio={"voice": "ethan", "format": "pcm16"}, temperature=0,
+                                        max_tokens=MAX_TOKENS) as stream:  # type: ignore[arg-type]  # fmt: skip
+        for _ in stream:  # (its get_final_completion() refuses a reply cut by max_tokens, as this one is)
+            pass
+        first = stream.current_completion_snapshot.choices[0].message
     assert first.audio.transcript == first.content and first.content
+    assert re.fullmatch(r"audio_[0-9a-f]{32}", first.audio.id), first.audio.id
 
     def follow_up(turn: dict[str, Any]) -> tuple[str, int]:
         messages = [{"role": "user", "content": QUESTION}, turn, {"role": "user", "content": "Say more."}]
@@ -245,7 +257,8 @@ def test_speech_speaks_the_given_words(http_stack: Stack, client: openai.OpenAI)
     words = "Hello there, how are you today?"
     speech = client.audio.speech.create(model=client.models.list().data[0].id, voice="ethan", input=words,
                                         response_format="pcm", extra_body={"seed": 11})  # fmt: skip
-    assert speech.response.headers["content-type"] == "audio/L16"
+    rate = client.models.list().data[0].model_extra["sample_rate"]
+    assert speech.response.headers["content-type"] == f"audio/pcm;rate={rate}"  # little-endian: not audio/L16
     got = np.frombuffer(speech.read(), "<i2")
     ids = load_tokenizer(open_checkpoint(http_stack.model_dir)).encode(words, add_special_tokens=False)
     sampling = {"thinker": {"forced_ids": ids, "max_tokens": len(ids) + 1, "do_sample": False},
@@ -260,7 +273,12 @@ def test_speech_speaks_the_given_words(http_stack: Stack, client: openai.OpenAI)
               if line.startswith("data:")]  # fmt: skip
     assert [e["type"] for e in events[-1:]] == ["speech.audio.done"]
     assert b"".join(base64.b64decode(e["audio"]) for e in events[:-1]) == got.tobytes()
-    assert events[-1]["usage"]["output_tokens"] == len(ids) + 1  # the words and the end of the reply
+    # as a chat reply's usage: the words and the end of the reply, then the speech's codec frames
+    frames = events[-1]["usage"]["output_tokens"] - (len(ids) + 1)
+    c2w = open_checkpoint(http_stack.model_dir).config.code2wav_config
+    per_frame = math.prod(c2w.upsample_rates) * math.prod(c2w.upsampling_ratios)
+    # (it may end inside its last frame)
+    assert (frames - 1) * per_frame < got.size <= frames * per_frame, (frames, got.size)
     for bad, field in [({"input": ""}, "input"), ({"input": words, "response_format": "aac"}, "response_format"),
                        ({"input": words, "speed": 2}, "speed"), ({"input": words, "voice": "nobody"}, "voice"),
                        ({"input": "word " * 800}, "input"),  # more words than a reply may have
@@ -352,6 +370,16 @@ def test_bad_requests_get_the_documented_status_and_shape(http_stack: Stack) -> 
         (None, b'{"messages": [{"role": "user", "content": "hi"}], "seed": ' + b"1" * 5000 + b"}", 400, "body"),
         (None, b"[" * 100_000, 400, "body"),  # nesting past the parser's stack (was a plain-text 500)
         ({"model": "other", "messages": hi}, None, 404, "model"),
+        # JSON escapes half of a UTF-16 pair; protobuf takes only UTF-8 (each was a 500)
+        (None, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "messages[0].content"),
+        (None, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}', 400,
+         "messages[0].content[0].text"),
+        (None, b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["x", "\\ud800"]}', 400, "stop[1]"),
+        # the wrong JSON type is refused, not coerced (each was a 200)
+        ({"messages": hi, "max_tokens": True}, None, 400, "max_tokens"),
+        ({"messages": hi, "temperature": "0.5"}, None, 400, "temperature"),
+        ({"messages": hi, "tool_choice": "required"}, None, 400, "tool_choice"),
+        ({"messages": hi, "top_logprobs": 3}, None, 400, "top_logprobs"),
     ]  # fmt: skip
     # streamed or not, the same status: nothing is sent before the reply's first piece exists
     for stream in (False, True):
