@@ -397,7 +397,10 @@ def load_part(
         hf_logging.enable_progress_bar()
     missing = sorted(info.get("missing_keys", []))
     mismatched = sorted(_mismatch(m) for m in info.get("mismatched_keys", []))
-    unexpected = sorted(info.get("unexpected_keys", []))
+    # A buffer the model computes from its config and does not save (a rotary `inv_freq`, an
+    # anti-aliasing `filter`) may still be stored by a published checkpoint (Qwen2.5-Omni's
+    # token2wav stores its DiT's `inv_freq`); transformers uses the computed one, and so do we.
+    unexpected = sorted(k for k in info.get("unexpected_keys", []) if not _unsaved_buffer(model, k))
     problems = []
     if missing:
         problems.append(f"{len(missing)} missing weight(s): {_names(missing)}")
@@ -410,6 +413,13 @@ def load_part(
     if problems:
         raise CheckpointError(f"{ckpt.path}: refusing half-loaded {part}: " + "; ".join(problems))
     return model.to(device).eval()
+
+
+def _unsaved_buffer(model: torch.nn.Module, key: str) -> bool:
+    """Whether `key` names one of `model`'s buffers that its state dict leaves out."""
+    saved = model.state_dict().keys()
+    return any(name not in saved and (key == name or key.endswith(f".{name}") or name.endswith(f".{key}"))
+               for name, _ in model.named_buffers())  # fmt: skip
 
 
 def _part_tensors(ckpt: Checkpoint, part: str) -> dict[str, torch.Tensor]:

@@ -12,12 +12,13 @@ SAMPLE_RATE = 24_000
 DEFAULT_SPEAKER = "ethan"
 
 # Token text for each special id the config names; the tokenizer must agree (checked at load).
+# The TTS tokens are spelled without bars in the published tokenizers (`<tts_pad>`, ids 151671-3).
 SPECIAL_TOKEN_TEXT = {
     "im_start_token_id": "<|im_start|>",
     "im_end_token_id": "<|im_end|>",
-    "tts_pad_token_id": "<|tts_pad|>",
-    "tts_bos_token_id": "<|tts_text_bos|>",
-    "tts_eos_token_id": "<|tts_text_eod|>",
+    "tts_pad_token_id": "<tts_pad>",
+    "tts_bos_token_id": "<tts_text_bos>",
+    "tts_eos_token_id": "<tts_text_eod>",
 }
 THINKER_SPECIAL_TOKEN_TEXT = {
     "audio_token_id": "<|audio_pad|>",

@@ -49,10 +49,10 @@ SPECIAL_TOKENS = [
     "<|vision_end|>",
     "<|image_pad|>",
     "<|video_pad|>",
-    "<|tts_pad|>",
-    "<|tts_text_bos|>",
-    "<|tts_text_eod|>",
-    "<|tts_text_bos_single|>",
+    "<tts_pad>",
+    "<tts_text_bos>",
+    "<tts_text_eod>",
+    "<tts_text_bos_single>",
 ]
 # Role words are single ordinary tokens in Qwen's vocabulary; the config names their ids.
 ROLE_WORDS = ["system", "user", "assistant"]
@@ -234,9 +234,9 @@ def tiny_config_dict(shape: TinyShape = DEFAULT, overrides: dict[str, Any] | Non
         "enable_audio_output": True,
         "im_start_token_id": sid("<|im_start|>"),
         "im_end_token_id": sid("<|im_end|>"),
-        "tts_pad_token_id": sid("<|tts_pad|>"),
-        "tts_bos_token_id": sid("<|tts_text_bos|>"),
-        "tts_eos_token_id": sid("<|tts_text_eod|>"),
+        "tts_pad_token_id": sid("<tts_pad>"),
+        "tts_bos_token_id": sid("<tts_text_bos>"),
+        "tts_eos_token_id": sid("<tts_text_eod>"),
         "system_token_id": sid("system"),
         "user_token_id": sid("user"),
         "assistant_token_id": sid("assistant"),
