@@ -12,9 +12,10 @@
 Chat completions (OpenAI's shapes; what differs is said here):
 * `messages[].content`: a string or parts: `text`, `input_audio {data: base64, format}` (any
   format FFmpeg reads; `pcm16` is raw 16-bit mono at 24 kHz), `audio_url`, `image_url` and
-  `video_url` `{url}` as `data:` URLs (nothing is fetched). Roles system, developer (= system),
-  user, assistant; an assistant turn may be `{"audio": {"id"}}` alone, an earlier spoken reply
-  of this gateway (its transcript is kept an hour). `use_audio_in_video: true` (or vLLM's
+  `video_url` `{url}` (or, as vLLM takes them, the URL string) as `data:` URLs (nothing is
+  fetched). Roles system, developer (= system), user, assistant; an assistant turn may be
+  `{"audio": {"id"}}` alone, an earlier spoken reply of this gateway (its transcript is kept an
+  hour). `use_audio_in_video: true` (or vLLM's
   `mm_processor_kwargs`) interleaves each video's sound track.
 * `modalities`: ["text"] (default) or ["text", "audio"]; `audio: {voice, format}` with voice one
   of the checkpoint's speakers (or one of OpenAI's own voice names, which stand for the default
@@ -22,8 +23,9 @@ Chat completions (OpenAI's shapes; what differs is said here):
 * `temperature` 0 (or under 1e-5, as in vLLM) makes the whole reply deterministic (text and speech
   greedy); unset keeps the checkpoint's defaults. `max_tokens` / `max_completion_tokens`, `top_p`, `top_k`,
   `repetition_penalty`, `seed` (it seeds the speech too), `stop`. A field sent as null is unset.
-  `tools`, a non-text `response_format` and `logprobs` are refused (400), not ignored; so are a
-  field of the wrong JSON type and a string with a lone UTF-16 surrogate.
+  `tools`, a `tool_choice` other than none/auto, a non-text `response_format`, `logprobs` and
+  `top_logprobs` are refused (400), not ignored; so are a field of the wrong JSON type (as OpenAI:
+  `"stream": "true"`, `"max_tokens": 5.0`) and a string with a lone UTF-16 surrogate.
 * vLLM-Omni's `sampling_params_list`: each stage's own sampling, in stage order (`StageSampling`).
 * Streamed: `chat.completion.chunk` events with `delta.content`, and `delta.audio {id, data,
   transcript}` (the id in the first alone) as soon as each piece exists (wav and flac come whole
@@ -84,7 +86,6 @@ AUDIO_TTL_S = 3600  # a reply's audio id names its transcript this long (its `ex
 AUDIO_ALIGN = 6
 TALKER_SEED_OFFSET = 0x5EED  # the talker's seed is the request's plus this (wrapped to int64)
 PCM16_RATE = 24_000  # `input_audio.format: pcm16` (as OpenAI's realtime audio)
-OFF_LOOP_BYTES = 1 << 20  # a body this large is parsed in a worker thread
 TIMEOUT_HEADER = "x-omnistage-timeout"  # seconds the request may take (default: timeouts.request_timeout_s)
 AUDIO_OUT_FORMATS = ("wav", "mp3", "flac", "opus", "pcm16")
 STATUS = {
@@ -258,7 +259,13 @@ class SpeechRequest(_Body):
 
 
 BodyT = TypeVar("BodyT", bound=_Body)
-_MODELS = frozenset(cls.__name__ for cls in _Body.__subclasses__())  # union branches pydantic names in paths
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]
+
+
+_MODELS = frozenset(c.__name__ for c in _subclasses(_Body))  # union branches pydantic names in paths
 Replies = AsyncGenerator[gateway_pb2.GenerateResponse, None]
 
 
@@ -335,7 +342,7 @@ def _sse(event: dict[str, Any]) -> str:
 
 def _decode_b64(data: str, where: str) -> bytes:
     data = "".join(data.split())  # line-wrapped base64 (MIME, `base64` without -w0) is still base64
-    try:  # and so is base64 without its padding (base64url's habit)
+    try:  # and so is base64 whose padding was left off
         return base64.b64decode(data + "=" * (-len(data) % 4), validate=True)
     except (binascii.Error, ValueError):
         raise HttpError(400, f"{where}: not valid base64", param=where) from None
@@ -605,28 +612,53 @@ def _first_error(e: ValidationError) -> tuple[str, str]:
     errors = e.errors()
     deep = [err for err in errors if "str" not in err["loc"]] or errors
     err = max(deep, key=lambda x: len(x["loc"]))
-    return _field(err["loc"]), err["msg"]
+    where = _field(err["loc"])
+    if err["type"] == "model_type":  # pydantic names this module's classes: say what JSON is taken
+        kinds = {_JSON_KINDS[x["type"]] for x in errors if x["type"] in _JSON_KINDS and _field(x["loc"]) == where}
+        return where, "Input should be " + " or ".join(sorted(kinds))
+    return where, err["msg"]
 
 
-def _lone_surrogate(data: Any) -> str | None:
-    """The path of the first string (or key) in a parsed body that is not Unicode text, else
-    None. JSON lets a string escape half of a UTF-16 pair ("\\ud800"); Python keeps it, and
-    protobuf, which takes only UTF-8, would fail on it far from the field."""
-    stack: list[tuple[str, Any]] = [("", data)]
+_JSON_KINDS = {"model_type": "a JSON object", "string_type": "a string"}  # the union branches of one field
+
+
+# In a JSON body, half of a UTF-16 pair: an escape (\ud800-\udfff) or its bytes (`json.loads`
+# decodes UTF-8 with surrogatepass). Rare; only a body that holds one is walked.
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|\xed[\xa0-\xbf]")
+
+
+def _not_text(s: str) -> bool:
+    if s.isascii():
+        return False
+    try:
+        s.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _path(parts: tuple[str | int, ...]) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).removeprefix(".") or "body"
+
+
+def _lone_surrogate(raw: bytes, data: Any) -> str | None:
+    """The path of a string (or key) in the parsed body that is not Unicode text, else None.
+    JSON lets a string hold half of a UTF-16 pair; Python keeps it, and protobuf, which takes
+    only UTF-8, would fail on it far from the field."""
+    if not _SURROGATE.search(raw):
+        return None
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), data)]
     while stack:
         where, value = stack.pop()
-        if isinstance(value, str):
-            if not value.isascii():
-                try:
-                    value.encode()
-                except UnicodeEncodeError:
-                    return where or "body"
-        elif isinstance(value, dict):
-            for key, item in reversed(value.items()):
-                stack.append((f"{where}.{key}" if where else key, item))
-                stack.append((where or "body", key))  # a key: named by where it is
-        elif isinstance(value, list):
-            stack.extend((f"{where}[{i}]", item) for i, item in reversed(list(enumerate(value))))
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            if isinstance(key, str) and _not_text(key):
+                return _path(where)  # a key: named by the field that holds it
+            if isinstance(item, str):
+                if _not_text(item):
+                    return _path((*where, key))
+            elif isinstance(item, dict | list):
+                stack.append(((*where, key), item))
     return None
 
 
@@ -636,21 +668,13 @@ def _parse_body(raw: bytes, model: type[BodyT]) -> BodyT:
         data = json.loads(raw)
     except (ValueError, RecursionError) as e:  # not JSON, a 5000-digit number, nesting past the stack
         raise HttpError(400, f"body: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
-    if (where := _lone_surrogate(data)) is not None:
+    if (where := _lone_surrogate(raw, data)) is not None:
         raise HttpError(400, f"{where}: not valid Unicode (a lone UTF-16 surrogate)", param=where)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         where, msg = _first_error(e)
         raise HttpError(400, f"{where}: {msg}", param=where) from None
-
-
-async def _off_loop(size: int, fn: Callable[..., ResultT], *args: Any) -> ResultT:
-    """`fn(*args)`, in a worker thread when the body is large: parsing and validating tens of MB
-    of JSON and decoding their base64 would stall every other stream on the event loop."""
-    if size < OFF_LOOP_BYTES:
-        return fn(*args)
-    return await asyncio.to_thread(fn, *args)
 
 
 async def _disconnect(request: Request) -> None:
@@ -725,8 +749,7 @@ class ChatCompletions:
             raise HttpError(401, "missing or wrong API key (header Authorization: Bearer <key>)",
                             "authentication_error", code="invalid_api_key")  # fmt: skip
         raw = await _read_body(request, self.service.cfg.media.max_request_bytes * 4 // 3 + 4096)  # base64: 4/3
-        body = await _off_loop(len(raw), _parse_body, raw, model)
-        request.state.body_bytes = len(raw)
+        body = _parse_body(raw, model)
         name = getattr(body, "model", None)
         if name is not None and name != self.service.model_name:
             raise _unknown_model(name, self.service.model_name)
@@ -739,8 +762,7 @@ class ChatCompletions:
             if "audio" in (body.modalities or ()) and not self.service.cfg.audio_output:
                 raise HttpError(400, "modalities: this stack serves text only (no talker); ask for [\"text\"]",
                                 param="modalities")  # fmt: skip
-            req = await _off_loop(request.state.body_bytes, to_generate_request, body, self.voices,
-                                  self.transcripts.get, self.stop_ids)  # fmt: skip
+            req = to_generate_request(body, self.voices, self.transcripts.get, self.stop_ids)
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
         except HttpError as e:
             return self._refused(e)

@@ -300,7 +300,10 @@ def test_a_body_is_refused_where_its_json_is_not_what_the_field_takes() -> None:
                        (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
                         "messages[0].content[0].text"),
                        (f'{{{hi}, "stop": ["ok", "\\udfff"]}}'.encode(), "stop[1]"),
-                       (f'{{{hi}, "logit_bias": {{"\\ud800": 1}}}}'.encode(), "logit_bias")):  # fmt: skip
+                       (f'{{{hi}, "logit_bias": {{"\\ud800": 1}}}}'.encode(), "logit_bias"),
+                       # its UTF-8 bytes, not an escape (json.loads decodes with surrogatepass)
+                       (b'{"messages": [{"role": "user", "content": "a\xed\xa0\x80"}]}',
+                        "messages[0].content")):  # fmt: skip
         e = refused(raw)
         assert e.param == where and "surrogate" in e.message, (where, e.message)
     for field, value in (("stream", '"true"'), ("max_tokens", "true"), ("max_tokens", "5.0"),
@@ -312,6 +315,13 @@ def test_a_body_is_refused_where_its_json_is_not_what_the_field_takes() -> None:
     assert body.temperature == 1.0 and isinstance(body.temperature, float) and body.stream is False
     paired = _parse_body(b'{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}', ChatRequest)
     assert paired.messages[0].content == "\U0001f600"  # a whole pair is one character
+    # a wrong type where an object is taken says so in JSON's words, not this module's class names
+    for raw, where, message in ((f'{{{hi}, "audio": 5}}', "audio", "a JSON object"),
+                                (f'{{{hi}, "audio": {{"voice": 5}}}}', "audio.voice", "a JSON object or a string"),
+                                ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": 5}]}]}',
+                                 "messages[0].content[0].image_url", "a JSON object or a string")):  # fmt: skip
+        e = refused(raw.encode())
+        assert (e.param, e.message) == (where, f"{where}: Input should be {message}"), e.message
 
 
 def test_fields_that_ask_for_what_this_server_lacks_are_refused_and_harmless_ones_taken() -> None:

@@ -400,7 +400,8 @@ def load_part(
     # A buffer the model computes from its config and does not save (a rotary `inv_freq`, an
     # anti-aliasing `filter`) may still be stored by a published checkpoint (Qwen2.5-Omni's
     # token2wav stores its DiT's `inv_freq`); transformers uses the computed one, and so do we.
-    unexpected = sorted(k for k in info.get("unexpected_keys", []) if not _unsaved_buffer(model, k))
+    unsaved = _unsaved_buffers(model)  # transformers names unexpected keys as the model's own
+    unexpected = sorted(k for k in info.get("unexpected_keys", []) if k not in unsaved)
     problems = []
     if missing:
         problems.append(f"{len(missing)} missing weight(s): {_names(missing)}")
@@ -415,11 +416,9 @@ def load_part(
     return model.to(device).eval()
 
 
-def _unsaved_buffer(model: torch.nn.Module, key: str) -> bool:
-    """Whether `key` names one of `model`'s buffers that its state dict leaves out."""
-    saved = model.state_dict().keys()
-    return any(name not in saved and (key == name or key.endswith(f".{name}") or name.endswith(f".{key}"))
-               for name, _ in model.named_buffers())  # fmt: skip
+def _unsaved_buffers(model: torch.nn.Module) -> set[str]:
+    """The names of `model`'s buffers that its state dict leaves out."""
+    return {name for name, _ in model.named_buffers()} - model.state_dict().keys()
 
 
 def _part_tensors(ckpt: Checkpoint, part: str) -> dict[str, torch.Tensor]:
