@@ -89,6 +89,14 @@ def _check_size(data: bytes, limits: Limits) -> None:
         raise MediaError(f"{len(data)} bytes, over the limit of {limits.max_part_bytes}")
 
 
+def _open(data: bytes) -> Any:
+    """FFmpeg's demuxer over uploaded bytes, with no protocol it may open: a playlist or concat
+    file (ffconcat, HLS, SDP) would otherwise have it read this server's files or bind sockets."""
+    import av
+
+    return av.open(io.BytesIO(data), mode="r", options={"protocol_whitelist": "none"})
+
+
 def _resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
     """Mono float32 `samples` at `rate` -> `target` Hz, with FFmpeg's resampler (swresample)."""
     import av
@@ -104,21 +112,39 @@ def _resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
 
 
 def _decode_stream_audio(container: object, target_rate: int, max_seconds: float) -> np.ndarray:
+    """The first audio stream as mono float32 at `target_rate`: resampled with its channels
+    kept, then their mean (as librosa's and transformers' loaders mix down; FFmpeg's own mono
+    mix of float audio does not normalize, so stereo came out 3 dB louder and 6 channels 3.4x)."""
     import av
 
-    resampler = av.AudioResampler(format="flt", layout="mono", rate=target_rate)
     parts: list[np.ndarray] = []
     total = 0
     limit = int(max_seconds * target_rate)
-    for frame in container.decode(audio=0):  # type: ignore[attr-defined]
-        for out in resampler.resample(frame):
-            arr = out.to_ndarray()[0]
-            total += arr.shape[0]
+
+    def take(frames: list[Any]) -> None:
+        nonlocal total
+        for out in frames:
+            arr = out.to_ndarray()  # [channels, samples], planar
+            mono = arr[0] if arr.shape[0] == 1 else arr.mean(axis=0, dtype=np.float32)
+            total += mono.shape[0]
             if total > limit:
                 raise MediaError(f"longer than the limit of {max_seconds:g} s of audio")
-            parts.append(arr)
-    parts += [f.to_ndarray()[0] for f in resampler.resample(None)]
-    return np.concatenate(parts).astype(np.float32, copy=False) if parts else np.zeros(0, np.float32)
+            parts.append(mono)
+
+    resampler, setup = None, None
+    for frame in container.decode(audio=0):  # type: ignore[attr-defined]
+        now = (frame.format.name, frame.layout.name, frame.sample_rate)
+        if now != setup:  # a valid stream may change its layout or rate midway (ADTS AAC, mp3)
+            if resampler is not None:
+                take(resampler.resample(None))
+            resampler, setup = av.AudioResampler(format="fltp", layout=frame.layout, rate=target_rate), now
+        take(resampler.resample(frame))
+    if resampler is not None:
+        take(resampler.resample(None))
+    samples = np.concatenate(parts).astype(np.float32, copy=False) if parts else np.zeros(0, np.float32)
+    if not np.isfinite(samples).all():
+        raise MediaError("the audio holds NaN or infinite samples")
+    return samples
 
 
 def decode_audio(data: bytes, target_rate: int, limits: Limits) -> AudioClip:
@@ -128,7 +154,7 @@ def decode_audio(data: bytes, target_rate: int, limits: Limits) -> AudioClip:
 
     _check_size(data, limits)
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
+        with _open(data) as container:
             if not container.streams.audio:
                 raise MediaError("no audio stream in the file")
             samples = _decode_stream_audio(container, target_rate, limits.max_audio_seconds)
@@ -153,24 +179,34 @@ def pcm_audio(f32le: bytes, sample_rate: int, target_rate: int, limits: Limits) 
         raise MediaError("the samples hold NaN or infinity")
     if samples.shape[0] / sample_rate > limits.max_audio_seconds:
         raise MediaError(f"longer than the limit of {limits.max_audio_seconds:g} s of audio")
-    return AudioClip(_resample(samples, sample_rate, target_rate), target_rate)
+    resampled = _resample(samples, sample_rate, target_rate)
+    if resampled.shape[0] == 0:
+        raise MediaError(f"{samples.shape[0]} sample(s) at {sample_rate} Hz is less than one at {target_rate} Hz")
+    return AudioClip(resampled, target_rate)
+
+
+# What Pillow may open: the formats images are sent in. Its other decoders (ICNS, BLP, ... 40 in
+# all) are more attack surface than use, and some fail with exceptions of their own kinds.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG's opens MPO too
 
 
 def decode_image(data: bytes, limits: Limits, budget: Budget | None = None) -> ImageInput:
-    """An encoded image (png, jpeg, webp, ... anything Pillow reads) -> RGB uint8."""
-    from PIL import Image, UnidentifiedImageError
+    """An encoded image (png, jpeg, webp, gif, bmp, tiff) -> RGB uint8, as transformers'
+    `load_image` gives it: turned as its EXIF orientation says, transparency on white."""
+    from PIL import Image, ImageOps
+    from transformers.image_transforms import convert_to_rgb
 
     _check_size(data, limits)
     budget = budget or Budget(limits.max_decoded_bytes)
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
             if img.width * img.height > limits.max_image_pixels:
                 raise MediaError(f"{img.width}x{img.height} pixels, over the limit of {limits.max_image_pixels}")
             budget.take(img.width * img.height * 3)
-            pixels = np.asarray(img.convert("RGB"))
+            pixels = np.asarray(convert_to_rgb(ImageOps.exif_transpose(img)))
     except MediaError:
         raise
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+    except Exception as e:  # a decoder's failure, whatever its kind (SyntaxError, NotImplementedError, ...)
         raise MediaError(f"cannot decode the image ({_why(e)})") from None
     return ImageInput(pixels)
 
@@ -178,32 +214,48 @@ def decode_image(data: bytes, limits: Limits, budget: Budget | None = None) -> I
 def decode_video(data: bytes, limits: Limits, audio_rate: int | None = None, budget: Budget | None = None
                  ) -> VideoClip:  # fmt: skip
     """A video file (mp4, webm, mkv, ... anything FFmpeg reads) -> frames sampled at
-    `limits.video_fps` (the frame shown at (k + 0.5) / fps for k = 0, 1, ...), and, with
-    `audio_rate`, its sound track as mono float32 at that rate (None when the video is silent).
-    Frames are sampled while decoding, so memory holds only the kept ones."""
+    `limits.video_fps` (the frame shown at (k + 0.5) / fps for k = 0, 1, ...; times from the
+    first frame's), upright as its display matrix says and all of the first frame's size, and,
+    with `audio_rate`, its sound track as mono float32 at that rate (None when the video is
+    silent). Frames are sampled while decoding, so memory holds only the kept ones."""
     import av
 
     _check_size(data, limits)
     budget = budget or Budget(limits.max_decoded_bytes)
     fps = limits.video_fps
     picks: list[np.ndarray] = []
+    size: tuple[int, int] | None = None  # (width, height) every kept frame is scaled to: the first's
 
     def keep(frame: Any) -> None:
+        nonlocal size
         if len(picks) >= limits.max_video_frames:
             raise MediaError(f"more than {limits.max_video_frames} frames at {fps:g} per second (the limit of "
                              f"{limits.max_video_frames / fps:g} s of video)")  # fmt: skip
-        budget.take(frame.width * frame.height * 3)
-        picks.append(frame.to_ndarray(format="rgb24"))
+        size = size or (frame.width, frame.height)
+        budget.take(size[0] * size[1] * 3)
+        # a stream may change its size midway (joined segments): the model takes one size
+        pixels = frame.to_ndarray(format="rgb24", width=size[0], height=size[1])
+        turns = round(getattr(frame, "rotation", 0) / 90) % 4  # counterclockwise, as FFmpeg's display matrix
+        picks.append(np.ascontiguousarray(np.rot90(pixels, turns)) if turns else pixels)
 
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
+        with _open(data) as container:
             if not container.streams.video:
                 raise MediaError("no video stream in the file")
             stream = container.streams.video[0]
+            # what the headers say, before anything is decoded
+            width, height = stream.codec_context.width, stream.codec_context.height
+            if width * height > limits.max_image_pixels:
+                raise MediaError(f"frames of {width}x{height}, over {limits.max_image_pixels} pixels")
+            if container.duration is not None and container.duration / 1e6 > limits.max_video_seconds:
+                raise MediaError(f"{container.duration / 1e6:g} s long, over the limit of "
+                                 f"{limits.max_video_seconds:g} s of video")  # fmt: skip
             rate = float(stream.average_rate or 25)
-            prev, prev_t, t, step = None, 0.0, 0.0, 1.0 / rate
+            prev, prev_t, t, step, start = None, 0.0, 0.0, 1.0 / rate, None
             for n, frame in enumerate(container.decode(video=0)):
                 t = float(frame.time) if frame.time is not None else n / rate
+                start = t if start is None else start
+                t -= start  # a stream may start late (MPEG-TS at 0.2 s, a cut clip at 50 s)
                 if t > limits.max_video_seconds:
                     raise MediaError(f"longer than the limit of {limits.max_video_seconds:g} s of video")
                 if frame.width * frame.height > limits.max_image_pixels:
@@ -220,7 +272,7 @@ def decode_video(data: bytes, limits: Limits, audio_rate: int | None = None, bud
                 keep(prev)
         audio = None
         if audio_rate is not None:
-            with av.open(io.BytesIO(data), mode="r") as container:
+            with _open(data) as container:
                 if container.streams.audio:
                     samples = _decode_stream_audio(container, audio_rate, limits.max_audio_seconds)
                     budget.take(samples.nbytes)

@@ -3,6 +3,8 @@ limits, and errors that name the message and part."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -208,3 +210,176 @@ def test_a_cancelled_request_stops_decoding_at_its_next_frame() -> None:
     cancelled.set()
     with pytest.raises(MediaError, match=r"\(video\): frame 0: the request was cancelled while its media decoded"):
         decode_messages(request, LIMITS, RATE, cancelled)
+
+
+# ---- real-world files: what phones, editors and other tools upload ---------------------------
+
+
+def _wav(samples: np.ndarray, rate: int, codec: str = "pcm_s16le", fmt: str = "wav", **options: str) -> bytes:
+    """Float samples [channels, n] -> a file of `codec` in `fmt` (WAV), as many channels as rows."""
+    import io
+    from fractions import Fraction
+
+    import av
+
+    layout = {1: "mono", 2: "stereo", 6: "5.1"}[samples.shape[0]]
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=fmt, options=options) as container:
+        stream = container.add_stream(codec, rate=rate, layout=layout)
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples, np.float32), format="fltp", layout=layout)
+        frame.sample_rate, frame.pts, frame.time_base = rate, 0, Fraction(1, rate)
+        resampler = av.AudioResampler(format=stream.format.name, layout=layout, rate=rate,
+                                      frame_size=stream.codec_context.frame_size or None)  # fmt: skip
+        for f in [*resampler.resample(frame), *resampler.resample(None)]:
+            container.mux(stream.encode(f))
+        container.mux(stream.encode(None))
+    return buf.getvalue()
+
+
+def test_channels_are_mixed_down_by_their_mean() -> None:
+    """As librosa's and transformers' loaders do (FFmpeg's own mono mix of float audio made stereo
+    3 dB louder and 5.1 3.4 times): equal channels keep their level, a silent one halves it."""
+    sine = 0.5 * np.sin(2 * np.pi * 440 * np.arange(RATE) / RATE).astype(np.float32)
+    for channels, expected in (([sine, sine], 0.5), ([sine, np.zeros_like(sine)], 0.25), ([sine] * 6, 0.5)):
+        out = decode_audio(_wav(np.stack(channels), RATE), RATE, LIMITS).samples
+        assert out.shape == sine.shape and abs(float(np.abs(out).max()) - expected) < 0.01, (len(channels), expected)
+
+
+def test_a_stream_that_changes_its_layout_or_rate_midway_decodes_whole() -> None:
+    """ADTS AAC going mono to stereo, MP3 going 44.1 to 22.05 kHz: valid streams (each was refused,
+    "Frame does not match AudioResampler setup"); the resampler follows them."""
+    def tone(rate: int, channels: int) -> np.ndarray:
+        return np.stack([media.tone(1.0, rate)] * channels)
+
+    joined = {
+        "aac": _wav(tone(RATE, 1), RATE, "aac", "adts") + _wav(tone(RATE, 2), RATE, "aac", "adts"),
+        "mp3": b"".join(_wav(tone(rate, 1), rate, "libmp3lame", "mp3", id3v2_version="0", write_xing="0")
+                        for rate in (44_100, 22_050)),
+    }  # fmt: skip
+    for name, data in joined.items():
+        out = decode_audio(data, RATE, LIMITS)
+        assert abs(out.seconds - 2.0) < 0.25, (name, out.seconds)
+
+
+def test_playlists_and_concat_files_open_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FFmpeg guesses the format from the bytes: an uploaded ffconcat file named files of the
+    server's disk (relative to its working directory), which came back decoded (an SDP file bound
+    UDP ports). No protocol is open to the demuxer now; a plain file still decodes."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "local.wav").write_bytes(media.encode_audio(media.tone(0.5), RATE))
+    (tmp_path / "local.png").write_bytes(media.encode_image(media.image(16, 16)))
+    assert decode_audio((tmp_path / "local.wav").read_bytes(), RATE, LIMITS).samples.size > 0
+    with pytest.raises(MediaError, match="cannot decode the audio"):
+        decode_audio(b"ffconcat version 1.0\nfile local.wav\n", RATE, LIMITS)
+    with pytest.raises(MediaError, match="cannot decode the video"):
+        decode_video(b"ffconcat version 1.0\nfile local.png\n", LIMITS)
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: _wav(np.array([[0.1, np.nan, 0.2] * 100], np.float32), RATE, "pcm_f32le"), "NaN or infinite"),
+    (lambda: pcm_audio(np.zeros(1, "<f4").tobytes(), 48_000, RATE, LIMITS), "less than one at"),
+])  # fmt: skip
+def test_audio_without_usable_samples_is_refused(make: object, message: str) -> None:
+    with pytest.raises(MediaError, match=message):
+        data = make()  # type: ignore[operator]
+        decode_audio(data, RATE, LIMITS)
+
+
+def test_images_come_upright_and_opaque_as_transformers_loads_them() -> None:
+    """EXIF orientation 6 (a phone held upright) turns the stored pixels; transparency lies on
+    white (transformers' `convert_to_rgb`), not on black."""
+    import io
+
+    from PIL import Image
+
+    stored = np.zeros((32, 64, 3), np.uint8)
+    stored[:, :32] = (255, 0, 0)  # left half red
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to show
+    buf = io.BytesIO()
+    Image.fromarray(stored).save(buf, "JPEG", exif=exif.tobytes(), quality=95)
+    upright = decode_image(buf.getvalue(), LIMITS).pixels
+    assert upright.shape == (64, 32, 3)
+    assert upright[:32, :, 0].mean() > 200 and upright[32:, :, 0].mean() < 50  # the left half is now on top
+    rgba = np.zeros((8, 8, 4), np.uint8)  # transparent black, with an opaque black dot
+    rgba[4, 4, 3] = 255
+    out = decode_image(media.encode_image(rgba, "png"), LIMITS).pixels
+    assert (out[0, 0] == 255).all() and (out[4, 4] == 0).all()
+
+
+@pytest.mark.parametrize("fmt", ["ICNS", "BLP", "TGA"])
+def test_only_the_image_formats_clients_send_are_opened(fmt: str) -> None:
+    """Pillow's other decoders are attack surface, and some fail with exceptions of their own kinds
+    (a broken ICNS raised SyntaxError, a BLP NotImplementedError: each was a 500)."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB" if fmt != "BLP" else "P", (16, 16)).save(buf, fmt)
+    with pytest.raises(MediaError, match="cannot decode the image"):
+        decode_image(buf.getvalue(), LIMITS)
+
+
+def _rotated_mp4(data: bytes) -> bytes:
+    """An MP4 whose track matrix says: turn 90 degrees clockwise to show (a phone's portrait video)."""
+    import struct
+
+    i = data.find(b"tkhd")
+    version = data[i + 4]
+    at = i + 8 + (8 + 8 + 4 + 4 + 8 if version == 1 else 4 + 4 + 4 + 4 + 4) + 8 + 2 + 2 + 2 + 2
+    matrix = struct.pack(">9i", 0, 0x10000, 0, -0x10000, 0, 0, 0, 0, 0x40000000)
+    return data[:at] + matrix + data[at + 36 :]
+
+
+def test_video_frames_come_upright_and_timed_from_their_first() -> None:
+    frames = np.zeros((4, 48, 64, 3), np.uint8)
+    frames[:, :, :32] = (255, 0, 0)  # left half red
+    clip = decode_video(_rotated_mp4(media.encode_video(frames, 2)), LIMITS)
+    assert clip.frames.shape == (4, 64, 48, 3)
+    assert clip.frames[:, :32, :, 0].mean() > 200 and clip.frames[:, 32:, :, 0].mean() < 50  # the left half on top
+
+
+def _video_from(frames: np.ndarray, fps: int, fmt: str = "mp4", first_pts: int = 0) -> bytes:
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=fmt) as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = int(frames.shape[2]), int(frames.shape[1]), "yuv420p"
+        for i, f in enumerate(frames):
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")
+            frame.pts = first_pts + i
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def test_a_clip_that_starts_late_is_sampled_from_its_start() -> None:
+    """A cut clip's first frame at 50 s: sampling starts there (it gave 100 copies of frame 0,
+    and past 600 s the clip was refused as too long)."""
+    data = _video_from(_solid_frames(8), 4, first_pts=200)  # 8 frames at 4 fps from 50 s
+    greys = [round(float(f.mean())) for f in decode_video(data, LIMITS).frames]
+    assert len(greys) == 4 and all(abs(g - (20 + 25 * k)) < 6 for g, k in zip(greys, (1, 3, 5, 7), strict=True))
+
+
+def test_a_stream_that_changes_its_frame_size_midway_keeps_the_first() -> None:
+    """Two MPEG-TS segments joined (64x48, then 96x64): every frame at the first size (was a bare
+    ValueError from stacking frames of two sizes)."""
+    a = _video_from(np.full((4, 48, 64, 3), 60, np.uint8), 2, "mpegts")
+    b = _video_from(np.full((4, 64, 96, 3), 200, np.uint8), 2, "mpegts", first_pts=4)  # its times go on
+    clip = decode_video(a + b, LIMITS)
+    assert clip.frames.shape[1:] == (48, 64, 3) and clip.frames.shape[0] >= 6
+    assert clip.frames[0].mean() < 100 and clip.frames[-1].mean() > 150
+
+
+def test_video_limits_are_read_from_the_headers_first() -> None:
+    long = media.encode_video(media.video(12, 32, 48), 4)  # 3 s
+    with pytest.raises(MediaError, match=r"3 s long, over the limit of 2 s"):
+        decode_video(long, MediaConfig(max_video_seconds=2))
+    with pytest.raises(MediaError, match=r"frames of 48x32, over 1000 pixels"):
+        decode_video(long, MediaConfig(max_image_pixels=1000))

@@ -53,6 +53,25 @@ def test_video_port_equals_transformers_image_processor(pipeline: Any) -> None:
     assert torch.allclose(image["pixel_values"], video["pixel_values_videos"], atol=1e-6, rtol=0)
 
 
+def test_thin_images_and_tiny_audio_reach_the_processor_as_meant(pipeline: Any) -> None:
+    """An image 1 or 3 pixels high is [H, W, 3], not channels first (its grid came out turned);
+    audio too short for the feature extractor's STFT is refused saying so (was a torch padding
+    RuntimeError), and the shortest it takes goes through."""
+    from PIL import Image
+
+    builder = _builder(pipeline)
+    for height, width in ((1, 64), (3, 64), (64, 1)):
+        img = media.image(height, width, seed=5)
+        _, got = builder.build([{"role": "user", "content": [{"type": "image", "image": img}]}])
+        ref = builder.processor.image_processor(images=[Image.fromarray(img)], return_tensors="pt")
+        assert torch.equal(got["image_grid_thw"], ref["image_grid_thw"]), (height, width)
+    least = builder.min_audio_samples
+    with pytest.raises(ValueError, match=rf"audio of {least - 1} samples .* is too short"):
+        builder.build([{"role": "user", "content": [{"type": "audio", "audio": np.zeros(least - 1, np.float32)}]}])
+    _, got = builder.build([{"role": "user", "content": [{"type": "audio", "audio": np.zeros(least, np.float32)}]}])
+    assert got["input_features"].shape[-1] >= 1
+
+
 @pytest.mark.parametrize("kind", ["audio", "image", "video", "image+video", "audio-in-video"])
 def test_processor_expands_each_placeholder(checkpoints: Any, kind: str) -> None:
     """On the variant checkpoint (other special ids): one placeholder row per encoder row."""

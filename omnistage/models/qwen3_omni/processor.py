@@ -12,7 +12,6 @@ loads a video file itself.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -21,26 +20,7 @@ import torch
 
 from omnistage.models.checkpoint import Checkpoint, CheckpointError
 
-__all__ = ["MODEL_INPUTS", "FrameVideoProcessor", "InputBuilder", "load_processor", "smart_resize"]
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen2-VL's target size: each side a multiple of `factor`, the area within the bounds,
-    the aspect ratio kept as well as that allows."""
-    ratio = max(height, width) / min(height, width)
-    if ratio > 200:
-        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {ratio}")
-    h_bar = max(factor, round(height / factor) * factor)
-    w_bar = max(factor, round(width / factor) * factor)
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+__all__ = ["MODEL_INPUTS", "FrameVideoProcessor", "InputBuilder", "load_processor"]
 
 
 def _video_processor_base() -> type:
@@ -93,6 +73,7 @@ class FrameVideoProcessor(_video_processor_base()):  # type: ignore[misc]
 
     def _one(self, video: np.ndarray, size: dict[str, int]) -> tuple[np.ndarray, list[int]]:
         from PIL import Image
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize  # (no torchvision)
 
         if video.ndim != 4 or video.shape[-1] != 3 or video.dtype != np.uint8:
             raise ValueError(f"a video must be uint8 frames [T, H, W, 3], got {video.dtype} {list(video.shape)}")
@@ -196,6 +177,9 @@ class InputBuilder:
         self.sampling_rate = int(fe.sampling_rate)
         # the longest audio the feature extractor takes whole (it pads or cuts to n_samples)
         self.max_audio_seconds = float(fe.n_samples) / self.sampling_rate
+        # its STFT reflects n_fft / 2 samples at each end, so the longest clip (it pads the others to
+        # it) needs more than that
+        self.min_audio_samples = int(getattr(fe, "n_fft", 400)) // 2 + 1
 
     def options(self) -> dict[str, Any]:
         """The processor call's settings from this checkpoint's config."""
@@ -239,9 +223,14 @@ class InputBuilder:
         text = self.processor.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
         kwargs = self.options()
         if audios:
+            if (longest := max(len(a) for a in audios)) < self.min_audio_samples:
+                raise ValueError(f"audio of {longest} samples ({1000 * longest / self.sampling_rate:.1f} ms) is too "
+                                 f"short: the feature extractor needs at least {self.min_audio_samples}")  # fmt: skip
             kwargs["audio"] = audios
         if images:
             kwargs["images"] = images
+            # [H, W, 3] arrays: an image 1 or 3 pixels high would otherwise be taken as channels first
+            kwargs["images_kwargs"] = {"input_data_format": "channels_last"}
         if videos:
             if use_audio_in_video and len(set(fps)) > 1:
                 # the processor interleaves each video's audio by one rate for all (transformers takes
