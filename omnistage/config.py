@@ -45,7 +45,8 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # YAML's .inf / .nan parse as floats: no limit or size here means them (rendered, they overflowed)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class StageConfig(_Strict):
@@ -241,10 +242,11 @@ class TimeoutsConfig(_Strict):
     input_wait_timeout_s: float = Field(600.0, ge=0, description="0 disables")
     output_stall_timeout_s: float = Field(60.0, ge=0, description="a request whose caller reads none of its "
                                           "outputs this long fails (it is paused meanwhile); 0 disables")  # fmt: skip
-    request_timeout_s: float = Field(600.0, gt=0, description="a request's deadline when the client sets none, "
-                                     "and the furthest it may set")  # fmt: skip
-    startup_timeout_s: float = Field(180.0, gt=0)
-    drain_grace_s: float = Field(30.0, ge=0)
+    request_timeout_s: float = Field(600.0, gt=0, le=86400, description="a request's deadline when the client "
+                                     "sets none, and the furthest it may set")  # fmt: skip
+    startup_timeout_s: float = Field(180.0, gt=0, le=86400, description="a process's start, checkpoint loading "
+                                     "included")  # fmt: skip
+    drain_grace_s: float = Field(30.0, ge=0, le=3600)
     keepalive_s: float = Field(10.0, ge=0, le=3600, description="every hop's connection is pinged this often; "
                                "a peer that does not answer within as long again (frozen, cut off) is lost: its "
                                "calls fail UNAVAILABLE and are replayed on another replica; 0 disables, else at "
@@ -259,8 +261,10 @@ class TimeoutsConfig(_Strict):
 
 
 class _HeadConfig(_Strict):
-    model: str | None = Field(None, description="checkpoint directory; None = the built-in tiny checkpoint")
-    served_model_name: str | None = Field(None, description="the name clients see; None: the checkpoint's")
+    model: str | None = Field(None, min_length=1, description="checkpoint directory; None = the built-in tiny "
+                              "checkpoint")  # fmt: skip
+    served_model_name: str | None = Field(None, min_length=1, description="the name clients see; None: the "
+                                          "checkpoint's")  # fmt: skip
     max_model_len: int | None = Field(None, ge=2, description="cap on prompt + generated tokens; None: the model's")
     audio_output: bool = Field(True, description="false: text only, the chain ends at the thinker (a checkpoint "
                                "without a talker, such as Qwen3-Omni's Thinking or Captioner); requests for "
@@ -478,6 +482,21 @@ def parse_config(data: dict[str, Any] | None, source: str = "config") -> DeployC
         raise ConfigError(_format_error(e, source)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader that refuses a key given twice in one mapping (plain YAML keeps the
+    last: a second `talker:` block silently replaced the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
+                                                        key_node.start_mark)  # fmt: skip
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path | None) -> DeployConfig:
     if path is None:
         return DeployConfig()
@@ -485,7 +504,7 @@ def load_config(path: str | Path | None) -> DeployConfig:
     if not p.is_file():
         raise ConfigError(f"deploy config not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML ({e})") from None
     if data is not None and not isinstance(data, dict):

@@ -39,6 +39,14 @@ def test_default_deploy_file_is_the_default_config() -> None:
         ({"talker": {"base_port": 7101}}, "talker.base_port: port 7101"),
         ({"code2wav": {"first_chunk_frames_idle": 3}}, "first_chunk_frames_idle (3) must not exceed"),
         ({"code2wav": {"first_chunk_frames_idle": 0}}, "code2wav.first_chunk_frames_idle"),
+        # YAML's .inf: rendered, these overflowed (terminationGracePeriodSeconds)
+        ({"timeouts": {"drain_grace_s": float("inf")}}, "timeouts.drain_grace_s"),
+        ({"timeouts": {"startup_timeout_s": float("inf")}}, "timeouts.startup_timeout_s"),
+        ({"timeouts": {"drain_grace_s": 1e12}}, "timeouts.drain_grace_s"),
+        ({"media": {"max_audio_seconds": float("nan")}}, "media.max_audio_seconds"),
+        # "" served the tiny checkpoint under `serve` but rendered a model volume for containers
+        ({"model": ""}, "model"),
+        ({"served_model_name": ""}, "served_model_name"),
     ],
 )
 def test_bad_fields_are_refused_by_name(data: dict, needle: str) -> None:
@@ -57,6 +65,13 @@ def test_yaml_round_trip_and_file_errors(tmp_path: Path) -> None:
         load_config(tmp_path / "bad.yaml")
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")
+    # a key given twice: plain YAML keeps the last (a second `talker:` block replaced the first)
+    for text, key, line in (("talker:\n  replicas: 2\ntalker:\n  max_num_seqs: 3\n", "talker", 3),
+                            ("talker:\n  replicas: 2\n  replicas: 3\n", "replicas", 3)):  # fmt: skip
+        (tmp_path / "twice.yaml").write_text(text)
+        with pytest.raises(ConfigError, match=rf"(?s)the key '{key}' is given twice.*line {line}") as err:
+            load_config(tmp_path / "twice.yaml")
+        assert "twice.yaml" in str(err.value)
 
 
 def test_cli_overrides() -> None:
@@ -144,3 +159,35 @@ def test_exact_batching_splits_prompts_in_fixed_chunks() -> None:
     assert parse_config({"thinker": {"chunked_prefill": False}}).thinker.prefill_chunk is None
     # a budget below max_num_seqs: half of it (not 1 token a step)
     assert parse_config({"thinker": {"max_num_batched_tokens": 8, "max_num_seqs": 16}}).thinker.prefill_chunk == 4
+
+
+@pytest.mark.parametrize("command", [["stage", "talker", "--port", "7201"], ["gateway", "--thinker", "x:1"]])
+def test_stage_and_gateway_read_the_deploy_file_serve_reads(
+    command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no --config, `omnistage stage` and `omnistage gateway` read `$OMNISTAGE_CONFIG` (then
+    deploy/omnistage.yaml) as `serve` does; they ran on the built-in defaults."""
+    from typer.testing import CliRunner
+
+    import gateway.process
+    import omnistage.cli.logs
+    import omnistage.cli.main
+    import omnistage.cli.serve
+    import omnistage.models
+    import omnistage.server.process
+    from omnistage.cli.main import app
+
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("talker:\n  max_num_seqs: 3\n")
+    monkeypatch.setenv("OMNISTAGE_CONFIG", str(mine))
+    seen: list[DeployConfig] = []
+    # this test process keeps its own logging and signal handlers
+    monkeypatch.setattr(omnistage.cli.logs, "setup_logging", lambda *a, **k: None)
+    monkeypatch.setattr(omnistage.cli.main, "_stop_on_sigterm", lambda: None)
+    monkeypatch.setattr(omnistage.cli.serve, "resolve_model", lambda cfg, model: tmp_path)
+    monkeypatch.setattr(omnistage.models, "open_checkpoint", lambda path: None)
+    monkeypatch.setattr(omnistage.server.process, "run_stage", lambda name, cfg, *a: seen.append(cfg))
+    monkeypatch.setattr(gateway.process, "run_gateway", lambda cfg, *a, **k: seen.append(cfg))
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 0, result.output
+    assert [cfg.talker.max_num_seqs for cfg in seen] == [3]

@@ -46,7 +46,15 @@ from typing import Any, Literal
 
 import yaml
 
-from omnistage.config import ConfigError, DeployConfig, StageName, config_path, dump_config, load_config
+from omnistage.config import (
+    ConfigError,
+    DeployConfig,
+    StageName,
+    config_path,
+    dump_config,
+    load_config,
+    parse_config,
+)
 from omnistage.server.grpc_common import LIVENESS_SERVICE
 from omnistage.topology import PROCESSES
 
@@ -109,12 +117,14 @@ def container_config(cfg: DeployConfig, *, cpu_only: bool = False) -> DeployConf
         if cpu_only:
             stage["device"] = "cpu"
             stage["dtype"] = "float32"
+            if "cuda_graphs" in stage:  # CUDA graphs need CUDA (the talker refuses them on a CPU)
+                stage["cuda_graphs"] = False
         elif stage["device"].startswith("cuda"):
             stage["device"] = "cuda"
     if _uses_tls(cfg):  # a Kubernetes TLS secret (tls.crt, tls.key, ca.crt) mounted at TLS_DIR
         data["tls"].update(cert_file=f"{TLS_DIR}/tls.crt", key_file=f"{TLS_DIR}/tls.key",
                            ca_file=f"{TLS_DIR}/ca.crt" if cfg.tls.ca_file else None)  # fmt: skip
-    return DeployConfig.model_validate(data)
+    return parse_config(data, "the containers' deploy config")
 
 
 def _uses_tls(cfg: DeployConfig) -> bool:
@@ -414,7 +424,9 @@ def _deployment(
         "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"}]
         + ([{"name": "metrics", "containerPort": metrics, "protocol": "TCP"}] if metrics else [])
         + ([{"name": "http", "containerPort": http_port, "protocol": "TCP"}] if http_port else []),
-        "startupProbe": probe(port, PROBE_PERIOD_S, startup_failures),
+        # started: the process serves gRPC (a stage once its checkpoint is loaded); not whether the
+        # stages below it serve, which readiness asks (the gateway waits for its thinker there)
+        "startupProbe": probe(port, PROBE_PERIOD_S, startup_failures, service=LIVENESS_SERVICE),
         "readinessProbe": probe(port, PROBE_PERIOD_S, 3),  # one slow answer under load is no reason to leave
         # liveness asks a service that stays SERVING while the process drains (readiness does
         # not): a draining pod leaves the Service but is not killed before its grace ends

@@ -109,8 +109,9 @@ def _runtime_errors() -> tuple[type[BaseException], ...]:
 
 
 @contextlib.contextmanager
-def _errors(log_level: str = "info", *, interrupted_code: int = 130) -> Iterator[None]:
-    """Known failures as one line and an exit code; a traceback only at --log-level debug."""
+def _errors(log_level: str | None = None, *, interrupted_code: int = 130) -> Iterator[None]:
+    """Known failures as one line and an exit code; a traceback only at --log-level debug
+    (`log_level` None: the command has no such flag)."""
     try:
         yield
     except typer.Exit:
@@ -126,7 +127,7 @@ def _errors(log_level: str = "info", *, interrupted_code: int = 130) -> Iterator
         usage = isinstance(e, _usage_errors())
         known = usage or isinstance(e, _runtime_errors())
         message = str(e) if known or isinstance(e, OSError | RuntimeError) else f"{type(e).__name__}: {e}"
-        hint = "" if known or log_level == "debug" else " (--log-level debug prints the traceback)"
+        hint = "" if known or log_level in (None, "debug") else " (--log-level debug prints the traceback)"
         typer.echo(f"error: {message}{hint}", err=True)
         raise typer.Exit(2 if usage else 1) from None
 
@@ -458,7 +459,7 @@ def stage(
             raise typer.Exit(2)
         overrides = {**_stage_overrides((name,), dtype, device), "served_model_name": served_model_name,
                      "max_model_len": max_model_len}  # fmt: skip
-        cfg = _load_cfg(config, overrides)
+        cfg = _load_cfg(config, overrides, default=True)
         run_stage(name, cfg, resolve_model(cfg, model_arg or model), host or cfg.host, port, downstream)
 
 
@@ -495,7 +496,8 @@ def gateway(
     setup_logging(f"gateway:{port}", log_level.value, log_format.value)
     _stop_on_sigterm()
     with _errors(log_level.value, interrupted_code=0):
-        cfg = _load_cfg(config, {"served_model_name": served_model_name, "max_model_len": max_model_len})
+        cfg = _load_cfg(config, {"served_model_name": served_model_name, "max_model_len": max_model_len},
+                        default=True)  # fmt: skip
         ckpt = open_checkpoint(resolve_model(cfg, model_arg or model))
         http = None if no_http else (http_port or cfg.gateway.http_port)
         run_gateway(cfg, ckpt, host or cfg.host, port, thinker, http_port=http, api_key=api_key or "")

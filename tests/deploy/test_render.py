@@ -172,6 +172,15 @@ def test_cpu_profile_config_is_tiny_on_cpu(gpu_cfg: DeployConfig) -> None:
     assert yaml.safe_load(files["compose/omnistage-cpu.yaml"]) == cpu.model_dump()
 
 
+@pytest.mark.parametrize("example", sorted(p.name for p in (DEPLOY / "examples").glob("*.yaml")))
+@pytest.mark.parametrize("target", ["compose", "k8s"])
+def test_every_example_renders(example: str, target: str) -> None:
+    """Each shipped deploy file renders for both targets (cuda.yaml's compose CPU profile kept the
+    talker's CUDA graphs on a CPU and failed with a raw validation error)."""
+    files = render(load_config(DEPLOY / "examples" / example), target)
+    assert files and all(yaml_docs(text) for name, text in files.items() if name.endswith(".yaml"))
+
+
 def test_render_to_dir_and_cli(tmp_path: Path) -> None:
     from omnistage.cli.main import app
 
@@ -203,6 +212,8 @@ def test_k8s_pods_are_locked_down_and_only_the_stage_above_may_call_a_stage(gpu_
             assert {"cpu", "memory"} <= set(c["resources"][key]), (name, key)
         # liveness is not readiness: a draining pod leaves the Service without being killed
         assert c["livenessProbe"]["grpc"]["service"] == LIVENESS_SERVICE != c["readinessProbe"]["grpc"]["service"]
+        # started is not ready either: a gateway whose thinker is not up yet is not restarted for it
+        assert c["startupProbe"]["grpc"]["service"] == LIVENESS_SERVICE
     callers = {"thinker": "gateway", "talker": "thinker", "code2wav": "talker"}
     for name, caller in callers.items():
         policy = k8s[("NetworkPolicy", name)]["spec"]
@@ -232,6 +243,7 @@ def test_tls_mounts_the_secret_and_probes_tls_ports_with_omnistage_health(defaul
             command = c[key]["exec"]["command"]  # Kubernetes' gRPC probes cannot speak TLS
             assert command[:3] == ["omnistage", "health", "--target"], (name, key)
         assert c["livenessProbe"]["exec"]["command"][-2:] == ["--service", LIVENESS_SERVICE]
+        assert c["startupProbe"]["exec"]["command"][-2:] == ["--service", LIVENESS_SERVICE]
         assert {"name": "OMNISTAGE_CONFIG", "value": "/etc/omnistage/omnistage.yaml"} in c["env"]
     compose = _compose(cfg)
     assert any(v["target"] == "/etc/omnistage/tls" for v in compose["thinker"]["volumes"])
