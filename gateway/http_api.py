@@ -296,6 +296,7 @@ _HTTP_NAMES = (  # (message prefix, param, code)
 
 
 _SAMPLING_FIELD = re.compile(r"(thinker|talker): sampling: (\w+)")  # a stage's refusal: its stage, the field
+_ENTRY_NAMES = {"stop_ids": "stop_token_ids"}  # a stage's sampling field -> a `sampling_params_list` entry's
 ResultT = TypeVar("ResultT")
 
 
@@ -307,8 +308,9 @@ async def _entry_named(call: Awaitable[ResultT], body: ChatRequest) -> ResultT:
     except HttpError as e:
         entry = (body.sampling_params_list or [None])[0]
         field = _SAMPLING_FIELD.match(e.message)
-        if entry is not None and field and field[1] == "thinker" and getattr(entry, field[2], None) is not None:
-            e.param = f"sampling_params_list[{STAGES.index('thinker')}].{field[2]}"
+        name = _ENTRY_NAMES.get(field[2], field[2]) if field else ""
+        if entry is not None and field and field[1] == "thinker" and getattr(entry, name, None) is not None:
+            e.param = f"sampling_params_list[{STAGES.index('thinker')}].{name}"
         elif e.param == "max_tokens" and body.max_completion_tokens is not None:  # the name the client used
             e.param = "max_completion_tokens"
         raise
@@ -326,7 +328,7 @@ def _from_gateway(e: GatewayError) -> HttpError:
             param, code = name, http_code or code
     # over HTTP only a `sampling_params_list` entry sets the talker's sampling fields
     if status == 400 and (field := _SAMPLING_FIELD.match(message)) and field[1] == "talker":
-        param = f"sampling_params_list[{STAGES.index('talker')}].{field[2]}"
+        param = f"sampling_params_list[{STAGES.index('talker')}].{_ENTRY_NAMES.get(field[2], field[2])}"
     return HttpError(status, message, kind, param=param, code=code)
 
 

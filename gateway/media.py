@@ -349,7 +349,7 @@ def decode_messages(request: gateway_pb2.GenerateRequest, limits: Limits, audio_
     budget = Budget(limits.max_decoded_bytes, cancelled)
     for i, m in enumerate(request.messages):
         if m.role not in ROLES:
-            raise MediaError(f"messages[{i}]: unknown role {m.role!r}; expected one of {', '.join(ROLES)}")
+            raise MediaError(f"messages[{i}]: unknown role {m.role[:64]!r}; expected one of {', '.join(ROLES)}")
         if not m.parts:
             messages.append({"role": m.role, "content": m.content})
             continue

@@ -273,7 +273,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                                 omit_codes=not request.stop)  # fmt: skip
         for name, params in request.sampling.items():
             if name not in STAGES:
-                raise bad(f"sampling: unknown stage {name!r}")
+                raise bad(f"sampling: unknown stage {name[:64]!r}")  # (a name past 16 KiB would pass gRPC's limit)
             if name == "code2wav" and (unused := [f.name for f, _ in params.ListFields() if f.name != "seed"]):
                 raise bad(f"sampling: code2wav samples nothing; it takes only a seed, not {', '.join(unused)}")
             start.sampling[name].CopyFrom(params)
@@ -283,9 +283,13 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         # every stage's sampling, checked as that stage will, before anything streams
         try:
             edges.check_start("gateway", start)
-            edges.sampling("thinker", start, self.thinker_defaults, self.max_prompt_tokens + 1)
-            edges.sampling("talker", start, self.talker_defaults, int(self.ckpt.spec.max_positions),
-                           "the model's positions")
+            spec = self.ckpt.spec
+            edges.sampling("thinker", start, self.thinker_defaults, self.max_prompt_tokens + 1,
+                           vocab=spec.thinker_vocab)  # fmt: skip
+            speaks = self.cfg.audio_output  # (a text-only checkpoint may have no talker ids)
+            edges.sampling("talker", start, self.talker_defaults, int(spec.max_positions), "the model's positions",
+                           vocab=spec.talker_vocab if speaks else None,
+                           required_stop_ids=spec.talker_stop_ids() if speaks else ())  # fmt: skip
         except StageError as e:
             raise bad(e.message.removeprefix("gateway: ")) from None
         return start

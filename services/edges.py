@@ -38,7 +38,7 @@ frames, samples. A chunk's length (wire meta) is how many positions it advances.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -373,11 +373,15 @@ def check_start(stage: str, start: stage_pb2.Start) -> None:
 
 
 def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,
-             max_tokens_limit: int | None = None, limit_name: str = "max_model_len") -> SamplingParams:  # fmt: skip
+             max_tokens_limit: int | None = None, limit_name: str = "max_model_len", *,
+             vocab: int | None = None, required_stop_ids: Sequence[int] = ()) -> SamplingParams:  # fmt: skip
     """The stage's sampling from `Start.sampling[stage]` (unset fields keep `defaults`); a
     requested max_tokens over `max_tokens_limit` (what the stage can ever produce) is refused,
     unless it is no more than the stage's default: a client may send that back (vLLM-Omni's
-    examples ask the talker for generate()'s 4096 frames), and it is bounded as the default is."""
+    examples ask the talker for generate()'s 4096 frames), and it is bounded as the default is.
+    Stop ids must be ids of the stage's `vocab`, and those that replace the stage's own must
+    keep `required_stop_ids` (the talker's codec end: a frame past it is no audio, and code2wav
+    refused it only after the speech had streamed)."""
     msg = start.sampling.get(stage)
     if msg is None:
         return defaults
@@ -389,7 +393,13 @@ def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,
             raise invalid(f"{stage}: sampling: max_tokens {msg.max_tokens} exceeds this stage's limit {limit} ({why})")
     overrides: dict[str, Any] = {f: getattr(msg, f) for f in _SAMPLING_FIELDS if msg.HasField(f)}
     if msg.stop_ids:  # replaces the stage's default stop ids, as generate()'s *_eos_token_id does
-        overrides["stop_ids"] = tuple(int(i) for i in msg.stop_ids)
+        stops = tuple(int(i) for i in msg.stop_ids)
+        if vocab is not None and (bad := [i for i in stops if not 0 <= i < vocab]):
+            raise invalid(f"{stage}: sampling: stop_ids outside the vocabulary (0..{vocab - 1}): {bad[:8]}")
+        if missing := [i for i in required_stop_ids if i not in stops]:
+            raise invalid(f"{stage}: sampling: stop_ids must keep {missing} (the codec's end, which ends the "
+                          "speech; add ids to it rather than replace it)")  # fmt: skip
+        overrides["stop_ids"] = stops
     if msg.forced_ids:
         overrides["forced_ids"] = tuple(int(i) for i in msg.forced_ids)
     try:

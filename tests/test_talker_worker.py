@@ -3,6 +3,7 @@ alone for one that looks ahead; every frame once, in order, whatever the schedul
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,10 @@ class _Spec:
     code2wav_causal: bool
     default_speaker: str = "v"
     max_positions: int = 10_000
+    talker_vocab: int = 10_000
+
+    def talker_stop_ids(self) -> tuple[int, ...]:
+        return ()
 
 
 @dataclass
@@ -237,6 +242,33 @@ def test_a_stage_takes_its_own_default_max_tokens_back_but_not_more() -> None:
         with pytest.raises(StageError) as e:
             edges.sampling("talker", start, TALKER_DEFAULTS, limit, "the model's positions")
         assert f"max_tokens {asked} exceeds this stage's limit {max(limit, 4096)} ({why})" in str(e.value)
+
+
+def test_stop_ids_are_ids_of_the_vocabulary_and_the_talker_keeps_its_codec_end() -> None:
+    """`stop_ids` replace a stage's own: out of the vocabulary they are refused (the thinker ran
+    to max_tokens), and the talker's must keep its codec end (without it the talker emitted the
+    end as a code, which code2wav refused after the speech had streamed)."""
+    from omnistage.models.sampling import TALKER_DEFAULTS, SamplingParams
+    from omnistage.wire import StageError
+
+    thinker_defaults = SamplingParams(stop_ids=(9,))
+    start = stage_pb2.Start(request_id="r")
+    for stage, defaults, stops, message in (
+        ("thinker", thinker_defaults, [-1], "stop_ids outside the vocabulary (0..499): [-1]"),
+        ("thinker", thinker_defaults, [7, 1 << 62], "stop_ids outside the vocabulary (0..499): [4611686018427387904]"),
+        ("talker", TALKER_DEFAULTS, [-1], "stop_ids outside the vocabulary (0..499): [-1]"),
+        ("talker", TALKER_DEFAULTS, [5], "stop_ids must keep [300]"),
+    ):  # fmt: skip
+        start.sampling[stage].ClearField("stop_ids")
+        start.sampling[stage].stop_ids.extend(stops)
+        with pytest.raises(StageError, match=re.escape(f"{stage}: sampling: {message}")):
+            edges.sampling(stage, start, defaults, vocab=500, required_stop_ids=(300,) if stage == "talker" else ())
+    start.sampling["talker"].ClearField("stop_ids")
+    start.sampling["talker"].stop_ids.extend([300, 5])  # the codec end, and one more
+    assert edges.sampling("talker", start, TALKER_DEFAULTS, vocab=500, required_stop_ids=(300,)).stop_ids == (300, 5)
+    start.sampling["thinker"].ClearField("stop_ids")
+    start.sampling["thinker"].stop_ids.append(7)  # the thinker may replace its own (to run to max_tokens)
+    assert edges.sampling("thinker", start, thinker_defaults, vocab=500).stop_ids == (7,)
 
 
 @pytest.mark.parametrize("family", ["qwen3_omni", "qwen2_5_omni"])

@@ -215,6 +215,7 @@ class _DownBuffer:
         self.memory = memory or ReplayMemory(budget)
         self.replayable = True
         self.why = ""  # why it is not replayable
+        self.closed = False
         self._added = asyncio.Event()
 
     def put(self, item: OutChunk | None) -> None:
@@ -237,14 +238,20 @@ class _DownBuffer:
         self.nbytes = 0
 
     def close(self) -> None:
-        """The request's call has ended: hand back what is counted, and count nothing more."""
+        """The request's call has ended: hand back what is counted, count nothing more, and end
+        the reader waiting for more (else gRPC's task sending the downstream call's messages,
+        parked in `get`, outlived a failed call until garbage collection, which logged errors)."""
         if self.replayable:
             self._give_up("its call has ended")
+        self.closed = True
+        self._added.set()
 
     async def get(self, index: int) -> OutChunk | None:
         """Item `index`, once there is one (None also for an index already dropped: only a
-        superseded attempt's reader, which sends nothing more, can ask for one)."""
+        superseded attempt's reader, which sends nothing more, can ask for one; and once closed)."""
         while index >= self.first + len(self.items):
+            if self.closed:
+                return None
             await self._added.wait()
         return self.items[index - self.first] if index >= self.first else None
 

@@ -56,7 +56,8 @@ class TalkerWorker(StageWorker):
     def open(self, req: Request) -> None:
         start: stage_pb2.Start = req.params
         sampling = edges.sampling(self.name, start, self.defaults, int(self.spec.max_positions),
-                                  "the model's positions")  # fmt: skip
+                                  "the model's positions", vocab=self.spec.talker_vocab,
+                                  required_stop_ids=self.spec.talker_stop_ids())  # fmt: skip
         try:
             req.state = self.talker.new_state(sampling, start.speaker or self.spec.default_speaker)
         except ValueError as e:

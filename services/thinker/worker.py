@@ -39,7 +39,7 @@ class ThinkerWorker(StageWorker):
         start: stage_pb2.Start = req.params
         if start.want_audio and not self.audio_output:
             raise invalid(f"{self.name}: want_audio: this stack serves text only (no stage below)")
-        sampling = edges.sampling(self.part, start, self.defaults, self._max_model_len)
+        sampling = edges.sampling(self.part, start, self.defaults, self._max_model_len, vocab=self.spec.thinker_vocab)
         req.state = self.thinker.new_state(sampling, self._max_model_len)
 
     def sends_down(self, req: Request) -> bool:

@@ -409,6 +409,16 @@ def test_grpc_api_edges_a_client_meets(stack: Stack) -> None:
     bad = build_request("hi", thinker_max_tokens=2)
     bad.sampling["code2wav"].temperature = 0.5
     assert "code2wav samples nothing" in refused(bad)
+    # stop ids out of the vocabulary, or a talker's that drop its codec end (it streamed ~20 s of
+    # speech, then code2wav refused the end code as a frame), are refused before anything streams
+    for stage, stops, reason in (("talker", [-1], "outside the vocabulary"), ("thinker", [1 << 40], "outside the "
+                                 "vocabulary"), ("talker", [5], "must keep")):  # fmt: skip
+        wrong = build_request("hi", thinker_max_tokens=2)
+        wrong.sampling[stage].stop_ids.extend(stops)
+        assert f"{stage}: sampling: stop_ids" in (detail := refused(wrong)) and reason in detail, detail
+    # a client's string is not repeated whole in an error (past 16 KiB gRPC refused the status itself)
+    loud = build_request("hi", thinker_max_tokens=2, speaker="x" * 20_000)
+    assert "unknown speaker" in (detail := refused(loud)) and len(detail) < 1000
     seeded = build_request("hi", thinker_max_tokens=2, talker_max_tokens=2)
     seeded.sampling["code2wav"].seed = 7
     assert run(final(seeded)).usage.completion_tokens == 2

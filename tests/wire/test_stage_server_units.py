@@ -308,6 +308,14 @@ def test_what_requests_keep_for_replay_is_bounded_per_process_and_handed_back_at
             buffer.close()
         assert memory.held == 0
         third.put(out(40))  # too late to count
+        # a reader waiting for more when the call ends (its downstream call failed) ends too:
+        # gRPC's task sending the downstream messages was left parked until garbage collection
+        fourth = _DownBuffer(800, memory)
+        waiting = asyncio.create_task(fourth.get(0))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        fourth.close()
+        assert await asyncio.wait_for(waiting, 1.0) is None
         assert memory.held == 0 and memory.refusals == 1
 
     asyncio.run(go())

@@ -84,7 +84,7 @@ class FamilySpec:
             if name.lower() == speaker.lower():
                 return name
         known = ", ".join(sorted(self.speakers)) or "none"
-        raise ValueError(f"unknown speaker {speaker!r} (this checkpoint has: {known})")
+        raise ValueError(f"unknown speaker {speaker[:64]!r} (this checkpoint has: {known})")
 
     def speaker_id(self, speaker: str) -> int:
         return self.speakers[self.speaker_name(speaker)]

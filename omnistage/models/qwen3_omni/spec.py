@@ -110,7 +110,7 @@ class FamilySpec:
             return self.speakers[speaker.lower()]
         except KeyError:
             known = ", ".join(sorted(self.speakers)) or "none"
-            raise ValueError(f"unknown speaker {speaker!r} (this checkpoint has: {known})") from None
+            raise ValueError(f"unknown speaker {speaker[:64]!r} (this checkpoint has: {known})") from None
 
 
 
