@@ -377,7 +377,9 @@ def main(model: Any, malformed: int, cancels: int, kill_requests: int, soak_requ
     result: dict[str, Any] = {"schema": "omnistage.bench.faults/1", "machine": machine_info()}
     t0 = time.monotonic()
     with start_stack(cfg, model=str(model) if model else None, log_dir=log_dir) as stack:
-        dims = Dims.of(open_checkpoint(stack.model_dir).spec)
+        spec = open_checkpoint(stack.model_dir).spec
+        dims = Dims.of(spec)
+        unreached = int(spec.tts_pad_id)  # an id of the vocabulary the thinker does not emit
         stages = [(c.role, c.address) for c in stack.children if c.name != "gateway"]
         _log(f"stack up (logs in {log_dir})")
 
@@ -456,7 +458,7 @@ def main(model: Any, malformed: int, cancels: int, kill_requests: int, soak_requ
             async def one(i: int) -> None:
                 request = gateway_pb2.GenerateRequest(prompt=f"talk about {i}", want_audio=True)
                 request.sampling["thinker"].max_tokens = 400
-                request.sampling["thinker"].stop_ids.append(10**6)  # no reachable stop id: all 400 tokens
+                request.sampling["thinker"].stop_ids.append(unreached)  # no reachable stop id: all 400 tokens
                 request.sampling["talker"].max_tokens = 1500
                 async with grpc.aio.insecure_channel(stack.gateway_address) as ch:
                     call = gateway_pb2_grpc.GatewayStub(ch).Generate(request, timeout=300)

@@ -94,7 +94,7 @@ def _open(data: bytes) -> Any:
     file (ffconcat, HLS, SDP) would otherwise have it read this server's files or bind sockets."""
     import av
 
-    return av.open(io.BytesIO(data), mode="r", options={"protocol_whitelist": "none"})
+    return av.open(io.BytesIO(data), mode="r", container_options={"protocol_whitelist": "none"})
 
 
 def _resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
@@ -187,12 +187,13 @@ def pcm_audio(f32le: bytes, sample_rate: int, target_rate: int, limits: Limits) 
 
 # What Pillow may open: the formats images are sent in. Its other decoders (ICNS, BLP, ... 40 in
 # all) are more attack surface than use, and some fail with exceptions of their own kinds.
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # JPEG's opens MPO too
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")  # JPEG's opens MPO too
 
 
 def decode_image(data: bytes, limits: Limits, budget: Budget | None = None) -> ImageInput:
-    """An encoded image (png, jpeg, webp, gif, bmp, tiff) -> RGB uint8, as transformers'
-    `load_image` gives it: turned as its EXIF orientation says, transparency on white."""
+    """An encoded image (png, jpeg, webp, gif, bmp, tiff, avif) -> RGB uint8: turned as its EXIF
+    orientation says (as transformers' `load_image`), transparency on white (as the Qwen image
+    processors' `convert_to_rgb`, and vLLM)."""
     from PIL import Image, ImageOps
     from transformers.image_transforms import convert_to_rgb
 
@@ -203,7 +204,9 @@ def decode_image(data: bytes, limits: Limits, budget: Budget | None = None) -> I
             if img.width * img.height > limits.max_image_pixels:
                 raise MediaError(f"{img.width}x{img.height} pixels, over the limit of {limits.max_image_pixels}")
             budget.take(img.width * img.height * 3)
-            pixels = np.asarray(convert_to_rgb(ImageOps.exif_transpose(img)))
+            img.load()
+            ImageOps.exif_transpose(img, in_place=True)  # (a copy of a large image is memory the budget misses)
+            pixels = np.asarray(convert_to_rgb(img, return_numpy=True))
     except MediaError:
         raise
     except Exception as e:  # a decoder's failure, whatever its kind (SyntaxError, NotImplementedError, ...)
@@ -243,13 +246,17 @@ def decode_video(data: bytes, limits: Limits, audio_rate: int | None = None, bud
             if not container.streams.video:
                 raise MediaError("no video stream in the file")
             stream = container.streams.video[0]
+            if stream.codec_context is None:  # PyAV: FFmpeg has no decoder for it
+                raise MediaError("no decoder for the video's codec")
             # what the headers say, before anything is decoded
             width, height = stream.codec_context.width, stream.codec_context.height
             if width * height > limits.max_image_pixels:
                 raise MediaError(f"frames of {width}x{height}, over {limits.max_image_pixels} pixels")
-            if container.duration is not None and container.duration / 1e6 > limits.max_video_seconds:
-                raise MediaError(f"{container.duration / 1e6:g} s long, over the limit of "
-                                 f"{limits.max_video_seconds:g} s of video")  # fmt: skip
+            # the video stream's own length (the container's is its longest stream's, a sound track's)
+            seconds = (float(stream.duration * stream.time_base) if stream.duration and stream.time_base else
+                       container.duration / 1e6 if container.duration else 0.0)  # fmt: skip
+            if seconds > limits.max_video_seconds:
+                raise MediaError(f"{seconds:g} s long, over the limit of {limits.max_video_seconds:g} s of video")
             rate = float(stream.average_rate or 25)
             prev, prev_t, t, step, start = None, 0.0, 0.0, 1.0 / rate, None
             for n, frame in enumerate(container.decode(video=0)):

@@ -489,8 +489,15 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: what it brings in may be overridden
+                continue
             key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
-            if key in seen:
+            try:
+                twice = key in seen
+            except TypeError:  # a list or mapping as a key
+                raise yaml.constructor.ConstructorError(None, None, "a key must be a plain value",
+                                                        key_node.start_mark) from None  # fmt: skip
+            if twice:
                 raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
                                                         key_node.start_mark)  # fmt: skip
             seen.add(key)

@@ -380,8 +380,8 @@ def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,
     unless it is no more than the stage's default: a client may send that back (vLLM-Omni's
     examples ask the talker for generate()'s 4096 frames), and it is bounded as the default is.
     Stop ids must be ids of the stage's `vocab`, and those that replace the stage's own must
-    keep `required_stop_ids` (the talker's codec end: a frame past it is no audio, and code2wav
-    refused it only after the speech had streamed)."""
+    keep `required_stop_ids` (the talker's codec end, and Qwen2.5-Omni's codec pad: a frame past
+    them is no audio, and code2wav refused it only after the speech had streamed)."""
     msg = start.sampling.get(stage)
     if msg is None:
         return defaults
@@ -397,8 +397,10 @@ def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,
         if vocab is not None and (bad := [i for i in stops if not 0 <= i < vocab]):
             raise invalid(f"{stage}: sampling: stop_ids outside the vocabulary (0..{vocab - 1}): {bad[:8]}")
         if missing := [i for i in required_stop_ids if i not in stops]:
-            raise invalid(f"{stage}: sampling: stop_ids must keep {missing} (the codec's end, which ends the "
-                          "speech; add ids to it rather than replace it)")  # fmt: skip
+            own = list(required_stop_ids)
+            raise invalid(f"{stage}: sampling: stop_ids must keep {missing}, of the stage's own {own} (codec "
+                          "control ids that end the speech: a frame past them is no audio; add ids to them rather "
+                          "than replace them)")  # fmt: skip
         overrides["stop_ids"] = stops
     if msg.forced_ids:
         overrides["forced_ids"] = tuple(int(i) for i in msg.forced_ids)

@@ -72,6 +72,17 @@ def test_yaml_round_trip_and_file_errors(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=rf"(?s)the key '{key}' is given twice.*line {line}") as err:
             load_config(tmp_path / "twice.yaml")
         assert "twice.yaml" in str(err.value)
+    # an anchor merged in (`<<`) may still be overridden; a list as a key is an error, not a crash
+    (tmp_path / "merged.yaml").write_text("x-stage: &stage\n  replicas: 2\n  max_num_seqs: 4\n"
+                                          "talker:\n  <<: *stage\n  max_num_seqs: 8\n")
+    with pytest.raises(ConfigError, match="x-stage: unknown field"):  # the anchor's own key is not a field
+        load_config(tmp_path / "merged.yaml")
+    (tmp_path / "merged.yaml").write_text("talker:\n  <<: {replicas: 2, max_num_seqs: 4}\n  max_num_seqs: 8\n")
+    merged = load_config(tmp_path / "merged.yaml").talker
+    assert (merged.replicas, merged.max_num_seqs) == (2, 8)
+    (tmp_path / "listkey.yaml").write_text("? [1, 2]\n: 3\n")
+    with pytest.raises(ConfigError, match="a key must be a plain value"):
+        load_config(tmp_path / "listkey.yaml")
 
 
 def test_cli_overrides() -> None:

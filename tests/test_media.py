@@ -383,3 +383,39 @@ def test_video_limits_are_read_from_the_headers_first() -> None:
         decode_video(long, MediaConfig(max_video_seconds=2))
     with pytest.raises(MediaError, match=r"frames of 48x32, over 1000 pixels"):
         decode_video(long, MediaConfig(max_image_pixels=1000))
+
+
+def test_a_video_codec_ffmpeg_cannot_decode_is_refused_saying_so() -> None:
+    """PyAV gives such a stream no codec context (reading its size was an AttributeError: a 500)."""
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="matroska") as container:
+        stream = container.add_stream("mpeg4", rate=2)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        for i, f in enumerate(_solid_frames(2)[:, :32, :32]):
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")
+            frame.pts = i
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    data = buf.getvalue()
+    assert decode_video(data, LIMITS).frames.shape[1:] == (32, 32, 3)
+    at = data.find(b"V_MPEG4")
+    with pytest.raises(MediaError, match="no decoder for the video's codec"):
+        decode_video(data[:at] + b"V_QQQQQ" + data[at + 7 :], LIMITS)
+
+
+def test_the_length_limit_is_the_video_streams_not_its_sound_tracks() -> None:
+    """The container's duration is its longest stream's: a 2 s video with 4 s of sound is 2 s."""
+    data = media.encode_video(media.video(4, 32, 48), 2, media.tone(4.0, RATE))
+    assert decode_video(data, MediaConfig(max_video_seconds=3)).frames.shape[0] == 4
+
+
+def test_avif_images_decode() -> None:
+    pixels = media.image(16, 24, seed=3)
+    out = decode_image(media.encode_image(pixels, "avif"), LIMITS).pixels
+    assert out.shape == (16, 24, 3) and np.abs(out.astype(int) - pixels.astype(int)).mean() < 20

@@ -61,11 +61,14 @@ def test_stack_matches_pipeline_and_generate(stack: Stack, pipeline: Any, refere
     streamed = torch.cat([e.pcm for e in events if isinstance(e, AudioEvent)])
     assert torch.allclose(audio, streamed, atol=1e-5, rtol=0)
     # Alone in the stack, its first frame went down by itself (first_chunk_frames_idle: 1) and
-    # came back as one frame's audio, ahead of the schedule's first chunk of 2.
+    # came back as one frame's audio, ahead of the schedule's first chunk of 2 (on a loaded machine
+    # the second frame may be in too when code2wav's step runs, and goes with it: seen once in
+    # make test; tests/code2wav/test_worker_schedule.py checks decode_now without the timing).
     first_codes = next(c for c in out["talker"] if "codes" in c.tensors)
     first_audio = next(c for c in out["code2wav"] if "audio" in c.tensors)
     assert first_codes.length == 1 and first_codes.meta.get("decode_now") is True
-    assert first_audio.length == pipeline.workers["code2wav"].code2wav.incremental.samples_for_frames(1)
+    samples_for = pipeline.workers["code2wav"].code2wav.incremental.samples_for_frames
+    assert first_audio.length in (samples_for(1), samples_for(2)), first_audio.length
 
     # With omit_codes (as the gateway asks, unless it has stop texts): the same audio, and of the
     # talker only its finished chunk, at the frame count.
