@@ -80,13 +80,15 @@ def video(frames: int, height: int, width: int, seed: int = 0) -> np.ndarray:
     return np.stack([base[:, i * shift : i * shift + width] for i in range(frames)])
 
 
-def encode_video(frames: np.ndarray, fps: int, sound: np.ndarray | None = None, sound_rate: int = 16_000) -> bytes:
-    """uint8 frames [T, H, W, 3] (even H and W) at `fps` -> an MP4 (MPEG-4 part 2 video), with
-    `sound` (mono float32 at `sound_rate`) as an AAC track."""
+def encode_video(frames: np.ndarray, fps: int, sound: np.ndarray | None = None, sound_rate: int = 16_000,
+                 container_format: str = "mp4", first_pts: int = 0) -> bytes:  # fmt: skip
+    """uint8 frames [T, H, W, 3] (even H and W) at `fps` -> an MP4 (or `container_format`:
+    matroska, mpegts, ...) of MPEG-4 part 2 video, its first frame at `first_pts` / fps seconds,
+    with `sound` (mono float32 at `sound_rate`) as an AAC track."""
     import av
 
     buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as container:
+    with av.open(buf, mode="w", format=container_format) as container:
         vstream = container.add_stream("mpeg4", rate=fps)
         vstream.width, vstream.height = int(frames.shape[2]), int(frames.shape[1])
         vstream.pix_fmt = "yuv420p"
@@ -94,7 +96,7 @@ def encode_video(frames: np.ndarray, fps: int, sound: np.ndarray | None = None, 
         astream = container.add_stream("aac", rate=sound_rate, layout="mono") if sound is not None else None
         for i, f in enumerate(frames):
             frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")
-            frame.pts = i
+            frame.pts = first_pts + i
             for packet in vstream.encode(frame):
                 container.mux(packet)
         for packet in vstream.encode(None):

@@ -340,29 +340,10 @@ def test_video_frames_come_upright_and_timed_from_their_first() -> None:
     assert clip.frames[:, :32, :, 0].mean() > 200 and clip.frames[:, 32:, :, 0].mean() < 50  # the left half on top
 
 
-def _video_from(frames: np.ndarray, fps: int, fmt: str = "mp4", first_pts: int = 0) -> bytes:
-    import io
-
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format=fmt) as container:
-        stream = container.add_stream("mpeg4", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = int(frames.shape[2]), int(frames.shape[1]), "yuv420p"
-        for i, f in enumerate(frames):
-            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")
-            frame.pts = first_pts + i
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode(None):
-            container.mux(packet)
-    return buf.getvalue()
-
-
 def test_a_clip_that_starts_late_is_sampled_from_its_start() -> None:
     """A cut clip's first frame at 50 s: sampling starts there (it gave 100 copies of frame 0,
     and past 600 s the clip was refused as too long)."""
-    data = _video_from(_solid_frames(8), 4, first_pts=200)  # 8 frames at 4 fps from 50 s
+    data = media.encode_video(_solid_frames(8), 4, first_pts=200)  # 8 frames at 4 fps from 50 s
     greys = [round(float(f.mean())) for f in decode_video(data, LIMITS).frames]
     assert len(greys) == 4 and all(abs(g - (20 + 25 * k)) < 6 for g, k in zip(greys, (1, 3, 5, 7), strict=True))
 
@@ -370,8 +351,9 @@ def test_a_clip_that_starts_late_is_sampled_from_its_start() -> None:
 def test_a_stream_that_changes_its_frame_size_midway_keeps_the_first() -> None:
     """Two MPEG-TS segments joined (64x48, then 96x64): every frame at the first size (was a bare
     ValueError from stacking frames of two sizes)."""
-    a = _video_from(np.full((4, 48, 64, 3), 60, np.uint8), 2, "mpegts")
-    b = _video_from(np.full((4, 64, 96, 3), 200, np.uint8), 2, "mpegts", first_pts=4)  # its times go on
+    a = media.encode_video(np.full((4, 48, 64, 3), 60, np.uint8), 2, container_format="mpegts")
+    b = media.encode_video(np.full((4, 64, 96, 3), 200, np.uint8), 2, container_format="mpegts",
+                           first_pts=4)  # its times go on  # fmt: skip
     clip = decode_video(a + b, LIMITS)
     assert clip.frames.shape[1:] == (48, 64, 3) and clip.frames.shape[0] >= 6
     assert clip.frames[0].mean() < 100 and clip.frames[-1].mean() > 150
@@ -387,22 +369,7 @@ def test_video_limits_are_read_from_the_headers_first() -> None:
 
 def test_a_video_codec_ffmpeg_cannot_decode_is_refused_saying_so() -> None:
     """PyAV gives such a stream no codec context (reading its size was an AttributeError: a 500)."""
-    import io
-
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="matroska") as container:
-        stream = container.add_stream("mpeg4", rate=2)
-        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
-        for i, f in enumerate(_solid_frames(2)[:, :32, :32]):
-            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")
-            frame.pts = i
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode(None):
-            container.mux(packet)
-    data = buf.getvalue()
+    data = media.encode_video(_solid_frames(2)[:, :32, :32], 2, container_format="matroska")
     assert decode_video(data, LIMITS).frames.shape[1:] == (32, 32, 3)
     at = data.find(b"V_MPEG4")
     with pytest.raises(MediaError, match="no decoder for the video's codec"):
