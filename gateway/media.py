@@ -200,7 +200,9 @@ def decode_image(data: bytes, limits: Limits, budget: Budget | None = None) -> I
     _check_size(data, limits)
     budget = budget or Budget(limits.max_decoded_bytes)
     try:
-        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
+        Image.init()
+        formats = [f for f in IMAGE_FORMATS if f in Image.OPEN]  # a Pillow built without AVIF has none
+        with Image.open(io.BytesIO(data), formats=formats) as img:
             if img.width * img.height > limits.max_image_pixels:
                 raise MediaError(f"{img.width}x{img.height} pixels, over the limit of {limits.max_image_pixels}")
             budget.take(img.width * img.height * 3)
