@@ -323,7 +323,49 @@ def test_a_code_that_cannot_be_chosen_fails_its_request_alone(family: str, reque
         good_out, bad_out = step([good, bad])
     finally:
         hook.remove()
-    assert isinstance(bad_out, StageError) and bad_out.code == Code.INVALID_ARGUMENT
+    assert isinstance(bad_out, StageError) and bad_out.code == Code.INTERNAL
     assert "talker: no code could be chosen" in bad_out.message and "not a distribution" in bad_out.message
     assert not isinstance(good_out, Exception)
     assert good.state.history == alone.state.history and good.state.frames == alone.state.frames == 1  # drawn once
+
+
+def test_a_qwen2_5_code_token2wav_cannot_take_fails_as_a_model_failure(q25_dir: Any) -> None:
+    """Qwen2.5-Omni's talker may pick an id past token2wav's codebook (generate() suppresses only
+    the start id): the talker fails that request with INTERNAL naming the code, not code2wav with
+    INVALID_ARGUMENT (a client's 400) after the frame went down."""
+    from omnistage.wire import Code, DecodedChunk, StageError
+    from omnistage.wire.tensor_blob import LENGTH_KEY
+    from tests.conftest import staged_pipeline
+
+    pipeline = staged_pipeline(q25_dir)
+    worker = pipeline.workers["talker"]
+    spec = pipeline.spec
+    stops = set(spec.talker_stop_ids()) | {spec.codec_bos_id}
+    beyond = next(i for i in range(spec.codebook_size, spec.talker_vocab) if i not in stops)
+    ids = torch.tensor(pipeline.prompt_ids("hi"))
+    h = spec.thinker_hidden
+    g = torch.Generator().manual_seed(0)
+    prompt = {edges.PROMPT_IDS: ids, edges.PROMPT_EMBED: torch.randn(len(ids), h, generator=g),
+              edges.PROMPT_HIDDEN: torch.randn(len(ids), h, generator=g)}  # fmt: skip
+    tokens = {"ids": torch.tensor([1, 2]), edges.EMBED: torch.randn(2, h, generator=g),
+              edges.HIDDEN: torch.randn(2, h, generator=g)}  # fmt: skip
+    req = Request("beyond", stage_pb2.Start(request_id="beyond"))
+    worker.open(req)
+    worker.feed(req, DecodedChunk(prompt, {LENGTH_KEY: 0}, 0, 0, False))
+    worker.feed(req, DecodedChunk(tokens, {LENGTH_KEY: 2}, 0, 0, False))
+
+    def favour_beyond(module: Any, args: Any, out: torch.Tensor) -> torch.Tensor:
+        out = out.clone()
+        out[..., beyond] = out.abs().amax() + 10  # greedy picks it
+        return out
+
+    hook = worker.talker.model.codec_head.register_forward_hook(favour_beyond)
+    try:
+        [got] = worker.execute([ScheduledItem(req, 1, False)])
+    finally:
+        hook.remove()
+        worker.close(req)
+    assert isinstance(got, StageError) and got.code == Code.INTERNAL, got
+    assert got.message.startswith("talker: ") and f"codec id {beyond} at frame 0" in got.message, got.message
+    assert f"[0, {spec.codebook_size})" in got.message
+    assert req.state.frames == 0  # no frame of it was handed out

@@ -22,7 +22,7 @@ from omnistage.config import Code2WavConfig, DeployConfig, TalkerConfig
 from omnistage.engine import FinishReason, Request, ScheduledItem, StageWorker, StepOutput
 from omnistage.models import Checkpoint, SamplingParams
 from omnistage.v1 import stage_pb2
-from omnistage.wire import DecodedChunk, invalid
+from omnistage.wire import Code, DecodedChunk, StageError, invalid
 from services import edges
 
 # what made the talker stop -> the engine's finish reason
@@ -114,8 +114,8 @@ class TalkerWorker(StageWorker):
 
     def _output(self, req: Request, frame: Any, idle: bool) -> StepOutput | Exception:
         state = req.state
-        if state.error is not None:  # this request's logits were no distribution: it alone fails
-            return invalid(f"talker: {state.error}")
+        if state.error is not None:  # the model's output failed this request (not its input): it alone fails
+            return StageError(Code.INTERNAL, f"talker: {state.error}")
         out = StepOutput()
         held = self.held[req.request_id]
         if frame is not None:

@@ -10,7 +10,7 @@ from omnistage.config import DeployConfig
 from omnistage.engine import Demand, FinishReason, OutChunk, Request, ScheduledItem, StageWorker, StepOutput
 from omnistage.models import Checkpoint, SamplingParams
 from omnistage.v1 import stage_pb2
-from omnistage.wire import DecodedChunk, invalid
+from omnistage.wire import Code, DecodedChunk, StageError, invalid
 from services import edges
 
 # what made a thinker stop -> the engine's finish reason
@@ -89,7 +89,7 @@ class ThinkerWorker(StageWorker):
         for i, item in enumerate(batch):
             step = None if i in failed else next(steps)
             if step is not None and step.error is not None:
-                failed[i] = invalid(f"thinker: {step.error}")
+                failed[i] = StageError(Code.INTERNAL, f"thinker: {step.error}")  # the model's output, not the input
             out.append(failed[i] if i in failed else self._output(item, step))
         return out
 

@@ -16,6 +16,9 @@ and e(g) for t_g's embedding; the talker reads r_g = h(g) + e(g).
   * It stops when a code is a stop id (codec pad or end; no frame for it) or after `max_tokens`
     codes, or at the longest utterance token2wav decodes (`spec.max_frames`: generate() fails
     past it). The thinker's last token is never read (its position is never fed).
+  * A code past token2wav's codebook that is no stop id (another control id: only the start id
+    is suppressed, as in generate(), whose token2wav then fails) fails the request as a model
+    failure, before it reaches code2wav.
 
 Streaming: h(g) arrives with token g+1 (the thinker gives each token with the hidden state of
 the position that produced it), so the prompt waits for t_1 and step k for t_{k+1} or the end
@@ -63,7 +66,7 @@ class TalkerState:
     history: list[int] = field(default_factory=list)  # prompt ids then codes (repetition penalty)
     frames: int = 0  # frames handed out
     stopped_on: str | None = None  # "stop_id" | "max_tokens" | "no_text" | "error" once finished
-    error: str | None = None  # why this request failed (its logits were no distribution)
+    error: str | None = None  # why this request failed (no distribution, or a code token2wav cannot take)
 
     @property
     def finished(self) -> bool:
@@ -201,6 +204,12 @@ class Talker:
         state.step += 1
         if state.chooser.is_stop(code):
             state.stopped_on = "stop_id"
+            return None
+        if code >= self.spec.codebook_size:  # a control id: token2wav has no row for it (generate() fails too)
+            state.stopped_on = "error"
+            state.error = (f"made codec id {code} at frame {state.frames}, outside token2wav's codebook "
+                           f"[0, {self.spec.codebook_size}) (a control id: only the start id is suppressed, as in "
+                           "generate(), whose token2wav fails on it too)")
             return None
         state.code = code
         state.frames += 1
