@@ -46,7 +46,7 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     # YAML's .inf / .nan parse as floats: no limit or size here means them (rendered, they overflowed)
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, strict=True)
 
 
 class StageConfig(_Strict):

@@ -47,12 +47,23 @@ def test_default_deploy_file_is_the_default_config() -> None:
         # "" served the tiny checkpoint under `serve` but rendered a model volume for containers
         ({"model": ""}, "model"),
         ({"served_model_name": ""}, "served_model_name"),
+        # strict types: YAML's true is no count, 2.0 no integer, 1 or "yes" no switch
+        ({"talker": {"replicas": True}}, "talker.replicas: Input should be a valid integer"),
+        ({"talker": {"max_num_seqs": 2.0}}, "talker.max_num_seqs: Input should be a valid integer"),
+        ({"thinker": {"chunked_prefill": 1}}, "thinker.chunked_prefill: Input should be a valid boolean"),
+        ({"thinker": {"chunked_prefill": "yes"}}, "thinker.chunked_prefill: Input should be a valid boolean"),
+        ({"model": 5}, "model: Input should be a valid string"),
     ],
 )
 def test_bad_fields_are_refused_by_name(data: dict, needle: str) -> None:
     with pytest.raises(ConfigError, match="invalid deploy config") as err:
         parse_config(data, "x.yaml")
     assert needle in str(err.value)
+
+
+def test_an_integer_is_a_number_of_seconds() -> None:
+    cfg = parse_config({"timeouts": {"request_timeout_s": 30}}, "x.yaml")
+    assert cfg.timeouts.request_timeout_s == 30.0 and isinstance(cfg.timeouts.request_timeout_s, float)
 
 
 def test_yaml_round_trip_and_file_errors(tmp_path: Path) -> None:
