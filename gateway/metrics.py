@@ -46,6 +46,7 @@ class Outcome:
     audio_times: list[float] = field(default_factory=list)
     finish_reason: str = ""
     status: str = "ok"
+    error: str = ""  # the status's message when it failed (for the access log)
     shed: bool = False  # refused at once over gateway.max_in_flight: counted, not a latency
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import secrets
 import threading
@@ -45,6 +46,7 @@ from services import edges
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("omnistage.access")
+ACCESS_ERROR_CHARS = 500  # of a failed request's status message, in its access-log line
 
 REQUEST_ID_KEY = "x-request-id"  # initial metadata of every Generate call
 AUDIO_PIECE_BYTES = 1 << 20  # at most this much audio in one AudioChunk (4-byte aligned: whole float samples)
@@ -219,6 +221,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 yield resp
         except GatewayError as e:
             outcome.status = e.code.name
+            outcome.error = e.message
             raise
         except (asyncio.CancelledError, GeneratorExit):
             outcome.status = "CANCELLED"
@@ -495,8 +498,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             "prompt_tokens": o.prompt_tokens,
             "completion_tokens": o.completion_tokens,
             "audio_s": round(o.audio_samples / self.sample_rate, 3),
+            "error": o.error[:ACCESS_ERROR_CHARS] or None,  # why it failed: the stages log no request's error
         }
-        text = " ".join(f"{k}={'-' if v is None else v}" for k, v in fields.items())
+        # the error is quoted (JSON) so that a line still splits on spaces into key=value pairs
+        text = " ".join(f"{k}={'-' if v is None else json.dumps(v) if k == 'error' else v}" for k, v in fields.items())
         access_log.info("request %s", text, extra={"fields": fields})
 
 

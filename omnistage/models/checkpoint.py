@@ -17,9 +17,11 @@ missing, wrong-shape or unexpected weight of this part. Nothing is downloaded:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -229,7 +231,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"{p}: missing tokenizer files (tokenizer.json or vocab.json + merges.txt)")
     template = chat_template(p)  # a checkpoint without one could answer no chat request
     try:
-        config = family.load_config(p)
+        with _transformers_quiet():  # it misjudges ids of another part's vocabulary (Qwen2.5's talker config)
+            config = family.load_config(p)
     except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"{cfg_file}: not a valid {family.display_name} config ({e})") from None
     problems = family.check_config(config, speech=not no_speech)
@@ -365,8 +368,6 @@ def load_part(
     ckpt: Checkpoint, part: str, dtype: str | torch.dtype = "float32", device: str = "cpu"
 ) -> torch.nn.Module:
     """Build only `part` from the checkpoint, with every one of its weights loaded."""
-    from transformers.utils import logging as hf_logging
-
     family = ckpt.family
     if part not in family.part_configs:
         raise CheckpointError(f"unknown stage part {part!r}; expected one of {', '.join(family.part_configs)}")
@@ -374,27 +375,22 @@ def load_part(
     cls = family.part_class(part)
     part_config = getattr(ckpt.config, family.part_configs[part])
     family.register_conversions()
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # we report problems ourselves, as an error
-    hf_logging.disable_progress_bar()
     try:
         # Only this part's tensors are read: handed a whole checkpoint, from_pretrained would read
         # every tensor of every part (a stage process would peak at the whole model's size).
-        model, info = cls.from_pretrained(
-            None,
-            state_dict=_part_tensors(ckpt, part),
-            config=part_config,
-            dtype=torch_dtype,
-            local_files_only=True,
-            output_loading_info=True,
-            ignore_mismatched_sizes=True,  # so that a wrong shape is reported by name, then refused below
-            key_mapping=family.key_mapping(part),
-        )
+        with _transformers_quiet():
+            model, info = cls.from_pretrained(
+                None,
+                state_dict=_part_tensors(ckpt, part),
+                config=part_config,
+                dtype=torch_dtype,
+                local_files_only=True,
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,  # so that a wrong shape is reported by name, then refused below
+                key_mapping=family.key_mapping(part),
+            )
     except (OSError, RuntimeError, ValueError, SafetensorError) as e:
         raise CheckpointError(f"{ckpt.path}: cannot load {part}: {e}") from e
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
     missing = sorted(info.get("missing_keys", []))
     mismatched = sorted(_mismatch(m) for m in info.get("mismatched_keys", []))
     # A buffer the model computes from its config and does not save (a rotary `inv_freq`, an
@@ -414,6 +410,21 @@ def load_part(
     if problems:
         raise CheckpointError(f"{ckpt.path}: refusing half-loaded {part}: " + "; ".join(problems))
     return model.to(device).eval()
+
+
+@contextlib.contextmanager
+def _transformers_quiet() -> Iterator[None]:
+    """transformers' warnings and progress bars off: we report what is wrong ourselves, as an error."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
 
 
 def _unsaved_buffers(model: torch.nn.Module) -> set[str]:

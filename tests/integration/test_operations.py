@@ -177,6 +177,22 @@ def test_client_json_has_the_text_and_request_id_and_the_access_log_has_a_line(
     assert stage_id.startswith(reply["request_id"] + ".") and len(stage_id) == len(reply["request_id"]) + 9
 
 
+def test_a_failed_requests_access_line_says_why(served: dict[str, Any], tmp_path: Path) -> None:
+    """The stages log no request's error: the gateway's access line carries the status message."""
+    code, out = finish(omnistage("client", "Hello", "--target", f"127.0.0.1:{served['base']}", "--max-tokens", "2",
+                                 "--speaker", "nobody-here", "--out", str(tmp_path / "r.wav")))  # fmt: skip
+    assert code != 0 and "nobody-here" in out, out
+    log_path = served["run_dir"] / "gateway-0.log"
+    deadline = time.monotonic() + 10
+    lines: list[dict[str, Any]] = []
+    while time.monotonic() < deadline and not lines:
+        records = [json.loads(x) for x in log_path.read_text().splitlines() if x.startswith("{")]
+        lines = [r for r in records if r.get("logger") == "omnistage.access" and "nobody-here" in (r.get("error") or "")]
+        time.sleep(0.2)
+    assert lines, "no access-log line naming the failed request's error"
+    assert lines[0]["outcome"] == "INVALID_ARGUMENT", lines[0]
+
+
 def test_health_prints_each_service(served: dict[str, Any]) -> None:
     targets = [arg for p in served["ports"].values() for arg in ("--target", f"127.0.0.1:{p}")]
     code, out = finish(omnistage("health", *targets))
