@@ -19,6 +19,8 @@ A stage's metrics, each labelled with `stage`:
                                               wait to be sent (a prefill role's KV)
   omnistage_stage_kv_pool_tokens              positions per layer fast batching's pooled KV buffers
                                               hold (a pool's memory, reservations aside; 0 when idle)
+  omnistage_stage_open_streams                Stage.Stream calls now open (a request's call stays open
+                                              until its output is all sent and its caller has closed)
   omnistage_stage_shm_segments                shared-memory segments this process holds
   omnistage_stage_shm_inline_fallbacks_total  large blobs sent inline because the pool was full (or
                                               the request over its share): size /dev/shm by it
@@ -69,7 +71,8 @@ class StageMetrics:
                  shm_segments: Callable[[], int], requests_total: Callable[[], int],
                  shm_fallbacks: Callable[[], int] = lambda: 0, replay_bytes: Callable[[], int] = lambda: 0,
                  replay_refusals: Callable[[], int] = lambda: 0, messages_sent: Callable[[], int] = lambda: 0,
-                 messages_received: Callable[[], int] = lambda: 0) -> None:  # fmt: skip
+                 messages_received: Callable[[], int] = lambda: 0,
+                 open_streams: Callable[[], int] = lambda: 0) -> None:  # fmt: skip
         self.registry = registry = CollectorRegistry()
         ProcessCollector(registry=registry)  # process_cpu_seconds_total and friends (Linux)
         registry.register(ThreadCpuCollector())  # the same by kind of thread: engine, event loop, gRPC
@@ -84,6 +87,7 @@ class StageMetrics:
         pooled = Gauge("omnistage_stage_kv_pool_tokens", "Positions per layer the pooled KV buffers of fast "
                        "batching hold", labels, registry=registry)  # fmt: skip
         shm = Gauge("omnistage_stage_shm_segments", "Shared-memory segments held", labels, registry=registry)
+        streams = Gauge("omnistage_stage_open_streams", "Stage.Stream calls now open", labels, registry=registry)
         replay = Gauge("omnistage_stage_replay_bytes", "Bytes requests keep of what they sent downstream, for "
                        "failover replay", labels, registry=registry)  # fmt: skip
         registry.register(_CounterOnScrape("omnistage_stage_requests_opened", "Requests opened", stage,
@@ -117,6 +121,7 @@ class StageMetrics:
         held.labels(stage).set_function(lambda: float(load()["held_tokens"]))
         pooled.labels(stage).set_function(lambda: float(load()["kv_pool_tokens"]))
         shm.labels(stage).set_function(lambda: float(shm_segments()))
+        streams.labels(stage).set_function(lambda: float(open_streams()))
         replay.labels(stage).set_function(lambda: float(replay_bytes()))
 
     def on_step(self, batch_size: int, seconds: float, cpu_seconds: float, produced: int) -> None:

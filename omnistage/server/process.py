@@ -66,7 +66,8 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
         metrics = StageMetrics(name, definition.output_unit, engine.load, lambda: service.pool.num_segments,
                                lambda: service.requests_total, lambda: service.pool.inline_fallbacks,
                                lambda: service.replay_memory.held, lambda: service.replay_memory.refusals,
-                               lambda: service.messages_sent, lambda: service.messages_received)  # fmt: skip
+                               lambda: service.messages_sent, lambda: service.messages_received,
+                               lambda: service.open_streams)  # fmt: skip
         engine.observer = metrics
 
     async def main() -> None:

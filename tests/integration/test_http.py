@@ -507,15 +507,22 @@ def test_metrics_count_the_requests(http_stack: Stack, client: openai.OpenAI) ->
         return sum(x.value for f in text_string_to_metric_families(text) if f.name == "omnistage_stage_replay_bytes"
                    for x in f.samples)  # fmt: skip
 
+    def open_streams() -> float:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        return sum(x.value for f in text_string_to_metric_families(text) if f.name == "omnistage_stage_open_streams"
+                   for x in f.samples)  # fmt: skip
+
     during = None  # while a reply streams, the thinker keeps what it sent the talker
+    streams = None
     for event in _chat(client, "pcm16", stream=True):
         if during is None and event.choices and event.choices[0].delta.audio is not None:
-            during = replay_bytes()
+            during, streams = replay_bytes(), open_streams()
     assert during is not None and during > 0
+    assert streams is not None and streams >= 1  # this reply's thinker call (an earlier one may be closing)
     deadline = time.monotonic() + 10
-    while replay_bytes() and time.monotonic() < deadline:
+    while (replay_bytes() or open_streams()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert replay_bytes() == 0
+    assert replay_bytes() == 0 and open_streams() == 0
 
 
 # ---- a gateway of its own: API key, and a thinker that is down ---------------------------------------

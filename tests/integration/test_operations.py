@@ -187,7 +187,8 @@ def test_a_failed_requests_access_line_says_why(served: dict[str, Any], tmp_path
     lines: list[dict[str, Any]] = []
     while time.monotonic() < deadline and not lines:
         records = [json.loads(x) for x in log_path.read_text().splitlines() if x.startswith("{")]
-        lines = [r for r in records if r.get("logger") == "omnistage.access" and "nobody-here" in (r.get("error") or "")]
+        lines = [r for r in records
+                 if r.get("logger") == "omnistage.access" and "nobody-here" in (r.get("error") or "")]
         time.sleep(0.2)
     assert lines, "no access-log line naming the failed request's error"
     assert lines[0]["outcome"] == "INVALID_ARGUMENT", lines[0]
