@@ -41,16 +41,33 @@ def _messages(kind: str) -> tuple[list[dict[str, Any]], bool]:
     return [{"role": "user", "content": content}], kind == "audio-in-video"
 
 
-def test_video_port_equals_transformers_image_processor(pipeline: Any) -> None:
+@pytest.mark.parametrize("switches", [{}, {"do_normalize": False}, {"do_rescale": False, "do_normalize": False},
+                                      {"do_resize": False}])  # fmt: skip
+def test_video_port_equals_transformers_image_processor(pipeline: Any, switches: dict[str, bool]) -> None:
     """A video of two equal frames is one temporal patch of that image: the numpy port of
-    Qwen2-VL's video processor gives transformers' image processor's patches."""
+    Qwen2-VL's video processor gives transformers' image processor's patches, with the
+    processor's switches as a checkpoint's config (or a call) sets them."""
+    from omnistage.models.qwen3_omni.processor import FrameVideoProcessor
+
     processor = _builder(pipeline).processor
-    img = media.image(50, 70, seed=4)
+    factor = processor.video_processor.patch_size * processor.video_processor.merge_size
+    img = media.image(2 * factor, 3 * factor, seed=4) if switches.get("do_resize") is False else \
+        media.image(50, 70, seed=4)  # fmt: skip
     size = {"shortest_edge": 32 * 32, "longest_edge": 128 * 128}  # the tiny image processor's bounds
-    image = processor.image_processor(images=[img], return_tensors="pt")
-    video = processor.video_processor(videos=[np.stack([img, img])], size=size, return_tensors="pt")
+    image = processor.image_processor(images=[img], return_tensors="pt", **switches)
+    video = processor.video_processor(videos=[np.stack([img, img])], size=size, return_tensors="pt", **switches)
     assert torch.equal(image["image_grid_thw"], video["video_grid_thw"])
     assert torch.allclose(image["pixel_values"], video["pixel_values_videos"], atol=1e-6, rtol=0)
+    if switches:  # the same switches from a checkpoint's config
+        port = processor.video_processor
+        configured = FrameVideoProcessor(patch_size=port.patch_size, merge_size=port.merge_size, size=size,
+                                         temporal_patch_size=port.temporal_patch_size, image_mean=port.image_mean,
+                                         image_std=port.image_std, **switches)  # fmt: skip
+        again = configured(videos=[np.stack([img, img])], return_tensors="pt")
+        assert torch.equal(again["pixel_values_videos"], video["pixel_values_videos"])
+    if switches.get("do_resize") is False:
+        with pytest.raises(ValueError, match="no multiple of"):
+            processor.video_processor(videos=[np.stack([img[:-1], img[:-1]])], size=size, **switches)
 
 
 def test_thin_images_and_tiny_audio_reach_the_processor_as_meant(pipeline: Any) -> None:

@@ -29,10 +29,14 @@ def _video_processor_base() -> type:
     return BaseVideoProcessor
 
 
+SWITCHES = ("do_resize", "do_rescale", "do_normalize")
+
+
 class FrameVideoProcessor(_video_processor_base()):  # type: ignore[misc]
     """Qwen2-VL video patches from sampled frames: each video `[T, H, W, 3]` uint8 is resized
-    (bicubic) to `smart_resize` of its frame size, rescaled, normalized, padded to a whole number
-    of temporal patches with its last frame, and cut into `[grid_t * grid_h * grid_w,
+    (bicubic) to `smart_resize` of its frame size, rescaled, normalized (each as the config's
+    `do_resize`, `do_rescale`, `do_normalize` say; default on), padded to a whole number of
+    temporal patches with its last frame, and cut into `[grid_t * grid_h * grid_w,
     3 * temporal_patch_size * patch_size**2]` rows, in Qwen2VLVideoProcessor's order."""
 
     model_input_names: ClassVar[list[str]] = ["pixel_values_videos", "video_grid_thw"]
@@ -46,6 +50,8 @@ class FrameVideoProcessor(_video_processor_base()):  # type: ignore[misc]
         self.image_mean = np.asarray(config.get("image_mean", [0.48145466, 0.4578275, 0.40821073]), np.float32)
         self.image_std = np.asarray(config.get("image_std", [0.26862954, 0.26130258, 0.27577711]), np.float32)
         self.rescale_factor = float(config.get("rescale_factor", 1 / 255))
+        # the checkpoint's switches, as transformers' video processors take them (a call may override them)
+        self.switches = {k: bool(config.get(k, True)) for k in SWITCHES}
 
     @staticmethod
     def _size(options: dict[str, Any], default: dict[str, int]) -> dict[str, int]:
@@ -63,15 +69,17 @@ class FrameVideoProcessor(_video_processor_base()):  # type: ignore[misc]
         from transformers.feature_extraction_utils import BatchFeature
 
         size = self._size(kwargs, self.size)
+        switches = {k: bool(v if (v := kwargs.get(k)) is not None else self.switches[k]) for k in SWITCHES}
         patches, grids = [], []
         for video in videos if isinstance(videos, list | tuple) else [videos]:
-            p, grid = self._one(np.asarray(video), size)
+            p, grid = self._one(np.asarray(video), size, **switches)
             patches.append(p)
             grids.append(grid)
         data = {"pixel_values_videos": np.concatenate(patches), "video_grid_thw": np.asarray(grids, dtype=np.int64)}
         return BatchFeature(data=data, tensor_type=kwargs.get("return_tensors"))
 
-    def _one(self, video: np.ndarray, size: dict[str, int]) -> tuple[np.ndarray, list[int]]:
+    def _one(self, video: np.ndarray, size: dict[str, int], do_resize: bool, do_rescale: bool, do_normalize: bool
+             ) -> tuple[np.ndarray, list[int]]:  # fmt: skip
         from PIL import Image
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize  # (no torchvision)
 
@@ -79,10 +87,19 @@ class FrameVideoProcessor(_video_processor_base()):  # type: ignore[misc]
             raise ValueError(f"a video must be uint8 frames [T, H, W, 3], got {video.dtype} {list(video.shape)}")
         t, h, w, _ = video.shape
         factor = self.patch_size * self.merge_size
-        rh, rw = smart_resize(h, w, factor, size["shortest_edge"], size["longest_edge"])
-        frames = np.stack([np.asarray(Image.fromarray(f).resize((rw, rh), Image.Resampling.BICUBIC)) for f in video])
-        x = frames.astype(np.float32) * self.rescale_factor
-        x = (x - self.image_mean) / self.image_std
+        if do_resize:
+            rh, rw = smart_resize(h, w, factor, size["shortest_edge"], size["longest_edge"])
+            video = np.stack([np.asarray(Image.fromarray(f).resize((rw, rh), Image.Resampling.BICUBIC)) for f in video])
+        elif h % factor or w % factor:  # transformers' reshape would fail on it
+            raise ValueError(f"video frames of {w}x{h} are no multiple of {factor} pixels each way, which a processor "
+                             "that does not resize (do_resize: false) needs")  # fmt: skip
+        else:
+            rh, rw = h, w
+        x = video.astype(np.float32)
+        if do_rescale:
+            x = x * self.rescale_factor
+        if do_normalize:
+            x = (x - self.image_mean) / self.image_std
         x = x.transpose(0, 3, 1, 2)  # [T, C, H, W]
         if pad := -t % self.temporal_patch_size:
             x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)])
