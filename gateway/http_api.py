@@ -85,6 +85,7 @@ AUDIO_TTL_S = 3600  # a reply's audio id names its transcript this long (its `ex
 # that joins the `data` strings before decoding gets the same bytes as one that decodes each.
 AUDIO_ALIGN = 6
 TALKER_SEED_OFFSET = 0x5EED  # the talker's seed is the request's plus this (wrapped to int64)
+CODE2WAV_SEED_OFFSET = 0xC0DE  # code2wav's (Qwen2.5-Omni's token2wav draws its noise from it), likewise
 PCM16_RATE = 24_000  # `input_audio.format: pcm16` (as OpenAI's realtime audio)
 TIMEOUT_HEADER = "x-omnistage-timeout"  # seconds the request may take (default: timeouts.request_timeout_s)
 AUDIO_OUT_FORMATS = ("wav", "mp3", "flac", "opus", "pcm16")
@@ -429,9 +430,11 @@ def _unsupported(body: ChatRequest) -> None:
 TranscriptLookup = Callable[[str], str | None]
 
 
-def _talker_seed(seed: int) -> int:
-    """The talker's seed for a request's `seed` (wrapped into int64)."""
-    return (seed + TALKER_SEED_OFFSET + (1 << 63)) % (1 << 64) - (1 << 63)
+def _seed_speech(req: gateway_pb2.GenerateRequest, seed: int) -> None:
+    """The speech stages' seeds for a request's `seed` (the request's plus each stage's offset,
+    wrapped into int64): the same seed gives the same speech."""
+    for stage, offset in (("talker", TALKER_SEED_OFFSET), ("code2wav", CODE2WAV_SEED_OFFSET)):
+        req.sampling[stage].seed = (seed + offset + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 def _greedy(temperature: float) -> bool:
@@ -544,7 +547,7 @@ def to_generate_request(
     if body.seed is not None:
         thinker.seed = body.seed
         if want_audio:  # the same seed gives the same speech too
-            req.sampling["talker"].seed = _talker_seed(body.seed)
+            _seed_speech(req, body.seed)
     req.sampling["thinker"].CopyFrom(thinker)
     _apply_sampling_list(req, body.sampling_params_list or (), stop_ids or {})
     return req
@@ -579,7 +582,7 @@ def to_speech_request(body: SpeechRequest, voices: list[str], tokenizer: Any,
     thinker.max_tokens = len(ids) + 1  # the words, then the end of the reply
     thinker.do_sample = False
     if body.seed is not None:
-        req.sampling["talker"].seed = _talker_seed(body.seed)
+        _seed_speech(req, body.seed)
     return req
 
 

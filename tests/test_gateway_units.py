@@ -192,7 +192,7 @@ def test_openai_request_errors_name_the_field() -> None:
 def test_what_other_openai_clients_send_is_understood() -> None:
     """Shapes real clients send that OpenAI's own examples do not: nulls for unset fields, vLLM's
     parts and fields, OpenAI's stock voices, wrapped base64, an earlier spoken reply by id."""
-    from gateway.http_api import TALKER_SEED_OFFSET, to_generate_request
+    from gateway.http_api import CODE2WAV_SEED_OFFSET, TALKER_SEED_OFFSET, to_generate_request
 
     wav = media.encode_audio(media.tone(0.2, 16_000, seed=1), 16_000, "wav")
     wrapped = base64.encodebytes(wav).decode()  # MIME: a newline every 76 characters
@@ -223,8 +223,11 @@ def test_what_other_openai_clients_send_is_understood() -> None:
     spoken = to_generate_request(spoken, ["ethan"])
     assert spoken.speaker == ""  # OpenAI's stock voice: the checkpoint's default speaker
     assert spoken.sampling["thinker"].top_k == 7 and spoken.sampling["talker"].seed == TALKER_SEED_OFFSET - 5
+    # Qwen2.5-Omni's token2wav draws its noise from code2wav's seed: the request's seeds it too
+    assert spoken.sampling["code2wav"].seed == CODE2WAV_SEED_OFFSET - 5
     wrap = to_generate_request(_chat(modalities=["text", "audio"], seed=(1 << 63) - 1), ["ethan"])
     assert wrap.sampling["talker"].seed == -(1 << 63) + TALKER_SEED_OFFSET - 1  # wrapped into int64
+    assert wrap.sampling["code2wav"].seed == -(1 << 63) + CODE2WAV_SEED_OFFSET - 1
     assert to_generate_request(_chat(modalities=["text", "audio"], audio={"voice": {"id": "Ethan"}}),
                                ["ethan"]).speaker == "Ethan"  # fmt: skip
     # as in vLLM, a temperature under 1e-5 is greedy (sampling there overflows), in the body and in an entry

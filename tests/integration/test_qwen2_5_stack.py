@@ -159,3 +159,17 @@ def test_malformed_talker_input_is_invalid_argument(q25_stack: Stack, q25_checkp
     assert needle in err.value.details() and "talker" in err.value.details()
     reply = run(generate(q25_stack.gateway_address, "hi", thinker_max_tokens=4, talker_max_tokens=4, timeout=60))
     assert reply.token_ids
+
+
+def test_the_http_seed_makes_the_speech_repeatable(q25_stack: Stack) -> None:
+    """Qwen2.5-Omni's token2wav starts from noise drawn from code2wav's seed: an HTTP request's
+    `seed` sets it too, so the same seed gives the same bytes (it was drawn afresh each time)."""
+    import httpx
+
+    url = f"http://{q25_stack.http_address}/v1/audio/speech"
+    body = {"input": "Hello world", "voice": "Ethan", "response_format": "pcm", "seed": 11}
+    first, again = (httpx.post(url, json=body, timeout=120) for _ in range(2))
+    assert first.status_code == again.status_code == 200, (first.text[:300], again.text[:300])
+    assert len(first.content) > 0 and first.content == again.content
+    other = httpx.post(url, json={**body, "seed": 12}, timeout=120)
+    assert other.status_code == 200 and other.content != first.content  # the seed is what fixed it
