@@ -11,6 +11,28 @@ import typer
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: every figure against a baseline from the same run.")
 
 
+def _ints(value: str) -> str:
+    """A comma-separated option of whole numbers, each at least 1 (levels, batches): a usage error otherwise."""
+    from benchmarks.harness import parse_int_list
+
+    try:
+        parse_int_list(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    return value
+
+
+def _floats(value: str) -> str:
+    """A comma-separated option of numbers above 0 (rates, seconds): a usage error otherwise."""
+    from benchmarks.harness import parse_float_list
+
+    try:
+        parse_float_list(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    return value
+
+
 @bench_app.callback(invoke_without_command=True, no_args_is_help=False)
 def bench(
     ctx: typer.Context,
@@ -19,27 +41,30 @@ def bench(
     config: Annotated[Path | None, typer.Option("--config", help="Deploy YAML for --serve.")] = None,
     model: Annotated[Path | None, typer.Option("--model", help="Checkpoint dir (default: the tiny one).")] = None,
     replicas: Annotated[str | None, typer.Option("--replicas", help="For --serve, e.g. talker=2,code2wav=2.")] = None,
-    concurrency: Annotated[str, typer.Option("--concurrency", help="Closed-loop levels, e.g. 1,4,8,16.")] = "1,4,8",
-    rate: Annotated[str, typer.Option("--rate", help="Poisson arrival rates (req/s), e.g. 2.0 or 1,2.")] = "",
-    num_requests: Annotated[int, typer.Option("--num-requests", help="Requests per level.")] = 16,
-    time_limit: Annotated[float, typer.Option("--time-limit", help="Seconds per level (0: none).")] = 120.0,
+    concurrency: Annotated[str, typer.Option("--concurrency", callback=_ints, help="Closed-loop levels, e.g. "
+                                             "1,4,8,16 (default 1,4,8; with --http 1,8).")] = "",
+    rate: Annotated[str, typer.Option("--rate", callback=_floats,
+                                      help="Poisson arrival rates (req/s), e.g. 2.0 or 1,2.")] = "",
+    num_requests: Annotated[int, typer.Option("--num-requests", min=1, help="Requests per level.")] = 16,
+    time_limit: Annotated[float, typer.Option("--time-limit", min=0, help="Seconds per level (0: none).")] = 120.0,
     prompts: Annotated[Path | None, typer.Option("--prompts", help="Prompt file, one per line.")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Request order and Poisson arrivals.")] = 0,
-    thinker_max_tokens: Annotated[int, typer.Option("--thinker-max-tokens")] = 24,
-    talker_max_tokens: Annotated[int, typer.Option("--talker-max-tokens")] = 48,
+    thinker_max_tokens: Annotated[int, typer.Option("--thinker-max-tokens", min=1)] = 24,
+    talker_max_tokens: Annotated[int, typer.Option("--talker-max-tokens", min=1)] = 48,
     sampled_speech: Annotated[bool, typer.Option(
         "--sampled-speech", help="The talker samples (its defaults, seed = request index), as an HTTP request's "
         "does; text stays greedy. generate() and the stage baselines are greedy: skipped.")] = False,
     baseline_requests: Annotated[
-        int | None, typer.Option("--baseline-requests", help="Requests per baseline (default: --num-requests).")
+        int | None, typer.Option("--baseline-requests", min=1, help="Requests per baseline (default: --num-requests).")
     ] = None,
     monolithic: Annotated[bool, typer.Option("--monolithic/--no-monolithic", help="transformers generate().")] = True,
     inprocess: Annotated[bool, typer.Option("--inprocess/--no-inprocess", help="In-process pipeline.")] = True,
     full_payload: Annotated[bool, typer.Option("--full-payload/--no-full-payload", help="full_payload TTFA.")] = True,
     stages: Annotated[bool, typer.Option("--stages/--no-stages", help="Each stage alone (bottleneck).")] = True,
-    warmup: Annotated[int, typer.Option("--warmup", help="Untimed requests per driver.")] = 1,
-    threads: Annotated[int, typer.Option("--threads", help="torch threads in this process.")] = 1,
-    request_timeout: Annotated[float, typer.Option("--request-timeout", help="gRPC deadline, seconds.")] = 300.0,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed requests per driver.")] = 1,
+    threads: Annotated[int, typer.Option("--threads", min=1, help="torch threads in this process.")] = 1,
+    request_timeout: Annotated[float, typer.Option("--request-timeout", min=0.001,
+                                                   help="gRPC deadline, seconds.")] = 300.0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Every raw figure, ratios, machine.")] = None,
     plot_out: Annotated[Path | None, typer.Option("--plot", help="PNG: latency CDFs, throughput.")] = None,
     markdown_out: Annotated[Path | None, typer.Option("--markdown", help="Short markdown summary.")] = None,
@@ -53,12 +78,13 @@ def bench(
     """Latency and throughput of the served pipeline, each figure against a same-run baseline."""
     if ctx.invoked_subcommand is not None:
         return
-    from benchmarks.harness import BenchOptions, main, parse_float_list, parse_int_list
+    from benchmarks.harness import BenchOptions, failed_levels, main, parse_float_list, parse_int_list
 
-    main(
+    result = main(
         BenchOptions(
             target=target, serve=serve, config=config, model=model, replicas=replicas,
-            concurrency=parse_int_list(concurrency), rates=parse_float_list(rate), num_requests=num_requests,
+            concurrency=parse_int_list(concurrency) or ([1, 8] if http else [1, 4, 8]), rates=parse_float_list(rate),
+            num_requests=num_requests,
             time_limit=time_limit or None, prompts=prompts, seed=seed, thinker_max_tokens=thinker_max_tokens,
             talker_max_tokens=talker_max_tokens, sampled_speech=sampled_speech, baseline_requests=baseline_requests,
             monolithic=monolithic, inprocess=inprocess, full_payload=full_payload, stages=stages, warmup=warmup,
@@ -66,6 +92,10 @@ def bench(
             markdown_out=markdown_out, progress=progress, http=http, http_target=http_target,
         )
     )
+    failed = failed_levels(result)
+    if failed:  # the figures are written; the exit status says the run measured nothing there
+        typer.echo("error: every request failed at " + "; ".join(failed), err=True)
+        raise typer.Exit(1)
 
 
 @bench_app.command("compare")
@@ -73,16 +103,18 @@ def bench_compare(
     configs: Annotated[list[str], typer.Argument(
         help="Deploy YAML files, the first the baseline; FILE@DIR runs the stack from the source tree DIR "
         "(a git worktree of another commit) instead of this one.")],
-    rounds: Annotated[int, typer.Option("--rounds", help="Rounds; each starts every file's stack once.")] = 3,
-    loads: Annotated[int, typer.Option("--loads", help="Measured loads per stack start.")] = 2,
-    num_requests: Annotated[int, typer.Option("--num-requests", help="Requests per measured load.")] = 400,
-    warmup: Annotated[int, typer.Option("--warmup", help="Requests before a stack's first measured load.")] = 400,
-    concurrency: Annotated[int, typer.Option("--concurrency", help="Closed-loop concurrency.")] = 16,
-    time_limit: Annotated[float, typer.Option("--time-limit", help="Seconds per load at most (0: none).")] = 120.0,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Rounds; each starts every file's stack once.")] = 3,
+    loads: Annotated[int, typer.Option("--loads", min=1, help="Measured loads per stack start.")] = 2,
+    num_requests: Annotated[int, typer.Option("--num-requests", min=1, help="Requests per measured load.")] = 400,
+    warmup: Annotated[int, typer.Option("--warmup", min=0,
+                                        help="Requests before a stack's first measured load.")] = 400,
+    concurrency: Annotated[int, typer.Option("--concurrency", min=1, help="Closed-loop concurrency.")] = 16,
+    time_limit: Annotated[float, typer.Option("--time-limit", min=0,
+                                              help="Seconds per load at most (0: none).")] = 120.0,
     model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: built-in tiny).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Request order.")] = 0,
-    thinker_max_tokens: Annotated[int, typer.Option("--thinker-max-tokens")] = 24,
-    talker_max_tokens: Annotated[int, typer.Option("--talker-max-tokens")] = 48,
+    thinker_max_tokens: Annotated[int, typer.Option("--thinker-max-tokens", min=1)] = 24,
+    talker_max_tokens: Annotated[int, typer.Option("--talker-max-tokens", min=1)] = 48,
     json_out: Annotated[Path | None, typer.Option("--json", help="Every load's figures and the summary.")] = None,
 ) -> None:
     """Deploy files (or code: FILE@DIR) against each other in the steady state, their stacks
@@ -130,7 +162,7 @@ def bench_trace(
     out_dir: Annotated[Path, typer.Option("--out", help="Folder for the Chrome traces and summaries.")] = Path("trace"),
     model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: built-in tiny).")] = None,
     batching: Annotated[str, typer.Option("--batching", help="exact, fast or both.")] = "both",
-    requests: Annotated[int, typer.Option("--requests", help="Requests profiled (after one warm-up).")] = 2,
+    requests: Annotated[int, typer.Option("--requests", min=1, help="Requests profiled (after one warm-up).")] = 2,
     dtype: Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float16, every stage.")] = "float32",
 ) -> None:
     """CUDA only: the in-process pipeline under torch's profiler; each host<->device copy by kind
@@ -158,8 +190,8 @@ def bench_code2wav(
 def bench_relay(
     target: Annotated[str, typer.Option("--target", help="Gateway HOST:PORT.")] = "127.0.0.1:50051",
     thinker: Annotated[str, typer.Option("--thinker", help="Thinker HOST:PORT (its Info is read).")] = "127.0.0.1:7101",
-    requests: Annotated[int, typer.Option("--requests", help="Requests per level.")] = 48,
-    concurrency: Annotated[int, typer.Option("--concurrency", help="Closed-loop concurrency.")] = 16,
+    requests: Annotated[int, typer.Option("--requests", min=1, help="Requests per level.")] = 48,
+    concurrency: Annotated[int, typer.Option("--concurrency", min=1, help="Closed-loop concurrency.")] = 16,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
 ) -> None:
     """The thinker's mean step time with audio relayed through it vs text only, same load."""
@@ -170,9 +202,10 @@ def bench_relay(
 
 @bench_app.command("grpc-floor")
 def bench_grpc_floor(
-    messages: Annotated[int, typer.Option("--messages", help="Messages per run (at most 200000).")] = 20_000,
-    payload: Annotated[int, typer.Option("--payload", help="Bytes per message (a token chunk: ~600).")] = 600,
-    repeats: Annotated[int, typer.Option("--repeats", help="Runs; the median is printed.")] = 3,
+    messages: Annotated[int, typer.Option("--messages", min=1, max=200_000,
+                                          help="Messages per run (at most 200000).")] = 20_000,
+    payload: Annotated[int, typer.Option("--payload", min=1, help="Bytes per message (a token chunk: ~600).")] = 600,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Runs; the median is printed.")] = 3,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
 ) -> None:
     """CPU per streamed message of grpc.aio on loopback, client and server: the floor under every
@@ -184,16 +217,19 @@ def bench_grpc_floor(
 
 @bench_app.command("handoff")
 def bench_handoff(
-    batches: Annotated[str, typer.Option("--batches", help="Outputs per step, comma-separated.")] = "1,4,16",
-    steps: Annotated[int, typer.Option("--steps", help="Steps per run (at most 100000).")] = 2000,
-    work_us: Annotated[float, typer.Option("--work-us", help="Microseconds of GIL-holding work between steps.")] = 2000,
+    batches: Annotated[str, typer.Option("--batches", callback=_ints,
+                                         help="Outputs per step, comma-separated.")] = "1,4,16",
+    steps: Annotated[int, typer.Option("--steps", min=1, max=100_000, help="Steps per run (at most 100000).")] = 2000,
+    work_us: Annotated[float, typer.Option("--work-us", min=0,
+                                           help="Microseconds of GIL-holding work between steps.")] = 2000,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
 ) -> None:
     """What handing a step's outputs to the event loop costs the engine thread: one
     call_soon_threadsafe per output against one wake-up per step (omnistage/server/handoff.py)."""
     from benchmarks.handoff import main
+    from benchmarks.harness import parse_int_list
 
-    main([int(b) for b in batches.split(",")], steps, work_us, json_out)
+    main(parse_int_list(batches), steps, work_us, json_out)
 
 
 @bench_app.command("load")
@@ -213,12 +249,12 @@ def bench_audio_in(
         str | None, typer.Option("--target", help="HOST:PORT of a running gateway (default: start a stack).")
     ] = None,
     model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: built-in tiny).")] = None,
-    clips: Annotated[str, typer.Option("--clips", help="Clip lengths in seconds.")] = "2,10",
-    requests: Annotated[int, typer.Option("--requests", help="Served requests per level.")] = 8,
-    concurrency: Annotated[str, typer.Option("--concurrency", help="Closed-loop levels.")] = "1,4",
-    baseline_requests: Annotated[int, typer.Option("--baseline-requests", help="generate() runs per clip.")] = 3,
-    thinker_max_tokens: Annotated[int, typer.Option("--thinker-max-tokens")] = 24,
-    talker_max_tokens: Annotated[int, typer.Option("--talker-max-tokens")] = 48,
+    clips: Annotated[str, typer.Option("--clips", callback=_floats, help="Clip lengths in seconds.")] = "2,10",
+    requests: Annotated[int, typer.Option("--requests", min=1, help="Served requests per level.")] = 8,
+    concurrency: Annotated[str, typer.Option("--concurrency", callback=_ints, help="Closed-loop levels.")] = "1,4",
+    baseline_requests: Annotated[int, typer.Option("--baseline-requests", min=1, help="generate() runs per clip.")] = 3,
+    thinker_max_tokens: Annotated[int, typer.Option("--thinker-max-tokens", min=1)] = 24,
+    talker_max_tokens: Annotated[int, typer.Option("--talker-max-tokens", min=1)] = 48,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
 ) -> None:
     """TTFT and TTFA with an audio clip in, against monolithic generate() on the same inputs."""
@@ -232,11 +268,11 @@ def bench_audio_in(
 @bench_app.command("faults")
 def bench_faults(
     model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: built-in tiny).")] = None,
-    malformed: Annotated[int, typer.Option("--malformed", help="Malformed calls per stage.")] = 10_000,
-    cancels: Annotated[int, typer.Option("--cancels", help="Requests cancelled at random points.")] = 1_000,
-    kill_requests: Annotated[int, typer.Option("--kill-requests", help="Requests of the kill run (c=8).")] = 64,
-    soak_requests: Annotated[int, typer.Option("--soak-requests", help="Requests of the soak (c=16).")] = 2_000,
-    time_limit: Annotated[float, typer.Option("--time-limit", help="Seconds per load phase at most.")] = 3600.0,
+    malformed: Annotated[int, typer.Option("--malformed", min=0, help="Malformed calls per stage.")] = 10_000,
+    cancels: Annotated[int, typer.Option("--cancels", min=0, help="Requests cancelled at random points.")] = 1_000,
+    kill_requests: Annotated[int, typer.Option("--kill-requests", min=0, help="Requests of the kill run (c=8).")] = 64,
+    soak_requests: Annotated[int, typer.Option("--soak-requests", min=0, help="Requests of the soak (c=16).")] = 2_000,
+    time_limit: Annotated[float, typer.Option("--time-limit", min=0, help="Seconds per load phase at most.")] = 3600.0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
 ) -> None:
     """Malformed messages per stage, cancels at random points, one replica of each stage killed
@@ -249,12 +285,12 @@ def bench_faults(
 @bench_app.command("routing")
 def bench_routing(
     model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: built-in tiny).")] = None,
-    requests: Annotated[int, typer.Option("--requests", help="Requests per policy.")] = 48,
-    concurrency: Annotated[int, typer.Option("--concurrency", help="Closed-loop concurrency.")] = 8,
-    short_frames: Annotated[int, typer.Option("--short-frames", help="Talker frames of a short request.")] = 8,
-    long_frames: Annotated[int, typer.Option("--long-frames", help="Talker frames of a long request.")] = 96,
-    long_share: Annotated[float, typer.Option("--long-share", help="Fraction of long requests.")] = 0.25,
-    time_limit: Annotated[float, typer.Option("--time-limit", help="Seconds per policy at most.")] = 600.0,
+    requests: Annotated[int, typer.Option("--requests", min=1, help="Requests per policy.")] = 48,
+    concurrency: Annotated[int, typer.Option("--concurrency", min=1, help="Closed-loop concurrency.")] = 8,
+    short_frames: Annotated[int, typer.Option("--short-frames", min=1, help="Talker frames of a short request.")] = 8,
+    long_frames: Annotated[int, typer.Option("--long-frames", min=1, help="Talker frames of a long request.")] = 96,
+    long_share: Annotated[float, typer.Option("--long-share", min=0, max=1, help="Fraction of long requests.")] = 0.25,
+    time_limit: Annotated[float, typer.Option("--time-limit", min=0, help="Seconds per policy at most.")] = 600.0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
 ) -> None:
     """round_robin vs least_outstanding routing, two talker replicas, short and long requests mixed."""
@@ -269,7 +305,7 @@ def bench_pd(
     tokens: Annotated[int, typer.Option("--tokens", help="Prompt tokens of the KV transfer and long requests.")] = 1500,
     chunk: Annotated[int, typer.Option("--chunk", help="Prompt tokens per KV chunk (prefill step).")] = 512,
     shorts: Annotated[int, typer.Option("--shorts", help="Short requests of the mixed load.")] = 48,
-    rate: Annotated[float, typer.Option("--rate", help="Short requests per second.")] = 2.0,
+    rate: Annotated[float, typer.Option("--rate", min=0.001, help="Short requests per second.")] = 2.0,
     long_every: Annotated[int, typer.Option("--long-every", help="One long-prompt request per N short.")] = 4,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
 ) -> None:
@@ -283,7 +319,7 @@ def bench_pd(
 @bench_app.command("batching")
 def bench_batching(
     model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: built-in tiny).")] = None,
-    requests: Annotated[int, typer.Option("--requests", help="Requests of the bench mix.")] = 32,
+    requests: Annotated[int, typer.Option("--requests", min=1, help="Requests of the bench mix.")] = 32,
     batch: Annotated[int, typer.Option("--batch", help="Requests stepped together.")] = 16,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Thinker tokens per request.")] = 24,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,

@@ -195,7 +195,7 @@ class GrpcDriver(Driver):
     """A running stack's gateway, through ``gateway.client.stream_generate``, over one channel
     shared by all requests (as a real client keeps its connection). ``openai_greedy``: the
     sampling an HTTP request with temperature 0 gets (greedy text and speech, the talker's other
-    defaults kept), so the two front doors do the same work."""
+    defaults kept), so the two front doors do the same work (each with the request's limits)."""
 
     name = "grpc"
 
@@ -224,7 +224,7 @@ class GrpcDriver(Driver):
             req.prompt,
             want_audio=req.want_audio,
             thinker_max_tokens=req.thinker_max_tokens,
-            talker_max_tokens=None if self.openai_greedy else req.talker_max_tokens,
+            talker_max_tokens=req.talker_max_tokens,
             mode=req.mode,
             timeout=self.timeout,
             channel=self._channel,
@@ -257,6 +257,18 @@ class HttpDriver(Driver):
         self.timeout = timeout
         self._client: Any = None
 
+    @staticmethod
+    def body(req: BenchRequest) -> dict[str, Any]:
+        """The chat request: greedy, streamed, with the request's thinker and talker limits."""
+        body: dict[str, Any] = {"messages": [{"role": "user", "content": req.prompt}], "stream": True,
+                                "temperature": 0, "max_tokens": req.thinker_max_tokens,
+                                "stream_options": {"include_usage": True},
+                                "modalities": ["text", "audio"] if req.want_audio else ["text"],
+                                "audio": {"format": "pcm16"}}  # fmt: skip
+        if req.want_audio:  # the talker's limit, as vLLM-Omni's clients send a stage's own (the gRPC driver's)
+            body["sampling_params_list"] = [{}, {"max_tokens": req.talker_max_tokens}]
+        return body
+
     async def run(self, req: BenchRequest) -> list[StreamEvent]:
         import base64
         import json
@@ -265,12 +277,8 @@ class HttpDriver(Driver):
 
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=self.timeout)
-        body = {"messages": [{"role": "user", "content": req.prompt}], "stream": True, "temperature": 0,
-                "max_tokens": req.thinker_max_tokens, "stream_options": {"include_usage": True},
-                "modalities": ["text", "audio"] if req.want_audio else ["text"],
-                "audio": {"format": "pcm16"}}  # fmt: skip
         events: list[StreamEvent] = []
-        async with self._client.stream("POST", self.url, json=body) as response:
+        async with self._client.stream("POST", self.url, json=self.body(req)) as response:
             if response.status_code != 200:
                 raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
             async for line in response.aiter_lines():

@@ -27,7 +27,7 @@ __all__ = ["main"]
 def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
     if not (opts.serve or (opts.target and opts.http_target)):
         raise ValueError("--http needs a stack: --serve, or --target HOST:PORT with --http-target HOST:PORT")
-    levels = opts.concurrency if opts.concurrency != [1, 4, 8] else [1, 8]  # the default sweep -> 1 and 8
+    levels = opts.concurrency  # the CLI's default here: 1 and 8
     prompts = load_prompts(opts.prompts)
     order = request_sequence(len(prompts), opts.num_requests, opts.seed)
     requests = [BenchRequest(i, p, prompts[p], opts.thinker_max_tokens, opts.talker_max_tokens)

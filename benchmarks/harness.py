@@ -96,12 +96,37 @@ class BenchOptions:
 
 
 def parse_int_list(spec: str) -> list[int]:
-    """`1,4,8` -> [1, 4, 8]; empty -> []."""
-    return [int(p) for p in (x.strip() for x in spec.split(",")) if p]
+    """`1,4,8` -> [1, 4, 8]; empty -> []. Every value must be at least 1 (a level, a batch)."""
+    try:
+        values = [int(p) for p in (x.strip() for x in spec.split(",")) if p]
+    except ValueError:
+        raise ValueError(f"expected whole numbers separated by commas, got {spec!r}") from None
+    if any(v < 1 for v in values):
+        raise ValueError(f"every value must be at least 1, got {spec!r}")
+    return values
 
 
 def parse_float_list(spec: str) -> list[float]:
-    return [float(p) for p in (x.strip() for x in spec.split(",")) if p]
+    """`1,2.5` -> [1.0, 2.5]; empty -> []. Every value must be a finite number above 0 (a rate, seconds)."""
+    try:
+        values = [float(p) for p in (x.strip() for x in spec.split(",")) if p]
+    except ValueError:
+        raise ValueError(f"expected numbers separated by commas, got {spec!r}") from None
+    if not all(0 < v < float("inf") for v in values):
+        raise ValueError(f"every value must be a number above 0, got {spec!r}")
+    return values
+
+
+def failed_levels(result: dict[str, Any]) -> list[str]:
+    """The measured levels of a bench result where every request failed, each with its first error."""
+    out = []
+    for level in result.get("configurations", []):
+        records = level.get("requests", [])
+        if records and not any(r.get("ok") for r in records):
+            first = next((r.get("error") for r in records if r.get("error")), None)
+            first = " ".join(str(first).split())[:300] if first else None  # an RPC error's repr spans lines
+            out.append(f"{level['name']}: all {len(records)} failed" + (f" (first: {first})" if first else ""))
+    return out
 
 
 # ---- model directory ------------------------------------------------------------------------
@@ -168,8 +193,7 @@ def free_port_blocks(sizes: Sequence[int], host: str = "127.0.0.1", metrics_offs
 
 
 def stack_config(opts: BenchOptions) -> Any:
-    from omnistage.config import ConfigError, apply_overrides, load_config, parse_replicas
-    from omnistage.topology import STAGES
+    from omnistage.config import ConfigError, apply_overrides, config_path, load_config, parse_replicas
 
     cfg = load_config(opts.config)
     overrides: dict[str, Any] = {}
@@ -181,12 +205,14 @@ def stack_config(opts: BenchOptions) -> Any:
     if not cfg.audio_output:
         raise ConfigError("audio_output: false: the bench measures speech (time to first audio, real-time "
                           "factor), which a text-only stack has none of")  # fmt: skip
-    # Free ports, so a bench stack never collides with another stack on this machine.
-    sizes = [cfg.gateway.replicas, *(cfg.stage(s).replicas for s in STAGES), cfg.gateway.replicas]
+    # Free ports, so a bench stack never collides with another stack on this machine: every
+    # process the config runs (a split thinker's two roles too).
+    names = cfg.stage_names()
+    sizes = [cfg.gateway.replicas, *(cfg.stage(s).replicas for s in names), cfg.gateway.replicas]
     bases = free_port_blocks(sizes, cfg.host, metrics_offset=cfg.metrics.port_offset)
     port_overrides: dict[str, Any] = {"gateway.port": bases[0], "gateway.http_port": bases[-1]}
-    for name, base in zip(STAGES, bases[1:-1], strict=True):
-        port_overrides[f"{name}.base_port"] = base
+    for name, base in zip(names, bases[1:-1], strict=True):
+        port_overrides[f"{config_path(name)}.base_port"] = base
     return apply_overrides(cfg, port_overrides)
 
 

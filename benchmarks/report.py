@@ -126,17 +126,18 @@ def cpu_ceiling(result: dict[str, Any], level: dict[str, Any]) -> dict[str, Any]
     request costs, which is each stage's at its best batch alone (one torch thread, so one core
     while it runs) plus, at `level`, the CPU per request of the processes that run no steps (the
     gateway, the bench client). A stack whose stages share the cores cannot beat it, however
-    well it batches. None without the figures (or with more than one torch thread)."""
+    well it batches. None without the figures (or with more than one torch thread), among them
+    a stack driven at `--target`, whose processes' CPU the bench does not read."""
     machine = result.get("machine") or {}
     stages = (result.get("stage_baseline") or {}).get("stages") or {}
     rates = [s.get("requests_per_s") for s in stages.values()]
     served = level["summary"]["requests_per_s"]
+    load = level.get("stage_load") or {}
+    others = [f["cpu_cores"] for f in load.values() if f.get("steps") is None and f.get("cpu_cores") is not None]
     if not machine.get("affinity_cpus") or machine.get("torch_threads") != 1 or not rates or not all(rates) \
-            or not served:  # fmt: skip
+            or not served or not others:  # fmt: skip
         return None
     stages_s = sum(1 / r for r in rates)
-    others = [f["cpu_cores"] for f in (level.get("stage_load") or {}).values()
-              if f.get("steps") is None and f.get("cpu_cores") is not None]  # fmt: skip
     others_s = sum(others) / served
     ceiling = machine["affinity_cpus"] / (stages_s + others_s)
     limit = (result.get("stage_baseline") or {}).get("bottleneck_requests_per_s")

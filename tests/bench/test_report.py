@@ -43,6 +43,9 @@ def test_the_cpu_ceiling_is_the_cores_over_the_core_seconds_a_request_costs() ->
     assert "CPU ceiling on 2 cores: 6.67 req/s, 0.67 of the slowest alone" in format_saturation(result)
     result["machine"]["torch_threads"] = 4  # then a stage alone is not one core: no ceiling
     assert saturation(result)["cpu_ceiling"] is None
+    result["machine"]["torch_threads"] = 1
+    result["configurations"][2]["stage_load"] = None  # a stack at --target: its processes' CPU not read
+    assert saturation(result)["cpu_ceiling"] is None  # (it printed them as 0.0 ms)
     assert "CPU ceiling" not in format_saturation(_result({1: 1.0, 4: 3.0}))
 
 

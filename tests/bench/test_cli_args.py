@@ -1,0 +1,82 @@
+"""`omnistage bench` arguments: a value no run can use is a usage error (exit 2, naming the
+option), not a traceback or a run that measures nothing; a run where every request failed
+exits 1; each front door gets the request's limits."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from benchmarks.cli import bench_app
+from benchmarks.drivers import BenchRequest, HttpDriver
+from benchmarks.harness import failed_levels
+from tests.integration.conftest import free_port_block
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["--concurrency", "0"], "--concurrency"),
+        (["--concurrency", "1,x"], "--concurrency"),
+        (["--rate", "0"], "--rate"),
+        (["--time-limit", "-5"], "--time-limit"),
+        (["--num-requests", "0"], "--num-requests"),
+        (["grpc-floor", "--messages", "0"], "--messages"),
+        (["grpc-floor", "--repeats", "0"], "--repeats"),
+        (["grpc-floor", "--payload", "-5"], "--payload"),
+        (["handoff", "--batches", "0"], "--batches"),
+        (["audio-in", "--clips", "-1"], "--clips"),
+        (["routing", "--long-share", "2"], "--long-share"),
+    ],
+)
+def test_a_value_no_run_can_use_is_a_usage_error(args: list[str], option: str) -> None:
+    result = CliRunner().invoke(bench_app, args)
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    assert option in result.output and "Traceback" not in result.output
+
+
+def test_a_run_where_every_request_failed_exits_1() -> None:
+    port = free_port_block(1)  # nothing listens there
+    result = CliRunner().invoke(bench_app, ["--target", f"127.0.0.1:{port}", "--concurrency", "1", "--num-requests",
+                                            "2", "--no-monolithic", "--no-stages", "--no-inprocess",
+                                            "--no-full-payload", "--no-progress", "--warmup", "0"])  # fmt: skip
+    assert result.exit_code == 1, (result.exit_code, result.output[-2000:])
+    assert "every request failed at grpc c=1: all 2 failed (first: " in result.output
+
+
+def test_failed_levels_names_only_levels_with_no_success() -> None:
+    ok, bad = {"ok": True, "error": None}, {"ok": False, "error": "AioRpcError:\n  UNAVAILABLE"}
+    result = {"configurations": [{"name": "a", "requests": [ok, bad]}, {"name": "b", "requests": [bad, bad]},
+                                 {"name": "c", "requests": []}]}  # fmt: skip
+    assert failed_levels(result) == ["b: all 2 failed (first: AioRpcError: UNAVAILABLE)"]
+
+
+def test_the_http_driver_sends_the_talker_limit() -> None:
+    """`--talker-max-tokens` bounds the HTTP front door too (it ran to the talker's 4,096 codes)."""
+    body = HttpDriver.body(BenchRequest(0, 0, "hi", thinker_max_tokens=5, talker_max_tokens=7))
+    assert body["max_tokens"] == 5 and body["temperature"] == 0
+    assert body["sampling_params_list"] == [{}, {"max_tokens": 7}]
+    text_only = HttpDriver.body(BenchRequest(0, 0, "hi", 5, 7, want_audio=False))
+    assert "sampling_params_list" not in text_only and text_only["modalities"] == ["text"]
+
+
+def test_a_served_split_thinker_gets_free_ports_for_both_roles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench --serve --config deploy/examples/pd.yaml`: every process on a port picked free, the
+    thinker's two roles too (they stayed on the file's 7101 and 7151, `omnistage serve`'s own)."""
+    from pathlib import Path
+
+    from benchmarks import harness
+
+    picked: list[list[int]] = []
+
+    def free_blocks(sizes: list[int], *args: object, **kwargs: object) -> list[int]:
+        picked.append(list(sizes))
+        return [40_000 + 100 * k for k in range(len(sizes))]
+
+    monkeypatch.setattr(harness, "free_port_blocks", free_blocks)
+    example = Path(__file__).parents[2] / "deploy" / "examples" / "pd.yaml"
+    cfg = harness.stack_config(harness.BenchOptions(serve=True, config=example))
+    grpc = {role: port for port, role in cfg.ports() if "metrics" not in role}
+    assert grpc == {"gateway[0]": 40_000, "thinker-prefill[0]": 40_100, "thinker-decode[0]": 40_200,
+                    "talker[0]": 40_300, "code2wav[0]": 40_400, "gateway[0] http": 40_500}, cfg.ports()
+    assert picked == [[1, 1, 1, 1, 1, 1]]
