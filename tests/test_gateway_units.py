@@ -187,6 +187,12 @@ def test_openai_request_errors_name_the_field() -> None:
         with pytest.raises(HttpError) as e:
             to_generate_request(body, ["ethan"])
         assert e.value.status == 400 and e.value.message.startswith(message), e.value.message
+    # a client's string is quoted cut, as the gRPC front door cuts it (100,000 characters came back whole)
+    for body in (_chat(modalities=["text", "audio"], audio={"voice": "v" * 100_000}),
+                 _chat(messages=[{"role": "assistant", "audio": {"id": "a" * 100_000}}])):  # fmt: skip
+        with pytest.raises(HttpError) as e:
+            to_generate_request(body, ["ethan"])
+        assert len(e.value.message) < 300 and "(cut; 100000 characters)" in e.value.message, e.value.message
 
 
 def test_what_other_openai_clients_send_is_understood() -> None:
