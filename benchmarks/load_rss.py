@@ -2,7 +2,10 @@
 part of a checkpoint, against loading the whole model, each in a fresh process.
 
 Every figure is a fresh `python` that imports torch and transformers first (its RSS then is the
-baseline), then loads; the peak RSS (`VmHWM`) minus that baseline is what the load cost.
+baseline), then loads; the peak RSS (`VmHWM`) minus that baseline is what the load cost. Of what
+the loaded process holds, `anon` is its own memory and `file` the checkpoint's pages it maps
+(weights stored in the dtype loaded are used in place from the mapped files: page cache, which
+the kernel may drop and other processes mapping the same files share).
 With no `--model` it writes a synthetic checkpoint of the family, large enough that weights
 dominate (published layout, sharded, experts stored one by one).
 """
@@ -32,6 +35,7 @@ def rss_mb():
     return status_mb("VmRSS")
 
 base = rss_mb()
+base_anon, base_file = status_mb("RssAnon"), status_mb("RssFile")
 path, what = sys.argv[1], sys.argv[2]
 if what == "whole":
     from omnistage.models import open_checkpoint
@@ -43,7 +47,9 @@ else:
     model = load_part(open_checkpoint(path), what)
 params = sum(p.numel() for p in model.parameters())
 peak = status_mb("VmHWM")  # this process's own high-water mark (ru_maxrss would carry the parent's over exec)
-print(json.dumps({"baseline_mb": base, "peak_mb": peak, "after_mb": rss_mb(), "parameters": params}))
+anon, file = status_mb("RssAnon") - base_anon, status_mb("RssFile") - base_file
+print(json.dumps({"baseline_mb": base, "peak_mb": peak, "after_mb": rss_mb(), "parameters": params,
+                  "anon_after_mb": anon, "file_after_mb": file}))
 """
 
 # A checkpoint of the family whose weights dominate a process's memory (about 0.3 GB in fp32).
@@ -95,10 +101,11 @@ def run(model_dir: Path | None = None) -> dict[str, Any]:
 def main(model_dir: Path | None = None, json_out: Path | None = None) -> dict[str, Any]:
     res = run(model_dir)
     print(f"checkpoint: {res['model']}, {res['weights_mb']:.0f} MB of weights")
-    print(f"{'loaded':<10} {'parameters':>12} {'baseline MB':>12} {'peak MB':>9} {'load MB':>9} {'/ whole':>8}")
+    print(f"{'loaded':<10} {'parameters':>12} {'baseline MB':>12} {'peak MB':>9} {'load MB':>9} {'/ whole':>8} "
+          f"{'anon MB':>8} {'file MB':>8}")  # fmt: skip
     for what, f in res["figures"].items():
         ratio = res["part_over_whole"].get(what, 1.0)
         print(f"{what:<10} {f['parameters']:>12,} {f['baseline_mb']:>12.0f} {f['peak_mb']:>9.0f} "
-              f"{f['load_mb']:>9.0f} {ratio:>8.2f}")  # fmt: skip
+              f"{f['load_mb']:>9.0f} {ratio:>8.2f} {f['anon_after_mb']:>8.0f} {f['file_after_mb']:>8.0f}")  # fmt: skip
     write_json(json_out, res)
     return res
