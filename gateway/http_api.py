@@ -296,6 +296,8 @@ _HTTP_NAMES = (  # (message prefix, param, code)
 )
 
 
+# a stage's refusal of a request too large for it (its scheduler's): the client shortens it
+_TOO_LARGE = re.compile(r"^[\w-]+: request .*(?:tokens of cache|max_model_len=)")
 _SAMPLING_FIELD = re.compile(r"(thinker|talker): sampling: (\w+)")  # a stage's refusal: its stage, the field
 _ENTRY_NAMES = {"stop_ids": "stop_token_ids"}  # a stage's sampling field -> a `sampling_params_list` entry's
 ResultT = TypeVar("ResultT")
@@ -327,6 +329,8 @@ def _from_gateway(e: GatewayError) -> HttpError:
     for prefix, name, http_code in _HTTP_NAMES:
         if status == 400 and message.startswith(prefix):
             param, code = name, http_code or code
+    if status == 400 and _TOO_LARGE.match(message):
+        param, code = "messages", "context_length_exceeded"
     # over HTTP only a `sampling_params_list` entry sets the talker's sampling fields
     if status == 400 and (field := _SAMPLING_FIELD.match(message)) and field[1] == "talker":
         param = f"sampling_params_list[{STAGES.index('talker')}].{_ENTRY_NAMES.get(field[2], field[2])}"

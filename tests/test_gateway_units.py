@@ -593,3 +593,26 @@ def test_the_thinkers_start_omits_the_talkers_codes_unless_a_stop_text_may_cut_t
 
     assert start().omit_codes and start(want_audio=False).omit_codes
     assert not start(stop=["robot"]).omit_codes
+
+
+def test_a_request_too_large_for_a_stage_is_a_400_no_retry_helps() -> None:
+    """A stage's scheduler refuses a request it could never hold (its cache, its model length):
+    INVALID_ARGUMENT, so HTTP 400 context_length_exceeded; it was RESOURCE_EXHAUSTED, a 429 the
+    OpenAI SDK retried (three times the same hopeless request)."""
+    import grpc
+
+    from gateway.http_api import _from_gateway
+    from gateway.server import GatewayError
+    from omnistage.engine import Request
+    from omnistage.engine.scheduler import RequestRejected, Scheduler, SchedulerConfig
+
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, max_model_len=2048,
+                                          cache_capacity_tokens=600))  # fmt: skip
+    with pytest.raises(RequestRejected) as refused:
+        scheduler.add(Request("r", None), 498, 400)
+    message = f"thinker-decode: {refused.value}"
+    for detail in (message, "thinker: request 'r': input of 3000 tokens exceeds max_model_len=2048"):
+        http = _from_gateway(GatewayError(grpc.StatusCode.INVALID_ARGUMENT, detail))
+        assert (http.status, http.param, http.code) == (400, "messages", "context_length_exceeded"), detail
+    other = _from_gateway(GatewayError(grpc.StatusCode.INVALID_ARGUMENT, "talker: unknown speaker 'x'"))
+    assert other.code == "invalid_argument"

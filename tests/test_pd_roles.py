@@ -130,7 +130,7 @@ def test_a_bad_handoff_fails_its_request_invalid_argument(tiny_dir: Path, monkey
 def test_a_request_the_decode_role_cannot_hold_is_refused_at_its_kv_header(
         tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """Its demand is known from the KV header: a request over the decode role's cache is refused
-    RESOURCE_EXHAUSTED there, not after its whole cache has crossed and been rebuilt. (In
+    INVALID_ARGUMENT there (no retry helps), not after its whole cache has crossed and been rebuilt. (In
     process the header and the first KV chunk are taken in one engine iteration; a stage's
     transport reads no KV before the request is admitted.)"""
     pipe = _pd(tiny_dir, prefill={"max_num_batched_tokens": 8}, decode={"cache_capacity_tokens": 24})
@@ -143,7 +143,7 @@ def test_a_request_the_decode_role_cannot_hold_is_refused_at_its_kv_header(
     assert len(ids) > 3 * 8
     with pytest.raises(StageError) as err:
         _run(pipe, ids, pipe.thinker_defaults().with_overrides(max_tokens=4))
-    assert err.value.code == Code.RESOURCE_EXHAUSTED and "cache_capacity_tokens=24" in err.value.message
+    assert err.value.code == Code.INVALID_ARGUMENT and "cache_capacity_tokens=24" in err.value.message
     assert fed == [(0, 0), (0, 4)]  # the header and the first prefill chunk (4: half the 8-token budget), no more
     assert pipe.engines["thinker-decode"].idle
 

@@ -163,9 +163,8 @@ def test_without_chunked_prefill_a_prompt_that_does_not_fit_waits() -> None:
 
 def test_without_chunked_prefill_a_prompt_over_the_budget_is_rejected() -> None:
     h = Harness(max_num_batched_tokens=10, chunked_prefill=False)
-    with pytest.raises(RequestRejected, match="max_num_batched_tokens") as e:
+    with pytest.raises(RequestRejected, match="max_num_batched_tokens"):
         h.add("big", 11, 1)
-    assert not e.value.resource_exhausted
     assert h.s.stats()["total_rejected"] == 1
 
 
@@ -328,14 +327,12 @@ def test_a_request_whose_worker_cannot_step_does_not_hold_up_the_queue() -> None
 
 def test_rejections() -> None:
     h = Harness(max_model_len=100, cache_capacity_tokens=80)
-    with pytest.raises(RequestRejected, match="max_model_len=100") as e:
+    with pytest.raises(RequestRejected, match="max_model_len=100"):
         h.add("too-long", 101, 0)
-    assert not e.value.resource_exhausted
     with pytest.raises(RequestRejected, match="no room"):
         h.add("full", 100, 1)
     with pytest.raises(RequestRejected, match="cache_capacity_tokens=80") as e:
         h.add("cache", 50, 31)
-    assert e.value.resource_exhausted
     assert isinstance(e.value, ValueError)
     assert h.s.stats()["total_rejected"] == 3 and h.s.stats()["total_added"] == 0
     # exactly at the limits is fine

@@ -277,9 +277,8 @@ class Engine:
             if demand is not None:
                 try:
                     self.scheduler.add(req, *demand, reserve_early=worker.holds_input_until_admitted)
-                except RequestRejected as e:
-                    code = Code.RESOURCE_EXHAUSTED if e.resource_exhausted else Code.INVALID_ARGUMENT
-                    raise StageError(code, f"{worker.name}: {e}") from None
+                except RequestRejected as e:  # it would be refused again: no retry helps (HTTP 400)
+                    raise StageError(Code.INVALID_ARGUMENT, f"{worker.name}: {e}") from None
         ready = worker.ready(req)
         # Backpressure: a caller that stops reading pauses its own request (its outputs wait in
         # a bounded buffer), and fails it after output_stall_timeout_s.

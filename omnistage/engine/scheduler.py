@@ -82,15 +82,8 @@ class SchedulerConfig:
 
 
 class RequestRejected(ValueError):
-    """`add` refused a request that could never run to completion under this configuration.
-
-    `resource_exhausted` is True when the request is valid but larger than the stage's cache
-    (answer RESOURCE_EXHAUSTED); False when it breaks a model limit (INVALID_ARGUMENT).
-    """
-
-    def __init__(self, message: str, *, resource_exhausted: bool) -> None:
-        super().__init__(message)
-        self.resource_exhausted = resource_exhausted
+    """`add` refused a request that could never run to completion under this configuration
+    (answered INVALID_ARGUMENT: the same request would be refused again; a smaller one may not)."""
 
 
 class ScheduledItem(NamedTuple):
@@ -153,19 +146,16 @@ class Scheduler:
         if prompt > mml:
             raise RequestRejected(
                 f"request {request_id!r}: input of {prompt} tokens exceeds max_model_len={mml}",
-                resource_exhausted=False,
             )
         if max_new > 0 and prompt == mml:
             raise RequestRejected(
                 f"request {request_id!r}: input of {prompt} tokens fills max_model_len={mml}, "
                 f"leaving no room for max_new_tokens={max_new}",
-                resource_exhausted=False,
             )
         if not cfg.chunked_prefill and prompt - cached > cfg.max_num_batched_tokens:
             raise RequestRejected(
                 f"request {request_id!r}: prompt of {prompt - cached} tokens to prefill exceeds max_num_batched_tokens="
                 f"{cfg.max_num_batched_tokens} and chunked prefill is off",
-                resource_exhausted=False,
             )
         reservation = min(mml, prompt + max_new)
         cap = cfg.cache_capacity_tokens
@@ -173,7 +163,6 @@ class Scheduler:
             raise RequestRejected(
                 f"request {request_id!r}: needs {reservation} tokens of cache ({prompt} input + max_new_tokens="
                 f"{max_new}, capped at max_model_len={mml}) but cache_capacity_tokens={cap}",
-                resource_exhausted=True,
             )
         return reservation
 

@@ -159,6 +159,7 @@ def test_a_decode_role_with_room_for_one_cache_serves_requests_in_turn(tiny_dir:
             run(generate(stack.gateway_address, PROMPT * 20, thinker_max_tokens=limit, request_id="mine", timeout=60))
         detail = refused.value.details() or ""
         assert "'mine'" in detail and "tokens of cache" in detail, detail
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # no retry helps: not RESOURCE_EXHAUSTED
     finally:
         stack.stop()
 
