@@ -35,10 +35,11 @@ Chat completions (OpenAI's shapes; what differs is said here):
   the reply's first piece, so a refused request gets its status streamed or not; an error after
   that is the stream's last event.
 Errors are OpenAI error objects: 400 naming the field, 401 (with `--api-key`), 404 unknown
-model or path, 405, 413 body too large, 429 a stage over its limits, 499 client gone, 503
-draining or a stage down, 504 deadline (header `x-omnistage-timeout: SECONDS`, else
-`timeouts.request_timeout_s`). A client that disconnects cancels its request down the whole
-chain. `gateway.cors_allow_origins` lets browser pages on other origins call it.
+model or path, 405, 413 body too large, 429 over max_in_flight or out of memory (a request too
+large for a stage: 400), 499 client gone, 503 draining or a stage down, 504 deadline (header
+`x-omnistage-timeout: SECONDS`, else `timeouts.request_timeout_s`). A client that disconnects
+cancels its request down the whole chain. `gateway.cors_allow_origins` lets browser pages on
+other origins call it.
 """
 
 from __future__ import annotations
