@@ -46,6 +46,7 @@ from services import edges
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("omnistage.access")
+DEADLINE_SLACK_S = 0.05  # a call cancelled this close to its deadline ended by it (clocks and wake-ups differ)
 ACCESS_ERROR_CHARS = 500  # of a failed request's status message, in its access-log line
 
 REQUEST_ID_KEY = "x-request-id"  # initial metadata of every Generate call
@@ -224,7 +225,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             outcome.error = e.message
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            outcome.status = "CANCELLED"
+            # gRPC cancels the handler of a call past the client's deadline too: count that as such
+            past_deadline = time.perf_counter() - outcome.t0 >= self._timeout(timeout) - DEADLINE_SLACK_S
+            outcome.status = "DEADLINE_EXCEEDED" if past_deadline else "CANCELLED"
             raise
         except Exception:
             outcome.status = "ERROR"

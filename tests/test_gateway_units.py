@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import wave
@@ -616,3 +617,36 @@ def test_a_request_too_large_for_a_stage_is_a_400_no_retry_helps() -> None:
         assert (http.status, http.param, http.code) == (400, "messages", "context_length_exceeded"), detail
     other = _from_gateway(GatewayError(grpc.StatusCode.INVALID_ARGUMENT, "talker: unknown speaker 'x'"))
     assert other.code == "invalid_argument"
+
+
+def test_a_call_cancelled_at_its_deadline_counts_as_deadline_exceeded(tiny_dir: Path) -> None:
+    """gRPC cancels the handler of a call past the client's deadline: the gateway counts (and
+    logs) it DEADLINE_EXCEEDED, not CANCELLED, as the client sees it; a call the client cancels
+    earlier stays CANCELLED."""
+    from gateway.server import GatewayService
+    from omnistage.config import parse_config
+    from omnistage.models import open_checkpoint
+    from omnistage.v1 import gateway_pb2
+
+    service = GatewayService(parse_config({}), open_checkpoint(tiny_dir), "ipv4:127.0.0.1:1")
+
+    async def stuck(*args: Any) -> Any:  # a chain that never answers (a frozen stage)
+        await asyncio.sleep(60)
+        yield None
+
+    service._generate = stuck  # type: ignore[method-assign]
+
+    async def call(timeout: float, cancel_after: float) -> None:
+        async def consume() -> None:
+            async for _ in service.serve(gateway_pb2.GenerateRequest(prompt="hi"), timeout, "grpc"):
+                pass
+
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(consume(), cancel_after)
+
+    def count(outcome: str) -> float:
+        return service.metrics.requests.labels("grpc", outcome)._value.get()
+
+    asyncio.run(call(timeout=0.2, cancel_after=0.25))  # gRPC's cancel at the deadline
+    asyncio.run(call(timeout=30, cancel_after=0.05))  # the client's own cancel
+    assert (count("DEADLINE_EXCEEDED"), count("CANCELLED")) == (1, 1)

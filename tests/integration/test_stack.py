@@ -172,9 +172,24 @@ def test_deadline_exceeded_is_reported(stack: Stack, pipeline: Any) -> None:
                                        thinker_stop_ids=[pipeline.spec.tts_pad_id], timeout=0.3):
             pass
 
+    def counted() -> float:  # the gateway's own count of deadlines (gRPC cancels a call past its deadline)
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        port = int(stack.gateway_address.rsplit(":", 1)[1]) + 1000
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        return sum(x.value for f in text_string_to_metric_families(text) for x in f.samples
+                   if x.name == "omnistage_gateway_requests_total"
+                   and x.labels == {"api": "grpc", "outcome": "DEADLINE_EXCEEDED"})  # fmt: skip
+
+    before = counted()
     with pytest.raises(grpc.aio.AioRpcError) as err:
         run(go())
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 5
+    while counted() < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert counted() == before + 1  # it was counted CANCELLED
 
 
 def test_input_wait_timeout_names_the_stage(stack: Stack, pipeline: Any) -> None:
