@@ -363,6 +363,11 @@ class DeployConfig(_StagesConfig):  # type: ignore[misc,valid-type]
             raise ValueError(f"thinker.prefill.batching ({t.prefill.batching}) and thinker.decode.batching "
                              f"({t.decode.batching}) must agree: the decode role goes on from the prefill's "
                              "cache")  # fmt: skip
+        # the cache crosses in the prefill's dtype (each role checks the other's at the first
+        # request too; `auto` is the checkpoint's, known only there)
+        if t.prefill.dtype != t.decode.dtype and "auto" not in (t.prefill.dtype, t.decode.dtype):
+            raise ValueError(f"thinker.prefill.dtype ({t.prefill.dtype}) and thinker.decode.dtype "
+                             f"({t.decode.dtype}) must agree: the decode role goes on from the prefill's cache")
         return self
 
     def _ports(self) -> list[tuple[int, str, str]]:

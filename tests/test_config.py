@@ -111,6 +111,7 @@ def test_cli_overrides() -> None:
     ({"batching": "fast"}, "thinker.batching: 'fast' is not used with thinker.disaggregated"),
     ({"replicas": 2}, "set it in thinker.prefill and thinker.decode"),
     ({"prefill": {"batching": "fast"}}, "prefill.batching (fast) and thinker.decode.batching (exact) must agree"),
+    ({"prefill": {"dtype": "float32"}, "decode": {"dtype": "bfloat16"}}, "thinker.decode.dtype (bfloat16) must agree"),
 ])  # fmt: skip
 def test_a_split_thinker_refuses_what_its_roles_would_not_run(thinker: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -213,3 +214,20 @@ def test_stage_and_gateway_read_the_deploy_file_serve_reads(
     result = CliRunner().invoke(app, command)
     assert result.exit_code == 0, result.output
     assert [cfg.talker.max_num_seqs for cfg in seen] == [3]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--replicas", "thinker-decode=2"], "this stack runs no thinker-decode process (thinker.disaggregated is false"),
+    (["--replicas", "talker=2,thinker-prefill=1"], "--replicas thinker-prefill=1: this stack runs no"),
+    # near the top of the port range the unused roles are not moved (their ports were named)
+    (["--port", "65400"], "talker.base_port"),
+])  # fmt: skip
+def test_serve_refuses_flags_for_processes_it_does_not_run(args: list[str], message: str, tmp_path: Path) -> None:
+    """`--replicas thinker-decode=2` without the split was ignored: one thinker ran."""
+    from typer.testing import CliRunner
+
+    from omnistage.cli.main import app
+
+    result = CliRunner().invoke(app, ["serve", *args, "--log-dir", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "thinker.decode.base_port" not in result.output, result.output

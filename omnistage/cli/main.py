@@ -167,9 +167,27 @@ def _port_overrides(config: Path | None, port: int | None) -> dict[str, object]:
     if port is None:
         return {}
     layout: dict[str, object] = dict(port_layout(port))
-    if _load_cfg(config, {}, default=True).gateway.http_port is None:
+    cfg = _load_cfg(config, {}, default=True)
+    if cfg.gateway.http_port is None:
         del layout["gateway.http_port"]
+    if not cfg.thinker.disaggregated:  # the roles run nothing: not moved (near 65535 they would not fit)
+        del layout["thinker.prefill.base_port"], layout["thinker.decode.base_port"]
     return layout
+
+
+def _check_replicas_run(cfg: DeployConfig, spec: str | None) -> None:
+    """`--replicas NAME=N` for a process this stack does not run is an error, not ignored."""
+    from omnistage.config import ConfigError
+
+    running = {*cfg.stage_names(), "gateway"}
+    for part in filter(None, (p.strip() for p in (spec or "").split(","))):
+        name = part.partition("=")[0]
+        if name not in running:
+            why = ("thinker.disaggregated is false: one thinker process runs" if name.startswith("thinker-")
+                   else "audio_output is false: no speech stages run" if name in ("talker", "code2wav")
+                   else "")  # fmt: skip
+            raise ConfigError(f"--replicas {part}: this stack runs no {name} process" + (f" ({why})" if why else "")
+                              + f"; it runs {', '.join(sorted(running))}")  # fmt: skip
 
 
 ModelArg = Annotated[
@@ -352,6 +370,7 @@ def serve(
         # only the flags given: an unset --http-port must not undo --port's HTTP port (P + 50)
         overrides.update({k: v for k, v in flags.items() if v is not None})
         cfg = _load_cfg(config, overrides, default=True)
+        _check_replicas_run(cfg, replicas)
         typer.echo(f"config: {config or default_config_path()}" + (" + flags" if any(overrides.values()) else ""))
         shown = model_arg or model or cfg.model or "built-in tiny checkpoint"
         typer.echo(f"starting omnistage (model: {shown}) ...")
