@@ -38,7 +38,7 @@ from omnistage.models import Checkpoint, CheckpointError, load_tokenizer
 from omnistage.server.grpc_common import REPLAY_BACKOFF_S, ChainWatcher, HealthState, lost_peer, stage_stream
 from omnistage.server.routing import Router
 from omnistage.server.tls import name_override, stage_channel_credentials
-from omnistage.topology import STAGES
+from omnistage.topology import STAGES, stage_def
 from omnistage.v1 import gateway_pb2, gateway_pb2_grpc, stage_pb2
 from omnistage.wire import ChunkAssembler, DecodedChunk, StageError, TensorBlobError, encode_chunks
 from omnistage.wire.resume import Resume, Seen
@@ -116,6 +116,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.draining = False
         self.api_key = api_key
         self.stages = cfg.stage_names()  # the chain's processes; the first is this gateway's downstream
+        # what the gRPC health follows: the thinker, or both roles of a split one
+        self.thinker_roles = frozenset(s for s in self.stages if stage_def(s).stream == "thinker")
         self.watcher = ChainWatcher(self.channel, self.stages[0], thinker_target, HEALTH_POLL_S)
 
     def _prompt(self, request: gateway_pb2.GenerateRequest, cancelled: threading.Event | None = None
@@ -172,8 +174,15 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     @property
     def serving(self) -> bool:
-        """Takes requests: not draining and the thinker serves."""
-        return not self.draining and self.watcher.serving
+        """Takes requests: not draining and the thinker serves (a split one's roles both: the
+        decode role is seen through the prefill role's Info, which lists it)."""
+        return not self.draining and self.thinker_serving
+
+    @property
+    def thinker_serving(self) -> bool:
+        chain = self.watcher.chain
+        roles = [h for h in chain if h.stage in self.thinker_roles]
+        return self.watcher.serving and len(roles) == len(self.thinker_roles) and all(h.serving for h in roles)
 
     def chain_serving(self) -> tuple[bool, list[stage_pb2.StageHealth]]:
         """Whether every stage below serves (what the HTTP /health says), and each one's health."""
@@ -181,16 +190,20 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         return (not self.draining and all(h.serving for h in chain)), chain
 
     async def watch_thinker(self, health_state: HealthState) -> None:
-        """Keep the gateway's gRPC health in step with the thinker's: NOT_SERVING while it does
-        not serve (or while the gateway drains). Its Info also brings the stages below."""
+        """Keep the gateway's gRPC health in step with the thinker's: NOT_SERVING while it (or
+        a split one's either role) does not serve, or while the gateway drains. Its Info also
+        brings the stages below."""
         was = False
 
         async def update() -> None:
             nonlocal was
-            if self.watcher.serving != was:
-                state = "serving" if self.watcher.serving else f"not serving ({self.watcher.chain[0].detail})"
+            now = self.thinker_serving
+            if now != was:
+                down = [f"{h.stage}: {h.detail or 'not serving'}" for h in self.watcher.chain
+                        if h.stage in self.thinker_roles and not h.serving]  # fmt: skip
+                state = "serving" if now else f"not serving ({'; '.join(down) or 'not checked yet'})"
                 log.info("thinker at %s is %s", self.thinker_target, state)
-            was = self.watcher.serving
+            was = now
             await health_state.set(self.serving)
 
         await self.watcher.run(update)

@@ -650,3 +650,34 @@ def test_a_call_cancelled_at_its_deadline_counts_as_deadline_exceeded(tiny_dir: 
     asyncio.run(call(timeout=0.2, cancel_after=0.25))  # gRPC's cancel at the deadline
     asyncio.run(call(timeout=30, cancel_after=0.05))  # the client's own cancel
     assert (count("DEADLINE_EXCEEDED"), count("CANCELLED")) == (1, 1)
+
+
+def test_the_grpc_health_follows_both_roles_of_a_split_thinker(tiny_dir: Path) -> None:
+    """With the thinker split, a dead or frozen decode role makes the gateway NOT_SERVING, as the
+    thinker does unsplit (it stayed SERVING, and requests hung until their replays ran out); the
+    talker and code2wav stay out of it (HTTP /health has them)."""
+    from gateway.server import GatewayService
+    from omnistage.config import parse_config
+    from omnistage.models import open_checkpoint
+    from omnistage.v1 import stage_pb2
+
+    def health(stage: str, serving: bool) -> Any:
+        return stage_pb2.StageHealth(stage=stage, target="x", serving=serving, detail="" if serving else "frozen")
+
+    ckpt = open_checkpoint(tiny_dir)
+    split = GatewayService(parse_config({"thinker": {"disaggregated": True}}), ckpt, "ipv4:127.0.0.1:1")
+    up = [health("thinker-prefill", True), health("thinker-decode", True), health("talker", True),
+          health("code2wav", True)]  # fmt: skip
+    split.watcher.chain = up
+    assert split.serving
+    split.watcher.chain = [up[0], health("thinker-decode", False), *up[2:]]
+    assert not split.serving
+    split.watcher.chain = up[:1]  # the prefill role has not reported its decode role yet
+    assert not split.serving
+    split.watcher.chain = [*up[:2], health("talker", False), up[3]]
+    assert split.serving
+    single = GatewayService(parse_config({}), ckpt, "ipv4:127.0.0.1:1")
+    single.watcher.chain = [health("thinker", True), health("talker", False)]
+    assert single.serving
+    single.watcher.chain = [health("thinker", False)]
+    assert not single.serving

@@ -247,9 +247,23 @@ def test_cancel_frees_both_roles(pd_stack: Stack, pipeline: Any) -> None:
 
 def test_a_dead_decode_role_is_unavailable_naming_it(pd_stack: Stack) -> None:
     """Last in the module: it kills the decode role."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async def gateway_health() -> int:
+        async with grpc.aio.insecure_channel(pd_stack.gateway_address) as ch:
+            reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            return int(reply.status)
+
+    assert run(gateway_health()) == health_pb2.HealthCheckResponse.SERVING
     decode = pd_stack.child("thinker-decode")
     decode.proc.kill()
     decode.proc.wait(10)
+    # the gateway's gRPC health follows the decode role too (seen through the prefill role's Info)
+    deadline, seen = time.monotonic() + 10, None
+    while time.monotonic() < deadline and seen != health_pb2.HealthCheckResponse.NOT_SERVING:
+        seen = run(gateway_health())
+        time.sleep(0.1)
+    assert seen == health_pb2.HealthCheckResponse.NOT_SERVING
     with pytest.raises(grpc.aio.AioRpcError) as err:
         run(generate(pd_stack.gateway_address, PROMPT, thinker_max_tokens=8, talker_max_tokens=8, timeout=30))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
