@@ -302,7 +302,7 @@ def health(
     """grpc.health.v1 status of each service (exit 0 only when every one is SERVING): by default
     every process of the stack the deploy config describes (moved by `--port` as `serve --port`
     moves it). TLS as the deploy config's `tls` says."""
-    from omnistage.server.health_check import health_status
+    from omnistage.server.health_check import health_status, stage_role
     from omnistage.server.tls import gateway_channel_credentials, name_override, stage_channel_credentials
 
     with _errors():
@@ -326,6 +326,13 @@ def health(
     for role, address, credentials in checks:
         status = health_status(address, timeout, service, credentials=credentials, options=name_override(tls))
         ok &= status == "SERVING"
+        expected = None if target or role.startswith("gateway") else role.partition("[")[0]
+        serving_stage = expected is not None and status == "SERVING"
+        runs = stage_role(address, timeout, credentials, name_override(tls)) if serving_stage else None
+        if runs is not None and runs != expected:  # another deploy config's stack (a split thinker, ...)
+            ok = False
+            status += (f", but it runs {runs}, not {expected}: the stack there was started from another deploy "
+                       "config (give `health` the --config it was started with)")  # fmt: skip
         typer.echo(f"{role:<14} {address:<22} {status}")
     raise typer.Exit(0 if ok else 1)
 

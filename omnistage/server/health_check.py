@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-__all__ = ["check", "health_status"]
+__all__ = ["check", "health_status", "stage_role"]
 
 
 def check(target: str, timeout: float = 3.0, service: str = "", credentials: grpc.ChannelCredentials | None = None,
@@ -36,3 +36,19 @@ def health_status(target: str, timeout: float = 3.0, service: str = "",
     except Exception:
         return "ERROR"
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+def stage_role(target: str, timeout: float = 3.0, credentials: grpc.ChannelCredentials | None = None,
+               options: list[tuple[str, Any]] | None = None) -> str | None:  # fmt: skip
+    """The role a stage process at `target` says it runs (`Stage.Info`: "thinker",
+    "thinker-prefill", ...), or None when it gives none (not a stage, down, ...)."""
+    from omnistage.v1 import stage_pb2, stage_pb2_grpc
+
+    try:
+        channel_cm = (grpc.insecure_channel(target, options=options) if credentials is None
+                      else grpc.secure_channel(target, credentials, options=options))  # fmt: skip
+        with channel_cm as channel:
+            info = stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=max(timeout, 0.001))
+    except Exception:
+        return None
+    return info.role or None

@@ -245,6 +245,30 @@ def test_cancel_frees_both_roles(pd_stack: Stack, pipeline: Any) -> None:
     assert_all_idle(stages, 15)
 
 
+def test_health_with_the_split_stacks_config_checks_both_roles_and_another_config_says_so(
+        pd_stack: Stack, tmp_path: Path) -> None:  # fmt: skip
+    """`omnistage health --config` of the stack's own file checks both roles; the unsplit file
+    with the same ports found the prefill role SERVING as `thinker` and passed, never asking the
+    decode role."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from omnistage.cli.main import app
+    from omnistage.config import dump_config
+
+    own = tmp_path / "own.yaml"
+    own.write_text(dump_config(pd_stack.cfg))
+    result = CliRunner().invoke(app, ["health", "--config", str(own)])
+    assert result.exit_code == 0 and "thinker-decode[0]" in result.output, result.output
+    other = yaml.safe_load(dump_config(pd_stack.cfg))
+    other["thinker"] |= {"disaggregated": False, "base_port": pd_stack.cfg.thinker.prefill.base_port}
+    unsplit = tmp_path / "unsplit.yaml"
+    unsplit.write_text(yaml.safe_dump(other))
+    result = CliRunner().invoke(app, ["health", "--config", str(unsplit)])
+    assert result.exit_code == 1, result.output
+    assert "but it runs thinker-prefill, not thinker" in result.output and "--config" in result.output
+
+
 def test_a_dead_decode_role_is_unavailable_naming_it(pd_stack: Stack) -> None:
     """Last in the module: it kills the decode role."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
