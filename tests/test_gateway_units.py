@@ -628,27 +628,29 @@ def test_a_call_cancelled_at_its_deadline_counts_as_deadline_exceeded(tiny_dir: 
     from omnistage.models import open_checkpoint
     from omnistage.v1 import gateway_pb2
 
-    service = GatewayService(parse_config({}), open_checkpoint(tiny_dir), "ipv4:127.0.0.1:1")
-
     async def stuck(*args: Any) -> Any:  # a chain that never answers (a frozen stage)
         await asyncio.sleep(60)
         yield None
 
-    service._generate = stuck  # type: ignore[method-assign]
+    async def calls() -> GatewayService:
+        # (made in a running loop: its channel binds to it)
+        service = GatewayService(parse_config({}), open_checkpoint(tiny_dir), "ipv4:127.0.0.1:1")
+        service._generate = stuck  # type: ignore[method-assign]
 
-    async def call(timeout: float, cancel_after: float) -> None:
-        async def consume() -> None:
+        async def consume(timeout: float) -> None:
             async for _ in service.serve(gateway_pb2.GenerateRequest(prompt="hi"), timeout, "grpc"):
                 pass
 
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(consume(), cancel_after)
+        for timeout, cancel_after in ((0.2, 0.25), (30, 0.05)):  # gRPC's cancel at the deadline; the client's own
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(consume(timeout), cancel_after)
+        return service
+
+    service = asyncio.run(calls())
 
     def count(outcome: str) -> float:
         return service.metrics.requests.labels("grpc", outcome)._value.get()
 
-    asyncio.run(call(timeout=0.2, cancel_after=0.25))  # gRPC's cancel at the deadline
-    asyncio.run(call(timeout=30, cancel_after=0.05))  # the client's own cancel
     assert (count("DEADLINE_EXCEEDED"), count("CANCELLED")) == (1, 1)
 
 
@@ -665,7 +667,11 @@ def test_the_grpc_health_follows_both_roles_of_a_split_thinker(tiny_dir: Path) -
         return stage_pb2.StageHealth(stage=stage, target="x", serving=serving, detail="" if serving else "frozen")
 
     ckpt = open_checkpoint(tiny_dir)
-    split = GatewayService(parse_config({"thinker": {"disaggregated": True}}), ckpt, "ipv4:127.0.0.1:1")
+
+    async def service(cfg: dict[str, Any]) -> GatewayService:  # made in a running loop: its channel binds to it
+        return GatewayService(parse_config(cfg), ckpt, "ipv4:127.0.0.1:1")
+
+    split = asyncio.run(service({"thinker": {"disaggregated": True}}))
     up = [health("thinker-prefill", True), health("thinker-decode", True), health("talker", True),
           health("code2wav", True)]  # fmt: skip
     split.watcher.chain = up
@@ -676,7 +682,7 @@ def test_the_grpc_health_follows_both_roles_of_a_split_thinker(tiny_dir: Path) -
     assert not split.serving
     split.watcher.chain = [*up[:2], health("talker", False), up[3]]
     assert split.serving
-    single = GatewayService(parse_config({}), ckpt, "ipv4:127.0.0.1:1")
+    single = asyncio.run(service({}))
     single.watcher.chain = [health("thinker", True), health("talker", False)]
     assert single.serving
     single.watcher.chain = [health("thinker", False)]

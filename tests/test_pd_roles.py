@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from benchmarks import media
-from omnistage.config import parse_config
+from omnistage.config import ConfigError, parse_config
 from omnistage.models.sampling import SamplingParams
 from omnistage.wire import Code, StageError
 from services import edges
@@ -168,8 +168,14 @@ def test_the_decode_role_keeps_no_cache_after_a_request(pair: tuple[Any, Any]) -
 
 
 def test_roles_that_differ_are_refused_naming_the_difference(tiny_dir: Path) -> None:
-    """A decode role in another dtype: FAILED_PRECONDITION naming the cache layout."""
-    pipe = _pd(tiny_dir, decode={"dtype": "bfloat16"})
+    """A decode role in another dtype: FAILED_PRECONDITION naming the cache layout. (One deploy
+    file that says so is refused at start; each role's process may be given its own, or its own
+    `--dtype`, as compose and Kubernetes run them.)"""
+    with pytest.raises(ConfigError, match="must agree"):
+        _pd(tiny_dir, decode={"dtype": "bfloat16"})
+    cfg = parse_config({"thinker": {"disaggregated": True}})
+    cfg.thinker.decode.dtype = "bfloat16"  # what the decode role's own process would run
+    pipe = InProcessPipeline(tiny_dir, cfg)
     with pytest.raises(StageError) as err:
         _run(pipe, pipe.prompt_ids("hi"), pipe.thinker_defaults().with_overrides(max_tokens=4))
     assert err.value.code == Code.FAILED_PRECONDITION
