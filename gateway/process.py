@@ -62,11 +62,11 @@ def run_gateway(cfg: DeployConfig, ckpt: Checkpoint, host: str, port: int, think
         add_servicer(service, server, gateway_pb2.DESCRIPTOR.services_by_name["Gateway"])
         health_state = HealthState(server, (gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,))
         await health_state.set(False)  # until the thinker answers
+        metrics_port = cfg.metrics_port(port)
+        if metrics_port is not None:  # first: a taken port fails the start before a server is bound
+            serve_metrics(service.metrics.registry, host, metrics_port, f"gateway at {host}:{port}")
         bind(server, host, port, "gateway", server_credentials(cfg.tls, stage=False))
         http_sock = _http_socket(host, http_port) if http_port else None
-        metrics_port = cfg.metrics_port(port)
-        if metrics_port is not None:
-            serve_metrics(service.metrics.registry, host, metrics_port, f"gateway at {host}:{port}")
         await server.start()
         http = http_task = None
         if http_sock is not None:
@@ -77,6 +77,7 @@ def run_gateway(cfg: DeployConfig, ckpt: Checkpoint, host: str, port: int, think
                  f", HTTP on {host}:{http_port}" if http_sock else "", thinker_target,
                  metrics_port or "off")  # fmt: skip
         await wait_for_signal()
+        log.info("gateway: draining (%d requests in flight, up to %g s)", service.active, cfg.timeouts.drain_grace_s)
         service.draining = True
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -151,3 +151,45 @@ def test_the_stop_flag_wakes_its_waiter_soon_after_a_signal_sets_it() -> None:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_restart_held_up_by_a_taken_port_says_which_and_goes_once_it_is_free(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:  # fmt: skip
+    """A dead child whose gRPC or metrics port another process holds: `heal` waits, says so
+    (after a short grace, then every 30 s), and restarts it once the port is free; it waited
+    silently, and a taken metrics port was not looked at (the child died on it again). The
+    reason given for a death is the child's `error:` line, not what its exit printed after it."""
+    from types import SimpleNamespace
+
+    from omnistage.cli import serve
+    from omnistage.config import parse_config
+
+    mp = monkeypatch
+    clock = [1000.0]
+    mp.setattr(serve.time, "monotonic", lambda: clock[0])
+    held = {7201 + 1000}  # the talker's metrics port
+    mp.setattr(serve, "port_free", lambda host, port: port not in held)
+    proc = SimpleNamespace(code=1, pid=1)
+    proc.poll = lambda: proc.code
+    proc.returncode = 1
+    spawned: list[int] = []
+    mp.setattr(serve, "_spawn", lambda args, log, env: spawned.append(1) or proc)
+    log = tmp_path / "talker-0.log"
+    log.write_text("error: talker metrics: cannot listen on 127.0.0.1:8201: the port is taken\n"
+                   "sys:1: RuntimeWarning: coroutine 'AioServer.shutdown' was never awaited\n")  # fmt: skip
+    child = serve.Child("talker", 0, "127.0.0.1:7201", proc, log)  # type: ignore[arg-type]
+    child.healthy_since = 0.0  # it had served
+    stack = serve.Stack(parse_config({}), Path("."), Path("."), [child])
+    said: list[str] = []
+    stack.heal(said.append)
+    assert "8201: the port is taken" in said[-1] and "RuntimeWarning" not in said[-1]
+    for _ in range(20):  # 10 s of passes every 0.5 s
+        clock[0] += 0.5
+        stack.heal(said.append)
+    waits = [line for line in said if "cannot restart yet" in line]
+    assert len(waits) == 1 and "port(s) 8201 taken by another process" in waits[0]
+    assert not spawned
+    held.clear()
+    clock[0] += 0.5
+    stack.heal(said.append)
+    assert spawned and child.restarts == 1

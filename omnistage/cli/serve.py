@@ -119,6 +119,8 @@ def die_with_parent_if_asked() -> None:
 
 
 RESTART_BACKOFF_S = (0.5, 30.0)  # first delay before a restart, and the cap as it doubles
+PORTS_TAKEN_GRACE_S = 2.0  # a restart held up this long by a taken port says so, then every PORTS_TAKEN_SAY_S
+PORTS_TAKEN_SAY_S = 30.0
 RESTART_GIVE_UP = 5  # restarts in a row that never got healthy: the process cannot start at all
 HEALTHY_RESET_S = 60.0  # healthy this long: the next failure starts the backoff over
 
@@ -137,6 +139,8 @@ class Child:
     quick_deaths: int = 0  # deaths in a row within HEALTHY_RESET_S of serving (a query of death)
     healthy_since: float | None = None
     restart_at: float | None = None  # when it is dead and a restart is due
+    ports_taken_since: float | None = None  # since when a due restart has found its ports taken
+    ports_taken_said: float | None = None  # when `heal` last said so
 
     @property
     def role(self) -> str:
@@ -149,12 +153,13 @@ class Child:
         return f"exited with code {code}" + (f" ({signal.Signals(-code).name})" if code < 0 else "")
 
     def last_log_line(self) -> str:
-        """The last line of its log that says something (the reason it stopped, usually)."""
+        """Why it stopped: the last `error:` line of its log (what the CLI prints for a known
+        failure; what an exit prints after it is noise), else the last line that says something."""
         try:
-            lines = self.log.read_text(errors="replace").splitlines()
+            lines = [line.strip() for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
         except OSError:
             return ""
-        return next((line.strip() for line in reversed(lines) if line.strip()), "")
+        return next((line for line in reversed(lines) if line.startswith("error:")), lines[-1] if lines else "")
 
 
 class StartupError(RuntimeError):
@@ -234,15 +239,28 @@ class Stack:
                 say(f"{c.role} at {c.address} (pid {c.proc.pid}) {c.status()}" + (f": {reason}" if reason else "")
                     + f"; restarting it in {delay:.1f} s (log: {c.log})")  # fmt: skip
             elif now >= c.restart_at:
-                host, port = c.address.rsplit(":", 1)
-                host = host.strip("[]")  # an IPv6 address
-                if not port_free(host, int(port)):
-                    c.restart_at = now + 0.5  # its socket is not released yet
+                taken = [p for p in self._ports_of(c) if not port_free(self.cfg.host, p)]
+                if taken:  # its socket not released yet, or another process took it meanwhile
+                    c.restart_at = now + 0.5
+                    c.ports_taken_since = c.ports_taken_since or now
+                    due = c.ports_taken_said is None or now - c.ports_taken_said >= PORTS_TAKEN_SAY_S
+                    if due and now - c.ports_taken_since >= PORTS_TAKEN_GRACE_S:
+                        c.ports_taken_said = now
+                        say(f"{c.role} at {c.address}: cannot restart yet: port(s) {', '.join(map(str, taken))} "
+                            "taken by another process; restarting it once they are free")  # fmt: skip
                     continue
                 c.proc = _spawn(c.args, c.log, c.env)
                 c.restarts += 1
-                c.restart_at = c.healthy_since = None
+                c.restart_at = c.healthy_since = c.ports_taken_since = c.ports_taken_said = None
                 say(f"{c.role} at {c.address} restarted (pid {c.proc.pid}, restart {c.restarts})")
+
+    def _ports_of(self, c: Child) -> list[int]:
+        """The ports `c` listens on: gRPC, metrics, and a gateway's HTTP."""
+        port = int(c.address.rsplit(":", 1)[1])
+        ports = [port, *filter(None, [self.cfg.metrics_port(port)])]
+        if c.name == "gateway" and self.cfg.http_ports():
+            ports.append(self.cfg.http_ports()[c.index])
+        return ports
 
     def stop(self, timeout: float | None = None) -> None:
         """SIGTERM the gateways, and once they are gone (each drains its requests up to

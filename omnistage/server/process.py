@@ -71,9 +71,11 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
         engine.observer = metrics
 
     async def main() -> None:
-        bound = await server.start()
+        # metrics first: a taken metrics port then fails the start before any gRPC server exists
+        # (started, it was left unstopped: the exit printed asyncio noise, not the reason)
         if metrics is not None and metrics_port is not None:
             serve_metrics(metrics.registry, host, metrics_port, f"{name} at {host}:{port}")
+        bound = await server.start()
         log.info("%s serving on %s:%d (metrics on %s)", name, host, bound, metrics_port or "off")
         await server.serve_forever()
 
