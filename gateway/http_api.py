@@ -809,8 +809,8 @@ class ChatCompletions:
                                  lambda first, responses: _speech_stream(first, responses, sse), media)  # fmt: skip
 
     def _refused(self, e: HttpError) -> Response:
-        """A request refused before it started: counted, answered."""
-        self.service.metrics.requests.labels("http", f"HTTP_{e.status}").inc()
+        """A request refused before it started: counted, logged with its reason, answered."""
+        self.service.refused("http", f"HTTP_{e.status}", e.message)
         return e.response()
 
     async def _serve(self, request: Request, req: gateway_pb2.GenerateRequest, timeout: float | None,

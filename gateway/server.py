@@ -476,17 +476,21 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     # ---- gRPC front door ----------------------------------------------------------------------
 
-    async def _require_key(self, context: grpc.aio.ServicerContext) -> None:
+    async def _require_key(self, context: grpc.aio.ServicerContext, api: str | None = None) -> None:
+        """`api` set: a request's call, refused with an access line when the key is wrong."""
         if not self.check_api_key(dict(context.invocation_metadata() or ()).get("authorization")):
+            if api is not None:
+                self.refused(api, "UNAUTHENTICATED", _NO_KEY)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, _NO_KEY)
 
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        await self._require_key(context)
+        await self._require_key(context, "grpc")
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
         if _bad_request_id(request.request_id):  # refused before it is echoed or logged
+            self.refused("grpc", "INVALID_ARGUMENT", _BAD_ID)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _BAD_ID)
         await context.send_initial_metadata(((REQUEST_ID_KEY, request.request_id),))
         try:
@@ -498,6 +502,13 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             log.exception("gateway: request %s failed", request.request_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"gateway: internal error on request "
                                 f"{request.request_id} (the gateway's log has it)")  # fmt: skip
+
+    def refused(self, api: str, outcome: str, message: str) -> None:
+        """A request refused before it started (its key, its body): counted, and given its access
+        line with the reason, as any other request is."""
+        o = Outcome(uuid.uuid4().hex, time.perf_counter(), api=api, status=outcome, error=message, shed=True)
+        self.metrics.observe(o, 0.0, self.sample_rate)  # (shed: counted, no latency observed)
+        self._access_log(o, 0.0)
 
     def _access_log(self, o: Outcome, e2e: float) -> None:
         def ms(x: float | None) -> int | None:

@@ -192,6 +192,20 @@ def test_a_failed_requests_access_line_says_why(served: dict[str, Any], tmp_path
         time.sleep(0.2)
     assert lines, "no access-log line naming the failed request's error"
     assert lines[0]["outcome"] == "INVALID_ARGUMENT", lines[0]
+    # refused before it started (its body): a line too, with the reason
+    import httpx
+
+    http = f"http://127.0.0.1:{served['base'] + HTTP_PORT_OFFSET}/v1/chat/completions"
+    reply = httpx.post(http, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": "x"}, timeout=30)
+    assert reply.status_code == 400
+    deadline = time.monotonic() + 10
+    refused: list[dict[str, Any]] = []
+    while time.monotonic() < deadline and not refused:
+        records = [json.loads(x) for x in log_path.read_text().splitlines() if x.startswith("{")]
+        refused = [r for r in records if r.get("logger") == "omnistage.access" and r.get("outcome") == "HTTP_400"
+                   and "max_tokens" in (r.get("error") or "")]  # fmt: skip
+        time.sleep(0.2)
+    assert refused and refused[0]["api"] == "http", "no access-log line for a request refused at its body"
 
 
 def test_health_prints_each_service(served: dict[str, Any]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import ssl
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,15 @@ def test_without_the_key_the_call_is_unauthenticated(tls_stack: Stack, certs: di
     r = httpx.post(f"https://{tls_stack.http_address}/v1/chat/completions", verify=_trust(certs), timeout=30,
                    json={"messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
     assert r.status_code == 401
+    # each refusal has its access line, saying why (an operator sees which clients lack the key)
+    log = tls_stack.log_dir / "gateway-0.log"
+    deadline = time.monotonic() + 10
+    wanted = ("api=grpc outcome=UNAUTHENTICATED", "api=http outcome=HTTP_401")
+    while time.monotonic() < deadline and not all(w in log.read_text() for w in wanted):
+        time.sleep(0.2)
+    lines = [line for line in log.read_text().splitlines() if "omnistage.access" in line]
+    for w in wanted:
+        assert any(w in line and "API key" in line for line in lines), (w, lines[-3:])
 
 
 def test_plaintext_to_a_tls_port_fails(tls_stack: Stack) -> None:
