@@ -150,7 +150,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             prompt = edges.Prompt(self.ckpt.family.prompt_ids(self.tokenizer, messages))
         limit = self.max_prompt_tokens
         if len(prompt.ids) > limit:
-            raise ValueError(f"prompt: {len(prompt.ids)} tokens exceeds the model maximum of {limit}")
+            raise ValueError(f"prompt: {len(prompt.ids)} tokens exceeds the model maximum of {limit} (the model "
+                             f"length, {limit + 1}, keeps one for the reply)")
         return prompt
 
     def _audio_rate(self) -> int:

@@ -13,6 +13,7 @@ import contextlib
 import enum
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -249,12 +250,23 @@ def make_tiny(
     except UnknownFamily as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+    from huggingface_hub.errors import StrictDataclassError
+
+    existed = out_dir.exists()
+    if existed and not out_dir.is_dir():
+        typer.echo(f"error: {out_dir}: not a directory", err=True)
+        raise typer.Exit(2)
     try:
         changes = _dotted_settings(settings or [])
         options: dict[str, Any] = {"settings": changes} if changes else {}
         summary = chosen.write_tiny(out_dir, layout=layout.value, dtype=dtype.value, **options)
-    except ValueError as e:  # an option this family's tiny checkpoint does not have, or a bad --set
-        typer.echo(f"error: {e}", err=True)
+    # an option this family's tiny checkpoint does not have, a --set value its config refuses
+    # (transformers' strict configs raise their own error), OUT_DIR not writable or a file
+    except (ValueError, TypeError, StrictDataclassError, OSError) as e:
+        if not existed and out_dir.is_dir():  # what this run made of it: nothing half-written stays
+            shutil.rmtree(out_dir, ignore_errors=True)
+        message = " ".join(str(e).split()) if not isinstance(e, OSError) else f"{out_dir}: {e.strerror or e}"
+        typer.echo(f"error: {message}", err=True)
         raise typer.Exit(2) from None
     typer.echo(json.dumps(summary, indent=2))
 
@@ -277,7 +289,8 @@ def _dotted_settings(pairs: list[str]) -> dict[str, Any]:
 def deploy_render(
     config: ConfigOpt = None,
     target: Annotated[RenderTarget, typer.Option("--target", help="compose or k8s")] = RenderTarget.k8s,
-    out: Annotated[Path, typer.Option("--out", help="Directory to write into.")] = Path("deploy"),
+    out: Annotated[Path, typer.Option("--out", help="Directory whose k8s/ (or compose/ and docker-compose.yaml) "
+                                      "it writes; the checked-in ones under ./deploy by default.")] = Path("deploy"),
 ) -> None:
     """Render docker-compose or Kubernetes files from the deploy YAML that `serve` reads."""
     from omnistage.cli.deploy_render import render_to_dir
@@ -318,8 +331,8 @@ def health(
             port = address.rpartition(":")[2]
             return grpc_ports.get(int(port), "stage") if port.isdigit() else "stage"
 
-        if target:
-            checks = [(t, t, credentials(role_of(t))) for t in target]
+        if target:  # the role the config has on that port, where it has one
+            checks = [(role_of(t) if role_of(t) != "stage" else "-", t, credentials(role_of(t))) for t in target]
         else:
             checks = [(role, cfg.address(port), credentials(role)) for port, role in grpc_ports.items()]
     ok = True
@@ -413,10 +426,15 @@ def serve(
                        + ", ".join(f"{a} (gRPC)" for a in stack.addresses("gateway")[1:])
                        + "".join(f", http://{cfg.address(p)}" for p in cfg.http_ports()[1:]))  # fmt: skip
         text_only = "" if cfg.audio_output else " --no-audio"  # a text-only stack refuses audio
-        typer.echo(f'try: omnistage client "Hello" --target {stack.gateway_address}{text_only}')
+        # with a key, the hints name where it goes (never the key itself)
+        key = " --api-key $OMNISTAGE_API_KEY" if api_key else ""
+        header = " -H \"authorization: Bearer $OMNISTAGE_API_KEY\"" if api_key else ""
+        typer.echo(f'try: omnistage client "Hello" --target {stack.gateway_address}{text_only}{key}')
         if stack.http_address:
-            typer.echo(f"     curl http://{stack.http_address}/v1/chat/completions -H 'content-type: application/json' "
-                       """-d '{"messages":[{"role":"user","content":"Hello"}]}'""")  # fmt: skip
+            typer.echo(f"     curl http://{stack.http_address}/v1/chat/completions -H 'content-type: application/json'"
+                       + header + """ -d '{"messages":[{"role":"user","content":"Hello"}]}'""")  # fmt: skip
+        # every process of this stack, replicas and a split thinker included, as it was started
+        typer.echo(f"     omnistage health --config {stack.run_dir / 'omnistage.yaml'}")
         # Self-healing: a process that dies is restarted (with backoff) on its port; the stack
         # stops on Ctrl-C/SIGTERM, or when a process keeps dying before it ever serves.
         while not stop.wait(0.5):
@@ -545,7 +563,7 @@ def client(
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Thinker token limit.")] = None,
     max_frames: Annotated[int | None, typer.Option("--max-frames", help="Talker code-0 limit.")] = None,
     mode: Annotated[Mode | None, typer.Option("--mode", help="Edge mode between stages.")] = None,
-    timeout: Annotated[float | None, typer.Option("--timeout", help="Deadline in seconds.")] = None,
+    timeout: Annotated[float | None, typer.Option("--timeout", min=0.001, help="Deadline in seconds.")] = None,
     audio: Annotated[list[Path] | None, typer.Option("--audio", help="An audio file to send (repeatable).")] = None,
     image: Annotated[list[Path] | None, typer.Option("--image", help="An image file to send (repeatable).")] = None,
     video: Annotated[list[Path] | None, typer.Option("--video", help="A video file to send (repeatable).")] = None,
@@ -576,6 +594,8 @@ def client(
 
     media = {"audio": read(audio, "audio"), "images": read(image, "image"), "videos": read(video, "video")}
     ca = read([tls_ca], "tls-ca")[0] if tls_ca is not None else None
+    if not no_audio:
+        _check_writable(out)
     try:
         reply = asyncio.run(generate(
             target, prompt, on_text=None if as_json else (lambda t: typer.echo(t, nl=False)),
@@ -610,6 +630,17 @@ def client(
         typer.echo(f"wrote {out} ({seconds:.2f} s at {reply.sample_rate} Hz)")
 
 
+def _check_writable(out: Path, flag: str = "--out") -> None:
+    """Before the work: `out` can be written (its folder exists and takes files), or a usage
+    error naming it (it was a traceback once the reply had been made)."""
+    folder = out.parent if str(out.parent) else Path(".")
+    why = ("is a directory" if out.is_dir() else "" if folder.is_dir() and os.access(folder, os.W_OK)
+           else f"its folder {folder} does not exist" if not folder.exists() else f"cannot write into {folder}")
+    if why:
+        typer.echo(f"error: {flag} {out}: {why}", err=True)
+        raise typer.Exit(2)
+
+
 @app.command("demo")
 def demo(
     prompt: Annotated[str, typer.Argument(help="What to ask.")] = "Hello! Tell me a short story.",
@@ -624,6 +655,7 @@ def demo(
     from omnistage.config import DeployConfig
     from services.pipeline import AudioEvent, InProcessPipeline, PipelineRequest, TextEvent
 
+    _check_writable(out)
     with _errors():
         pipe = InProcessPipeline(resolve_model(DeployConfig(), model))
         req = PipelineRequest(pipe.prompt_ids(prompt), pipe.thinker_defaults().with_overrides(max_tokens=64))

@@ -27,8 +27,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from omnistage.config import DeployConfig
-from omnistage.server.grpc_common import PortTaken, port_free
+from omnistage.config import ConfigError, DeployConfig
+from omnistage.server.grpc_common import PortTaken, port_free, unusable_host
 from omnistage.server.health_check import check
 from omnistage.server.tls import gateway_channel_credentials, name_override, stage_channel_credentials
 
@@ -293,12 +293,21 @@ class Stack:
 def new_run_dir(log_dir: Path | None) -> Path:
     """`log_dir`, or a fresh folder under the cache for this run."""
     run = log_dir or cache_dir() / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    run.mkdir(parents=True, exist_ok=True)
+    try:
+        run.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        where = "--log-dir" if log_dir else "the run folder (give --log-dir)"
+        raise ConfigError(f"{where} {run}: cannot make it: {e.strerror or e}") from None
     return run
 
 
 def check_ports(cfg: DeployConfig) -> None:
-    """Refuse to start anything while a port of the stack is taken, naming each one."""
+    """Refuse to start anything while a port of the stack is taken, naming each one (or when
+    its host is no address this machine can listen on)."""
+    why = unusable_host(cfg.host)
+    if why:
+        raise ConfigError(f"host {cfg.host}: nothing can listen there ({why}): give one of this machine's addresses "
+                          "(127.0.0.1 by default; 0.0.0.0 for all)")  # fmt: skip
     taken = [f"{port} ({role})" for port, role in cfg.ports() if not port_free(cfg.host, port)]
     if taken:
         raise PortTaken(

@@ -38,6 +38,7 @@ __all__ = [
     "new_server",
     "port_free",
     "stage_stream",
+    "unusable_host",
     "wait_for_signal",
 ]
 
@@ -144,6 +145,17 @@ def port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def unusable_host(host: str) -> str | None:
+    """Why nothing can listen on `host` at all (not an address of this machine, ...), or None."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, 0))  # any free port: only the address is in question
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, role: str,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from omnistage.config import DeployConfig
+from omnistage.config import ConfigError, DeployConfig
 from omnistage.engine import Engine
 from omnistage.models import open_checkpoint
 from omnistage.models.onednn import widen_primitive_cache
@@ -24,13 +24,13 @@ log = logging.getLogger(__name__)
 def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: int, downstream: str | None) -> None:
     definition = stage_def(name)
     if name not in cfg.stage_names():
-        raise SystemExit(f"{name}: not a stage of this deploy config's chain ({', '.join(cfg.stage_names())})")
+        raise ConfigError(f"{name}: not a stage of this deploy config's chain ({', '.join(cfg.stage_names())})")
     below = cfg.downstream(name)
     stage_cfg = cfg.stage(name)
     torch.set_num_threads(stage_cfg.threads)
     widen_primitive_cache()  # before any convolution runs here
     if below is not None and not downstream:
-        raise SystemExit(f"{name}: --downstream TARGET is required (the {below} stage)")
+        raise ConfigError(f"{name}: --downstream TARGET is required (the {below} stage)")
     ckpt = open_checkpoint(model_dir)
     ckpt.check_serves(cfg.audio_output)
     worker = import_module(definition.worker).build_worker(cfg, ckpt)

@@ -1,0 +1,49 @@
+"""The command line's refusals: one `error:` line naming the argument and exit 2, before any
+work, never a traceback (each of these was a traceback, a wrong reason or exit 1)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from omnistage.cli.main import app
+
+
+def _refused(args: list[str]) -> str:
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    assert "Traceback" not in result.output, result.output
+    return result.output
+
+
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_request(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such" / "r.wav"
+    assert "--out" in _refused(["client", "hi", "--target", "127.0.0.1:1", "--out", str(missing)])
+    assert "is a directory" in _refused(["client", "hi", "--target", "127.0.0.1:1", "--out", str(tmp_path)])
+    assert "its folder" in _refused(["demo", "hi", "--out", str(missing)])
+    assert "--timeout" in _refused(["client", "hi", "--target", "127.0.0.1:1", "--timeout", "-1"])
+
+
+def test_make_tiny_refusals_leave_nothing_behind(tmp_path: Path) -> None:
+    out = tmp_path / "tiny"
+    message = _refused(["make-tiny", str(out), "--set", "talker_config.text_config.num_hidden_layers=abc"])
+    assert "num_hidden_layers" in message and not out.exists()  # an empty folder stayed
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert "not a directory" in _refused(["make-tiny", str(afile)])
+    assert str(afile / "sub") in _refused(["make-tiny", str(afile / "sub")])  # a folder under a file
+
+
+def test_serve_names_a_log_dir_or_host_it_cannot_use(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert "--log-dir" in _refused(["serve", "--log-dir", str(afile / "run")])
+    # TEST-NET-1 (RFC 5737): never an address of this machine; it was "ports taken" by another stack
+    message = _refused(["serve", "--host", "192.0.2.1", "--log-dir", str(tmp_path / "run")])
+    assert "host 192.0.2.1: nothing can listen there" in message and "taken" not in message
+
+
+def test_a_stage_without_its_downstream_is_a_usage_error(tiny_dir: Path) -> None:
+    assert "error: talker: --downstream TARGET is required" in _refused(
+        ["stage", "talker", "--model", str(tiny_dir), "--port", "1"])
