@@ -5,9 +5,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from omnistage.cli.main import app
+
+
+@pytest.fixture(autouse=True)
+def _own_logging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve` and `stage` set up the process's logging: this test process keeps its own."""
+    import omnistage.cli.logs
+
+    monkeypatch.setattr(omnistage.cli.logs, "setup_logging", lambda *a, **k: None)
 
 
 def _refused(args: list[str]) -> str:

@@ -222,11 +222,15 @@ def test_stage_and_gateway_read_the_deploy_file_serve_reads(
     # near the top of the port range the unused roles are not moved (their ports were named)
     (["--port", "65400"], "talker.base_port"),
 ])  # fmt: skip
-def test_serve_refuses_flags_for_processes_it_does_not_run(args: list[str], message: str, tmp_path: Path) -> None:
+def test_serve_refuses_flags_for_processes_it_does_not_run(args: list[str], message: str, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """`--replicas thinker-decode=2` without the split was ignored: one thinker ran."""
     from typer.testing import CliRunner
 
+    import omnistage.cli.logs
     from omnistage.cli.main import app
+
+    monkeypatch.setattr(omnistage.cli.logs, "setup_logging", lambda *a, **k: None)  # the test process keeps its own
 
     result = CliRunner().invoke(app, ["serve", *args, "--log-dir", str(tmp_path)])
     assert result.exit_code == 2, result.output

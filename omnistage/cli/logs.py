@@ -56,3 +56,9 @@ def setup_logging(process: str, level: str = "info", fmt: str = "text") -> None:
     # transformers and grpc are loud at info; keep them to warnings unless debugging
     for noisy in ("transformers", "grpc", "asyncio", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
+    # transformers writes through a handler of its own ("[transformers] ..."): its lines go
+    # through this one instead, so that a JSON log is JSON on every line
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()

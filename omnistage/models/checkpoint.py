@@ -304,7 +304,8 @@ def special_token_ids(path: Path, tokens: tuple[str, ...]) -> dict[str, int]:
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        with _transformers_quiet():  # (it reads config.json too, and warns as the config load does)
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: cannot load the tokenizer ({e})") from None
     out = {}
@@ -354,7 +355,8 @@ def load_tokenizer(ckpt: Checkpoint) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(ckpt.path, local_files_only=True)
+        with _transformers_quiet():  # (it reads config.json too, and warns as the config load does)
+            tok = AutoTokenizer.from_pretrained(ckpt.path, local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"{ckpt.path}: cannot load the tokenizer ({e})") from None
     tok.chat_template = ckpt.chat_template
