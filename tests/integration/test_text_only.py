@@ -89,7 +89,7 @@ def test_health_and_stage_commands_follow_the_text_only_chain(text_stack: Stack,
     from typer.testing import CliRunner
 
     from omnistage.cli.main import app
-    from omnistage.config import dump_config
+    from omnistage.config import ConfigError, dump_config
     from omnistage.server.process import run_stage
 
     speaking = tmp_path / "speaking.yaml"
@@ -99,5 +99,5 @@ def test_health_and_stage_commands_follow_the_text_only_chain(text_stack: Stack,
     result = runner.invoke(app, ["health", "--config", str(speaking), "--text-only", "--timeout", "5"])
     assert result.exit_code == 0, result.output
     assert sorted(line.split()[0].split("[")[0] for line in result.output.splitlines()) == ["gateway", "thinker"]
-    with pytest.raises(SystemExit, match="not a stage of this deploy config's chain"):
+    with pytest.raises(ConfigError, match="not a stage of this deploy config's chain"):  # (`error:`, exit 2)
         run_stage("talker", text_stack.cfg, text_stack.model_dir, "127.0.0.1", 0, None)
