@@ -302,11 +302,12 @@ def bench_routing(
 @bench_app.command("pd")
 def bench_pd(
     model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: built-in tiny).")] = None,
-    tokens: Annotated[int, typer.Option("--tokens", help="Prompt tokens of the KV transfer and long requests.")] = 1500,
-    chunk: Annotated[int, typer.Option("--chunk", help="Prompt tokens per KV chunk (prefill step).")] = 512,
-    shorts: Annotated[int, typer.Option("--shorts", help="Short requests of the mixed load.")] = 48,
+    tokens: Annotated[int, typer.Option("--tokens", min=1,
+                                        help="Prompt tokens of the KV transfer and long requests.")] = 1500,
+    chunk: Annotated[int, typer.Option("--chunk", min=1, help="Prompt tokens per KV chunk (prefill step).")] = 512,
+    shorts: Annotated[int, typer.Option("--shorts", min=1, help="Short requests of the mixed load.")] = 48,
     rate: Annotated[float, typer.Option("--rate", min=0.001, help="Short requests per second.")] = 2.0,
-    long_every: Annotated[int, typer.Option("--long-every", help="One long-prompt request per N short.")] = 4,
+    long_every: Annotated[int, typer.Option("--long-every", min=1, help="One long-prompt request per N short.")] = 4,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
 ) -> None:
     """Prefill/decode disaggregation: KV transfer rates (inline gRPC, shared memory, memcpy) and
@@ -320,8 +321,8 @@ def bench_pd(
 def bench_batching(
     model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: built-in tiny).")] = None,
     requests: Annotated[int, typer.Option("--requests", min=1, help="Requests of the bench mix.")] = 32,
-    batch: Annotated[int, typer.Option("--batch", help="Requests stepped together.")] = 16,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Thinker tokens per request.")] = 24,
+    batch: Annotated[int, typer.Option("--batch", min=1, help="Requests stepped together.")] = 16,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Thinker tokens per request.")] = 24,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
 ) -> None:
     """Fast batching against exact on the bench mix: identical greedy ids, first divergence,

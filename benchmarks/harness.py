@@ -193,7 +193,14 @@ def free_port_blocks(sizes: Sequence[int], host: str = "127.0.0.1", metrics_offs
 
 
 def stack_config(opts: BenchOptions) -> Any:
-    from omnistage.config import ConfigError, apply_overrides, config_path, load_config, parse_replicas
+    from omnistage.config import (
+        ConfigError,
+        apply_overrides,
+        check_replicas_run,
+        config_path,
+        load_config,
+        parse_replicas,
+    )
 
     cfg = load_config(opts.config)
     overrides: dict[str, Any] = {}
@@ -202,6 +209,7 @@ def stack_config(opts: BenchOptions) -> Any:
     if opts.replicas:
         overrides.update(parse_replicas(opts.replicas))
     cfg = apply_overrides(cfg, overrides)
+    check_replicas_run(cfg, opts.replicas)
     if not cfg.audio_output:
         raise ConfigError("audio_output: false: the bench measures speech (time to first audio, real-time "
                           "factor), which a text-only stack has none of")  # fmt: skip

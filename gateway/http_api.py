@@ -297,8 +297,9 @@ _HTTP_NAMES = (  # (message prefix, param, code)
 )
 
 
-# a stage's refusal of a request too large for it (its scheduler's): the client shortens it
-_TOO_LARGE = re.compile(r"^[\w-]+: request .*(?:tokens of cache|max_model_len=)")
+# a thinker's refusal of a request too large for it (its scheduler's): the client shortens the
+# prompt or max_tokens (a talker's names its own limits: no OpenAI field to point at)
+_TOO_LARGE = re.compile(r"^thinker[\w-]*: request .*(?:tokens of cache|max_model_len=|max_num_batched_tokens=)")
 _SAMPLING_FIELD = re.compile(r"(thinker|talker): sampling: (\w+)")  # a stage's refusal: its stage, the field
 _ENTRY_NAMES = {"stop_ids": "stop_token_ids"}  # a stage's sampling field -> a `sampling_params_list` entry's
 ResultT = TypeVar("ResultT")

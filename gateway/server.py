@@ -200,9 +200,12 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             nonlocal was
             now = self.thinker_serving
             if now != was:
-                down = [f"{h.stage}: {h.detail or 'not serving'}" for h in self.watcher.chain
+                chain = self.watcher.chain
+                down = [f"{h.stage}: {h.detail or 'not serving'}" for h in chain
                         if h.stage in self.thinker_roles and not h.serving]  # fmt: skip
-                state = "serving" if now else f"not serving ({'; '.join(down) or 'not checked yet'})"
+                unseen = sorted(self.thinker_roles - {h.stage for h in chain})  # a role its Info does not list
+                down += [f"{role}: not reported by {chain[0].stage}" for role in unseen]
+                state = "serving" if now else f"not serving ({'; '.join(down)})"
                 log.info("thinker at %s is %s", self.thinker_target, state)
             was = now
             await health_state.set(self.serving)
@@ -507,7 +510,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
     def refused(self, api: str, outcome: str, message: str) -> None:
         """A request refused before it started (its key, its body): counted, and given its access
         line with the reason, as any other request is."""
-        o = Outcome(uuid.uuid4().hex, time.perf_counter(), api=api, status=outcome, error=message, shed=True)
+        # no id: the client was given none (nor may a bad one be echoed)
+        o = Outcome("-", time.perf_counter(), api=api, status=outcome, error=message, shed=True)
         self.metrics.observe(o, 0.0, self.sample_rate)  # (shed: counted, no latency observed)
         self._access_log(o, 0.0)
 

@@ -552,5 +552,19 @@ def parse_replicas(spec: str) -> dict[str, int]:
     return out
 
 
+def check_replicas_run(cfg: DeployConfig, spec: str | None) -> None:
+    """`--replicas NAME=N` (serve, bench) for a process this config does not run is an error,
+    not ignored."""
+    running = {*cfg.stage_names(), "gateway"}
+    for part in filter(None, (p.strip() for p in (spec or "").split(","))):
+        name = part.partition("=")[0]
+        if name not in running:
+            why = ("thinker.disaggregated is false: one thinker process runs" if name.startswith("thinker-")
+                   else "audio_output is false: no speech stages run" if name in ("talker", "code2wav")
+                   else "")  # fmt: skip
+            raise ConfigError(f"--replicas {part}: this stack runs no {name} process" + (f" ({why})" if why else "")
+                              + f"; it runs {', '.join(sorted(running))}")  # fmt: skip
+
+
 def dump_config(cfg: DeployConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(), sort_keys=False)

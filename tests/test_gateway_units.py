@@ -615,8 +615,8 @@ def test_a_request_too_large_for_a_stage_is_a_400_no_retry_helps() -> None:
     for detail in (message, "thinker: request 'r': input of 3000 tokens exceeds max_model_len=2048"):
         http = _from_gateway(GatewayError(grpc.StatusCode.INVALID_ARGUMENT, detail))
         assert (http.status, http.param, http.code) == (400, "messages", "context_length_exceeded"), detail
-    other = _from_gateway(GatewayError(grpc.StatusCode.INVALID_ARGUMENT, "talker: unknown speaker 'x'"))
-    assert other.code == "invalid_argument"
+    for other in ("talker: unknown speaker 'x'", "talker: request 'r': needs 900 tokens of cache (...)"):
+        assert _from_gateway(GatewayError(grpc.StatusCode.INVALID_ARGUMENT, other)).code == "invalid_argument"
 
 
 def test_a_call_cancelled_at_its_deadline_counts_as_deadline_exceeded(tiny_dir: Path) -> None:

@@ -193,3 +193,11 @@ def test_a_restart_held_up_by_a_taken_port_says_which_and_goes_once_it_is_free(
     clock[0] += 0.5
     stack.heal(said.append)
     assert spawned and child.restarts == 1
+    # this run dies for another reason, printing no error: line: the last run's is not given as its own
+    proc.code = None
+    stack.heal(said.append)
+    with log.open("a") as f:
+        f.write("RuntimeError: boom\n")
+    proc.code = 1
+    stack.heal(said.append)
+    assert "RuntimeError: boom" in said[-1] and "8201" not in said[-1], said[-1]

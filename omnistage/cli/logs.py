@@ -53,12 +53,13 @@ def setup_logging(process: str, level: str = "info", fmt: str = "text") -> None:
         root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(level.upper())
-    # transformers and grpc are loud at info; keep them to warnings unless debugging
-    for noisy in ("transformers", "grpc", "asyncio", "urllib3"):
-        logging.getLogger(noisy).setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
     # transformers writes through a handler of its own ("[transformers] ..."): its lines go
-    # through this one instead, so that a JSON log is JSON on every line
+    # through this one instead, so that a JSON log is JSON on every line. (First: importing it
+    # sets its logger's level, which the line below then sets.)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_default_handler()
     hf_logging.enable_propagation()
+    # transformers and grpc are loud at info; keep them to warnings unless debugging
+    for noisy in ("transformers", "grpc", "asyncio", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.DEBUG if level == "debug" else logging.WARNING)

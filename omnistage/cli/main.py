@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import json
 import os
 import shutil
@@ -176,21 +177,6 @@ def _port_overrides(config: Path | None, port: int | None) -> dict[str, object]:
     return layout
 
 
-def _check_replicas_run(cfg: DeployConfig, spec: str | None) -> None:
-    """`--replicas NAME=N` for a process this stack does not run is an error, not ignored."""
-    from omnistage.config import ConfigError
-
-    running = {*cfg.stage_names(), "gateway"}
-    for part in filter(None, (p.strip() for p in (spec or "").split(","))):
-        name = part.partition("=")[0]
-        if name not in running:
-            why = ("thinker.disaggregated is false: one thinker process runs" if name.startswith("thinker-")
-                   else "audio_output is false: no speech stages run" if name in ("talker", "code2wav")
-                   else "")  # fmt: skip
-            raise ConfigError(f"--replicas {part}: this stack runs no {name} process" + (f" ({why})" if why else "")
-                              + f"; it runs {', '.join(sorted(running))}")  # fmt: skip
-
-
 ModelArg = Annotated[
     str | None, typer.Argument(help="Checkpoint directory (default: the config's, else the built-in tiny one).")
 ]
@@ -252,19 +238,19 @@ def make_tiny(
         raise typer.Exit(2) from None
     from huggingface_hub.errors import StrictDataclassError
 
-    existed = out_dir.exists()
-    if existed and not out_dir.is_dir():
-        typer.echo(f"error: {out_dir}: not a directory", err=True)
-        raise typer.Exit(2)
+    made: Path | None = None  # the outermost folder this run makes (OUT_DIR or a parent): removed on failure
     try:
+        made = next((p for p in (*reversed(out_dir.absolute().parents), out_dir.absolute()) if not p.exists()), None)
+        if made is None and not out_dir.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory")
         changes = _dotted_settings(settings or [])
         options: dict[str, Any] = {"settings": changes} if changes else {}
         summary = chosen.write_tiny(out_dir, layout=layout.value, dtype=dtype.value, **options)
     # an option this family's tiny checkpoint does not have, a --set value its config refuses
     # (transformers' strict configs raise their own error), OUT_DIR not writable or a file
-    except (ValueError, TypeError, StrictDataclassError, OSError) as e:
-        if not existed and out_dir.is_dir():  # what this run made of it: nothing half-written stays
-            shutil.rmtree(out_dir, ignore_errors=True)
+    except (ValueError, StrictDataclassError, OSError) as e:
+        if made is not None and made.is_dir():  # nothing half-written stays
+            shutil.rmtree(made, ignore_errors=True)
         message = " ".join(str(e).split()) if not isinstance(e, OSError) else f"{out_dir}: {e.strerror or e}"
         typer.echo(f"error: {message}", err=True)
         raise typer.Exit(2) from None
@@ -376,7 +362,7 @@ def serve(
 
     from omnistage.cli.logs import setup_logging
     from omnistage.cli.serve import StartupError, start_stack
-    from omnistage.config import default_config_path, parse_replicas
+    from omnistage.config import check_replicas_run, default_config_path, parse_replicas
     from omnistage.topology import PROCESSES
 
     setup_logging("serve", log_level.value, log_format.value)
@@ -390,7 +376,7 @@ def serve(
         # only the flags given: an unset --http-port must not undo --port's HTTP port (P + 50)
         overrides.update({k: v for k, v in flags.items() if v is not None})
         cfg = _load_cfg(config, overrides, default=True)
-        _check_replicas_run(cfg, replicas)
+        check_replicas_run(cfg, replicas)
         typer.echo(f"config: {config or default_config_path()}" + (" + flags" if any(overrides.values()) else ""))
         shown = model_arg or model or cfg.model or "built-in tiny checkpoint"
         typer.echo(f"starting omnistage (model: {shown}) ...")
@@ -426,10 +412,12 @@ def serve(
                        + ", ".join(f"{a} (gRPC)" for a in stack.addresses("gateway")[1:])
                        + "".join(f", http://{cfg.address(p)}" for p in cfg.http_ports()[1:]))  # fmt: skip
         text_only = "" if cfg.audio_output else " --no-audio"  # a text-only stack refuses audio
-        # with a key, the hints name where it goes (never the key itself)
-        key = " --api-key $OMNISTAGE_API_KEY" if api_key else ""
+        # with a key, the hints say where it goes (never the key itself): the client reads it from
+        # $OMNISTAGE_API_KEY, curl sends it as a header
         header = " -H \"authorization: Bearer $OMNISTAGE_API_KEY\"" if api_key else ""
-        typer.echo(f'try: omnistage client "Hello" --target {stack.gateway_address}{text_only}{key}')
+        if api_key:
+            typer.echo("with the API key in $OMNISTAGE_API_KEY (export OMNISTAGE_API_KEY=...):")
+        typer.echo(f'try: omnistage client "Hello" --target {stack.gateway_address}{text_only}')
         if stack.http_address:
             typer.echo(f"     curl http://{stack.http_address}/v1/chat/completions -H 'content-type: application/json'"
                        + header + """ -d '{"messages":[{"role":"user","content":"Hello"}]}'""")  # fmt: skip

@@ -140,6 +140,7 @@ class Child:
     healthy_since: float | None = None
     restart_at: float | None = None  # when it is dead and a restart is due
     ports_taken_since: float | None = None  # since when a due restart has found its ports taken
+    log_from: int = 0  # its log's size when this run of it started (the log is appended to)
     ports_taken_said: float | None = None  # when `heal` last said so
 
     @property
@@ -156,9 +157,12 @@ class Child:
         """Why it stopped: the last `error:` line of its log (what the CLI prints for a known
         failure; what an exit prints after it is noise), else the last line that says something."""
         try:
-            lines = [line.strip() for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
+            with open(self.log, "rb") as f:
+                f.seek(self.log_from)  # this run's lines: a reason an earlier run gave is not this one's
+                text = f.read().decode(errors="replace")
         except OSError:
             return ""
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
         return next((line for line in reversed(lines) if line.startswith("error:")), lines[-1] if lines else "")
 
 
@@ -249,6 +253,7 @@ class Stack:
                         say(f"{c.role} at {c.address}: cannot restart yet: port(s) {', '.join(map(str, taken))} "
                             "taken by another process; restarting it once they are free")  # fmt: skip
                     continue
+                c.log_from = _size(c.log)
                 c.proc = _spawn(c.args, c.log, c.env)
                 c.restarts += 1
                 c.restart_at = c.healthy_since = c.ports_taken_since = c.ports_taken_said = None
@@ -316,6 +321,13 @@ def check_ports(cfg: DeployConfig) -> None:
         )
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
 def _spawn(args: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     with open(log_path, "ab") as out:  # the child keeps its own descriptor
         return subprocess.Popen(
@@ -338,10 +350,11 @@ def start_stack(
     from omnistage.config import dump_config
     from omnistage.models import open_checkpoint
 
+    given = new_run_dir(log_dir) if log_dir is not None else None  # a --log-dir it cannot use: said first
     model_dir = resolve_model(cfg, model)
     open_checkpoint(model_dir).check_serves(cfg.audio_output)  # fail here, with the problem, not in N children
     check_ports(cfg)
-    stack = Stack(cfg=cfg, model_dir=model_dir, run_dir=new_run_dir(log_dir))
+    stack = Stack(cfg=cfg, model_dir=model_dir, run_dir=given or new_run_dir(None))
     cfg_path = stack.run_dir / "omnistage.yaml"  # what the children read, kept with their logs
     cfg_path.write_text(dump_config(cfg))
     env = dict(os.environ)
@@ -360,16 +373,18 @@ def start_stack(
                 if downstream:
                     args += ["--downstream", downstream]
                 log_path = stack.run_dir / f"{name}-{i}.log"
+                start = _size(log_path)
                 stack.children.append(Child(name, i, cfg.address(port), _spawn(args, log_path, env), log_path,
-                                            args, env))  # fmt: skip
+                                            args, env, log_from=start))  # fmt: skip
         http_ports = cfg.http_ports()
         for i in range(cfg.gateway.replicas):  # replica i on port + i (and HTTP port + i)
             port = cfg.gateway.port + i
             args = ["gateway", "--port", str(port), "--thinker", cfg.stage_target(chain[0].name), *common]
             args += ["--http-port", str(http_ports[i])] if http_ports else ["--no-http"]
             log_path = stack.run_dir / f"gateway-{i}.log"
+            start = _size(log_path)
             stack.children.append(Child("gateway", i, cfg.address(port), _spawn(args, log_path, env), log_path,
-                                        args, env))  # fmt: skip
+                                        args, env, log_from=start))  # fmt: skip
         _wait_healthy(stack, cfg.timeouts.startup_timeout_s, interrupted)
     except BaseException:
         stack.stop()

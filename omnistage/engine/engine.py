@@ -345,7 +345,7 @@ class Engine:
 
     def _shared_failure(self, exc: Exception, batch: Sequence[ScheduledItem]) -> StageError:
         """What a step's failure is to each request in it, logged once for the step (not once
-        per request); out of memory is RESOURCE_EXHAUSTED (retryable, as when an input does not fit)."""
+        per request); out of memory is RESOURCE_EXHAUSTED (retryable: the same request may fit later)."""
         name = self.worker.name
         ids = ", ".join(it.request.request_id for it in batch)
         if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":  # torch's, CPU or CUDA

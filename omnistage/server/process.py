@@ -26,11 +26,11 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
     if name not in cfg.stage_names():
         raise ConfigError(f"{name}: not a stage of this deploy config's chain ({', '.join(cfg.stage_names())})")
     below = cfg.downstream(name)
+    if below is not None and not downstream:
+        raise ConfigError(f"{name}: --downstream TARGET is required (the {below} stage)")
     stage_cfg = cfg.stage(name)
     torch.set_num_threads(stage_cfg.threads)
     widen_primitive_cache()  # before any convolution runs here
-    if below is not None and not downstream:
-        raise ConfigError(f"{name}: --downstream TARGET is required (the {below} stage)")
     ckpt = open_checkpoint(model_dir)
     ckpt.check_serves(cfg.audio_output)
     worker = import_module(definition.worker).build_worker(cfg, ckpt)

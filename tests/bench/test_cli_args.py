@@ -27,6 +27,8 @@ from tests.integration.conftest import free_port_block
         (["handoff", "--batches", "0"], "--batches"),
         (["audio-in", "--clips", "-1"], "--clips"),
         (["routing", "--long-share", "2"], "--long-share"),
+        (["pd", "--long-every", "0"], "--long-every"),  # a ZeroDivisionError once both stacks had started
+        (["batching", "--batch", "0"], "--batch"),
     ],
 )
 def test_a_value_no_run_can_use_is_a_usage_error(args: list[str], option: str) -> None:
@@ -80,3 +82,12 @@ def test_a_served_split_thinker_gets_free_ports_for_both_roles(monkeypatch: pyte
     assert grpc == {"gateway[0]": 40_000, "thinker-prefill[0]": 40_100, "thinker-decode[0]": 40_200,
                     "talker[0]": 40_300, "code2wav[0]": 40_400, "gateway[0] http": 40_500}, cfg.ports()
     assert picked == [[1, 1, 1, 1, 1, 1]]
+
+
+def test_replicas_of_a_process_the_served_config_does_not_run_are_refused() -> None:
+    """`bench --serve --replicas thinker-decode=2` on an unsplit config was ignored, as serve's was."""
+    from benchmarks.harness import BenchOptions, stack_config
+    from omnistage.config import ConfigError
+
+    with pytest.raises(ConfigError, match="runs no thinker-decode process"):
+        stack_config(BenchOptions(serve=True, replicas="thinker-decode=2"))

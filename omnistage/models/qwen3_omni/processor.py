@@ -51,7 +51,7 @@ class FrameVideoProcessor(_video_processor_base()):  # type: ignore[misc]
         self.image_std = np.asarray(config.get("image_std", [0.26862954, 0.26130258, 0.27577711]), np.float32)
         self.rescale_factor = float(config.get("rescale_factor", 1 / 255))
         # the checkpoint's switches, as transformers' video processors take them (a call may override them)
-        self.switches = {k: bool(config.get(k, True)) for k in SWITCHES}
+        self.switches = {k: bool(v) if (v := config.get(k)) is not None else True for k in SWITCHES}  # null: default
 
     @staticmethod
     def _size(options: dict[str, Any], default: dict[str, int]) -> dict[str, int]:
