@@ -171,6 +171,7 @@ async def stream_generate(
         ch = grpc.aio.insecure_channel(target)
     metadata_out = [("authorization", f"Bearer {api_key}")] if api_key else None
     t0 = time.perf_counter()
+    call = None
     try:
         call = gateway_pb2_grpc.GatewayStub(ch).Generate(request, timeout=timeout, metadata=metadata_out)
         metadata = await call.initial_metadata()
@@ -201,6 +202,10 @@ async def stream_generate(
                              for k, v in resp.final.timings.items()},
                 )
     finally:
+        # a consumer that stops early cancels the request down the chain (on a shared channel the
+        # call lived on, and every stage made the whole reply)
+        if call is not None and not call.done():
+            call.cancel()
         if own:
             await ch.close()
 

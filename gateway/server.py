@@ -448,6 +448,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     detail = f"{self.stages[0]} unavailable at {self.thinker_target}: {detail}"
                     if attempt:
                         detail += f" (after {attempt} replays)"
+                elif code == grpc.StatusCode.DEADLINE_EXCEEDED and not detail.startswith(self.stages):
+                    # this gateway's own call ran out before a stage said so ("Deadline Exceeded")
+                    detail = f"gateway: request {stage_id} passed its deadline"
                 raise GatewayError(code, client_ids(detail, stage_id, request_id)) from None
             except TensorBlobError as e:
                 raise GatewayError(grpc.StatusCode.INTERNAL, f"gateway: bad chunk from a stage: {e}") from None

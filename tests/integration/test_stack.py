@@ -192,6 +192,40 @@ def test_deadline_exceeded_is_reported(stack: Stack, pipeline: Any) -> None:
     assert counted() == before + 1  # it was counted CANCELLED
 
 
+def test_a_stream_left_early_on_a_shared_channel_cancels_its_request(stack: Stack, pipeline: Any) -> None:
+    """`stream_generate(channel=...)` (one channel for many requests, as the bench keeps it): a
+    consumer that stops at the first text cancels the request down the chain; the call lived on
+    and every stage made the whole reply."""
+
+    def cancelled() -> float:
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        port = int(stack.gateway_address.rsplit(":", 1)[1]) + 1000
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        return sum(x.value for f in text_string_to_metric_families(text) for x in f.samples
+                   if x.name == "omnistage_gateway_requests_total"
+                   and x.labels == {"api": "grpc", "outcome": "CANCELLED"})  # fmt: skip
+
+    async def leave_early() -> None:
+        async with grpc.aio.insecure_channel(stack.gateway_address) as channel:
+            events = stream_generate(stack.gateway_address, "hi", channel=channel, thinker_max_tokens=300,
+                                     talker_max_tokens=300, thinker_stop_ids=[pipeline.spec.tts_pad_id])  # fmt: skip
+            async for event in events:
+                if event.kind == "text":
+                    break
+            await events.aclose()
+            await asyncio.sleep(3)  # the channel stays open past the whole reply (about 1 s here)
+
+    before = cancelled()
+    run(leave_early())
+    deadline = time.monotonic() + 5
+    while cancelled() < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cancelled() == before + 1  # it ran to its end: outcome ok
+    assert_all_idle(stack.addresses("thinker") + stack.addresses("talker") + stack.addresses("code2wav"), 10)
+
+
 def test_input_wait_timeout_names_the_stage(stack: Stack, pipeline: Any) -> None:
     """A talker request that gets its prompt but never a token fails after input_wait_timeout_s (5 s)."""
     ids = torch.tensor(pipeline.prompt_ids("hi"))
