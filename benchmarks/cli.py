@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -11,26 +12,25 @@ import typer
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: every figure against a baseline from the same run.")
 
 
-def _ints(value: str) -> str:
-    """A comma-separated option of whole numbers, each at least 1 (levels, batches): a usage error otherwise."""
-    from benchmarks.harness import parse_int_list
+def _list_option(parse_name: str) -> Callable[[str], str]:
+    """A callback for a comma-separated option that `benchmarks.harness.<parse_name>` reads: a
+    value it refuses (levels, batches: whole numbers >= 1; rates, seconds: numbers > 0) is a
+    usage error naming the option, not a traceback."""
 
-    try:
-        parse_int_list(value)
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
-    return value
+    def check(value: str) -> str:
+        from benchmarks import harness
+
+        try:
+            getattr(harness, parse_name)(value)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+        return value
+
+    return check
 
 
-def _floats(value: str) -> str:
-    """A comma-separated option of numbers above 0 (rates, seconds): a usage error otherwise."""
-    from benchmarks.harness import parse_float_list
-
-    try:
-        parse_float_list(value)
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
-    return value
+_ints = _list_option("parse_int_list")
+_floats = _list_option("parse_float_list")
 
 
 @bench_app.callback(invoke_without_command=True, no_args_is_help=False)
