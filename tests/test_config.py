@@ -184,7 +184,9 @@ def test_exact_batching_splits_prompts_in_fixed_chunks() -> None:
     assert parse_config({"thinker": {"max_num_batched_tokens": 8, "max_num_seqs": 16}}).thinker.prefill_chunk == 4
 
 
-@pytest.mark.parametrize("command", [["stage", "talker", "--port", "7201"], ["gateway", "--thinker", "x:1"]])
+@pytest.mark.parametrize("command", [["stage", "talker", "--port", "7201"], ["gateway", "--thinker", "x:1"],
+                                     ["stage", "thinker", "--port", "7101", "--text-only"],
+                                     ["gateway", "--thinker", "x:1", "--text-only"]])  # fmt: skip
 def test_stage_and_gateway_read_the_deploy_file_serve_reads(
     command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -214,6 +216,8 @@ def test_stage_and_gateway_read_the_deploy_file_serve_reads(
     result = CliRunner().invoke(app, command)
     assert result.exit_code == 0, result.output
     assert [cfg.talker.max_num_seqs for cfg in seen] == [3]
+    # `--text-only`, as serve's: a text-only thinker needs no --downstream and no deploy file of its own
+    assert [cfg.audio_output for cfg in seen] == ["--text-only" not in command]
 
 
 @pytest.mark.parametrize(("args", "message"), [

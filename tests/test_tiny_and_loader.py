@@ -291,6 +291,19 @@ def test_a_config_whose_parts_disagree_is_refused(tiny_dir: Path, tmp_path: Path
     assert needle in str(err.value)
 
 
+@pytest.mark.parametrize("edit", [
+    lambda c: c["talker_config"]["text_config"].update(num_hidden_layers=-1),
+    lambda c: c["thinker_config"]["text_config"].update(num_attention_heads=0),
+])  # fmt: skip
+def test_a_size_below_one_is_refused_by_name(tiny_dir: Path, tmp_path: Path, edit: Any) -> None:
+    """transformers builds a talker of -1 layers (it has none, and the stack served it)."""
+    bad = _copy(tiny_dir, tmp_path / "sizes")
+    _edit_config(bad, edit)
+    with pytest.raises(CheckpointError, match=r"not a valid .* config: .*(num_hidden_layers is -1|num_attention_heads "
+                                              r"is 0); it must be at least 1"):  # fmt: skip
+        open_checkpoint(bad)
+
+
 def test_a_config_that_does_not_match_the_weights_is_refused(tiny_dir: Path, tmp_path: Path) -> None:
     bad = _copy(tiny_dir, tmp_path / "layers")
     _edit_config(bad, lambda c: c["thinker_config"]["text_config"].update(num_hidden_layers=3))

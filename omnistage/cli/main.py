@@ -474,6 +474,7 @@ def stage(
     device: DeviceOpt = None,
     served_model_name: NameOpt = None,
     max_model_len: MaxLenOpt = None,
+    text_only: TextOnlyOpt = False,
     log_level: LogLevelOpt = LogLevel.info,
     log_format: LogFormatOpt = LogFormat.text,
 ) -> None:
@@ -490,7 +491,7 @@ def stage(
             typer.echo(f"error: unknown stage {name!r}; expected one of {', '.join(PROCESSES)}", err=True)
             raise typer.Exit(2)
         overrides = {**_stage_overrides((name,), dtype, device), "served_model_name": served_model_name,
-                     "max_model_len": max_model_len}  # fmt: skip
+                     "max_model_len": max_model_len, "audio_output": False if text_only else None}  # fmt: skip
         cfg = _load_cfg(config, overrides, default=True)
         run_stage(name, cfg, resolve_model(cfg, model_arg or model), host or cfg.host, port, downstream)
 
@@ -514,6 +515,7 @@ def gateway(
     max_model_len: MaxLenOpt = None,
     http_port: HttpPortOpt = None,
     no_http: Annotated[bool, typer.Option("--no-http", help="Serve gRPC only.")] = False,
+    text_only: TextOnlyOpt = False,
     api_key: ApiKeyOpt = None,
     log_level: LogLevelOpt = LogLevel.info,
     log_format: LogFormatOpt = LogFormat.text,
@@ -528,8 +530,8 @@ def gateway(
     setup_logging(f"gateway:{port}", log_level.value, log_format.value)
     _stop_on_sigterm()
     with _errors(log_level.value, interrupted_code=0):
-        cfg = _load_cfg(config, {"served_model_name": served_model_name, "max_model_len": max_model_len},
-                        default=True)  # fmt: skip
+        cfg = _load_cfg(config, {"served_model_name": served_model_name, "max_model_len": max_model_len,
+                                 "audio_output": False if text_only else None}, default=True)  # fmt: skip
         ckpt = open_checkpoint(resolve_model(cfg, model_arg or model))
         http = None if no_http else (http_port or cfg.gateway.http_port)
         run_gateway(cfg, ckpt, host or cfg.host, port, thinker, http_port=http, api_key=api_key or "")

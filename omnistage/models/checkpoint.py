@@ -235,11 +235,33 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             config = family.load_config(p)
     except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"{cfg_file}: not a valid {family.display_name} config ({e})") from None
+    sizes = _sizes_below_one(config)
+    if sizes:
+        raise CheckpointError(f"{cfg_file}: not a valid {family.display_name} config: " + "; ".join(sizes))
     problems = family.check_config(config, speech=not no_speech)
     if problems:
         raise CheckpointError(f"{cfg_file}: the parts of the config disagree: " + "; ".join(problems))
     return Checkpoint(path=p, family=family, config=config, spec=family.spec(config, p, speech=not no_speech),
                       tensors=tensors, no_speech=no_speech, chat_template=template)  # fmt: skip
+
+
+# sizes no model of these families can have at 0 or below (transformers builds it anyway: a
+# thinker of -1 layers has none, and speaks)
+_AT_LEAST_ONE = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "vocab_size",
+                 "encoder_layers", "num_heads")  # fmt: skip
+
+
+def _sizes_below_one(config: Any, prefix: str = "") -> list[str]:
+    """`_AT_LEAST_ONE` sizes of the config or any of its sub-configs that are below 1, by name."""
+    from transformers import PretrainedConfig
+
+    out = []
+    for key, value in vars(config).items():
+        if isinstance(value, PretrainedConfig):
+            out += _sizes_below_one(value, f"{prefix}{key}.")
+        elif key in _AT_LEAST_ONE and isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            out.append(f"{prefix}{key} is {value}; it must be at least 1")
+    return out
 
 
 _EXPERT = re.compile(r"^(?P<block>.+\.experts)\.(?P<index>\d+)\.(?P<rest>.+)$")
