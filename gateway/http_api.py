@@ -74,6 +74,7 @@ from starlette.routing import Route
 from gateway.audio_out import FORMAT_NAMES, MIME
 from gateway.server import GatewayError, GatewayService
 from omnistage.models.sampling import MIN_TEMPERATURE
+from omnistage.quoting import quoted
 from omnistage.topology import STAGES
 from omnistage.v1 import gateway_pb2, stage_pb2
 
@@ -339,14 +340,8 @@ def _from_gateway(e: GatewayError) -> HttpError:
     return HttpError(status, message, kind, param=param, code=code)
 
 
-def _shown(text: str, limit: int = 64) -> str:
-    """A client's string as an error quotes it: at most `limit` characters (as the gRPC front
-    door's errors), so a huge one is not sent back whole."""
-    return repr(text[:limit]) + (f" (cut; {len(text)} characters)" if len(text) > limit else "")
-
-
 def _unknown_model(name: str, served: str) -> HttpError:
-    return HttpError(404, f"model {_shown(name)} not found; this server serves {served!r}", "not_found_error",
+    return HttpError(404, f"model {quoted(name)} not found; this server serves {served!r}", "not_found_error",
                      param="model", code="model_not_found")  # fmt: skip
 
 
@@ -411,7 +406,7 @@ def _speaker(voice: str | AudioRef | None, voices: list[str], field: str = "audi
         return name
     if name.lower() in OPENAI_VOICES:
         return ""
-    raise HttpError(400, f"{field}: unknown voice {_shown(name)}; this model has: {', '.join(voices)}",
+    raise HttpError(400, f"{field}: unknown voice {quoted(name)}; this model has: {', '.join(voices)}",
                     param=field)  # fmt: skip
 
 
@@ -525,7 +520,7 @@ def to_generate_request(
             text = transcripts(m.audio.id) if role == "assistant" else None
             if text is None:
                 where = f"messages[{i}].audio.id"
-                raise HttpError(400, f"{where}: unknown or expired audio id {_shown(m.audio.id)} (this server keeps a "
+                raise HttpError(400, f"{where}: unknown or expired audio id {quoted(m.audio.id)} (this server keeps a "
                                      "reply's transcript for an hour; send its text as content instead)",
                                 param=where)  # fmt: skip
             req.messages.append(gateway_pb2.ChatMessage(role=role, content=text))
@@ -606,7 +601,7 @@ def _timeout_header(value: str | None) -> float | None:
     except ValueError:
         seconds = float("nan")
     if not 0 < seconds < 1e6:
-        raise HttpError(400, f"header {TIMEOUT_HEADER}: expected seconds, above 0 and below 1e6, got {_shown(value)}",
+        raise HttpError(400, f"header {TIMEOUT_HEADER}: expected seconds, above 0 and below 1e6, got {quoted(value)}",
                         param=TIMEOUT_HEADER)  # fmt: skip
     return seconds
 

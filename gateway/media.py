@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from omnistage.config import MediaConfig as Limits
+from omnistage.quoting import quoted
 from omnistage.v1 import gateway_pb2
 
 __all__ = ["AudioClip", "Budget", "ImageInput", "Limits", "MediaError", "VideoClip", "decode_audio", "decode_image",
@@ -358,7 +359,7 @@ def decode_messages(request: gateway_pb2.GenerateRequest, limits: Limits, audio_
     budget = Budget(limits.max_decoded_bytes, cancelled)
     for i, m in enumerate(request.messages):
         if m.role not in ROLES:
-            raise MediaError(f"messages[{i}]: unknown role {m.role[:64]!r}; expected one of {', '.join(ROLES)}")
+            raise MediaError(f"messages[{i}]: unknown role {quoted(m.role)}; expected one of {', '.join(ROLES)}")
         if not m.parts:
             messages.append({"role": m.role, "content": m.content})
             continue

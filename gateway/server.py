@@ -35,6 +35,7 @@ from gateway.text import TextStream, check_stop_texts
 from omnistage.config import DeployConfig
 from omnistage.engine import OutChunk
 from omnistage.models import Checkpoint, CheckpointError, load_tokenizer
+from omnistage.quoting import quoted
 from omnistage.server.grpc_common import REPLAY_BACKOFF_S, ChainWatcher, HealthState, lost_peer, stage_stream
 from omnistage.server.routing import Router
 from omnistage.server.tls import name_override, stage_channel_credentials
@@ -296,7 +297,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                                 omit_codes=not request.stop)  # fmt: skip
         for name, params in request.sampling.items():
             if name not in STAGES:
-                raise bad(f"sampling: unknown stage {name[:64]!r}")  # (a name past 16 KiB would pass gRPC's limit)
+                raise bad(f"sampling: unknown stage {quoted(name)}")  # (a name past 16 KiB would pass gRPC's limit)
             if name == "code2wav" and (unused := [f.name for f, _ in params.ListFields() if f.name != "seed"]):
                 raise bad(f"sampling: code2wav samples nothing; it takes only a seed, not {', '.join(unused)}")
             start.sampling[name].CopyFrom(params)

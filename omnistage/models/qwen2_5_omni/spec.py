@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from omnistage.quoting import quoted
+
 MODEL_TYPE = "qwen2_5_omni"
 SAMPLE_RATE = 24_000
 DEFAULT_SPEAKER = "Chelsie"  # generate()'s default voice
@@ -84,7 +86,7 @@ class FamilySpec:
             if name.lower() == speaker.lower():
                 return name
         known = ", ".join(sorted(self.speakers)) or "none"
-        raise ValueError(f"unknown speaker {speaker[:64]!r} (this checkpoint has: {known})")
+        raise ValueError(f"unknown speaker {quoted(speaker)} (this checkpoint has: {known})")
 
     def speaker_id(self, speaker: str) -> int:
         return self.speakers[self.speaker_name(speaker)]

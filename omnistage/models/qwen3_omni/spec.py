@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from omnistage.quoting import quoted
+
 MODEL_TYPE = "qwen3_omni_moe"
 SAMPLE_RATE = 24_000
 # `generate()`'s default voice; a checkpoint without it defaults to its first speaker.
@@ -110,7 +112,7 @@ class FamilySpec:
             return self.speakers[speaker.lower()]
         except KeyError:
             known = ", ".join(sorted(self.speakers)) or "none"
-            raise ValueError(f"unknown speaker {speaker[:64]!r} (this checkpoint has: {known})") from None
+            raise ValueError(f"unknown speaker {quoted(speaker)} (this checkpoint has: {known})") from None
 
 
 
