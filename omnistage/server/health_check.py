@@ -26,9 +26,7 @@ def health_status(target: str, timeout: float = 3.0, service: str = "",
     short reason it gave none ("UNAVAILABLE", "DEADLINE_EXCEEDED", ...). With `credentials`
     over TLS."""
     try:
-        channel_cm = (grpc.insecure_channel(target, options=options) if credentials is None
-                      else grpc.secure_channel(target, credentials, options=options))  # fmt: skip
-        with channel_cm as channel:
+        with _channel(target, credentials, options) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=max(timeout, 0.001))
     except grpc.RpcError as e:
@@ -45,10 +43,16 @@ def stage_role(target: str, timeout: float = 3.0, credentials: grpc.ChannelCrede
     from omnistage.v1 import stage_pb2, stage_pb2_grpc
 
     try:
-        channel_cm = (grpc.insecure_channel(target, options=options) if credentials is None
-                      else grpc.secure_channel(target, credentials, options=options))  # fmt: skip
-        with channel_cm as channel:
+        with _channel(target, credentials, options) as channel:
             info = stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=max(timeout, 0.001))
     except Exception:
         return None
     return info.role or None
+
+
+def _channel(target: str, credentials: grpc.ChannelCredentials | None, options: list[tuple[str, Any]] | None
+             ) -> grpc.Channel:  # fmt: skip
+    """A blocking channel to `target`, over TLS with `credentials`."""
+    if credentials is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, credentials, options=options)
