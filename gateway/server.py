@@ -182,9 +182,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     @property
     def thinker_serving(self) -> bool:
-        chain = self.watcher.chain
-        roles = [h for h in chain if h.stage in self.thinker_roles]
-        return self.watcher.serving and len(roles) == len(self.thinker_roles) and all(h.serving for h in roles)
+        """Every thinker role the chain lists serves, and it lists them all (the first is the
+        watcher's own head)."""
+        roles = [h for h in self.watcher.chain if h.stage in self.thinker_roles]
+        return len(roles) == len(self.thinker_roles) and all(h.serving for h in roles)
 
     def chain_serving(self) -> tuple[bool, list[stage_pb2.StageHealth]]:
         """Whether every stage below serves (what the HTTP /health says), and each one's health."""

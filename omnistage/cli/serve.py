@@ -260,12 +260,8 @@ class Stack:
                 say(f"{c.role} at {c.address} restarted (pid {c.proc.pid}, restart {c.restarts})")
 
     def _ports_of(self, c: Child) -> list[int]:
-        """The ports `c` listens on: gRPC, metrics, and a gateway's HTTP."""
-        port = int(c.address.rsplit(":", 1)[1])
-        ports = [port, *filter(None, [self.cfg.metrics_port(port)])]
-        if c.name == "gateway" and self.cfg.http_ports():
-            ports.append(self.cfg.http_ports()[c.index])
-        return ports
+        """The ports `c` listens on (gRPC, metrics, a gateway's HTTP), as the config lists them."""
+        return [port for port, role in self.cfg.ports() if role.partition(" ")[0] == c.role]
 
     def stop(self, timeout: float | None = None) -> None:
         """SIGTERM the gateways, and once they are gone (each drains its requests up to
