@@ -206,10 +206,10 @@ def stack_config(opts: BenchOptions) -> Any:
     overrides: dict[str, Any] = {}
     if opts.model is not None:
         overrides["model"] = str(opts.model)
-    if opts.replicas:
-        overrides.update(parse_replicas(opts.replicas))
+    counts = parse_replicas(opts.replicas) if opts.replicas else {}
+    overrides.update(counts)
     cfg = apply_overrides(cfg, overrides)
-    check_replicas_run(cfg, opts.replicas)
+    check_replicas_run(cfg, counts)
     if not cfg.audio_output:
         raise ConfigError("audio_output: false: the bench measures speech (time to first audio, real-time "
                           "factor), which a text-only stack has none of")  # fmt: skip

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -552,18 +553,19 @@ def parse_replicas(spec: str) -> dict[str, int]:
     return out
 
 
-def check_replicas_run(cfg: DeployConfig, spec: str | None) -> None:
-    """`--replicas NAME=N` (serve, bench) for a process this config does not run is an error,
-    not ignored."""
+def check_replicas_run(cfg: DeployConfig, counts: Mapping[str, int]) -> None:
+    """`--replicas NAME=N` (serve, bench; `counts` as `parse_replicas` gives them) for a process
+    this config does not run is an error, not ignored."""
     running = {*cfg.stage_names(), "gateway"}
-    for part in filter(None, (p.strip() for p in (spec or "").split(","))):
-        name = part.partition("=")[0]
+    names = {f"{config_path(n)}.replicas": n for n in (*PROCESSES, "gateway")}
+    for field_path, count in counts.items():
+        name = names[field_path]
         if name not in running:
             why = ("thinker.disaggregated is false: one thinker process runs" if name.startswith("thinker-")
                    else "audio_output is false: no speech stages run" if name in ("talker", "code2wav")
                    else "")  # fmt: skip
-            raise ConfigError(f"--replicas {part}: this stack runs no {name} process" + (f" ({why})" if why else "")
-                              + f"; it runs {', '.join(sorted(running))}")  # fmt: skip
+            raise ConfigError(f"--replicas {name}={count}: this stack runs no {name} process"
+                              + (f" ({why})" if why else "") + f"; it runs {', '.join(sorted(running))}")  # fmt: skip
 
 
 def dump_config(cfg: DeployConfig) -> str:

@@ -368,7 +368,8 @@ def serve(
     setup_logging("serve", log_level.value, log_format.value)
     stop = StopFlag()
     with _errors(log_level.value):
-        overrides: dict[str, object] = dict(parse_replicas(replicas)) if replicas else {}
+        counts = parse_replicas(replicas) if replicas else {}
+        overrides: dict[str, object] = dict(counts)
         overrides.update(_port_overrides(config, port))
         overrides.update(_stage_overrides(PROCESSES, dtype, device))
         flags = {"host": host, "served_model_name": served_model_name, "max_model_len": max_model_len,
@@ -376,7 +377,7 @@ def serve(
         # only the flags given: an unset --http-port must not undo --port's HTTP port (P + 50)
         overrides.update({k: v for k, v in flags.items() if v is not None})
         cfg = _load_cfg(config, overrides, default=True)
-        check_replicas_run(cfg, replicas)
+        check_replicas_run(cfg, counts)
         typer.echo(f"config: {config or default_config_path()}" + (" + flags" if any(overrides.values()) else ""))
         shown = model_arg or model or cfg.model or "built-in tiny checkpoint"
         typer.echo(f"starting omnistage (model: {shown}) ...")
