@@ -9,6 +9,7 @@ every failure names the message and the part: `messages[1].parts[0] (audio): can
 
 from __future__ import annotations
 
+import functools
 import io
 import re
 import threading
@@ -191,6 +192,15 @@ def pcm_audio(f32le: bytes, sample_rate: int, target_rate: int, limits: Limits) 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")  # JPEG's opens MPO too
 
 
+@functools.cache
+def _image_formats() -> tuple[str, ...]:
+    """`IMAGE_FORMATS` this Pillow has (one built without AVIF has none): looked up once."""
+    from PIL import Image
+
+    Image.init()
+    return tuple(f for f in IMAGE_FORMATS if f in Image.OPEN)
+
+
 def decode_image(data: bytes, limits: Limits, budget: Budget | None = None) -> ImageInput:
     """An encoded image (png, jpeg, webp, gif, bmp, tiff, avif) -> RGB uint8: turned as its EXIF
     orientation says (as transformers' `load_image`), transparency on white (as the Qwen image
@@ -201,9 +211,7 @@ def decode_image(data: bytes, limits: Limits, budget: Budget | None = None) -> I
     _check_size(data, limits)
     budget = budget or Budget(limits.max_decoded_bytes)
     try:
-        Image.init()
-        formats = [f for f in IMAGE_FORMATS if f in Image.OPEN]  # a Pillow built without AVIF has none
-        with Image.open(io.BytesIO(data), formats=formats) as img:
+        with Image.open(io.BytesIO(data), formats=_image_formats()) as img:
             if img.width * img.height > limits.max_image_pixels:
                 raise MediaError(f"{img.width}x{img.height} pixels, over the limit of {limits.max_image_pixels}")
             budget.take(img.width * img.height * 3)
