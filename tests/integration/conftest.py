@@ -24,6 +24,18 @@ def free_port_block(n: int, metrics_offset: int = 1000) -> int:
     return free_port_blocks([n], metrics_offset=metrics_offset)[0]
 
 
+def metric(address: str, sample: str, **labels: str) -> float:
+    """The sum of the samples named `sample` (with these labels, among others) that the process
+    at `address` serves on its metrics port (its port + 1000)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    host, port = address.rsplit(":", 1)
+    text = httpx.get(f"http://{host}:{int(port) + 1000}/metrics", timeout=10).text
+    return sum(x.value for f in text_string_to_metric_families(text) for x in f.samples
+               if x.name == sample and all(x.labels.get(k) == v for k, v in labels.items()))  # fmt: skip
+
+
 def stack_config(**overrides: Any) -> DeployConfig:
     base = free_port_block(12)
     data: dict[str, Any] = {

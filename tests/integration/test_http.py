@@ -33,7 +33,7 @@ from gateway.media import decode_audio
 from omnistage.cli.serve import Stack, start_stack
 from omnistage.config import MediaConfig
 from omnistage.v1 import gateway_pb2_grpc, stage_pb2
-from tests.integration.conftest import free_port_block, info, run, stack_config
+from tests.integration.conftest import free_port_block, info, metric, run, stack_config
 
 MAX_TOKENS, RATE = 12, 24_000
 APP_ORIGIN = "http://app.example"
@@ -504,15 +504,13 @@ def test_metrics_count_the_requests(http_stack: Stack, client: openai.OpenAI) ->
     assert "omnistage_stage_shm_inline_fallbacks" in stage and "omnistage_stage_replay_bytes" in stage
     assert [x.value for x in stage["omnistage_stage_replay_memory_full"].samples if x.name.endswith("_total")] == [0]
 
+    thinker = http_stack.addresses("thinker")[0]
+
     def replay_bytes() -> float:  # what the thinker keeps to replay to a talker: handed back as each call ends
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        return sum(x.value for f in text_string_to_metric_families(text) if f.name == "omnistage_stage_replay_bytes"
-                   for x in f.samples)  # fmt: skip
+        return metric(thinker, "omnistage_stage_replay_bytes")
 
     def open_streams() -> float:
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        return sum(x.value for f in text_string_to_metric_families(text) if f.name == "omnistage_stage_open_streams"
-                   for x in f.samples)  # fmt: skip
+        return metric(thinker, "omnistage_stage_open_streams")
 
     during = None  # while a reply streams, the thinker keeps what it sent the talker
     streams = None

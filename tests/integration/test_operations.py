@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +152,17 @@ def test_the_bench_reads_each_process_load_over_a_request(served: dict[str, Any]
     assert all(f["context_switches"] > 0 for f in load.values()), load
 
 
+def _json_log_lines(path: Path, wanted: Callable[[dict[str, Any]], bool], limit_s: float = 10) -> list[dict[str, Any]]:
+    """The records of a JSON log that `wanted` picks, once there is one (or after `limit_s`)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        records = [json.loads(x) for x in path.read_text().splitlines() if x.startswith("{")]
+        lines = [r for r in records if wanted(r)]
+        if lines or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.2)
+
+
 def test_client_json_has_the_text_and_request_id_and_the_access_log_has_a_line(
     served: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -161,13 +172,7 @@ def test_client_json_has_the_text_and_request_id_and_the_access_log_has_a_line(
     assert code == 0, out
     reply = json.loads(out[out.index("{") :])
     assert reply["request_id"] and isinstance(reply["text"], str) and len(reply["token_ids"]) == 6
-    log_path = served["run_dir"] / "gateway-0.log"
-    deadline = time.monotonic() + 10
-    lines: list[dict[str, Any]] = []
-    while time.monotonic() < deadline and not lines:
-        records = [json.loads(x) for x in log_path.read_text().splitlines() if x.startswith("{")]
-        lines = [r for r in records if r.get("request_id") == reply["request_id"]]
-        time.sleep(0.2)
+    lines = _json_log_lines(served["run_dir"] / "gateway-0.log", lambda r: r.get("request_id") == reply["request_id"])
     assert lines, "no access-log line for the request"
     entry = lines[0]
     assert entry["logger"] == "omnistage.access" and entry["outcome"] == "ok"
@@ -183,13 +188,8 @@ def test_a_failed_requests_access_line_says_why(served: dict[str, Any], tmp_path
                                  "--speaker", "nobody-here", "--out", str(tmp_path / "r.wav")))  # fmt: skip
     assert code != 0 and "nobody-here" in out, out
     log_path = served["run_dir"] / "gateway-0.log"
-    deadline = time.monotonic() + 10
-    lines: list[dict[str, Any]] = []
-    while time.monotonic() < deadline and not lines:
-        records = [json.loads(x) for x in log_path.read_text().splitlines() if x.startswith("{")]
-        lines = [r for r in records
-                 if r.get("logger") == "omnistage.access" and "nobody-here" in (r.get("error") or "")]
-        time.sleep(0.2)
+    lines = _json_log_lines(log_path, lambda r: r.get("logger") == "omnistage.access"
+                            and "nobody-here" in (r.get("error") or ""))  # fmt: skip
     assert lines, "no access-log line naming the failed request's error"
     assert lines[0]["outcome"] == "INVALID_ARGUMENT", lines[0]
     # refused before it started (its body): a line too, with the reason
@@ -198,13 +198,8 @@ def test_a_failed_requests_access_line_says_why(served: dict[str, Any], tmp_path
     http = f"http://127.0.0.1:{served['base'] + HTTP_PORT_OFFSET}/v1/chat/completions"
     reply = httpx.post(http, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": "x"}, timeout=30)
     assert reply.status_code == 400
-    deadline = time.monotonic() + 10
-    refused: list[dict[str, Any]] = []
-    while time.monotonic() < deadline and not refused:
-        records = [json.loads(x) for x in log_path.read_text().splitlines() if x.startswith("{")]
-        refused = [r for r in records if r.get("logger") == "omnistage.access" and r.get("outcome") == "HTTP_400"
-                   and "max_tokens" in (r.get("error") or "")]  # fmt: skip
-        time.sleep(0.2)
+    refused = _json_log_lines(log_path, lambda r: r.get("logger") == "omnistage.access" and r.get("outcome")
+                              == "HTTP_400" and "max_tokens" in (r.get("error") or ""))  # fmt: skip
     assert refused and refused[0]["api"] == "http", "no access-log line for a request refused at its body"
 
 

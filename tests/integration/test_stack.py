@@ -24,6 +24,7 @@ from tests.integration.conftest import (
     call_outputs,
     cancel_at_first_audio,
     info,
+    metric,
     prompt_chunk,
     run,
     solo_reply,
@@ -173,14 +174,8 @@ def test_deadline_exceeded_is_reported(stack: Stack, pipeline: Any) -> None:
             pass
 
     def counted() -> float:  # the gateway's own count of deadlines (gRPC cancels a call past its deadline)
-        import httpx
-        from prometheus_client.parser import text_string_to_metric_families
-
-        port = int(stack.gateway_address.rsplit(":", 1)[1]) + 1000
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        return sum(x.value for f in text_string_to_metric_families(text) for x in f.samples
-                   if x.name == "omnistage_gateway_requests_total"
-                   and x.labels == {"api": "grpc", "outcome": "DEADLINE_EXCEEDED"})  # fmt: skip
+        return metric(stack.gateway_address, "omnistage_gateway_requests_total", api="grpc",
+                      outcome="DEADLINE_EXCEEDED")
 
     before = counted()
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -198,14 +193,7 @@ def test_a_stream_left_early_on_a_shared_channel_cancels_its_request(stack: Stac
     and every stage made the whole reply."""
 
     def cancelled() -> float:
-        import httpx
-        from prometheus_client.parser import text_string_to_metric_families
-
-        port = int(stack.gateway_address.rsplit(":", 1)[1]) + 1000
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        return sum(x.value for f in text_string_to_metric_families(text) for x in f.samples
-                   if x.name == "omnistage_gateway_requests_total"
-                   and x.labels == {"api": "grpc", "outcome": "CANCELLED"})  # fmt: skip
+        return metric(stack.gateway_address, "omnistage_gateway_requests_total", api="grpc", outcome="CANCELLED")
 
     async def leave_early() -> None:
         async with grpc.aio.insecure_channel(stack.gateway_address) as channel:
