@@ -271,17 +271,12 @@ def test_stop_ids_are_ids_of_the_vocabulary_and_the_talker_keeps_its_codec_end()
     assert edges.sampling("thinker", start, thinker_defaults, vocab=500).stop_ids == (7,)
 
 
-@pytest.mark.parametrize("family", ["qwen3_omni", "qwen2_5_omni"])
-def test_a_code_that_cannot_be_chosen_fails_its_request_alone(family: str, request: pytest.FixtureRequest) -> None:
-    """A sampled request whose talker logits are no distribution (NaN) fails with a clear error
-    (raised out of the shared step it would fail every request in it); the request beside it gets
-    the code it gets alone (its draw is made once)."""
-    from omnistage.wire import Code, DecodedChunk, StageError
+def _fed(pipeline: Any, req: Request) -> Request:
+    """`req` opened on the pipeline's talker worker and fed a prompt and two tokens (seeded
+    random rows), so its next step runs the talker's prompt."""
+    from omnistage.wire import DecodedChunk
     from omnistage.wire.tensor_blob import LENGTH_KEY
-    from tests.conftest import staged_pipeline
 
-    pipeline = request.getfixturevalue("pipeline") if family == "qwen3_omni" else \
-        staged_pipeline(request.getfixturevalue("q25_dir"))  # fmt: skip
     worker = pipeline.workers["talker"]
     ids = torch.tensor(pipeline.prompt_ids("hi"))
     h = pipeline.spec.thinker_hidden
@@ -291,16 +286,29 @@ def test_a_code_that_cannot_be_chosen_fails_its_request_alone(family: str, reque
     tokens = {"ids": torch.tensor([1, 2]), edges.EMBED: torch.randn(2, h, generator=g)}
     if pipeline.spec.talker_needs_hidden:
         tokens[edges.HIDDEN] = torch.randn(2, h, generator=g)
+    worker.open(req)
+    worker.feed(req, DecodedChunk(prompt, {LENGTH_KEY: 0}, 0, 0, False))
+    worker.feed(req, DecodedChunk(tokens, {LENGTH_KEY: 2}, 0, 0, False))
+    return req
+
+
+@pytest.mark.parametrize("family", ["qwen3_omni", "qwen2_5_omni"])
+def test_a_code_that_cannot_be_chosen_fails_its_request_alone(family: str, request: pytest.FixtureRequest) -> None:
+    """A sampled request whose talker logits are no distribution (NaN) fails with a clear error
+    (raised out of the shared step it would fail every request in it); the request beside it gets
+    the code it gets alone (its draw is made once)."""
+    from omnistage.wire import Code, StageError
+    from tests.conftest import staged_pipeline
+
+    pipeline = request.getfixturevalue("pipeline") if family == "qwen3_omni" else \
+        staged_pipeline(request.getfixturevalue("q25_dir"))  # fmt: skip
+    worker = pipeline.workers["talker"]
 
     def ready(name: str) -> Request:
         start = stage_pb2.Start(request_id=name)
         start.sampling["talker"].do_sample = True
         start.sampling["talker"].seed = 5
-        req = Request(name, start)
-        worker.open(req)
-        worker.feed(req, DecodedChunk(prompt, {LENGTH_KEY: 0}, 0, 0, False))
-        worker.feed(req, DecodedChunk(tokens, {LENGTH_KEY: 2}, 0, 0, False))
-        return req
+        return _fed(pipeline, Request(name, start))
 
     def step(reqs: list[Request]) -> list[Any]:
         try:
@@ -333,8 +341,7 @@ def test_a_qwen2_5_code_token2wav_cannot_take_fails_as_a_model_failure(q25_dir: 
     """Qwen2.5-Omni's talker may pick an id past token2wav's codebook (generate() suppresses only
     the start id): the talker fails that request with INTERNAL naming the code, not code2wav with
     INVALID_ARGUMENT (a client's 400) after the frame went down."""
-    from omnistage.wire import Code, DecodedChunk, StageError
-    from omnistage.wire.tensor_blob import LENGTH_KEY
+    from omnistage.wire import Code, StageError
     from tests.conftest import staged_pipeline
 
     pipeline = staged_pipeline(q25_dir)
@@ -342,17 +349,7 @@ def test_a_qwen2_5_code_token2wav_cannot_take_fails_as_a_model_failure(q25_dir: 
     spec = pipeline.spec
     stops = set(spec.talker_stop_ids()) | {spec.codec_bos_id}
     beyond = next(i for i in range(spec.codebook_size, spec.talker_vocab) if i not in stops)
-    ids = torch.tensor(pipeline.prompt_ids("hi"))
-    h = spec.thinker_hidden
-    g = torch.Generator().manual_seed(0)
-    prompt = {edges.PROMPT_IDS: ids, edges.PROMPT_EMBED: torch.randn(len(ids), h, generator=g),
-              edges.PROMPT_HIDDEN: torch.randn(len(ids), h, generator=g)}  # fmt: skip
-    tokens = {"ids": torch.tensor([1, 2]), edges.EMBED: torch.randn(2, h, generator=g),
-              edges.HIDDEN: torch.randn(2, h, generator=g)}  # fmt: skip
-    req = Request("beyond", stage_pb2.Start(request_id="beyond"))
-    worker.open(req)
-    worker.feed(req, DecodedChunk(prompt, {LENGTH_KEY: 0}, 0, 0, False))
-    worker.feed(req, DecodedChunk(tokens, {LENGTH_KEY: 2}, 0, 0, False))
+    req = _fed(pipeline, Request("beyond", stage_pb2.Start(request_id="beyond")))
 
     def favour_beyond(module: Any, args: Any, out: torch.Tensor) -> torch.Tensor:
         out = out.clone()
