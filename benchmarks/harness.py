@@ -95,26 +95,26 @@ class BenchOptions:
     quiet: bool = False
 
 
-def parse_int_list(spec: str) -> list[int]:
-    """`1,4,8` -> [1, 4, 8]; empty -> []. Every value must be at least 1 (a level, a batch)."""
+def _parse_list(spec: str, convert: Callable[[str], Any], valid: Callable[[Any], bool], kind: str, rule: str
+                ) -> list[Any]:  # fmt: skip
+    """A comma-separated option's values (empty -> []), each `valid`, or a ValueError saying so."""
     try:
-        values = [int(p) for p in (x.strip() for x in spec.split(",")) if p]
+        values = [convert(p) for p in (x.strip() for x in spec.split(",")) if p]
     except ValueError:
-        raise ValueError(f"expected whole numbers separated by commas, got {spec!r}") from None
-    if any(v < 1 for v in values):
-        raise ValueError(f"every value must be at least 1, got {spec!r}")
+        raise ValueError(f"expected {kind} separated by commas, got {spec!r}") from None
+    if not all(valid(v) for v in values):
+        raise ValueError(f"every value must be {rule}, got {spec!r}")
     return values
+
+
+def parse_int_list(spec: str) -> list[int]:
+    """`1,4,8` -> [1, 4, 8]. Every value must be at least 1 (a level, a batch)."""
+    return _parse_list(spec, int, lambda v: v >= 1, "whole numbers", "at least 1")
 
 
 def parse_float_list(spec: str) -> list[float]:
-    """`1,2.5` -> [1.0, 2.5]; empty -> []. Every value must be a finite number above 0 (a rate, seconds)."""
-    try:
-        values = [float(p) for p in (x.strip() for x in spec.split(",")) if p]
-    except ValueError:
-        raise ValueError(f"expected numbers separated by commas, got {spec!r}") from None
-    if not all(0 < v < float("inf") for v in values):
-        raise ValueError(f"every value must be a number above 0, got {spec!r}")
-    return values
+    """`1,2.5` -> [1.0, 2.5]. Every value must be a finite number above 0 (a rate, seconds)."""
+    return _parse_list(spec, float, lambda v: 0 < v < float("inf"), "numbers", "a number above 0")
 
 
 def failed_levels(result: dict[str, Any]) -> list[str]:
