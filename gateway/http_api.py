@@ -291,16 +291,16 @@ _FIELD = re.compile(r"^[A-Za-z_][\w.\[\]]*$")
 
 # The gateway names gRPC fields; over HTTP the same things have the chat body's names.
 _PART = re.compile(r"messages\[(\d+)\]\.parts\[(\d+)\](?: \(\w+\))?")
-_HTTP_NAMES = (  # (message prefix, param, code)
-    ("prompt: ", "messages", "context_length_exceeded"),
-    ("want_audio: ", "modalities", None),
-    ("thinker: sampling: max_tokens", "max_tokens", None),
+_HTTP_NAMES = (  # (what the message starts with, param, code)
+    (re.compile(r"prompt: "), "messages", "context_length_exceeded"),
+    (re.compile(r"want_audio: "), "modalities", None),
+    (re.compile(r"thinker: sampling: max_tokens"), "max_tokens", None),
+    # a thinker's refusal of a request too large for it (its scheduler's): the client shortens the
+    # prompt or max_tokens (a talker's names its own limits: no OpenAI field to point at)
+    (re.compile(r"thinker[\w-]*: request .*(?:tokens of cache|max_model_len=|max_num_batched_tokens=)"), "messages",
+     "context_length_exceeded"),
 )
 
-
-# a thinker's refusal of a request too large for it (its scheduler's): the client shortens the
-# prompt or max_tokens (a talker's names its own limits: no OpenAI field to point at)
-_TOO_LARGE = re.compile(r"^thinker[\w-]*: request .*(?:tokens of cache|max_model_len=|max_num_batched_tokens=)")
 _SAMPLING_FIELD = re.compile(r"(thinker|talker): sampling: (\w+)")  # a stage's refusal: its stage, the field
 _ENTRY_NAMES = {"stop_ids": "stop_token_ids"}  # a stage's sampling field -> a `sampling_params_list` entry's
 ResultT = TypeVar("ResultT")
@@ -329,11 +329,9 @@ def _from_gateway(e: GatewayError) -> HttpError:
     head = message.split(": ", 1)[0]
     param = head if status == 400 and head != message and _FIELD.match(head) else None
     code = e.code.name.lower()
-    for prefix, name, http_code in _HTTP_NAMES:
-        if status == 400 and message.startswith(prefix):
+    for start, name, http_code in _HTTP_NAMES:
+        if status == 400 and start.match(message):
             param, code = name, http_code or code
-    if status == 400 and _TOO_LARGE.match(message):
-        param, code = "messages", "context_length_exceeded"
     # over HTTP only a `sampling_params_list` entry sets the talker's sampling fields
     if status == 400 and (field := _SAMPLING_FIELD.match(message)) and field[1] == "talker":
         param = f"sampling_params_list[{STAGES.index('talker')}].{_ENTRY_NAMES.get(field[2], field[2])}"
