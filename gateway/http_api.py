@@ -70,6 +70,8 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Message as AsgiMessage
+from starlette.types import Send
 
 from gateway.audio_out import FORMAT_NAMES, MIME
 from gateway.server import GatewayError, GatewayService
@@ -846,8 +848,9 @@ class ChatCompletions:
         headers.update({"cache-control": "no-cache", "x-accel-buffering": "no"})
         # `stream` closes `responses` when it ends; a client gone before it ever ran leaves that
         # to the background task (the request is then cancelled down the chain at once)
-        return StreamingResponse(stream(result, responses), media_type=media_type, headers=headers,
-                                 background=BackgroundTask(responses.aclose))  # fmt: skip
+        return _Delivered(stream(result, responses), media_type=media_type, headers=headers,
+                          background=BackgroundTask(responses.aclose),
+                          deliver=lambda write: self.service.deliver(write, responses, req.request_id))  # fmt: skip
 
     def _responses(self, req: gateway_pb2.GenerateRequest, timeout: float | None) -> Replies:
         return self.service.serve(req, timeout, "http")
@@ -959,6 +962,24 @@ class ChatCompletions:
             yield _sse(_from_gateway(e).body())
         finally:
             await responses.aclose()
+
+
+class _Delivered(StreamingResponse):
+    """A streamed reply whose pieces go out through `deliver` (GatewayService.deliver): a client
+    that takes none of them for output_stall_timeout_s fails its request, and its connection is
+    closed (uvicorn closes one whose reply did not complete)."""
+
+    def __init__(self, content: AsyncIterator[str | bytes], *, deliver: Callable[[Awaitable[None]], Awaitable[None]],
+                 **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(content, **kwargs)
+        self.deliver = deliver
+
+    async def stream_response(self, send: Send) -> None:
+        async def timed(message: AsgiMessage) -> None:
+            await self.deliver(send(message))
+
+        with contextlib.suppress(GatewayError):  # (the request's access line says why)
+            await super().stream_response(timed)
 
 
 async def _cancel(task: asyncio.Future[Any], responses: Replies) -> None:

@@ -16,6 +16,7 @@ every stage below it from the thinker's `Info` (`chain`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -23,7 +24,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -492,9 +493,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 self.refused(api, "UNAUTHENTICATED", _NO_KEY)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, _NO_KEY)
 
-    async def Generate(
-        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         await self._require_key(context, "grpc")
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
@@ -502,15 +501,37 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             self.refused("grpc", "INVALID_ARGUMENT", _BAD_ID)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _BAD_ID)
         await context.send_initial_metadata(((REQUEST_ID_KEY, request.request_id),))
+        # written, not yielded: a write the client does not take times out (`deliver`)
+        replies = self.serve(request, context.time_remaining(), "grpc")
         try:
-            async for resp in self.serve(request, context.time_remaining(), "grpc"):
-                yield resp
+            async for resp in replies:
+                await self.deliver(context.write(resp), replies, request.request_id)
         except GatewayError as e:
             await context.abort(e.code, e.message)
         except Exception:  # a bug, not the request: INTERNAL naming the request (grpc would say UNKNOWN)
             log.exception("gateway: request %s failed", request.request_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"gateway: internal error on request "
                                 f"{request.request_id} (the gateway's log has it)")  # fmt: skip
+        finally:
+            await replies.aclose()  # (a cancelled call leaves it at a yield)
+
+    async def deliver(self, write: Awaitable[None], replies: AsyncGenerator[Any, None], request_id: str) -> None:
+        """Send one piece of a reply (`write`, a front door's send). A client that takes none of it
+        for output_stall_timeout_s fails the request (`replies`, `serve`'s generator) with
+        DEADLINE_EXCEEDED, as a stage fails a caller that stops reading: the stages may be done
+        with it, but its slot and its unsent pieces would be held to its deadline."""
+        limit = self.cfg.timeouts.output_stall_timeout_s
+        if not limit:
+            await write
+            return
+        try:
+            await asyncio.wait_for(write, limit)
+        except TimeoutError:
+            error = GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, f"gateway: the client read none of "
+                                 f"request {request_id}'s reply for {limit:g} s (output_stall_timeout_s={limit:g})")
+            with contextlib.suppress(GatewayError, StopAsyncIteration):  # (the access line is written there)
+                await replies.athrow(error)
+            raise error from None
 
     def refused(self, api: str, outcome: str, message: str) -> None:
         """A request refused before it started (its key, its body): counted, and given its access

@@ -241,8 +241,9 @@ class TlsConfig(_Strict):
 
 class TimeoutsConfig(_Strict):
     input_wait_timeout_s: float = Field(600.0, ge=0, description="0 disables")
-    output_stall_timeout_s: float = Field(60.0, ge=0, description="a request whose caller reads none of its "
-                                          "outputs this long fails (it is paused meanwhile); 0 disables")  # fmt: skip
+    output_stall_timeout_s: float = Field(60.0, ge=0, description="a request whose caller (a stage's, or the "
+                                          "gateway's client) reads none of its outputs this long fails (it is "
+                                          "paused meanwhile); 0 disables")  # fmt: skip
     request_timeout_s: float = Field(600.0, gt=0, le=86400, description="a request's deadline when the client "
                                      "sets none, and the furthest it may set")  # fmt: skip
     startup_timeout_s: float = Field(180.0, gt=0, le=86400, description="a process's start, checkpoint loading "

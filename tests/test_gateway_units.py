@@ -687,3 +687,54 @@ def test_the_grpc_health_follows_both_roles_of_a_split_thinker(tiny_dir: Path) -
     assert single.serving
     single.watcher.chain = [health("thinker", False)]
     assert not single.serving
+
+
+def test_an_http_client_that_takes_none_of_a_streamed_reply_fails_it_at_the_stall_timeout(tiny_dir: Path) -> None:
+    """A streamed HTTP reply whose send waits output_stall_timeout_s (the client reads nothing,
+    its socket is full) ends its request DEADLINE_EXCEEDED and frees its slot, leaving the
+    response incomplete (uvicorn then closes the connection); with the timeout 0 a slow send
+    only waits."""
+    from gateway.http_api import _Delivered
+    from gateway.server import GatewayService
+    from omnistage.config import parse_config
+    from omnistage.models import open_checkpoint
+
+    async def chain(*args: Any) -> Any:  # a reply of many pieces
+        for i in range(100):
+            yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text=f"{i} "))
+
+    async def reply(stall_s: float, send_s: float) -> tuple[GatewayService, list[dict[str, Any]]]:
+        service = GatewayService(parse_config({"timeouts": {"output_stall_timeout_s": stall_s}}),
+                                 open_checkpoint(tiny_dir), "ipv4:127.0.0.1:1")  # fmt: skip
+        service._generate = chain  # type: ignore[method-assign]
+        responses = service.serve(gateway_pb2.GenerateRequest(prompt="hi"), 30, "http")
+
+        async def pieces() -> Any:
+            async for resp in responses:
+                yield resp.text.text
+
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            if len(sent) == 3:  # the status line and two pieces go out; then the client's socket is full
+                await asyncio.sleep(send_s)
+            sent.append(message)
+
+        async def receive() -> dict[str, Any]:  # the client stays connected
+            await asyncio.sleep(60)
+            return {"type": "http.disconnect"}
+
+        response = _Delivered(pieces(), deliver=lambda write: service.deliver(write, responses, "r1"))
+        scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+        await asyncio.wait_for(response(scope, receive, send), 10)
+        return service, sent
+
+    def count(service: GatewayService, outcome: str) -> float:
+        return service.metrics.requests.labels("http", outcome)._value.get()
+
+    service, sent = asyncio.run(reply(stall_s=0.2, send_s=30))
+    assert (count(service, "DEADLINE_EXCEEDED"), count(service, "ok"), service.active) == (1, 0, 0)
+    assert len(sent) == 3 and sent[-1].get("more_body") is True  # incomplete: never a clean end
+    service, sent = asyncio.run(reply(stall_s=0, send_s=0.3))
+    assert (count(service, "DEADLINE_EXCEEDED"), count(service, "ok"), service.active) == (0, 1, 0)
+    assert len(sent) == 102 and sent[-1]["more_body"] is False

@@ -9,7 +9,7 @@ import inspect
 import json
 import signal
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -285,15 +285,16 @@ def _checked_unary(fn: Callable[[Any, Any], Any], name: str) -> Callable[[Any, A
     return handler
 
 
-_Streaming = Callable[[Any, Any], AsyncIterator[Any]]
+_Writer = Callable[[Any, Any], Awaitable[None]]
 
 
-def _checked_stream(fn: _Streaming, name: str) -> _Streaming:
-    async def handler(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+def _checked_stream(fn: _Writer, name: str) -> _Writer:
+    """A server-streaming handler that writes its responses (`context.write`, which it can time)."""
+
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> None:
         if isinstance(request, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _not_parsed(request, name))
-        async for response in fn(request, context):
-            yield response
+        await fn(request, context)
 
     return handler
 

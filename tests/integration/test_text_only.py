@@ -5,6 +5,7 @@ request for audio is refused by name at every door."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ import grpc
 import httpx
 import pytest
 
-from gateway.client import generate
+from gateway.client import build_request, generate
 from omnistage.cli.serve import Stack, start_stack
 from omnistage.config import DeployConfig
 from services.pipeline import PipelineRequest
@@ -23,11 +24,14 @@ from tests.integration.conftest import free_port_block, prompt_chunk, run, stack
 from tests.integration.test_stack import PROMPT, greedy_start
 
 MAX = 12
+STALL_S = 2
 
 
 @pytest.fixture(scope="module")
 def text_stack(thinking_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    cfg = stack_config(audio_output=False, gateway={"http_port": free_port_block(1)})
+    # (a short output_stall_timeout_s for the stalled-client test; every other test reads at once)
+    cfg = stack_config(audio_output=False, gateway={"http_port": free_port_block(1)},
+                       timeouts={"output_stall_timeout_s": STALL_S})  # fmt: skip
     with start_stack(cfg, model=str(thinking_dir), log_dir=tmp_path_factory.mktemp("text-only-logs")) as s:
         yield s
 
@@ -101,3 +105,41 @@ def test_health_and_stage_commands_follow_the_text_only_chain(text_stack: Stack,
     assert sorted(line.split()[0].split("[")[0] for line in result.output.splitlines()) == ["gateway", "thinker"]
     with pytest.raises(ConfigError, match="not a stage of this deploy config's chain"):  # (`error:`, exit 2)
         run_stage("talker", text_stack.cfg, text_stack.model_dir, "127.0.0.1", 0, None)
+
+
+def test_a_client_that_stops_reading_frees_its_request_at_the_stall_timeout(text_stack: Stack, pipeline: Any) -> None:
+    """A client that takes none of its reply for output_stall_timeout_s (its window is full, so
+    the gateway's write waits) fails DEADLINE_EXCEEDED, saying why, and its gateway slot and
+    thinker are free then, not at its deadline: the thinker may be done with it long before."""
+    from omnistage.v1 import gateway_pb2_grpc
+    from tests.integration.conftest import assert_all_idle, metric
+
+    gateway = text_stack.gateway_address
+    # a reply of 300 short text pieces, and a stream window of 1 KiB it fills (no window growth)
+    req = build_request("hi", want_audio=False, thinker_max_tokens=300, thinker_stop_ids=[pipeline.spec.tts_pad_id],
+                        request_id="stalled-reader")  # fmt: skip
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    stalled = "DEADLINE_EXCEEDED"
+    before = metric(gateway, "omnistage_gateway_requests_total", api="grpc", outcome=stalled)
+
+    async def go() -> tuple[float, list[Any], grpc.aio.AioRpcError]:
+        async with grpc.aio.insecure_channel(gateway, options=options) as ch:
+            call = gateway_pb2_grpc.GatewayStub(ch).Generate(req, timeout=120)
+            got = [await call.read()]
+            t0 = time.monotonic()
+            while metric(gateway, "omnistage_gateway_requests_in_flight") and time.monotonic() - t0 < 30:
+                await asyncio.sleep(0.2)  # reading nothing
+            freed_in = time.monotonic() - t0
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                while (resp := await call.read()) is not grpc.aio.EOF:  # what was sent, then the status
+                    got.append(resp)
+            return freed_in, got, err.value
+
+    freed_in, got, err = run(go())
+    assert freed_in < 10 * STALL_S, f"the gateway held the stalled request {freed_in:.1f} s"
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err
+    assert f"output_stall_timeout_s={STALL_S}" in err.details() and req.request_id in err.details(), err.details()
+    assert 1 < len(got) < 300 and not any(r.HasField("final") for r in got)
+    assert metric(gateway, "omnistage_gateway_requests_total", api="grpc", outcome=stalled) == before + 1
+    assert_all_idle(text_stack.addresses("thinker"), 10)
+    assert run(generate(gateway, "hi", want_audio=False, thinker_max_tokens=3, timeout=60)).token_ids
