@@ -13,6 +13,7 @@ import contextlib
 import enum
 import errno
 import json
+import logging
 import os
 import shutil
 import signal
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Staged serving for speech-output omni models.")
 deploy_app = typer.Typer(no_args_is_help=True, help="Deployment files generated from the deploy YAML.")
 app.add_typer(deploy_app, name="deploy")
+supervisor = logging.getLogger("omnistage.serve")  # `serve`'s restarts of the processes it runs
 
 
 class LogLevel(enum.StrEnum):
@@ -428,7 +430,7 @@ def serve(
         # stops on Ctrl-C/SIGTERM, or when a process keeps dying before it ever serves.
         while not stop.wait(0.5):
             try:
-                stack.heal(lambda line: typer.echo(line, err=True))
+                stack.heal(supervisor.warning)  # log lines, so that --log-format json keeps them JSON
             except StartupError as e:
                 typer.echo(f"error: {e}; stopping the stack", err=True)
                 typer.echo("\n".join(stack.status_lines()), err=True)

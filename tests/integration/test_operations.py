@@ -242,6 +242,9 @@ def test_a_dead_child_is_restarted_and_serves_again(served: dict[str, Any]) -> N
     code, out = finish(proc, timeout=60)
     assert code == 0, out
     assert "talker[0]" in out and "SIGKILL" in out and "restarting it in" in out and "serving again" in out
+    # served with --log-format json: its supervision lines are JSON records too
+    said = [line for line in out.splitlines() if "restarting it in" in line or "serving again" in line]
+    assert said and all(json.loads(line)["logger"] == "omnistage.serve" for line in said), said
 
 
 def test_gateway_is_not_serving_while_its_thinker_is_unreachable(tiny_dir: Path) -> None:
