@@ -525,7 +525,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             await write
             return
         try:
-            await asyncio.wait_for(write, limit)
+            async with asyncio.timeout(limit):  # (no task per write, as wait_for would make)
+                await write
         except TimeoutError:
             error = GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, f"gateway: the client read none of "
                                  f"request {request_id}'s reply for {limit:g} s (output_stall_timeout_s={limit:g})")
