@@ -508,7 +508,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 await self.deliver(context.write(resp), replies, request.request_id)
         except GatewayError as e:
             await context.abort(e.code, e.message)
-        except Exception:  # a bug, not the request: INTERNAL naming the request (grpc would say UNKNOWN)
+        except Exception:
+            if context.cancelled():  # a write failed as the client hung up (or its deadline passed): no one to tell
+                return
+            # a bug, not the request: INTERNAL naming the request (grpc would say UNKNOWN)
             log.exception("gateway: request %s failed", request.request_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"gateway: internal error on request "
                                 f"{request.request_id} (the gateway's log has it)")  # fmt: skip

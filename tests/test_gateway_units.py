@@ -12,6 +12,7 @@ import wave
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -738,3 +739,62 @@ def test_an_http_client_that_takes_none_of_a_streamed_reply_fails_it_at_the_stal
     service, sent = asyncio.run(reply(stall_s=0, send_s=0.3))
     assert (count(service, "DEADLINE_EXCEEDED"), count(service, "ok"), service.active) == (0, 1, 0)
     assert len(sent) == 102 and sent[-1]["more_body"] is False
+
+
+def test_a_write_that_fails_as_the_client_hangs_up_is_a_cancel_not_a_bug(
+    tiny_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """grpc fails a Generate write that meets the client's cancel: the request counts as
+    CANCELLED, with no error logged and no INTERNAL status sent to a call that is gone; a
+    write that fails on a live call is still the gateway's bug (INTERNAL, logged)."""
+    from gateway.server import GatewayService
+    from omnistage.config import parse_config
+    from omnistage.models import open_checkpoint
+
+    async def chain(*args: Any) -> Any:
+        for i in range(3):
+            yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text=f"{i} "))
+
+    class Context:  # what Generate uses of grpc.aio.ServicerContext
+        def __init__(self, gone: bool) -> None:
+            self.gone = gone
+            self.aborted: list[Any] = []
+
+        def invocation_metadata(self) -> tuple[()]:
+            return ()
+
+        def time_remaining(self) -> float:
+            return 30.0
+
+        async def send_initial_metadata(self, metadata: Any) -> None:
+            pass
+
+        async def write(self, message: Any) -> None:
+            raise RuntimeError('Failed "execute_batch"')  # as grpc's ExecuteBatchError says it
+
+        def cancelled(self) -> bool:
+            return self.gone
+
+        async def abort(self, code: Any, details: str) -> None:
+            self.aborted.append(code)
+            raise RuntimeError("aborted")  # (grpc's AbortError ends the handler)
+
+    async def call(gone: bool) -> tuple[GatewayService, Context]:
+        service = GatewayService(parse_config({}), open_checkpoint(tiny_dir), "ipv4:127.0.0.1:1")
+        service._generate = chain  # type: ignore[method-assign]
+        context = Context(gone)
+        with contextlib.suppress(RuntimeError):
+            await service.Generate(gateway_pb2.GenerateRequest(prompt="hi"), context)  # type: ignore[arg-type]
+        return service, context
+
+    def count(service: GatewayService, outcome: str) -> float:
+        return service.metrics.requests.labels("grpc", outcome)._value.get()
+
+    with caplog.at_level("ERROR", logger="gateway.server"):
+        service, context = asyncio.run(call(gone=True))
+    assert (count(service, "CANCELLED"), context.aborted, service.active) == (1, [], 0)
+    assert not caplog.records
+    with caplog.at_level("ERROR", logger="gateway.server"):
+        service, context = asyncio.run(call(gone=False))
+    assert context.aborted == [grpc.StatusCode.INTERNAL] and service.active == 0
+    assert "request" in caplog.text and "failed" in caplog.text
