@@ -842,6 +842,9 @@ class ChatCompletions:
             raise
         finally:
             gone.cancel()
+            # This frame is in the traceback of the error `task` holds: a cycle, which would keep
+            # the request (its decoded media: up to media.max_decoded_bytes) to a later GC pass.
+            del task
         if stream is None:
             result.headers.update(headers)
             return result  # type: ignore[no-any-return]
