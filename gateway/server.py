@@ -35,7 +35,7 @@ from gateway.metrics import GatewayMetrics, Outcome
 from gateway.text import TextStream, check_stop_texts
 from omnistage.config import DeployConfig
 from omnistage.engine import OutChunk
-from omnistage.models import Checkpoint, CheckpointError, load_tokenizer
+from omnistage.models import Checkpoint, CheckpointError, PartRefused, load_tokenizer
 from omnistage.quoting import quoted
 from omnistage.server.grpc_common import REPLAY_BACKOFF_S, ChainWatcher, HealthState, lost_peer, stage_stream
 from omnistage.server.routing import Router
@@ -145,6 +145,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 raise ValueError(f"messages: {self.no_media_reason}")
             try:
                 ids, tensors = self.inputs.build(messages, request.use_audio_in_video)
+            except PartRefused:  # named already
+                raise
             except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:  # the processor's refusals
                 raise ValueError(f"messages: cannot build the model inputs: {type(e).__name__}: {e}") from None
             prompt = edges.Prompt(ids, tensors, request.use_audio_in_video)

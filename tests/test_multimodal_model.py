@@ -89,6 +89,45 @@ def test_thin_images_and_tiny_audio_reach_the_processor_as_meant(pipeline: Any) 
     assert got["input_features"].shape[-1] >= 1
 
 
+@pytest.mark.parametrize("family", ["qwen3_omni", "qwen2_5_omni"])
+def test_a_part_the_processor_cannot_take_is_named(pipeline: Any, q25_dir: Path, family: str) -> None:
+    """What the processor refuses names the part, as the gateway's media checks do (it said
+    `messages: cannot build the model inputs`): an image or video past the aspect-ratio limit,
+    audio too short for the features (the longest: the others are padded to it), and finite
+    audio far outside [-1, 1] whose features overflow (the thinker refused it, naming no part)."""
+    from omnistage.models import PartRefused
+
+    if family == "qwen3_omni":
+        builder = _builder(pipeline)
+    else:
+        ckpt = open_checkpoint(q25_dir)
+        builder = ckpt.family.input_builder(ckpt, load_tokenizer(ckpt))
+    tone, img, vid = media.tone(1.0, RATE, seed=1), media.image(40, 40, seed=2), media.video(2, 32, 32, seed=3)
+    thin, thin_video = media.image(2, 402, seed=4), media.video(2, 2, 402, seed=5)  # aspect 201
+
+    def refusal(*parts: dict[str, Any], in_video: bool = False) -> str:
+        content = [{"type": "text", "text": "hi"}, *parts]
+        with pytest.raises(PartRefused) as e:
+            builder.build([{"role": "user", "content": "first"}, {"role": "user", "content": content}], in_video)
+        return str(e.value)
+
+    def video(frames: np.ndarray, sound: np.ndarray | None = None) -> dict[str, Any]:
+        return {"type": "video", "video": frames, "fps": 2.0, "audio": sound}
+
+    image, audio = {"type": "image", "image": img}, {"type": "audio", "audio": tone}
+    assert refusal(image, {"type": "image", "image": thin}).startswith(
+        "messages[1].parts[2] (image): absolute aspect ratio must be smaller than 200")
+    assert refusal(image, video(vid), video(thin_video)).startswith("messages[1].parts[3] (video): absolute aspect")
+    short = {"type": "audio", "audio": np.zeros(builder.min_audio_samples - 1, np.float32)}
+    assert refusal(image, short, {"type": "audio", "audio": np.zeros(3, np.float32)}).startswith(
+        "messages[1].parts[2] (audio): audio of")
+    loud = {"type": "audio", "audio": np.full(RATE, 1e30, np.float32)}
+    assert refusal(audio, loud).startswith("messages[1].parts[2] (audio): its features hold NaN or infinite")
+    assert refusal(audio, video(vid, np.full(RATE, 1e30, np.float32)), in_video=True).startswith(
+        "messages[1].parts[2] (video)'s sound track: its features hold NaN")
+    assert builder.build([{"role": "user", "content": [image, audio, video(vid)]}])[0]  # (the same parts, fine)
+
+
 @pytest.mark.parametrize("kind", ["audio", "image", "video", "image+video", "audio-in-video"])
 def test_processor_expands_each_placeholder(checkpoints: Any, kind: str) -> None:
     """On the variant checkpoint (other special ids): one placeholder row per encoder row."""

@@ -30,6 +30,11 @@ class UnknownFamily(ValueError):
     pass
 
 
+class PartRefused(ValueError):
+    """A part of a request's messages its model inputs cannot be built from, named as the
+    gateway names media parts: `messages[i].parts[j] (kind): why` (an input builder's refusal)."""
+
+
 class Family(ABC):
     """One model family: its checkpoint layout, its parts and the glue `generate()` does
     between them."""

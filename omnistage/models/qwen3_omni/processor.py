@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from omnistage.models.checkpoint import Checkpoint, CheckpointError
+from omnistage.models.family import PartRefused
 
 __all__ = ["MODEL_INPUTS", "FrameVideoProcessor", "InputBuilder", "load_processor"]
 
@@ -202,35 +203,57 @@ class InputBuilder:
         """The processor call's settings from this checkpoint's config."""
         return {"n_window": self.n_window, "position_id_per_seconds": self.position_id_per_seconds}
 
+    @staticmethod
+    def _check_size(hw: tuple[int, ...], processor: Any, resizes: bool, at: str) -> None:
+        """The processor's own resize rule (transformers' `smart_resize`) on an image's or a
+        video's size, before the processor runs: its refusal (an aspect ratio past 200) names
+        the part. (Its pixel bounds do not matter here: they only pick the size.)"""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize  # (no torchvision)
+
+        if not resizes:
+            return
+        try:
+            smart_resize(int(hw[0]), int(hw[1]), processor.patch_size * processor.merge_size)
+        except ValueError as e:
+            raise PartRefused(f"{at}: {e}") from None
+
     def build(self, messages: list[dict[str, Any]], use_audio_in_video: bool = False
               ) -> tuple[list[int], dict[str, Any]]:  # fmt: skip
         """(prompt ids, model inputs as torch tensors under MODEL_INPUTS names)."""
         audios: list[np.ndarray] = []
         audio_sources: list[int | None] = []  # per audio: None (its own part) or the video it comes from
+        audio_parts: list[str] = []  # per audio, the part it comes from (for errors)
         images: list[np.ndarray] = []
         videos: list[np.ndarray] = []
         fps: list[float] = []
         rendered = []
-        for message in messages:
+        for i, message in enumerate(messages):
             content = message["content"]
             if isinstance(content, str):
                 rendered.append(message)
                 continue
             parts = []
-            for part in content:
+            for j, part in enumerate(content):
                 kind = part["type"]
                 if kind == "text":
                     parts.append({"type": "text", "text": part["text"]})
                     continue
+                at = f"messages[{i}].parts[{j}] ({kind})"
                 if kind == "audio":
                     audios.append(part["audio"])
                     audio_sources.append(None)
+                    audio_parts.append(at)
                 elif kind == "image":
+                    images_in = self.processor.image_processor
+                    self._check_size(part["image"].shape[:2], images_in, bool(images_in.do_resize), at)
                     images.append(part["image"])
                 elif kind == "video":
+                    videos_in = self.processor.video_processor
+                    self._check_size(part["video"].shape[1:3], videos_in, videos_in.switches["do_resize"], at)
                     if use_audio_in_video:
                         audios.append(part["audio"])
                         audio_sources.append(len(videos))
+                        audio_parts.append(f"{at}'s sound track")
                     videos.append(part["video"])
                     fps.append(float(part["fps"]))
                 else:
@@ -240,9 +263,10 @@ class InputBuilder:
         text = self.processor.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
         kwargs = self.options()
         if audios:
-            if (longest := max(len(a) for a in audios)) < self.min_audio_samples:
-                raise ValueError(f"audio of {longest} samples ({1000 * longest / self.sampling_rate:.1f} ms) is too "
-                                 f"short: the feature extractor needs at least {self.min_audio_samples}")  # fmt: skip
+            longest = max(range(len(audios)), key=lambda k: len(audios[k]))  # the others are padded to it
+            if (n := len(audios[longest])) < self.min_audio_samples:
+                raise PartRefused(f"{audio_parts[longest]}: audio of {n} samples ({1000 * n / self.sampling_rate:.1f} "
+                                  f"ms) is too short: the feature extractor needs at least {self.min_audio_samples}")
             kwargs["audio"] = audios
         if images:
             kwargs["images"] = images
@@ -260,6 +284,11 @@ class InputBuilder:
                 kwargs["load_audio_from_video"] = True
                 kwargs["audio_from_video_indices"] = audio_sources
         out = self.processor(text=[text], return_tensors="pt", **kwargs)
+        if audios:  # finite samples far outside [-1, 1] overflow the log-mel features
+            finite = torch.isfinite(out["input_features"]).flatten(1).all(1)
+            if not bool(finite.all()):
+                bad = audio_parts[int((~finite).nonzero()[0])]
+                raise PartRefused(f"{bad}: its features hold NaN or infinite values (samples far outside [-1, 1])")
         ids = [int(i) for i in out["input_ids"][0].tolist()]
         inputs = {k: out[k] for k in MODEL_INPUTS if out.get(k) is not None}
         if videos:
