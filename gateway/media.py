@@ -229,7 +229,8 @@ def decode_video(data: bytes, limits: Limits, audio_rate: int | None = None, bud
                  ) -> VideoClip:  # fmt: skip
     """A video file (mp4, webm, mkv, ... anything FFmpeg reads) -> frames sampled at
     `limits.video_fps` (the frame shown at (k + 0.5) / fps for k = 0, 1, ...; times from the
-    first frame's), upright as its display matrix says and all of the first frame's size, and,
+    first frame's; a video longer than `max_video_frames` at that rate is sampled at
+    `max_video_frames` over its length), upright as its display matrix says and all of the first frame's size, and,
     with `audio_rate`, its sound track as mono float32 at that rate (None when the video is
     silent). Frames are sampled while decoding, so memory holds only the kept ones."""
     import av
@@ -242,9 +243,9 @@ def decode_video(data: bytes, limits: Limits, audio_rate: int | None = None, bud
 
     def keep(frame: Any) -> None:
         nonlocal size
-        if len(picks) >= limits.max_video_frames:
+        if len(picks) >= limits.max_video_frames:  # its headers gave no length (or a shorter one) to spread them over
             raise MediaError(f"more than {limits.max_video_frames} frames at {fps:g} per second (the limit of "
-                             f"{limits.max_video_frames / fps:g} s of video)")  # fmt: skip
+                             f"{limits.max_video_frames / fps:g} s of a video whose headers give no length)")
         size = size or (frame.width, frame.height)
         budget.take(size[0] * size[1] * 3)
         # a stream may change its size midway (joined segments): the model takes one size
@@ -268,6 +269,8 @@ def decode_video(data: bytes, limits: Limits, audio_rate: int | None = None, bud
                        container.duration / 1e6 if container.duration else 0.0)  # fmt: skip
             if seconds > limits.max_video_seconds:
                 raise MediaError(f"{seconds:g} s long, over the limit of {limits.max_video_seconds:g} s of video")
+            if seconds * fps > limits.max_video_frames:  # a long video: fewer frames a second, as Qwen's own
+                fps = limits.max_video_frames / seconds  # video readers take it (max_video_frames over its length)
             rate = float(stream.average_rate or 25)
             prev, prev_t, t, step, start = None, 0.0, 0.0, 1.0 / rate, None
             for n, frame in enumerate(container.decode(video=0)):
@@ -313,6 +316,9 @@ def decode_video_frames(images: list[bytes], fps: float, limits: Limits, budget:
         raise MediaError(f"fps {fps} is not a usable frame rate (0..240)")
     if len(images) > limits.max_video_frames:
         raise MediaError(f"{len(images)} frames, over the limit of {limits.max_video_frames}")
+    if len(images) / fps > limits.max_video_seconds:
+        raise MediaError(f"{len(images)} frames at {fps:g} per second are {len(images) / fps:g} s, over the limit "
+                         f"of {limits.max_video_seconds:g} s of video")  # fmt: skip
     budget = budget or Budget(limits.max_decoded_bytes)
     frames = []
     for k, data in enumerate(images):

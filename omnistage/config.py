@@ -181,7 +181,8 @@ class MediaConfig(_Strict):
                                      "(and never more than the model's feature extractor takes)")  # fmt: skip
     max_video_seconds: float = Field(600.0, gt=0)
     video_fps: float = Field(2.0, gt=0, le=60, description="frames sampled per second of a video file")
-    max_video_frames: int = Field(128, ge=1, le=4096, description="frames of one video after sampling")
+    max_video_frames: int = Field(128, ge=1, le=4096, description="frames of one video after sampling (a longer "
+                                  "video file is sampled at this many frames over its length)")  # fmt: skip
     max_image_pixels: int = Field(64 * 1024 * 1024, ge=1, description="width x height of an image or frame")
     max_decoded_bytes: int = Field(1 << 30, ge=1 << 20, le=1 << 36,
                                    description="all media of one request once decoded (RGB pixels at 3 bytes, "

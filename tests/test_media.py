@@ -80,6 +80,16 @@ def test_video_frames_are_sampled_at_the_configured_rate() -> None:
     assert all(abs(g - (20 + 25 * k)) < 6 for g, k in zip(greys, (1, 3, 5, 7), strict=True)), greys
 
 
+def test_a_video_longer_than_its_frames_allow_is_sampled_more_sparsely() -> None:
+    """A video longer than max_video_frames at video_fps gets max_video_frames frames spread over
+    its length (as Qwen's own video readers sample it; it was refused), at the rate that says."""
+    # 8 frames at 4 fps (2 s), at most 2 frames: 1 fps, times 0.5 and 1.5 -> frames 2 and 6
+    clip = decode_video(media.encode_video(_solid_frames(8), 4), MediaConfig(max_video_frames=2))
+    greys = [round(float(f.mean())) for f in clip.frames]
+    assert clip.fps == 1.0 and len(greys) == 2
+    assert all(abs(g - (20 + 25 * k)) < 6 for g, k in zip(greys, (2, 6), strict=True)), greys
+
+
 def test_a_video_sound_track_comes_with_its_frames() -> None:
     data = media.encode_video(media.video(6, 32, 48), 4, media.tone(1.5, RATE))
     clip = decode_video(data, LIMITS, audio_rate=RATE)
@@ -111,8 +121,10 @@ def test_video_given_as_frames() -> None:
          "40x40 pixels, over the limit of 1000"),
         (lambda: decode_video(media.encode_audio(media.tone(1.0), RATE, "mp3"), LIMITS), "no video stream"),
         (lambda: decode_video(media.encode_video(_solid_frames(8), 4)[:600], LIMITS), "video"),  # truncated
-        (lambda: decode_video(media.encode_video(_solid_frames(8), 4), MediaConfig(max_video_frames=3)),
-         "more than 3 frames"),
+        (lambda: decode_video(media.encode_video(_solid_frames(8), 4, container_format="m4v"),  # no length
+                              MediaConfig(max_video_frames=3)), "more than 3 frames"),
+        (lambda: decode_video_frames([media.encode_image(media.image(8, 8))] * 2, 0.001, LIMITS),
+         "2 frames at 0.001 per second are 2000 s, over the limit of 600 s"),
         (lambda: decode_video_frames([], 2.0, LIMITS), "no frames"),
         (lambda: decode_video_frames([media.encode_image(media.image(8, 8))], 0.0, LIMITS), "fps 0"),
         (lambda: decode_video_frames([media.encode_image(media.image(8, 8)), media.encode_image(media.image(8, 10))],
