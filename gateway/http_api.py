@@ -361,10 +361,10 @@ def _decode_b64(data: str, where: str) -> bytes:
 def _data_url(url: Url | str, where: str) -> bytes:
     if isinstance(url, Url):
         url, where = url.url, f"{where}.url"
-    if not url.startswith("data:"):
+    if url[:5].lower() != "data:":  # (a scheme, and the base64 token, are case-insensitive)
         raise HttpError(400, f"{where}: only data: URLs are taken (the server fetches nothing)", param=where)
     head, sep, data = url.partition(",")
-    if not sep or not head.endswith(";base64"):
+    if not sep or not head.lower().endswith(";base64"):
         raise HttpError(400, f"{where}: expected data:<mime>;base64,<data>", param=where)
     return _decode_b64(data, where)
 

@@ -362,11 +362,12 @@ def test_vllm_url_strings_unpadded_base64_and_an_empty_spoken_turn() -> None:
             {"type": "image_url", "image_url": "data:image/png;base64," + base64.b64encode(png).decode()},
             {"type": "audio_url", "audio_url": "data:audio/wav;base64," + unpadded},
             {"type": "input_audio", "input_audio": {"data": unpadded}},
+            {"type": "audio_url", "audio_url": "DATA:audio/wav;BASE64," + unpadded},  # case-insensitive, as URLs are
         ]},
         {"role": "assistant", "content": [], "audio": {"id": "audio_1"}},
     ])  # fmt: skip
     req = to_generate_request(body, ["ethan"], {"audio_1": "It was a tone."}.get)
-    assert [p.image.file or p.audio.file for p in req.messages[0].parts] == [png, wav, wav]
+    assert [p.image.file or p.audio.file for p in req.messages[0].parts] == [png, wav, wav, wav]
     assert (req.messages[1].role, req.messages[1].content) == ("assistant", "It was a tone.")
     with pytest.raises(HttpError) as e:
         to_generate_request(_chat(messages=[{"role": "user", "content": [
