@@ -280,8 +280,11 @@ def test_an_index_out_of_step_with_its_shards_is_refused(tiny_dir: Path, tmp_pat
         (lambda c: c["talker_config"].update(accept_hidden_layer=9), "accept_hidden_layer=9"),
         (lambda c: c["talker_config"].update(codec_eos_token_id=99999), "codec_eos_token_id=99999 is outside"),
         (lambda c: c.update(tts_pad_token_id=99999), "tts_pad_token_id=99999 is outside"),
+        # generate() leaves the talker every id below its top 1024: past the codebook, codes code2wav refuses
+        (lambda c: c["talker_config"]["code_predictor_config"].update(vocab_size=96) or c["code2wav_config"].update(
+            codebook_size=96), "leaves the talker ids 96..127"),
     ],
-    ids=["code-groups", "width", "accept-layer", "codec-id", "special-id"],
+    ids=["code-groups", "width", "accept-layer", "codec-id", "special-id", "codes-past-the-codebook"],
 )
 def test_a_config_whose_parts_disagree_is_refused(tiny_dir: Path, tmp_path: Path, edit: Any, needle: str) -> None:
     bad = _copy(tiny_dir, tmp_path / "config")
@@ -291,16 +294,46 @@ def test_a_config_whose_parts_disagree_is_refused(tiny_dir: Path, tmp_path: Path
     assert needle in str(err.value)
 
 
-@pytest.mark.parametrize("edit", [
-    lambda c: c["talker_config"]["text_config"].update(num_hidden_layers=-1),
-    lambda c: c["thinker_config"]["text_config"].update(num_attention_heads=0),
-])  # fmt: skip
-def test_a_size_below_one_is_refused_by_name(tiny_dir: Path, tmp_path: Path, edit: Any) -> None:
-    """transformers builds a talker of -1 layers (it has none, and the stack served it)."""
-    bad = _copy(tiny_dir, tmp_path / "sizes")
+@pytest.mark.parametrize(("family", "edit", "needle"), [
+    ("tiny_dir", lambda c: c["talker_config"]["text_config"].update(num_hidden_layers=-1),
+     "talker_config.text_config.num_hidden_layers is -1; it must be at least 1"),
+    ("tiny_dir", lambda c: c["thinker_config"]["text_config"].update(num_attention_heads=0),
+     "thinker_config.text_config.num_attention_heads is 0; it must be at least 1"),
+    ("tiny_dir", lambda c: c["thinker_config"]["text_config"].update(max_position_embeddings=-5),
+     "max_position_embeddings is -5"),
+    ("tiny_dir", lambda c: c["code2wav_config"].update(upsample_rates=[8, -5, 4, 3]),
+     "upsample_rates is [8, -5, 4, 3]"),
+    ("tiny_dir", lambda c: c["thinker_config"]["text_config"].update(num_experts_per_tok=9),
+     "num_experts_per_tok is 9; it must be 1..num_experts (4)"),
+    ("tiny_dir", lambda c: c["thinker_config"]["text_config"]["rope_parameters"].update(rope_theta="big"),
+     "rope_theta is 'big'"),
+    ("q25_dir", lambda c: c["thinker_config"]["text_config"]["rope_parameters"].update(mrope_section=[2, 3, 4]),
+     "mrope_section is [2, 3, 4]; its sections must add up to half the head width (16 / 2)"),
+    ("q25_dir", lambda c: c["talker_config"].update(head_dim=32), "talker_config.rope_parameters.mrope_section"),
+    # fields of the wrong type: transformers' own check, and one it does not make (the voice ids)
+    ("tiny_dir", lambda c: c["thinker_config"]["text_config"].update(num_hidden_layers="two"),
+     "Field 'num_hidden_layers' expected int, got str"),
+    ("tiny_dir", lambda c: c["talker_config"].update(speaker_id={"chelsie": "x"}), "invalid literal for int()"),
+], ids=["layers", "heads", "positions", "upsample-rates", "experts-per-token", "rope-theta", "mrope", "mrope-head-dim",
+        "typed-field", "untyped-field"])  # fmt: skip
+def test_a_config_no_model_can_have_is_refused_by_name(request: pytest.FixtureRequest, tmp_path: Path, family: str,
+                                                       edit: Any, needle: str) -> None:  # fmt: skip
+    """transformers builds these models anyway: a talker of -1 layers (it has none, and the stack
+    served it), or a model that fails every request (rope sections that do not fill the head,
+    more experts per token than experts) or fails at load naming no field; a field of the wrong
+    type was refused, but not as the checkpoint's (exit 1, two lines of transformers' text)."""
+    bad = _copy(request.getfixturevalue(family), tmp_path / "config")
     _edit_config(bad, edit)
-    with pytest.raises(CheckpointError, match=r"not a valid .* config: .*(num_hidden_layers is -1|num_attention_heads "
-                                              r"is 0); it must be at least 1"):  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"config\.json: not a valid .* config") as err:
+        open_checkpoint(bad)
+    assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_weight_of_no_part_is_refused_at_open(tiny_dir: Path, tmp_path: Path) -> None:
+    """No part reads a tensor outside the parts' prefixes: it was served without a word."""
+    bad = _copy(tiny_dir, tmp_path / "stray")
+    _rewrite(bad, lambda w: w.__setitem__("mystery.weight", torch.zeros(4)))
+    with pytest.raises(CheckpointError, match=r"1 weight\(s\) of no part of the model .*: mystery\.weight"):
         open_checkpoint(bad)
 
 

@@ -220,6 +220,11 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     missing = _no_weights(family, "thinker", tensors)
     if missing:
         raise CheckpointError(f"{p}: {missing}")
+    prefixes = tuple(family.weight_prefix(part) for part in family.part_configs)
+    strays = sorted(n for n in tensors if not n.startswith(prefixes))
+    if strays:  # no part would read them: a checkpoint of another model, or one edited by hand
+        raise CheckpointError(f"{p}: {len(strays)} weight(s) of no part of the model (names start with none of "
+                              f"{', '.join(prefixes)}): {_names(strays)}")  # fmt: skip
     no_speech = _speech_problems(raw, family, tensors)
     if no_speech and not family.text_only:
         raise CheckpointError(f"{p}: a checkpoint without speech output ({'; '.join(no_speech)}): omnistage serves "
@@ -230,37 +235,77 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if not ((p / "tokenizer.json").is_file() or ((p / "vocab.json").is_file() and (p / "merges.txt").is_file())):
         raise CheckpointError(f"{p}: missing tokenizer files (tokenizer.json or vocab.json + merges.txt)")
     template = chat_template(p)  # a checkpoint without one could answer no chat request
+    from huggingface_hub.errors import StrictDataclassError  # transformers' typed config fields
+
+    def invalid(why: object) -> CheckpointError:
+        one_line = "; ".join(line.strip() for line in str(why).splitlines() if line.strip())
+        return CheckpointError(f"{cfg_file}: not a valid {family.display_name} config ({one_line})")
+
     try:
         with _transformers_quiet():  # it misjudges ids of another part's vocabulary (Qwen2.5's talker config)
             config = family.load_config(p)
-    except (ValueError, TypeError, KeyError) as e:
-        raise CheckpointError(f"{cfg_file}: not a valid {family.display_name} config ({e})") from None
-    sizes = _sizes_below_one(config)
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as e:
+        raise invalid(e) from None
+    sizes = _config_problems(config)
     if sizes:
         raise CheckpointError(f"{cfg_file}: not a valid {family.display_name} config: " + "; ".join(sizes))
-    problems = family.check_config(config, speech=not no_speech)
+    try:  # (a field of the wrong type that transformers does not type: an id as text, say)
+        problems = family.check_config(config, speech=not no_speech)
+        spec = family.spec(config, p, speech=not no_speech)
+    except (ValueError, TypeError, KeyError) as e:
+        raise invalid(e) from None
     if problems:
         raise CheckpointError(f"{cfg_file}: the parts of the config disagree: " + "; ".join(problems))
-    return Checkpoint(path=p, family=family, config=config, spec=family.spec(config, p, speech=not no_speech),
-                      tensors=tensors, no_speech=no_speech, chat_template=template)  # fmt: skip
+    return Checkpoint(path=p, family=family, config=config, spec=spec, tensors=tensors, no_speech=no_speech,
+                      chat_template=template)  # fmt: skip
 
 
 # sizes no model of these families can have at 0 or below (transformers builds it anyway: a
 # thinker of -1 layers has none, and speaks)
 _AT_LEAST_ONE = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "vocab_size",
-                 "encoder_layers", "num_heads")  # fmt: skip
+                 "encoder_layers", "num_heads", "max_position_embeddings", "num_code_groups", "num_quantizers",
+                 "codebook_size")  # fmt: skip
+_ALL_AT_LEAST_ONE = ("upsample_rates", "upsampling_ratios", "upsample_kernel_sizes")  # lists of them
 
 
-def _sizes_below_one(config: Any, prefix: str = "") -> list[str]:
-    """`_AT_LEAST_ONE` sizes of the config or any of its sub-configs that are below 1, by name."""
+def _config_problems(config: Any, prefix: str = "") -> list[str]:
+    """What no model of these families can have, in the config or any of its sub-configs, by
+    name (transformers builds the model anyway, and it fails on every request or at load):
+    `_AT_LEAST_ONE` sizes below 1, rope sections that do not fill the head, more experts per
+    token than experts."""
     from transformers import PretrainedConfig
+
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
 
     out = []
     for key, value in vars(config).items():
+        name = f"{prefix}{key}"
         if isinstance(value, PretrainedConfig):
-            out += _sizes_below_one(value, f"{prefix}{key}.")
-        elif key in _AT_LEAST_ONE and isinstance(value, int) and not isinstance(value, bool) and value < 1:
-            out.append(f"{prefix}{key} is {value}; it must be at least 1")
+            out += _config_problems(value, f"{name}.")
+        elif key in _AT_LEAST_ONE and whole(value) and value < 1:
+            out.append(f"{name} is {value}; it must be at least 1")
+        elif key in _ALL_AT_LEAST_ONE and isinstance(value, list | tuple) and not all(
+            whole(v) and v >= 1 for v in value
+        ):
+            out.append(f"{name} is {list(value)}; each must be a whole number of at least 1")
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict):
+        theta = rope.get("rope_theta")
+        if theta is not None and not (isinstance(theta, int | float) and not isinstance(theta, bool) and theta > 0):
+            out.append(f"{prefix}rope_parameters.rope_theta is {theta!r}; it must be a number above 0")
+        section, heads = rope.get("mrope_section"), getattr(config, "num_attention_heads", None)
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // heads if whole(heads) and heads > 0 and whole(getattr(config, "hidden_size", None))
+            else None)  # fmt: skip
+        if section is not None and whole(head_dim) and not (
+            isinstance(section, list) and all(whole(v) and v >= 0 for v in section) and 2 * sum(section) == head_dim
+        ):
+            out.append(f"{prefix}rope_parameters.mrope_section is {section!r}; its sections must add up to half "
+                       f"the head width ({head_dim} / 2)")  # fmt: skip
+    per_token, experts = getattr(config, "num_experts_per_tok", None), getattr(config, "num_experts", None)
+    if whole(per_token) and whole(experts) and experts > 0 and not 1 <= per_token <= experts:
+        out.append(f"{prefix}num_experts_per_tok is {per_token}; it must be 1..num_experts ({experts})")
     return out
 
 

@@ -29,6 +29,8 @@ THINKER_SPECIAL_TOKEN_TEXT = {
 }
 ROLE_WORD_IDS = {"system_token_id": "system", "user_token_id": "user", "assistant_token_id": "assistant"}
 
+CONTROL_IDS = 1024  # the talker vocabulary's top ids, its control ids: generate() hard-codes 1024
+
 
 @dataclass(frozen=True)
 class FamilySpec:
@@ -105,7 +107,7 @@ class FamilySpec:
 
     def talker_suppressed_ids(self) -> list[int]:
         """`generate()` forbids the talker's control range except codec EOS."""
-        return [i for i in range(self.talker_vocab - 1024, self.talker_vocab) if i != self.codec_eos_id]
+        return [i for i in range(self.talker_vocab - CONTROL_IDS, self.talker_vocab) if i != self.codec_eos_id]
 
     def speaker_id(self, speaker: str) -> int:
         try:
@@ -163,6 +165,11 @@ def check_config(config: Any, speech: bool = True) -> list[str]:
         problems.append(f"talker_config.accept_hidden_layer={talker.accept_hidden_layer} is not a layer of the "
                         f"thinker (0..{text.num_hidden_layers})")  # fmt: skip
     talker_vocab = talker.text_config.vocab_size
+    if (codes := talker_vocab - CONTROL_IDS) > cp.vocab_size:  # what generate() leaves the talker to make
+        problems.append(f"talker_config.text_config.vocab_size={talker_vocab} leaves the talker ids "
+                        f"{cp.vocab_size}..{codes - 1}, below its {CONTROL_IDS} control ids (those generate() "
+                        f"suppresses), that are no code of the codebook (talker_config.code_predictor_config."
+                        f"vocab_size={cp.vocab_size})")  # fmt: skip
     codec_ids = {k: getattr(talker, k) for k in ("codec_eos_token_id", "codec_pad_id", "codec_bos_id",
                                                    "codec_nothink_id", "codec_think_bos_id", "codec_think_eos_id")}
     codec_ids |= {f"speaker_id.{k}": v for k, v in (talker.speaker_id or {}).items()}
