@@ -133,7 +133,7 @@ def _errors(log_level: str | None = None, *, interrupted_code: int = 130) -> Ite
         message = str(e) if known or isinstance(e, OSError | RuntimeError) else f"{type(e).__name__}: {e}"
         hint = "" if known or log_level in (None, "debug") else " (--log-level debug prints the traceback)"
         typer.echo(f"error: {message}{hint}", err=True)
-        raise typer.Exit(2 if usage else 1) from None
+        raise typer.Exit(2 if usage else getattr(e, "exit_code", 1)) from None  # (StartupError: its child's)
 
 
 def _load_cfg(config: Path | None, overrides: dict[str, object], *, default: bool = False) -> DeployConfig:

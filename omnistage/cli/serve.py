@@ -167,7 +167,12 @@ class Child:
 
 
 class StartupError(RuntimeError):
-    """The stack could not start; the message says which process and why."""
+    """The stack could not start; the message says which process and why. `exit_code` 2: the
+    process refused a bad argument, config or checkpoint (its own exit code said so)."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass
@@ -400,7 +405,8 @@ def _wait_healthy(stack: Stack, timeout: float, interrupted: Callable[[], bool])
                 raise StartupError(
                     f"{c.role} at {c.address} {c.status()} during start-up"
                     + (f": {reason}" if reason else "")
-                    + f" (log: {c.log})"
+                    + f" (log: {c.log})",
+                    exit_code=2 if c.proc.returncode == 2 else 1,
                 )
             if stack.healthy(c, 1.0):
                 c.healthy_since = time.monotonic()
