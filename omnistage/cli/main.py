@@ -231,6 +231,7 @@ def make_tiny(
     ] = None,
 ) -> None:
     """Write a deterministic tiny checkpoint (Hugging Face layout) into OUT_DIR."""
+    from omnistage.models import CheckpointError, load_tokenizer, open_checkpoint
     from omnistage.models.family import UnknownFamily, family_for
 
     try:
@@ -248,9 +249,11 @@ def make_tiny(
         changes = _dotted_settings(settings or [])
         options: dict[str, Any] = {"settings": changes} if changes else {}
         summary = chosen.write_tiny(out_dir, layout=layout.value, dtype=dtype.value, **options)
+        if changes:  # settings can make a checkpoint no stage would serve: refused now, as `serve` would
+            load_tokenizer(open_checkpoint(out_dir))
     # an option this family's tiny checkpoint does not have, a --set value its config refuses
     # (transformers' strict configs raise their own error), OUT_DIR not writable or a file
-    except (ValueError, StrictDataclassError, OSError) as e:
+    except (ValueError, StrictDataclassError, OSError, CheckpointError) as e:
         if made is not None and made.is_dir():  # nothing half-written stays
             shutil.rmtree(made, ignore_errors=True)
         message = " ".join(str(e).split()) if not isinstance(e, OSError) else f"{out_dir}: {e.strerror or e}"
