@@ -86,6 +86,10 @@ def test_both_layouts_and_bf16_storage_load_the_same_weights(tiny_dir: Path, tin
     assert open_checkpoint(bf16).resolve_dtype("float16") == "float16"
     auto = load_part(open_checkpoint(bf16), "code2wav", dtype="auto")
     assert {p.dtype for p in auto.parameters()} == {torch.bfloat16}
+    _edit_config(bf16, lambda c: c.update(dtype="int8"))  # (its weights are still floats)
+    with pytest.raises(CheckpointError, match=r"dtype 'int8' is none that omnistage loads"):
+        open_checkpoint(bf16).resolve_dtype("auto")  # it was float32, without a word
+    assert open_checkpoint(bf16).resolve_dtype("bfloat16") == "bfloat16"
 
 
 def test_tiny_tokenizer_knows_the_special_tokens(tiny_dir: Path) -> None:

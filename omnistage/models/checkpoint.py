@@ -79,7 +79,10 @@ class Checkpoint:
             return name
         own = getattr(self.config, "dtype", None)
         own = str(own).removeprefix("torch.") if own is not None else "float32"
-        return own if own in DTYPES else "float32"
+        if own not in DTYPES:  # (its weights are floats: open_checkpoint checked)
+            raise CheckpointError(f"{self.path / 'config.json'}: dtype {own!r} is none that omnistage loads "
+                                  f"({', '.join(DTYPES)}): name one with --dtype (or the stage's `dtype`)")
+        return own
 
     def check_serves(self, audio_output: bool) -> None:
         """Refuse a stack that would speak with a checkpoint that cannot (deploy `audio_output`)."""

@@ -54,8 +54,9 @@ def load_voices(path: Path) -> dict[str, spec.Voice]:
         raw = torch.load(file, weights_only=True, map_location="cpu")
         return {str(name): spec.Voice(torch.as_tensor(v["cond"]), torch.as_tensor(v["ref_mel"]), int(v["bos_token"]))
                 for name, v in raw.items()}  # fmt: skip
-    except Exception as e:  # a damaged or foreign file: say which and why, refuse the checkpoint
-        raise CheckpointError(f"{file}: not a voice table ({type(e).__name__}: {e})") from None
+    except Exception as e:  # a damaged or foreign file: say which and why (torch's first line), refuse the checkpoint
+        why = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        raise CheckpointError(f"{file}: not a voice table ({type(e).__name__}: {why})") from None
 
 
 class Qwen25Omni(Family):
