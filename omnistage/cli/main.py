@@ -341,6 +341,20 @@ def health(
     raise typer.Exit(0 if ok else 1)
 
 
+def _warn_without_media(model_dir: Path) -> None:
+    """Say on the console what the gateway only logs: a checkpoint whose processor cannot be
+    built (its preprocessor_config.json missing or damaged: a download cut short) is served for
+    text alone. Its tokenizer is checked here too, once, rather than in each process."""
+    from omnistage.models import CheckpointError, load_tokenizer, open_checkpoint
+
+    ckpt = open_checkpoint(model_dir)
+    tokenizer = load_tokenizer(ckpt)  # (its refusal is the checkpoint's: exit 2)
+    try:
+        ckpt.family.input_builder(ckpt, tokenizer)
+    except CheckpointError as e:
+        supervisor.warning("audio, images and video will be refused (text is served): %s", e)
+
+
 @app.command("serve")
 def serve(
     model_arg: ModelArg = None,
@@ -366,7 +380,7 @@ def serve(
     import signal
 
     from omnistage.cli.logs import setup_logging
-    from omnistage.cli.serve import StartupError, start_stack
+    from omnistage.cli.serve import StartupError, resolve_model, start_stack
     from omnistage.config import check_replicas_run, default_config_path, parse_replicas
     from omnistage.topology import PROCESSES
 
@@ -386,6 +400,7 @@ def serve(
         typer.echo(f"config: {config or default_config_path()}" + (" + flags" if any(overrides.values()) else ""))
         shown = model_arg or model or cfg.model or "built-in tiny checkpoint"
         typer.echo(f"starting omnistage (model: {shown}) ...")
+        _warn_without_media(resolve_model(cfg, model_arg or model))
 
         def interrupt(*_: object) -> None:
             # Remembered as well as raised: once, under load, a Ctrl-C during start-up did not
