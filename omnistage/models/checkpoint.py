@@ -479,8 +479,10 @@ def load_part(
         problems.append(f"{len(unexpected)} unexpected weight(s): {_names(unexpected)}")
     if info.get("error_msgs"):
         problems.append("; ".join(str(m) for m in info["error_msgs"]))
-    if problems:
-        raise CheckpointError(f"{ckpt.path}: refusing half-loaded {part}: " + "; ".join(problems))
+    if problems:  # (weights named as the part's model names them: transformers renames the checkpoint's)
+        raise CheckpointError(f"{ckpt.path}: refusing half-loaded {part}: " + "; ".join(problems)
+                              + f" (named as transformers' {part} model names them, which may differ from the "
+                              f"checkpoint's names, all under {family.weight_prefix(part)!r})")  # fmt: skip
     return model.to(device).eval()
 
 
