@@ -35,7 +35,8 @@ Chat completions (OpenAI's shapes; what differs is said here):
   the reply's first piece, so a refused request gets its status streamed or not; an error after
   that is the stream's last event.
 Errors are OpenAI error objects: 400 naming the field, 401 (with `--api-key`), 404 unknown
-model or path, 405, 413 body too large, 429 over max_in_flight or out of memory (a request too
+model or path, 405, 408 body stopped coming, 413 body too large (these three close the
+connection), 429 over max_in_flight or out of memory (a request too
 large for a stage: 400), 499 client gone, 503 draining or a stage down, 504 deadline (header
 `x-omnistage-timeout: SECONDS`, else `timeouts.request_timeout_s`). A client that disconnects
 cancels its request down the whole chain. `gateway.cors_allow_origins` lets browser pages on
@@ -274,6 +275,9 @@ _MODELS = frozenset(c.__name__ for c in _subclasses(_Body))  # union branches py
 Replies = AsyncGenerator[gateway_pb2.GenerateResponse, None]
 
 
+UNREAD_BODY = (401, 408, 413, 499)  # answered before the whole body was read: the connection closes after
+
+
 class HttpError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None) -> None:  # fmt: skip
@@ -284,7 +288,9 @@ class HttpError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"retry-after": "1"} if self.status == 429 else None  # what the OpenAI SDK waits on
+        headers = {"retry-after": "1"} if self.status == 429 else {}  # what the OpenAI SDK waits on
+        if self.status in UNREAD_BODY:  # the rest of its body would be read as the next request
+            headers["connection"] = "close"
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
@@ -725,17 +731,24 @@ class Transcripts:
         return item[1]
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, wait_s: float) -> bytes:
     """The body, refused 413 as soon as it is known to pass `limit` bytes: by its Content-Length
-    before any is read, else while it streams in (never held whole first)."""
+    before any is read, else while it streams in (never held whole first); 408 when the client
+    sends none of it for `wait_s` (timeouts.input_wait_timeout_s; 0: no limit)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise HttpError(413, f"request body of {int(declared)} bytes is over the limit of {limit}",
                         code="request_too_large")  # fmt: skip
     parts: list[bytes] = []
     size = 0
+    pieces = request.stream()
     try:
-        async for part in request.stream():
+        while True:
+            try:
+                async with asyncio.timeout(wait_s or None):
+                    part = await anext(pieces)
+            except StopAsyncIteration:
+                break
             size += len(part)
             if size > limit:
                 raise HttpError(413, f"request body over the limit of {limit} bytes", code="request_too_large")
@@ -743,6 +756,11 @@ async def _read_body(request: Request, limit: int) -> bytes:
     except ClientDisconnect:  # gone before its body was in: nobody reads the answer
         raise HttpError(499, "the client closed the connection while sending its body",
                         code="client_closed_request") from None  # fmt: skip
+    except TimeoutError:
+        raise HttpError(408, f"the client sent none of its body for {wait_s:g} s (timeouts.input_wait_timeout_s)",
+                        code="request_timeout") from None  # fmt: skip
+    finally:
+        await pieces.aclose()
     return b"".join(parts)
 
 
@@ -761,7 +779,8 @@ class ChatCompletions:
         if not self.service.check_api_key(request.headers.get("authorization")):
             raise HttpError(401, "missing or wrong API key (header Authorization: Bearer <key>)",
                             "authentication_error", code="invalid_api_key")  # fmt: skip
-        raw = await _read_body(request, self.service.cfg.media.max_request_bytes * 4 // 3 + 4096)  # base64: 4/3
+        raw = await _read_body(request, self.service.cfg.media.max_request_bytes * 4 // 3 + 4096,  # base64: 4/3
+                               self.service.cfg.timeouts.input_wait_timeout_s)  # fmt: skip
         body = _parse_body(raw, model)
         name = getattr(body, "model", None)
         if name is not None and name != self.service.model_name:
@@ -1059,7 +1078,10 @@ def build_app(service: GatewayService) -> Starlette:
 
     async def health(request: Request) -> Response:
         ok, chain = service.chain_serving()
-        stages = [{"stage": h.stage, "target": h.target, "serving": h.serving, "detail": h.detail} for h in chain]
+        # open for probes; the stages' addresses (and errors, which may name them) take the key, as Info does
+        inside = service.check_api_key(request.headers.get("authorization"))
+        stages = [{"stage": h.stage, "serving": h.serving}
+                  | ({"target": h.target, "detail": h.detail} if inside else {}) for h in chain]  # fmt: skip
         body = {"status": "ok" if ok else "unavailable", "draining": service.draining, "stages": stages}
         return JSONResponse(body, status_code=200 if ok else 503)
 

@@ -223,7 +223,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         """With an API key configured, `authorization` must be `Bearer <key>`."""
         if not self.api_key:
             return True
-        return hmac.compare_digest((authorization or "").encode(), f"Bearer {self.api_key}".encode())
+        scheme, _, token = (authorization or "").partition(" ")
+        # (an auth scheme is case-insensitive, RFC 9110; the key is compared in constant time)
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
     async def serve(self, request: gateway_pb2.GenerateRequest, timeout: float | None, api: str
                     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:  # fmt: skip

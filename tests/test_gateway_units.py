@@ -490,7 +490,8 @@ def test_a_whole_file_comes_in_pieces_a_default_grpc_client_accepts() -> None:
 
 def test_a_body_over_the_limit_is_refused_before_it_is_held() -> None:
     """413 from the declared Content-Length before anything is read; a body of no declared size
-    (chunked) is refused as soon as what came passes the limit, the rest never taken."""
+    (chunked) is refused as soon as what came passes the limit, the rest never taken; a body
+    that stops coming is refused 408 after input_wait_timeout_s (it was waited for forever)."""
     import asyncio
 
     from starlette.requests import Request
@@ -510,14 +511,30 @@ def test_a_body_over_the_limit_is_refused_before_it_is_held() -> None:
 
     req, taken = request([b"x" * 10] * 3, declared=4_000_000_000)
     with pytest.raises(HttpError) as err:
-        asyncio.run(_read_body(req, 25))
+        asyncio.run(_read_body(req, 25, 60))
     assert err.value.status == 413 and "4000000000 bytes" in str(err.value) and taken == []
+    # refused unread: the connection closes after the answer (the rest would be read as a request)
+    assert err.value.response().headers["connection"] == "close"
     req, taken = request([b"x" * 10] * 100, declared=None)
     with pytest.raises(HttpError) as err:
-        asyncio.run(_read_body(req, 25))
+        asyncio.run(_read_body(req, 25, 60))
     assert err.value.status == 413 and len(taken) == 3
     req, _ = request([b"ab", b"cd"], declared=4)
-    assert asyncio.run(_read_body(req, 25)) == b"abcd"
+    assert asyncio.run(_read_body(req, 25, 60)) == b"abcd"
+
+    async def stalls() -> dict[str, Any]:  # a client that sends a byte of its body, then nothing
+        if not stalled:
+            stalled.append(1)
+            return {"type": "http.request", "body": b"{", "more_body": True}
+        await asyncio.sleep(60)
+        return {"type": "http.disconnect"}
+
+    stalled: list[int] = []
+    slow = Request({"type": "http", "method": "POST", "headers": [(b"content-length", b"1000")]}, stalls)
+    with pytest.raises(HttpError) as err:
+        asyncio.run(asyncio.wait_for(_read_body(slow, 25_000, 0.2), 10))  # (input_wait_timeout_s)
+    assert err.value.status == 408 and "input_wait_timeout_s" in str(err.value)
+    assert err.value.response().headers["connection"] == "close"
 
 
 def test_a_failure_nothing_answered_is_an_openai_error_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:

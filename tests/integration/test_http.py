@@ -408,9 +408,10 @@ def test_bad_requests_get_the_documented_status_and_shape(http_stack: Stack) -> 
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 4000000000\r\n\r\n")  # fmt: skip
         got = b""
-        while b"request_too_large" not in got and (piece := sock.recv(4096)):
+        while piece := sock.recv(4096):  # to the end: the server closes the connection after its 413
             got += piece
     assert got.startswith(b"HTTP/1.1 413") and b"request_too_large" in got, got
+    assert b"connection: close" in got.lower(), got
 
 
 def _loads(stack: Stack, stages: tuple[str, ...] = ("thinker", "talker", "code2wav")) -> list[tuple[int, ...]]:
@@ -562,6 +563,14 @@ def test_api_key_is_required_on_both_front_doors(http_stack: Stack, tmp_path: Pa
         assert httpx.post(url, json=body, headers={"authorization": "Bearer wrong"}, timeout=60).status_code == 401
         ok = httpx.post(url, json=body, headers={"authorization": "Bearer s3cret"}, timeout=60)
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
+        # the auth scheme is case-insensitive (RFC 9110); the key is not
+        assert httpx.post(url, json=body, headers={"authorization": "bearer s3cret"}, timeout=60).status_code == 200
+        assert httpx.post(url, json=body, headers={"authorization": "Bearer S3CRET"}, timeout=60).status_code == 401
+        # /health stays open for probes, but names the stages' addresses only with the key (as Info does)
+        probe = httpx.get(f"http://{http_addr}/health", timeout=10)
+        assert probe.status_code == 200 and all(set(h) == {"stage", "serving"} for h in probe.json()["stages"])
+        inside = httpx.get(f"http://{http_addr}/health", headers={"authorization": "Bearer s3cret"}, timeout=10)
+        assert inside.json()["stages"][0]["target"].endswith(http_stack.addresses("thinker")[0])
         with pytest.raises(grpc.aio.AioRpcError) as e:
             run(generate(grpc_addr, "hi", thinker_max_tokens=4, want_audio=False, timeout=30))
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
