@@ -65,7 +65,7 @@ def run_gateway(cfg: DeployConfig, ckpt: Checkpoint, host: str, port: int, think
         metrics_port = cfg.metrics_port(port)
         if metrics_port is not None:  # first: a taken port fails the start before a server is bound
             serve_metrics(service.metrics.registry, host, metrics_port, f"gateway at {host}:{port}")
-        bind(server, host, port, "gateway", server_credentials(cfg.tls, stage=False))
+        bind(server, host, port, "gateway", server_credentials(cfg.tls, stage=False, host=host))
         http_sock = _http_socket(host, http_port) if http_port else None
         await server.start()
         http = http_task = None

@@ -100,8 +100,9 @@ def _usage_errors() -> tuple[type[BaseException], ...]:
     from omnistage.cli.serve import ModelNotLocal
     from omnistage.config import ConfigError
     from omnistage.models import CheckpointError
+    from omnistage.server.tls import TlsError
 
-    return ConfigError, CheckpointError, ModelNotLocal
+    return ConfigError, CheckpointError, ModelNotLocal, TlsError
 
 
 def _runtime_errors() -> tuple[type[BaseException], ...]:

@@ -171,7 +171,11 @@ def bind(server: grpc.aio.Server, host: str, port: int, role: str,
         else:
             bound = server.add_secure_port(address, credentials)
     except RuntimeError:
-        raise taken from None
+        bound = 0
+    if bound == 0 and credentials is not None and port_free(host, port):  # (tls.check_files passed them)
+        from omnistage.server.tls import TlsError
+
+        raise TlsError(f"{role}: cannot listen on {host}:{port} with TLS: gRPC refused tls.cert_file and tls.key_file")
     if bound == 0:
         raise taken
     return bound

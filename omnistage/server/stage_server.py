@@ -750,7 +750,7 @@ class StageServer:
         add_stage_servicer(self.service, self.server)
         self.health = HealthState(self.server, (STAGE_SERVICE,))
         port = bind(self.server, self.host, self.port, self.service.stage,
-                    server_credentials(self.service.tls, stage=True))  # fmt: skip
+                    server_credentials(self.service.tls, stage=True, host=self.host))  # fmt: skip
         await self.server.start()
         await self.health.set(True)
         self._watching = self.service.start_watching()

@@ -11,6 +11,9 @@ client) agrees.
 
 from __future__ import annotations
 
+import ipaddress
+import re
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +35,81 @@ def _read(path: str | None, what: str) -> bytes | None:
         raise TlsError(f"tls.{what}: cannot read {path}: {e.strerror}") from None
 
 
-def server_credentials(tls: TlsConfig, *, stage: bool) -> grpc.ServerCredentials | None:
-    """What a stage (`stage=True`) or the gateway listens with; None: plaintext."""
+def check_files(tls: TlsConfig, host: str) -> None:
+    """TlsError naming what is wrong with the config's TLS files, found by a TLS handshake in
+    memory between a server and a client set up as the stack's are: a key that is not the
+    certificate's, a file that is no PEM, a certificate that has expired, that `ca_file` did not
+    sign, or that does not name the address clients dial (`server_name`, else `host` unless it
+    is a wildcard). Otherwise these surface only as failed connections, at the start-up timeout."""
+    if not (tls.gateway or tls.stages):
+        return
+    for what in ("cert_file", "key_file", "ca_file"):
+        _read(getattr(tls, what), what)  # unreadable: said first
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        server.load_cert_chain(tls.cert_file or "", tls.key_file)
+    except (ssl.SSLError, ValueError) as e:
+        raise TlsError(f"tls.cert_file {tls.cert_file} and tls.key_file {tls.key_file}: not a PEM certificate and "
+                       f"its private key ({_why(e)})") from None  # fmt: skip
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    name = tls.server_name or (None if ipaddress.ip_address(host).is_unspecified else host)
+    client.check_hostname = name is not None
+    try:
+        if tls.ca_file:
+            client.load_verify_locations(tls.ca_file)
+        else:
+            client.load_default_certs()  # (the gateway's clients fall back to the system's roots)
+        if tls.stages:  # mutual: the stages ask every caller for the same certificate
+            server.verify_mode = ssl.CERT_REQUIRED
+            server.load_verify_locations(tls.ca_file)
+            client.load_cert_chain(tls.cert_file or "", tls.key_file)
+    except ssl.SSLError as e:
+        raise TlsError(f"tls.ca_file {tls.ca_file}: not a PEM certificate ({_why(e)})") from None
+    why = _handshake(server, client, name)
+    if why:
+        signer = f"tls.ca_file {tls.ca_file}" if tls.ca_file else "the system's roots (no tls.ca_file)"
+        raise TlsError(f"tls.cert_file {tls.cert_file}: a client verifying it with {signer}"
+                       + (f" for {name}" if name else "") + f" refuses it: {why}")
+
+
+def _why(e: Exception) -> str:
+    """OpenSSL's reason, without the C source line ssl puts in its message."""
+    reason = getattr(e, "reason", None)
+    if reason:
+        return str(reason).replace("_", " ").lower()
+    return re.sub(r"^\[\w+\]\s*|\s*\(_ssl\.c:\d+\)$", "", str(e.args[-1] if e.args else e))
+
+
+def _handshake(server: ssl.SSLContext, client: ssl.SSLContext, name: str | None) -> str:
+    """Run a TLS handshake in memory; why it failed ("": it did not)."""
+    s_in, s_out, c_in, c_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+    s = server.wrap_bio(s_in, s_out, server_side=True)
+    c = client.wrap_bio(c_in, c_out, server_hostname=name)
+    done = {"s": False, "c": False}
+    for _ in range(20):  # a handshake is a few round trips
+        for side, end, out, peer_in in (("c", c, c_out, s_in), ("s", s, s_out, c_in)):
+            if not done[side]:
+                try:
+                    end.do_handshake()
+                    done[side] = True
+                except ssl.SSLWantReadError:
+                    pass
+                except ssl.SSLCertVerificationError as e:
+                    return e.verify_message or str(e)
+                except ssl.SSLError as e:
+                    return _why(e)
+            peer_in.write(out.read())
+        if all(done.values()):
+            return ""
+    return "the handshake did not finish"
+
+
+def server_credentials(tls: TlsConfig, *, stage: bool, host: str) -> grpc.ServerCredentials | None:
+    """What a stage (`stage=True`) or the gateway listens with on `host`; None: plaintext.
+    TlsError when the files would not do (`check_files`)."""
     if not (tls.stages if stage else tls.gateway):
         return None
+    check_files(tls, host)
     key, cert = _read(tls.key_file, "key_file"), _read(tls.cert_file, "cert_file")
     assert key is not None and cert is not None  # the config checks they are set
     if stage:

@@ -28,18 +28,62 @@ def _trust(certs: dict[str, Path]) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=str(certs["cert"]))
 
 
+def _self_signed(d: Path, name: str, san: str) -> tuple[Path, Path]:
+    """A self-signed CA certificate for `san` and its key (openssl), as (cert, key)."""
+    cert, key = d / f"{name}.pem", d / f"{name}-key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key), "-out", str(cert), "-days", "2",
+                    "-subj", "/CN=omnistage-test", "-addext", f"subjectAltName={san}",
+                    "-addext", "basicConstraints=critical,CA:TRUE",
+                    "-addext", "keyUsage=critical,digitalSignature,keyCertSign",
+                    "-addext", "extendedKeyUsage=serverAuth,clientAuth"], check=True, capture_output=True)  # fmt: skip
+    return cert, key
+
+
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     if shutil.which("openssl") is None:
         pytest.skip("the openssl command is missing (it makes this test's certificates)")
     d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-days", "2",
-                    "-subj", "/CN=omnistage-test", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
-                    "-addext", "basicConstraints=critical,CA:TRUE",
-                    "-addext", "keyUsage=critical,digitalSignature,keyCertSign",
-                    "-addext", "extendedKeyUsage=serverAuth,clientAuth"], check=True, capture_output=True)  # fmt: skip
-    return {"cert": d / "cert.pem", "key": d / "key.pem"}
+    cert, key = _self_signed(d, "cert", "IP:127.0.0.1,DNS:localhost")
+    other, other_key = _self_signed(d, "other", "DNS:example.org")
+    return {"cert": cert, "key": key, "other": other, "other_key": other_key}
+
+
+def test_tls_files_that_would_not_do_are_refused_at_start_by_name(certs: dict[str, Path], tmp_path: Path,
+                                                                   tiny_dir: Path) -> None:  # fmt: skip
+    """A key that is not the certificate's, a file that is no PEM, a certificate `ca_file` did
+    not sign or that does not name the address: one line naming the file and why, before any
+    process starts, exit 2 (they were a port "taken by another process", or 658 lines of
+    handshake failures and "not healthy after 180 s")."""
+    from omnistage.cli.main import _errors
+    from omnistage.config import TlsConfig
+    from omnistage.server.tls import TlsError, check_files
+
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate")
+    good = {"gateway": True, "stages": True, "cert_file": str(certs["cert"]), "key_file": str(certs["key"]),
+            "ca_file": str(certs["cert"])}  # fmt: skip
+    check_files(TlsConfig(**good), "127.0.0.1")
+    for change, needle in (({"key_file": str(certs["other_key"])}, "key values mismatch"),
+                           ({"cert_file": str(garbage)}, "not a PEM certificate and its private key"),
+                           ({"ca_file": str(garbage)}, "tls.ca_file .*: not a PEM certificate"),
+                           ({"ca_file": str(certs["other"])}, "refuses it: self-signed certificate"),
+                           ({"server_name": "example.com"}, "Hostname mismatch"),
+                           ({"stages": False, "ca_file": None}, "with the system's roots"),
+                           ({"key_file": str(tmp_path / "missing.pem")}, "tls.key_file: cannot read")):  # fmt: skip
+        with pytest.raises(TlsError, match=needle):
+            check_files(TlsConfig(**(good | change)), "127.0.0.1")
+    moved = good | {"cert_file": str(certs["other"]), "key_file": str(certs["other_key"]),
+                    "ca_file": str(certs["other"])}  # fmt: skip
+    with pytest.raises(TlsError, match=r"IP address mismatch, certificate is not valid for '127\.0\.0\.1'") as err:
+        start_stack(stack_config(tls=moved), model=str(tiny_dir), log_dir=tmp_path / "logs")
+    import typer
+
+    with pytest.raises(typer.Exit) as ended, _errors():
+        raise err.value
+    assert ended.value.exit_code == 2
+    check_files(TlsConfig(**moved), "0.0.0.0")  # (listening everywhere: no one address to check)
 
 
 @pytest.fixture(scope="module")
