@@ -157,16 +157,20 @@ async def stream_generate(
     channel: grpc.aio.Channel | None = None,
     api_key: str = "",
     tls_ca: bytes | None = None,
+    tls_server_name: str | None = None,
     **request_options: Any,
 ) -> AsyncIterator[ClientEvent]:
     """Yield ClientEvents as the gateway streams them. `request_options` go to `build_request`.
-    `api_key` goes as `authorization: Bearer ...`; `tls_ca` (PEM roots) dials the gateway over TLS."""
+    `api_key` goes as `authorization: Bearer ...`; `tls_ca` (PEM roots) dials the gateway over TLS,
+    verifying `tls_server_name` in its certificate (default: the target's host; the deploy
+    config's `tls.server_name`)."""
     request = build_request(prompt, **request_options)
     own = channel is None
     if channel is not None:
         ch = channel
     elif tls_ca is not None:
-        ch = grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca))
+        options = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else None
+        ch = grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca), options=options)
     else:
         ch = grpc.aio.insecure_channel(target)
     metadata_out = [("authorization", f"Bearer {api_key}")] if api_key else None

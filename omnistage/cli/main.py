@@ -426,23 +426,28 @@ def serve(
     try:
         typer.echo(f"logs: {stack.run_dir}")
         typer.echo("\n".join(stack.status_lines()))
-        typer.echo(f"omnistage gateway listening on {stack.gateway_address} (gRPC)"
-                   + (f" and http://{stack.http_address} (OpenAI-compatible HTTP, playground at /)"
+        tls = cfg.tls.gateway  # the hints dial it as its clients must: https, and the CA that signed it
+        http = "https" if tls else "http"
+        tls_ca = (f" --tls-ca {cfg.tls.ca_file}" if tls and cfg.tls.ca_file else "") + (
+            f" --server-name {cfg.tls.server_name}" if tls and cfg.tls.ca_file and cfg.tls.server_name else "")
+        typer.echo(f"omnistage gateway listening on {stack.gateway_address} (gRPC{', TLS' if tls else ''})"
+                   + (f" and {http}://{stack.http_address} (OpenAI-compatible HTTP, playground at /)"
                       if stack.http_address else ""))  # fmt: skip
         if cfg.gateway.replicas > 1:
             typer.echo(f"  and {cfg.gateway.replicas - 1} more gateway(s): "
                        + ", ".join(f"{a} (gRPC)" for a in stack.addresses("gateway")[1:])
-                       + "".join(f", http://{cfg.address(p)}" for p in cfg.http_ports()[1:]))  # fmt: skip
+                       + "".join(f", {http}://{cfg.address(p)}" for p in cfg.http_ports()[1:]))  # fmt: skip
         text_only = "" if cfg.audio_output else " --no-audio"  # a text-only stack refuses audio
         # with a key, the hints say where it goes (never the key itself): the client reads it from
         # $OMNISTAGE_API_KEY, curl sends it as a header
         header = " -H \"authorization: Bearer $OMNISTAGE_API_KEY\"" if api_key else ""
         if api_key:
             typer.echo("with the API key in $OMNISTAGE_API_KEY (export OMNISTAGE_API_KEY=...):")
-        typer.echo(f'try: omnistage client "Hello" --target {stack.gateway_address}{text_only}')
+        typer.echo(f'try: omnistage client "Hello" --target {stack.gateway_address}{text_only}{tls_ca}')
         if stack.http_address:
-            typer.echo(f"     curl http://{stack.http_address}/v1/chat/completions -H 'content-type: application/json'"
-                       + header + """ -d '{"messages":[{"role":"user","content":"Hello"}]}'""")  # fmt: skip
+            cacert = f" --cacert {cfg.tls.ca_file}" if tls and cfg.tls.ca_file else ""
+            typer.echo(f"     curl{cacert} {http}://{stack.http_address}/v1/chat/completions -H 'content-type: "
+                       "application/json'" + header + """ -d '{"messages":[{"role":"user","content":"Hello"}]}'""")
         # every process of this stack, replicas and a split thinker included, as it was started
         typer.echo(f"     omnistage health --config {stack.run_dir / 'omnistage.yaml'}")
         # Self-healing: a process that dies is restarted (with backoff) on its port; the stack
@@ -585,6 +590,9 @@ def client(
     api_key: Annotated[str, typer.Option("--api-key", envvar="OMNISTAGE_API_KEY",
                                          help="Sent as authorization: Bearer KEY.")] = "",
     tls_ca: Annotated[Path | None, typer.Option("--tls-ca", help="PEM roots: dial the gateway over TLS.")] = None,
+    server_name: Annotated[str | None, typer.Option(
+        "--server-name", help="With --tls-ca: the name to verify in the gateway's certificate instead of the "
+        "target's host (the deploy config's tls.server_name).")] = None,
 ) -> None:
     """Send one request to the gateway: print text as it streams, write a WAV. Audio, images and
     video go in the user turn before the prompt, in the order given."""
@@ -614,7 +622,7 @@ def client(
             want_audio=not no_audio, thinker_max_tokens=max_tokens, talker_max_tokens=max_frames,
             greedy=True, mode=mode.value if mode else None, timeout=timeout, system=system, speaker=speaker,
             temperature=temperature, seed=seed, use_audio_in_video=use_audio_in_video, api_key=api_key, tls_ca=ca,
-            **media,
+            tls_server_name=server_name, **media,
         ))  # fmt: skip
     except grpc.aio.AioRpcError as e:
         typer.echo(f"\nerror: {e.code().name}: {e.details()}", err=True)

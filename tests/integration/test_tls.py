@@ -104,6 +104,15 @@ def test_a_request_with_tls_and_the_key_is_served(tls_stack: Stack, certs: dict[
                    headers={"authorization": f"Bearer {KEY}"}, timeout=60,
                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})  # fmt: skip
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+    # a certificate for another name than the address dialled (tls.server_name): the client names it
+    named = run(generate(tls_stack.gateway_address, "hi", thinker_max_tokens=3, want_audio=False, timeout=60,
+                         api_key=KEY, tls_ca=ca, tls_server_name="localhost"))  # fmt: skip
+    assert named.token_ids == run(generate(tls_stack.gateway_address, "hi", thinker_max_tokens=3, want_audio=False,
+                                           timeout=60, api_key=KEY, tls_ca=ca)).token_ids  # fmt: skip
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # a name the certificate does not have
+        run(generate(tls_stack.gateway_address, "hi", thinker_max_tokens=3, want_audio=False, timeout=30,
+                     api_key=KEY, tls_ca=ca, tls_server_name="example.com"))  # fmt: skip
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def test_without_the_key_the_call_is_unauthenticated(tls_stack: Stack, certs: dict[str, Path]) -> None:
