@@ -74,6 +74,14 @@ def bench(
     http_target: Annotated[
         str | None, typer.Option("--http-target", help="HOST:PORT of the gateway's HTTP port (with --target).")
     ] = None,
+    api_key: Annotated[str, typer.Option("--api-key", envvar="OMNISTAGE_API_KEY",
+                                         help="The gateway's API key (with --target).")] = "",
+    tls_ca: Annotated[Path | None, typer.Option(
+        "--tls-ca", exists=True, dir_okay=False, help="PEM roots: reach a TLS gateway (with --target; --serve "
+        "takes its config's tls.ca_file).")] = None,
+    server_name: Annotated[str | None, typer.Option(
+        "--server-name", help="With --tls-ca: the name to verify in the gateway's certificate (tls.server_name).")
+    ] = None,
 ) -> None:
     """Latency and throughput of the served pipeline, each figure against a same-run baseline."""
     if ctx.invoked_subcommand is not None:
@@ -89,7 +97,8 @@ def bench(
             talker_max_tokens=talker_max_tokens, sampled_speech=sampled_speech, baseline_requests=baseline_requests,
             monolithic=monolithic, inprocess=inprocess, full_payload=full_payload, stages=stages, warmup=warmup,
             threads=threads, request_timeout=request_timeout, json_out=json_out, plot_out=plot_out,
-            markdown_out=markdown_out, progress=progress, http=http, http_target=http_target,
+            markdown_out=markdown_out, progress=progress, http=http, http_target=http_target, api_key=api_key,
+            tls_ca=tls_ca, server_name=server_name,
         )
     )
     failed = failed_levels(result)

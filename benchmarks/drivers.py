@@ -35,6 +35,16 @@ EventKind = Literal["text", "audio", "final"]
 
 
 @dataclass(frozen=True)
+class Access:
+    """How the bench reaches a gateway that asks for more than plaintext: its API key, the PEM
+    roots that signed its TLS certificate, the name to verify in it (tls.server_name)."""
+
+    api_key: str = ""
+    tls_ca: bytes | None = None
+    server_name: str | None = None
+
+
+@dataclass(frozen=True)
 class BenchRequest:
     index: int
     prompt_index: int
@@ -199,10 +209,12 @@ class GrpcDriver(Driver):
 
     name = "grpc"
 
-    def __init__(self, target: str, timeout: float | None = None, openai_greedy: bool = False) -> None:
+    def __init__(self, target: str, timeout: float | None = None, openai_greedy: bool = False,
+                 access: Access | None = None) -> None:  # fmt: skip
         self.target = target
         self.timeout = timeout
         self.openai_greedy = openai_greedy
+        self.access = access or Access()
         self._channel: Any = None
 
     async def run(self, req: BenchRequest) -> list[StreamEvent]:
@@ -211,7 +223,12 @@ class GrpcDriver(Driver):
         from gateway.client import stream_generate
 
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.target)
+            if self.access.tls_ca is None:
+                self._channel = grpc.aio.insecure_channel(self.target)
+            else:
+                name = [("grpc.ssl_target_name_override", self.access.server_name)] if self.access.server_name else None
+                credentials = grpc.ssl_channel_credentials(root_certificates=self.access.tls_ca)
+                self._channel = grpc.aio.secure_channel(self.target, credentials, options=name)
         events: list[StreamEvent] = []
         options: dict[str, Any] = {"greedy": True}
         if self.openai_greedy:
@@ -228,6 +245,7 @@ class GrpcDriver(Driver):
             mode=req.mode,
             timeout=self.timeout,
             channel=self._channel,
+            api_key=self.access.api_key,
             **options,
         ):
             now = time.perf_counter()
@@ -252,8 +270,10 @@ class HttpDriver(Driver):
 
     name = "http"
 
-    def __init__(self, base_url: str, timeout: float | None = None) -> None:
-        self.url = base_url.rstrip("/") + "/v1/chat/completions"
+    def __init__(self, address: str, timeout: float | None = None, access: Access | None = None) -> None:
+        self.access = access or Access()
+        scheme = "https" if self.access.tls_ca is not None else "http"
+        self.url = f"{scheme}://{address}/v1/chat/completions"
         self.timeout = timeout
         self._client: Any = None
 
@@ -276,9 +296,17 @@ class HttpDriver(Driver):
         import httpx
 
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.timeout)
+            import ssl
+
+            verify: Any = True
+            if self.access.tls_ca is not None:
+                verify = ssl.create_default_context(cadata=self.access.tls_ca.decode())
+            headers = {"authorization": f"Bearer {self.access.api_key}"} if self.access.api_key else None
+            self._client = httpx.AsyncClient(timeout=self.timeout, verify=verify, headers=headers)
         events: list[StreamEvent] = []
-        async with self._client.stream("POST", self.url, json=self.body(req)) as response:
+        # (tls.server_name: the name the certificate is verified for, in place of the URL's host)
+        named = {"sni_hostname": self.access.server_name} if self.access.server_name else None
+        async with self._client.stream("POST", self.url, json=self.body(req), extensions=named) as response:
             if response.status_code != 200:
                 raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
             async for line in response.aiter_lines():

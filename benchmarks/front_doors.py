@@ -18,7 +18,7 @@ from typing import Any
 
 from benchmarks.common import machine_info
 from benchmarks.drivers import BenchRequest, GrpcDriver, HttpDriver
-from benchmarks.harness import BenchOptions, Run, _paired, command_line, running_stack
+from benchmarks.harness import BenchOptions, Run, _paired, access, command_line, running_stack
 from benchmarks.prompts import load_prompts, request_sequence
 
 __all__ = ["main"]
@@ -35,9 +35,10 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
     run = Run(opts, requests, requests)
     rows: list[dict[str, Any]] = []
 
-    async def go(grpc_addr: str, http_addr: str) -> None:
-        drivers = {"grpc": GrpcDriver(grpc_addr, timeout=opts.request_timeout, openai_greedy=True),
-                   "http": HttpDriver(f"http://{http_addr}", timeout=opts.request_timeout)}  # fmt: skip
+    async def go(grpc_addr: str, http_addr: str, cfg: Any) -> None:
+        door = access(opts, cfg)
+        drivers = {"grpc": GrpcDriver(grpc_addr, timeout=opts.request_timeout, openai_greedy=True, access=door),
+                   "http": HttpDriver(http_addr, timeout=opts.request_timeout, access=door)}  # fmt: skip
         try:
             for d in drivers.values():
                 await run.warm(d)
@@ -58,9 +59,9 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
             for d in drivers.values():
                 await d.aclose()
 
-    with running_stack(opts, run.log) as (grpc_addr, http_addr, _cfg):
+    with running_stack(opts, run.log) as (grpc_addr, http_addr, cfg):
         assert grpc_addr is not None and http_addr is not None
-        asyncio.run(go(grpc_addr, http_addr))
+        asyncio.run(go(grpc_addr, http_addr, cfg))
     machine = machine_info()
     machine["load_average_end"] = list(os.getloadavg())
     failed = {lv.name: sum(not r.ok for r in lv.records) for lv in run.levels}

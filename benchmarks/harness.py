@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from benchmarks.common import machine_info
 from benchmarks.drivers import (
+    Access,
     BenchRequest,
     Driver,
     FullPayloadInProcessDriver,
@@ -88,6 +89,9 @@ class BenchOptions:
     request_timeout: float = 300.0
     http: bool = False  # compare the HTTP front door with gRPC (benchmarks/front_doors.py)
     http_target: str | None = None  # HOST:PORT of a running gateway's HTTP port (with --target)
+    api_key: str = ""  # a gateway's (--target)
+    tls_ca: Path | None = None  # PEM roots of a TLS gateway (--target; --serve takes its config's)
+    server_name: str | None = None  # the name to verify in its certificate (tls.server_name)
     json_out: Path | None = None
     plot_out: Path | None = None
     markdown_out: Path | None = None
@@ -362,10 +366,20 @@ def _with_mode(reqs: Sequence[BenchRequest], mode: str) -> list[BenchRequest]:
     return [BenchRequest(**{**asdict(r), "mode": mode}) for r in reqs]
 
 
-async def _sut_phase(run: Run, target: str | None, pipe: Any) -> None:
+def access(opts: BenchOptions, cfg: Any) -> Access:
+    """How the drivers reach the gateway: the options' key and TLS roots, else (a stack this run
+    started) its deploy config's TLS."""
+    tls_ca = opts.tls_ca.read_bytes() if opts.tls_ca is not None else None
+    server_name = opts.server_name
+    if tls_ca is None and cfg is not None and not opts.target and cfg.tls.gateway and cfg.tls.ca_file:
+        tls_ca, server_name = Path(cfg.tls.ca_file).read_bytes(), server_name or cfg.tls.server_name
+    return Access(api_key=opts.api_key, tls_ca=tls_ca, server_name=server_name)
+
+
+async def _sut_phase(run: Run, target: str | None, pipe: Any, cfg: Any = None) -> None:
     opts = run.opts
     if target is not None:
-        driver: Driver = GrpcDriver(target, timeout=opts.request_timeout)
+        driver: Driver = GrpcDriver(target, timeout=opts.request_timeout, access=access(opts, cfg))
         sut = "grpc"
     else:
         driver = InProcessDriver(pipe, opts.threads)
@@ -540,7 +554,7 @@ async def _run_async(run: Run, model_dir: Path, pipe_box: dict[str, Any], log: C
             pipe_box["pipe"] = _load_pipe(pipe_box)
         if cfg is not None and opts.serve and not opts.target:
             run.metrics_endpoints = endpoints(cfg)
-        await _sut_phase(run, target, pipe_box.get("pipe"))
+        await _sut_phase(run, target, pipe_box.get("pipe"), cfg)
         sut = "grpc" if target is not None else "inprocess"
     need_pipe = (opts.inprocess and sut == "grpc") or opts.stages
     with run.phase("baselines"):

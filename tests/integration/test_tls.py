@@ -158,3 +158,16 @@ def test_a_stage_refuses_callers_without_a_client_certificate(tls_stack: Stack, 
                                           private_key=certs["key"].read_bytes(),
                                           certificate_chain=certs["cert"].read_bytes())  # fmt: skip
     assert health_status(tls_stack.addresses("thinker")[0], 5.0, credentials=mutual) == "SERVING"
+
+
+def test_the_bench_reaches_a_gateway_with_tls_and_a_key(tls_stack: Stack, certs: dict[str, Path]) -> None:
+    """`omnistage bench --target ... --api-key --tls-ca` (its drivers dialled plaintext and sent
+    no key: every request failed)."""
+    from benchmarks.front_doors import main
+    from benchmarks.harness import BenchOptions, failed_levels
+
+    opts = BenchOptions(target=tls_stack.gateway_address, http=True, http_target=tls_stack.http_address,
+                        api_key=KEY, tls_ca=certs["cert"], server_name="localhost", concurrency=[1], num_requests=1,
+                        thinker_max_tokens=3, talker_max_tokens=4, warmup=0, progress=False, quiet=True)  # fmt: skip
+    result = main(opts)
+    assert failed_levels(result) == [] and result["failed"] == {"grpc c=1": 0, "http c=1": 0}, result["failed"]
