@@ -58,6 +58,7 @@ _BAD_ID = (f"gateway: request_id must be at most {MAX_REQUEST_ID_CHARS} printabl
            "echoed in x-request-id metadata and logged)")
 _NO_KEY = "gateway: missing or wrong API key (metadata authorization: Bearer <key>)"
 HEALTH_POLL_S = 1.0
+ABORT_WAIT_S = 5.0  # the longest a failed call's status may take to go out before its handler ends
 
 
 def client_ids(detail: str, stage_id: str, request_id: str) -> str:
@@ -73,6 +74,24 @@ class GatewayError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+async def _fail(replies: AsyncGenerator[Any, None], error: GatewayError) -> None:
+    """End `serve`'s generator, paused at a reply it yielded, with `error`: its access line and
+    metrics say so (closed, it would count the request CANCELLED)."""
+    with contextlib.suppress(GatewayError, StopAsyncIteration):
+        await replies.athrow(error)
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """context.abort, bounded: a status queues behind the reply's unsent pieces, so for a client
+    that takes none of them it would hold this handler (and the call's memory here) until the
+    client went away. Past ABORT_WAIT_S the handler ends; gRPC keeps the status queued for it."""
+    try:
+        async with asyncio.timeout(ABORT_WAIT_S):
+            await context.abort(code, message)
+    except TimeoutError:
+        raise asyncio.CancelledError from None
 
 
 # the thinker's stop detail -> the reason a client sees (OpenAI's names)
@@ -511,22 +530,24 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             async for resp in replies:
                 await self.deliver(context.write(resp), replies, request.request_id)
         except GatewayError as e:
-            await context.abort(e.code, e.message)
+            await _abort(context, e.code, e.message)
         except Exception:
             if context.cancelled():  # a write failed as the client hung up (or its deadline passed): no one to tell
                 return
             # a bug, not the request: INTERNAL naming the request (grpc would say UNKNOWN)
             log.exception("gateway: request %s failed", request.request_id)
-            await context.abort(grpc.StatusCode.INTERNAL, f"gateway: internal error on request "
-                                f"{request.request_id} (the gateway's log has it)")  # fmt: skip
+            error = GatewayError(grpc.StatusCode.INTERNAL, f"gateway: internal error on request "
+                                 f"{request.request_id} (the gateway's log has it)")  # fmt: skip
+            await _fail(replies, error)
+            await _abort(context, error.code, error.message)
         finally:
             await replies.aclose()  # (a cancelled call leaves it at a yield)
 
     async def deliver(self, write: Awaitable[None], replies: AsyncGenerator[Any, None], request_id: str) -> None:
-        """Send one piece of a reply (`write`, a front door's send). A client that takes none of it
-        for output_stall_timeout_s fails the request (`replies`, `serve`'s generator) with
-        DEADLINE_EXCEEDED, as a stage fails a caller that stops reading: the stages may be done
-        with it, but its slot and its unsent pieces would be held to its deadline."""
+        """Send one piece of a reply (`write`, a front door's send). A client that takes nothing
+        more of it for output_stall_timeout_s fails the request (`replies`, `serve`'s generator)
+        with DEADLINE_EXCEEDED, as a stage fails a caller that stops reading: the stages may be
+        done with it, but its slot and its unsent pieces would be held to its deadline."""
         limit = self.cfg.timeouts.output_stall_timeout_s
         if not limit:
             await write
@@ -535,10 +556,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             async with asyncio.timeout(limit):  # (no task per write, as wait_for would make)
                 await write
         except TimeoutError:
-            error = GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, f"gateway: the client read none of "
+            error = GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, f"gateway: the client took nothing more of "
                                  f"request {request_id}'s reply for {limit:g} s (output_stall_timeout_s={limit:g})")
-            with contextlib.suppress(GatewayError, StopAsyncIteration):  # (the access line is written there)
-                await replies.athrow(error)
+            await _fail(replies, error)
             raise error from None
 
     def refused(self, api: str, outcome: str, message: str) -> None:

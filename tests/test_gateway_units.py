@@ -8,6 +8,7 @@ import base64
 import contextlib
 import io
 import json
+import time
 import wave
 from pathlib import Path
 from typing import Any
@@ -760,11 +761,14 @@ def test_an_http_client_that_takes_none_of_a_streamed_reply_fails_it_at_the_stal
 
 
 def test_a_write_that_fails_as_the_client_hangs_up_is_a_cancel_not_a_bug(
-    tiny_dir: Path, caplog: pytest.LogCaptureFixture
+    tiny_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """grpc fails a Generate write that meets the client's cancel: the request counts as
     CANCELLED, with no error logged and no INTERNAL status sent to a call that is gone; a
-    write that fails on a live call is still the gateway's bug (INTERNAL, logged)."""
+    write that fails on a live call is still the gateway's bug (INTERNAL, logged and counted);
+    a status that cannot go out (queued behind pieces the client never takes) ends the handler
+    after ABORT_WAIT_S (it waited until the client went away)."""
+    import gateway.server
     from gateway.server import GatewayService
     from omnistage.config import parse_config
     from omnistage.models import open_checkpoint
@@ -774,8 +778,8 @@ def test_a_write_that_fails_as_the_client_hangs_up_is_a_cancel_not_a_bug(
             yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text=f"{i} "))
 
     class Context:  # what Generate uses of grpc.aio.ServicerContext
-        def __init__(self, gone: bool) -> None:
-            self.gone = gone
+        def __init__(self, gone: bool, stuck: bool = False) -> None:
+            self.gone, self.stuck = gone, stuck
             self.aborted: list[Any] = []
 
         def invocation_metadata(self) -> tuple[()]:
@@ -795,14 +799,16 @@ def test_a_write_that_fails_as_the_client_hangs_up_is_a_cancel_not_a_bug(
 
         async def abort(self, code: Any, details: str) -> None:
             self.aborted.append(code)
+            if self.stuck:
+                await asyncio.sleep(60)
             raise RuntimeError("aborted")  # (grpc's AbortError ends the handler)
 
-    async def call(gone: bool) -> tuple[GatewayService, Context]:
+    async def call(gone: bool, stuck: bool = False) -> tuple[GatewayService, Context]:
         service = GatewayService(parse_config({}), open_checkpoint(tiny_dir), "ipv4:127.0.0.1:1")
         service._generate = chain  # type: ignore[method-assign]
-        context = Context(gone)
-        with contextlib.suppress(RuntimeError):
-            await service.Generate(gateway_pb2.GenerateRequest(prompt="hi"), context)  # type: ignore[arg-type]
+        context = Context(gone, stuck)
+        with contextlib.suppress(RuntimeError, asyncio.CancelledError):
+            await asyncio.wait_for(service.Generate(gateway_pb2.GenerateRequest(prompt="hi"), context), 10)  # type: ignore[arg-type]
         return service, context
 
     def count(service: GatewayService, outcome: str) -> float:
@@ -815,7 +821,12 @@ def test_a_write_that_fails_as_the_client_hangs_up_is_a_cancel_not_a_bug(
     with caplog.at_level("ERROR", logger="gateway.server"):
         service, context = asyncio.run(call(gone=False))
     assert context.aborted == [grpc.StatusCode.INTERNAL] and service.active == 0
+    assert (count(service, "INTERNAL"), count(service, "CANCELLED")) == (1, 0)
     assert "request" in caplog.text and "failed" in caplog.text
+    monkeypatch.setattr(gateway.server, "ABORT_WAIT_S", 0.1)
+    t0 = time.monotonic()
+    service, context = asyncio.run(call(gone=False, stuck=True))
+    assert time.monotonic() - t0 < 5 and context.aborted == [grpc.StatusCode.INTERNAL]
 
 
 @pytest.mark.parametrize("api", ["http", "grpc"])
