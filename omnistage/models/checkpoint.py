@@ -255,6 +255,8 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     try:  # (a field of the wrong type that transformers does not type: an id as text, say)
         problems = family.check_config(config, speech=not no_speech)
         spec = family.spec(config, p, speech=not no_speech)
+    except CheckpointError:  # another file's (Qwen2.5-Omni's voices): named already
+        raise
     except (ValueError, TypeError, KeyError) as e:
         raise invalid(e) from None
     if problems:
