@@ -355,7 +355,7 @@ def start_stack(
     given = new_run_dir(log_dir) if log_dir is not None else None  # a --log-dir it cannot use: said first
     model_dir = resolve_model(cfg, model)
     open_checkpoint(model_dir).check_serves(cfg.audio_output)  # fail here, with the problem, not in N children
-    check_files(cfg.tls, cfg.host)  # (as each process does: here once, before any starts)
+    check_files(cfg.tls, cfg.host)  # (its own health checks dial every process on host: before any starts)
     check_ports(cfg)
     stack = Stack(cfg=cfg, model_dir=model_dir, run_dir=given or new_run_dir(None))
     cfg_path = stack.run_dir / "omnistage.yaml"  # what the children read, kept with their logs

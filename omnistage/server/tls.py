@@ -35,12 +35,15 @@ def _read(path: str | None, what: str) -> bytes | None:
         raise TlsError(f"tls.{what}: cannot read {path}: {e.strerror}") from None
 
 
-def check_files(tls: TlsConfig, host: str) -> None:
+def check_files(tls: TlsConfig, host: str, *, dialled_here: bool = True) -> None:
     """TlsError naming what is wrong with the config's TLS files, found by a TLS handshake in
     memory between a server and a client set up as the stack's are: a key that is not the
-    certificate's, a file that is no PEM, a certificate that has expired, that `ca_file` did not
-    sign, or that does not name the address clients dial (`server_name`, else `host` unless it
-    is a wildcard). Otherwise these surface only as failed connections, at the start-up timeout."""
+    certificate's, a file that is no PEM, a certificate that has expired, that `ca_file` (else
+    the system's roots) did not sign, or that does not name the address dialled (`server_name`,
+    else `host` unless it is a wildcard). Otherwise these surface only as failed connections, at
+    the start-up timeout. `dialled_here` False (a gateway alone: who dials it, by which name and
+    with which roots, is its clients' business): the certificate is verified only against
+    `ca_file` and `server_name`, where the config names them."""
     if not (tls.gateway or tls.stages):
         return
     for what in ("cert_file", "key_file", "ca_file"):
@@ -51,8 +54,10 @@ def check_files(tls: TlsConfig, host: str) -> None:
     except (ssl.SSLError, ValueError) as e:
         raise TlsError(f"tls.cert_file {tls.cert_file} and tls.key_file {tls.key_file}: not a PEM certificate and "
                        f"its private key ({_why(e)})") from None  # fmt: skip
+    if not (dialled_here or tls.ca_file):
+        return
     client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    name = tls.server_name or (None if ipaddress.ip_address(host).is_unspecified else host)
+    name = tls.server_name or (host if dialled_here and not ipaddress.ip_address(host).is_unspecified else None)
     client.check_hostname = name is not None
     try:
         if tls.ca_file:
@@ -109,7 +114,7 @@ def server_credentials(tls: TlsConfig, *, stage: bool, host: str) -> grpc.Server
     TlsError when the files would not do (`check_files`)."""
     if not (tls.stages if stage else tls.gateway):
         return None
-    check_files(tls, host)
+    check_files(tls, host, dialled_here=stage)  # (the stages' callers are the stack's own processes)
     key, cert = _read(tls.key_file, "key_file"), _read(tls.cert_file, "cert_file")
     assert key is not None and cert is not None  # the config checks they are set
     if stage:

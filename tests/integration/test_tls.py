@@ -84,6 +84,15 @@ def test_tls_files_that_would_not_do_are_refused_at_start_by_name(certs: dict[st
         raise err.value
     assert ended.value.exit_code == 2
     check_files(TlsConfig(**moved), "0.0.0.0")  # (listening everywhere: no one address to check)
+    # a gateway alone: its clients' roots and names are theirs; the config's ca_file and server_name are checked
+    alone = good | {"stages": False, "ca_file": None}
+    check_files(TlsConfig(**alone), "127.0.0.1", dialled_here=False)
+    check_files(TlsConfig(**moved), "127.0.0.1", dialled_here=False)
+    with pytest.raises(TlsError, match="self-signed certificate"):
+        check_files(TlsConfig(**(good | {"stages": False, "ca_file": str(certs["other"])})), "127.0.0.1",
+                    dialled_here=False)  # fmt: skip
+    with pytest.raises(TlsError, match="key values mismatch"):
+        check_files(TlsConfig(**(alone | {"key_file": str(certs["other_key"])})), "127.0.0.1", dialled_here=False)
 
 
 @pytest.fixture(scope="module")
