@@ -35,7 +35,7 @@ Chat completions (OpenAI's shapes; what differs is said here):
   the reply's first piece, so a refused request gets its status streamed or not; an error after
   that is the stream's last event.
 Errors are OpenAI error objects: 400 naming the field, 401 (with `--api-key`), 404 unknown
-model or path, 405, 408 body stopped coming, 413 body too large (these three close the
+model or path, 405, 408 body stopped coming, 413 body too large (401, 408 and 413 close the
 connection), 429 over max_in_flight or out of memory (a request too
 large for a stage: 400), 499 client gone, 503 draining or a stage down, 504 deadline (header
 `x-omnistage-timeout: SECONDS`, else `timeouts.request_timeout_s`). A client that disconnects
@@ -275,7 +275,9 @@ _MODELS = frozenset(c.__name__ for c in _subclasses(_Body))  # union branches py
 Replies = AsyncGenerator[gateway_pb2.GenerateResponse, None]
 
 
-UNREAD_BODY = (401, 408, 413, 499)  # answered before the whole body was read: the connection closes after
+# answered before the body was read: the connection closes after (a client still sending it would
+# keep it open with no keep-alive timer: uvicorn restarts that timer only when a response ends)
+UNREAD_BODY = (401, 408, 413, 499)
 
 
 class HttpError(Exception):
@@ -289,7 +291,7 @@ class HttpError(Exception):
 
     def response(self) -> JSONResponse:
         headers = {"retry-after": "1"} if self.status == 429 else {}  # what the OpenAI SDK waits on
-        if self.status in UNREAD_BODY:  # the rest of its body would be read as the next request
+        if self.status in UNREAD_BODY:
             headers["connection"] = "close"
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
@@ -757,8 +759,8 @@ async def _read_body(request: Request, limit: int, wait_s: float) -> bytes:
         raise HttpError(499, "the client closed the connection while sending its body",
                         code="client_closed_request") from None  # fmt: skip
     except TimeoutError:
-        raise HttpError(408, f"the client sent none of its body for {wait_s:g} s (timeouts.input_wait_timeout_s)",
-                        code="request_timeout") from None  # fmt: skip
+        raise HttpError(408, f"the client sent nothing more of its body for {wait_s:g} s "
+                        "(timeouts.input_wait_timeout_s)", code="request_timeout") from None  # fmt: skip
     finally:
         await pieces.aclose()
     return b"".join(parts)

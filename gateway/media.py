@@ -241,11 +241,16 @@ def decode_video(data: bytes, limits: Limits, audio_rate: int | None = None, bud
     picks: list[np.ndarray] = []
     size: tuple[int, int] | None = None  # (width, height) every kept frame is scaled to: the first's
 
+    spread = False  # frames spread over the length its headers give (a long video): a frame past them is left out
+
     def keep(frame: Any) -> None:
         nonlocal size
-        if len(picks) >= limits.max_video_frames:  # its headers gave no length (or a shorter one) to spread them over
+        if len(picks) >= limits.max_video_frames:
+            if spread:  # (it ran a little past its headers' length)
+                return
             raise MediaError(f"more than {limits.max_video_frames} frames at {fps:g} per second (the limit of "
-                             f"{limits.max_video_frames / fps:g} s of a video whose headers give no length)")
+                             f"{limits.max_video_frames / fps:g} s of video; its headers give no length to spread "
+                             "them over)")  # fmt: skip
         size = size or (frame.width, frame.height)
         budget.take(size[0] * size[1] * 3)
         # a stream may change its size midway (joined segments): the model takes one size
@@ -271,6 +276,7 @@ def decode_video(data: bytes, limits: Limits, audio_rate: int | None = None, bud
                 raise MediaError(f"{seconds:g} s long, over the limit of {limits.max_video_seconds:g} s of video")
             if seconds * fps > limits.max_video_frames:  # a long video: fewer frames a second, as Qwen's own
                 fps = limits.max_video_frames / seconds  # video readers take it (max_video_frames over its length)
+                spread = True
             rate = float(stream.average_rate or 25)
             prev, prev_t, t, step, start = None, 0.0, 0.0, 1.0 / rate, None
             for n, frame in enumerate(container.decode(video=0)):
