@@ -35,7 +35,7 @@ from gateway.metrics import GatewayMetrics, Outcome
 from gateway.text import TextStream, check_stop_texts
 from omnistage.config import DeployConfig
 from omnistage.engine import OutChunk
-from omnistage.models import Checkpoint, CheckpointError, PartRefused, load_tokenizer
+from omnistage.models import Checkpoint, PartRefused, load_tokenizer, media_inputs
 from omnistage.quoting import quoted
 from omnistage.server.grpc_common import REPLAY_BACKOFF_S, ChainWatcher, HealthState, lost_peer, stage_stream
 from omnistage.server.routing import Router
@@ -109,13 +109,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.cfg = cfg
         self.ckpt = ckpt
         self.tokenizer = load_tokenizer(ckpt)
-        self.inputs: Any = None  # the family's input builder (the checkpoint's processor)
-        self.no_media_reason = ""
-        try:
-            self.inputs = ckpt.family.input_builder(ckpt, self.tokenizer)
-        except CheckpointError as e:  # text still works; media requests get this reason
-            self.no_media_reason = ("this checkpoint's processor cannot be used, so audio, images and video are "
-                                    f"not accepted: {e}")
+        # the family's input builder (the checkpoint's processor); without one, text still works and
+        # media requests get the reason
+        self.inputs, self.no_media_reason = media_inputs(ckpt, self.tokenizer)
+        if self.no_media_reason:
             log.warning("%s", self.no_media_reason)
         self.media_limits = cfg.media
         if self.inputs is not None:  # never more audio than the feature extractor takes whole

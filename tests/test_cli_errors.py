@@ -85,7 +85,7 @@ def test_serve_says_on_the_console_when_the_checkpoint_can_take_no_media(
     (no_processor / "preprocessor_config.json").unlink()
     with caplog.at_level("WARNING", logger="omnistage.serve"):
         _warn_without_media(no_processor)
-    assert "audio, images and video will be refused" in caplog.text and "preprocessor_config.json" in caplog.text
+    assert "audio, images and video are not accepted" in caplog.text and "preprocessor_config.json" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="omnistage.serve"):
         _warn_without_media(tiny_dir)

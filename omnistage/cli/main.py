@@ -345,15 +345,13 @@ def health(
 def _warn_without_media(model_dir: Path) -> None:
     """Say on the console what the gateway only logs: a checkpoint whose processor cannot be
     built (its preprocessor_config.json missing or damaged: a download cut short) is served for
-    text alone. Its tokenizer is checked here too, once, rather than in each process."""
-    from omnistage.models import CheckpointError, load_tokenizer, open_checkpoint
+    text alone. (A tokenizer that cannot load stops `serve` here, before any process starts.)"""
+    from omnistage.models import load_tokenizer, media_inputs, open_checkpoint
 
     ckpt = open_checkpoint(model_dir)
-    tokenizer = load_tokenizer(ckpt)  # (its refusal is the checkpoint's: exit 2)
-    try:
-        ckpt.family.input_builder(ckpt, tokenizer)
-    except CheckpointError as e:
-        supervisor.warning("audio, images and video will be refused (text is served): %s", e)
+    _, why = media_inputs(ckpt, load_tokenizer(ckpt))
+    if why:
+        supervisor.warning("%s (text is served)", why)
 
 
 @app.command("serve")

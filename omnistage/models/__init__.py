@@ -1,7 +1,14 @@
 """The model layer: one folder per family (like transformers' `models/<family>/`), plus what
 every family shares: checkpoint loading, sampling and the exact batching mode."""
 
-from omnistage.models.checkpoint import Checkpoint, CheckpointError, load_part, load_tokenizer, open_checkpoint
+from omnistage.models.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    load_part,
+    load_tokenizer,
+    media_inputs,
+    open_checkpoint,
+)
 from omnistage.models.family import Family, PartRefused, family_for
 from omnistage.models.sampling import SamplingParams
 
@@ -14,5 +21,6 @@ __all__ = [
     "family_for",
     "load_part",
     "load_tokenizer",
+    "media_inputs",
     "open_checkpoint",
 ]

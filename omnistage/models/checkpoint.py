@@ -438,6 +438,16 @@ def load_tokenizer(ckpt: Checkpoint) -> Any:
     return tok
 
 
+def media_inputs(ckpt: Checkpoint, tokenizer: Any) -> tuple[Any, str]:
+    """The family's input builder (the checkpoint's processor) and "", or None and why audio,
+    images and video cannot be taken: its processor files are missing or damaged (text still
+    can be served)."""
+    try:
+        return ckpt.family.input_builder(ckpt, tokenizer), ""
+    except CheckpointError as e:
+        return None, f"this checkpoint's processor cannot be used, so audio, images and video are not accepted: {e}"
+
+
 def load_part(
     ckpt: Checkpoint, part: str, dtype: str | torch.dtype = "float32", device: str = "cpu"
 ) -> torch.nn.Module:
