@@ -25,7 +25,7 @@ from typing import Any
 
 from benchmarks.common import machine_info, write_json
 from benchmarks.drivers import BenchRequest, GrpcDriver
-from benchmarks.harness import BenchOptions, Run, command_line, running_stack
+from benchmarks.harness import BenchOptions, Run, access, command_line, running_stack
 from benchmarks.load import LevelResult, run_concurrency
 from benchmarks.prompts import load_prompts, request_sequence
 from benchmarks.report import aligned
@@ -216,7 +216,7 @@ async def _stack_loads(opts: CompareOptions, config: Path, checkout: Path | None
     with _source(checkout), running_stack(bopts, run.log) as (target, _, cfg):
         assert target is not None
         run.metrics_endpoints = endpoints(cfg)
-        driver = GrpcDriver(target, timeout=opts.request_timeout)
+        driver = GrpcDriver(target, timeout=opts.request_timeout, access=access(bopts, cfg))
         try:
             if warm:
                 level = LevelResult("warm-up", driver.name, "warm-up", {"type": "concurrency"}, "async_chunk")

@@ -218,17 +218,11 @@ class GrpcDriver(Driver):
         self._channel: Any = None
 
     async def run(self, req: BenchRequest) -> list[StreamEvent]:
-        import grpc
-
         from gateway.client import stream_generate
+        from omnistage.server.tls import gateway_channel
 
         if self._channel is None:
-            if self.access.tls_ca is None:
-                self._channel = grpc.aio.insecure_channel(self.target)
-            else:
-                name = [("grpc.ssl_target_name_override", self.access.server_name)] if self.access.server_name else None
-                credentials = grpc.ssl_channel_credentials(root_certificates=self.access.tls_ca)
-                self._channel = grpc.aio.secure_channel(self.target, credentials, options=name)
+            self._channel = gateway_channel(self.target, self.access.tls_ca, self.access.server_name)
         events: list[StreamEvent] = []
         options: dict[str, Any] = {"greedy": True}
         if self.openai_greedy:

@@ -371,7 +371,7 @@ def access(opts: BenchOptions, cfg: Any) -> Access:
     started) its deploy config's TLS."""
     tls_ca = opts.tls_ca.read_bytes() if opts.tls_ca is not None else None
     server_name = opts.server_name
-    if tls_ca is None and cfg is not None and not opts.target and cfg.tls.gateway and cfg.tls.ca_file:
+    if tls_ca is None and cfg is not None and cfg.tls.gateway and cfg.tls.ca_file:  # (cfg: a stack it started)
         tls_ca, server_name = Path(cfg.tls.ca_file).read_bytes(), server_name or cfg.tls.server_name
     return Access(api_key=opts.api_key, tls_ca=tls_ca, server_name=server_name)
 

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from omnistage.server.tls import gateway_channel
 from omnistage.v1 import gateway_pb2, gateway_pb2_grpc, stage_pb2
 
 
@@ -166,13 +167,7 @@ async def stream_generate(
     config's `tls.server_name`)."""
     request = build_request(prompt, **request_options)
     own = channel is None
-    if channel is not None:
-        ch = channel
-    elif tls_ca is not None:
-        options = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else None
-        ch = grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca), options=options)
-    else:
-        ch = grpc.aio.insecure_channel(target)
+    ch = channel if channel is not None else gateway_channel(target, tls_ca, tls_server_name)
     metadata_out = [("authorization", f"Bearer {api_key}")] if api_key else None
     t0 = time.perf_counter()
     call = None

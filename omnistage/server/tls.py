@@ -141,7 +141,19 @@ def gateway_channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials | Non
 
 def name_override(tls: TlsConfig) -> list[tuple[str, Any]]:
     """Channel options that verify `server_name` in the servers' certificates."""
-    return [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
+    return _verify_name(tls.server_name)
+
+
+def _verify_name(server_name: str | None) -> list[tuple[str, Any]]:
+    return [("grpc.ssl_target_name_override", server_name)] if server_name else []
+
+
+def gateway_channel(target: str, tls_ca: bytes | None = None, server_name: str | None = None) -> grpc.aio.Channel:
+    """A client's channel to a gateway: plaintext without `tls_ca`, else TLS verified with those
+    PEM roots, for `server_name` (default: the target's host)."""
+    if tls_ca is None:
+        return grpc.aio.insecure_channel(target)
+    return aio_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca), _verify_name(server_name))
 
 
 def aio_channel(target: str, credentials: grpc.ChannelCredentials | None,
