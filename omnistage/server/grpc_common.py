@@ -248,6 +248,7 @@ def add_servicer(servicer: Any, server: grpc.aio.Server, service: ServiceDescrip
                 fn, request_deserializer=or_undecodable(parse_request), response_serializer=serialize
             )
         elif method.server_streaming:
+            assert inspect.iscoroutinefunction(fn), f"{method.name}: a writer (context.write), not a generator"
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
                 _checked_stream(fn, request_cls.DESCRIPTOR.name), request_deserializer=parse,
                 response_serializer=response_cls.SerializeToString,

@@ -390,3 +390,30 @@ def test_port_moves_health_and_keeps_http_off_where_the_config_has_none(tmp_path
     off.write_text("gateway:\n  http_port: null\n")
     assert "gateway.http_port" not in _port_overrides(off, base)
     assert _port_overrides(None, base)["gateway.http_port"] == base + HTTP_PORT_OFFSET
+
+
+def test_a_checkpoint_a_stage_refuses_as_it_loads_ends_serve_with_exit_2(tiny_dir: Path, tmp_path: Path) -> None:
+    """A stage that refuses the checkpoint as it loads its weights (exit 2: a bad checkpoint)
+    makes the stack's start-up fail with that exit code and its one line, not exit 1."""
+    import json
+    import shutil
+
+    import typer
+
+    from omnistage.cli.main import _errors
+    from omnistage.cli.serve import StartupError, start_stack
+    from omnistage.config import DeployConfig, apply_overrides, port_layout
+
+    bad = tmp_path / "half-loaded"
+    shutil.copytree(tiny_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["thinker_config"]["text_config"]["num_hidden_layers"] += 1  # one layer more than its weights have
+    (bad / "config.json").write_text(json.dumps(config))
+    cfg = apply_overrides(DeployConfig(), port_layout(free_layout()))
+    with pytest.raises(StartupError) as err:
+        start_stack(cfg, model=str(bad), log_dir=tmp_path / "logs")
+    assert err.value.exit_code == 2 and "during start-up" in str(err.value), str(err.value)
+    assert "missing weight" in str(err.value), str(err.value)
+    with pytest.raises(typer.Exit) as ended, _errors():
+        raise err.value
+    assert ended.value.exit_code == 2
