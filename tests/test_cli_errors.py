@@ -73,13 +73,11 @@ def test_a_stage_without_its_downstream_is_a_usage_error(tiny_dir: Path) -> None
 def test_serve_says_on_the_console_when_the_checkpoint_can_take_no_media(
     tiny_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A checkpoint whose processor cannot be built is served for text alone: `serve` says so as it
-    starts (only the gateway's log said it); a tokenizer that cannot load stops it there (exit 2)."""
+    """A checkpoint whose processor cannot be built is served for text alone: `serve` says so once
+    the stack is up (only the gateway's log said it)."""
     import shutil
 
     from omnistage.cli.main import _warn_without_media
-    from omnistage.models import CheckpointError
-
     no_processor = tmp_path / "no-processor"
     shutil.copytree(tiny_dir, no_processor)
     (no_processor / "preprocessor_config.json").unlink()
@@ -90,6 +88,3 @@ def test_serve_says_on_the_console_when_the_checkpoint_can_take_no_media(
     with caplog.at_level("WARNING", logger="omnistage.serve"):
         _warn_without_media(tiny_dir)
     assert not caplog.records
-    (no_processor / "tokenizer.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="cannot load the tokenizer"):
-        _warn_without_media(no_processor)

@@ -345,7 +345,7 @@ def health(
 def _warn_without_media(model_dir: Path) -> None:
     """Say on the console what the gateway only logs: a checkpoint whose processor cannot be
     built (its preprocessor_config.json missing or damaged: a download cut short) is served for
-    text alone. (A tokenizer that cannot load stops `serve` here, before any process starts.)"""
+    text alone."""
     from omnistage.models import load_tokenizer, media_inputs, open_checkpoint
 
     ckpt = open_checkpoint(model_dir)
@@ -379,7 +379,7 @@ def serve(
     import signal
 
     from omnistage.cli.logs import setup_logging
-    from omnistage.cli.serve import StartupError, resolve_model, start_stack
+    from omnistage.cli.serve import StartupError, start_stack
     from omnistage.config import check_replicas_run, default_config_path, parse_replicas
     from omnistage.topology import PROCESSES
 
@@ -399,7 +399,6 @@ def serve(
         typer.echo(f"config: {config or default_config_path()}" + (" + flags" if any(overrides.values()) else ""))
         shown = model_arg or model or cfg.model or "built-in tiny checkpoint"
         typer.echo(f"starting omnistage (model: {shown}) ...")
-        _warn_without_media(resolve_model(cfg, model_arg or model))
 
         def interrupt(*_: object) -> None:
             # Remembered as well as raised: once, under load, a Ctrl-C during start-up did not
@@ -422,6 +421,7 @@ def serve(
             raise KeyboardInterrupt
     code = 0
     try:
+        _warn_without_media(stack.model_dir)  # (once up: a Ctrl-C meanwhile only sets the flag)
         typer.echo(f"logs: {stack.run_dir}")
         typer.echo("\n".join(stack.status_lines()))
         tls = cfg.tls.gateway  # the hints dial it as its clients must: https, and the CA that signed it
