@@ -546,11 +546,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         with DEADLINE_EXCEEDED, as a stage fails a caller that stops reading: the stages may be
         done with it, but its slot and its unsent pieces would be held to its deadline."""
         limit = self.cfg.timeouts.output_stall_timeout_s
-        if not limit:
-            await write
-            return
         try:
-            async with asyncio.timeout(limit):  # (no task per write, as wait_for would make)
+            async with asyncio.timeout(limit or None):  # (0: none; no task per write, as wait_for would make)
                 await write
         except TimeoutError:
             error = GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, f"gateway: the client took nothing more of "
