@@ -76,11 +76,15 @@ def bench(
     ] = None,
     api_key: Annotated[str, typer.Option("--api-key", envvar="OMNISTAGE_API_KEY",
                                          help="The gateway's API key (with --target).")] = "",
+    tls: Annotated[bool, typer.Option("--tls", help="Reach a TLS gateway (with --target), its certificate "
+                                      "verified with the default roots (gRPC's; httpx's for --http); --tls-ca "
+                                      "names the roots instead.")] = False,
     tls_ca: Annotated[Path | None, typer.Option(
         "--tls-ca", exists=True, dir_okay=False, help="PEM roots: reach a TLS gateway (with --target; --serve "
         "takes its config's tls.ca_file).")] = None,
     server_name: Annotated[str | None, typer.Option(
-        "--server-name", help="With --tls-ca: the name to verify in the gateway's certificate (tls.server_name).")
+        "--server-name", help="With --tls or --tls-ca: the name to verify in the gateway's certificate "
+        "(tls.server_name).")
     ] = None,
 ) -> None:
     """Latency and throughput of the served pipeline, each figure against a same-run baseline."""
@@ -98,7 +102,7 @@ def bench(
             monolithic=monolithic, inprocess=inprocess, full_payload=full_payload, stages=stages, warmup=warmup,
             threads=threads, request_timeout=request_timeout, json_out=json_out, plot_out=plot_out,
             markdown_out=markdown_out, progress=progress, http=http, http_target=http_target, api_key=api_key,
-            tls_ca=tls_ca, server_name=server_name,
+            tls_ca=tls_ca, server_name=server_name, tls=tls,
         )
     )
     failed = failed_levels(result)

@@ -42,6 +42,11 @@ class Access:
     api_key: str = ""
     tls_ca: bytes | None = None
     server_name: str | None = None
+    tls: bool = False  # TLS without tls_ca: verified with the client libraries' default roots
+
+    @property
+    def secure(self) -> bool:
+        return self.tls or self.tls_ca is not None
 
 
 @dataclass(frozen=True)
@@ -222,7 +227,8 @@ class GrpcDriver(Driver):
         from omnistage.server.tls import gateway_channel
 
         if self._channel is None:
-            self._channel = gateway_channel(self.target, self.access.tls_ca, self.access.server_name)
+            access = self.access
+            self._channel = gateway_channel(self.target, access.tls_ca, access.server_name, tls=access.tls)
         events: list[StreamEvent] = []
         options: dict[str, Any] = {"greedy": True}
         if self.openai_greedy:
@@ -266,7 +272,7 @@ class HttpDriver(Driver):
 
     def __init__(self, address: str, timeout: float | None = None, access: Access | None = None) -> None:
         self.access = access or Access()
-        scheme = "https" if self.access.tls_ca is not None else "http"
+        scheme = "https" if self.access.secure else "http"
         self.url = f"{scheme}://{address}/v1/chat/completions"
         self.timeout = timeout
         self._client: Any = None

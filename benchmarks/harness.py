@@ -91,6 +91,7 @@ class BenchOptions:
     http_target: str | None = None  # HOST:PORT of a running gateway's HTTP port (with --target)
     api_key: str = ""  # a gateway's (--target)
     tls_ca: Path | None = None  # PEM roots of a TLS gateway (--target; --serve takes its config's)
+    tls: bool = False  # a TLS gateway, its certificate verified with the default roots (--target)
     server_name: str | None = None  # the name to verify in its certificate (tls.server_name)
     json_out: Path | None = None
     plot_out: Path | None = None
@@ -371,9 +372,11 @@ def access(opts: BenchOptions, cfg: Any) -> Access:
     started) its deploy config's TLS."""
     tls_ca = opts.tls_ca.read_bytes() if opts.tls_ca is not None else None
     server_name = opts.server_name
-    if tls_ca is None and cfg is not None and cfg.tls.gateway and cfg.tls.ca_file:  # (cfg: a stack it started)
-        tls_ca, server_name = Path(cfg.tls.ca_file).read_bytes(), server_name or cfg.tls.server_name
-    return Access(api_key=opts.api_key, tls_ca=tls_ca, server_name=server_name)
+    tls = opts.tls
+    if tls_ca is None and cfg is not None and cfg.tls.gateway:  # (cfg: a stack it started)
+        tls, server_name = True, server_name or cfg.tls.server_name
+        tls_ca = Path(cfg.tls.ca_file).read_bytes() if cfg.tls.ca_file else None
+    return Access(api_key=opts.api_key, tls_ca=tls_ca, server_name=server_name, tls=tls)
 
 
 async def _sut_phase(run: Run, target: str | None, pipe: Any, cfg: Any = None) -> None:

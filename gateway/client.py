@@ -159,15 +159,16 @@ async def stream_generate(
     api_key: str = "",
     tls_ca: bytes | None = None,
     tls_server_name: str | None = None,
+    tls: bool = False,
     **request_options: Any,
 ) -> AsyncIterator[ClientEvent]:
     """Yield ClientEvents as the gateway streams them. `request_options` go to `build_request`.
     `api_key` goes as `authorization: Bearer ...`; `tls_ca` (PEM roots) dials the gateway over TLS,
     verifying `tls_server_name` in its certificate (default: the target's host; the deploy
-    config's `tls.server_name`)."""
+    config's `tls.server_name`); `tls` alone: over TLS verified with gRPC's default roots."""
     request = build_request(prompt, **request_options)
     own = channel is None
-    ch = channel if channel is not None else gateway_channel(target, tls_ca, tls_server_name)
+    ch = channel if channel is not None else gateway_channel(target, tls_ca, tls_server_name, tls=tls)
     metadata_out = [("authorization", f"Bearer {api_key}")] if api_key else None
     t0 = time.perf_counter()
     call = None

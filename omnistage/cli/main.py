@@ -427,8 +427,9 @@ def serve(
         tls = cfg.tls.gateway  # the hints dial it as its clients must: https, and the CA that signed it
         http = "https" if tls else "http"
         ca = cfg.tls.ca_file if tls else None
-        tls_ca = (f" --tls-ca {ca}" + (f" --server-name {cfg.tls.server_name}" if cfg.tls.server_name else "")
-                  if ca else "")  # fmt: skip
+        # (no ca_file: a certificate the clients' own roots trust)
+        tls_ca = ((f" --tls-ca {ca}" if ca else " --tls") + (f" --server-name {cfg.tls.server_name}"
+                  if cfg.tls.server_name else "") if tls else "")  # fmt: skip
         typer.echo(f"omnistage gateway listening on {stack.gateway_address} (gRPC{', TLS' if tls else ''})"
                    + (f" and {http}://{stack.http_address} (OpenAI-compatible HTTP, playground at /)"
                       if stack.http_address else ""))  # fmt: skip
@@ -588,9 +589,12 @@ def client(
     ] = False,
     api_key: Annotated[str, typer.Option("--api-key", envvar="OMNISTAGE_API_KEY",
                                          help="Sent as authorization: Bearer KEY.")] = "",
+    tls: Annotated[bool, typer.Option("--tls", help="Dial the gateway over TLS, its certificate verified with "
+                                      "gRPC's default roots ($GRPC_DEFAULT_SSL_ROOTS_FILE_PATH, or those grpcio "
+                                      "ships); --tls-ca names the roots instead.")] = False,
     tls_ca: Annotated[Path | None, typer.Option("--tls-ca", help="PEM roots: dial the gateway over TLS.")] = None,
     server_name: Annotated[str | None, typer.Option(
-        "--server-name", help="With --tls-ca: the name to verify in the gateway's certificate instead of the "
+        "--server-name", help="With --tls or --tls-ca: the name to verify in the gateway's certificate instead of the "
         "target's host (the deploy config's tls.server_name).")] = None,
 ) -> None:
     """Send one request to the gateway: print text as it streams, write a WAV. Audio, images and
@@ -621,7 +625,7 @@ def client(
             want_audio=not no_audio, thinker_max_tokens=max_tokens, talker_max_tokens=max_frames,
             greedy=True, mode=mode.value if mode else None, timeout=timeout, system=system, speaker=speaker,
             temperature=temperature, seed=seed, use_audio_in_video=use_audio_in_video, api_key=api_key, tls_ca=ca,
-            tls_server_name=server_name, **media,
+            tls_server_name=server_name, tls=tls, **media,
         ))  # fmt: skip
     except grpc.aio.AioRpcError as e:
         typer.echo(f"\nerror: {e.code().name}: {e.details()}", err=True)

@@ -148,10 +148,12 @@ def _verify_name(server_name: str | None) -> list[tuple[str, Any]]:
     return [("grpc.ssl_target_name_override", server_name)] if server_name else []
 
 
-def gateway_channel(target: str, tls_ca: bytes | None = None, server_name: str | None = None) -> grpc.aio.Channel:
-    """A client's channel to a gateway: plaintext without `tls_ca`, else TLS verified with those
-    PEM roots, for `server_name` (default: the target's host)."""
-    if tls_ca is None:
+def gateway_channel(target: str, tls_ca: bytes | None = None, server_name: str | None = None, *,
+                    tls: bool = False) -> grpc.aio.Channel:  # fmt: skip
+    """A client's channel to a gateway: plaintext unless `tls` or `tls_ca`; TLS verified with the PEM
+    roots `tls_ca`, else gRPC's default roots (those grpcio ships, or the file named by
+    $GRPC_DEFAULT_SSL_ROOTS_FILE_PATH), for `server_name` (default: the target's host)."""
+    if tls_ca is None and not tls:
         return grpc.aio.insecure_channel(target)
     return aio_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca), _verify_name(server_name))
 

@@ -3,6 +3,7 @@ stage on mutual TLS. Certificates are made here with the system's openssl."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import ssl
 import subprocess
@@ -180,3 +181,32 @@ def test_the_bench_reaches_a_gateway_with_tls_and_a_key(tls_stack: Stack, certs:
                         thinker_max_tokens=3, talker_max_tokens=4, warmup=0, progress=False, quiet=True)  # fmt: skip
     result = main(opts)
     assert failed_levels(result) == [] and result["failed"] == {"grpc c=1": 0, "http c=1": 0}, result["failed"]
+
+
+def test_tls_with_the_default_roots_reaches_the_gateway(tls_stack: Stack, certs: dict[str, Path],
+                                                        tmp_path: Path) -> None:  # fmt: skip
+    """`omnistage client --tls` and `omnistage bench --tls`: a gateway whose certificate the
+    clients' default roots trust (a public CA's; here the test CA, named by the variables that
+    point those roots elsewhere) is reached with no CA file. Without --tls-ca they dialled
+    plaintext, so no such gateway could be reached."""
+    import os
+    import sys
+
+    trusted = {**os.environ, "OMNISTAGE_API_KEY": KEY, "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": str(certs["cert"]),
+               "SSL_CERT_FILE": str(certs["cert"])}  # fmt: skip
+    client = [sys.executable, "-m", "omnistage.cli", "client", "hi", "--target", tls_stack.gateway_address,
+              "--no-audio", "--max-tokens", "3", "--json", "--tls"]  # fmt: skip
+    done = subprocess.run(client, env=trusted, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)["token_ids"]) == 3
+    # the same without those roots: the test CA is no public one, so the handshake is refused
+    untrusted = {k: v for k, v in trusted.items() if k not in ("GRPC_DEFAULT_SSL_ROOTS_FILE_PATH", "SSL_CERT_FILE")}
+    refused = subprocess.run(client, env=untrusted, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr, refused.stderr
+    bench = [sys.executable, "-m", "omnistage.cli", "bench", "--target", tls_stack.gateway_address, "--http",
+             "--http-target", tls_stack.http_address, "--tls", "--server-name", "localhost", "--concurrency", "1",
+             "--num-requests", "1", "--thinker-max-tokens", "3", "--talker-max-tokens", "4", "--warmup", "0",
+             "--no-progress", "--json", str(tmp_path / "bench.json")]  # fmt: skip
+    done = subprocess.run(bench, env=trusted, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((tmp_path / "bench.json").read_text())["failed"] == {"grpc c=1": 0, "http c=1": 0}
