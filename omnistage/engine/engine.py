@@ -325,7 +325,7 @@ class Engine:
         seconds, cpu_seconds = time.perf_counter() - t0, time.thread_time() - cpu0
         self.step_seconds_total += seconds
         if self.observer is not None:
-            produced = sum(c.length for out in outputs if isinstance(out, StepOutput) for c in out.up)
+            produced = sum(self.worker.made(out) for out in outputs if isinstance(out, StepOutput))
             self.observer.on_step(len(batch), seconds, cpu_seconds, produced)
         reasons = [out.finished if isinstance(out, StepOutput) else FinishReason.ERROR for out in outputs]
         holds = [r is not None and self._holds(it.request, r) for it, r in zip(batch, reasons, strict=True)]

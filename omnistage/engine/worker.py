@@ -108,6 +108,11 @@ class StageWorker(ABC):
         (A query on the opened request.)"""
         return False
 
+    def made(self, out: StepOutput) -> int:
+        """What a step made for one request, in the stage's output unit (its metrics' count):
+        what went to the caller."""
+        return sum(c.length for c in out.up)
+
     def demand(self, req: Request) -> Demand | None:
         """What to queue the request with, once known (None before). Stages with a per-token
         KV cache (the thinker) count tokens; the others count steps."""

@@ -53,6 +53,9 @@ class TalkerWorker(StageWorker):
     def sends_down(self, req: Request) -> bool:
         return True  # its frames to code2wav, and always the end (even of a reply with no frames)
 
+    def made(self, out: StepOutput) -> int:
+        return sum(c.length for c in out.down)  # every frame goes down; up only when the caller wants codes
+
     def open(self, req: Request) -> None:
         start: stage_pb2.Start = req.params
         sampling = edges.sampling(self.name, start, self.defaults, int(self.spec.max_positions),

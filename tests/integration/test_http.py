@@ -483,10 +483,19 @@ def test_metrics_count_the_requests(http_stack: Stack, client: openai.OpenAI) ->
     def count(fams: dict[str, Any], name: str) -> float:
         return sum(s.value for s in fams[name].samples if s.name == name + "_count")
 
+    def made(stage: str, unit: str) -> float:
+        return sum(metric(a, f"omnistage_stage_output_{unit}_total") for a in http_stack.addresses(stage))
+
     before = families()
-    for _ in range(2):
-        _chat(client, "pcm16")
+    frames0, samples0 = made("talker", "frames"), made("code2wav", "samples")
+    replies = [_chat(client, "pcm16") for _ in range(2)]
     after = families()
+    # what the talker and code2wav count made is what the replies carry (the talker's count stayed
+    # 0: it counted only frames sent up, and the gateway asks for none unless it stops on text)
+    frames = sum(r.usage.completion_tokens_details.audio_tokens for r in replies)
+    samples = sum(len(base64.b64decode(r.choices[0].message.audio.data)) // 2 for r in replies)
+    assert frames > 0 and made("talker", "frames") - frames0 == frames
+    assert made("code2wav", "samples") - samples0 == samples
     for name in ("omnistage_gateway_time_to_first_token_seconds", "omnistage_gateway_time_to_first_audio_seconds",
                  "omnistage_gateway_request_duration_seconds", "omnistage_gateway_real_time_factor"):  # fmt: skip
         assert count(after, name) - count(before, name) == 2, name
