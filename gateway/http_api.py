@@ -103,6 +103,20 @@ STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
+# A request refused over HTTP before it reached the gateway's service counts (metrics, access line)
+# under the gRPC status name the same refusal has over gRPC, so that `outcome` is one vocabulary
+# whatever the front door (it was `HTTP_400` here and `INVALID_ARGUMENT` there for one mistake).
+REFUSAL_OUTCOMES = {status: code.name for code, (status, _) in STATUS.items()} | {
+    405: "INVALID_ARGUMENT",  # a method the path does not take
+    408: "DEADLINE_EXCEEDED",  # the body stopped coming
+    413: "RESOURCE_EXHAUSTED",  # over the size limit, as gRPC's own max message size answers
+    415: "INVALID_ARGUMENT",
+    422: "INVALID_ARGUMENT",
+}
+
+
+def refusal_outcome(status: int) -> str:
+    return REFUSAL_OUTCOMES.get(status, "INTERNAL" if status >= 500 else "INVALID_ARGUMENT")
 
 
 # ---- the request body -----------------------------------------------------------------------
@@ -791,6 +805,7 @@ class ChatCompletions:
 
     async def handle(self, request: Request) -> Response:
         """POST /v1/chat/completions"""
+        t0 = time.perf_counter()
         try:
             body = await self.parse(request, ChatRequest)
             if "audio" in (body.modalities or ()) and not self.service.cfg.audio_output:
@@ -799,7 +814,7 @@ class ChatCompletions:
             req = to_generate_request(body, self.voices, self.transcripts.get, self.stop_ids)
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
         except HttpError as e:
-            return self._refused(e)
+            return self._refused(e, t0)
         if not body.stream:
             return await self._serve(request, req, timeout,
                                      lambda responses: _entry_named(self._whole(req, responses), body))
@@ -808,6 +823,7 @@ class ChatCompletions:
 
     async def speech(self, request: Request) -> Response:
         """POST /v1/audio/speech"""
+        t0 = time.perf_counter()
         try:
             body = await self.parse(request, SpeechRequest)
             if not self.service.cfg.audio_output:
@@ -816,7 +832,7 @@ class ChatCompletions:
             req = to_speech_request(body, self.voices, self.service.tokenizer, self.service.max_prompt_tokens)
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
         except HttpError as e:
-            return self._refused(e)
+            return self._refused(e, t0)
         sse = body.stream_format == "sse"
         media = "text/event-stream" if sse else MIME[req.audio_format]
         if req.audio_format == gateway_pb2.AudioFormat.PCM16:  # raw samples: their rate is not in them
@@ -825,9 +841,10 @@ class ChatCompletions:
         return await self._serve(request, req, timeout, lambda responses: self._first(responses, audio=True),
                                  lambda first, responses: _speech_stream(first, responses, sse), media)  # fmt: skip
 
-    def _refused(self, e: HttpError) -> Response:
-        """A request refused before it started: counted, logged with its reason, answered."""
-        self.service.refused("http", f"HTTP_{e.status}", e.message)
+    def _refused(self, e: HttpError, t0: float) -> Response:
+        """A request refused before it started: counted, logged with its reason and how long it
+        took (a body that stopped coming: the wait), answered."""
+        self.service.refused("http", refusal_outcome(e.status), e.message, time.perf_counter() - t0)
         return e.response()
 
     async def _serve(self, request: Request, req: gateway_pb2.GenerateRequest, timeout: float | None,

@@ -1,14 +1,16 @@
 """The gateway's Prometheus metrics (prefix `omnistage_gateway_`, base units), served on its
 metrics port and at `/metrics` on its HTTP port:
 
-  omnistage_gateway_requests_total{api, outcome}      requests by front door and outcome (ok or a status)
+  omnistage_gateway_requests_total{api, outcome}      requests by front door and outcome: ok, or a gRPC
+                                                      status name, over HTTP too (http_api.refusal_outcome)
   omnistage_gateway_requests_in_flight
   omnistage_gateway_time_to_first_token_seconds       histogram
   omnistage_gateway_time_to_first_audio_seconds       histogram
   omnistage_gateway_request_duration_seconds          histogram: end to end
   omnistage_gateway_real_time_factor                  histogram: generation time / audio duration
   omnistage_gateway_audio_chunk_gap_seconds           histogram: between audio chunks of a request
-  omnistage_gateway_prompt_tokens_total, _completion_tokens_total, _audio_seconds_total
+  omnistage_gateway_prompt_tokens_total, _completion_tokens_total (text), _audio_seconds_total
+  omnistage_gateway_replays_total                     thinker calls made again after a replica was lost
   omnistage_thread_cpu_seconds_total{thread}, omnistage_thread_context_switches_total{thread, switch}
                                                       by kind of thread (omnistage/server/thread_cpu.py)
 """

@@ -555,13 +555,13 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             await _fail(replies, error)
             raise error from None
 
-    def refused(self, api: str, outcome: str, message: str) -> None:
+    def refused(self, api: str, outcome: str, message: str, seconds: float = 0.0) -> None:
         """A request refused before it started (its key, its body): counted, and given its access
-        line with the reason, as any other request is."""
+        line with the reason and the `seconds` it took, as any other request is."""
         # no id: the client was given none (nor may a bad one be echoed)
         o = Outcome("-", time.perf_counter(), api=api, status=outcome, error=message, shed=True)
-        self.metrics.observe(o, 0.0, self.sample_rate)  # (shed: counted, no latency observed)
-        self._access_log(o, 0.0)
+        self.metrics.observe(o, seconds, self.sample_rate)  # (shed: counted, no latency observed)
+        self._access_log(o, seconds)
 
     def _access_log(self, o: Outcome, e2e: float) -> None:
         def ms(x: float | None) -> int | None:

@@ -888,3 +888,17 @@ def test_a_refused_requests_decoded_media_are_freed_as_it_ends(tiny_dir: Path, a
         assert alive == [False, False], f"{alive.count(True)} of the refused request's images are still held"
     finally:
         gc.enable()
+
+
+def test_a_refusal_over_http_counts_under_the_grpc_status_of_the_same_refusal() -> None:
+    """`outcome` is one vocabulary whatever the front door: a body refused over HTTP counted
+    `HTTP_400` while the same mistake found by the gateway counted `INVALID_ARGUMENT`."""
+    import grpc
+
+    from gateway.http_api import STATUS, refusal_outcome
+
+    for code, (status, _) in STATUS.items():  # each status the gateway's errors are answered with
+        assert refusal_outcome(status) == code.name
+    for status, name in ((400, "INVALID_ARGUMENT"), (405, "INVALID_ARGUMENT"), (408, "DEADLINE_EXCEEDED"),
+                         (413, "RESOURCE_EXHAUSTED"), (500, "INTERNAL"), (418, "INVALID_ARGUMENT")):  # fmt: skip
+        assert refusal_outcome(status) == name and name in grpc.StatusCode.__members__

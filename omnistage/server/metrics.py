@@ -32,7 +32,7 @@ and prometheus_client's process metrics (process_cpu_seconds_total, process_resi
 and, in every process, the same CPU by kind of thread (thread_cpu.py):
   omnistage_thread_cpu_seconds_total{thread}  engine, main (the event loop), grpc, other
   omnistage_thread_context_switches_total{thread, switch}  voluntary, involuntary
-The gateway's are in gateway/server.py (`GatewayMetrics`).
+The gateway's are in gateway/metrics.py (`GatewayMetrics`).
 """
 
 from __future__ import annotations

@@ -199,7 +199,7 @@ def test_a_failed_requests_access_line_says_why(served: dict[str, Any], tmp_path
     reply = httpx.post(http, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": "x"}, timeout=30)
     assert reply.status_code == 400
     refused = _json_log_lines(log_path, lambda r: r.get("logger") == "omnistage.access" and r.get("outcome")
-                              == "HTTP_400" and "max_tokens" in (r.get("error") or ""))  # fmt: skip
+                              == "INVALID_ARGUMENT" and "max_tokens" in (r.get("error") or ""))  # fmt: skip
     assert refused and refused[0]["api"] == "http", "no access-log line for a request refused at its body"
 
 
