@@ -48,6 +48,8 @@ from services import edges
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("omnistage.access")
+# outcomes that are the service's fault, whatever the request: their access lines are warnings
+SERVER_FAULTS = frozenset({"INTERNAL", "UNAVAILABLE", "UNKNOWN", "DATA_LOSS", "UNIMPLEMENTED", "ERROR"})
 DEADLINE_SLACK_S = 0.05  # a call cancelled this close to its deadline ended by it (clocks and wake-ups differ)
 ACCESS_ERROR_CHARS = 500  # of a failed request's status message, in its access-log line
 
@@ -227,7 +229,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 unseen = sorted(self.thinker_roles - {h.stage for h in chain})  # a role its Info does not list
                 down += [f"{role}: not reported by {chain[0].stage}" for role in unseen]
                 state = "serving" if now else f"not serving ({'; '.join(down)})"
-                log.info("thinker at %s is %s", self.thinker_target, state)
+                log.log(logging.INFO if now else logging.WARNING, "thinker at %s is %s", self.thinker_target, state)
             was = now
             await health_state.set(self.serving)
 
@@ -273,13 +275,16 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             outcome.status = "ERROR"
             raise
         finally:
+            # the client's slot is free as its call ends: freed after the stage calls' teardown
+            # below, a client that keeps max_in_flight calls open was refused for a few ms after
+            # each cancel or deadline
+            self.active -= 1
+            self.metrics.in_flight.dec()
             try:
                 # closed here, not left to the event loop's finalizer: a caller that stops reading
                 # (its client hung up mid-stream) cancels the stage calls before the request is over
                 await replies.aclose()
             finally:
-                self.active -= 1
-                self.metrics.in_flight.dec()
                 e2e = time.perf_counter() - outcome.t0
                 self.metrics.observe(outcome, e2e, self.sample_rate)
                 self._access_log(outcome, e2e)
@@ -582,7 +587,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         }
         # the error is quoted (JSON) so that a line still splits on spaces into key=value pairs
         text = " ".join(f"{k}={'-' if v is None else json.dumps(v) if k == 'error' else v}" for k, v in fields.items())
-        access_log.info("request %s", text, extra={"fields": fields})
+        # a fault of the service's (not the client's): at WARNING, for alerts on log levels
+        level = logging.WARNING if o.status in SERVER_FAULTS else logging.INFO
+        access_log.log(level, "request %s", text, extra={"fields": fields})
 
 
 def _encode(chunk: OutChunk, max_bytes: int) -> list[stage_pb2.Chunk]:
