@@ -521,6 +521,44 @@ def _decode_unsplit(chunk: Chunk, reader: SegmentReader | None, views: Mapping[s
     return DecodedChunk(tensors, get_meta(chunk.meta), chunk.offset, chunk.seq, chunk.finished)
 
 
+# A split tensor's destination is allocated whole once what arrived is at least this share of it
+# (or it is small): allocated at the first piece, a piece of a few bytes could claim the declared
+# size, up to `max_bytes` (8 GiB) of address space per stream. Pieces before that are kept as they came.
+_ALLOCATE_AT_SHARE = 8
+_ALLOCATE_SMALL = 1 << 20
+
+
+@dataclass
+class _Filling:
+    """A split tensor being put together from its pieces, in order."""
+
+    dtype: _DType
+    shape: tuple[int, ...]
+    numel: int
+    filled: int = 0  # elements so far
+    dest: np.ndarray | None = None  # the whole tensor's bytes, once allocated
+    early: list[np.ndarray] = field(default_factory=list)  # pieces that came before `dest`
+
+    def add(self, piece: np.ndarray) -> None:
+        """`piece`: the next elements' bytes (uint8)."""
+        size = self.dtype.itemsize
+        at = self.filled * size
+        self.filled += piece.nbytes // size
+        if self.dest is None:
+            self.early.append(piece)
+            nbytes = self.numel * size
+            if nbytes > max(_ALLOCATE_AT_SHARE * self.filled * size, _ALLOCATE_SMALL):
+                return
+            self.dest = np.empty(nbytes, np.uint8)
+            at = 0
+            for early in self.early:
+                self.dest[at : at + early.nbytes] = early
+                at += early.nbytes
+            self.early.clear()
+        else:
+            self.dest[at : at + piece.nbytes] = piece
+
+
 @dataclass
 class _Pending:
     parts: int
@@ -528,8 +566,7 @@ class _Pending:
     first: Chunk
     done: dict[str, torch.Tensor] = field(default_factory=dict)
     held: int = 0  # bytes of the whole tensors in `done` (views keeping their messages alive)
-    # name -> (dtype, shape, numel, destination bytes, elements filled so far)
-    filling: dict[str, tuple[_DType, tuple[int, ...], int, np.ndarray, int]] = field(default_factory=dict)
+    filling: dict[str, _Filling] = field(default_factory=dict)
 
 
 class ChunkAssembler:
@@ -584,32 +621,29 @@ class ChunkAssembler:
             return None
         self._pending = None
         tensors = dict(p.done)
-        for name, (dt, shape, numel, dest, filled) in p.filling.items():
-            if filled != numel:
-                raise TensorBlobError(f"split tensor {name!r} incomplete: {filled} of {numel} elements")
-            tensors[name] = torch.frombuffer(dest, dtype=dt.torch).view(shape)
+        for name, f in p.filling.items():
+            if f.filled != f.numel or f.dest is None:
+                raise TensorBlobError(f"split tensor {name!r} incomplete: {f.filled} of {f.numel} elements")
+            tensors[name] = torch.frombuffer(f.dest, dtype=f.dtype.torch).view(f.shape)
         return DecodedChunk(tensors, get_meta(p.first.meta), p.first.offset, p.first.seq, chunk.finished)
 
     def _add(self, p: _Pending, name: str, blob: TensorBlob, view: memoryview | None) -> None:
         if name in p.done:
             raise TensorBlobError(f"tensor {name!r} repeated in a split chunk")
         r = _resolve(blob, self._reader, allow_piece=True, view=view)
-        state = p.filling.get(name)
-        if state is None:
+        f = p.filling.get(name)
+        if f is None:
             # everything the split chunk holds counts, the whole tensors it keeps as views too
-            used = p.held + sum(s[2] * s[0].itemsize for s in p.filling.values())
+            used = p.held + sum(f.numel * f.dtype.itemsize for f in p.filling.values())
             if used + r.numel * r.dtype.itemsize > self._max_bytes:
                 raise TensorBlobError(f"split chunk exceeds {self._max_bytes} bytes")
             if r.element_offset == 0 and r.count == r.numel:  # whole tensor: no copy
                 p.done[name] = _torch_view(r).view(r.shape)
                 p.held += r.numel * r.dtype.itemsize
                 return
-            state = (r.dtype, r.shape, r.numel, np.empty(r.numel * r.dtype.itemsize, np.uint8), 0)
-        dt, shape, numel, dest, filled = state
-        if r.dtype.proto != dt.proto or r.shape != shape:
+            f = p.filling[name] = _Filling(r.dtype, r.shape, r.numel)
+        if r.dtype.proto != f.dtype.proto or r.shape != f.shape:
             raise TensorBlobError(f"pieces of {name!r} disagree on dtype or shape")
-        if r.element_offset != filled or r.count == 0:
-            raise TensorBlobError(f"piece of {name!r} at element {r.element_offset}, expected {filled}")
-        size = dt.itemsize
-        dest[filled * size : (filled + r.count) * size] = np.frombuffer(r.buffer, np.uint8, r.count * size)
-        p.filling[name] = (dt, shape, numel, dest, filled + r.count)
+        if r.element_offset != f.filled or r.count == 0:
+            raise TensorBlobError(f"piece of {name!r} at element {r.element_offset}, expected {f.filled}")
+        f.add(np.frombuffer(r.buffer, np.uint8, r.count * f.dtype.itemsize))

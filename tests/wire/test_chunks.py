@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -154,3 +156,31 @@ def test_a_split_chunk_counts_its_whole_tensors_against_the_bound() -> None:
             assert asm.push(part) is None
             taken += 1
     assert taken == 4 and not asm.in_progress
+
+
+def _vm_size_kb() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmSize:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmSize from /proc/self/status (Linux)")
+def test_a_split_tensor_takes_memory_as_its_pieces_come() -> None:
+    """A first piece of 16 bytes that declares a 4 GiB tensor claims 16 bytes, not the declared
+    size: the destination was allocated whole at the first piece, so a few messages per stream
+    held 8 GiB of address space each (a MemoryError under overcommit limits)."""
+    declared = 1 << 32
+    first = Chunk(parts=2, part=0)
+    first.tensors["x"].CopyFrom(tb.TensorBlob(dtype=tb.tensor_pb2.U8, shape=[declared], raw=b"\0" * 16))
+    before = _vm_size_kb()
+    asm = ChunkAssembler()
+    assert asm.push(first) is None and asm.in_progress
+    assert _vm_size_kb() - before < 256 << 10  # (4 GiB is 4 << 20 kB)
+    # pieces that come are placed in order and the tensor is whole at the last part
+    asm = ChunkAssembler()
+    x = torch.arange(1000, dtype=torch.int32)
+    for i, (lo, hi) in enumerate(((0, 400), (400, 1000))):
+        part = Chunk(parts=2, part=i, seq=i)
+        part.tensors["x"].CopyFrom(tb.TensorBlob(dtype=tb.tensor_pb2.I32, shape=[1000],
+                                                 raw=x[lo:hi].numpy().tobytes(), element_offset=lo))  # fmt: skip
+        done = asm.push(part)
+    assert done is not None and torch.equal(done.tensors["x"], x)
