@@ -595,6 +595,8 @@ class ChunkAssembler:
             raise
 
     def _push(self, chunk: Chunk, views: Mapping[str, memoryview]) -> DecodedChunk | None:
+        if chunk.parts < 0 or chunk.part < 0:
+            raise TensorBlobError(f"part {chunk.part} of {chunk.parts}: negative")
         if chunk.parts <= 1:
             if chunk.part != 0 or self._pending is not None:
                 raise TensorBlobError("unsplit chunk arrived inside a split sequence")

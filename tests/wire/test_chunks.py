@@ -119,6 +119,11 @@ def test_assembler_rejects_broken_sequences() -> None:
     missing_piece.CopyFrom(chunks[-1])
     del missing_piece.tensors["x"]
     cases.append([*chunks[:-1], missing_piece])
+    for part, parts in ((0, -1), (-1, 0)):  # (-1 parts was taken as unsplit)
+        negative = Chunk()
+        negative.CopyFrom(chunks[0])
+        negative.part, negative.parts = part, parts
+        cases.append([negative])
     early_finish = Chunk()
     early_finish.CopyFrom(chunks[0])
     early_finish.finished = True
