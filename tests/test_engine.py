@@ -360,6 +360,22 @@ def test_input_wait_timeout_and_deadline_fail_with_their_status() -> None:
     assert "request late passed" in late.req.error.message and "#" not in late.req.error.message
 
 
+def test_a_deadline_passed_waiting_for_room_says_so() -> None:
+    """A request that could step but was never admitted (the requests before it held the cache)
+    fails at its deadline naming the wait and its settings, not as if its own steps were slow."""
+    engine = Engine(Counting(), cache_capacity_tokens=100, background=False)
+    first, second = Sink(), Sink()
+    engine.open("first", {"steps": 50, "budget": 80}, first)
+    engine.run_once()  # admitted: it holds 80 of the 100 tokens
+    engine.open("second", {"budget": 80}, second, deadline=time.monotonic() + 0.05)
+    engine.run_once()
+    time.sleep(0.1)
+    run_until_idle(engine)
+    assert second.req is not None and second.req.error is not None and second.req.error.code is Code.DEADLINE_EXCEEDED
+    assert "waiting to be admitted" in second.req.error.message and "cache_capacity_tokens" in second.req.error.message
+    assert first.req is not None and first.req.status is RequestStatus.FINISHED_STOPPED
+
+
 def test_a_request_that_uses_its_budget_unfinished_fails() -> None:
     engine = Engine(Counting(), background=False)
     sink = Sink()
@@ -419,3 +435,26 @@ def test_a_caller_that_stops_reading_pauses_its_request_then_fails_it() -> None:
     run_until_idle(engine)
     assert slow.req is not None and slow.req.error is not None
     assert slow.req.error.code is Code.DEADLINE_EXCEEDED and "output_stall_timeout_s" in slow.req.error.message
+
+
+def test_a_cache_too_small_for_the_default_reply_is_said_at_start(caplog: pytest.LogCaptureFixture) -> None:
+    """cache_capacity_tokens under a one-token prompt plus the default reply length refuses every
+    request that does not set max_tokens: the thinker says so once, at start (it started silently)."""
+    import logging
+    from types import SimpleNamespace
+
+    from omnistage.models import SamplingParams
+    from services.thinker.worker import ThinkerWorker
+
+    spec = SimpleNamespace(max_positions=2048, talker_needs_hidden=False)
+    worker = ThinkerWorker(SimpleNamespace(device="cpu", spec=spec), SamplingParams(max_tokens=1024))
+    with caplog.at_level(logging.WARNING):
+        for capacity in (None, 65536, 1025):
+            worker.warn_if_defaults_do_not_fit(capacity)
+        assert not caplog.records
+        worker.warn_if_defaults_do_not_fit(600)
+    assert len(caplog.records) == 1 and "cache_capacity_tokens=600" in caplog.text and "at least 1025" in caplog.text
+    short = ThinkerWorker(SimpleNamespace(device="cpu", spec=spec), SamplingParams(max_tokens=1024), max_model_len=500)
+    caplog.clear()
+    short.warn_if_defaults_do_not_fit(500)  # the model length caps the reply: a 500-token cache holds any request
+    assert not caplog.records

@@ -257,7 +257,11 @@ class Engine:
             self._end(req, FinishReason.ERROR if req.error else FinishReason.ABORT)
             return False
         if req.deadline is not None and now > req.deadline:
-            raise StageError(Code.DEADLINE_EXCEEDED, f"{worker.name}: request {req.shown_id} passed its deadline")
+            # queued, able to step, never admitted: it waited for room, not for its own steps
+            waited = " waiting to be admitted (the stage's max_num_seqs or cache_capacity_tokens taken by the " \
+                     "requests before it)" if req.queued and not req.admitted and req.ready else ""  # fmt: skip
+            raise StageError(Code.DEADLINE_EXCEEDED,
+                             f"{worker.name}: request {req.shown_id} passed its deadline{waited}")  # fmt: skip
         if req.state is None:
             worker.open(req)
         took = False

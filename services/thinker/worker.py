@@ -3,6 +3,7 @@ up; the prompt's and each token's embeddings down to the talker."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, Self
 
@@ -12,6 +13,8 @@ from omnistage.models import Checkpoint, SamplingParams
 from omnistage.v1 import stage_pb2
 from omnistage.wire import Code, DecodedChunk, StageError, invalid
 from services import edges
+
+log = logging.getLogger(__name__)
 
 # what made a thinker stop -> the engine's finish reason
 FINISH_REASONS = {"stop_id": FinishReason.STOP, "max_tokens": FinishReason.LENGTH}
@@ -127,7 +130,18 @@ class ThinkerWorker(StageWorker):
         stage = cfg.stage(cls.name)
         thinker = ckpt.family.thinker(ckpt, stage.dtype, stage.device, stage.batching)
         thinker.set_kv_budget(stage.cache_capacity_tokens)
-        return cls(thinker, ckpt.family.thinker_defaults(ckpt), cfg.max_model_len, cfg.audio_output)
+        worker = cls(thinker, ckpt.family.thinker_defaults(ckpt), cfg.max_model_len, cfg.audio_output)
+        worker.warn_if_defaults_do_not_fit(stage.cache_capacity_tokens)
+        return worker
+
+    def warn_if_defaults_do_not_fit(self, cache_capacity_tokens: int | None) -> None:
+        """A cache smaller than a one-token prompt with a reply of the default length refuses
+        every request that does not set max_tokens: said at start, not at each request."""
+        least = min(self.defaults.max_tokens + 1, self._max_model_len)
+        if cache_capacity_tokens is not None and cache_capacity_tokens < least:
+            log.warning("%s: cache_capacity_tokens=%d is below a reply of the default length (%d tokens) and its "
+                        "prompt: every request that does not set max_tokens will be refused; raise it to at least %d",
+                        self.name, cache_capacity_tokens, self.defaults.max_tokens, least)  # fmt: skip
 
 
 def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> ThinkerWorker:
