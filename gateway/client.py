@@ -112,8 +112,8 @@ def build_request(
     audio_format: int = gateway_pb2.PCM_F32LE,
     stop: list[str] | None = None,
 ) -> gateway_pb2.GenerateRequest:
-    """`greedy`: both stages greedy (what parity is checked on), unless `temperature` is set:
-    then the thinker samples at that temperature (the talker stays greedy). `audio`, `images`,
+    """`greedy`: both stages greedy (what parity is checked on), unless `temperature` is set
+    (and not 0): then the thinker samples at that temperature (the talker stays greedy). `audio`, `images`,
     `videos`: encoded files for the user turn, before its text. `messages`: the conversation
     so far (earlier turns, any media in them); the prompt and media become its last user turn.
     `sampling`: per-stage fields set last (e.g. {"talker": {"do_sample": False}})."""
@@ -134,8 +134,8 @@ def build_request(
         req.mode = MODES[mode]  # type: ignore[assignment]
     thinker: dict[str, Any] = {"max_tokens": thinker_max_tokens, "stop_ids": thinker_stop_ids, "seed": seed}
     talker: dict[str, Any] = {"max_tokens": talker_max_tokens}
-    if temperature is not None:
-        thinker.update(do_sample=True, temperature=temperature)
+    if temperature is not None:  # do_sample unset: the stage samples at it, or is greedy at 0 (as over HTTP)
+        thinker["temperature"] = temperature
     elif greedy:
         thinker["do_sample"] = False
     if greedy:

@@ -21,8 +21,12 @@ Chat completions (OpenAI's shapes; what differs is said here):
   of the checkpoint's speakers (or one of OpenAI's own voice names, which stand for the default
   speaker) and format wav, mp3, flac, opus or pcm16 (default wav).
 * `temperature` 0 (or under 1e-5, as in vLLM) makes the whole reply deterministic (text and speech
-  greedy); unset keeps the checkpoint's defaults. `max_tokens` / `max_completion_tokens`, `top_p`, `top_k`,
-  `repetition_penalty`, `seed` (it seeds the speech too), `stop`. A field sent as null is unset.
+  greedy, and a vocoder that samples its noise, Qwen2.5-Omni's, seeded as by `seed` 0 unless
+  `seed` is set); unset keeps the checkpoint's defaults, but a `top_p` under 1 or a `top_k` above 0
+  samples (the stage's rule: services/edges.py `sampling`). `max_tokens` / `max_completion_tokens`,
+  `top_p`, `top_k`, `repetition_penalty`, `seed` (it seeds the speech too), `stop`, vLLM's
+  `stop_token_ids`; vLLM's fields with no counterpart that would change the reply (`ignore_eos`,
+  `min_tokens`, ...) are refused. A field sent as null is unset.
   `tools`, a `tool_choice` other than none/auto, a non-text `response_format`, `logprobs` and
   `top_logprobs` are refused (400), not ignored; so are a field of the wrong JSON type (as OpenAI:
   `"stream": "true"`, `"max_tokens": 5.0`) and a string with a lone UTF-16 surrogate.
@@ -199,6 +203,28 @@ _NO_COUNTERPART: dict[str, Any] = {
 }  # fmt: skip
 
 
+# vLLM's extra chat-completion fields with no counterpart here, sent at the body's top level (its
+# own fields above are OpenAI's), with the value that changes nothing: any other value is refused
+# (they were ignored, so `"ignore_eos": true` gave an ordinary reply).
+_TOP_LEVEL_NO_COUNTERPART: dict[str, Any] = {
+    **{k: v for k, v in _NO_COUNTERPART.items()
+       if k not in ("presence_penalty", "frequency_penalty", "n", "logprobs", "stop", "logit_bias")},
+    "use_beam_search": False, "length_penalty": 1.0, "include_stop_str_in_output": False,
+    "skip_special_tokens": True, "spaces_between_special_tokens": True, "echo": False,
+    "add_generation_prompt": True, "continue_final_message": False, "chat_template": None,
+    "chat_template_kwargs": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
+    "guided_grammar": None, "return_tokens_as_token_ids": False,
+}  # fmt: skip
+
+
+def _changes_nothing(value: Any, neutral: Any) -> bool:
+    if value is None or value == [] or value == {}:
+        return True
+    if isinstance(neutral, bool) or isinstance(value, bool):  # (True == 1, False == 0)
+        return value is neutral
+    return bool(value == neutral)
+
+
 class StageSampling(_Body):
     """One stage's entry of vLLM-Omni's `sampling_params_list` (its fields are vLLM's
     `SamplingParams`; ones that only shape vLLM's output objects, such as `detokenize`, are
@@ -233,6 +259,9 @@ class StageSampling(_Body):
 
 # Fields some clients send as null for "unset" are optional; None means the default.
 class ChatRequest(_Body):
+    # other fields are kept (`model_extra`): vLLM's that would change the reply are refused
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
     modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1)  # None: ["text"]
@@ -247,6 +276,7 @@ class ChatRequest(_Body):
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
     stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=1 << 62)]] | None = Field(None, max_length=1024)  # vLLM's
     n: int | None = Field(1, ge=1, le=1)
     use_audio_in_video: bool | None = None
     mm_processor_kwargs: ProcessorKwargs | None = None
@@ -356,9 +386,11 @@ def _from_gateway(e: GatewayError) -> HttpError:
     for start, name, http_code in _HTTP_NAMES:
         if status == 400 and start.match(message):
             param, code = name, http_code or code
+    # the body's field of a thinker's sampling field (`_entry_named`: an entry's, when it set it);
     # over HTTP only a `sampling_params_list` entry sets the talker's sampling fields
-    if status == 400 and (field := _SAMPLING_FIELD.match(message)) and field[1] == "talker":
-        param = f"sampling_params_list[{STAGES.index('talker')}].{_ENTRY_NAMES.get(field[2], field[2])}"
+    if status == 400 and (field := _SAMPLING_FIELD.match(message)):
+        name = _ENTRY_NAMES.get(field[2], field[2])
+        param = name if field[1] == "thinker" else f"sampling_params_list[{STAGES.index('talker')}].{name}"
     return HttpError(status, message, kind, param=param, code=code)
 
 
@@ -454,6 +486,9 @@ def _unsupported(body: ChatRequest) -> None:
                             param=name)  # fmt: skip
     if body.logit_bias:
         raise HttpError(400, "logit_bias: not supported by this server", param="logit_bias")
+    for name, value in (body.model_extra or {}).items():
+        if name in _TOP_LEVEL_NO_COUNTERPART and not _changes_nothing(value, _TOP_LEVEL_NO_COUNTERPART[name]):
+            raise HttpError(400, f"{name}: not supported by this server", param=name)
 
 
 TranscriptLookup = Callable[[str], str | None]
@@ -508,7 +543,7 @@ def _apply_sampling_list(req: gateway_pb2.GenerateRequest, entries: Sequence[Sta
         for name, neutral in _NO_COUNTERPART.items():
             value = getattr(entry, name)
             # a vocoder samples nothing: vLLM-Omni's examples send it fields that change nothing
-            if stage != "code2wav" and value not in (None, neutral, [], {}):
+            if stage != "code2wav" and not _changes_nothing(value, neutral):
                 raise HttpError(400, f"{where}.{name}: not supported by this server", param=f"{where}.{name}")
         if stage != "thinker" and not req.want_audio:
             continue
@@ -516,6 +551,8 @@ def _apply_sampling_list(req: gateway_pb2.GenerateRequest, entries: Sequence[Sta
             if entry.seed is not None:
                 req.sampling[stage].seed = entry.seed
             continue
+        if entry.stop_token_ids:  # replaces the body's (MergeFrom would add to them)
+            req.sampling[stage].ClearField("stop_ids")
         req.sampling[stage].MergeFrom(_stage_sampling(entry, stop_ids.get(stage, ())))
 
 
@@ -561,6 +598,8 @@ def to_generate_request(
         if _greedy(body.temperature):  # deterministic: greedy text and greedy speech
             thinker.do_sample = False
             req.sampling["talker"].do_sample = False
+            if want_audio and body.seed is None:  # and a sampled vocoder's noise (Qwen2.5-Omni's) as for seed 0
+                req.sampling["code2wav"].seed = CODE2WAV_SEED_OFFSET
         else:
             thinker.do_sample = True
             thinker.temperature = body.temperature
@@ -577,6 +616,8 @@ def to_generate_request(
         thinker.seed = body.seed
         if want_audio:  # the same seed gives the same speech too
             _seed_speech(req, body.seed)
+    if body.stop_token_ids:  # besides the thinker's own stop ids, as in vLLM
+        thinker.stop_ids.extend(dict.fromkeys([*(stop_ids or {}).get("thinker", ()), *body.stop_token_ids]))
     req.sampling["thinker"].CopyFrom(thinker)
     _apply_sampling_list(req, body.sampling_params_list or (), stop_ids or {})
     return req

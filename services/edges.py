@@ -46,6 +46,7 @@ import torch
 
 from omnistage.engine import OutChunk
 from omnistage.models import SamplingParams
+from omnistage.models.sampling import MIN_TEMPERATURE
 from omnistage.topology import STAGES
 from omnistage.v1 import stage_pb2
 from omnistage.wire import Code, DecodedChunk, StageError, invalid
@@ -392,6 +393,13 @@ def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,
         if msg.max_tokens > limit:
             raise invalid(f"{stage}: sampling: max_tokens {msg.max_tokens} exceeds this stage's limit {limit} ({why})")
     overrides: dict[str, Any] = {f: getattr(msg, f) for f in _SAMPLING_FIELDS if msg.HasField(f)}
+    if not msg.HasField("do_sample"):  # the knobs say what was meant (generate() would ignore them)
+        if msg.HasField("temperature") and 0 <= msg.temperature < MIN_TEMPERATURE:  # 0: greedy, as over HTTP
+            overrides["do_sample"] = False
+            del overrides["temperature"]
+        elif msg.HasField("temperature") or (msg.HasField("top_p") and msg.top_p < 1) \
+                or (msg.HasField("top_k") and msg.top_k > 0):  # fmt: skip
+            overrides["do_sample"] = True
     if msg.stop_ids:  # replaces the stage's default stop ids, as generate()'s *_eos_token_id does
         stops = tuple(int(i) for i in msg.stop_ids)
         if vocab is not None and (bad := [i for i in stops if not 0 <= i < vocab]):

@@ -295,6 +295,71 @@ def test_vllm_omni_sampling_params_list_sets_each_stage() -> None:
             _chat(sampling_params_list=bad)
 
 
+def test_vllm_fields_at_the_top_level_are_honoured_or_refused() -> None:
+    """vLLM's clients send its extra fields at the body's top level: `stop_token_ids` stops the
+    thinker there too, and the others that would change the reply are a 400 naming the field
+    (all were ignored: `"ignore_eos": true` gave an ordinary reply)."""
+    from gateway.http_api import HttpError, to_generate_request
+
+    stops = {"thinker": (50, 51), "talker": (99,)}
+    req = to_generate_request(_chat(stop_token_ids=[7, 50]), ["ethan"], stop_ids=stops)
+    assert list(req.sampling["thinker"].stop_ids) == [50, 51, 7]
+    # an entry's own replaces the body's (they were added together)
+    req = to_generate_request(_chat(stop_token_ids=[7], sampling_params_list=[{"stop_token_ids": [8]}]), ["ethan"],
+                              stop_ids=stops)  # fmt: skip
+    assert list(req.sampling["thinker"].stop_ids) == [50, 51, 8]
+    for field, value in (("ignore_eos", True), ("min_tokens", 20), ("min_p", 0.9), ("best_of", 2), ("echo", True),
+                         ("include_stop_str_in_output", True), ("skip_special_tokens", False),
+                         ("chat_template_kwargs", {"enable_thinking": True}), ("guided_json", {"type": "object"}),
+                         ("add_generation_prompt", False), ("length_penalty", 0.5)):  # fmt: skip
+        with pytest.raises(HttpError) as e:
+            to_generate_request(_chat(**{field: value}), ["ethan"])
+        assert e.value.status == 400 and e.value.param == field, e.value.message
+    # temperature 0: a sampled vocoder's noise is pinned too (as seed 0 pins it), unless a seed is set
+    from gateway.http_api import CODE2WAV_SEED_OFFSET
+
+    greedy = to_generate_request(_chat(modalities=["text", "audio"], temperature=0), ["ethan"]).sampling
+    assert greedy["code2wav"].seed == CODE2WAV_SEED_OFFSET
+    seeded = to_generate_request(_chat(modalities=["text", "audio"], temperature=0, seed=4), ["ethan"]).sampling
+    assert seeded["code2wav"].seed == CODE2WAV_SEED_OFFSET + 4
+    sampled = to_generate_request(_chat(modalities=["text", "audio"], temperature=0.7), ["ethan"]).sampling
+    assert "code2wav" not in sampled  # (the gateway draws it)
+    # what changes nothing is taken, and fields no one acts on stay ignored
+    for field, value in (("ignore_eos", False), ("min_tokens", 0), ("min_p", 0.0), ("best_of", 1), ("echo", False),
+                         ("skip_special_tokens", True), ("length_penalty", 1), ("chat_template_kwargs", {}),
+                         ("user", "u-1"), ("metadata", {"a": "b"}), ("priority", 3)):  # fmt: skip
+        to_generate_request(_chat(**{field: value}), ["ethan"])
+
+
+def test_a_sampling_knob_without_do_sample_says_what_was_meant() -> None:
+    """A stage's sampling with a temperature, a top_p under 1 or a top_k above 0 and no
+    do_sample samples, on a checkpoint whose default is greedy (it stayed greedy: `top_p: 0.5`
+    over HTTP, `{"temperature": 0.7}` over gRPC, changed nothing); a temperature of 0 is greedy."""
+    from omnistage.models import SamplingParams
+    from omnistage.v1 import stage_pb2
+    from omnistage.wire import StageError
+    from services import edges
+
+    greedy = SamplingParams(do_sample=False, max_tokens=8)
+    sampled = SamplingParams(do_sample=True, temperature=0.6, max_tokens=8)
+
+    def resolved(defaults: SamplingParams, **fields: Any) -> SamplingParams:
+        start = stage_pb2.Start()
+        start.sampling["thinker"].CopyFrom(stage_pb2.SamplingParams(**fields))
+        return edges.sampling("thinker", start, defaults)
+
+    for fields in ({"temperature": 0.7}, {"top_p": 0.5}, {"top_k": 5}):
+        assert resolved(greedy, **fields).do_sample, fields
+    for fields in ({"top_p": 1.0}, {"top_k": 0}, {"seed": 3}, {"temperature": 0.7, "do_sample": False}):
+        assert not resolved(greedy, **fields).do_sample, fields  # (off, or said)
+    for bad in (-0.5, float("nan")):  # refused as before, not taken as greedy
+        with pytest.raises(StageError, match="temperature must be a finite number > 0"):
+            resolved(greedy, temperature=bad)
+    zero = resolved(sampled, temperature=0.0)
+    assert not zero.do_sample and zero.temperature == 0.6  # greedy; the default temperature stays (unused)
+    assert resolved(sampled, top_p=0.9).do_sample and resolved(sampled, top_p=0.9).temperature == 0.6
+
+
 def test_a_body_is_refused_where_its_json_is_not_what_the_field_takes() -> None:
     """Lone UTF-16 surrogates (JSON escapes them; protobuf would fail on them far from the field)
     and JSON types other than the field's (OpenAI refuses them; pydantic's lax mode coerced)
@@ -637,6 +702,13 @@ def test_a_request_too_large_for_a_stage_is_a_400_no_retry_helps() -> None:
         assert (http.status, http.param, http.code) == (400, "messages", "context_length_exceeded"), detail
     for other in ("talker: unknown speaker 'x'", "talker: request 'r': needs 900 tokens of cache (...)"):
         assert _from_gateway(GatewayError(grpc.StatusCode.INVALID_ARGUMENT, other)).code == "invalid_argument"
+    # a thinker's refusal of a sampling field names the body's field (it named "thinker")
+    for detail, param in (("gateway: thinker: sampling: repetition_penalty must be a finite number >= 1e-05",
+                           "repetition_penalty"),
+                          ("gateway: thinker: sampling: stop_ids outside the vocabulary (0..151935): [999999]",
+                           "stop_token_ids"),
+                          ("gateway: talker: sampling: top_k must be >= 0", "sampling_params_list[1].top_k")):
+        assert _from_gateway(GatewayError(grpc.StatusCode.INVALID_ARGUMENT, detail)).param == param, detail
 
 
 def test_a_call_cancelled_at_its_deadline_counts_as_deadline_exceeded(tiny_dir: Path) -> None:

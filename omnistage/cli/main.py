@@ -578,7 +578,8 @@ def client(
     ] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Seed for sampled text.")] = None,
     max_tokens: Annotated[int | None, typer.Option("--max-tokens", help="Thinker token limit.")] = None,
-    max_frames: Annotated[int | None, typer.Option("--max-frames", help="Talker code-0 limit.")] = None,
+    max_frames: Annotated[int | None, typer.Option(
+        "--max-frames", help="Talker code-0 limit (Qwen3-Omni: N - 1 frames, as generate()).")] = None,
     mode: Annotated[Mode | None, typer.Option("--mode", help="Edge mode between stages.")] = None,
     timeout: Annotated[float | None, typer.Option("--timeout", min=0.001, help="Deadline in seconds.")] = None,
     audio: Annotated[list[Path] | None, typer.Option("--audio", help="An audio file to send (repeatable).")] = None,

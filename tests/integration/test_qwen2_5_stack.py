@@ -173,3 +173,20 @@ def test_the_http_seed_makes_the_speech_repeatable(q25_stack: Stack) -> None:
     assert len(first.content) > 0 and first.content == again.content
     other = httpx.post(url, json={**body, "seed": 12}, timeout=120)
     assert other.status_code == 200 and other.content != first.content  # the seed is what fixed it
+
+
+def test_temperature_0_gives_the_same_speech_every_time(q25_stack: Stack) -> None:
+    """Over HTTP, `temperature: 0` makes the whole reply deterministic: its token2wav noise is
+    seeded as for seed 0 (it was drawn afresh, so two such replies had different audio)."""
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 6,
+            "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"},
+            "sampling_params_list": [{}, {"max_tokens": 24}]}  # fmt: skip
+    url = f"http://{q25_stack.http_address}/v1/chat/completions"
+    first, again = (httpx.post(url, json=body, timeout=120) for _ in range(2))
+    assert first.status_code == again.status_code == 200, (first.text[:300], again.text[:300])
+    audio = [r.json()["choices"][0]["message"]["audio"]["data"] for r in (first, again)]
+    assert audio[0] and audio[0] == audio[1]
+    seeded = httpx.post(url, json={**body, "seed": 5}, timeout=120)
+    assert seeded.status_code == 200 and seeded.json()["choices"][0]["message"]["audio"]["data"] != audio[0]
