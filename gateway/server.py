@@ -429,7 +429,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         final = gateway_pb2.Final(usage=usage, finish_reason=outcome.finish_reason)
         for name, timing in timings.items():
             final.timings[name].CopyFrom(timing)
-        final.timings["gateway"].CopyFrom(gateway_pb2.StageTiming(total_s=time.perf_counter() - t0))
+        # the gateway's first output: the reply's first piece to the client
+        first = min((t for t in (outcome.ttft, outcome.ttfa) if t is not None), default=0.0)
+        final.timings["gateway"].CopyFrom(gateway_pb2.StageTiming(first_output_s=first,
+                                                                  total_s=time.perf_counter() - t0))  # fmt: skip
         yield gateway_pb2.GenerateResponse(final=final)
 
     async def _outputs(self, messages: Callable[[], AsyncIterator[stage_pb2.StageRequest]], deadline: float,

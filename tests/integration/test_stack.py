@@ -133,6 +133,9 @@ def test_full_payload_gives_the_same_output(stack: Stack) -> None:
     assert np.allclose(a.pcm, f.pcm, atol=1e-5, rtol=0)
     # full_payload: code2wav starts only once the talker has finished.
     assert f.timings["code2wav"]["first_output_s"] >= f.timings["talker"]["total_s"] - 1e-3
+    # the gateway's first output is the reply's first piece (it was 0)
+    first = min(f.timings[s]["first_output_s"] for s in ("thinker", "code2wav"))
+    assert f.timings["gateway"]["first_output_s"] > 0 and abs(f.timings["gateway"]["first_output_s"] - first) < 0.05
 
 
 def test_text_only_request_never_reaches_the_talker(stack: Stack) -> None:
