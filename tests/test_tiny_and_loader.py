@@ -103,6 +103,31 @@ def test_tiny_tokenizer_knows_the_special_tokens(tiny_dir: Path) -> None:
     assert tok.decode(tok.encode("Hello, world!")) == "Hello, world!"
 
 
+def test_a_prompt_longer_than_the_tokenizer_says_logs_nothing(tiny_dir: Path) -> None:
+    """The gateway measures a prompt against the model's length and refuses it by name; the
+    tokenizer's own warning ("... will result in indexing errors") was logged besides, with no
+    request id, for every first long prompt."""
+    import logging
+
+    class Kept(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    tok = load_tokenizer(open_checkpoint(tiny_dir))
+    tok.model_max_length = 64  # (a checkpoint's own may be any length)
+    kept, transformers_log = Kept(), logging.getLogger("transformers")  # (its loggers' root: it logs there)
+    transformers_log.addHandler(kept)
+    try:
+        assert len(tok.encode("word " * 100)) > 64
+    finally:
+        transformers_log.removeHandler(kept)
+    assert not [m for m in kept.messages if "indexing errors" in m], kept.messages
+
+
 @pytest.mark.parametrize("part", ["thinker", "talker", "code2wav"])
 def test_each_part_loads_alone_with_every_weight(tiny_dir: Path, part: str) -> None:
     model = load_part(open_checkpoint(tiny_dir), part)  # type: ignore[arg-type]

@@ -432,6 +432,10 @@ def load_tokenizer(ckpt: Checkpoint) -> Any:
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"{ckpt.path}: cannot load the tokenizer ({e})") from None
     tok.chat_template = ckpt.chat_template
+    # The gateway checks a prompt's length against the model's and refuses it by name; transformers'
+    # own warning of a long sequence ("... will result in indexing errors") would be logged besides,
+    # with no request id, for a prompt that is then refused or served. Marked as given already.
+    tok.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
     problems = ckpt.family.check_tokenizer(tok, ckpt.config)
     if problems:
         raise CheckpointError(f"{ckpt.path}: tokenizer disagrees with config: " + "; ".join(problems))
