@@ -79,7 +79,7 @@ from starlette.types import Message as AsgiMessage
 from starlette.types import Send
 
 from gateway.audio_out import FORMAT_NAMES, MIME
-from gateway.server import GatewayError, GatewayService
+from gateway.server import MAX_REQUEST_ID_CHARS, GatewayError, GatewayService, bad_request_id
 from omnistage.models.sampling import MIN_TEMPERATURE
 from omnistage.quoting import quoted
 from omnistage.topology import STAGES
@@ -318,6 +318,8 @@ def _subclasses(cls: type) -> list[type]:
 _MODELS = frozenset(c.__name__ for c in _subclasses(_Body))  # union branches pydantic names in paths
 Replies = AsyncGenerator[gateway_pb2.GenerateResponse, None]
 
+
+REQUEST_ID_HEADER = "x-request-id"  # the reply's, and a client's own when it sends one
 
 # answered before the body was read: the connection closes after (a client still sending it would
 # keep it open with no keep-alive timer: uvicorn restarts that timer only when a response ends)
@@ -656,6 +658,15 @@ def to_speech_request(body: SpeechRequest, voices: list[str], tokenizer: Any,
     return req
 
 
+def _request_id_header(value: str | None) -> str:
+    """A client's own request id (`x-request-id`, as a proxy in front sets it), checked as the
+    gRPC door checks `request_id`; "": the gateway makes one."""
+    if value is not None and bad_request_id(value):
+        raise HttpError(400, f"header {REQUEST_ID_HEADER}: at most {MAX_REQUEST_ID_CHARS} printable ASCII characters",
+                        param=REQUEST_ID_HEADER)  # fmt: skip
+    return value or ""
+
+
 def _timeout_header(value: str | None) -> float | None:
     if value is None:
         return None
@@ -854,6 +865,7 @@ class ChatCompletions:
                                 param="modalities")  # fmt: skip
             req = to_generate_request(body, self.voices, self.transcripts.get, self.stop_ids)
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
+            req.request_id = _request_id_header(request.headers.get(REQUEST_ID_HEADER))
         except HttpError as e:
             return self._refused(e, t0)
         if not body.stream:
@@ -872,6 +884,7 @@ class ChatCompletions:
             # the reply and its stop id within the thinker's limit, the prompt not counted yet
             req = to_speech_request(body, self.voices, self.service.tokenizer, self.service.max_prompt_tokens)
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
+            req.request_id = _request_id_header(request.headers.get(REQUEST_ID_HEADER))
         except HttpError as e:
             return self._refused(e, t0)
         sse = body.stream_format == "sse"
@@ -896,8 +909,8 @@ class ChatCompletions:
         that `stream(first, replies)` goes on from. Nothing is sent until `start` returns, so a
         request the gateway or a stage refuses gets its own status; a hang-up meanwhile cancels
         it down the chain."""
-        req.request_id = uuid.uuid4().hex
-        headers = {"x-request-id": req.request_id}
+        req.request_id = req.request_id or uuid.uuid4().hex
+        headers = {REQUEST_ID_HEADER: req.request_id}
         responses = self._responses(req, timeout)
         task = asyncio.ensure_future(start(responses))
         gone = asyncio.ensure_future(_disconnect(request))

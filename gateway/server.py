@@ -101,7 +101,7 @@ FINISH_REASONS = {"stop_id": "stop", "max_tokens": "length"}
 MAX_CHARS_PER_TOKEN = 64  # text longer than this many characters per allowed token is refused untokenized
 
 
-def _bad_request_id(request_id: str) -> bool:
+def bad_request_id(request_id: str) -> bool:
     return len(request_id) > MAX_REQUEST_ID_CHARS or not all(" " <= c <= "~" for c in request_id)
 
 
@@ -525,7 +525,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         await self._require_key(context, "grpc")
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
-        if _bad_request_id(request.request_id):  # refused before it is echoed or logged
+        if bad_request_id(request.request_id):  # refused before it is echoed or logged
             self.refused("grpc", "INVALID_ARGUMENT", _BAD_ID)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _BAD_ID)
         await context.send_initial_metadata(((REQUEST_ID_KEY, request.request_id),))

@@ -475,6 +475,21 @@ def test_a_client_that_disconnects_cancels_the_chain(http_stack: Stack) -> None:
         assert counted, f"stream={stream}: not counted as cancelled"
 
 
+def test_a_client_request_id_is_kept_and_a_bad_one_refused(http_stack: Stack) -> None:
+    """A client's own `x-request-id` (as a proxy in front sets it) names the request in the reply
+    and the access line, as gRPC's `request_id` does; it was replaced by the gateway's own."""
+    url = f"http://{http_stack.http_address}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    reply = httpx.post(url, json=body, headers={"x-request-id": "proxy-7f3a"}, timeout=60)
+    assert reply.status_code == 200 and reply.headers["x-request-id"] == "proxy-7f3a"
+    log = http_stack.log_dir / "gateway-0.log"
+    assert _wait_until(lambda: "request_id=proxy-7f3a " in log.read_text(), 5)
+    made = httpx.post(url, json=body, timeout=60).headers["x-request-id"]  # none sent: the gateway's own
+    assert len(made) == 32 and made != "proxy-7f3a"
+    bad = httpx.post(url, json=body, headers={"x-request-id": "x" * 300}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-request-id"
+
+
 def test_metrics_count_the_requests(http_stack: Stack, client: openai.OpenAI) -> None:
     def families() -> dict[str, Any]:
         text = httpx.get(f"http://{http_stack.http_address}/metrics").text
