@@ -85,13 +85,15 @@ async def _fail(replies: AsyncGenerator[Any, None], error: GatewayError) -> None
         await replies.athrow(error)
 
 
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, request_id: str) -> None:
     """context.abort, bounded: a status queues behind the reply's unsent pieces, so for a client
     that takes none of them it would hold this handler (and the call's memory here) until the
-    client went away. Past ABORT_WAIT_S the handler ends; gRPC keeps the status queued for it."""
+    client went away. Past ABORT_WAIT_S the handler ends; gRPC keeps the status queued for it.
+    The request's id goes in the trailing metadata too: a call that fails before its first
+    message has no initial metadata at its client (gRPC sends the status alone)."""
     try:
         async with asyncio.timeout(ABORT_WAIT_S):
-            await context.abort(code, message)
+            await context.abort(code, message, trailing_metadata=((REQUEST_ID_KEY, request_id),))
     except TimeoutError:
         raise asyncio.CancelledError from None
 
@@ -535,7 +537,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             async for resp in replies:
                 await self.deliver(context.write(resp), replies, request.request_id)
         except GatewayError as e:
-            await _abort(context, e.code, e.message)
+            await _abort(context, e.code, e.message, request.request_id)
         except Exception:
             if context.cancelled():  # a write failed as the client hung up (or its deadline passed): no one to tell
                 return
@@ -544,7 +546,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             error = GatewayError(grpc.StatusCode.INTERNAL, f"gateway: internal error on request "
                                  f"{request.request_id} (the gateway's log has it)")  # fmt: skip
             await _fail(replies, error)
-            await _abort(context, error.code, error.message)
+            await _abort(context, error.code, error.message, request.request_id)
         finally:
             await replies.aclose()  # (a cancelled call leaves it at a yield)
 

@@ -590,6 +590,8 @@ def client(
     ] = False,
     api_key: Annotated[str, typer.Option("--api-key", envvar="OMNISTAGE_API_KEY",
                                          help="Sent as authorization: Bearer KEY.")] = "",
+    request_id: Annotated[str, typer.Option("--request-id", help="Name the request (the gateway's access line, "
+                                            "its errors); default: the gateway makes one.")] = "",
     tls: Annotated[bool, typer.Option("--tls", help="Dial the gateway over TLS, its certificate verified with "
                                       "gRPC's default roots ($GRPC_DEFAULT_SSL_ROOTS_FILE_PATH, or those grpcio "
                                       "ships); --tls-ca names the roots instead.")] = False,
@@ -604,7 +606,7 @@ def client(
 
     import grpc
 
-    from gateway.client import generate, write_wav
+    from gateway.client import REQUEST_ID_KEY, generate, write_wav
 
     def read(paths: list[Path] | None, what: str) -> list[bytes]:
         out = []
@@ -626,10 +628,12 @@ def client(
             want_audio=not no_audio, thinker_max_tokens=max_tokens, talker_max_tokens=max_frames,
             greedy=True, mode=mode.value if mode else None, timeout=timeout, system=system, speaker=speaker,
             temperature=temperature, seed=seed, use_audio_in_video=use_audio_in_video, api_key=api_key, tls_ca=ca,
-            tls_server_name=server_name, tls=tls, **media,
+            tls_server_name=server_name, tls=tls, request_id=request_id, **media,
         ))  # fmt: skip
     except grpc.aio.AioRpcError as e:
-        typer.echo(f"\nerror: {e.code().name}: {e.details()}", err=True)
+        # the id the gateway gave it, to find its access line (none when refused before it started)
+        rid = dict((*(e.initial_metadata() or ()), *(e.trailing_metadata() or ()))).get(REQUEST_ID_KEY) or request_id
+        typer.echo(f"\nerror: {e.code().name}: {e.details()}" + (f" (request id {rid})" if rid else ""), err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         typer.echo("\ninterrupted", err=True)

@@ -192,6 +192,12 @@ def test_a_failed_requests_access_line_says_why(served: dict[str, Any], tmp_path
                             and "nobody-here" in (r.get("error") or ""))  # fmt: skip
     assert lines, "no access-log line naming the failed request's error"
     assert lines[0]["outcome"] == "INVALID_ARGUMENT", lines[0]
+    # the client's error names the request, to find that line (it said only the status)
+    assert f"(request id {lines[0]['request_id']})" in out, out
+    code, out = finish(omnistage("client", "Hello", "--target", f"127.0.0.1:{served['base']}", "--max-tokens", "2",
+                                 "--speaker", "nobody-here", "--out", str(tmp_path / "r2.wav"), "--request-id",
+                                 "ops-named-1"))  # fmt: skip
+    assert code != 0 and "(request id ops-named-1)" in out, out
     # refused before it started (its body): a line too, with the reason
     import httpx
 
