@@ -420,7 +420,9 @@ def serve(
             stack.stop()
             raise KeyboardInterrupt
     code = 0
+    kept: logging.Handler | None = None
     try:
+        kept = _keep_supervisor_log(stack.run_dir / "serve.log")
         _warn_without_media(stack.model_dir)  # (once up: a Ctrl-C meanwhile only sets the flag)
         typer.echo(f"logs: {stack.run_dir}")
         typer.echo("\n".join(stack.status_lines()))
@@ -456,14 +458,31 @@ def serve(
             try:
                 stack.heal(supervisor.warning)  # log lines, so that --log-format json keeps them JSON
             except StartupError as e:
-                typer.echo(f"error: {e}; stopping the stack", err=True)
+                supervisor.error("%s; stopping the stack", e)
                 typer.echo("\n".join(stack.status_lines()), err=True)
                 code = 1
                 break
     finally:
         typer.echo("stopping ...")
         stack.stop()
+        if kept is not None:
+            supervisor.removeHandler(kept)
+            kept.close()
     raise typer.Exit(code)
+
+
+def _keep_supervisor_log(path: Path) -> logging.Handler | None:
+    """`serve`'s own lines (restarts, a process given up on) also go to the run folder, beside
+    its children's logs, in the same format: they went only to its stderr. None when the file
+    cannot be written (the console still has them)."""
+    try:
+        handler = logging.FileHandler(path)
+    except OSError:
+        return None
+    shown = next((h.formatter for h in logging.getLogger().handlers if h.formatter is not None), None)
+    handler.setFormatter(shown or logging.Formatter("%(asctime)s serve %(levelname)s %(name)s: %(message)s"))
+    supervisor.addHandler(handler)
+    return handler
 
 
 class StopFlag:

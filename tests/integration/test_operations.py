@@ -251,6 +251,10 @@ def test_a_dead_child_is_restarted_and_serves_again(served: dict[str, Any]) -> N
     # served with --log-format json: its supervision lines are JSON records too
     said = [line for line in out.splitlines() if "restarting it in" in line or "serving again" in line]
     assert said and all(json.loads(line)["logger"] == "omnistage.serve" for line in said), said
+    # and they are kept in the run folder with the children's logs (they were only on the console)
+    kept = (served["run_dir"] / "serve.log").read_text().splitlines()
+    assert [json.loads(line)["message"] for line in kept if line in said] == [json.loads(line)["message"]
+                                                                           for line in said], kept  # fmt: skip
 
 
 def test_gateway_is_not_serving_while_its_thinker_is_unreachable(tiny_dir: Path) -> None:
