@@ -458,3 +458,31 @@ def test_a_cache_too_small_for_the_default_reply_is_said_at_start(caplog: pytest
     caplog.clear()
     short.warn_if_defaults_do_not_fit(500)  # the model length caps the reply: a 500-token cache holds any request
     assert not caplog.records
+
+
+def test_each_ending_is_told_to_the_observer_once_with_its_outcome() -> None:
+    """A stage counts how its requests ended (ok, cancelled, or the status they failed with): its
+    own failures were seen only as the gateway's status of the whole request."""
+    from collections import Counter
+
+    class Observer:
+        def __init__(self) -> None:
+            self.outcomes: Counter[str] = Counter()
+
+        def on_step(self, batch_size: int, seconds: float, cpu_seconds: float, produced: int) -> None:
+            pass
+
+        def on_finished(self, outcome: str) -> None:
+            self.outcomes[outcome] += 1
+
+    observer = Observer()
+    engine = Engine(Counting(), background=False, observer=observer)
+    engine.open("ok", {"steps": 2}, Sink())
+    engine.open("boom", {"fail_at": 0}, Sink())
+    engine.open("bad", {"bad": True}, Sink())
+    cancelled = engine.open("cancelled", {"needs_input": True}, Sink())
+    engine.run_once()
+    engine.abort(cancelled)
+    engine.abort(cancelled)  # (a second abort of an ended request is a no-op)
+    run_until_idle(engine)
+    assert observer.outcomes == {"ok": 1, "INTERNAL": 1, "INVALID_ARGUMENT": 1, "CANCELLED": 1}, observer.outcomes

@@ -63,6 +63,19 @@ class StepObserver(Protocol):
 
     def on_step(self, batch_size: int, seconds: float, cpu_seconds: float, produced: int) -> None: ...
 
+    def on_finished(self, outcome: str) -> None:
+        """A request ended here: "ok" (stopped or at its length), "CANCELLED" (its caller), or
+        its error's status name."""
+
+
+def _outcome(req: Request, reason: FinishReason) -> str:
+    """How a request ended, in the gateway's words (ok, or a status name)."""
+    if reason in (FinishReason.STOP, FinishReason.LENGTH):
+        return "ok"
+    if reason is FinishReason.ABORT:
+        return "CANCELLED"
+    return req.error.code.value if req.error is not None else "INTERNAL"
+
 
 def _congested(sink: object) -> bool:
     """The sink's `congested()`, for sinks that have one (in-process sinks never block)."""
@@ -396,4 +409,6 @@ class Engine:
         with self._cond:
             if self._requests.pop(req.request_id, None) is None:
                 return
+        if self.observer is not None:
+            self.observer.on_finished(_outcome(req, reason))
         req.sink.on_finished(req)

@@ -12,6 +12,8 @@ A stage's metrics, each labelled with `stage`:
                                               steps' time when it waited for a core or the GIL)
   omnistage_stage_output_{unit}_total         tokens (thinker), frames (talker), samples (code2wav) made
   omnistage_stage_requests_opened_total       requests opened
+  omnistage_stage_requests_finished_total{outcome}  requests the engine ended: ok, CANCELLED (by the
+                                              caller), or the status they failed with
   omnistage_stage_messages_{sent,received}_total  gRPC messages, every hop and direction (each costs
                                               the process CPU outside its steps: `bench grpc-floor`)
   omnistage_stage_kv_cache_usage_ratio        reserved KV-cache tokens / capacity (0 when unbounded)
@@ -109,6 +111,9 @@ class StageMetrics:
                                  registry=registry).labels(stage)  # fmt: skip
         self._produced = Counter(f"omnistage_stage_output_{unit}", f"Output {unit} made", labels,
                                  registry=registry).labels(stage)  # fmt: skip
+        self._finished = Counter("omnistage_stage_requests_finished", "Requests ended here, by outcome (ok, or a "
+                                 "status name)", [*labels, "outcome"], registry=registry)  # fmt: skip
+        self._stage = stage
 
         def queue_depth() -> float:
             counts = load()
@@ -130,6 +135,9 @@ class StageMetrics:
         self._step_cpu.inc(cpu_seconds)
         if produced:
             self._produced.inc(produced)
+
+    def on_finished(self, outcome: str) -> None:
+        self._finished.labels(self._stage, outcome).inc()
 
 
 class _CounterOnScrape(Collector):

@@ -501,8 +501,13 @@ def test_metrics_count_the_requests(http_stack: Stack, client: openai.OpenAI) ->
     def made(stage: str, unit: str) -> float:
         return sum(metric(a, f"omnistage_stage_output_{unit}_total") for a in http_stack.addresses(stage))
 
+    def finished_ok(stage: str) -> float:
+        return sum(metric(a, "omnistage_stage_requests_finished_total", outcome="ok")
+                   for a in http_stack.addresses(stage))  # fmt: skip
+
     before = families()
     frames0, samples0 = made("talker", "frames"), made("code2wav", "samples")
+    ended0 = {s: finished_ok(s) for s in ("thinker", "talker", "code2wav")}
     replies = [_chat(client, "pcm16") for _ in range(2)]
     after = families()
     # what the talker and code2wav count made is what the replies carry (the talker's count stayed
@@ -511,6 +516,10 @@ def test_metrics_count_the_requests(http_stack: Stack, client: openai.OpenAI) ->
     samples = sum(len(base64.b64decode(r.choices[0].message.audio.data)) // 2 for r in replies)
     assert frames > 0 and made("talker", "frames") - frames0 == frames
     assert made("code2wav", "samples") - samples0 == samples
+    # each stage counts how its requests ended (as its engine lets each go: just after its last output)
+    ended = {"thinker": 2, "talker": 2, "code2wav": 2}
+    assert _wait_until(lambda: {s: finished_ok(s) - ended0[s] for s in ended0} == ended, 5), \
+        {s: finished_ok(s) - ended0[s] for s in ended0}  # fmt: skip
     for name in ("omnistage_gateway_time_to_first_token_seconds", "omnistage_gateway_time_to_first_audio_seconds",
                  "omnistage_gateway_request_duration_seconds", "omnistage_gateway_real_time_factor"):  # fmt: skip
         assert count(after, name) - count(before, name) == 2, name
