@@ -869,7 +869,8 @@ def test_a_write_that_fails_as_the_client_hangs_up_is_a_cancel_not_a_bug(
         def cancelled(self) -> bool:
             return self.gone
 
-        async def abort(self, code: Any, details: str) -> None:
+        async def abort(self, code: Any, details: str, trailing_metadata: Any = ()) -> None:
+            assert dict(trailing_metadata).get("x-request-id")  # the request's id goes with its status
             self.aborted.append(code)
             if self.stuck:
                 await asyncio.sleep(60)
