@@ -90,9 +90,9 @@ def bench(
     """Latency and throughput of the served pipeline, each figure against a same-run baseline."""
     if ctx.invoked_subcommand is not None:
         return
-    from benchmarks.harness import BenchOptions, failed_levels, main, parse_float_list, parse_int_list
+    from benchmarks.harness import BenchOptions, check_options, failed_levels, main, parse_float_list, parse_int_list
 
-    result = main(
+    opts = (
         BenchOptions(
             target=target, serve=serve, config=config, model=model, replicas=replicas,
             concurrency=parse_int_list(concurrency) or ([1, 8] if http else [1, 4, 8]), rates=parse_float_list(rate),
@@ -105,9 +105,16 @@ def bench(
             tls_ca=tls_ca, server_name=server_name, tls=tls,
         )
     )
+    try:
+        check_options(opts)
+    except ValueError as e:  # a usage error, as a bad value of one option is (it was a traceback)
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    result = main(opts)
     failed = failed_levels(result)
-    if failed:  # the figures are written; the exit status says the run measured nothing there
-        typer.echo("error: every request failed at " + "; ".join(failed), err=True)
+    if failed:  # the figures are written; the exit status says they are not a clean measurement
+        typer.echo("error: requests failed at " + "; ".join(failed) + ". A level's latency figures cover only "
+                   "its requests that succeeded: with failures they are no measurement of it.", err=True)
         raise typer.Exit(1)
 
 

@@ -25,8 +25,6 @@ __all__ = ["main"]
 
 
 def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
-    if not (opts.serve or (opts.target and opts.http_target)):
-        raise ValueError("--http needs a stack: --serve, or --target HOST:PORT with --http-target HOST:PORT")
     levels = opts.concurrency  # the CLI's default here: 1 and 8
     prompts = load_prompts(opts.prompts)
     order = request_sequence(len(prompts), opts.num_requests, opts.seed)

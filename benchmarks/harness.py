@@ -123,14 +123,18 @@ def parse_float_list(spec: str) -> list[float]:
 
 
 def failed_levels(result: dict[str, Any]) -> list[str]:
-    """The measured levels of a bench result where every request failed, each with its first error."""
+    """The measured levels of a bench result where requests failed, each with how many and its
+    first error: a level's latency figures cover only its requests that succeeded, so a level that
+    lost its slowest ones (timed out) looks faster than it was."""
     out = []
     for level in result.get("configurations", []):
         records = level.get("requests", [])
-        if records and not any(r.get("ok") for r in records):
-            first = next((r.get("error") for r in records if r.get("error")), None)
+        failed = [r for r in records if not r.get("ok")]
+        if failed:
+            first = next((r.get("error") for r in failed if r.get("error")), None)
             first = " ".join(str(first).split())[:300] if first else None  # an RPC error's repr spans lines
-            out.append(f"{level['name']}: all {len(records)} failed" + (f" (first: {first})" if first else ""))
+            count = f"all {len(records)}" if len(failed) == len(records) else f"{len(failed)} of {len(records)}"
+            out.append(f"{level['name']}: {count} failed" + (f" (first: {first})" if first else ""))
     return out
 
 
@@ -147,11 +151,28 @@ def default_model_dir() -> Path:
 # ---- machine and command -------------------------------------------------------------------
 
 
+SECRET = "<redacted>"  # what results say in place of an API key (they are committed, shared)
+
+
 def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command as typed, its API key (`--api-key K`, `--api-key=K`) redacted."""
     args = list(sys.argv if argv is None else argv)
     if args and Path(args[0]).name in ("omnistage", "__main__.py", "cli.py"):
         args[0] = "omnistage"
+    for i, a in enumerate(args):
+        if a.startswith("--api-key="):
+            args[i] = f"--api-key={SECRET}"
+        elif i and args[i - 1] == "--api-key":
+            args[i] = SECRET
     return shlex.join(args)
+
+
+def settings(opts: BenchOptions) -> dict[str, Any]:
+    """The options as a result records them: paths as text, the API key redacted."""
+    out = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()}
+    if out.get("api_key"):
+        out["api_key"] = SECRET
+    return out
 
 
 # ---- stack -------------------------------------------------------------------------------
@@ -400,7 +421,8 @@ async def _sut_phase(run: Run, target: str | None, pipe: Any, cfg: Any = None) -
                 if full_driver is not driver:
                     await run.warm(full_driver)
                 level = await run.level_concurrency(full_driver, f"{sut} full_payload c=1", "sut",
-                                                    _with_mode(run.baseline, "full_payload"), 1, "full_payload", None)
+                                                    _with_mode(run.baseline, "full_payload"), 1, "full_payload",
+                                                    opts.time_limit)  # fmt: skip
                 if target is None:
                     level.notes.append("in-process full_payload is emulated: the thinker runs to the end, then the "
                                        "talker, then one code2wav decode")
@@ -417,7 +439,8 @@ async def _baseline_phase(run: Run, target: str | None, model_dir: Path, pipe: A
         driver = InProcessDriver(pipe, opts.threads)
         try:
             await run.warm(driver)
-            await run.level_concurrency(driver, "inprocess c=1", "baseline", run.baseline, 1, "async_chunk", None)
+            await run.level_concurrency(driver, "inprocess c=1", "baseline", run.baseline, 1, "async_chunk",
+                                        opts.time_limit)  # fmt: skip
         finally:
             await driver.aclose()
     if opts.monolithic:
@@ -428,7 +451,8 @@ async def _baseline_phase(run: Run, target: str | None, model_dir: Path, pipe: A
         mono = MonolithicDriver(model_dir, enc, enc.spec.im_end_id, enc.family.sample_rate, opts.threads, device, dtype)
         try:
             await run.warm(mono)
-            level = await run.level_concurrency(mono, "monolithic sequential", "baseline", run.baseline, 1, None, None)
+            level = await run.level_concurrency(mono, "monolithic sequential", "baseline", run.baseline, 1, None,
+                                                opts.time_limit)  # fmt: skip
             level.notes.append("generate() does not stream: its first token and first audio arrive at the end")
         finally:
             await mono.aclose()
@@ -499,7 +523,8 @@ def ratio_inputs(run: Run, sut: str) -> tuple[RatioInputs, dict[str, str]]:
         grpc_e2e_median_c1=grpc_e2e,
         inprocess_e2e_median_c1=inproc_e2e,
         requests_per_s_cmax=cmax.summary()["requests_per_s"] if cmax else None,
-        requests_per_s_c1=c1.summary()["requests_per_s"] if c1 else None,
+        # (a level over itself is no ratio: null when c=1 is the only level)
+        requests_per_s_c1=c1.summary()["requests_per_s"] if c1 and c1 is not cmax else None,
         bottleneck_stage_requests_per_s=(run.stage_baseline or {}).get("bottleneck_requests_per_s"),
     )
     cm = f"{sut} c={cmax.load['value']}" if cmax else "(no concurrency level)"
@@ -577,8 +602,8 @@ def _load_pipe(box: dict[str, Any]) -> Any:
     return InProcessPipeline(box["model_dir"], box.get("cfg"))
 
 
-def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
-    """Runs the benchmark, prints the table, writes --json/--plot/--markdown; returns the result."""
+def check_options(opts: BenchOptions) -> None:
+    """Options no run can use together, before anything starts (ValueError: the CLI's usage error)."""
     if opts.num_requests < 1:
         raise ValueError("--num-requests must be >= 1")
     if any(c < 1 for c in opts.concurrency):
@@ -588,6 +613,16 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
     if opts.http and opts.sampled_speech:
         raise ValueError("--sampled-speech with --http: the HTTP comparison sends temperature 0 (greedy) "
                          "to both front doors")
+    if opts.http and not (opts.serve or (opts.target and opts.http_target)):
+        raise ValueError("--http needs a stack: --serve, or --target HOST:PORT with --http-target HOST:PORT")
+    if opts.http and (opts.rates or opts.plot_out is not None):  # (they were dropped without a word)
+        raise ValueError("--http compares the front doors at --concurrency levels: it takes no --rate and "
+                         "draws no --plot")
+
+
+def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
+    """Runs the benchmark, prints the table, writes --json/--plot/--markdown; returns the result."""
+    check_options(opts)
     if opts.http:
         from benchmarks.front_doors import main as front_doors
 
@@ -633,7 +668,7 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
         "model": str(model_dir),
         "system_under_test": sut,
         "target": opts.target,
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()},
+        "settings": settings(opts),
         "prompts": prompts,
         "request_prompt_indices": order,
         "baseline_request_indices": [r.index for r in run.baseline],
