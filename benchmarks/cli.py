@@ -90,7 +90,15 @@ def bench(
     """Latency and throughput of the served pipeline, each figure against a same-run baseline."""
     if ctx.invoked_subcommand is not None:
         return
-    from benchmarks.harness import BenchOptions, check_options, failed_levels, main, parse_float_list, parse_int_list
+    from benchmarks.harness import (
+        BenchOptions,
+        TargetError,
+        check_options,
+        failed_levels,
+        main,
+        parse_float_list,
+        parse_int_list,
+    )
 
     opts = (
         BenchOptions(
@@ -110,7 +118,11 @@ def bench(
     except ValueError as e:  # a usage error, as a bad value of one option is (it was a traceback)
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    result = main(opts)
+    try:
+        result = main(opts)
+    except TargetError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
     failed = failed_levels(result)
     if failed:  # the figures are written; the exit status says they are not a clean measurement
         typer.echo("error: requests failed at " + "; ".join(failed) + ". A level's latency figures cover only "

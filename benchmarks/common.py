@@ -31,7 +31,33 @@ def machine_info() -> dict[str, Any]:
         "numpy": np.__version__,
         "grpc": grpc.__version__,
         "load_average": list(os.getloadavg()),
+        **source_info(),
     }
+
+
+def source_info() -> dict[str, Any]:
+    """Which omnistage made the figures: its version, and the commit of its source tree (and
+    whether that tree had uncommitted changes); None where there is no git checkout."""
+    import subprocess
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed: str | None = version("omnistage")
+    except PackageNotFoundError:
+        installed = None
+    root = str(Path(__file__).resolve().parents[1])
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", root, *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    changes = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"omnistage_version": installed, "git_commit": commit,
+            "git_dirty": None if changes is None else bool(changes)}  # fmt: skip
 
 
 def timed_median(fn: Callable[[], T], reps: int, warmup: int = 1) -> tuple[float, list[float], T]:

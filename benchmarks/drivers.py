@@ -304,6 +304,7 @@ class HttpDriver(Driver):
             headers = {"authorization": f"Bearer {self.access.api_key}"} if self.access.api_key else None
             self._client = httpx.AsyncClient(timeout=self.timeout, verify=verify, headers=headers)
         events: list[StreamEvent] = []
+        info: dict[str, Any] = {}
         # (tls.server_name: the name the certificate is verified for, in place of the URL's host)
         named = {"sni_hostname": self.access.server_name} if self.access.server_name else None
         async with self._client.stream("POST", self.url, json=self.body(req), extensions=named) as response:
@@ -315,11 +316,15 @@ class HttpDriver(Driver):
                 data = line[5:].strip()
                 now = time.perf_counter()
                 if data == "[DONE]":
-                    events.append(StreamEvent("final", now))
+                    events.append(StreamEvent("final", now, info=info))
                     break
                 event = json.loads(data)
                 if "error" in event:
                     raise RuntimeError(event["error"]["message"])
+                if event.get("usage"):  # the text's tokens: a text event is a delta, of any number of them
+                    details = event["usage"].get("completion_tokens_details") or {}
+                    if isinstance(details.get("text_tokens"), int):
+                        info["text_tokens"] = details["text_tokens"]
                 if not event.get("choices"):
                     continue
                 delta = event["choices"][0]["delta"]
@@ -371,7 +376,9 @@ def build_record(
         rec.e2e = final[-1].t - t_submit
         rec.info = dict(final[-1].info)
         usage = rec.info.get("usage") or {}
-        if not rec.text_tokens and isinstance(usage.get("completion_tokens"), int):
+        if isinstance(rec.info.get("text_tokens"), int):  # counted by the server (HTTP: its events are deltas)
+            rec.text_tokens = rec.info["text_tokens"]
+        elif not rec.text_tokens and isinstance(usage.get("completion_tokens"), int):
             rec.text_tokens = int(usage["completion_tokens"])
     else:
         rec.ok = False

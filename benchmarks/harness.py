@@ -257,6 +257,9 @@ def sut_target(opts: BenchOptions, log: Callable[[str], None]) -> Iterator[tuple
         yield target, cfg
 
 
+stacks_run: list[str] = []  # the run folders (logs, deploy file) of the stacks this process started
+
+
 @contextlib.contextmanager
 def running_stack(opts: BenchOptions, log: Callable[[str], None]
                   ) -> Iterator[tuple[str | None, str | None, Any]]:  # fmt: skip
@@ -274,6 +277,7 @@ def running_stack(opts: BenchOptions, log: Callable[[str], None]
     log_dir = Path(tempfile.mkdtemp(prefix="omnistage-bench-logs-"))
     log(f"starting stack (gateway port {cfg.gateway.port}, logs in {log_dir}) ...")
     with start_stack(cfg, log_dir=log_dir) as stack:
+        stacks_run.append(str(stack.run_dir))
         log(f"stack up at {stack.gateway_address} (HTTP {stack.http_address})")
         yield stack.gateway_address, stack.http_address, cfg
     log("stack stopped")
@@ -341,6 +345,8 @@ class Run:
                                 c: int, mode: str | None, time_limit: float | None) -> LevelResult:
         level = LevelResult(name=name, driver=driver.name, role=role, load={"type": "concurrency", "value": c},
                             mode=mode)
+        if c > len(reqs):  # its name says c: say it never had that many
+            level.notes.append(f"{len(reqs)} request(s): at most {len(reqs)} in flight, not {c}")
         with self.bar(name, len(reqs)) as bar:
             async with self._stage_load(level):
                 await run_concurrency(driver, level, reqs, c, time_limit, bar.update)
@@ -400,9 +406,31 @@ def access(opts: BenchOptions, cfg: Any) -> Access:
     return Access(api_key=opts.api_key, tls_ca=tls_ca, server_name=server_name, tls=tls)
 
 
+class TargetError(Exception):
+    """The --target is no gateway that answers: said before any figure is measured."""
+
+
+async def check_gateway(target: str, door: Access, timeout: float) -> None:
+    """One Gateway.Info call: a refused port, a stage's port or an HTTP port fails here, at once,
+    not after every baseline has run (each of the target's requests failed, reported at the end)."""
+    import grpc
+
+    from omnistage.server.tls import gateway_channel
+    from omnistage.v1 import gateway_pb2_grpc, stage_pb2
+
+    key = [("authorization", f"Bearer {door.api_key}")] if door.api_key else None
+    async with gateway_channel(target, door.tls_ca, door.server_name, tls=door.tls) as channel:
+        try:
+            await gateway_pb2_grpc.GatewayStub(channel).Info(stage_pb2.InfoRequest(), timeout=timeout, metadata=key)
+        except grpc.aio.AioRpcError as e:
+            raise TargetError(f"--target {target}: no omnistage gateway answers there "
+                              f"({e.code().name}: {e.details()})") from None  # fmt: skip
+
+
 async def _sut_phase(run: Run, target: str | None, pipe: Any, cfg: Any = None) -> None:
     opts = run.opts
     if target is not None:
+        await check_gateway(target, access(opts, cfg), min(30.0, opts.request_timeout))
         driver: Driver = GrpcDriver(target, timeout=opts.request_timeout, access=access(opts, cfg))
         sut = "grpc"
     else:
@@ -647,6 +675,7 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
     run = Run(opts, requests, requests[:nb], notes=skipped)
     model_dir = Path(opts.model) if opts.model is not None else default_model_dir()
     box: dict[str, Any] = {"model_dir": model_dir}
+    first_stack = len(stacks_run)
     sut = asyncio.run(_run_async(run, model_dir, box, run.log))
     model_dir = box["model_dir"]
 
@@ -669,6 +698,9 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
         "system_under_test": sut,
         "target": opts.target,
         "settings": settings(opts),
+        # the deploy config the stack (or in-process pipeline) ran with, and its logs' folder
+        "stack_config": box["cfg"].model_dump(mode="json") if box.get("cfg") is not None else None,
+        "stack_run_dirs": stacks_run[first_stack:],
         "prompts": prompts,
         "request_prompt_indices": order,
         "baseline_request_indices": [r.index for r in run.baseline],

@@ -8,7 +8,7 @@ from typing import Any
 
 COLUMNS: tuple[tuple[str, str, str, str], ...] = (
     # header, summary key, sub key, format
-    ("ok", "ok", "", "{:d}"),
+    ("ok/n", "ok", "", "{:d}"),  # (the cell adds "/n": the requests the level sent)
     ("TTFT p50", "ttft_s", "median", "{:.3f}"),
     ("TTFT p99", "ttft_s", "p99", "{:.3f}"),
     ("TTFA p50", "ttfa_s", "median", "{:.3f}"),
@@ -25,6 +25,8 @@ COLUMNS: tuple[tuple[str, str, str, str], ...] = (
 
 
 def _cell(summary: dict[str, Any], key: str, sub: str, fmt: str) -> str:
+    if key == "ok":  # those that succeeded of those sent: the figures cover only the first
+        return f"{summary['ok']}/{summary['requests']}"
     value = summary.get(key)
     if sub and isinstance(value, dict):
         value = value.get(sub)
@@ -42,7 +44,7 @@ def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 def level_line(name: str, summary: dict[str, Any]) -> str:
     """One level's figures on one line, logged as the level ends: a run stopped before its report
     (a time-boxed GPU session) still leaves them in its log."""
-    shown = [c for c in COLUMNS if c[0] not in ("ok", "stall p50")]
+    shown = [c for c in COLUMNS if c[0] not in ("ok/n", "stall p50")]
     cells = ", ".join(f"{label} {_cell(summary, k, s, f)}" for label, k, s, f in shown)
     return f"{name}: ok {summary['ok']}/{summary['requests']}, {cells}"
 
@@ -58,9 +60,14 @@ def aligned(rows: Sequence[Sequence[str]], rule: bool = False) -> list[str]:
     return lines
 
 
+# Under the table: what its figures are, and over how many requests a p99 is.
+TABLE_KEY = ("seconds unless stated; p50/p99 over each level's requests that succeeded (ok of n sent), "
+             "linearly interpolated: with n under 100 a p99 is among the few slowest, near the maximum")
+
+
 def format_table(result: dict[str, Any]) -> str:
     header, rows = table_rows(result)
-    return "\n".join(aligned([header, *rows], rule=True))
+    return "\n".join([*aligned([header, *rows], rule=True), TABLE_KEY])
 
 
 def format_stages(result: dict[str, Any]) -> str:
@@ -259,7 +266,9 @@ def markdown_summary(result: dict[str, Any], json_name: str | None, plot_name: s
         "|" + "|".join("---" for _ in header) + "|",
         *("| " + " | ".join(r) + " |" for r in rows),
         "",
-        "Seconds unless stated; p50 = median; RTF = generation time / audio duration; stall = how long a",
+        TABLE_KEY[0].upper() + TABLE_KEY[1:] + ".",
+        "",
+        "p50 = median; RTF = generation time / audio duration; stall = how long a",
         "client that starts playing at the first audio then waits for more (0: it never runs dry); the",
         "JSON also has the gaps between consecutive audio chunks.",
         "",

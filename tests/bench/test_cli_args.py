@@ -42,13 +42,15 @@ def test_a_value_no_run_can_use_is_a_usage_error(args: list[str], option: str) -
     assert option in result.output and "Traceback" not in result.output
 
 
-def test_a_run_where_every_request_failed_exits_1() -> None:
+def test_a_target_where_no_gateway_answers_fails_before_anything_runs() -> None:
+    """Checked by one Info call at the start: every request of the target failed, and was said
+    only after the baselines had all run."""
     port = free_port_block(1)  # nothing listens there
     result = CliRunner().invoke(bench_app, ["--target", f"127.0.0.1:{port}", "--concurrency", "1", "--num-requests",
-                                            "2", "--no-monolithic", "--no-stages", "--no-inprocess",
-                                            "--no-full-payload", "--no-progress", "--warmup", "0"])  # fmt: skip
+                                            "2", "--no-progress", "--warmup", "0"])  # fmt: skip
     assert result.exit_code == 1, (result.exit_code, result.output[-2000:])
-    assert "requests failed at grpc c=1: all 2 failed (first: " in result.output
+    assert f"--target 127.0.0.1:{port}: no omnistage gateway answers there (UNAVAILABLE" in result.output
+    assert "monolithic" not in result.output  # (no baseline ran)
 
 
 def test_failed_levels_names_every_level_that_lost_requests() -> None:

@@ -40,6 +40,9 @@ def test_harness_in_process(tiny_dir: Path, tmp_path: Path) -> None:
     m = result["machine"]
     assert isinstance(m["cpu_count"], int) and isinstance(m["platform"], str)
     assert m["torch_threads"] == 1 and len(m["load_average"]) == 3
+    # which code made the figures (they could not be traced to a commit)
+    assert m["omnistage_version"] and (m["git_commit"] is None or len(m["git_commit"]) == 40)
+    assert "stack_config" in result and "stack_run_dirs" in result
 
     assert tuple(result["ratios"]) == RATIO_KEYS
     assert result["ratios"]["e2e_grpc_over_inprocess_c1"] is None  # no gRPC in this run

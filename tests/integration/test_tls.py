@@ -181,6 +181,9 @@ def test_the_bench_reaches_a_gateway_with_tls_and_a_key(tls_stack: Stack, certs:
                         thinker_max_tokens=3, talker_max_tokens=4, warmup=0, progress=False, quiet=True)  # fmt: skip
     result = main(opts)
     assert failed_levels(result) == [] and result["failed"] == {"grpc c=1": 0, "http c=1": 0}, result["failed"]
+    # the HTTP driver counts the server's text tokens, not its deltas (held-back text joins them)
+    tokens = {lv["name"]: [r["text_tokens"] for r in lv["requests"]] for lv in result["configurations"]}
+    assert tokens["http c=1"] == tokens["grpc c=1"] == [3], tokens
 
 
 def test_tls_with_the_default_roots_reaches_the_gateway(tls_stack: Stack, certs: dict[str, Path],
