@@ -658,6 +658,13 @@ def to_speech_request(body: SpeechRequest, voices: list[str], tokenizer: Any,
     return req
 
 
+def _audio_id() -> str:
+    """A reply's audio id: the key its transcript is kept under, which a later turn sends back. The
+    server's own token, never the request id, which a client may choose (`x-request-id`): it could
+    then overwrite or read another client's transcript."""
+    return f"audio_{uuid.uuid4().hex}"
+
+
 def _request_id_header(value: str | None) -> str:
     """A client's own request id (`x-request-id`, as a proxy in front sets it), checked as the
     gRPC door checks `request_id`; "": the gateway makes one."""
@@ -857,17 +864,18 @@ class ChatCompletions:
 
     async def handle(self, request: Request) -> Response:
         """POST /v1/chat/completions"""
-        t0 = time.perf_counter()
+        t0, rid = time.perf_counter(), ""
         try:
+            rid = _request_id_header(request.headers.get(REQUEST_ID_HEADER))  # first: a refusal names it too
             body = await self.parse(request, ChatRequest)
             if "audio" in (body.modalities or ()) and not self.service.cfg.audio_output:
                 raise HttpError(400, "modalities: this stack serves text only (no talker); ask for [\"text\"]",
                                 param="modalities")  # fmt: skip
             req = to_generate_request(body, self.voices, self.transcripts.get, self.stop_ids)
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
-            req.request_id = _request_id_header(request.headers.get(REQUEST_ID_HEADER))
+            req.request_id = rid
         except HttpError as e:
-            return self._refused(e, t0)
+            return self._refused(e, t0, rid)
         if not body.stream:
             return await self._serve(request, req, timeout,
                                      lambda responses: _entry_named(self._whole(req, responses), body))
@@ -876,17 +884,18 @@ class ChatCompletions:
 
     async def speech(self, request: Request) -> Response:
         """POST /v1/audio/speech"""
-        t0 = time.perf_counter()
+        t0, rid = time.perf_counter(), ""
         try:
+            rid = _request_id_header(request.headers.get(REQUEST_ID_HEADER))  # first: a refusal names it too
             body = await self.parse(request, SpeechRequest)
             if not self.service.cfg.audio_output:
                 raise HttpError(400, "this stack serves text only (no talker): it cannot speak", code="text_only")
             # the reply and its stop id within the thinker's limit, the prompt not counted yet
             req = to_speech_request(body, self.voices, self.service.tokenizer, self.service.max_prompt_tokens)
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
-            req.request_id = _request_id_header(request.headers.get(REQUEST_ID_HEADER))
+            req.request_id = rid
         except HttpError as e:
-            return self._refused(e, t0)
+            return self._refused(e, t0, rid)
         sse = body.stream_format == "sse"
         media = "text/event-stream" if sse else MIME[req.audio_format]
         if req.audio_format == gateway_pb2.AudioFormat.PCM16:  # raw samples: their rate is not in them
@@ -895,11 +904,14 @@ class ChatCompletions:
         return await self._serve(request, req, timeout, lambda responses: self._first(responses, audio=True),
                                  lambda first, responses: _speech_stream(first, responses, sse), media)  # fmt: skip
 
-    def _refused(self, e: HttpError, t0: float) -> Response:
-        """A request refused before it started: counted, logged with its reason and how long it
-        took (a body that stopped coming: the wait), answered."""
-        self.service.refused("http", refusal_outcome(e.status), e.message, time.perf_counter() - t0)
-        return e.response()
+    def _refused(self, e: HttpError, t0: float, request_id: str) -> Response:
+        """A request refused before it started: counted, logged with its reason, how long it took
+        (a body that stopped coming: the wait) and the id its client gave it, answered."""
+        self.service.refused("http", refusal_outcome(e.status), e.message, time.perf_counter() - t0, request_id)
+        response = e.response()
+        if request_id:
+            response.headers[REQUEST_ID_HEADER] = request_id
+        return response
 
     async def _serve(self, request: Request, req: gateway_pb2.GenerateRequest, timeout: float | None,
                      start: Callable[[Replies], Awaitable[Any]],
@@ -985,7 +997,7 @@ class ChatCompletions:
         content = "".join(text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if req.want_audio:
-            audio_id = f"audio_{req.request_id}"
+            audio_id = _audio_id()
             self.transcripts.put(audio_id, content)
             message["audio"] = {"id": audio_id, "data": base64.b64encode(b"".join(audio)).decode(),
                                 "expires_at": created + AUDIO_TTL_S, "transcript": content}  # fmt: skip
@@ -1000,7 +1012,7 @@ class ChatCompletions:
                       first: list[gateway_pb2.GenerateResponse], responses: Replies) -> AsyncIterator[str]:  # fmt: skip
         created = int(time.time())
         rid = req.request_id
-        audio_id = f"audio_{rid}"
+        audio_id = _audio_id()
 
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
             event = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,

@@ -565,11 +565,12 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             await _fail(replies, error)
             raise error from None
 
-    def refused(self, api: str, outcome: str, message: str, seconds: float = 0.0) -> None:
+    def refused(self, api: str, outcome: str, message: str, seconds: float = 0.0, request_id: str = "") -> None:
         """A request refused before it started (its key, its body): counted, and given its access
-        line with the reason and the `seconds` it took, as any other request is."""
-        # no id: the client was given none (nor may a bad one be echoed)
-        o = Outcome("-", time.perf_counter(), api=api, status=outcome, error=message, shed=True)
+        line with the reason, the `seconds` it took and the id its client gave it, as any other
+        request is."""
+        # else no id: the client was given none (nor may a bad one be echoed)
+        o = Outcome(request_id or "-", time.perf_counter(), api=api, status=outcome, error=message, shed=True)
         self.metrics.observe(o, seconds, self.sample_rate)  # (shed: counted, no latency observed)
         self._access_log(o, seconds)
 

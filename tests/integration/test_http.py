@@ -488,6 +488,17 @@ def test_a_client_request_id_is_kept_and_a_bad_one_refused(http_stack: Stack) ->
     assert len(made) == 32 and made != "proxy-7f3a"
     bad = httpx.post(url, json=body, headers={"x-request-id": "x" * 300}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-request-id"
+    # a request refused at its body is named by its id too (reply header, access line)
+    refused = httpx.post(url, json={**body, "max_tokens": 0}, headers={"x-request-id": "proxy-refused"}, timeout=60)
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == "proxy-refused"
+    assert _wait_until(lambda: "request_id=proxy-refused " in log.read_text(), 5)
+    # a reply's audio id (its transcript's key) is the server's own: a client naming two requests
+    # alike, or after another client's id, must not reach the other's transcript
+    spoken = {**body, "modalities": ["text", "audio"], "audio": {"format": "pcm16"}, "temperature": 0,
+              "sampling_params_list": [{}, {"max_tokens": 3}]}  # fmt: skip
+    ids = [httpx.post(url, json=spoken, headers={"x-request-id": "proxy-same"}, timeout=60).json()["choices"][0]
+           ["message"]["audio"]["id"] for _ in range(2)]  # fmt: skip
+    assert ids[0] != ids[1] and "proxy-same" not in ids[0] + ids[1]
 
 
 def test_metrics_count_the_requests(http_stack: Stack, client: openai.OpenAI) -> None:
