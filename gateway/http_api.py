@@ -79,7 +79,14 @@ from starlette.types import Message as AsgiMessage
 from starlette.types import Send
 
 from gateway.audio_out import FORMAT_NAMES, MIME
-from gateway.server import MAX_REQUEST_ID_CHARS, GatewayError, GatewayService, bad_request_id
+from gateway.server import (
+    MAX_REQUEST_ID_CHARS,
+    GatewayError,
+    GatewayService,
+    bad_request_id,
+    fail_replies,
+    internal_failure,
+)
 from omnistage.models.sampling import MIN_TEMPERATURE
 from omnistage.quoting import quoted
 from omnistage.topology import STAGES
@@ -942,6 +949,7 @@ class ChatCompletions:
             response.headers.update(headers)
             return response
         except Exception:  # a bug: the request's calls are not left to the generator's finalizer
+            await fail_replies(responses, internal_failure(req.request_id))  # (closed, it would count CANCELLED)
             await responses.aclose()
             raise
         finally:
@@ -955,7 +963,8 @@ class ChatCompletions:
         headers.update({"cache-control": "no-cache", "x-accel-buffering": "no"})
         # `stream` closes `responses` when it ends; a client gone before it ever ran leaves that
         # to the background task (the request is then cancelled down the chain at once)
-        return _Delivered(stream(result, responses), media_type=media_type, headers=headers,
+        return _Delivered(_failing_as_internal(stream(result, responses), responses, req.request_id),
+                          media_type=media_type, headers=headers,
                           background=BackgroundTask(responses.aclose),
                           deliver=lambda write: self.service.deliver(write, responses, req.request_id))  # fmt: skip
 
@@ -1087,6 +1096,20 @@ class _Delivered(StreamingResponse):
 
         with contextlib.suppress(GatewayError):  # (the request's access line says why)
             await super().stream_response(timed)
+
+
+async def _failing_as_internal(pieces: AsyncIterator[str | bytes], responses: Replies,
+                               request_id: str) -> AsyncIterator[str | bytes]:  # fmt: skip
+    """A streamed reply's pieces; a bug while making them fails the request INTERNAL (its access
+    line and metrics, at WARNING), as it does over gRPC, not CANCELLED."""
+    try:
+        async for piece in pieces:
+            yield piece
+    except (GatewayError, HttpError, asyncio.CancelledError):
+        raise
+    except Exception:
+        await fail_replies(responses, internal_failure(request_id))
+        raise
 
 
 async def _cancel(task: asyncio.Future[Any], responses: Replies) -> None:

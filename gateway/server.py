@@ -78,11 +78,17 @@ class GatewayError(Exception):
         self.message = message
 
 
-async def _fail(replies: AsyncGenerator[Any, None], error: GatewayError) -> None:
+async def fail_replies(replies: AsyncGenerator[Any, None], error: GatewayError) -> None:
     """End `serve`'s generator, paused at a reply it yielded, with `error`: its access line and
     metrics say so (closed, it would count the request CANCELLED)."""
     with contextlib.suppress(GatewayError, StopAsyncIteration):
         await replies.athrow(error)
+
+
+def internal_failure(request_id: str) -> GatewayError:
+    """A bug, not the request: INTERNAL naming the request (grpc would say UNKNOWN)."""
+    return GatewayError(grpc.StatusCode.INTERNAL, f"gateway: internal error on request {request_id} (the gateway's "
+                        "log has it)")  # fmt: skip
 
 
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, request_id: str) -> None:
@@ -543,9 +549,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 return
             # a bug, not the request: INTERNAL naming the request (grpc would say UNKNOWN)
             log.exception("gateway: request %s failed", request.request_id)
-            error = GatewayError(grpc.StatusCode.INTERNAL, f"gateway: internal error on request "
-                                 f"{request.request_id} (the gateway's log has it)")  # fmt: skip
-            await _fail(replies, error)
+            error = internal_failure(request.request_id)
+            await fail_replies(replies, error)
             await _abort(context, error.code, error.message, request.request_id)
         finally:
             await replies.aclose()  # (a cancelled call leaves it at a yield)
@@ -562,7 +567,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         except TimeoutError:
             error = GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, f"gateway: the client took nothing more of "
                                  f"request {request_id}'s reply for {limit:g} s (output_stall_timeout_s={limit:g})")
-            await _fail(replies, error)
+            await fail_replies(replies, error)
             raise error from None
 
     def refused(self, api: str, outcome: str, message: str, seconds: float = 0.0, request_id: str = "") -> None:

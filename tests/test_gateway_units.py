@@ -1031,3 +1031,50 @@ def test_the_slot_is_free_as_the_call_ends_and_service_faults_are_warnings(
     levels = {r.fields["outcome"]: r.levelname for r in caplog.records if r.name == "omnistage.access"}
     assert levels == {"CANCELLED": "INFO", "INTERNAL": "WARNING", "UNAVAILABLE": "WARNING",
                       "INVALID_ARGUMENT": "INFO"}, levels  # fmt: skip
+
+
+def test_a_bug_in_the_http_door_counts_internal_not_cancelled(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crash while the HTTP door makes a reply (whole or streamed) fails the request INTERNAL,
+    as the gRPC door's does (its access line a WARNING); it was counted CANCELLED at INFO."""
+    import httpx
+
+    import gateway.http_api as http_api
+    from gateway.server import GatewayService
+    from omnistage.config import parse_config
+    from omnistage.models import open_checkpoint
+
+    async def broken_whole(self: Any, req: Any, responses: Any) -> Any:
+        async for _ in responses:
+            raise RuntimeError("a bug")
+
+    async def broken_stream(self: Any, req: Any, body: Any, first: Any, responses: Any) -> Any:
+        yield "data: {}\n\n"
+        async for _ in responses:
+            raise RuntimeError("a bug")
+
+    monkeypatch.setattr(http_api.ChatCompletions, "_whole", broken_whole)
+    monkeypatch.setattr(http_api.ChatCompletions, "_stream", broken_stream)
+    ckpt = open_checkpoint(tiny_dir)
+
+    async def go() -> GatewayService:
+        service = GatewayService(parse_config({}), ckpt, "ipv4:127.0.0.1:1")
+
+        async def chain(*args: Any) -> Any:  # a reply that goes on
+            for _ in range(20):
+                yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text="x", token_ids=[1]))
+
+        service._generate = chain  # type: ignore[method-assign]
+        transport = httpx.ASGITransport(app=http_api.build_app(service), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            for stream in (False, True):
+                with contextlib.suppress(httpx.HTTPError):
+                    await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                                     "stream": stream})  # fmt: skip
+        return service
+
+    service = asyncio.run(go())
+
+    def count(outcome: str) -> float:
+        return service.metrics.requests.labels("http", outcome)._value.get()
+
+    assert (count("INTERNAL"), count("CANCELLED")) == (2, 0)
