@@ -140,7 +140,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                              cfg.timeouts.keepalive_s)  # fmt: skip
         self.channel = self.router.shared
         self.metrics = GatewayMetrics()
-        self.active = 0
+        self.active = 0  # requests in flight: their slots (gateway.max_in_flight)
+        self.open_calls = 0  # ... and those whose stage calls are still being torn down: what a drain waits for
         self.draining = False
         self.api_key = api_key
         self.stages = cfg.stage_names()  # the chain's processes; the first is this gateway's downstream
@@ -261,6 +262,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             request.request_id = uuid.uuid4().hex
         outcome = Outcome(request.request_id, time.perf_counter(), api=api)
         self.active += 1
+        self.open_calls += 1
         self.metrics.in_flight.inc()
         replies = self._generate(request, outcome, timeout)
         try:
@@ -296,6 +298,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 e2e = time.perf_counter() - outcome.t0
                 self.metrics.observe(outcome, e2e, self.sample_rate)
                 self._access_log(outcome, e2e)
+                self.open_calls -= 1
 
     def _timeout(self, remaining: float | None) -> float:
         """The request's deadline: the client's, at most request_timeout_s (a far one would let a

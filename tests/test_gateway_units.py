@@ -993,7 +993,7 @@ def test_the_slot_is_free_as_the_call_ends_and_service_faults_are_warnings(
     from omnistage.models import open_checkpoint
     from omnistage.v1 import gateway_pb2
 
-    seen: list[int] = []
+    seen: list[tuple[int, int]] = []
 
     async def run_all() -> GatewayService:
         service = GatewayService(parse_config({}), open_checkpoint(tiny_dir), "ipv4:127.0.0.1:1")
@@ -1004,7 +1004,7 @@ def test_the_slot_is_free_as_the_call_ends_and_service_faults_are_warnings(
                 yield gateway_pb2.GenerateResponse()
                 await asyncio.sleep(60)
             finally:
-                seen.append(service.active)  # the slot, while its calls are torn down
+                seen.append((service.active, service.open_calls))  # the slot, while its calls are torn down
                 await teardown.wait()
 
         async def failing(code: grpc.StatusCode) -> Any:
@@ -1016,9 +1016,10 @@ def test_the_slot_is_free_as_the_call_ends_and_service_faults_are_warnings(
         await replies.__anext__()
         closing = asyncio.ensure_future(replies.aclose())  # the client cancels
         await asyncio.sleep(0.05)
-        assert not closing.done() and seen == [0]
+        assert not closing.done() and seen == [(0, 1)]  # the slot is free; a drain still waits for it
         teardown.set()
         await closing
+        assert service.open_calls == 0
         for code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT):
             service._generate = lambda *a, c=code: failing(c)  # type: ignore[method-assign]
             with contextlib.suppress(GatewayError):
