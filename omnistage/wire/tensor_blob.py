@@ -523,7 +523,8 @@ def _decode_unsplit(chunk: Chunk, reader: SegmentReader | None, views: Mapping[s
 
 # A split tensor's destination is allocated whole once what arrived is at least this share of it
 # (or it is small): allocated at the first piece, a piece of a few bytes could claim the declared
-# size, up to `max_bytes` (8 GiB) of address space per stream. Pieces before that are kept as they came.
+# size, up to `max_bytes` (8 GiB) of address space per stream. What comes before is copied into a
+# buffer the size of what came (kept as pieces, many tiny ones would hold far more than their bytes).
 _ALLOCATE_AT_SHARE = 8
 _ALLOCATE_SMALL = 1 << 20
 
@@ -537,26 +538,23 @@ class _Filling:
     numel: int
     filled: int = 0  # elements so far
     dest: np.ndarray | None = None  # the whole tensor's bytes, once allocated
-    early: list[np.ndarray] = field(default_factory=list)  # pieces that came before `dest`
+    early: bytearray = field(default_factory=bytearray)  # what came before `dest`
 
     def add(self, piece: np.ndarray) -> None:
         """`piece`: the next elements' bytes (uint8)."""
         size = self.dtype.itemsize
         at = self.filled * size
         self.filled += piece.nbytes // size
-        if self.dest is None:
-            self.early.append(piece)
-            nbytes = self.numel * size
-            if nbytes > max(_ALLOCATE_AT_SHARE * self.filled * size, _ALLOCATE_SMALL):
-                return
-            self.dest = np.empty(nbytes, np.uint8)
-            at = 0
-            for early in self.early:
-                self.dest[at : at + early.nbytes] = early
-                at += early.nbytes
-            self.early.clear()
-        else:
+        if self.dest is not None:
             self.dest[at : at + piece.nbytes] = piece
+            return
+        self.early += piece.data
+        nbytes = self.numel * size
+        if nbytes > max(_ALLOCATE_AT_SHARE * len(self.early), _ALLOCATE_SMALL):
+            return
+        self.dest = np.empty(nbytes, np.uint8)
+        self.dest[: len(self.early)] = np.frombuffer(self.early, np.uint8)
+        self.early = bytearray()
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import pytest
@@ -180,12 +181,16 @@ def test_a_split_tensor_takes_memory_as_its_pieces_come() -> None:
     asm = ChunkAssembler()
     assert asm.push(first) is None and asm.in_progress
     assert _vm_size_kb() - before < 256 << 10  # (4 GiB is 4 << 20 kB)
-    # pieces that come are placed in order and the tensor is whole at the last part
-    asm = ChunkAssembler()
-    x = torch.arange(1000, dtype=torch.int32)
-    for i, (lo, hi) in enumerate(((0, 400), (400, 1000))):
-        part = Chunk(parts=2, part=i, seq=i)
-        part.tensors["x"].CopyFrom(tb.TensorBlob(dtype=tb.tensor_pb2.I32, shape=[1000],
-                                                 raw=x[lo:hi].numpy().tobytes(), element_offset=lo))  # fmt: skip
-        done = asm.push(part)
-    assert done is not None and torch.equal(done.tensors["x"], x)
+    # pieces that come are placed in order and the tensor is whole at the last part: a small one
+    # (allocated at once), and one of 12 MB in uneven pieces, the first ones held until an eighth came
+    for n, cuts in ((1000, (0, 400, 1000)), (3_000_000, (0, 7, 20_000, 100_000, 300_000, 301_111, 2_000_000,
+                                                        2_999_999, 3_000_000))):  # fmt: skip
+        asm = ChunkAssembler()
+        x = torch.arange(n, dtype=torch.int32)
+        pieces = list(itertools.pairwise(cuts))
+        for i, (lo, hi) in enumerate(pieces):
+            part = Chunk(parts=len(pieces), part=i, seq=i)
+            part.tensors["x"].CopyFrom(tb.TensorBlob(dtype=tb.tensor_pb2.I32, shape=[n],
+                                                     raw=x[lo:hi].numpy().tobytes(), element_offset=lo))  # fmt: skip
+            done = asm.push(part)
+        assert done is not None and torch.equal(done.tensors["x"], x), n
