@@ -367,9 +367,10 @@ def test_a_deadline_passed_waiting_for_room_says_so() -> None:
     first, second = Sink(), Sink()
     engine.open("first", {"steps": 50, "budget": 80}, first)
     engine.run_once()  # admitted: it holds 80 of the 100 tokens
-    engine.open("second", {"budget": 80}, second, deadline=time.monotonic() + 0.05)
-    engine.run_once()
-    time.sleep(0.1)
+    engine.open("second", {"budget": 80}, second, deadline=time.monotonic() + 60)
+    engine.run_once()  # queued: no room
+    assert second.req is None and engine.load()["waiting"] == 1
+    next(r for r in engine._requests.values() if r.request_id == "second").deadline = time.monotonic() - 1
     run_until_idle(engine)
     assert second.req is not None and second.req.error is not None and second.req.error.code is Code.DEADLINE_EXCEEDED
     assert "waiting to be admitted" in second.req.error.message and "cache_capacity_tokens" in second.req.error.message
