@@ -219,7 +219,7 @@ _TOP_LEVEL_NO_COUNTERPART: dict[str, Any] = {
     "use_beam_search": False, "length_penalty": 1.0, "include_stop_str_in_output": False,
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "echo": False,
     "add_generation_prompt": True, "continue_final_message": False, "chat_template": None,
-    "chat_template_kwargs": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
+    "guided_json": None, "guided_regex": None, "guided_choice": None,
     "guided_grammar": None, "return_tokens_as_token_ids": False,
 }  # fmt: skip
 
@@ -471,6 +471,20 @@ def _speaker(voice: str | AudioRef | None, voices: list[str], field: str = "audi
         return ""
     raise HttpError(400, f"{field}: unknown voice {quoted(name)}; this model has: {', '.join(voices)}",
                     param=field)  # fmt: skip
+
+
+def _template_kwargs_unused(body: ChatRequest, template: str) -> None:
+    """vLLM's `chat_template_kwargs` (Qwen3 clients send `{"enable_thinking": false}`): the
+    template is rendered with its defaults, so a variable the checkpoint's template reads is
+    refused; one it never names changes nothing and is taken."""
+    kwargs = (body.model_extra or {}).get("chat_template_kwargs")
+    if kwargs is None or kwargs == {}:
+        return
+    if not isinstance(kwargs, dict):
+        raise HttpError(400, "chat_template_kwargs: expected an object", param="chat_template_kwargs")
+    if used := sorted(k for k in kwargs if re.search(rf"\b{re.escape(str(k))}\b", template)):
+        raise HttpError(400, f"chat_template_kwargs: {', '.join(used)}: not supported by this server (the "
+                        "checkpoint's chat template is rendered with its defaults)", param="chat_template_kwargs")
 
 
 def _unsupported(body: ChatRequest) -> None:
@@ -856,6 +870,7 @@ class ChatCompletions:
         if service.cfg.audio_output:
             self.stop_ids["talker"] = service.ckpt.spec.talker_stop_ids()
         self.transcripts = Transcripts()
+        self.template = service.ckpt.chat_template  # what `chat_template_kwargs` could change
 
     async def parse(self, request: Request, model: type[BodyT]) -> BodyT:
         if not self.service.check_api_key(request.headers.get("authorization")):
@@ -878,6 +893,7 @@ class ChatCompletions:
             if "audio" in (body.modalities or ()) and not self.service.cfg.audio_output:
                 raise HttpError(400, "modalities: this stack serves text only (no talker); ask for [\"text\"]",
                                 param="modalities")  # fmt: skip
+            _template_kwargs_unused(body, self.template)
             req = to_generate_request(body, self.voices, self.transcripts.get, self.stop_ids)
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
             req.request_id = rid

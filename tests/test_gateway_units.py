@@ -310,11 +310,21 @@ def test_vllm_fields_at_the_top_level_are_honoured_or_refused() -> None:
     assert list(req.sampling["thinker"].stop_ids) == [50, 51, 8]
     for field, value in (("ignore_eos", True), ("min_tokens", 20), ("min_p", 0.9), ("best_of", 2), ("echo", True),
                          ("include_stop_str_in_output", True), ("skip_special_tokens", False),
-                         ("chat_template_kwargs", {"enable_thinking": True}), ("guided_json", {"type": "object"}),
+                         ("guided_json", {"type": "object"}),
                          ("add_generation_prompt", False), ("length_penalty", 0.5)):  # fmt: skip
         with pytest.raises(HttpError) as e:
             to_generate_request(_chat(**{field: value}), ["ethan"])
         assert e.value.status == 400 and e.value.param == field, e.value.message
+    # chat_template_kwargs: a variable the template reads is refused, one it never names changes nothing
+    from gateway.http_api import _template_kwargs_unused
+
+    template = "{%- if enable_thinking %}<think>{% endif %}{{ messages }}"
+    _template_kwargs_unused(_chat(chat_template_kwargs={"add_vision_id": True}), template)
+    _template_kwargs_unused(_chat(chat_template_kwargs={}), template)
+    for kwargs in ({"enable_thinking": False}, "x"):
+        with pytest.raises(HttpError) as e:
+            _template_kwargs_unused(_chat(chat_template_kwargs=kwargs), template)
+        assert e.value.param == "chat_template_kwargs", e.value.message
     # temperature 0: a sampled vocoder's noise is pinned too (as seed 0 pins it), unless a seed is set
     from gateway.http_api import CODE2WAV_SEED_OFFSET
 
