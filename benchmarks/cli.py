@@ -44,7 +44,8 @@ def bench(
     concurrency: Annotated[str, typer.Option("--concurrency", callback=_ints, help="Closed-loop levels, e.g. "
                                              "1,4,8,16 (default 1,4,8; with --http 1,8).")] = "",
     rate: Annotated[str, typer.Option("--rate", callback=_floats,
-                                      help="Poisson arrival rates (req/s), e.g. 2.0 or 1,2.")] = "",
+                                      help="Poisson arrival rates (req/s), e.g. 2.0 or 1,2. A rate past what "
+                                      "the stack takes gets refusals (RESOURCE_EXHAUSTED), failures (exit 1).")] = "",
     num_requests: Annotated[int, typer.Option("--num-requests", min=1, help="Requests per level.")] = 16,
     time_limit: Annotated[float, typer.Option("--time-limit", min=0, help="Seconds per level (0: none).")] = 120.0,
     prompts: Annotated[Path | None, typer.Option("--prompts", help="Prompt file, one per line.")] = None,

@@ -18,7 +18,18 @@ from typing import Any
 
 from benchmarks.common import machine_info
 from benchmarks.drivers import BenchRequest, GrpcDriver, HttpDriver
-from benchmarks.harness import BenchOptions, Run, _paired, access, command_line, running_stack
+from benchmarks.harness import (
+    BenchOptions,
+    Run,
+    _paired,
+    access,
+    check_gateway,
+    command_line,
+    running_stack,
+    settings,
+    stack_config_json,
+    stacks_run,
+)
 from benchmarks.prompts import load_prompts, request_sequence
 
 __all__ = ["main"]
@@ -35,6 +46,7 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
 
     async def go(grpc_addr: str, http_addr: str, cfg: Any) -> None:
         door = access(opts, cfg)
+        await check_gateway(grpc_addr, door, min(30.0, opts.request_timeout))
         drivers = {"grpc": GrpcDriver(grpc_addr, timeout=opts.request_timeout, openai_greedy=True, access=door),
                    "http": HttpDriver(http_addr, timeout=opts.request_timeout, access=door)}  # fmt: skip
         try:
@@ -57,6 +69,7 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
             for d in drivers.values():
                 await d.aclose()
 
+    first_stack = len(stacks_run)
     with running_stack(opts, run.log) as (grpc_addr, http_addr, cfg):
         assert grpc_addr is not None and http_addr is not None
         asyncio.run(go(grpc_addr, http_addr, cfg))
@@ -67,6 +80,8 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
     result = {"schema": "omnistage.bench.front_doors/1", "command": command or command_line(), "machine": machine,
               "requests_per_level": len(requests), "levels": rows, "failed": failed,
               "audio_samples_equal": same_audio, "configurations": [lv.to_json() for lv in run.levels],
+              "settings": settings(opts), "stack_config": stack_config_json(opts, cfg),
+              "stack_run_dirs": stacks_run[first_stack:],
               "total_seconds": time.perf_counter() - run.t0}  # fmt: skip
     table = _table(result)
     print(table)

@@ -167,6 +167,15 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     return shlex.join(args)
 
 
+def stack_config_json(opts: BenchOptions, cfg: Any) -> dict[str, Any] | None:
+    """The deploy config the measured stack ran with: one this run started (or the in-process
+    pipeline's); None for a --target, whose own config the bench does not know (a --config given
+    with it configures the local baselines only: `settings.config`)."""
+    if opts.target or cfg is None:
+        return None
+    return cfg.model_dump(mode="json")  # type: ignore[no-any-return]
+
+
 def settings(opts: BenchOptions) -> dict[str, Any]:
     """The options as a result records them: paths as text, the API key redacted."""
     out = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()}
@@ -699,7 +708,7 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
         "target": opts.target,
         "settings": settings(opts),
         # the deploy config the stack (or in-process pipeline) ran with, and its logs' folder
-        "stack_config": box["cfg"].model_dump(mode="json") if box.get("cfg") is not None else None,
+        "stack_config": stack_config_json(opts, box.get("cfg")),
         "stack_run_dirs": stacks_run[first_stack:],
         "prompts": prompts,
         "request_prompt_indices": order,

@@ -113,9 +113,10 @@ def build_request(
     stop: list[str] | None = None,
 ) -> gateway_pb2.GenerateRequest:
     """`greedy`: both stages greedy (what parity is checked on), unless `temperature` is set
-    (and not 0): then the thinker samples at that temperature (the talker stays greedy). `audio`, `images`,
-    `videos`: encoded files for the user turn, before its text. `messages`: the conversation
-    so far (earlier turns, any media in them); the prompt and media become its last user turn.
+    (and not under 1e-5, which is greedy): then the thinker samples at that temperature (the
+    talker stays greedy). `audio`, `images`, `videos`: encoded files for the user turn, before
+    its text. `messages`: the conversation so far (earlier turns, any media in them); the prompt
+    and media become its last user turn.
     `sampling`: per-stage fields set last (e.g. {"talker": {"do_sample": False}})."""
     req = gateway_pb2.GenerateRequest(want_audio=want_audio, speaker=speaker, request_id=request_id,
                                       use_audio_in_video=use_audio_in_video, audio_format=audio_format,  # type: ignore[arg-type]

@@ -464,10 +464,12 @@ def serve(
                 break
     finally:
         typer.echo("stopping ...")
-        stack.stop()
-        if kept is not None:
-            supervisor.removeHandler(kept)
-            kept.close()
+        try:
+            stack.stop()
+        finally:
+            if kept is not None:
+                supervisor.removeHandler(kept)
+                kept.close()
     raise typer.Exit(code)
 
 

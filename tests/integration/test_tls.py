@@ -184,6 +184,8 @@ def test_the_bench_reaches_a_gateway_with_tls_and_a_key(tls_stack: Stack, certs:
     # the HTTP driver counts the server's text tokens, not its deltas (held-back text joins them)
     tokens = {lv["name"]: [r["text_tokens"] for r in lv["requests"]] for lv in result["configurations"]}
     assert tokens["http c=1"] == tokens["grpc c=1"] == [3], tokens
+    # its result never holds the key; a --target's own config is not known to it
+    assert KEY not in json.dumps(result) and result["stack_config"] is None
 
 
 def test_tls_with_the_default_roots_reaches_the_gateway(tls_stack: Stack, certs: dict[str, Path],
