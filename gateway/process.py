@@ -82,7 +82,7 @@ def run_gateway(cfg: DeployConfig, ckpt: Checkpoint, host: str, port: int, think
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
-        await drain(health_state, lambda: service.open_calls > 0, cfg.timeouts.drain_grace_s, server)
+        await drain(health_state, lambda: service.active > 0, cfg.timeouts.drain_grace_s, server)
         if http is not None and http_task is not None:
             http.should_exit = True  # type: ignore[attr-defined]
             with contextlib.suppress(asyncio.CancelledError):

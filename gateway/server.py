@@ -140,8 +140,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                              cfg.timeouts.keepalive_s)  # fmt: skip
         self.channel = self.router.shared
         self.metrics = GatewayMetrics()
-        self.active = 0  # requests in flight: their slots (gateway.max_in_flight)
-        self.open_calls = 0  # ... and those whose stage calls are still being torn down: what a drain waits for
+        self.active = 0
         self.draining = False
         self.api_key = api_key
         self.stages = cfg.stage_names()  # the chain's processes; the first is this gateway's downstream
@@ -262,7 +261,6 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             request.request_id = uuid.uuid4().hex
         outcome = Outcome(request.request_id, time.perf_counter(), api=api)
         self.active += 1
-        self.open_calls += 1
         self.metrics.in_flight.inc()
         replies = self._generate(request, outcome, timeout)
         try:
@@ -285,20 +283,16 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             outcome.status = "ERROR"
             raise
         finally:
-            # the client's slot is free as its call ends: freed after the stage calls' teardown
-            # below, a client that keeps max_in_flight calls open was refused for a few ms after
-            # each cancel or deadline
-            self.active -= 1
-            self.metrics.in_flight.dec()
             try:
                 # closed here, not left to the event loop's finalizer: a caller that stops reading
                 # (its client hung up mid-stream) cancels the stage calls before the request is over
                 await replies.aclose()
             finally:
+                self.active -= 1
+                self.metrics.in_flight.dec()
                 e2e = time.perf_counter() - outcome.t0
                 self.metrics.observe(outcome, e2e, self.sample_rate)
                 self._access_log(outcome, e2e)
-                self.open_calls -= 1
 
     def _timeout(self, remaining: float | None) -> float:
         """The request's deadline: the client's, at most request_timeout_s (a far one would let a
