@@ -473,7 +473,12 @@ def _speaker(voice: str | AudioRef | None, voices: list[str], field: str = "audi
                     param=field)  # fmt: skip
 
 
-def _template_kwargs_unused(body: ChatRequest, template: str) -> None:
+def template_names(template: str) -> frozenset[str]:
+    """Every name a chat template's text holds (a superset of the variables it reads)."""
+    return frozenset(re.findall(r"[A-Za-z_]\w*", template))
+
+
+def _template_kwargs_unused(body: ChatRequest, names: frozenset[str]) -> None:
     """vLLM's `chat_template_kwargs` (Qwen3 clients send `{"enable_thinking": false}`): the
     template is rendered with its defaults, so a variable the checkpoint's template reads is
     refused; one it never names changes nothing and is taken."""
@@ -482,7 +487,7 @@ def _template_kwargs_unused(body: ChatRequest, template: str) -> None:
         return
     if not isinstance(kwargs, dict):
         raise HttpError(400, "chat_template_kwargs: expected an object", param="chat_template_kwargs")
-    if used := sorted(k for k in kwargs if re.search(rf"\b{re.escape(str(k))}\b", template)):
+    if used := sorted(k for k in kwargs if k in names):  # (a set lookup: a body may hold many keys)
         raise HttpError(400, f"chat_template_kwargs: {', '.join(used)}: not supported by this server (the "
                         "checkpoint's chat template is rendered with its defaults)", param="chat_template_kwargs")
 
@@ -870,7 +875,7 @@ class ChatCompletions:
         if service.cfg.audio_output:
             self.stop_ids["talker"] = service.ckpt.spec.talker_stop_ids()
         self.transcripts = Transcripts()
-        self.template = service.ckpt.chat_template  # what `chat_template_kwargs` could change
+        self.template_names = template_names(service.ckpt.chat_template)  # what `chat_template_kwargs` could change
 
     async def parse(self, request: Request, model: type[BodyT]) -> BodyT:
         if not self.service.check_api_key(request.headers.get("authorization")):
@@ -888,12 +893,14 @@ class ChatCompletions:
         """POST /v1/chat/completions"""
         t0, rid = time.perf_counter(), ""
         try:
-            rid = _request_id_header(request.headers.get(REQUEST_ID_HEADER))  # first: a refusal names it too
-            body = await self.parse(request, ChatRequest)
+            raw = request.headers.get(REQUEST_ID_HEADER)
+            rid = raw if raw and not bad_request_id(raw) else ""  # a refusal names it too
+            body = await self.parse(request, ChatRequest)  # (the API key first, as over gRPC)
+            _request_id_header(raw)
             if "audio" in (body.modalities or ()) and not self.service.cfg.audio_output:
                 raise HttpError(400, "modalities: this stack serves text only (no talker); ask for [\"text\"]",
                                 param="modalities")  # fmt: skip
-            _template_kwargs_unused(body, self.template)
+            _template_kwargs_unused(body, self.template_names)
             req = to_generate_request(body, self.voices, self.transcripts.get, self.stop_ids)
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
             req.request_id = rid
@@ -909,8 +916,10 @@ class ChatCompletions:
         """POST /v1/audio/speech"""
         t0, rid = time.perf_counter(), ""
         try:
-            rid = _request_id_header(request.headers.get(REQUEST_ID_HEADER))  # first: a refusal names it too
-            body = await self.parse(request, SpeechRequest)
+            raw = request.headers.get(REQUEST_ID_HEADER)
+            rid = raw if raw and not bad_request_id(raw) else ""  # a refusal names it too
+            body = await self.parse(request, SpeechRequest)  # (the API key first, as over gRPC)
+            _request_id_header(raw)
             if not self.service.cfg.audio_output:
                 raise HttpError(400, "this stack serves text only (no talker): it cannot speak", code="text_only")
             # the reply and its stop id within the thinker's limit, the prompt not counted yet
@@ -925,7 +934,8 @@ class ChatCompletions:
             media += f";rate={self.service.sample_rate}"
         # the status waits for the first audio: a stage that fails before it gets its own status
         return await self._serve(request, req, timeout, lambda responses: self._first(responses, audio=True),
-                                 lambda first, responses: _speech_stream(first, responses, sse), media)  # fmt: skip
+                                 lambda first, responses: _speech_stream(first, responses, sse, req.request_id),
+                                 media)  # fmt: skip
 
     def _refused(self, e: HttpError, t0: float, request_id: str) -> Response:
         """A request refused before it started: counted, logged with its reason, how long it took
@@ -979,8 +989,7 @@ class ChatCompletions:
         headers.update({"cache-control": "no-cache", "x-accel-buffering": "no"})
         # `stream` closes `responses` when it ends; a client gone before it ever ran leaves that
         # to the background task (the request is then cancelled down the chain at once)
-        return _Delivered(_failing_as_internal(stream(result, responses), responses, req.request_id),
-                          media_type=media_type, headers=headers,
+        return _Delivered(stream(result, responses), media_type=media_type, headers=headers,
                           background=BackgroundTask(responses.aclose),
                           deliver=lambda write: self.service.deliver(write, responses, req.request_id))  # fmt: skip
 
@@ -1092,6 +1101,9 @@ class ChatCompletions:
             yield "data: [DONE]\n\n"
         except GatewayError as e:  # the status line went out already: the error is the last event
             yield _sse(_from_gateway(e).body())
+        except Exception:  # a bug: INTERNAL, as over gRPC (closed first, it counted CANCELLED)
+            await fail_replies(responses, internal_failure(rid))
+            raise
         finally:
             await responses.aclose()
 
@@ -1114,20 +1126,6 @@ class _Delivered(StreamingResponse):
             await super().stream_response(timed)
 
 
-async def _failing_as_internal(pieces: AsyncIterator[str | bytes], responses: Replies,
-                               request_id: str) -> AsyncIterator[str | bytes]:  # fmt: skip
-    """A streamed reply's pieces; a bug while making them fails the request INTERNAL (its access
-    line and metrics, at WARNING), as it does over gRPC, not CANCELLED."""
-    try:
-        async for piece in pieces:
-            yield piece
-    except (GatewayError, HttpError, asyncio.CancelledError):
-        raise
-    except Exception:
-        await fail_replies(responses, internal_failure(request_id))
-        raise
-
-
 async def _cancel(task: asyncio.Future[Any], responses: Replies) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, HttpError):
@@ -1143,7 +1141,7 @@ async def _chain(first: list[gateway_pb2.GenerateResponse], rest: Replies) -> Re
 
 
 async def _speech_stream(first: list[gateway_pb2.GenerateResponse], responses: Replies,
-                         sse: bool) -> AsyncIterator[str | bytes]:  # fmt: skip
+                         sse: bool, request_id: str) -> AsyncIterator[str | bytes]:  # fmt: skip
     """The speech's bytes as they are encoded, or OpenAI's speech events (`sse`). An error after
     the first audio ends the bytes early (an `error` event with `sse`)."""
     try:
@@ -1165,6 +1163,9 @@ async def _speech_stream(first: list[gateway_pb2.GenerateResponse], responses: R
         if not sse:
             raise  # the connection is cut, not closed as if the audio were whole
         yield _sse({"type": "error", **_from_gateway(e).body()})
+    except Exception:  # a bug: INTERNAL, as over gRPC (closed first, it counted CANCELLED)
+        await fail_replies(responses, internal_failure(request_id))
+        raise
     finally:
         await responses.aclose()
 

@@ -316,9 +316,9 @@ def test_vllm_fields_at_the_top_level_are_honoured_or_refused() -> None:
             to_generate_request(_chat(**{field: value}), ["ethan"])
         assert e.value.status == 400 and e.value.param == field, e.value.message
     # chat_template_kwargs: a variable the template reads is refused, one it never names changes nothing
-    from gateway.http_api import _template_kwargs_unused
+    from gateway.http_api import _template_kwargs_unused, template_names
 
-    template = "{%- if enable_thinking %}<think>{% endif %}{{ messages }}"
+    template = template_names("{%- if enable_thinking %}<think>{% endif %}{{ messages }}")
     _template_kwargs_unused(_chat(chat_template_kwargs={"add_vision_id": True}), template)
     _template_kwargs_unused(_chat(chat_template_kwargs={}), template)
     for kwargs in ({"enable_thinking": False}, "x"):
@@ -1041,13 +1041,11 @@ def test_a_bug_in_the_http_door_counts_internal_not_cancelled(tiny_dir: Path, mo
         async for _ in responses:
             raise RuntimeError("a bug")
 
-    async def broken_stream(self: Any, req: Any, body: Any, first: Any, responses: Any) -> Any:
-        yield "data: {}\n\n"
-        async for _ in responses:
-            raise RuntimeError("a bug")
+    def broken_sse(event: Any) -> str:  # the real streamer's events: a bug in making one
+        raise RuntimeError("a bug")
 
     monkeypatch.setattr(http_api.ChatCompletions, "_whole", broken_whole)
-    monkeypatch.setattr(http_api.ChatCompletions, "_stream", broken_stream)
+    monkeypatch.setattr(http_api, "_sse", broken_sse)
     ckpt = open_checkpoint(tiny_dir)
 
     async def go() -> GatewayService:
