@@ -81,6 +81,7 @@ from starlette.types import Send
 from gateway.audio_out import FORMAT_NAMES, MIME
 from gateway.server import (
     MAX_REQUEST_ID_CHARS,
+    REQUEST_ID_KEY,
     GatewayError,
     GatewayService,
     bad_request_id,
@@ -325,8 +326,6 @@ def _subclasses(cls: type) -> list[type]:
 _MODELS = frozenset(c.__name__ for c in _subclasses(_Body))  # union branches pydantic names in paths
 Replies = AsyncGenerator[gateway_pb2.GenerateResponse, None]
 
-
-REQUEST_ID_HEADER = "x-request-id"  # the reply's, and a client's own when it sends one
 
 # answered before the body was read: the connection closes after (a client still sending it would
 # keep it open with no keep-alive timer: uvicorn restarts that timer only when a response ends)
@@ -695,8 +694,8 @@ def _request_id_header(value: str | None) -> str:
     """A client's own request id (`x-request-id`, as a proxy in front sets it), checked as the
     gRPC door checks `request_id`; "": the gateway makes one."""
     if value is not None and bad_request_id(value):
-        raise HttpError(400, f"header {REQUEST_ID_HEADER}: at most {MAX_REQUEST_ID_CHARS} printable ASCII characters",
-                        param=REQUEST_ID_HEADER)  # fmt: skip
+        raise HttpError(400, f"header {REQUEST_ID_KEY}: at most {MAX_REQUEST_ID_CHARS} printable ASCII characters",
+                        param=REQUEST_ID_KEY)  # fmt: skip
     return value or ""
 
 
@@ -893,7 +892,7 @@ class ChatCompletions:
         """POST /v1/chat/completions"""
         t0, rid = time.perf_counter(), ""
         try:
-            raw = request.headers.get(REQUEST_ID_HEADER)
+            raw = request.headers.get(REQUEST_ID_KEY)
             rid = raw if raw and not bad_request_id(raw) else ""  # a refusal names it too
             body = await self.parse(request, ChatRequest)  # (the API key first, as over gRPC)
             _request_id_header(raw)
@@ -916,7 +915,7 @@ class ChatCompletions:
         """POST /v1/audio/speech"""
         t0, rid = time.perf_counter(), ""
         try:
-            raw = request.headers.get(REQUEST_ID_HEADER)
+            raw = request.headers.get(REQUEST_ID_KEY)
             rid = raw if raw and not bad_request_id(raw) else ""  # a refusal names it too
             body = await self.parse(request, SpeechRequest)  # (the API key first, as over gRPC)
             _request_id_header(raw)
@@ -943,7 +942,7 @@ class ChatCompletions:
         self.service.refused("http", refusal_outcome(e.status), e.message, time.perf_counter() - t0, request_id)
         response = e.response()
         if request_id:
-            response.headers[REQUEST_ID_HEADER] = request_id
+            response.headers[REQUEST_ID_KEY] = request_id
         return response
 
     async def _serve(self, request: Request, req: gateway_pb2.GenerateRequest, timeout: float | None,
@@ -955,7 +954,7 @@ class ChatCompletions:
         request the gateway or a stage refuses gets its own status; a hang-up meanwhile cancels
         it down the chain."""
         req.request_id = req.request_id or uuid.uuid4().hex
-        headers = {REQUEST_ID_HEADER: req.request_id}
+        headers = {REQUEST_ID_KEY: req.request_id}
         responses = self._responses(req, timeout)
         task = asyncio.ensure_future(start(responses))
         gone = asyncio.ensure_future(_disconnect(request))
@@ -1237,7 +1236,7 @@ def build_app(service: GatewayService) -> Starlette:
 
     origins = service.cfg.gateway.cors_allow_origins
     middleware = [Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"], allow_headers=["*"],
-                             expose_headers=["x-request-id"])] if origins else []  # fmt: skip
+                             expose_headers=[REQUEST_ID_KEY])] if origins else []  # fmt: skip
     return Starlette(routes=[
         Route("/v1/chat/completions", chat.handle, methods=["POST"]),
         Route("/v1/audio/speech", chat.speech, methods=["POST"]),
