@@ -277,6 +277,33 @@ class HttpDriver(Driver):
         self.timeout = timeout
         self._client: Any = None
 
+    def _http(self) -> Any:
+        if self._client is None:
+            import ssl
+
+            import httpx
+
+            verify: Any = True
+            if self.access.tls_ca is not None:
+                verify = ssl.create_default_context(cadata=self.access.tls_ca.decode())
+            headers = {"authorization": f"Bearer {self.access.api_key}"} if self.access.api_key else None
+            self._client = httpx.AsyncClient(timeout=self.timeout, verify=verify, headers=headers)
+        return self._client
+
+    @property
+    def _named(self) -> dict[str, Any] | None:
+        # (tls.server_name: the name the certificate is verified for, in place of the URL's host)
+        return {"sni_hostname": self.access.server_name} if self.access.server_name else None
+
+    async def check(self, timeout: float) -> None:
+        """One GET /v1/models: raises unless an omnistage HTTP front door answers it (with the key)."""
+        response = await self._http().get(self.url.replace("/chat/completions", "/models"), timeout=timeout,
+                                          extensions=self._named)  # fmt: skip
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]!r}")
+        if not isinstance(response.json().get("data"), list):
+            raise RuntimeError(f"no model list in {response.text[:200]!r}")
+
     @staticmethod
     def body(req: BenchRequest) -> dict[str, Any]:
         """The chat request: greedy, streamed, with the request's thinker and talker limits."""
@@ -293,21 +320,10 @@ class HttpDriver(Driver):
         import base64
         import json
 
-        import httpx
 
-        if self._client is None:
-            import ssl
-
-            verify: Any = True
-            if self.access.tls_ca is not None:
-                verify = ssl.create_default_context(cadata=self.access.tls_ca.decode())
-            headers = {"authorization": f"Bearer {self.access.api_key}"} if self.access.api_key else None
-            self._client = httpx.AsyncClient(timeout=self.timeout, verify=verify, headers=headers)
         events: list[StreamEvent] = []
         info: dict[str, Any] = {}
-        # (tls.server_name: the name the certificate is verified for, in place of the URL's host)
-        named = {"sni_hostname": self.access.server_name} if self.access.server_name else None
-        async with self._client.stream("POST", self.url, json=self.body(req), extensions=named) as response:
+        async with self._http().stream("POST", self.url, json=self.body(req), extensions=self._named) as response:
             if response.status_code != 200:
                 raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
             async for line in response.aiter_lines():

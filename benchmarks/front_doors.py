@@ -21,6 +21,7 @@ from benchmarks.drivers import BenchRequest, GrpcDriver, HttpDriver
 from benchmarks.harness import (
     BenchOptions,
     Run,
+    TargetError,
     _paired,
     access,
     check_gateway,
@@ -46,10 +47,16 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
 
     async def go(grpc_addr: str, http_addr: str, cfg: Any) -> None:
         door = access(opts, cfg)
-        await check_gateway(grpc_addr, door, min(30.0, opts.request_timeout))
         drivers = {"grpc": GrpcDriver(grpc_addr, timeout=opts.request_timeout, openai_greedy=True, access=door),
                    "http": HttpDriver(http_addr, timeout=opts.request_timeout, access=door)}  # fmt: skip
         try:
+            # both doors answer before anything is measured (a wrong --http-target failed every HTTP request)
+            try:
+                await drivers["http"].check(min(30.0, opts.request_timeout))
+            except Exception as e:
+                where = f"--http-target {http_addr}" if opts.target else f"the HTTP port this run started ({http_addr})"
+                raise TargetError(f"{where}: no omnistage HTTP front door answers there ({e})") from None
+            await check_gateway(grpc_addr, door, min(30.0, opts.request_timeout), "--target" if opts.target else None)
             for d in drivers.values():
                 await run.warm(d)
             for k, c in enumerate(levels):

@@ -419,7 +419,7 @@ class TargetError(Exception):
     """The --target is no gateway that answers: said before any figure is measured."""
 
 
-async def check_gateway(target: str, door: Access, timeout: float) -> None:
+async def check_gateway(target: str, door: Access, timeout: float, option: str | None = "--target") -> None:
     """One Gateway.Info call: a refused port, a stage's port or an HTTP port fails here, at once,
     not after every baseline has run (each of the target's requests failed, reported at the end)."""
     import grpc
@@ -432,14 +432,16 @@ async def check_gateway(target: str, door: Access, timeout: float) -> None:
         try:
             await gateway_pb2_grpc.GatewayStub(channel).Info(stage_pb2.InfoRequest(), timeout=timeout, metadata=key)
         except grpc.aio.AioRpcError as e:
-            raise TargetError(f"--target {target}: no omnistage gateway answers there "
+            where = f"{option} {target}" if option else f"the gateway this run started ({target})"
+            raise TargetError(f"{where}: no omnistage gateway answers there "
                               f"({e.code().name}: {e.details()})") from None  # fmt: skip
 
 
 async def _sut_phase(run: Run, target: str | None, pipe: Any, cfg: Any = None) -> None:
     opts = run.opts
     if target is not None:
-        await check_gateway(target, access(opts, cfg), min(30.0, opts.request_timeout))
+        await check_gateway(target, access(opts, cfg), min(30.0, opts.request_timeout),
+                            "--target" if opts.target else None)
         driver: Driver = GrpcDriver(target, timeout=opts.request_timeout, access=access(opts, cfg))
         sut = "grpc"
     else:

@@ -53,6 +53,16 @@ def test_a_target_where_no_gateway_answers_fails_before_anything_runs() -> None:
     assert "monolithic" not in result.output  # (no baseline ran)
 
 
+def test_an_http_target_where_no_front_door_answers_fails_before_anything_runs() -> None:
+    """`--http`'s HTTP port is checked too: a wrong --http-target failed every HTTP request, said at the end."""
+    port = free_port_block(1)
+    result = CliRunner().invoke(bench_app, ["--http", "--target", f"127.0.0.1:{port}", "--http-target",
+                                            f"127.0.0.1:{port}", "--concurrency", "1", "--num-requests", "1",
+                                            "--no-progress", "--warmup", "0"])  # fmt: skip
+    assert result.exit_code == 1, (result.exit_code, result.output[-2000:])
+    assert f"--http-target 127.0.0.1:{port}: no omnistage HTTP front door answers there" in result.output
+
+
 def test_failed_levels_names_every_level_that_lost_requests() -> None:
     """A level where some requests failed is named too: its latency figures cover only those that
     succeeded (7 of 12 timed out once, and the level's p99 sat just under the deadline, exit 0)."""

@@ -637,6 +637,23 @@ def test_api_key_is_required_on_both_front_doors(http_stack: Stack, tmp_path: Pa
             run(gateway_info(None))
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert run(gateway_info((("authorization", "Bearer s3cret"),))).role == "gateway"
+
+        # `bench --http`'s check of its HTTP door: the key and the port are both checked before it measures
+        from benchmarks.drivers import Access, HttpDriver
+
+        async def check(address: str, key: str | None) -> str | None:
+            driver = HttpDriver(address, access=Access(api_key=key))
+            try:
+                await driver.check(10)
+            except Exception as e:
+                return str(e)
+            finally:
+                await driver.aclose()
+            return None
+
+        assert run(check(http_addr, "s3cret")) is None
+        assert "HTTP 401" in (run(check(http_addr, "wrong")) or "")
+        assert run(check(grpc_addr, "s3cret")) is not None  # the gRPC port is no HTTP front door
     finally:
         proc.terminate()
         proc.wait(timeout=30)
