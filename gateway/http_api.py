@@ -905,6 +905,8 @@ class ChatCompletions:
             req.request_id = rid
         except HttpError as e:
             return self._refused(e, t0, rid)
+        except Exception:  # a bug in reading the body: INTERNAL, with an access line (it had none)
+            return self._crashed(t0, rid)
         if not body.stream:
             return await self._serve(request, req, timeout,
                                      lambda responses: _entry_named(self._whole(req, responses), body))
@@ -927,6 +929,8 @@ class ChatCompletions:
             req.request_id = rid
         except HttpError as e:
             return self._refused(e, t0, rid)
+        except Exception:  # a bug in reading the body: INTERNAL, with an access line (it had none)
+            return self._crashed(t0, rid)
         sse = body.stream_format == "sse"
         media = "text/event-stream" if sse else MIME[req.audio_format]
         if req.audio_format == gateway_pb2.AudioFormat.PCM16:  # raw samples: their rate is not in them
@@ -935,6 +939,13 @@ class ChatCompletions:
         return await self._serve(request, req, timeout, lambda responses: self._first(responses, audio=True),
                                  lambda first, responses: _speech_stream(first, responses, sse, req.request_id),
                                  media)  # fmt: skip
+
+    def _crashed(self, t0: float, request_id: str) -> Response:
+        log.exception("http: internal error on request %s", request_id or "-")
+        error = HttpError(500, internal_failure(request_id or "-").message, "server_error")
+        response = self._refused(error, t0, request_id)
+        response.headers["x-should-retry"] = "false"  # as `internal_error`'s
+        return response
 
     def _refused(self, e: HttpError, t0: float, request_id: str) -> Response:
         """A request refused before it started: counted, logged with its reason, how long it took
@@ -1013,8 +1024,9 @@ class ChatCompletions:
         return pieces
 
     async def _whole(self, req: gateway_pb2.GenerateRequest, responses: Replies) -> Response:
-        text, audio = [], []
-        final = gateway_pb2.Final()
+        text: list[str] = []
+        audio: list[bytes] = []
+        reply: Response | None = None
         try:
             async for resp in responses:
                 kind = resp.WhichOneof("kind")
@@ -1022,12 +1034,15 @@ class ChatCompletions:
                     text.append(resp.text.text)
                 elif kind == "audio":
                     audio.append(resp.audio.data)
-                else:
-                    final = resp.final
+                else:  # made while `responses` waits at its final: a bug here fails the request INTERNAL
+                    reply = self._whole_reply(req, "".join(text), audio, resp.final)  # (once it ended, OK)
         except GatewayError as e:
             raise _from_gateway(e) from None
+        return reply if reply is not None else self._whole_reply(req, "".join(text), audio, gateway_pb2.Final())
+
+    def _whole_reply(self, req: gateway_pb2.GenerateRequest, content: str, audio: list[bytes],
+                     final: gateway_pb2.Final) -> Response:  # fmt: skip
         created = int(time.time())
-        content = "".join(text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if req.want_audio:
             audio_id = _audio_id()

@@ -8,6 +8,7 @@ import base64
 import contextlib
 import io
 import json
+import logging
 import time
 import wave
 from pathlib import Path
@@ -633,9 +634,10 @@ def test_a_failure_nothing_answered_is_an_openai_error_not_retried(monkeypatch: 
     def broken(*args: Any) -> Any:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(http_api, "to_generate_request", broken)
     client = TestClient(http_api.build_app(service), raise_server_exceptions=False)  # type: ignore[arg-type]
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    with monkeypatch.context() as m:
+        m.setattr(service, "check_api_key", broken)  # (a chat request's own bugs are its handler's: INTERNAL)
+        r = client.get("/v1/models")
     assert r.status_code == 500 and r.headers["x-should-retry"] == "false"
     assert r.json()["error"] == {"message": "internal error: RuntimeError", "type": "server_error", "param": None,
                                  "code": None}  # fmt: skip
@@ -1070,3 +1072,51 @@ def test_a_bug_in_the_http_door_counts_internal_not_cancelled(tiny_dir: Path, mo
         return service.metrics.requests.labels("http", outcome)._value.get()
 
     assert (count("INTERNAL"), count("CANCELLED")) == (2, 0)
+
+
+def test_a_bug_before_or_after_the_reply_runs_counts_internal(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """A crash in making the whole reply once the stages are done, or in reading the body before
+    they start: INTERNAL with an access line, a JSON 500. The first counted OK (the reply's
+    generator had ended) while its client got a 500; the second had no access line and no count."""
+    import httpx
+
+    import gateway.http_api as http_api
+    from gateway.server import GatewayService
+    from omnistage.config import parse_config
+    from omnistage.models import open_checkpoint
+
+    ckpt = open_checkpoint(tiny_dir)
+    body = {"messages": [{"role": "user", "content": "hi"}], "modalities": ["text"]}
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    async def go() -> tuple[GatewayService, list[httpx.Response]]:
+        service = GatewayService(parse_config({}), ckpt, "ipv4:127.0.0.1:1")
+
+        async def chain(*args: Any) -> Any:  # a whole reply: text, then its end
+            yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text="x", token_ids=[1]))
+            yield gateway_pb2.GenerateResponse(final=gateway_pb2.Final(finish_reason="stop"))
+
+        service._generate = chain  # type: ignore[method-assign]
+        transport = httpx.ASGITransport(app=http_api.build_app(service), raise_app_exceptions=False)
+        got = []
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            got.append(await client.post("/v1/chat/completions", json=body))  # as it is: OK
+            with monkeypatch.context() as m:
+                m.setattr(http_api, "_usage", broken)  # the reply's usage, made after the stages are done
+                got.append(await client.post("/v1/chat/completions", json=body))
+            with monkeypatch.context() as m:
+                m.setattr(http_api, "to_generate_request", broken)  # before any stage is asked
+                got.append(await client.post("/v1/chat/completions", json=body, headers={"x-request-id": "r-9"}))
+        return service, got
+
+    with caplog.at_level(logging.INFO, logger="omnistage.access"):
+        service, got = asyncio.run(go())
+    assert [r.status_code for r in got] == [200, 500, 500] and got[2].headers["x-should-retry"] == "false"
+    assert got[2].json()["error"]["type"] == "server_error" and "r-9" in got[2].json()["error"]["message"]
+    count = service.metrics.requests.labels
+    assert (count("http", "ok")._value.get(), count("http", "INTERNAL")._value.get()) == (1, 2)
+    lines = [r for r in caplog.records if r.name == "omnistage.access"]
+    assert [r.fields["outcome"] for r in lines] == ["ok", "INTERNAL", "INTERNAL"], lines  # type: ignore[attr-defined]
