@@ -72,10 +72,11 @@ def client_ids(detail: str, stage_id: str, request_id: str) -> str:
 class GatewayError(Exception):
     """A request the gateway ends with this status (both front doors map it)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s  # a refusal a later try may pass (a full gateway): when to try
 
 
 async def fail_replies(replies: AsyncGenerator[Any, None], error: GatewayError) -> None:
@@ -91,15 +92,21 @@ def internal_failure(request_id: str) -> GatewayError:
                         "log has it)")  # fmt: skip
 
 
-async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, request_id: str) -> None:
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, request_id: str,
+                 retry_after_s: float | None = None) -> None:  # fmt: skip
     """context.abort, bounded: a status queues behind the reply's unsent pieces, so for a client
     that takes none of them it would hold this handler (and the call's memory here) until the
     client went away. Past ABORT_WAIT_S the handler ends; gRPC keeps the status queued for it.
     The request's id goes in the trailing metadata too: a call that fails before its first
-    message has no initial metadata at its client (gRPC sends the status alone)."""
+    message has no initial metadata at its client (gRPC sends the status alone). `retry_after_s`
+    is gRPC's retry pushback, which a client with a retry policy for the status waits (HTTP's 429
+    says retry-after)."""
+    trailing = [(REQUEST_ID_KEY, request_id)]
+    if retry_after_s is not None:
+        trailing.append(("grpc-retry-pushback-ms", str(round(1000 * retry_after_s))))
     try:
         async with asyncio.timeout(ABORT_WAIT_S):
-            await context.abort(code, message, trailing_metadata=((REQUEST_ID_KEY, request_id),))
+            await context.abort(code, message, trailing_metadata=tuple(trailing))
     except TimeoutError:
         raise asyncio.CancelledError from None
 
@@ -267,7 +274,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             if self.active > self.cfg.gateway.max_in_flight:  # shed at once: queued, it would wait to its deadline
                 outcome.shed = True
                 raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"gateway: {self.active - 1} requests in "
-                                   f"flight, its limit (gateway.max_in_flight); retry later")  # fmt: skip
+                                   "flight, its limit (gateway.max_in_flight); retry later",
+                                   retry_after_s=1.0)  # fmt: skip
             async for resp in replies:
                 yield resp
         except GatewayError as e:
@@ -540,7 +548,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             async for resp in replies:
                 await self.deliver(context.write(resp), replies, request.request_id)
         except GatewayError as e:
-            await _abort(context, e.code, e.message, request.request_id)
+            await _abort(context, e.code, e.message, request.request_id, e.retry_after_s)
         except Exception:
             if context.cancelled():  # a write failed as the client hung up (or its deadline passed): no one to tell
                 return

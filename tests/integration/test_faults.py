@@ -347,8 +347,8 @@ def test_a_request_too_big_to_replay_on_a_hop_is_replayed_by_the_gateway(tiny_di
 
 
 def test_requests_past_the_gateways_limit_are_refused_at_once(tiny_dir: Path, tmp_path: Path) -> None:
-    """`gateway.max_in_flight` requests run; one more is refused RESOURCE_EXHAUSTED at once (HTTP
-    429 with retry-after), not queued to its deadline; once they end, requests run again."""
+    """`gateway.max_in_flight` requests run; one more is refused RESOURCE_EXHAUSTED at once (with
+    gRPC's retry pushback; HTTP 429 with retry-after), not queued to its deadline; once they end, requests run again."""
     import httpx
 
     cfg = stack_config(gateway={"max_in_flight": 2, "http_port": free_port_block(1)}, talker={"replicas": 1})
@@ -365,6 +365,8 @@ def test_requests_past_the_gateways_limit_are_refused_at_once(tiny_dir: Path, tm
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await stub.Generate(build_request("one more", thinker_max_tokens=4), timeout=60).read()
                 refused_in = time.monotonic() - t0
+                # gRPC's retry pushback, as HTTP's retry-after (a client with a retry policy waits it)
+                assert ("grpc-retry-pushback-ms", "1000") in tuple(err.value.trailing_metadata() or ())
                 async with httpx.AsyncClient() as http:
                     r = await http.post(f"http://{s.http_address}/v1/chat/completions", timeout=60,
                                         json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
