@@ -459,6 +459,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         attempt = 0
         while True:
             channel, done = self.router.pick()
+            was_serving = channel.get_state() == grpc.ChannelConnectivity.READY  # (see the replay's wait)
             # Stage.Stream; responses parsed without copying tensors
             call = stage_stream(channel)(messages(), timeout=max(deadline - time.monotonic(), 0.001))
             call.add_done_callback(done)
@@ -482,11 +483,17 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 lost = lost_peer(code, detail) and not detail.startswith(self.stages[1:])
                 if lost and attempt < self.cfg.failover.attempts and deadline - time.monotonic() > 0.5:
                     attempt += 1
-                    self.metrics.replays.inc()
                     log.warning("gateway: request %s lost its %s call (%s); replaying it (attempt %d)",
                                 request_id, self.stages[0], detail, attempt)  # fmt: skip
                     await asyncio.sleep(REPLAY_BACKOFF_S * 2 ** (attempt - 1))  # the channel sees the loss
-                    continue
+                    # a thinker replica serves, or one comes back (restarted) within the wait and the
+                    # deadline; only for a call its replica served when it opened (StageService._replica_back)
+                    wait = min(self.cfg.failover.replica_wait_s, deadline - time.monotonic() - 0.5)
+                    if not was_serving or await self.router.wait_for_replica(max(wait, 0.0)):
+                        self.metrics.replays.inc()
+                        continue
+                    detail += (f" (no replica served again within failover.replica_wait_s, "
+                               f"{self.cfg.failover.replica_wait_s:g} s)")  # fmt: skip
                 if lost_peer(code, detail) and not detail.startswith(self.stages):
                     code = grpc.StatusCode.UNAVAILABLE
                     detail = f"{self.stages[0]} unavailable at {self.thinker_target}: {detail}"

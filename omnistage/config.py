@@ -207,6 +207,10 @@ class FailoverConfig(_Strict):
     Start; the caller's own client sees no error and the same greedy output."""
 
     attempts: int = Field(3, ge=0, le=10, description="replays per request and hop; 0 turns failover off")
+    replica_wait_s: float = Field(30.0, ge=0, le=3600,
+                                  description="how long a replay waits for a replica of the hop to serve when none "
+                                  "does (the only one lost, until it is restarted), within the request's deadline; "
+                                  "0: replay at once")  # fmt: skip
     replay_budget_bytes: int = Field(64 * 1024 * 1024, ge=0, le=1 << 34,
                                      description="what a request may have sent downstream and still be "
                                      "replayed (kept in memory until it ends)")  # fmt: skip

@@ -55,6 +55,7 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
         replay_budget_bytes=cfg.failover.replay_budget_bytes,
         replay_memory_bytes=cfg.failover.replay_memory_bytes,
         failover_attempts=cfg.failover.attempts,
+        replica_wait_s=cfg.failover.replica_wait_s,
         routing=cfg.routing,
         tls=cfg.tls,
         below=stages_below(name, cfg.stage_names()),

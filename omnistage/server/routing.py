@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -79,6 +81,19 @@ class Router:
             self.outstanding[best] -= 1
 
         return self.replicas[best][1], done
+
+    async def wait_for_replica(self, timeout: float) -> bool:
+        """Whether a replica serves (a channel READY: gRPC's health Watch says SERVING), waiting
+        up to `timeout` s for one: after a lost replica, the process restarted on its port
+        (`serve`'s) or a rescheduled pod, when no other replica serves meanwhile."""
+        channels = [self.shared] if self.policy == "round_robin" else [ch for _, ch in self.replicas]
+        deadline = time.monotonic() + timeout
+        while not any(ch.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY for ch in channels):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            await asyncio.sleep(min(0.1, left))  # (only while no replica serves)
+        return True
 
     async def close(self) -> None:
         await self.shared.close()

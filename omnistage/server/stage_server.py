@@ -111,6 +111,7 @@ class _Call:
         self.down_call: Any = None
         self.attempt = 0  # the downstream call's attempt: 0, then one more per replay
         self.down_start: stage_pb2.Start | None = None
+        self.down_was_serving = False  # its replica served when the call was opened (see _replica_back)
         self.failed = False  # the request failed: its input is read and dropped until the call ends
         # set once the request's cache is reserved, or it ended (a worker that holds its input until then)
         self.admitted = asyncio.Event()
@@ -280,6 +281,7 @@ class StageService:
         replay_budget_bytes: int = 64 << 20,
         replay_memory_bytes: int = 1 << 30,
         failover_attempts: int = 3,
+        replica_wait_s: float = 30.0,
         routing: str = "round_robin",
         tls: TlsConfig | None = None,
         below: Sequence[str] | None = None,
@@ -308,6 +310,7 @@ class StageService:
         self.replay_budget_bytes = replay_budget_bytes
         self.replay_memory = ReplayMemory(replay_memory_bytes)
         self.failover_attempts = failover_attempts
+        self.replica_wait_s = replica_wait_s
         self.keepalive_s = keepalive_s
         self.pool = ShmPool(enabled=shm)
         self.reader = ShmReader(enabled=shm)
@@ -582,6 +585,7 @@ class StageService:
             call.down_start = downstream_start(req.params, self.edge_mode, seeds)
         start = call.down_start
         channel, done = self._downstream().pick()
+        call.down_was_serving = channel.get_state() == grpc.ChannelConnectivity.READY
         call.down_call = stage_stream(channel, relay=True)(
             self._down_messages(req, call, start, call.attempt),
             timeout=context.time_remaining(),
@@ -664,8 +668,10 @@ class StageService:
                                 self.stage, req.request_id, self.downstream_name, e.code().name, e.details(),
                                 call.attempt)  # fmt: skip
                     await asyncio.sleep(REPLAY_BACKOFF_S * 2 ** (call.attempt - 1))  # the channel sees the loss
-                    self._open_downstream(req, call, context)
-                    continue
+                    if await self._replica_back(call, context):
+                        self._open_downstream(req, call, context)
+                        continue
+                    why = f"no replica served again within failover.replica_wait_s ({self.replica_wait_s:g} s)"
                 code = e.code()
                 detail = e.details() or ""
                 if call.down is not None and why == call.down.why:
@@ -685,6 +691,17 @@ class StageService:
             except (TensorBlobError, DecodeError) as e:
                 self._fail(req, call, StageError(Code.INTERNAL, f"{self.downstream_name} sent a bad response: {e}"))
                 return
+
+    async def _replica_back(self, call: _Call, context: grpc.aio.ServicerContext) -> bool:
+        """Before a replay: a downstream replica serves, or one comes back within
+        failover.replica_wait_s and the request's deadline (its last 0.5 s left for the work).
+        Only a request whose replica served it when its call opened waits: one opened when none
+        served (the stage was down already) is replayed at once, as before: a new request fails fast."""
+        if not call.down_was_serving:
+            return True
+        remaining = context.time_remaining()
+        wait = self.replica_wait_s if remaining is None else min(self.replica_wait_s, remaining - 0.5)
+        return await self._downstream().wait_for_replica(max(wait, 0.0))
 
     def _resume(self, raw: bytes, parts: dict[str, list[Received[stage_pb2.StageResponse]]], resume: Resume
                 ) -> list[bytes | Outgoing]:  # fmt: skip
