@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from omnistage.cli import options
+
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: every figure against a baseline from the same run.")
 
 
@@ -75,7 +77,7 @@ def bench(
     http_target: Annotated[
         str | None, typer.Option("--http-target", help="HOST:PORT of the gateway's HTTP port (with --target).")
     ] = None,
-    api_key: Annotated[str, typer.Option("--api-key", envvar="OMNISTAGE_API_KEY",
+    api_key: Annotated[str, typer.Option("--api-key", envvar="OMNISTAGE_API_KEY", callback=options.api_key,
                                          help="The gateway's API key (with --target).")] = "",
     tls: Annotated[bool, typer.Option("--tls", help="Reach a TLS gateway (with --target), its certificate "
                                       "verified with the default roots (gRPC's; httpx's for --http); --tls-ca "

@@ -149,7 +149,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.metrics = GatewayMetrics()
         self.active = 0
         self.draining = False
-        self.api_key = api_key
+        self.api_key = api_key.strip()  # (the CLI's options.api_key refuses one that is not a token)
         self.stages = cfg.stage_names()  # the chain's processes; the first is this gateway's downstream
         # what the gRPC health follows: the thinker, or both roles of a split one
         self.thinker_roles = frozenset(s for s in self.stages if stage_def(s).stream == "thinker")

@@ -88,3 +88,20 @@ def test_serve_says_on_the_console_when_the_checkpoint_can_take_no_media(
     with caplog.at_level("WARNING", logger="omnistage.serve"):
         _warn_without_media(tiny_dir)
     assert not caplog.records
+
+
+def test_an_api_key_is_taken_without_its_trailing_newline_and_one_no_header_can_carry_is_refused() -> None:
+    """A key read from a file or a Kubernetes secret ends in a newline: kept, no client could
+    ever match it (every request 401, no warning). One with a space inside is refused."""
+    import typer
+
+    from omnistage.cli import options
+
+    assert options.api_key("s3cret\n") == "s3cret" and options.api_key(None) is None and options.api_key("") == ""
+    for bad in ("two words", "tab\there", "  \n", "caf\u00e9"):
+        with pytest.raises(typer.BadParameter):
+            options.api_key(bad)
+    for command in (["serve"], ["gateway", "--port", "1", "--thinker", "127.0.0.1:2"], ["client", "hi"]):
+        out = CliRunner().invoke(app, command, env={"OMNISTAGE_API_KEY": "two words"}).output
+        assert "--api-key" in out and "printable ASCII without spaces" in out, (command, out)
+    assert _refused(["serve", "--api-key", "a b"])

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 import yaml
 
+from omnistage.cli import options
+
 if TYPE_CHECKING:
     from omnistage.config import DeployConfig
 
@@ -198,7 +200,7 @@ HttpPortOpt = Annotated[
 ]
 ApiKeyOpt = Annotated[
     str | None,
-    typer.Option("--api-key", envvar="OMNISTAGE_API_KEY",
+    typer.Option("--api-key", envvar="OMNISTAGE_API_KEY", callback=options.api_key,
                  help="Require 'Authorization: Bearer KEY' on the gateway (HTTP and gRPC)."),
 ]  # fmt: skip
 LogFormatOpt = Annotated[LogFormat, typer.Option("--log-format", help="text, or one JSON object per line.")]
@@ -609,7 +611,7 @@ def client(
     use_audio_in_video: Annotated[
         bool, typer.Option("--use-audio-in-video", help="Each video's sound track goes in with its frames.")
     ] = False,
-    api_key: Annotated[str, typer.Option("--api-key", envvar="OMNISTAGE_API_KEY",
+    api_key: Annotated[str, typer.Option("--api-key", envvar="OMNISTAGE_API_KEY", callback=options.api_key,
                                          help="Sent as authorization: Bearer KEY.")] = "",
     request_id: Annotated[str, typer.Option("--request-id", help="Name the request (the gateway's access line, "
                                             "its errors); default: the gateway makes one.")] = "",
