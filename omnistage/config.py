@@ -98,11 +98,25 @@ class ThinkerConfig(StageConfig):
     decode: StageConfig = StageConfig(base_port=7151, cache_capacity_tokens=65536)
 
 
+def _thinker_only_cache(stage: StageConfig, name: str) -> None:
+    """Only the thinker's requests are admitted against a token cache. Elsewhere the field
+    bounded a request's steps instead (the talker's two per frame, code2wav's 2**30: every
+    request refused), which no one setting it meant."""
+    if stage.cache_capacity_tokens is not None:
+        raise ValueError(f"cache_capacity_tokens: only the thinker's KV cache is bounded in tokens; the {name}'s "
+                         "requests are bounded by max_num_seqs (remove it)")  # fmt: skip
+
+
 class TalkerConfig(StageConfig):
     cuda_graphs: bool = Field(
         False, description="on CUDA: replay the code predictor's per-frame loop as CUDA graphs captured at "
         "start-up for batches 1, 2, 4, ... up to max_num_seqs (at most 256; Qwen3-Omni; a family without one "
         "ignores it), greedy and sampled (the talker's default)")
+
+    @model_validator(mode="after")
+    def _no_token_cache(self) -> TalkerConfig:
+        _thinker_only_cache(self, "talker")
+        return self
 
     @model_validator(mode="after")
     def _graphs_on_cuda(self) -> TalkerConfig:
@@ -127,6 +141,11 @@ class Code2WavConfig(StageConfig):
     # than its length (Qwen2.5-Omni's DiT), costs more.
     max_frames_per_step: int = Field(250, ge=1, le=1 << 20, description="most frames of one request "
                                      "decoded in one step; the rest wait for the next")  # fmt: skip
+
+    @model_validator(mode="after")
+    def _no_token_cache(self) -> Code2WavConfig:
+        _thinker_only_cache(self, "code2wav")
+        return self
 
     @model_validator(mode="after")
     def _idle_first_chunk_no_longer(self) -> Code2WavConfig:
@@ -270,8 +289,9 @@ class TimeoutsConfig(_Strict):
 class _HeadConfig(_Strict):
     model: str | None = Field(None, min_length=1, description="checkpoint directory; None = the built-in tiny "
                               "checkpoint")  # fmt: skip
-    served_model_name: str | None = Field(None, min_length=1, description="the name clients see; None: the "
-                                          "checkpoint's")  # fmt: skip
+    served_model_name: str | None = Field(None, min_length=1, pattern=r"^\S(?:.*\S)?$",
+                                          description="the name clients see (no surrounding whitespace: a client "
+                                          "could not name it); None: the checkpoint's")  # fmt: skip
     max_model_len: int | None = Field(None, ge=2, description="cap on prompt + generated tokens; None: the model's")
     audio_output: bool = Field(True, description="false: text only, the chain ends at the thinker (a checkpoint "
                                "without a talker, such as Qwen3-Omni's Thinking or Captioner); requests for "

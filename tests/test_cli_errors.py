@@ -105,3 +105,37 @@ def test_an_api_key_is_taken_without_its_trailing_newline_and_one_no_header_can_
         out = CliRunner().invoke(app, command, env={"OMNISTAGE_API_KEY": "two words"}).output
         assert "--api-key" in out and "printable ASCII without spaces" in out, (command, out)
     assert _refused(["serve", "--api-key", "a b"])
+
+
+def test_omnistage_model_that_names_no_checkpoint_is_refused_and_an_empty_mount_is_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """$OMNISTAGE_MODEL (the image's mount point): a typo or a half-mounted volume served the
+    built-in tiny checkpoint's random weights in silence. Only an empty directory (nothing
+    mounted) still means the tiny one, and that is said."""
+    from omnistage.cli import serve
+    from omnistage.config import DeployConfig
+
+    monkeypatch.setattr(serve, "default_model_dir", lambda: Path("TINY"))
+    cfg = DeployConfig()
+    monkeypatch.setenv("OMNISTAGE_MODEL", str(tmp_path / "typo"))
+    with pytest.raises(serve.ModelNotLocal, match=r"OMNISTAGE_MODEL=.*typo: no such checkpoint directory"):
+        serve.resolve_model(cfg)
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"")
+    monkeypatch.setenv("OMNISTAGE_MODEL", str(half))
+    with pytest.raises(serve.ModelNotLocal, match=r"no config\.json there"):
+        serve.resolve_model(cfg)
+    (half / "config.json").write_text("{}")
+    assert serve.resolve_model(cfg) == half
+    monkeypatch.setenv("OMNISTAGE_MODEL", str(tmp_path / "typo"))
+    assert serve.resolve_model(cfg, str(half)) == half  # a model given wins; the variable is not read
+    empty = tmp_path / "mount"
+    empty.mkdir()
+    monkeypatch.setenv("OMNISTAGE_MODEL", str(empty))
+    with caplog.at_level("WARNING"):
+        assert serve.resolve_model(cfg) == Path("TINY")
+    assert "is empty (nothing mounted there): serving the built-in tiny checkpoint" in caplog.text
+    monkeypatch.setenv("OMNISTAGE_MODEL", "")
+    assert serve.resolve_model(cfg) == Path("TINY")  # (what compose and the manifests set for the tiny one)

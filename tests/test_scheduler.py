@@ -333,8 +333,10 @@ def test_rejections() -> None:
         h.add("full", 100, 1)
     with pytest.raises(RequestRejected, match="cache_capacity_tokens=80") as e:
         h.add("cache", 50, 31)
-    assert isinstance(e.value, ValueError)
-    assert h.s.stats()["total_rejected"] == 3 and h.s.stats()["total_added"] == 0
+    assert isinstance(e.value, ValueError) and "capped" not in str(e.value)  # (only when max_model_len caps it)
+    with pytest.raises(RequestRejected, match=r"99 input \+ max_new_tokens=5, capped at max_model_len=100"):
+        h.add("capped", 99, 5)
+    assert h.s.stats()["total_rejected"] == 4 and h.s.stats()["total_added"] == 0
     # exactly at the limits is fine
     ok = h.add("ok", 50, 30)
     h.step()

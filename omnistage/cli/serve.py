@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import os
 import re
 import signal
@@ -31,6 +32,8 @@ from omnistage.config import ConfigError, DeployConfig
 from omnistage.server.grpc_common import PortTaken, port_free, unusable_host
 from omnistage.server.health_check import check
 from omnistage.server.tls import gateway_channel_credentials, name_override, stage_channel_credentials
+
+log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
@@ -72,13 +75,26 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def resolve_model(cfg: DeployConfig, model: str | None = None) -> Path:
-    """MODEL / --model, then the config's `model`, then $OMNISTAGE_MODEL when it holds a
-    checkpoint (the image sets it to an empty mount point when serving the tiny model), then
-    the built-in tiny checkpoint. A name that is not a local directory is refused clearly."""
+    """MODEL / --model, then the config's `model`, then $OMNISTAGE_MODEL, then the built-in
+    tiny checkpoint. The image sets $OMNISTAGE_MODEL to a mount point, empty when nothing is
+    mounted: an empty directory there means the tiny checkpoint (said), while one that does not
+    exist or holds no checkpoint is refused (a typo or a half-mounted volume served the tiny
+    model's random weights in silence). A name that is not a local directory is refused clearly."""
     chosen = model or cfg.model
     env = os.environ.get("OMNISTAGE_MODEL")
-    if not chosen and env and (Path(env) / "config.json").is_file():
-        chosen = env
+    if not chosen and env:
+        where = Path(env).expanduser()
+        if not where.is_dir():
+            raise ModelNotLocal(f"OMNISTAGE_MODEL={env}: no such checkpoint directory (unset it to serve the "
+                                "built-in tiny checkpoint)")  # fmt: skip
+        if (where / "config.json").is_file():
+            chosen = env
+        elif any(where.iterdir()):
+            raise ModelNotLocal(f"OMNISTAGE_MODEL={env}: no config.json there, so no checkpoint (a volume mounted "
+                                "half, or the wrong directory)")  # fmt: skip
+        else:
+            log.warning("OMNISTAGE_MODEL=%s is empty (nothing mounted there): serving the built-in tiny checkpoint",
+                        env)  # fmt: skip
     if not chosen:
         return default_model_dir()
     path = Path(chosen).expanduser()

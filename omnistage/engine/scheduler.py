@@ -160,9 +160,10 @@ class Scheduler:
         reservation = min(mml, prompt + max_new)
         cap = cfg.cache_capacity_tokens
         if cap is not None and reservation > cap:
+            capped = f", capped at max_model_len={mml}" if prompt + max_new > mml else ""
             raise RequestRejected(
                 f"request {request_id!r}: needs {reservation} tokens of cache ({prompt} input + max_new_tokens="
-                f"{max_new}, capped at max_model_len={mml}) but cache_capacity_tokens={cap}",
+                f"{max_new}{capped}) but cache_capacity_tokens={cap}",
             )
         return reservation
 
