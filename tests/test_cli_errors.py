@@ -139,3 +139,18 @@ def test_omnistage_model_that_names_no_checkpoint_is_refused_and_an_empty_mount_
     assert "is empty (nothing mounted there): serving the built-in tiny checkpoint" in caplog.text
     monkeypatch.setenv("OMNISTAGE_MODEL", "")
     assert serve.resolve_model(cfg) == Path("TINY")  # (what compose and the manifests set for the tiny one)
+
+
+def test_a_cuda_device_this_torch_cannot_use_is_refused_before_anything_starts(tiny_dir: Path) -> None:
+    """It was each child's "Torch not compiled with CUDA enabled" as it loaded, and exit 1."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine's torch has a CUDA device: the refusal is for one without")
+    from tests.integration.conftest import free_port_block
+
+    out = _refused(["serve", str(tiny_dir), "--device", "cuda", "--port", str(free_port_block(400))])
+    assert "thinker.device: cuda: this machine's torch sees no CUDA device" in out, out
+    out = _refused(["stage", "talker", "--port", "1", "--device", "cuda:1", "--model", str(tiny_dir),
+                    "--downstream", "127.0.0.1:2"])  # fmt: skip
+    assert "talker.device: cuda:1: this machine's torch sees no CUDA device" in out, out

@@ -530,7 +530,7 @@ def stage(
 ) -> None:
     """Run one stage service (what compose and Kubernetes run)."""
     from omnistage.cli.logs import setup_logging
-    from omnistage.cli.serve import resolve_model
+    from omnistage.cli.serve import check_devices, resolve_model
     from omnistage.server.process import run_stage
     from omnistage.topology import PROCESSES
 
@@ -543,6 +543,7 @@ def stage(
         overrides = {**_stage_overrides((name,), dtype, device), "served_model_name": served_model_name,
                      "max_model_len": max_model_len, "audio_output": False if text_only else None}  # fmt: skip
         cfg = _load_cfg(config, overrides, default=True)
+        check_devices(cfg, (name,))
         run_stage(name, cfg, resolve_model(cfg, model_arg or model), host or cfg.host, port, downstream)
 
 

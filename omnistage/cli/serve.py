@@ -109,6 +109,26 @@ def resolve_model(cfg: DeployConfig, model: str | None = None) -> Path:
     return path
 
 
+def check_devices(cfg: DeployConfig, names: tuple[str, ...] | None = None) -> None:
+    """A stage on a CUDA device this machine's torch cannot use is a config error (exit 2),
+    found before any process starts or any checkpoint loads: it was each child's
+    "Torch not compiled with CUDA enabled" as it loaded, exit 1."""
+    from omnistage.config import config_path
+
+    cuda = {n: cfg.stage(n).device for n in (names or cfg.stage_names())}  # type: ignore[arg-type]
+    cuda = {n: d for n, d in cuda.items() if d.startswith("cuda")}
+    if not cuda:
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for name, device in cuda.items():
+        if int(device.partition(":")[2] or 0) >= count:
+            have = f"{count} CUDA device{'s' * (count != 1)}" if count else "no CUDA device" + (
+                "" if torch.version.cuda else f" (torch {torch.__version__} is a CPU-only build)")
+            raise ConfigError(f"{config_path(name)}.device: {device}: this machine's torch sees {have}")  # type: ignore[arg-type]
+
+
 PARENT_PID_ENV = "OMNISTAGE_PARENT_PID"
 
 
@@ -371,6 +391,7 @@ def start_stack(
     given = new_run_dir(log_dir) if log_dir is not None else None  # a --log-dir it cannot use: said first
     model_dir = resolve_model(cfg, model)
     open_checkpoint(model_dir).check_serves(cfg.audio_output)  # fail here, with the problem, not in N children
+    check_devices(cfg)
     check_files(cfg.tls, cfg.host)  # (its own health checks dial every process on host: before any starts)
     check_ports(cfg)
     stack = Stack(cfg=cfg, model_dir=model_dir, run_dir=given or new_run_dir(None))
