@@ -26,7 +26,7 @@ from omnistage.models.checkpoint import open_checkpoint
 from omnistage.topology import STAGES
 from omnistage.v1 import gateway_pb2_grpc, stage_pb2, stage_pb2_grpc
 from omnistage.wire.tensor_blob import ChunkAssembler, encode_chunk
-from tests.integration.conftest import free_port_block, run, stack_config
+from tests.integration.conftest import free_port_block, metric, run, stack_config
 
 PROBES_PER_STAGE = 240  # the bench runs 10,000
 
@@ -108,6 +108,36 @@ def test_a_chunk_after_the_stage_finished_is_refused(replicated: Stack, dims: Di
     assert finished == 1, f"the stage's finished output never came: {code} {details}"
     assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
     assert details.startswith(f"{stage}:") and "after the finished chunk" in details, details
+
+
+def test_a_caller_that_closes_before_its_finished_chunk_is_refused(replicated: Stack, dims: Dims) -> None:
+    """Half-closing without the finished chunk is a malformed stream: INVALID_ARGUMENT saying
+    so (after the short wait that tells it from a cancel, which ends the messages the same way),
+    counted as such, and the stage holds nothing after."""
+    stage = "code2wav"
+    address = replicated.addresses(stage)[0]
+    chunks = valid_input(stage, dims, random.Random(7))
+    before = metric(address, "omnistage_stage_requests_finished_total", outcome="INVALID_ARGUMENT")
+
+    async def go() -> tuple[grpc.StatusCode, str]:
+        async def messages() -> Any:
+            yield stage_pb2.StageRequest(start=faults._start("closed-early"))
+            yield stage_pb2.StageRequest(chunk=chunks[0])  # (not the finished one), then the close
+
+        async with grpc.aio.insecure_channel(address) as ch:
+            try:
+                async for _ in stage_pb2_grpc.StageStub(ch).Stream(messages(), timeout=30):
+                    pass
+            except grpc.aio.AioRpcError as e:
+                return e.code(), e.details() or ""
+        return grpc.StatusCode.OK, ""
+
+    assert len(chunks) > 1 and not chunks[0].finished
+    code, details = run(go())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+    assert details.startswith(f"{stage}: the caller closed its side before the finished chunk"), details
+    assert metric(address, "omnistage_stage_requests_finished_total", outcome="INVALID_ARGUMENT") == before + 1
+    assert run(faults.wait_until(lambda: stage_idle(address), limit_s=2.0)) is not None
 
 
 def test_one_request_id_may_be_open_twice_on_a_stage(replicated: Stack, dims: Dims) -> None:
@@ -202,6 +232,12 @@ def test_cancels_at_random_points_leave_nothing_held(replicated: Stack) -> None:
     baseline = {a: run(faults.shm_segments(a)) for _, a in stages}
     rng = random.Random(3)
 
+    def ended(outcome: str) -> dict[str, float]:
+        return {name: sum(metric(a, "omnistage_stage_requests_finished_total", outcome=outcome)
+                          for a in replicated.addresses(name)) for name in STAGES}  # fmt: skip
+
+    refused_before, cancelled_before = ended("INVALID_ARGUMENT"), ended("CANCELLED")
+
     async def one(i: int) -> None:
         task = asyncio.create_task(generate(replicated.gateway_address, f"tell me about {i}", thinker_max_tokens=16,
                                             talker_max_tokens=32, timeout=60))  # fmt: skip
@@ -225,6 +261,11 @@ def test_cancels_at_random_points_leave_nothing_held(replicated: Stack) -> None:
 
     took = run(faults.wait_until(all_back, limit_s=1.0))
     assert took is not None, "a stage still holds a cancelled request 1 s after the last cancel"
+    # a cancel reaches every stage below as one (the caller's call ended), not as a malformed
+    # stream: the stages' teardown half-closed the call below before cancelling it
+    assert ended("INVALID_ARGUMENT") == refused_before
+    cancelled = ended("CANCELLED")
+    assert all(cancelled[name] > cancelled_before[name] for name in STAGES), (cancelled_before, cancelled)
 
 
 # ---- a replica killed under load ------------------------------------------------------------
