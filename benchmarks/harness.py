@@ -428,13 +428,18 @@ async def check_gateway(target: str, door: Access, timeout: float, option: str |
     from omnistage.v1 import gateway_pb2_grpc, stage_pb2
 
     key = [("authorization", f"Bearer {door.api_key}")] if door.api_key else None
+    where = f"{option} {target}" if option else f"the gateway this run started ({target})"
     async with gateway_channel(target, door.tls_ca, door.server_name, tls=door.tls) as channel:
         try:
-            await gateway_pb2_grpc.GatewayStub(channel).Info(stage_pb2.InfoRequest(), timeout=timeout, metadata=key)
+            info = await gateway_pb2_grpc.GatewayStub(channel).Info(stage_pb2.InfoRequest(), timeout=timeout,
+                                                                     metadata=key)  # fmt: skip
         except grpc.aio.AioRpcError as e:
-            where = f"{option} {target}" if option else f"the gateway this run started ({target})"
             raise TargetError(f"{where}: no omnistage gateway answers there "
                               f"({e.code().name}: {e.details()})") from None  # fmt: skip
+    # a serving chain with no talker is a text-only stack (audio_output: false), as --serve refuses
+    if info.serving and not any(h.stage == "talker" for h in info.chain):
+        raise TargetError(f"{where}: the stack serves text only (no talker in its chain: "
+                          f"{', '.join(h.stage for h in info.chain)}); the bench measures speech")  # fmt: skip
 
 
 async def _sut_phase(run: Run, target: str | None, pipe: Any, cfg: Any = None) -> None:

@@ -85,6 +85,16 @@ def test_the_stack_is_the_thinker_alone_and_refuses_audio(text_stack: Stack, pip
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == reply.text
     r = httpx.post(base + "/v1/audio/speech", json={"input": "Hello there"}, timeout=60)
     assert r.status_code == 400 and "text only" in r.json()["error"]["message"], r.text
+    # the bench measures speech: a text-only --target is refused before any request (each failed, exit 1)
+    from typer.testing import CliRunner
+
+    from benchmarks.cli import bench_app
+
+    bench = CliRunner().invoke(bench_app, ["--target", text_stack.gateway_address, "--concurrency", "1",
+                                           "--num-requests", "1", "--no-progress", "--warmup", "0"])  # fmt: skip
+    assert bench.exit_code == 1 and "the stack serves text only (no talker in its chain: thinker)" in bench.output, (
+        bench.output[-2000:])
+    assert "monolithic" not in bench.output  # (no baseline ran)
 
 
 def test_health_and_stage_commands_follow_the_text_only_chain(text_stack: Stack, tmp_path: Path) -> None:
