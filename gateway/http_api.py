@@ -893,7 +893,7 @@ class ChatCompletions:
         t0, rid = time.perf_counter(), ""
         try:
             raw = request.headers.get(REQUEST_ID_KEY)
-            rid = raw if raw and not bad_request_id(raw) else ""  # a refusal names it too
+            rid = raw if raw and not bad_request_id(raw) else uuid.uuid4().hex  # a refusal is named too
             body = await self.parse(request, ChatRequest)  # (the API key first, as over gRPC)
             _request_id_header(raw)
             if "audio" in (body.modalities or ()) and not self.service.cfg.audio_output:
@@ -918,7 +918,7 @@ class ChatCompletions:
         t0, rid = time.perf_counter(), ""
         try:
             raw = request.headers.get(REQUEST_ID_KEY)
-            rid = raw if raw and not bad_request_id(raw) else ""  # a refusal names it too
+            rid = raw if raw and not bad_request_id(raw) else uuid.uuid4().hex  # a refusal is named too
             body = await self.parse(request, SpeechRequest)  # (the API key first, as over gRPC)
             _request_id_header(raw)
             if not self.service.cfg.audio_output:
@@ -949,7 +949,8 @@ class ChatCompletions:
 
     def _refused(self, e: HttpError, t0: float, request_id: str) -> Response:
         """A request refused before it started: counted, logged with its reason, how long it took
-        (a body that stopped coming: the wait) and the id its client gave it, answered."""
+        (a body that stopped coming: the wait) and its id (its client's, else the gateway's own,
+        in the reply's header as any reply's), answered."""
         self.service.refused("http", refusal_outcome(e.status), e.message, time.perf_counter() - t0, request_id)
         response = e.response()
         if request_id:

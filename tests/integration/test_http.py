@@ -492,6 +492,11 @@ def test_a_client_request_id_is_kept_and_a_bad_one_refused(http_stack: Stack) ->
     refused = httpx.post(url, json={**body, "max_tokens": 0}, headers={"x-request-id": "proxy-refused"}, timeout=60)
     assert refused.status_code == 400 and refused.headers["x-request-id"] == "proxy-refused"
     assert _wait_until(lambda: "request_id=proxy-refused " in log.read_text(), 5)
+    # ... and one refused without an id gets the gateway's own, as any reply does (it had none)
+    for headers in ({}, {"x-request-id": "x" * 300}):  # (a bad one is not echoed)
+        named = httpx.post(url, json={**body, "max_tokens": 0}, headers=headers, timeout=60).headers["x-request-id"]
+        assert len(named) == 32 and named != "x" * 32
+        assert _wait_until(lambda: f"request_id={named} " in log.read_text(), 5)  # noqa: B023
     # a reply's audio id (its transcript's key) is the server's own: a client naming two requests
     # alike, or after another client's id, must not reach the other's transcript
     spoken = {**body, "modalities": ["text", "audio"], "audio": {"format": "pcm16"}, "temperature": 0,
