@@ -572,8 +572,11 @@ def parse_replicas(spec: str) -> dict[str, int]:
         name, sep, count = part.partition("=")
         if not sep or name not in (*PROCESSES, "gateway"):
             raise ConfigError(f"--replicas: expected STAGE=N with STAGE in {', '.join(PROCESSES)}; got {part!r}")
+        key = f"{config_path(name)}.replicas"
+        if key in out:  # (the last one won in silence)
+            raise ConfigError(f"--replicas: {name} given twice ({spec!r})")
         try:
-            out[f"{config_path(name)}.replicas"] = int(count)
+            out[key] = int(count)
         except ValueError:
             raise ConfigError(f"--replicas: {name} count must be an integer, got {count!r}") from None
     return out

@@ -243,3 +243,46 @@ def test_serve_refuses_flags_for_processes_it_does_not_run(args: list[str], mess
     result = CliRunner().invoke(app, ["serve", *args, "--log-dir", str(tmp_path)])
     assert result.exit_code == 2, result.output
     assert message in result.output and "thinker.decode.base_port" not in result.output, result.output
+
+
+def test_the_gateway_command_takes_its_port_from_the_config_and_checks_host_and_ports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`omnistage gateway` listened on 50051 whatever gateway.port said, took a host name the
+    config refuses, and reported --http-port equal to --port as a port taken by another process."""
+    from typer.testing import CliRunner
+
+    import gateway.process
+    import omnistage.cli.logs
+    import omnistage.cli.main
+    import omnistage.cli.serve
+    import omnistage.models
+    import omnistage.server.process
+    from omnistage.cli.main import app
+
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("gateway:\n  port: 36001\n  http_port: 36081\n")
+    monkeypatch.setenv("OMNISTAGE_CONFIG", str(mine))
+    seen: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(omnistage.cli.logs, "setup_logging", lambda *a, **k: None)
+    monkeypatch.setattr(omnistage.cli.main, "_stop_on_sigterm", lambda: None)
+    monkeypatch.setattr(omnistage.cli.serve, "resolve_model", lambda cfg, model: tmp_path)
+    monkeypatch.setattr(omnistage.models, "open_checkpoint", lambda path: None)
+    monkeypatch.setattr(omnistage.server.process, "run_stage", lambda *a: seen.append(a))
+    monkeypatch.setattr(gateway.process, "run_gateway", lambda cfg, ckpt, host, port, thinker, **k:
+                        seen.append((host, port, k["http_port"])))  # fmt: skip
+    runner = CliRunner()
+    assert runner.invoke(app, ["gateway", "--thinker", "x:1"]).exit_code == 0
+    assert runner.invoke(app, ["gateway", "--thinker", "x:1", "--port", "36002", "--host", "::1"]).exit_code == 0
+    assert seen == [("127.0.0.1", 36001, 36081), ("::1", 36002, 36081)]
+    for args, needle in [
+        (["gateway", "--thinker", "x:1", "--host", "localhost"], "host"),
+        (["stage", "talker", "--port", "7201", "--host", "localhost"], "host"),
+        (["gateway", "--thinker", "x:1", "--port", "36081"], "--http-port 36081: the gateway's gRPC port too"),
+        (["gateway", "--thinker", "x:1", "--http-port", "0"], "--http-port"),
+    ]:
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and needle in result.output, (args, result.output)
+    assert len(seen) == 2
+    with pytest.raises(ConfigError, match="talker given twice"):  # (the last one won in silence)
+        parse_replicas("talker=2,talker=3")

@@ -196,7 +196,8 @@ TextOnlyOpt = Annotated[bool, typer.Option("--text-only", help="No talker or cod
 MaxLenOpt = Annotated[int | None, typer.Option("--max-model-len", help="Cap on prompt + generated tokens.")]
 LogLevelOpt = Annotated[LogLevel, typer.Option("--log-level", help="Log level (debug prints tracebacks).")]
 HttpPortOpt = Annotated[
-    int | None, typer.Option("--http-port", help="OpenAI-compatible HTTP port of the gateway (default 8000).")
+    int | None, typer.Option("--http-port", min=1, max=65535,
+                             help="OpenAI-compatible HTTP port of the gateway (default 8000).")
 ]
 ApiKeyOpt = Annotated[
     str | None,
@@ -541,10 +542,11 @@ def stage(
             typer.echo(f"error: unknown stage {name!r}; expected one of {', '.join(PROCESSES)}", err=True)
             raise typer.Exit(2)
         overrides = {**_stage_overrides((name,), dtype, device), "served_model_name": served_model_name,
-                     "max_model_len": max_model_len, "audio_output": False if text_only else None}  # fmt: skip
+                     "max_model_len": max_model_len, "host": host,
+                     "audio_output": False if text_only else None}  # fmt: skip
         cfg = _load_cfg(config, overrides, default=True)
         check_devices(cfg, (name,))
-        run_stage(name, cfg, resolve_model(cfg, model_arg or model), host or cfg.host, port, downstream)
+        run_stage(name, cfg, resolve_model(cfg, model_arg or model), cfg.host, port, downstream)
 
 
 def _stop_on_sigterm() -> None:
@@ -557,7 +559,8 @@ def _stop_on_sigterm() -> None:
 @app.command("gateway")
 def gateway(
     thinker: Annotated[str, typer.Option("--thinker", help="gRPC target of the thinker stage.")],
-    port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 50051,
+    port: Annotated[int | None, typer.Option("--port", min=1, max=65535, help="Port to listen on (default: the "
+                                             "config's gateway.port, 50051).")] = None,
     model_arg: ModelArg = None,
     model: ModelOpt = None,
     config: ConfigOpt = None,
@@ -576,16 +579,21 @@ def gateway(
     from gateway.process import run_gateway
     from omnistage.cli.logs import setup_logging
     from omnistage.cli.serve import resolve_model
+    from omnistage.config import ConfigError
     from omnistage.models import open_checkpoint
 
-    setup_logging(f"gateway:{port}", log_level.value, log_format.value)
+    setup_logging(f"gateway:{port or 'config'}", log_level.value, log_format.value)
     _stop_on_sigterm()
     with _errors(log_level.value, interrupted_code=0):
+        # (the host checked as serve's is: an IP address; it took a name)
         cfg = _load_cfg(config, {"served_model_name": served_model_name, "max_model_len": max_model_len,
-                                 "audio_output": False if text_only else None}, default=True)  # fmt: skip
-        ckpt = open_checkpoint(resolve_model(cfg, model_arg or model))
+                                 "host": host, "audio_output": False if text_only else None}, default=True)  # fmt: skip
         http = None if no_http else (http_port or cfg.gateway.http_port)
-        run_gateway(cfg, ckpt, host or cfg.host, port, thinker, http_port=http, api_key=api_key or "")
+        port = port or cfg.gateway.port  # (it was 50051 whatever the config said)
+        if http == port:  # (it was "taken by another process": its own gRPC server)
+            raise ConfigError(f"--http-port {http}: the gateway's gRPC port too (--port); give them apart")
+        ckpt = open_checkpoint(resolve_model(cfg, model_arg or model))
+        run_gateway(cfg, ckpt, cfg.host, port, thinker, http_port=http, api_key=api_key or "")
 
 
 @app.command("client")
