@@ -102,7 +102,7 @@ def resolve_model(cfg: DeployConfig, model: str | None = None) -> Path:
         if _HUB_ID.match(chosen) and not path.exists():
             raise ModelNotLocal(
                 f"model {chosen!r} is not a local directory, and omnistage never downloads weights: fetch it once "
-                f"(e.g. `huggingface-cli download {chosen} --local-dir ./{chosen.split('/')[-1]}`) and pass that "
+                f"(e.g. `hf download {chosen} --local-dir ./{chosen.split('/')[-1]}`) and pass that "
                 "directory"
             )
         raise ModelNotLocal(f"checkpoint directory not found: {path}")
@@ -241,7 +241,8 @@ class Stack:
         return [c for c in self.children if c.proc.poll() is not None]
 
     def status_lines(self) -> list[str]:
-        return [f"  {c.role:<12} {c.address:<22} pid {c.proc.pid:<8} {c.status()}" for c in self.children]
+        width = max((len(c.role) for c in self.children), default=0)  # (thinker-prefill[0] passed 12)
+        return [f"  {c.role:<{width}}  {c.address:<22} pid {c.proc.pid:<8} {c.status()}" for c in self.children]
 
     @functools.cached_property
     def _credentials(self) -> dict[str, Any]:
