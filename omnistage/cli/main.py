@@ -162,7 +162,7 @@ def _stage_overrides(stages: tuple[str, ...], dtype: Dtype | None, device: str |
 
 
 StackPortOpt = Annotated[
-    int | None, typer.Option("--port", help="Move the whole stack: gateway P, stage k at P + 100k.")
+    int | None, typer.Option("--port", help="Move the whole stack: gateway P (HTTP P + 50), stage k at P + 100k.")
 ]
 
 
