@@ -12,6 +12,7 @@ client) agrees.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import re
 import ssl
 from pathlib import Path
@@ -20,6 +21,8 @@ from typing import Any
 import grpc
 
 from omnistage.config import TlsConfig
+
+log = logging.getLogger(__name__)
 
 
 class TlsError(ValueError):
@@ -45,6 +48,10 @@ def check_files(tls: TlsConfig, host: str, *, dialled_here: bool = True) -> None
     with which roots, is its clients' business): the certificate is verified only against
     `ca_file` and `server_name`, where the config names them."""
     if not (tls.gateway or tls.stages):
+        given = [f for f in ("cert_file", "key_file", "ca_file", "server_name") if getattr(tls, f)]
+        if given:  # files set up for TLS that nothing uses: the stack starts in plaintext
+            log.warning("tls: %s set but tls.gateway and tls.stages are both false: every port is plaintext",
+                        ", ".join(given))  # fmt: skip
         return
     for what in ("cert_file", "key_file", "ca_file"):
         _read(getattr(tls, what), what)  # unreadable: said first

@@ -51,8 +51,9 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"cert": cert, "key": key, "other": other, "other_key": other_key}
 
 
-def test_tls_files_that_would_not_do_are_refused_at_start_by_name(certs: dict[str, Path], tmp_path: Path,
-                                                                   tiny_dir: Path) -> None:  # fmt: skip
+def test_tls_files_that_would_not_do_are_refused_at_start_by_name(
+    certs: dict[str, Path], tmp_path: Path, tiny_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A key that is not the certificate's, a file that is no PEM, a certificate `ca_file` did
     not sign or that does not name the address: one line naming the file and why, before any
     process starts, exit 2 (they were a port "taken by another process", or 658 lines of
@@ -94,6 +95,10 @@ def test_tls_files_that_would_not_do_are_refused_at_start_by_name(certs: dict[st
                     dialled_here=False)  # fmt: skip
     with pytest.raises(TlsError, match="key values mismatch"):
         check_files(TlsConfig(**(alone | {"key_file": str(certs["other_key"])})), "127.0.0.1", dialled_here=False)
+    # files given with TLS off: said (the stack started in plaintext without a word)
+    with caplog.at_level("WARNING", logger="omnistage.server.tls"):
+        check_files(TlsConfig(**(good | {"gateway": False, "stages": False})), "127.0.0.1")
+    assert "tls: cert_file, key_file, ca_file set but tls.gateway and tls.stages are both false" in caplog.text
 
 
 @pytest.fixture(scope="module")
