@@ -941,8 +941,8 @@ class ChatCompletions:
                                  media)  # fmt: skip
 
     def _crashed(self, t0: float, request_id: str) -> Response:
-        log.exception("http: internal error on request %s", request_id or "-")
-        error = HttpError(500, internal_failure(request_id or "-").message, "server_error")
+        log.exception("http: internal error on request %s", request_id)
+        error = HttpError(500, internal_failure(request_id).message, "server_error")
         response = self._refused(error, t0, request_id)
         response.headers["x-should-retry"] = "false"  # as `internal_error`'s
         return response

@@ -459,7 +459,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         attempt = 0
         while True:
             channel, done = self.router.pick()
-            was_serving = channel.get_state() == grpc.ChannelConnectivity.READY  # (see the replay's wait)
+            was_serving = channel.get_state() == grpc.ChannelConnectivity.READY  # (a loss then starts the wait)
             # Stage.Stream; responses parsed without copying tensors
             call = stage_stream(channel)(messages(), timeout=max(deadline - time.monotonic(), 0.001))
             call.add_done_callback(done)
@@ -486,14 +486,15 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     log.warning("gateway: request %s lost its %s call (%s); replaying it (attempt %d)",
                                 request_id, self.stages[0], detail, attempt)  # fmt: skip
                     await asyncio.sleep(REPLAY_BACKOFF_S * 2 ** (attempt - 1))  # the channel sees the loss
-                    # a thinker replica serves, or one comes back (restarted) within the wait and the
-                    # deadline; only for a call its replica served when it opened (StageService._replica_back)
-                    wait = min(self.cfg.failover.replica_wait_s, deadline - time.monotonic() - 0.5)
-                    if not was_serving or await self.router.wait_for_replica(max(wait, 0.0)):
-                        self.metrics.replays.inc()
-                        continue
-                    detail += (f" (no replica served again within failover.replica_wait_s, "
-                               f"{self.cfg.failover.replica_wait_s:g} s)")  # fmt: skip
+                    # a thinker replica serves, or one comes back (restarted) within failover.replica_wait_s
+                    # of the loss and the deadline; the replay follows either way (StageService._replica_back)
+                    if was_serving:
+                        self.router.lost_replica()
+                    if not self.draining:
+                        await self.router.wait_for_replica(self.cfg.failover.replica_wait_s,
+                                                           deadline - time.monotonic() - 0.5)  # fmt: skip
+                    self.metrics.replays.inc()
+                    continue
                 if lost_peer(code, detail) and not detail.startswith(self.stages):
                     code = grpc.StatusCode.UNAVAILABLE
                     detail = f"{self.stages[0]} unavailable at {self.thinker_target}: {detail}"
@@ -584,9 +585,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     def refused(self, api: str, outcome: str, message: str, seconds: float = 0.0, request_id: str = "") -> None:
         """A request refused before it started (its key, its body): counted, and given its access
-        line with the reason, the `seconds` it took and the id its client gave it, as any other
-        request is."""
-        # else no id: the client was given none (nor may a bad one be echoed)
+        line with the reason, the `seconds` it took and its id, as any other request is (HTTP
+        names every request; a gRPC call refused before it is read has none: "-")."""
         o = Outcome(request_id or "-", time.perf_counter(), api=api, status=outcome, error=message, shed=True)
         self.metrics.observe(o, seconds, self.sample_rate)  # (shed: counted, no latency observed)
         self._access_log(o, seconds)

@@ -227,9 +227,9 @@ class FailoverConfig(_Strict):
 
     attempts: int = Field(3, ge=0, le=10, description="replays per request and hop; 0 turns failover off")
     replica_wait_s: float = Field(30.0, ge=0, le=3600,
-                                  description="how long a replay waits for a replica of the hop to serve when none "
-                                  "does (the only one lost, until it is restarted), within the request's deadline; "
-                                  "0: replay at once")  # fmt: skip
+                                  description="a hop that lost a replica under a request: until this long after, a "
+                                  "replay waits for one to serve when none does (the only one restarting), within the "
+                                  "request's deadline; 0: replay at once")  # fmt: skip
     replay_budget_bytes: int = Field(64 * 1024 * 1024, ge=0, le=1 << 34,
                                      description="what a request may have sent downstream and still be "
                                      "replayed (kept in memory until it ends)")  # fmt: skip
@@ -289,9 +289,8 @@ class TimeoutsConfig(_Strict):
 class _HeadConfig(_Strict):
     model: str | None = Field(None, min_length=1, description="checkpoint directory; None = the built-in tiny "
                               "checkpoint")  # fmt: skip
-    served_model_name: str | None = Field(None, min_length=1, pattern=r"^\S(?:.*\S)?$",
-                                          description="the name clients see (no surrounding whitespace: a client "
-                                          "could not name it); None: the checkpoint's")  # fmt: skip
+    served_model_name: str | None = Field(None, min_length=1, description="the name clients see; None: the "
+                                          "checkpoint's")  # fmt: skip
     max_model_len: int | None = Field(None, ge=2, description="cap on prompt + generated tokens; None: the model's")
     audio_output: bool = Field(True, description="false: text only, the chain ends at the thinker (a checkpoint "
                                "without a talker, such as Qwen3-Omni's Thinking or Captioner); requests for "
@@ -299,6 +298,13 @@ class _HeadConfig(_Strict):
     host: str = Field("127.0.0.1", description="the address every process listens on: an IP address "
                       "(127.0.0.1, ::1, 0.0.0.0, ...); callers dial it")  # fmt: skip
     gateway: GatewayConfig = GatewayConfig()
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _a_name_clients_can_send(cls, name: str | None) -> str | None:
+        if name is not None and name != name.strip():
+            raise ValueError(f"{name!r} starts or ends with whitespace, which a client's model name would not")
+        return name
 
     @field_validator("host")
     @classmethod

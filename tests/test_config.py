@@ -47,7 +47,7 @@ def test_default_deploy_file_is_the_default_config() -> None:
         # "" served the tiny checkpoint under `serve` but rendered a model volume for containers
         ({"model": ""}, "model"),
         ({"served_model_name": ""}, "served_model_name"),
-        ({"served_model_name": "   "}, "served_model_name"),
+        ({"served_model_name": "   "}, "served_model_name: Value error, '   ' starts or ends with whitespace"),
         # a token cache is the thinker's: on these it bounded steps (code2wav's 2**30: every request refused)
         ({"talker": {"cache_capacity_tokens": 5}}, "talker: Value error, cache_capacity_tokens: only the thinker's"),
         ({"code2wav": {"cache_capacity_tokens": 10**6}}, "code2wav: Value error, cache_capacity_tokens: only"),

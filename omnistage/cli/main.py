@@ -515,7 +515,7 @@ class StopFlag:
 @app.command("stage")
 def stage(
     name: Annotated[str, typer.Argument(help="thinker, thinker-prefill, thinker-decode, talker or code2wav")],
-    port: Annotated[int, typer.Option("--port", help="Port to listen on.")],
+    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port to listen on.")],
     downstream: Annotated[str | None, typer.Option("--downstream", help="gRPC target of the next stage.")] = None,
     model_arg: ModelArg = None,
     model: ModelOpt = None,

@@ -87,9 +87,13 @@ def resolve_model(cfg: DeployConfig, model: str | None = None) -> Path:
         if not where.is_dir():
             raise ModelNotLocal(f"OMNISTAGE_MODEL={env}: no such checkpoint directory (unset it to serve the "
                                 "built-in tiny checkpoint)")  # fmt: skip
+        try:
+            empty = not any(where.iterdir())
+        except OSError as e:  # (an unreadable mount)
+            raise ModelNotLocal(f"OMNISTAGE_MODEL={env}: cannot read it ({e.strerror})") from None
         if (where / "config.json").is_file():
             chosen = env
-        elif any(where.iterdir()):
+        elif not empty:
             raise ModelNotLocal(f"OMNISTAGE_MODEL={env}: no config.json there, so no checkpoint (a volume mounted "
                                 "half, or the wrong directory)")  # fmt: skip
         else:

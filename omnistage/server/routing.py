@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -63,6 +64,7 @@ class Router:
             self.replicas = [(a, aio_channel(a, credentials, options)) for a in addresses]
         self.outstanding = [0] * len(self.replicas)
         self._turn = itertools.count()
+        self.lost_at = -math.inf  # when a call on a serving replica was last lost (lost_replica)
 
     def pick(self) -> tuple[grpc.aio.Channel, Callable[[Any], None]]:
         """A channel for one call, and what to call when that call is done."""
@@ -82,15 +84,22 @@ class Router:
 
         return self.replicas[best][1], done
 
-    async def wait_for_replica(self, timeout: float) -> bool:
+    def lost_replica(self) -> None:
+        """A call this process had opened on a serving replica was lost (the replica died, or
+        was cut off): the window of `wait_for_replica` starts."""
+        self.lost_at = time.monotonic()
+
+    async def wait_for_replica(self, window_s: float, timeout: float, stop: Callable[[], bool] | None = None) -> bool:
         """Whether a replica serves (a channel READY: gRPC's health Watch says SERVING), waiting
-        up to `timeout` s for one: after a lost replica, the process restarted on its port
-        (`serve`'s) or a rescheduled pod, when no other replica serves meanwhile."""
+        for one until `window_s` after this hop last lost a replica under a call, at most
+        `timeout` s (or until `stop()`): the process restarted on its port (`serve`'s, a
+        container restarted in its pod) when no other replica serves meanwhile. Past the
+        window (a hop down for longer, or never lost under a call) it does not wait."""
         channels = [self.shared] if self.policy == "round_robin" else [ch for _, ch in self.replicas]
-        deadline = time.monotonic() + timeout
+        until = min(self.lost_at + window_s, time.monotonic() + timeout)
         while not any(ch.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY for ch in channels):
-            left = deadline - time.monotonic()
-            if left <= 0:
+            left = until - time.monotonic()
+            if left <= 0 or (stop is not None and stop()):
                 return False
             await asyncio.sleep(min(0.1, left))  # (only while no replica serves)
         return True

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -533,8 +534,9 @@ class StageService:
                 # call's handler (which cancels this reader) only just after: waited for, it is the
                 # cancel it is (CANCELLED), not a malformed stream (INVALID_ARGUMENT on every cancel)
                 await asyncio.sleep(CANCEL_GRACE_S)
-                self._fail(req, call, invalid(f"{self.stage}: the caller closed its side before the finished chunk "
-                                              f"({index} messages)"))  # fmt: skip
+                if not call.failed:  # (nor if the request failed meanwhile)
+                    self._fail(req, call, invalid(f"{self.stage}: the caller closed its side before the finished "
+                                                  f"chunk ({index} messages)"))  # fmt: skip
         except (grpc.aio.AioRpcError, asyncio.CancelledError):
             pass
 
@@ -677,10 +679,13 @@ class StageService:
                                 self.stage, req.request_id, self.downstream_name, e.code().name, e.details(),
                                 call.attempt)  # fmt: skip
                     await asyncio.sleep(REPLAY_BACKOFF_S * 2 ** (call.attempt - 1))  # the channel sees the loss
-                    if await self._replica_back(call, context):
+                    await self._replica_back(call, context)
+                    if call.down is None or call.down.replayable:
                         self._open_downstream(req, call, context)
                         continue
-                    why = f"no replica served again within failover.replica_wait_s ({self.replica_wait_s:g} s)"
+                    why = call.down.why  # it sent more than it may keep while it waited: as below
+                elif call.down is not None and why == call.down.why and call.down_was_serving:
+                    self._downstream().lost_replica()  # (the replay from above waits here for its replica)
                 code = e.code()
                 detail = e.details() or ""
                 if call.down is not None and why == call.down.why:
@@ -701,16 +706,24 @@ class StageService:
                 self._fail(req, call, StageError(Code.INTERNAL, f"{self.downstream_name} sent a bad response: {e}"))
                 return
 
-    async def _replica_back(self, call: _Call, context: grpc.aio.ServicerContext) -> bool:
-        """Before a replay: a downstream replica serves, or one comes back within
-        failover.replica_wait_s and the request's deadline (its last 0.5 s left for the work).
-        Only a request whose replica served it when its call opened waits: one opened when none
-        served (the stage was down already) is replayed at once, as before: a new request fails fast."""
-        if not call.down_was_serving:
-            return True
+    async def _replica_back(self, call: _Call, context: grpc.aio.ServicerContext) -> None:
+        """After a lost downstream call, before its replay: until a replica serves there (another
+        one, or the lost one restarted on its port), for at most failover.replica_wait_s after
+        the hop lost a replica under a call and within the request's deadline (its last 0.5 s
+        left for the work); the replay follows either way. A loss starts that window only if
+        the call's replica served it when it opened: a hop that was down already (not
+        restarting under a request) still fails a new request fast. Not while this stage drains,
+        nor past the moment the request sends more than it may keep for replay (it then fails
+        as its own loss, and the replay from above waits)."""
+        router = self._downstream()
+        if call.down_was_serving:
+            router.lost_replica()
         remaining = context.time_remaining()
-        wait = self.replica_wait_s if remaining is None else min(self.replica_wait_s, remaining - 0.5)
-        return await self._downstream().wait_for_replica(max(wait, 0.0))
+        if self.draining or (remaining is not None and remaining <= 0.5):
+            return
+        down = call.down
+        await router.wait_for_replica(self.replica_wait_s, math.inf if remaining is None else remaining - 0.5,
+                                      stop=lambda: down is not None and not down.replayable)  # fmt: skip
 
     def _resume(self, raw: bytes, parts: dict[str, list[Received[stage_pb2.StageResponse]]], resume: Resume
                 ) -> list[bytes | Outgoing]:  # fmt: skip

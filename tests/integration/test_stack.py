@@ -315,48 +315,6 @@ def test_chunks_split_into_parts_cross_every_hop_whole(spare_stack: Stack, pipel
     assert reply.pcm.shape == expected.shape and np.allclose(reply.pcm, expected, atol=1e-5, rtol=0)
 
 
-def test_a_request_outlives_the_restart_of_its_only_replica(spare_stack: Stack) -> None:
-    """The only talker replica dies mid-request and comes back on its port (`serve` restarts
-    it; here its supervision passes run beside the request): the thinker's replay waits for it
-    (failover.replica_wait_s) and the reply is whole, as it is undisturbed. Without the wait the
-    three replays ended within 2 s, long before the restart, and the request failed UNAVAILABLE."""
-    import os
-    import signal
-
-    s = spare_stack
-    options = {"thinker_max_tokens": THINKER_MAX, "talker_max_tokens": TALKER_MAX, "timeout": 60}
-    baseline = run(generate(s.gateway_address, PROMPT, **options))
-    talker = s.child("talker")
-    said: list[str] = []
-
-    async def supervise() -> None:
-        # `serve`'s passes, on this thread: a child dies with the thread that started it (PDEATHSIG)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (talker.restarts and talker.healthy_since is not None):
-            s.heal(said.append)
-            await asyncio.sleep(0.2)
-
-    async def go() -> tuple[list[int], np.ndarray]:
-        ids, pcm, healer = [], [], None
-        async for ev in stream_generate(s.gateway_address, PROMPT, **options):
-            ids.extend(ev.token_ids)
-            if ev.pcm is not None:
-                pcm.append(ev.pcm)
-            if ev.kind == "audio" and healer is None:  # speaking: its talker call is open
-                os.kill(talker.proc.pid, signal.SIGKILL)
-                healer = asyncio.ensure_future(supervise())
-        assert healer is not None
-        await healer
-        return ids, np.concatenate(pcm)
-
-    ids, pcm = run(go())
-    assert any("serving again" in line for line in said), said
-    assert "lost its talker call" in s.child("thinker").log.read_text()  # (it was lost mid-request)
-    assert ids == baseline.token_ids
-    # the replay's audio is recomputed in other chunks: equal within float rounding
-    assert pcm.shape == baseline.pcm.shape and np.allclose(pcm, baseline.pcm, atol=1e-5, rtol=0)
-
-
 def test_downstream_down_is_unavailable_naming_the_stage(spare_stack: Stack) -> None:
     """The talker is gone: audio requests fail fast with UNAVAILABLE naming the talker."""
     s = spare_stack
@@ -371,6 +329,60 @@ def test_downstream_down_is_unavailable_naming_the_stage(spare_stack: Stack) -> 
     assert time.monotonic() - t0 < 20
     # Text-only requests do not need the talker and still work.
     assert run(generate(s.gateway_address, "hi", want_audio=False, thinker_max_tokens=4, timeout=20)).token_ids
+
+
+def _heal_until_serving(s: Stack, child: Any, restarts: int, said: list[str], limit_s: float = 90) -> None:
+    """`serve`'s supervision passes, on this thread (a child dies with the thread that started
+    it: PDEATHSIG), until `child` has been restarted past `restarts` and serves."""
+    deadline = time.monotonic() + limit_s
+    while not (child.restarts > restarts and child.healthy_since is not None):
+        assert time.monotonic() < deadline, f"{child.role} was not restarted and serving in time: {said}"
+        s.heal(said.append)
+        time.sleep(0.2)
+
+
+def test_a_request_outlives_the_restart_of_its_only_replica(spare_stack: Stack) -> None:
+    """The only talker replica dies mid-request and comes back on its port (`serve` restarts
+    it; here its supervision passes run beside the request): the thinker's replay waits for it
+    (failover.replica_wait_s) and the reply is whole, as it is undisturbed. Without the wait the
+    three replays ended within 2 s, long before the restart, and the request failed UNAVAILABLE.
+    (After the test above, whose talker stays down: it is restarted first.)"""
+    import os
+    import signal
+
+    s = spare_stack
+    talker = s.child("talker")
+    said: list[str] = []
+    if talker.proc.poll() is not None:
+        _heal_until_serving(s, talker, talker.restarts, said)
+    options = {"thinker_max_tokens": THINKER_MAX, "talker_max_tokens": TALKER_MAX, "timeout": 60}
+    baseline = run(generate(s.gateway_address, PROMPT, **options))
+    restarts = talker.restarts
+
+    async def supervise() -> None:
+        while not (talker.restarts > restarts and talker.healthy_since is not None):
+            s.heal(said.append)
+            await asyncio.sleep(0.2)
+
+    async def go() -> tuple[list[int], np.ndarray]:
+        ids, pcm, healer = [], [], None
+        async for ev in stream_generate(s.gateway_address, PROMPT, **options):
+            ids.extend(ev.token_ids)
+            if ev.pcm is not None:
+                pcm.append(ev.pcm)
+            if ev.kind == "audio" and healer is None:  # speaking: its talker call is open
+                os.kill(talker.proc.pid, signal.SIGKILL)
+                healer = asyncio.ensure_future(asyncio.wait_for(supervise(), 90))
+        assert healer is not None
+        await healer
+        return ids, np.concatenate(pcm)
+
+    ids, pcm = run(go())
+    assert talker.restarts == restarts + 1 and any("serving again" in line for line in said), said
+    assert "lost its talker call" in s.child("thinker").log.read_text()  # (it was lost mid-request)
+    assert ids == baseline.token_ids
+    # the replay's audio is recomputed in other chunks: equal within float rounding
+    assert pcm.shape == baseline.pcm.shape and np.allclose(pcm, baseline.pcm, atol=1e-5, rtol=0)
 
 
 def test_sigterm_drains_the_stage(spare_stack: Stack, pipeline: Any) -> None:
