@@ -457,9 +457,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         access log pairs the two)."""
         resume = Resume()
         attempt = 0
+        waited_out = False  # a replay's wait for a thinker replica ran out (failover.replica_wait_s)
         while True:
             channel, done = self.router.pick()
-            was_serving = channel.get_state() == grpc.ChannelConnectivity.READY  # (a loss then starts the wait)
+            was_serving = self.router.serving(channel)  # (a loss then starts the wait)
             # Stage.Stream; responses parsed without copying tensors
             call = stage_stream(channel)(messages(), timeout=max(deadline - time.monotonic(), 0.001))
             call.add_done_callback(done)
@@ -490,14 +491,18 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     # of the loss and the deadline; the replay follows either way (StageService._replica_back)
                     if was_serving:
                         self.router.lost_replica()
+                    window = self.cfg.failover.replica_wait_s
                     if not self.draining:
-                        await self.router.wait_for_replica(self.cfg.failover.replica_wait_s,
-                                                           deadline - time.monotonic() - 0.5)  # fmt: skip
+                        back = await self.router.wait_for_replica(window, deadline - time.monotonic() - 0.5)
+                        waited_out = not back and self.router.lost_at + window <= time.monotonic()
                     self.metrics.replays.inc()
                     continue
                 if lost_peer(code, detail) and not detail.startswith(self.stages):
                     code = grpc.StatusCode.UNAVAILABLE
                     detail = f"{self.stages[0]} unavailable at {self.thinker_target}: {detail}"
+                    if waited_out:
+                        detail += (f" (no replica served again within failover.replica_wait_s, "
+                                   f"{self.cfg.failover.replica_wait_s:g} s)")  # fmt: skip
                     if attempt:
                         detail += f" (after {attempt} replays)"
                 elif code == grpc.StatusCode.DEADLINE_EXCEEDED and not detail.startswith(self.stages):

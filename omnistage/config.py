@@ -227,9 +227,10 @@ class FailoverConfig(_Strict):
 
     attempts: int = Field(3, ge=0, le=10, description="replays per request and hop; 0 turns failover off")
     replica_wait_s: float = Field(30.0, ge=0, le=3600,
-                                  description="a hop that lost a replica under a request: until this long after, a "
-                                  "replay waits for one to serve when none does (the only one restarting), within the "
-                                  "request's deadline; 0: replay at once")  # fmt: skip
+                                  description="a hop that lost a replica under a request: until this long after "
+                                  "(or one serves again), its replays and new requests wait for one to serve when "
+                                  "none does (the only one restarting), within their deadlines; 0: replay at "
+                                  "once")  # fmt: skip
     replay_budget_bytes: int = Field(64 * 1024 * 1024, ge=0, le=1 << 34,
                                      description="what a request may have sent downstream and still be "
                                      "replayed (kept in memory until it ends)")  # fmt: skip

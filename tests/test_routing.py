@@ -85,6 +85,47 @@ def test_channels_route_only_to_replicas_whose_health_says_serving() -> None:
     asyncio.run(go())
 
 
+def test_a_replica_is_waited_for_only_in_the_window_a_lost_one_opens() -> None:
+    """failover.replica_wait_s: after a replica is lost under a call, a replay waits for the hop
+    to serve again, up to the window; with no loss (a hop down already) or once it serves again
+    it does not wait, so a later death with no call on it fails fast."""
+    import time
+
+    async def go() -> None:
+        async with _replicas("a") as (target, healths):
+            router = Router(target, "round_robin", 1 << 20)
+            try:
+                await asyncio.wait_for(router.shared.channel_ready(), 10)
+                assert await router.wait_for_replica(5.0, 5.0)  # serving: at once
+                await healths[0].set(False)  # (as a replica gone: its Watch says NOT_SERVING)
+                for _ in range(50):
+                    if not router.serving(router.shared):
+                        break
+                    await asyncio.sleep(0.05)
+                t0 = time.monotonic()
+                assert not await router.wait_for_replica(5.0, 5.0)  # no loss under a call: no wait
+                assert time.monotonic() - t0 < 0.1
+                router.lost_replica()
+                t0 = time.monotonic()
+                assert not await router.wait_for_replica(0.4, 5.0)  # the window, not the timeout
+                assert 0.3 < time.monotonic() - t0 < 2.0
+                router.lost_replica()
+                assert not await router.wait_for_replica(5.0, 0.2)  # the request's deadline first
+                back = asyncio.ensure_future(router.wait_for_replica(5.0, 5.0))
+                await asyncio.sleep(0.3)
+                await healths[0].set(True)  # it serves again within the window: the wait ends there
+                assert await asyncio.wait_for(back, 5.0)
+                t0 = time.monotonic()
+                await healths[0].set(False)
+                await asyncio.sleep(0.3)
+                assert not await router.wait_for_replica(5.0, 5.0)  # the window closed when it served
+                assert time.monotonic() - t0 < 0.5
+            finally:
+                await router.close()
+
+    asyncio.run(go())
+
+
 class _Named:
     """A Stage servicer whose Info says its name."""
 

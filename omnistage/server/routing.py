@@ -89,12 +89,20 @@ class Router:
         was cut off): the window of `wait_for_replica` starts."""
         self.lost_at = time.monotonic()
 
+    def serving(self, channel: grpc.aio.Channel) -> bool:
+        """Whether `channel` is READY now (its replica serves); if so, a window of
+        `wait_for_replica` is over: a later loss with no call on it is a hop down, not a restart."""
+        ready = channel.get_state() == grpc.ChannelConnectivity.READY
+        if ready:
+            self.lost_at = -math.inf
+        return ready
+
     async def wait_for_replica(self, window_s: float, timeout: float, stop: Callable[[], bool] | None = None) -> bool:
         """Whether a replica serves (a channel READY: gRPC's health Watch says SERVING), waiting
-        for one until `window_s` after this hop last lost a replica under a call, at most
-        `timeout` s (or until `stop()`): the process restarted on its port (`serve`'s, a
-        container restarted in its pod) when no other replica serves meanwhile. Past the
-        window (a hop down for longer, or never lost under a call) it does not wait."""
+        for one until `window_s` after this hop lost a replica under a call, at most `timeout` s
+        (or until `stop()`): the process restarted on its port (`serve`'s, a container
+        restarted in its pod) when no other replica serves meanwhile. Outside a window (a hop
+        down with no call lost on it, down for longer, or serving again since) it does not wait."""
         channels = [self.shared] if self.policy == "round_robin" else [ch for _, ch in self.replicas]
         until = min(self.lost_at + window_s, time.monotonic() + timeout)
         while not any(ch.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY for ch in channels):
@@ -102,6 +110,7 @@ class Router:
             if left <= 0 or (stop is not None and stop()):
                 return False
             await asyncio.sleep(min(0.1, left))  # (only while no replica serves)
+        self.lost_at = -math.inf  # (serving again: the window is over)
         return True
 
     async def close(self) -> None:

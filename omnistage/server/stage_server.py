@@ -118,6 +118,7 @@ class _Call:
         self.attempt = 0  # the downstream call's attempt: 0, then one more per replay
         self.down_start: stage_pb2.Start | None = None
         self.down_was_serving = False  # its replica served when the call was opened (see _replica_back)
+        self.waited_out = False  # a replay's wait for a replica ran out (failover.replica_wait_s)
         self.failed = False  # the request failed: its input is read and dropped until the call ends
         # set once the request's cache is reserved, or it ended (a worker that holds its input until then)
         self.admitted = asyncio.Event()
@@ -595,8 +596,9 @@ class StageService:
             seeds = {s: secrets.randbits(62) for s in self.sampled_below}
             call.down_start = downstream_start(req.params, self.edge_mode, seeds)
         start = call.down_start
-        channel, done = self._downstream().pick()
-        call.down_was_serving = channel.get_state() == grpc.ChannelConnectivity.READY
+        router = self._downstream()
+        channel, done = router.pick()
+        call.down_was_serving = router.serving(channel)
         call.down_call = stage_stream(channel, relay=True)(
             self._down_messages(req, call, start, call.attempt),
             timeout=context.time_remaining(),
@@ -679,13 +681,15 @@ class StageService:
                                 self.stage, req.request_id, self.downstream_name, e.code().name, e.details(),
                                 call.attempt)  # fmt: skip
                     await asyncio.sleep(REPLAY_BACKOFF_S * 2 ** (call.attempt - 1))  # the channel sees the loss
-                    await self._replica_back(call, context)
+                    await self._replica_back(call, context, until_unreplayable=True)
                     if call.down is None or call.down.replayable:
                         self._open_downstream(req, call, context)
                         continue
                     why = call.down.why  # it sent more than it may keep while it waited: as below
-                elif call.down is not None and why == call.down.why and call.down_was_serving:
-                    self._downstream().lost_replica()  # (the replay from above waits here for its replica)
+                if call.down is not None and why == call.down.why:
+                    # failed as its own loss, to be replayed from above: once a replica serves here
+                    # again (within the window), or that replay's call here finds none and fails too
+                    await self._replica_back(call, context)
                 code = e.code()
                 detail = e.details() or ""
                 if call.down is not None and why == call.down.why:
@@ -698,6 +702,8 @@ class StageService:
                 elif lost_peer(code, detail) and not detail.startswith(self.downstream_name):
                     code = grpc.StatusCode.UNAVAILABLE
                     detail = f"{self.downstream_name} unavailable at {self.downstream}: {detail}"
+                    if call.waited_out:  # (what ended it: no replica in the wait, not the replays after it)
+                        why = f"no replica served again within failover.replica_wait_s ({self.replica_wait_s:g} s)"
                     if call.attempt:
                         detail += f" (not replayed again: {why})"
                 self._fail(req, call, StageError(Code[code.name], detail))
@@ -706,24 +712,28 @@ class StageService:
                 self._fail(req, call, StageError(Code.INTERNAL, f"{self.downstream_name} sent a bad response: {e}"))
                 return
 
-    async def _replica_back(self, call: _Call, context: grpc.aio.ServicerContext) -> None:
+    async def _replica_back(self, call: _Call, context: grpc.aio.ServicerContext,
+                            until_unreplayable: bool = False) -> None:  # fmt: skip
         """After a lost downstream call, before its replay: until a replica serves there (another
         one, or the lost one restarted on its port), for at most failover.replica_wait_s after
         the hop lost a replica under a call and within the request's deadline (its last 0.5 s
         left for the work); the replay follows either way. A loss starts that window only if
         the call's replica served it when it opened: a hop that was down already (not
         restarting under a request) still fails a new request fast. Not while this stage drains,
-        nor past the moment the request sends more than it may keep for replay (it then fails
-        as its own loss, and the replay from above waits)."""
+        nor, `until_unreplayable`, past the moment the request sends more than it may keep for
+        replay (it then fails as its own loss, and waits as such)."""
         router = self._downstream()
         if call.down_was_serving:
             router.lost_replica()
+            call.down_was_serving = False  # (its loss starts the window once)
         remaining = context.time_remaining()
         if self.draining or (remaining is not None and remaining <= 0.5):
             return
         down = call.down
-        await router.wait_for_replica(self.replica_wait_s, math.inf if remaining is None else remaining - 0.5,
-                                      stop=lambda: down is not None and not down.replayable)  # fmt: skip
+        stop = (lambda: down is not None and not down.replayable) if until_unreplayable else None
+        back = await router.wait_for_replica(self.replica_wait_s, math.inf if remaining is None else remaining - 0.5,
+                                             stop=stop)  # fmt: skip
+        call.waited_out = not back and router.lost_at + self.replica_wait_s <= time.monotonic()
 
     def _resume(self, raw: bytes, parts: dict[str, list[Received[stage_pb2.StageResponse]]], resume: Resume
                 ) -> list[bytes | Outgoing]:  # fmt: skip
