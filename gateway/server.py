@@ -237,6 +237,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         async def update() -> None:
             nonlocal was
             now = self.thinker_serving
+            if now:  # a thinker replica serves again, seen by no request: a failover window is over
+                self.router.served()
             if now != was:
                 chain = self.watcher.chain
                 down = [f"{h.stage}: {h.detail or 'not serving'}" for h in chain
@@ -491,10 +493,12 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     # of the loss and the deadline; the replay follows either way (StageService._replica_back)
                     if was_serving:
                         self.router.lost_replica()
-                    window = self.cfg.failover.replica_wait_s
+                    waited_out = False
                     if not self.draining:
-                        back = await self.router.wait_for_replica(window, deadline - time.monotonic() - 0.5)
-                        waited_out = not back and self.router.lost_at + window <= time.monotonic()
+                        ended = await self.router.wait_for_replica(self.cfg.failover.replica_wait_s,
+                                                                   deadline - time.monotonic() - 0.5,
+                                                                   stop=lambda: self.draining)  # fmt: skip
+                        waited_out = ended == "window"
                     self.metrics.replays.inc()
                     continue
                 if lost_peer(code, detail) and not detail.startswith(self.stages):

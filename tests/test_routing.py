@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
+import grpc
 import pytest
 
 from omnistage.server.grpc_common import STAGE_SERVICE, HealthState, add_stage_servicer, bind, new_server
@@ -94,32 +96,40 @@ def test_a_replica_is_waited_for_only_in_the_window_a_lost_one_opens() -> None:
     async def go() -> None:
         async with _replicas("a") as (target, healths):
             router = Router(target, "round_robin", 1 << 20)
+
+            async def down() -> None:  # (as a replica gone: its Watch says NOT_SERVING)
+                await healths[0].set(False)
+                for _ in range(100):
+                    if router.shared.get_state() != grpc.ChannelConnectivity.READY:
+                        return
+                    await asyncio.sleep(0.05)
+                raise AssertionError("the channel stayed READY")
+
+            async def timed(*args: Any, **kwargs: Any) -> tuple[str, float]:
+                t0 = time.monotonic()
+                return await router.wait_for_replica(*args, **kwargs), time.monotonic() - t0
+
             try:
                 await asyncio.wait_for(router.shared.channel_ready(), 10)
-                assert await router.wait_for_replica(5.0, 5.0)  # serving: at once
-                await healths[0].set(False)  # (as a replica gone: its Watch says NOT_SERVING)
-                for _ in range(50):
-                    if not router.serving(router.shared):
-                        break
-                    await asyncio.sleep(0.05)
-                t0 = time.monotonic()
-                assert not await router.wait_for_replica(5.0, 5.0)  # no loss under a call: no wait
-                assert time.monotonic() - t0 < 0.1
+                assert (await timed(5.0, 5.0))[0] == "served"
+                await down()
+                ended, took = await timed(5.0, 5.0)
+                assert ended == "no window" and took < 0.1  # no loss under a call: no wait
                 router.lost_replica()
-                t0 = time.monotonic()
-                assert not await router.wait_for_replica(0.4, 5.0)  # the window, not the timeout
-                assert 0.3 < time.monotonic() - t0 < 2.0
+                ended, took = await timed(0.4, 5.0)
+                assert ended == "window" and 0.3 < took < 2.0  # the window, not the timeout
                 router.lost_replica()
-                assert not await router.wait_for_replica(5.0, 0.2)  # the request's deadline first
-                back = asyncio.ensure_future(router.wait_for_replica(5.0, 5.0))
+                ended, took = await timed(5.0, 0.3)
+                assert ended == "timeout" and 0.2 < took < 2.0  # the request's deadline first
+                ended, took = await timed(5.0, 5.0, stop=lambda: True)
+                assert ended == "stopped" and took < 0.1  # (a drain that starts meanwhile)
+                back = asyncio.ensure_future(timed(5.0, 5.0))
                 await asyncio.sleep(0.3)
                 await healths[0].set(True)  # it serves again within the window: the wait ends there
-                assert await asyncio.wait_for(back, 5.0)
-                t0 = time.monotonic()
-                await healths[0].set(False)
-                await asyncio.sleep(0.3)
-                assert not await router.wait_for_replica(5.0, 5.0)  # the window closed when it served
-                assert time.monotonic() - t0 < 0.5
+                assert (await asyncio.wait_for(back, 5.0))[0] == "served"
+                await down()
+                ended, took = await timed(5.0, 5.0)
+                assert ended == "no window" and took < 0.1  # the window closed when it served
             finally:
                 await router.close()
 

@@ -89,29 +89,41 @@ class Router:
         was cut off): the window of `wait_for_replica` starts."""
         self.lost_at = time.monotonic()
 
+    def served(self) -> None:
+        """A replica of the hop serves (a call opened on it, a health poll, a wait that saw it):
+        the window of `wait_for_replica` is over, so a later death with no call on it is a hop
+        down, not a restart."""
+        self.lost_at = -math.inf
+
     def serving(self, channel: grpc.aio.Channel) -> bool:
-        """Whether `channel` is READY now (its replica serves); if so, a window of
-        `wait_for_replica` is over: a later loss with no call on it is a hop down, not a restart."""
+        """Whether `channel` is READY now (its replica serves: `served`)."""
         ready = channel.get_state() == grpc.ChannelConnectivity.READY
         if ready:
-            self.lost_at = -math.inf
+            self.served()
         return ready
 
-    async def wait_for_replica(self, window_s: float, timeout: float, stop: Callable[[], bool] | None = None) -> bool:
-        """Whether a replica serves (a channel READY: gRPC's health Watch says SERVING), waiting
-        for one until `window_s` after this hop lost a replica under a call, at most `timeout` s
-        (or until `stop()`): the process restarted on its port (`serve`'s, a container
-        restarted in its pod) when no other replica serves meanwhile. Outside a window (a hop
-        down with no call lost on it, down for longer, or serving again since) it does not wait."""
+    async def wait_for_replica(self, window_s: float, timeout: float, stop: Callable[[], bool] | None = None) -> str:
+        """Wait for a replica to serve (a channel READY: gRPC's health Watch says SERVING) until
+        `window_s` after this hop lost a replica under a call, at most `timeout` s, or until
+        `stop()`: the process restarted on its port (`serve`'s, a container restarted in its
+        pod) when no other replica serves meanwhile. Outside a window (a hop down with no call
+        lost on it, down for longer, or serving again since) it does not wait. Why it ended:
+        "served", "window" (it ran out: no replica came back), "no window", "timeout", "stopped"."""
         channels = [self.shared] if self.policy == "round_robin" else [ch for _, ch in self.replicas]
-        until = min(self.lost_at + window_s, time.monotonic() + timeout)
+        deadline = time.monotonic() + timeout
         while not any(ch.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY for ch in channels):
-            left = until - time.monotonic()
-            if left <= 0 or (stop is not None and stop()):
-                return False
-            await asyncio.sleep(min(0.1, left))  # (only while no replica serves)
-        self.lost_at = -math.inf  # (serving again: the window is over)
-        return True
+            now = time.monotonic()
+            if stop is not None and stop():
+                return "stopped"
+            if self.lost_at == -math.inf or window_s <= 0:
+                return "no window"
+            if now >= self.lost_at + window_s:
+                return "window"
+            if now >= deadline:
+                return "timeout"
+            await asyncio.sleep(min(0.1, self.lost_at + window_s - now, deadline - now))  # (only while none serves)
+        self.served()
+        return "served"
 
     async def close(self) -> None:
         await self.shared.close()

@@ -227,6 +227,8 @@ class _DownBuffer:
         self._added = asyncio.Event()
 
     def put(self, item: OutChunk | None) -> None:
+        if self.closed:  # (nothing reads it any more)
+            return
         self.items.append(item)
         if item is not None and self.replayable:
             nbytes = _nbytes(item)
@@ -341,8 +343,14 @@ class StageService:
         """Poll the downstream stage's health (and the chain below it) for Info."""
         if self.downstream is None:
             return None
-        self.watcher = ChainWatcher(self._downstream().shared, self.downstream_name, self.downstream)
-        return asyncio.create_task(self.watcher.run())
+        router = self._downstream()
+        self.watcher = ChainWatcher(router.shared, self.downstream_name, self.downstream)
+
+        async def on_poll() -> None:  # a replica serves again, seen by no request: the window is over
+            if self.watcher is not None and self.watcher.serving:
+                router.served()
+
+        return asyncio.create_task(self.watcher.run(on_poll))
 
     async def _encode(self, out: OutChunk, seq: int, pool: ShmPool | None, request_id: str) -> list[LazyChunk]:
         await host_ready(out)
@@ -686,9 +694,11 @@ class StageService:
                         self._open_downstream(req, call, context)
                         continue
                     why = call.down.why  # it sent more than it may keep while it waited: as below
-                if call.down is not None and why == call.down.why:
+                if call.down is not None and why == call.down.why and self.failover_attempts:
                     # failed as its own loss, to be replayed from above: once a replica serves here
-                    # again (within the window), or that replay's call here finds none and fails too
+                    # again (within the window), or that replay's call here finds none and fails too.
+                    # What it makes meanwhile is dropped: it will not be sent (the engine goes on).
+                    call.down.close()
                     await self._replica_back(call, context)
                 code = e.code()
                 detail = e.details() or ""
@@ -726,14 +736,18 @@ class StageService:
         if call.down_was_serving:
             router.lost_replica()
             call.down_was_serving = False  # (its loss starts the window once)
+        call.waited_out = False
         remaining = context.time_remaining()
         if self.draining or (remaining is not None and remaining <= 0.5):
             return
         down = call.down
-        stop = (lambda: down is not None and not down.replayable) if until_unreplayable else None
-        back = await router.wait_for_replica(self.replica_wait_s, math.inf if remaining is None else remaining - 0.5,
-                                             stop=stop)  # fmt: skip
-        call.waited_out = not back and router.lost_at + self.replica_wait_s <= time.monotonic()
+
+        def stop() -> bool:  # (a drain that starts meanwhile ends the wait too)
+            return self.draining or (until_unreplayable and down is not None and not down.replayable)
+
+        ended = await router.wait_for_replica(self.replica_wait_s, math.inf if remaining is None else remaining - 0.5,
+                                              stop=stop)  # fmt: skip
+        call.waited_out = ended == "window"
 
     def _resume(self, raw: bytes, parts: dict[str, list[Received[stage_pb2.StageResponse]]], resume: Resume
                 ) -> list[bytes | Outgoing]:  # fmt: skip
