@@ -357,6 +357,10 @@ def test_a_request_outlives_the_restart_of_its_only_replica(spare_stack: Stack) 
     said: list[str] = []
     if talker.proc.poll() is not None:
         _heal_until_serving(s, talker, talker.restarts, said)
+    deadline = time.monotonic() + 30  # ...and the thinker has dialled it again (its channel backs off up to 2 s)
+    while not any(h.stage == "talker" and h.serving for h in run(info(s.addresses("thinker")[0])).chain):
+        assert time.monotonic() < deadline, "the thinker does not see its talker serve"
+        time.sleep(0.2)
     options = {"thinker_max_tokens": THINKER_MAX, "talker_max_tokens": TALKER_MAX, "timeout": 60}
     baseline = run(generate(s.gateway_address, PROMPT, **options))
     restarts = talker.restarts
