@@ -699,6 +699,7 @@ class StageService:
                     # again (within the window), or that replay's call here finds none and fails too.
                     # What it makes meanwhile is dropped: it will not be sent (the engine goes on).
                     call.down.close()
+                    await asyncio.sleep(REPLAY_BACKOFF_S)  # the channel sees the loss (else: READY still)
                     await self._replica_back(call, context)
                 code = e.code()
                 detail = e.details() or ""
