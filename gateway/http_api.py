@@ -690,6 +690,12 @@ def _audio_id() -> str:
     return f"audio_{uuid.uuid4().hex}"
 
 
+def _request_id(raw: str | None) -> str:
+    """The request's id: its client's `x-request-id` when usable, else the gateway's own (a
+    refusal is named too; a bad header is refused by `_request_id_header`, never echoed)."""
+    return raw if raw and not bad_request_id(raw) else uuid.uuid4().hex
+
+
 def _request_id_header(value: str | None) -> str:
     """A client's own request id (`x-request-id`, as a proxy in front sets it), checked as the
     gRPC door checks `request_id`; "": the gateway makes one."""
@@ -893,7 +899,7 @@ class ChatCompletions:
         t0, rid = time.perf_counter(), ""
         try:
             raw = request.headers.get(REQUEST_ID_KEY)
-            rid = raw if raw and not bad_request_id(raw) else uuid.uuid4().hex  # a refusal is named too
+            rid = _request_id(raw)
             body = await self.parse(request, ChatRequest)  # (the API key first, as over gRPC)
             _request_id_header(raw)
             if "audio" in (body.modalities or ()) and not self.service.cfg.audio_output:
@@ -918,7 +924,7 @@ class ChatCompletions:
         t0, rid = time.perf_counter(), ""
         try:
             raw = request.headers.get(REQUEST_ID_KEY)
-            rid = raw if raw and not bad_request_id(raw) else uuid.uuid4().hex  # a refusal is named too
+            rid = _request_id(raw)
             body = await self.parse(request, SpeechRequest)  # (the API key first, as over gRPC)
             _request_id_header(raw)
             if not self.service.cfg.audio_output:
