@@ -490,15 +490,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                                 request_id, self.stages[0], detail, attempt)  # fmt: skip
                     await asyncio.sleep(REPLAY_BACKOFF_S * 2 ** (attempt - 1))  # the channel sees the loss
                     # a thinker replica serves, or one comes back (restarted) within failover.replica_wait_s
-                    # of the loss and the deadline; the replay follows either way (StageService._replica_back)
-                    if was_serving:
-                        self.router.lost_replica()
-                    waited_out = False
-                    if not self.draining:
-                        ended = await self.router.wait_for_replica(self.cfg.failover.replica_wait_s,
-                                                                   deadline - time.monotonic() - 0.5,
-                                                                   stop=lambda: self.draining)  # fmt: skip
-                        waited_out = ended == "window"
+                    # of the loss and the deadline; the replay follows either way (as each stage's caller does)
+                    waited_out = await self.router.wait_after_loss(
+                        was_serving, self.cfg.failover.replica_wait_s, deadline - time.monotonic() - 0.5,
+                        stop=lambda: self.draining)
                     self.metrics.replays.inc()
                     continue
                 if lost_peer(code, detail) and not detail.startswith(self.stages):

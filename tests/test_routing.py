@@ -130,6 +130,10 @@ def test_a_replica_is_waited_for_only_in_the_window_a_lost_one_opens() -> None:
                 await down()
                 ended, took = await timed(5.0, 5.0)
                 assert ended == "no window" and took < 0.1  # the window closed when it served
+                # a caller's wait after a loss: the loss of a serving replica opens the window
+                assert await router.wait_after_loss(False, 5.0, 5.0) is False  # (none open: at once)
+                assert await router.wait_after_loss(True, 0.3, 0.0) is False  # no time left: no wait
+                assert await router.wait_after_loss(False, 0.3, 5.0) is True  # ran out: the failure says so
             finally:
                 await router.close()
 

@@ -125,6 +125,18 @@ class Router:
         self.served()
         return "served"
 
+    async def wait_after_loss(self, lost_serving: bool, window_s: float, timeout: float,
+                              stop: Callable[[], bool] | None = None) -> bool:  # fmt: skip
+        """After a call on this hop was lost, before its replay (the gateway's and each stage's):
+        the loss opens the window if its replica served the call (`lost_serving`), then
+        `wait_for_replica`, unless `stop()` already or no time is left. Whether the wait ran out
+        of the window: no replica came back, which the failure then names."""
+        if lost_serving:
+            self.lost_replica()
+        if (stop is not None and stop()) or timeout <= 0:
+            return False
+        return await self.wait_for_replica(window_s, timeout, stop) == "window"
+
     async def close(self) -> None:
         await self.shared.close()
         for _, ch in self.replicas:

@@ -733,22 +733,15 @@ class StageService:
         restarting under a request) still fails a new request fast. Not while this stage drains,
         nor, `until_unreplayable`, past the moment the request sends more than it may keep for
         replay (it then fails as its own loss, and waits as such)."""
-        router = self._downstream()
-        if call.down_was_serving:
-            router.lost_replica()
-            call.down_was_serving = False  # (its loss starts the window once)
-        call.waited_out = False
+        lost_serving, call.down_was_serving = call.down_was_serving, False  # (its loss starts the window once)
         remaining = context.time_remaining()
-        if self.draining or (remaining is not None and remaining <= 0.5):
-            return
         down = call.down
 
         def stop() -> bool:  # (a drain that starts meanwhile ends the wait too)
             return self.draining or (until_unreplayable and down is not None and not down.replayable)
 
-        ended = await router.wait_for_replica(self.replica_wait_s, math.inf if remaining is None else remaining - 0.5,
-                                              stop=stop)  # fmt: skip
-        call.waited_out = ended == "window"
+        call.waited_out = await self._downstream().wait_after_loss(
+            lost_serving, self.replica_wait_s, math.inf if remaining is None else remaining - 0.5, stop)
 
     def _resume(self, raw: bytes, parts: dict[str, list[Received[stage_pb2.StageResponse]]], resume: Resume
                 ) -> list[bytes | Outgoing]:  # fmt: skip
