@@ -1,7 +1,9 @@
-"""Audio, image and video in, through the real multi-process stack on both checkpoint layouts:
-greedy output equals monolithic `generate()` on the same model inputs (text ids, every code
-group, the waveform), alone and together with text-only requests; bad media fail their
-request with INVALID_ARGUMENT naming the part, and nothing else."""
+"""Audio, image and video in, through the real multi-process stack: greedy output equals
+monolithic `generate()` on the same model inputs (text ids, every code group, the waveform),
+alone and together with text-only requests; bad media fail their request with INVALID_ARGUMENT
+naming the part, and nothing else. On the published layout: the fused one loads the same
+weights, bit for bit (tests/test_tiny_and_loader.py), so a second stack on it (about 20 s
+here) showed nothing more."""
 
 from __future__ import annotations
 
@@ -31,30 +33,17 @@ RATE = 16_000  # the tiny processor's feature extractor
 MEDIA_LIMITS = {"max_part_bytes": 1024 * 1024, "max_audio_seconds": 12.0, "max_video_frames": 8}
 
 
-@pytest.fixture(scope="module", params=["published", "fused"])
-def layout(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 @pytest.fixture(scope="module")
-def mm_stack(layout: str, tiny_dir: Path, tiny_fused_dir: Path,
-             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:  # fmt: skip
-    model = tiny_dir if layout == "published" else tiny_fused_dir
+def mm_stack(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     logs = tmp_path_factory.mktemp("mm-logs")
-    with start_stack(stack_config(media=MEDIA_LIMITS), model=str(model), log_dir=logs) as s:
+    with start_stack(stack_config(media=MEDIA_LIMITS), model=str(tiny_dir), log_dir=logs) as s:
         yield s
 
 
-def published_only(layout: str) -> None:
-    """What does not depend on the weights' layout (the gateway, the batching) runs on one."""
-    if layout != "published":
-        pytest.skip("layout-independent: checked on the published layout")
-
-
 @pytest.fixture(scope="module")
-def ref(layout: str, checkpoints: Any) -> Any:
-    """(pipeline, reference, input builder) of the layout's checkpoint."""
-    pipeline, reference = checkpoints(layout)
+def ref(checkpoints: Any) -> Any:
+    """(pipeline, reference, input builder) of the checkpoint."""
+    pipeline, reference = checkpoints("published")
     return pipeline, reference, pipeline.family.input_builder(pipeline.checkpoint, pipeline.tokenizer)
 
 
@@ -107,9 +96,8 @@ def reference_output(ref: Any, request: gateway_pb2.GenerateRequest) -> tuple[li
     return ids, inputs, out
 
 
-def test_the_cases_cover_what_they_claim(ref: Any, layout: str) -> None:
+def test_the_cases_cover_what_they_claim(ref: Any) -> None:
     """Each case really puts its media in the prompt (placeholders of each kind)."""
-    published_only(layout)
     _, _, builder = ref
     kinds = {"audio": {"input_features"}, "image": {"pixel_values"}, "video": {"pixel_values_videos"},
              "audio+image": {"input_features", "pixel_values"},
@@ -158,9 +146,8 @@ def _request_options(request: gateway_pb2.GenerateRequest) -> dict[str, Any]:
             "thinker_max_tokens": thinker.max_tokens, "talker_max_tokens": talker.max_tokens}  # fmt: skip
 
 
-def test_media_and_text_requests_together(mm_stack: Stack, ref: Any, layout: str) -> None:
+def test_media_and_text_requests_together(mm_stack: Stack, ref: Any) -> None:
     """Media requests batched with text-only ones: each gives what it gives alone."""
-    published_only(layout)
     names = ["audio", "image", "audio-in-video", "multi-turn"]
     expected = [reference_output(ref, _case(n))[2] for n in names]
     texts = ["Tell me a short story about a robot.", "Numbers one two three", "hi"]
@@ -237,8 +224,7 @@ BAD = ["garbage audio", "truncated video", "unsupported image", "empty audio", "
        "too many video frames"]  # fmt: skip
 
 
-def test_bad_media_fail_their_request_only(mm_stack: Stack, layout: str) -> None:
-    published_only(layout)
+def test_bad_media_fail_their_request_only(mm_stack: Stack) -> None:
 
     async def call(request: gateway_pb2.GenerateRequest) -> grpc.aio.AioRpcError | None:
         async with grpc.aio.insecure_channel(mm_stack.gateway_address) as ch:
@@ -266,10 +252,9 @@ def test_bad_media_fail_their_request_only(mm_stack: Stack, layout: str) -> None
             assert (load.running, load.waiting, load.waiting_for_input, load.open_streams) == (0, 0, 0, 0), stage
 
 
-def test_inconsistent_model_inputs_are_refused_by_the_thinker(mm_stack: Stack, ref: Any, layout: str) -> None:
+def test_inconsistent_model_inputs_are_refused_by_the_thinker(mm_stack: Stack, ref: Any) -> None:
     """A thinker caller whose tensors disagree with the prompt's placeholders gets
     INVALID_ARGUMENT naming the disagreement, before any model work."""
-    published_only(layout)
     _, _, builder = ref
     messages, _ = decode_messages(_case("audio+image"), stack_config(media=MEDIA_LIMITS).media, RATE)
     ids, inputs = builder.build(messages)
@@ -289,10 +274,9 @@ def test_inconsistent_model_inputs_are_refused_by_the_thinker(mm_stack: Stack, r
         assert expect in e.value.details()
 
 
-def test_client_command_sends_audio_and_images(mm_stack: Stack, layout: str, tmp_path: Path) -> None:
+def test_client_command_sends_audio_and_images(mm_stack: Stack, tmp_path: Path) -> None:
     """`omnistage client "question" --audio a.mp3 --image p.png` answers with text and a WAV,
     the same as the Python client sends (audio first, then images, then the text)."""
-    published_only(layout)
     import json
     import subprocess
     import sys
