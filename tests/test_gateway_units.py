@@ -175,6 +175,7 @@ def test_openai_request_errors_name_the_field() -> None:
         (_chat(presence_penalty=0.5), "presence_penalty: not supported"),
         (_chat(frequency_penalty=-1), "frequency_penalty: not supported"),
         (_chat(logit_bias={"42": 5}), "logit_bias: not supported"),
+        (_chat(stream_options={"include_usage": True}), "stream_options: only allowed when stream is true"),
         (_chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "audio": {"id": "audio_x"}}]),
          "messages[1].audio.id: unknown or expired audio id 'audio_x'"),
         (_chat(messages=[{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": "https://a/b"}}]}]),
