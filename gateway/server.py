@@ -539,20 +539,22 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     # ---- gRPC front door ----------------------------------------------------------------------
 
-    async def _require_key(self, context: grpc.aio.ServicerContext, api: str | None = None) -> None:
-        """`api` set: a request's call, refused with an access line when the key is wrong."""
+    async def _require_key(self, context: grpc.aio.ServicerContext) -> None:
         if not self.check_api_key(dict(context.invocation_metadata() or ()).get("authorization")):
-            if api is not None:
-                self.refused(api, "UNAUTHENTICATED", _NO_KEY)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, _NO_KEY)
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        await self._require_key(context, "grpc")
-        if not request.request_id:
-            request.request_id = uuid.uuid4().hex
-        if bad_request_id(request.request_id):  # refused before it is echoed or logged
-            self.refused("grpc", "INVALID_ARGUMENT", _BAD_ID)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _BAD_ID)
+        bad_id = bool(request.request_id) and bad_request_id(request.request_id)  # never echoed nor logged
+        if bad_id or not request.request_id:
+            request.request_id = uuid.uuid4().hex  # (a refusal names the request by it, as HTTP's do)
+        refusal = None
+        if not self.check_api_key(dict(context.invocation_metadata() or ()).get("authorization")):
+            refusal = (grpc.StatusCode.UNAUTHENTICATED, _NO_KEY)
+        elif bad_id:
+            refusal = (grpc.StatusCode.INVALID_ARGUMENT, _BAD_ID)
+        if refusal is not None:
+            self.refused("grpc", refusal[0].name, refusal[1], request_id=request.request_id)
+            await _abort(context, *refusal, request.request_id)
         await context.send_initial_metadata(((REQUEST_ID_KEY, request.request_id),))
         # written, not yielded: a write the client does not take times out (`deliver`)
         replies = self.serve(request, context.time_remaining(), "grpc")
@@ -589,8 +591,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     def refused(self, api: str, outcome: str, message: str, seconds: float = 0.0, request_id: str = "") -> None:
         """A request refused before it started (its key, its body): counted, and given its access
-        line with the reason, the `seconds` it took and its id, as any other request is (HTTP
-        names every request; a gRPC call refused before it is read has none: "-")."""
+        line with the reason, the `seconds` it took and its id (the client's, or one made for it:
+        the refusal's x-request-id), as any other request is."""
         o = Outcome(request_id or "-", time.perf_counter(), api=api, status=outcome, error=message, shed=True)
         self.metrics.observe(o, seconds, self.sample_rate)  # (shed: counted, no latency observed)
         self._access_log(o, seconds)

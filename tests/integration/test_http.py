@@ -497,6 +497,13 @@ def test_a_client_request_id_is_kept_and_a_bad_one_refused(http_stack: Stack) ->
         named = httpx.post(url, json={**body, "max_tokens": 0}, headers=headers, timeout=60).headers["x-request-id"]
         assert len(named) == 32 and named != "x" * 32
         assert _wait_until(lambda: f"request_id={named} " in log.read_text(), 5)  # noqa: B023
+    # so is one refused at the gRPC door (trailing metadata: it had no first message)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(generate(http_stack.gateway_address, "hi", thinker_max_tokens=2, request_id="x" * 300, timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    named = dict(err.value.trailing_metadata() or ()).get("x-request-id", "")
+    assert len(named) == 32 and named != "x" * 32, named
+    assert _wait_until(lambda: f"request_id={named} " in log.read_text(), 5)
     # a reply's audio id (its transcript's key) is the server's own: a client naming two requests
     # alike, or after another client's id, must not reach the other's transcript
     spoken = {**body, "modalities": ["text", "audio"], "audio": {"format": "pcm16"}, "temperature": 0,

@@ -132,16 +132,18 @@ def test_a_request_with_tls_and_the_key_is_served(tls_stack: Stack, certs: dict[
 
 def test_without_the_key_the_call_is_unauthenticated(tls_stack: Stack, certs: dict[str, Path]) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        run(generate(tls_stack.gateway_address, "hi", thinker_max_tokens=3, timeout=30,
+        run(generate(tls_stack.gateway_address, "hi", thinker_max_tokens=3, timeout=30, request_id="no-key-1",
                      tls_ca=certs["cert"].read_bytes()))  # fmt: skip
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert ("x-request-id", "no-key-1") in tuple(err.value.trailing_metadata() or ())  # named, as HTTP's 401 is
     r = httpx.post(f"https://{tls_stack.http_address}/v1/chat/completions", verify=_trust(certs), timeout=30,
                    json={"messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
     assert r.status_code == 401
     # each refusal has its access line, saying why (an operator sees which clients lack the key)
     log = tls_stack.log_dir / "gateway-0.log"
     deadline = time.monotonic() + 10
-    wanted = ("api=grpc outcome=UNAUTHENTICATED", "api=http outcome=UNAUTHENTICATED")
+    wanted = ("request_id=no-key-1 stage_request_id=- api=grpc outcome=UNAUTHENTICATED",
+              "api=http outcome=UNAUTHENTICATED")
     while time.monotonic() < deadline and not all(w in log.read_text() for w in wanted):
         time.sleep(0.2)
     lines = [line for line in log.read_text().splitlines() if "omnistage.access" in line]
