@@ -154,3 +154,13 @@ def test_a_cuda_device_this_torch_cannot_use_is_refused_before_anything_starts(t
     out = _refused(["stage", "talker", "--port", "1", "--device", "cuda:1", "--model", str(tiny_dir),
                     "--downstream", "127.0.0.1:2"])  # fmt: skip
     assert "talker.device: cuda:1: this machine's torch sees no CUDA device" in out, out
+
+
+def test_a_missing_config_named_by_the_environment_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`$OMNISTAGE_CONFIG` naming no file: the refusal says where the path came from (a
+    container's environment, not the command line the user sees)."""
+    monkeypatch.setenv("OMNISTAGE_CONFIG", str(tmp_path / "gone.yaml"))
+    for command in (["serve"], ["health"]):
+        out = _refused(command)
+        assert "gone.yaml (from OMNISTAGE_CONFIG" in out, (command, out)
+    assert "(from OMNISTAGE_CONFIG" not in _refused(["serve", "--config", str(tmp_path / "other.yaml")])

@@ -144,6 +144,11 @@ def _load_cfg(config: Path | None, overrides: dict[str, object], *, default: boo
     from omnistage.config import apply_overrides, default_config_path, load_config
 
     path = config or (default_config_path() if default else None)
+    if config is None and path is not None and os.environ.get("OMNISTAGE_CONFIG") and not path.is_file():
+        from omnistage.config import ConfigError
+
+        raise ConfigError(f"deploy config not found: {path} (from OMNISTAGE_CONFIG; give --config, or unset it "
+                          "for the default)")  # fmt: skip
     cfg = load_config(path)
     clean = {k: v for k, v in overrides.items() if v is not None}
     return apply_overrides(cfg, clean) if clean else cfg
