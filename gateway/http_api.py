@@ -6,7 +6,7 @@
   POST /v1/audio/speech       a given text spoken (the model's reply, given: `forced_ids`)
   GET  /v1/models[/{id}]      the served model (and its voices)
   GET  /health                200 when every stage serves, else 503 naming the ones that do not
-  GET  /metrics               the gateway's Prometheus metrics
+  GET  /metrics               the gateway's Prometheus metrics (404 with metrics.enabled false)
   GET  /                      the playground page
 
 Chat completions (OpenAI's shapes; what differs is said here):
@@ -1268,6 +1268,6 @@ def build_app(service: GatewayService) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
+        *([Route("/metrics", metrics, methods=["GET"])] if service.cfg.metrics.enabled else []),  # (off: none)
         Route("/", playground, methods=["GET"]),
     ], middleware=middleware, exception_handlers={HTTPException: http_error, Exception: internal_error})  # fmt: skip

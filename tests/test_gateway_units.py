@@ -1121,3 +1121,26 @@ def test_a_bug_before_or_after_the_reply_runs_counts_internal(tiny_dir: Path, mo
     assert (count("http", "ok")._value.get(), count("http", "INTERNAL")._value.get()) == (1, 2)
     lines = [r for r in caplog.records if r.name == "omnistage.access"]
     assert [r.fields["outcome"] for r in lines] == ["ok", "INTERNAL", "INTERNAL"], lines  # type: ignore[attr-defined]
+
+
+def test_http_metrics_follow_the_metrics_switch(tiny_dir: Path) -> None:
+    """`metrics.enabled: false` turns off the HTTP door's /metrics too (it showed the gateway's
+    metrics while the metrics ports were off)."""
+    import httpx
+
+    from gateway.http_api import build_app
+    from gateway.server import GatewayService
+    from omnistage.config import parse_config
+    from omnistage.models import open_checkpoint
+
+    ckpt = open_checkpoint(tiny_dir)
+
+    async def scrape(enabled: bool) -> httpx.Response:
+        service = GatewayService(parse_config({"metrics": {"enabled": enabled}}), ckpt, "ipv4:127.0.0.1:1")
+        transport = httpx.ASGITransport(app=build_app(service))
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            return await client.get("/metrics")
+
+    on, off = asyncio.run(scrape(True)), asyncio.run(scrape(False))
+    assert on.status_code == 200 and "omnistage_gateway_requests" in on.text
+    assert off.status_code == 404 and off.json()["error"]["type"], off.text
