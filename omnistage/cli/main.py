@@ -716,6 +716,7 @@ def demo(
     import numpy as np
 
     from gateway.client import write_wav
+    from gateway.text import TextStream
     from omnistage.cli.serve import resolve_model
     from omnistage.config import DeployConfig
     from services.pipeline import AudioEvent, InProcessPipeline, PipelineRequest, TextEvent
@@ -725,11 +726,13 @@ def demo(
         pipe = InProcessPipeline(resolve_model(DeployConfig(), model))
         req = PipelineRequest(pipe.prompt_ids(prompt), pipe.thinker_defaults().with_overrides(max_tokens=64))
         pcm = []
+        text = TextStream(pipe.tokenizer)  # the reply's text as the gateway sends it (whole characters, no <|im_end|>)
         for ev in pipe.run(req):
             if isinstance(ev, TextEvent):
-                typer.echo(ev.text, nl=False)
+                typer.echo(text.push([ev.token_id]), nl=False)
             elif isinstance(ev, AudioEvent):
                 pcm.append(ev.pcm.numpy())
+        typer.echo(text.flush(), nl=False)
     audio = np.concatenate(pcm) if pcm else np.zeros(0, np.float32)
     rate = pipe.checkpoint.sample_rate
     write_wav(str(out), audio, rate)

@@ -1,0 +1,48 @@
+"""`omnistage demo` prints the reply's text as the gateway sends it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from omnistage.cli.main import app
+
+
+def test_demo_prints_whole_characters_and_no_stop_token(tiny_dir: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Each token was decoded alone: a character split over two tokens printed as two U+FFFD,
+    and the reply's last token as `<|im_end|>`."""
+    import services.pipeline
+    from omnistage.models import load_tokenizer, open_checkpoint
+    from services.pipeline import TextEvent
+
+    ckpt = open_checkpoint(tiny_dir)
+    tokenizer = load_tokenizer(ckpt)
+    words = "naïve café 中文"
+    ids = [*tokenizer.encode(words), ckpt.spec.im_end_id]
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids), "no character spans two tokens: the case is moot"
+
+    class Replay:  # the pipeline's events for `ids` (the real one: the model's, which are random here)
+        def __init__(self, model_dir: Any) -> None:
+            self.checkpoint, self.tokenizer = ckpt, tokenizer
+
+        def prompt_ids(self, prompt: str) -> list[int]:
+            return [0]
+
+        def thinker_defaults(self) -> Any:
+            from omnistage.models.sampling import SamplingParams
+
+            return SamplingParams()
+
+        def run(self, req: Any) -> Iterator[TextEvent]:
+            for i in ids:
+                yield TextEvent(i, tokenizer.decode([i]), 0.0)
+
+    monkeypatch.setattr(services.pipeline, "InProcessPipeline", Replay)
+    result = CliRunner().invoke(app, ["demo", "hi", "--model", str(tiny_dir), "--out", str(tmp_path / "r.wav")])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(words) and "<|im_end|>" not in result.output and "\ufffd" not in result.output
