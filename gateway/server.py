@@ -38,7 +38,7 @@ from omnistage.engine import OutChunk
 from omnistage.models import Checkpoint, PartRefused, load_tokenizer, media_inputs
 from omnistage.quoting import quoted
 from omnistage.server.grpc_common import REPLAY_BACKOFF_S, ChainWatcher, HealthState, lost_peer, stage_stream
-from omnistage.server.routing import Router
+from omnistage.server.routing import Router, unserved
 from omnistage.server.tls import name_override, stage_channel_credentials
 from omnistage.topology import STAGES, stage_def
 from omnistage.v1 import gateway_pb2, gateway_pb2_grpc, stage_pb2
@@ -459,7 +459,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         access log pairs the two)."""
         resume = Resume()
         attempt = 0
-        waited_out = False  # a replay's wait for a thinker replica ran out (failover.replica_wait_s)
+        wait_ended = ""  # how a replay's last wait for a thinker replica ended (Router.wait_after_loss)
         while True:
             channel, done = self.router.pick()
             was_serving = self.router.serving(channel)  # (a loss then starts the wait)
@@ -491,7 +491,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     await asyncio.sleep(REPLAY_BACKOFF_S * 2 ** (attempt - 1))  # the channel sees the loss
                     # a thinker replica serves, or one comes back (restarted) within failover.replica_wait_s
                     # of the loss and the deadline; the replay follows either way (as each stage's caller does)
-                    waited_out = await self.router.wait_after_loss(
+                    wait_ended = await self.router.wait_after_loss(
                         was_serving, self.cfg.failover.replica_wait_s, deadline - time.monotonic() - 0.5,
                         stop=lambda: self.draining)
                     self.metrics.replays.inc()
@@ -499,11 +499,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 if lost_peer(code, detail) and not detail.startswith(self.stages):
                     code = grpc.StatusCode.UNAVAILABLE
                     detail = f"{self.stages[0]} unavailable at {self.thinker_target}: {detail}"
-                    if waited_out:
-                        detail += (f" (no replica served again within failover.replica_wait_s, "
-                                   f"{self.cfg.failover.replica_wait_s:g} s)")  # fmt: skip
-                    if attempt:
-                        detail += f" (after {attempt} replays)"
+                    if attempt:  # (as each stage says it)
+                        why = (f"{attempt} replays failed (failover.attempts)" if attempt >= self.cfg.failover.attempts
+                               else "the deadline is too close")  # fmt: skip
+                        said = unserved(wait_ended, self.cfg.failover.replica_wait_s)
+                        detail += f" (not replayed again: {why}{'; ' + said if said else ''})"
                 elif code == grpc.StatusCode.DEADLINE_EXCEEDED and not detail.startswith(self.stages):
                     # this gateway's own call ran out before a stage said so ("Deadline Exceeded")
                     detail = f"gateway: request {stage_id} passed its deadline"

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from omnistage.server.grpc_common import STAGE_SERVICE, HealthState, add_stage_servicer, bind, new_server
-from omnistage.server.routing import Router, replica_addresses
+from omnistage.server.routing import Router, replica_addresses, unserved
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from tests.integration.conftest import free_port_block
 
@@ -130,10 +130,17 @@ def test_a_replica_is_waited_for_only_in_the_window_a_lost_one_opens() -> None:
                 await down()
                 ended, took = await timed(5.0, 5.0)
                 assert ended == "no window" and took < 0.1  # the window closed when it served
-                # a caller's wait after a loss: the loss of a serving replica opens the window
-                assert await router.wait_after_loss(False, 5.0, 5.0) is False  # (none open: at once)
-                assert await router.wait_after_loss(True, 0.3, 0.0) is False  # no time left: no wait
-                assert await router.wait_after_loss(False, 0.3, 5.0) is True  # ran out: the failure says so
+                # a caller's wait after a loss: the loss of a serving replica opens the window; what
+                # the request's failure then says of it
+                ended = await router.wait_after_loss(False, 5.0, 5.0)
+                assert ended == "no window" and "since before the request came" in unserved(ended, 5.0)
+                assert unserved(ended, 0.0) == ""  # (no waiting at all: nothing to say)
+                assert await router.wait_after_loss(True, 0.3, 0.0) == "timeout"  # no time left: no wait
+                ended = await router.wait_after_loss(False, 0.3, 5.0)  # the window that loss opened, run out
+                assert ended == "window" and unserved(ended, 0.3) == (
+                    "no replica served again within failover.replica_wait_s (0.3 s)")
+                assert await router.wait_after_loss(True, 5.0, 5.0, stop=lambda: True) == "stopped"
+                assert unserved("stopped", 5.0) == unserved("served", 5.0) == ""
             finally:
                 await router.close()
 

@@ -126,21 +126,33 @@ class Router:
         return "served"
 
     async def wait_after_loss(self, lost_serving: bool, window_s: float, timeout: float,
-                              stop: Callable[[], bool] | None = None) -> bool:  # fmt: skip
+                              stop: Callable[[], bool] | None = None) -> str:  # fmt: skip
         """After a call on this hop was lost, before its replay (the gateway's and each stage's):
         the loss opens the window if its replica served the call (`lost_serving`), then
-        `wait_for_replica`, unless `stop()` already or no time is left. Whether the wait ran out
-        of the window: no replica came back, which the failure then names."""
+        `wait_for_replica`, unless `stop()` already ("stopped") or no time is left ("timeout").
+        Why it ended, for `unserved`."""
         if lost_serving:
             self.lost_replica()
-        if (stop is not None and stop()) or timeout <= 0:
-            return False
-        return await self.wait_for_replica(window_s, timeout, stop) == "window"
+        if stop is not None and stop():
+            return "stopped"
+        if timeout <= 0:
+            return "timeout"
+        return await self.wait_for_replica(window_s, timeout, stop)
 
     async def close(self) -> None:
         await self.shared.close()
         for _, ch in self.replicas:
             await ch.close()
+
+
+def unserved(ended: str, window_s: float) -> str:
+    """What a request that failed after its replays says of its last wait for a replica (how
+    `wait_after_loss` ended); "" when that says nothing (a replica served, a drain stopped it)."""
+    if ended == "window":
+        return f"no replica served again within failover.replica_wait_s ({window_s:g} s)"
+    if ended == "no window" and window_s > 0:  # (replica_wait_s 0: no wait at all, nothing to say)
+        return "no replica has served there since before the request came, so none was waited for"
+    return ""
 
 
 def _nothing(_: Any) -> None:

@@ -43,7 +43,7 @@ from omnistage.server.grpc_common import (
     wait_for_signal,
 )
 from omnistage.server.handoff import LoopHandoff
-from omnistage.server.routing import Router
+from omnistage.server.routing import Router, unserved
 from omnistage.server.tls import name_override, server_credentials, stage_channel_credentials
 from omnistage.topology import PROCESSES, stage_def, stages_below
 from omnistage.v1 import stage_pb2
@@ -120,7 +120,7 @@ class _Call:
         self.attempt = 0  # the downstream call's attempt: 0, then one more per replay
         self.down_start: stage_pb2.Start | None = None
         self.down_was_serving = False  # its replica served when the call was opened (see _replica_back)
-        self.waited_out = False  # a replay's wait for a replica ran out (failover.replica_wait_s)
+        self.wait_ended = ""  # how a replay's last wait for a replica ended (Router.wait_after_loss)
         self.failed = False  # the request failed: its input is read and dropped until the call ends
         # set once the request's cache is reserved, or it ended (a worker that holds its input until then)
         self.admitted = asyncio.Event()
@@ -715,8 +715,8 @@ class StageService:
                 elif lost_peer(code, detail) and not detail.startswith(self.downstream_name):
                     code = grpc.StatusCode.UNAVAILABLE
                     detail = f"{self.downstream_name} unavailable at {self.downstream}: {detail}"
-                    if call.waited_out:  # (what ended it: no replica in the wait, not the replays after it)
-                        why = f"no replica served again within failover.replica_wait_s ({self.replica_wait_s:g} s)"
+                    said = unserved(call.wait_ended, self.replica_wait_s)
+                    why = f"{why}; {said}" if said else why
                     if call.attempt:
                         detail += f" (not replayed again: {why})"
                 self._fail(req, call, StageError(Code[code.name], detail))
@@ -742,7 +742,7 @@ class StageService:
         def stop() -> bool:  # (a drain that starts meanwhile ends the wait too)
             return self.draining or (until_unreplayable and down is not None and not down.replayable)
 
-        call.waited_out = await self._downstream().wait_after_loss(
+        call.wait_ended = await self._downstream().wait_after_loss(
             lost_serving, self.replica_wait_s, math.inf if remaining is None else remaining - 0.5, stop)
 
     def _resume(self, raw: bytes, parts: dict[str, list[Received[stage_pb2.StageResponse]]], resume: Resume
