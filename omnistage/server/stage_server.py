@@ -95,10 +95,12 @@ async def host_ready(out: OutChunk) -> None:
 
 
 # A cancelled call's messages end (as a close does) a moment before its handler is cancelled:
-# 0.05-0.11 ms apart on an idle loop here, but more than 0.25 s once in a suite run on the loaded
-# 2-core machine (a code2wav replica among 12 processes). An early close is a protocol error only
-# once this has passed; such a caller learns it this much later.
-CANCEL_GRACE_S = 1.0
+# 0.05-0.11 ms apart on an idle loop here. An early close is a protocol error only once this has
+# passed, counted in short sleeps: after a stall past all of it (the process not scheduled, or its
+# loop held up: seen once in a suite run on the loaded 2-core machine, a cancel on code2wav counted
+# INVALID_ARGUMENT), most of it is still to come, so the cancel delivered just after lands first.
+CANCEL_GRACE_S = 0.25
+CANCEL_GRACE_STEPS = 25
 
 
 class _Call:
@@ -544,7 +546,8 @@ class StageService:
                 # ...but a caller's cancel ends the messages here as a close does, and cancels this
                 # call's handler (which cancels this reader) only just after: waited for, it is the
                 # cancel it is (CANCELLED), not a malformed stream (INVALID_ARGUMENT on every cancel)
-                await asyncio.sleep(CANCEL_GRACE_S)
+                for _ in range(CANCEL_GRACE_STEPS):
+                    await asyncio.sleep(CANCEL_GRACE_S / CANCEL_GRACE_STEPS)
                 if not call.failed:  # (nor if the request failed meanwhile)
                     self._fail(req, call, invalid(f"{self.stage}: the caller closed its side before the finished "
                                                   f"chunk ({index} messages)"))  # fmt: skip

@@ -370,3 +370,53 @@ def test_a_superseded_attempts_reader_drops_nothing_the_replay_still_sends() -> 
         return sent, old_reader_ended
 
     assert asyncio.run(go()) == ([0, 1, 2, 3, 4], True)
+
+
+@pytest.mark.parametrize("cancelled", [True, False])
+def test_an_early_close_is_told_from_a_cancel_across_a_stalled_process(cancelled: bool) -> None:
+    """A caller's cancel ends its messages as an early close does, and cancels the handler a
+    moment later. When this process stalls meanwhile (not scheduled, or its loop held up) past
+    the grace, the cancel, delivered just after, still lands first: the request is not failed
+    INVALID_ARGUMENT (one cancel in a suite run was). A real early close is refused."""
+    import threading
+    import time
+
+    class _Fed:
+        worker = SimpleNamespace(name="code2wav", holds_input_until_admitted=False)
+
+        def feed(self, req: Any, chunk: Any) -> None:
+            pass
+
+        def abort(self, req: Any, error: StageError | None = None) -> None:
+            pass
+
+    service = StageService(_Fed(), model_name="m", arch="a", device="cpu", dtype="float32",  # type: ignore[arg-type]
+                           downstream=None, downstream_name=None, edge_mode=0, max_message_bytes=1 << 20,
+                           shm=False)  # fmt: skip
+    chunk = encode_chunk({"ids": torch.tensor([1])}, offset=0, length=1, finished=False)
+
+    async def go() -> bool:
+        async def messages() -> Any:  # one chunk, not the finished one, then the end
+            yield Received(stage_pb2.StageRequest(chunk=chunk), {}, b"")
+
+        loop = asyncio.get_running_loop()
+        call = _Call(loop)
+        req = SimpleNamespace(request_id="r#1", shown_id="'r'", input_closed=False)
+        reader = asyncio.create_task(service._read_inputs(req, call, messages(),  # type: ignore[arg-type]
+                                                          CallShmReader(ShmReader(enabled=False), None)))  # fmt: skip
+        await asyncio.sleep(0.02)  # its messages have ended: it waits out the grace
+        stalled = threading.Event()
+
+        def cancel_after_the_stall() -> None:  # (as gRPC's poller delivers the cancel, once scheduled)
+            stalled.wait()
+            time.sleep(0.02)
+            loop.call_soon_threadsafe(reader.cancel)
+
+        if cancelled:
+            threading.Thread(target=cancel_after_the_stall, daemon=True).start()
+        time.sleep(0.4)  # the stall, past the whole grace
+        stalled.set()
+        await asyncio.wait_for(asyncio.shield(reader), 5)
+        return call.failed
+
+    assert asyncio.run(go()) is (not cancelled)
