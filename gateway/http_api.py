@@ -513,8 +513,8 @@ def _unsupported(body: ChatRequest) -> None:
                             param=name)  # fmt: skip
     if body.logit_bias:
         raise HttpError(400, "logit_bias: not supported by this server", param="logit_bias")
-    if body.stream_options is not None and body.stream_options.include_usage and not body.stream:
-        # as OpenAI and vLLM refuse it (a usage chunk, with no chunks); options all unset pass
+    if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
+        # as OpenAI and vLLM refuse it (options of a stream, with none); null or {} passes
         raise HttpError(400, "stream_options: only allowed when stream is true", param="stream_options")
     for name, value in (body.model_extra or {}).items():
         if name in _TOP_LEVEL_NO_COUNTERPART and not _changes_nothing(value, _TOP_LEVEL_NO_COUNTERPART[name]):

@@ -460,9 +460,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         resume = Resume()
         attempt = 0
         wait_ended = ""  # how a replay's last wait for a thinker replica ended (Router.wait_after_loss)
+        ever_served = False  # a thinker replica served one of its calls when opened
         while True:
             channel, done = self.router.pick()
             was_serving = self.router.serving(channel)  # (a loss then starts the wait)
+            ever_served |= was_serving
             # Stage.Stream; responses parsed without copying tensors
             call = stage_stream(channel)(messages(), timeout=max(deadline - time.monotonic(), 0.001))
             call.add_done_callback(done)
@@ -502,7 +504,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     if attempt:  # (as each stage says it)
                         why = (f"{attempt} replays failed (failover.attempts)" if attempt >= self.cfg.failover.attempts
                                else "the deadline is too close")  # fmt: skip
-                        said = unserved(wait_ended, self.cfg.failover.replica_wait_s)
+                        said = unserved(wait_ended, self.cfg.failover.replica_wait_s, ever_served)
                         detail += f" (not replayed again: {why}{'; ' + said if said else ''})"
                 elif code == grpc.StatusCode.DEADLINE_EXCEEDED and not detail.startswith(self.stages):
                     # this gateway's own call ran out before a stage said so ("Deadline Exceeded")

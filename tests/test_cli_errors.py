@@ -160,7 +160,7 @@ def test_a_missing_config_named_by_the_environment_says_so(tmp_path: Path, monke
     """`$OMNISTAGE_CONFIG` naming no file: the refusal says where the path came from (a
     container's environment, not the command line the user sees)."""
     monkeypatch.setenv("OMNISTAGE_CONFIG", str(tmp_path / "gone.yaml"))
-    for command in (["serve"], ["health"]):
+    for command in (["serve"], ["health"], ["deploy", "render", "--target", "compose", "--out", str(tmp_path)]):
         out = _refused(command)
         assert "gone.yaml (from OMNISTAGE_CONFIG" in out, (command, out)
     assert "(from OMNISTAGE_CONFIG" not in _refused(["serve", "--config", str(tmp_path / "other.yaml")])

@@ -286,3 +286,31 @@ def test_the_gateway_command_takes_its_port_from_the_config_and_checks_host_and_
     assert len(seen) == 2
     with pytest.raises(ConfigError, match="talker given twice"):  # (the last one won in silence)
         parse_replicas("talker=2,talker=3")
+
+
+def test_a_stage_process_runs_with_its_failover_settings(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`failover.*` reaches the stage's service as configured (a dropped keyword would leave a
+    default in place, silently: the process-bound replay limit is checked end to end nowhere)."""
+    import omnistage.server.process as process
+    from omnistage.server.stage_server import StageService
+
+    built: list[StageService] = []
+
+    class Built(Exception):
+        pass
+
+    def capture(service: StageService, *args: object) -> None:
+        built.append(service)
+        raise Built
+
+    monkeypatch.setattr(process, "StageServer", capture)
+    monkeypatch.setattr(process.torch, "set_num_threads", lambda n: None)  # (this test process keeps its own)
+    monkeypatch.setattr(process, "widen_primitive_cache", lambda: None)
+    cfg = parse_config({"failover": {"attempts": 2, "replica_wait_s": 7.5, "replay_budget_bytes": 4096,
+                                     "replay_memory_bytes": 65536}}, "test")  # fmt: skip
+    with pytest.raises(Built):
+        process.run_stage("talker", cfg, tiny_dir, "127.0.0.1", 1, "127.0.0.1:2")
+    [service] = built
+    service.engine.stop()  # (its thread)
+    assert (service.failover_attempts, service.replica_wait_s, service.replay_budget_bytes,
+            service.replay_memory.budget) == (2, 7.5, 4096, 65536)  # fmt: skip

@@ -139,17 +139,23 @@ def _errors(log_level: str | None = None, *, interrupted_code: int = 130) -> Ite
         raise typer.Exit(2 if usage else getattr(e, "exit_code", 1)) from None  # (StartupError: its child's)
 
 
-def _load_cfg(config: Path | None, overrides: dict[str, object], *, default: bool = False) -> DeployConfig:
-    """The deploy config: `config`, else (with `default`) the default file; then `overrides`."""
-    from omnistage.config import apply_overrides, default_config_path, load_config
+def _default_config() -> Path:
+    """The deploy file read without --config; one that $OMNISTAGE_CONFIG names and is not there is
+    refused saying so (the path alone points nowhere the user typed)."""
+    from omnistage.config import ConfigError, default_config_path
 
-    path = config or (default_config_path() if default else None)
-    if config is None and path is not None and os.environ.get("OMNISTAGE_CONFIG") and not path.is_file():
-        from omnistage.config import ConfigError
-
+    path = default_config_path()
+    if os.environ.get("OMNISTAGE_CONFIG") and not path.is_file():
         raise ConfigError(f"deploy config not found: {path} (from OMNISTAGE_CONFIG; give --config, or unset it "
                           "for the default)")  # fmt: skip
-    cfg = load_config(path)
+    return path
+
+
+def _load_cfg(config: Path | None, overrides: dict[str, object], *, default: bool = False) -> DeployConfig:
+    """The deploy config: `config`, else (with `default`) the default file; then `overrides`."""
+    from omnistage.config import apply_overrides, load_config
+
+    cfg = load_config(config or (_default_config() if default else None))
     clean = {k: v for k, v in overrides.items() if v is not None}
     return apply_overrides(cfg, clean) if clean else cfg
 
@@ -294,10 +300,9 @@ def deploy_render(
 ) -> None:
     """Render docker-compose or Kubernetes files from the deploy YAML that `serve` reads."""
     from omnistage.cli.deploy_render import render_to_dir
-    from omnistage.config import default_config_path
 
     with _errors():
-        for path in render_to_dir(config or default_config_path(), target.value, out):
+        for path in render_to_dir(config or _default_config(), target.value, out):
             typer.echo(str(path))
 
 

@@ -129,14 +129,9 @@ class Router:
                               stop: Callable[[], bool] | None = None) -> str:  # fmt: skip
         """After a call on this hop was lost, before its replay (the gateway's and each stage's):
         the loss opens the window if its replica served the call (`lost_serving`), then
-        `wait_for_replica`, unless `stop()` already ("stopped") or no time is left ("timeout").
-        Why it ended, for `unserved`."""
+        `wait_for_replica`. Why it ended, for `unserved`."""
         if lost_serving:
             self.lost_replica()
-        if stop is not None and stop():
-            return "stopped"
-        if timeout <= 0:
-            return "timeout"
         return await self.wait_for_replica(window_s, timeout, stop)
 
     async def close(self) -> None:
@@ -145,13 +140,14 @@ class Router:
             await ch.close()
 
 
-def unserved(ended: str, window_s: float) -> str:
+def unserved(ended: str, window_s: float, ever_served: bool) -> str:
     """What a request that failed after its replays says of its last wait for a replica (how
-    `wait_after_loss` ended); "" when that says nothing (a replica served, a drain stopped it)."""
+    `wait_after_loss` ended; `ever_served`: whether a replica served any of its calls there);
+    "" when that says nothing (a replica served, a drain stopped it)."""
     if ended == "window":
         return f"no replica served again within failover.replica_wait_s ({window_s:g} s)"
-    if ended == "no window" and window_s > 0:  # (replica_wait_s 0: no wait at all, nothing to say)
-        return "no replica has served there since before the request came, so none was waited for"
+    if ended == "no window" and window_s > 0 and not ever_served:  # (replica_wait_s 0: no wait to explain)
+        return "no replica served there when its calls were made, so none was waited for"
     return ""
 
 

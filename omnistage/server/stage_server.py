@@ -123,6 +123,7 @@ class _Call:
         self.down_start: stage_pb2.Start | None = None
         self.down_was_serving = False  # its replica served when the call was opened (see _replica_back)
         self.wait_ended = ""  # how a replay's last wait for a replica ended (Router.wait_after_loss)
+        self.down_ever_served = False  # a replica served one of its downstream calls when opened
         self.failed = False  # the request failed: its input is read and dropped until the call ends
         # set once the request's cache is reserved, or it ended (a worker that holds its input until then)
         self.admitted = asyncio.Event()
@@ -612,6 +613,7 @@ class StageService:
         router = self._downstream()
         channel, done = router.pick()
         call.down_was_serving = router.serving(channel)
+        call.down_ever_served |= call.down_was_serving
         call.down_call = stage_stream(channel, relay=True)(
             self._down_messages(req, call, start, call.attempt),
             timeout=context.time_remaining(),
@@ -718,8 +720,9 @@ class StageService:
                 elif lost_peer(code, detail) and not detail.startswith(self.downstream_name):
                     code = grpc.StatusCode.UNAVAILABLE
                     detail = f"{self.downstream_name} unavailable at {self.downstream}: {detail}"
-                    said = unserved(call.wait_ended, self.replica_wait_s)
-                    why = f"{why}; {said}" if said else why
+                    said = unserved(call.wait_ended, self.replica_wait_s, call.down_ever_served)
+                    if said and why != "a stage further down failed":  # (the wait was for this hop)
+                        why = f"{why}; {said}"
                     if call.attempt:
                         detail += f" (not replayed again: {why})"
                 self._fail(req, call, StageError(Code[code.name], detail))

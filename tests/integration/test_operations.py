@@ -276,7 +276,7 @@ def test_gateway_is_not_serving_while_its_thinker_is_unreachable(tiny_dir: Path)
         time.sleep(2.5)  # a few polls of the thinker
         assert health_status(f"127.0.0.1:{port}", 1.0) == "NOT_SERVING"
         # a request meanwhile fails after its replays, saying why they were all it had: no thinker
-        # has served since before it came, so none was waited for (failover.replica_wait_s)
+        # served when its calls were made, so none was waited for (failover.replica_wait_s)
         import grpc
 
         from gateway.client import generate
@@ -285,7 +285,7 @@ def test_gateway_is_not_serving_while_its_thinker_is_unreachable(tiny_dir: Path)
             run(generate(f"127.0.0.1:{port}", "hi", thinker_max_tokens=2, want_audio=False, timeout=30))
         detail = err.value.details() or ""
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and detail.startswith("thinker unavailable"), detail
-        assert "failover.attempts); no replica has served there since before the request came" in detail, detail
+        assert "failover.attempts); no replica served there when its calls were made" in detail, detail
     finally:
         proc.send_signal(signal.SIGTERM)
         finish(proc)
