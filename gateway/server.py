@@ -76,7 +76,11 @@ class GatewayError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
-        self.retry_after_s = retry_after_s  # a refusal a later try may pass (a full gateway): when to try
+        # when a later try may pass: every RESOURCE_EXHAUSTED (a full gateway, a stage out of memory)
+        # says 1 s unless given, as HTTP's 429 says retry-after: 1
+        if retry_after_s is None and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            retry_after_s = 1.0
+        self.retry_after_s = retry_after_s
 
 
 async def fail_replies(replies: AsyncGenerator[Any, None], error: GatewayError) -> None:
@@ -276,8 +280,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             if self.active > self.cfg.gateway.max_in_flight:  # shed at once: queued, it would wait to its deadline
                 outcome.shed = True
                 raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"gateway: {self.active - 1} requests in "
-                                   "flight, its limit (gateway.max_in_flight); retry later",
-                                   retry_after_s=1.0)  # fmt: skip
+                                   "flight, its limit (gateway.max_in_flight); retry later")  # fmt: skip
             async for resp in replies:
                 yield resp
         except GatewayError as e:

@@ -1145,3 +1145,49 @@ def test_http_metrics_follow_the_metrics_switch(tiny_dir: Path) -> None:
     on, off = asyncio.run(scrape(True)), asyncio.run(scrape(False))
     assert on.status_code == 200 and "omnistage_gateway_requests" in on.text
     assert off.status_code == 404 and off.json()["error"]["type"], off.text
+
+
+def test_a_stage_out_of_memory_tells_a_grpc_client_when_to_retry(tiny_dir: Path) -> None:
+    """RESOURCE_EXHAUSTED from a stage (out of memory: the same request may fit later) carries
+    gRPC's retry pushback, as the gateway's own shed does and as HTTP's 429 says retry-after: 1;
+    it had none. Other failures carry none."""
+    from gateway.server import GatewayError, GatewayService
+    from omnistage.config import parse_config
+    from omnistage.models import open_checkpoint
+
+    class Context:  # what Generate uses of grpc.aio.ServicerContext
+        def __init__(self) -> None:
+            self.trailing: dict[str, str] = {}
+
+        def invocation_metadata(self) -> tuple[()]:
+            return ()
+
+        def time_remaining(self) -> float:
+            return 30.0
+
+        async def send_initial_metadata(self, metadata: Any) -> None:
+            pass
+
+        async def write(self, message: Any) -> None:
+            pass
+
+        async def abort(self, code: Any, details: str, trailing_metadata: Any = ()) -> None:
+            self.trailing = dict(trailing_metadata)
+            raise RuntimeError("aborted")  # (grpc's AbortError ends the handler)
+
+    async def call(code: grpc.StatusCode) -> dict[str, str]:
+        service = GatewayService(parse_config({}), open_checkpoint(tiny_dir), "ipv4:127.0.0.1:1")
+
+        async def chain(*args: Any) -> Any:  # a stage's failure, as _outputs raises it
+            yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text="a"))
+            raise GatewayError(code, "talker: out of memory in a step of 4 requests")
+
+        service._generate = chain  # type: ignore[method-assign]
+        context = Context()
+        with contextlib.suppress(RuntimeError):
+            await service.Generate(gateway_pb2.GenerateRequest(prompt="hi"), context)  # type: ignore[arg-type]
+        return context.trailing
+
+    exhausted = asyncio.run(call(grpc.StatusCode.RESOURCE_EXHAUSTED))
+    assert exhausted.get("grpc-retry-pushback-ms") == "1000" and exhausted.get("x-request-id"), exhausted
+    assert "grpc-retry-pushback-ms" not in asyncio.run(call(grpc.StatusCode.INTERNAL))
