@@ -717,7 +717,7 @@ class StageService:
                     code = grpc.StatusCode.UNAVAILABLE
                     detail = (f"{self.stage}: request {req.shown_id} lost its {self.downstream_name} call and "
                               f"cannot replay it: {why} ({detail})")  # fmt: skip
-                elif lost_peer(code, detail) and not detail.startswith(self.downstream_name):
+                elif lost_peer(code, detail) and not detail.startswith(self.below):  # (one further down: as it said)
                     code = grpc.StatusCode.UNAVAILABLE
                     detail = f"{self.downstream_name} unavailable at {self.downstream}: {detail}"
                     said = unserved(call.wait_ended, self.replica_wait_s, call.down_ever_served)

@@ -316,8 +316,17 @@ def test_chunks_split_into_parts_cross_every_hop_whole(spare_stack: Stack, pipel
 
 
 def test_downstream_down_is_unavailable_naming_the_stage(spare_stack: Stack) -> None:
-    """The talker is gone: audio requests fail fast with UNAVAILABLE naming the talker."""
+    """code2wav is gone, then the talker: audio requests fail fast with UNAVAILABLE naming the
+    stage that is gone (a stage between passes its error up as it is: it said "talker
+    unavailable at ...: code2wav unavailable at ...", with the talker serving)."""
     s = spare_stack
+    code2wav = s.child("code2wav")
+    code2wav.proc.kill()
+    code2wav.proc.wait()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        run(generate(s.gateway_address, PROMPT, thinker_max_tokens=8, talker_max_tokens=8, timeout=20))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert (err.value.details() or "").startswith("code2wav unavailable at "), err.value.details()
     talker = s.child("talker")
     talker.proc.kill()
     talker.proc.wait()
@@ -351,15 +360,16 @@ def test_a_request_outlives_the_restart_of_its_only_replica(spare_stack: Stack) 
     it; here its supervision passes run beside the request): the thinker's replay waits for it
     (failover.replica_wait_s) and the reply is whole, as it is undisturbed. Without the wait the
     three replays ended within 2 s, long before the restart, and the request failed UNAVAILABLE.
-    (After the test above, whose talker stays down: it is restarted first.)"""
+    (After the test above, whose talker and code2wav stay down: they are restarted first.)"""
     import os
     import signal
 
     s = spare_stack
     talker = s.child("talker")
     said: list[str] = []
-    if talker.proc.poll() is not None:
-        _heal_until_serving(s, talker, talker.restarts, said)
+    down = [(c, c.restarts) for c in (s.child("code2wav"), talker) if c.proc.poll() is not None]
+    for child, restarts in down:  # (one supervision pass restarts both)
+        _heal_until_serving(s, child, restarts, said)
     deadline = time.monotonic() + 30  # ...and the thinker has dialled it again (its channel backs off up to 2 s)
     while not any(h.stage == "talker" and h.serving for h in run(info(s.addresses("thinker")[0])).chain):
         assert time.monotonic() < deadline, "the thinker does not see its talker serve"
