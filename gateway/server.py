@@ -76,11 +76,7 @@ class GatewayError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
-        # when a later try may pass: every RESOURCE_EXHAUSTED (a full gateway, a stage out of memory)
-        # says 1 s unless given, as HTTP's 429 says retry-after: 1
-        if retry_after_s is None and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            retry_after_s = 1.0
-        self.retry_after_s = retry_after_s
+        self.retry_after_s = retry_after_s  # a refusal a later try may pass (a full gateway): when to try
 
 
 async def fail_replies(replies: AsyncGenerator[Any, None], error: GatewayError) -> None:
@@ -280,7 +276,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             if self.active > self.cfg.gateway.max_in_flight:  # shed at once: queued, it would wait to its deadline
                 outcome.shed = True
                 raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"gateway: {self.active - 1} requests in "
-                                   "flight, its limit (gateway.max_in_flight); retry later")  # fmt: skip
+                                   "flight, its limit (gateway.max_in_flight); retry later",
+                                   retry_after_s=1.0)  # fmt: skip
             async for resp in replies:
                 yield resp
         except GatewayError as e:
@@ -512,7 +509,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 elif code == grpc.StatusCode.DEADLINE_EXCEEDED and not detail.startswith(self.stages):
                     # this gateway's own call ran out before a stage said so ("Deadline Exceeded")
                     detail = f"gateway: request {stage_id} passed its deadline"
-                raise GatewayError(code, client_ids(detail, stage_id, request_id)) from None
+                # a stage out of memory: the same request may fit later (as HTTP's 429 says retry-after: 1);
+                # not gRPC's own RESOURCE_EXHAUSTED (a message over a limit), which no retry passes
+                memory = code == grpc.StatusCode.RESOURCE_EXHAUSTED and "memory" in detail.lower()
+                raise GatewayError(code, client_ids(detail, stage_id, request_id),
+                                   retry_after_s=1.0 if memory else None) from None
             except TensorBlobError as e:
                 raise GatewayError(grpc.StatusCode.INTERNAL, f"gateway: bad chunk from a stage: {e}") from None
             finally:

@@ -1148,12 +1148,28 @@ def test_http_metrics_follow_the_metrics_switch(tiny_dir: Path) -> None:
 
 
 def test_a_stage_out_of_memory_tells_a_grpc_client_when_to_retry(tiny_dir: Path) -> None:
-    """RESOURCE_EXHAUSTED from a stage (out of memory: the same request may fit later) carries
+    """RESOURCE_EXHAUSTED from a stage's out of memory (the same request may fit later) carries
     gRPC's retry pushback, as the gateway's own shed does and as HTTP's 429 says retry-after: 1;
-    it had none. Other failures carry none."""
-    from gateway.server import GatewayError, GatewayService
+    it had none. gRPC's own RESOURCE_EXHAUSTED (a message over a limit: no retry passes) and
+    other failures carry none."""
+    from gateway.server import GatewayService
     from omnistage.config import parse_config
     from omnistage.models import open_checkpoint
+    from omnistage.server.grpc_common import STAGE_SERVICE, HealthState, add_stage_servicer, bind, new_server
+    from omnistage.v1 import stage_pb2
+    from tests.integration.conftest import free_port_block
+
+    class Thinker:  # a thinker whose calls fail as `code`, `detail`
+        def __init__(self) -> None:
+            self.code, self.detail = grpc.StatusCode.INTERNAL, ""
+
+        async def Info(self, request: Any, context: Any) -> Any:
+            return stage_pb2.InfoResponse(role="thinker")
+
+        async def Stream(self, request_iterator: Any, context: Any) -> Any:
+            async for _ in request_iterator:
+                break
+            await context.abort(self.code, self.detail)
 
     class Context:  # what Generate uses of grpc.aio.ServicerContext
         def __init__(self) -> None:
@@ -1175,19 +1191,32 @@ def test_a_stage_out_of_memory_tells_a_grpc_client_when_to_retry(tiny_dir: Path)
             self.trailing = dict(trailing_metadata)
             raise RuntimeError("aborted")  # (grpc's AbortError ends the handler)
 
-    async def call(code: grpc.StatusCode) -> dict[str, str]:
-        service = GatewayService(parse_config({}), open_checkpoint(tiny_dir), "ipv4:127.0.0.1:1")
+    ckpt = open_checkpoint(tiny_dir)
 
-        async def chain(*args: Any) -> Any:  # a stage's failure, as _outputs raises it
-            yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text="a"))
-            raise GatewayError(code, "talker: out of memory in a step of 4 requests")
+    async def go() -> list[dict[str, str]]:
+        thinker = Thinker()
+        server = new_server(1 << 20)
+        add_stage_servicer(thinker, server)
+        health = HealthState(server, (STAGE_SERVICE,))
+        port = bind(server, "127.0.0.1", free_port_block(1), "thinker")
+        await server.start()
+        await health.set(True)
+        service = GatewayService(parse_config({}), ckpt, f"ipv4:127.0.0.1:{port}")
+        seen = []
+        try:
+            for code, detail in ((grpc.StatusCode.RESOURCE_EXHAUSTED, "talker: out of memory in a step of 4 requests"),
+                                 (grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (9 vs. 4)"),
+                                 (grpc.StatusCode.INTERNAL, "talker: a bug")):  # fmt: skip
+                thinker.code, thinker.detail = code, detail
+                context = Context()
+                with contextlib.suppress(RuntimeError):
+                    await service.Generate(gateway_pb2.GenerateRequest(prompt="hi"), context)  # type: ignore[arg-type]
+                seen.append(context.trailing)
+        finally:
+            await server.stop(None)
+        return seen
 
-        service._generate = chain  # type: ignore[method-assign]
-        context = Context()
-        with contextlib.suppress(RuntimeError):
-            await service.Generate(gateway_pb2.GenerateRequest(prompt="hi"), context)  # type: ignore[arg-type]
-        return context.trailing
-
-    exhausted = asyncio.run(call(grpc.StatusCode.RESOURCE_EXHAUSTED))
-    assert exhausted.get("grpc-retry-pushback-ms") == "1000" and exhausted.get("x-request-id"), exhausted
-    assert "grpc-retry-pushback-ms" not in asyncio.run(call(grpc.StatusCode.INTERNAL))
+    memory, too_big, bug = asyncio.run(go())
+    assert memory.get("grpc-retry-pushback-ms") == "1000" and memory.get("x-request-id"), memory
+    assert too_big.get("x-request-id") and "grpc-retry-pushback-ms" not in too_big, too_big
+    assert bug.get("x-request-id") and "grpc-retry-pushback-ms" not in bug, bug

@@ -370,9 +370,15 @@ def test_a_request_outlives_the_restart_of_its_only_replica(spare_stack: Stack) 
     down = [(c, c.restarts) for c in (s.child("code2wav"), talker) if c.proc.poll() is not None]
     for child, restarts in down:  # (one supervision pass restarts both)
         _heal_until_serving(s, child, restarts, said)
-    deadline = time.monotonic() + 30  # ...and the thinker has dialled it again (its channel backs off up to 2 s)
-    while not any(h.stage == "talker" and h.serving for h in run(info(s.addresses("thinker")[0])).chain):
-        assert time.monotonic() < deadline, "the thinker does not see its talker serve"
+    # ...and the thinker has dialled it again, and it code2wav (their channels back off up to 2 s)
+    deadline = time.monotonic() + 30
+
+    def chain_serves() -> bool:
+        chain = run(info(s.addresses("thinker")[0])).chain
+        return {h.stage for h in chain if h.serving} >= {"talker", "code2wav"}
+
+    while not chain_serves():
+        assert time.monotonic() < deadline, "the thinker does not see its talker and code2wav serve"
         time.sleep(0.2)
     options = {"thinker_max_tokens": THINKER_MAX, "talker_max_tokens": TALKER_MAX, "timeout": 60}
     baseline = run(generate(s.gateway_address, PROMPT, **options))
