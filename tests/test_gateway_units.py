@@ -846,6 +846,26 @@ def test_an_http_client_that_takes_none_of_a_streamed_reply_fails_it_at_the_stal
     assert len(sent) == 102 and sent[-1]["more_body"] is False
 
 
+class _GrpcContext:
+    """What `GatewayService.Generate` uses of grpc.aio.ServicerContext; each test adds its own
+    write, abort and cancelled."""
+
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+    def time_remaining(self) -> float:
+        return 30.0
+
+    async def send_initial_metadata(self, metadata: Any) -> None:
+        pass
+
+    async def write(self, message: Any) -> None:
+        pass
+
+    def cancelled(self) -> bool:
+        return False
+
+
 def test_a_write_that_fails_as_the_client_hangs_up_is_a_cancel_not_a_bug(
     tiny_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -863,19 +883,10 @@ def test_a_write_that_fails_as_the_client_hangs_up_is_a_cancel_not_a_bug(
         for i in range(3):
             yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text=f"{i} "))
 
-    class Context:  # what Generate uses of grpc.aio.ServicerContext
+    class Context(_GrpcContext):
         def __init__(self, gone: bool, stuck: bool = False) -> None:
             self.gone, self.stuck = gone, stuck
             self.aborted: list[Any] = []
-
-        def invocation_metadata(self) -> tuple[()]:
-            return ()
-
-        def time_remaining(self) -> float:
-            return 30.0
-
-        async def send_initial_metadata(self, metadata: Any) -> None:
-            pass
 
         async def write(self, message: Any) -> None:
             raise RuntimeError('Failed "execute_batch"')  # as grpc's ExecuteBatchError says it
@@ -1171,21 +1182,9 @@ def test_a_stage_out_of_memory_tells_a_grpc_client_when_to_retry(tiny_dir: Path)
                 break
             await context.abort(self.code, self.detail)
 
-    class Context:  # what Generate uses of grpc.aio.ServicerContext
+    class Context(_GrpcContext):
         def __init__(self) -> None:
             self.trailing: dict[str, str] = {}
-
-        def invocation_metadata(self) -> tuple[()]:
-            return ()
-
-        def time_remaining(self) -> float:
-            return 30.0
-
-        async def send_initial_metadata(self, metadata: Any) -> None:
-            pass
-
-        async def write(self, message: Any) -> None:
-            pass
 
         async def abort(self, code: Any, details: str, trailing_metadata: Any = ()) -> None:
             self.trailing = dict(trailing_metadata)
