@@ -509,11 +509,12 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 elif code == grpc.StatusCode.DEADLINE_EXCEEDED and not detail.startswith(self.stages):
                     # this gateway's own call ran out before a stage said so ("Deadline Exceeded")
                     detail = f"gateway: request {stage_id} passed its deadline"
-                # a stage out of memory: the same request may fit later (as HTTP's 429 says retry-after: 1);
-                # not gRPC's own RESOURCE_EXHAUSTED (a message over a limit), which no retry passes
-                memory = code == grpc.StatusCode.RESOURCE_EXHAUSTED and "memory" in detail.lower()
+                # a stage's RESOURCE_EXHAUSTED is its out of memory: the same request may fit later (as
+                # HTTP's 429 says retry-after: 1); not gRPC's own (a message over a limit, named by no
+                # stage), which no retry passes
+                retry = code == grpc.StatusCode.RESOURCE_EXHAUSTED and detail.startswith(self.stages)
                 raise GatewayError(code, client_ids(detail, stage_id, request_id),
-                                   retry_after_s=1.0 if memory else None) from None
+                                   retry_after_s=1.0 if retry else None) from None
             except TensorBlobError as e:
                 raise GatewayError(grpc.StatusCode.INTERNAL, f"gateway: bad chunk from a stage: {e}") from None
             finally:
@@ -545,8 +546,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     # ---- gRPC front door ----------------------------------------------------------------------
 
+    def _has_key(self, context: grpc.aio.ServicerContext) -> bool:
+        return self.check_api_key(dict(context.invocation_metadata() or ()).get("authorization"))
+
     async def _require_key(self, context: grpc.aio.ServicerContext) -> None:
-        if not self.check_api_key(dict(context.invocation_metadata() or ()).get("authorization")):
+        if not self._has_key(context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, _NO_KEY)
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
@@ -554,7 +558,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         if bad_id or not request.request_id:
             request.request_id = uuid.uuid4().hex  # (a refusal names the request by it, as HTTP's do)
         refusal = None
-        if not self.check_api_key(dict(context.invocation_metadata() or ()).get("authorization")):
+        if not self._has_key(context):
             refusal = (grpc.StatusCode.UNAUTHENTICATED, _NO_KEY)
         elif bad_id:
             refusal = (grpc.StatusCode.INVALID_ARGUMENT, _BAD_ID)
