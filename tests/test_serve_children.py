@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,11 +41,34 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_child_dies_when_parent_is_killed() -> None:
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+# The same, its child forked by a forker (as `serve` starts a stack on the CPU); the child is a
+# client waiting on the test's silent socket (argv[1]), which the test accepts once it runs.
+FORKING_PARENT = """
+import os, sys, tempfile, time
+from pathlib import Path
+from omnistage.cli.forker import Forker
+from omnistage.cli.serve import child_env
+logs = Path(tempfile.mkdtemp())
+forker = Forker(["json"], child_env(dict(os.environ)), logs / "forker.log", 60)
+args = ["client", "hi", "--target", f"127.0.0.1:{sys.argv[1]}", "--out", str(logs / "r.wav")]
+child = forker.spawn(args, logs / "child.log", child_env(dict(os.environ)))
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("parent_script", [PARENT, FORKING_PARENT], ids=["exec", "forked"])
+def test_child_dies_when_parent_is_killed(parent_script: str) -> None:
+    silent = socket.create_server(("127.0.0.1", 0))
+    silent.settimeout(60)
+    port = str(silent.getsockname()[1])
+    parent = subprocess.Popen([sys.executable, "-c", parent_script, port], stdout=subprocess.PIPE, text=True)
     try:
         assert parent.stdout is not None
         child_pid = int(parent.stdout.readline())
+        if parent_script is FORKING_PARENT:
+            held = silent.accept()[0]  # it runs its command, so it is armed (it arms first); held open here
+            held.settimeout(None)
         assert _alive(child_pid)
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
@@ -55,6 +80,7 @@ def test_child_dies_when_parent_is_killed() -> None:
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+        silent.close()
 
 
 def test_start_up_stops_when_interrupted_even_if_no_keyboard_interrupt_surfaced(tiny_dir: object) -> None:
@@ -63,6 +89,7 @@ def test_start_up_stops_when_interrupted_even_if_no_keyboard_interrupt_surfaced(
     Ctrl-C as well as raising, in case a library call swallows the exception)."""
     import pytest
 
+    from omnistage.cli.forker import ForkedChild
     from omnistage.cli.serve import start_stack
     from omnistage.config import DeployConfig, apply_overrides, port_layout
     from tests.integration.test_operations import free_layout
@@ -74,20 +101,27 @@ def test_start_up_stops_when_interrupted_even_if_no_keyboard_interrupt_surfaced(
         asked.append(time.monotonic())
         return len(asked) > 2  # after the children were spawned, before they can be healthy
 
-    spawned: list[subprocess.Popen[bytes]] = []
-    real_popen = subprocess.Popen
+    from omnistage.cli import serve
 
-    def popen(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
-        proc = real_popen(*args, **kwargs)  # type: ignore[call-overload]
+    spawned: list[Any] = []
+    real_spawn = serve.Stack.spawn
+
+    def spawn(self: serve.Stack, *args: Any) -> Any:
+        proc = real_spawn(self, *args)
         spawned.append(proc)
+        forkers.add(self.forker)
         return proc
 
+    forkers: set[Any] = set()
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(subprocess, "Popen", popen)
+        mp.setattr(serve.Stack, "spawn", spawn)
         with pytest.raises(KeyboardInterrupt):
             start_stack(cfg, model=str(tiny_dir), interrupted=interrupted)
     assert len(spawned) == 4  # thinker, talker, code2wav, gateway
+    assert all(isinstance(p, ForkedChild) for p in spawned)  # (all on the CPU: forked)
     assert all(p.poll() is not None for p in spawned)  # every child stopped before it raised
+    assert [f.proc.poll() for f in forkers] == [0]  # and the forker
 
 
 def test_a_child_that_dies_soon_after_serving_is_restarted_later_each_time(monkeypatch: pytest.MonkeyPatch) -> None:

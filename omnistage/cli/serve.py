@@ -28,6 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from omnistage.cli.forker import ForkedChild, Forker, forking_wanted, preload_modules
 from omnistage.config import ConfigError, DeployConfig
 from omnistage.server.grpc_common import PortTaken, port_free, unusable_host
 from omnistage.server.health_check import check
@@ -170,7 +171,7 @@ class Child:
     name: str  # stage or "gateway"
     index: int  # replica
     address: str
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedChild
     log: Path
     args: list[str] = field(default_factory=list)  # how to start it again
     env: dict[str, str] = field(default_factory=dict)
@@ -221,6 +222,11 @@ class Stack:
     model_dir: Path
     run_dir: Path
     children: list[Child] = field(default_factory=list)
+    forker: Forker | None = None  # starts the children by forking, where it can (see forker.py)
+
+    def spawn(self, args: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes] | ForkedChild:
+        forked = self.forker.spawn(args, log_path, child_env(env)) if self.forker is not None else None
+        return forked if forked is not None else _spawn(args, log_path, env)
 
     @property
     def gateway_address(self) -> str:
@@ -300,7 +306,7 @@ class Stack:
                             "taken by another process; restarting it once they are free")  # fmt: skip
                     continue
                 c.log_from = _size(c.log)
-                c.proc = _spawn(c.args, c.log, c.env)
+                c.proc = self.spawn(c.args, c.log, c.env)
                 c.restarts += 1
                 c.restart_at = c.healthy_since = c.ports_taken_since = c.ports_taken_said = None
                 say(f"{c.role} at {c.address} restarted (pid {c.proc.pid}, restart {c.restarts})")
@@ -329,6 +335,8 @@ class Stack:
                 except subprocess.TimeoutExpired:
                     c.proc.kill()
                     c.proc.wait()
+        if self.forker is not None:
+            self.forker.close()
 
     def __enter__(self) -> Stack:
         return self
@@ -391,11 +399,13 @@ def start_stack(
     and KeyboardInterrupt (after cleanup) once `interrupted()` is true."""
     from omnistage.config import dump_config
     from omnistage.models import open_checkpoint
+    from omnistage.models.family import FAMILIES
     from omnistage.server.tls import check_files
 
     given = new_run_dir(log_dir) if log_dir is not None else None  # a --log-dir it cannot use: said first
     model_dir = resolve_model(cfg, model)
-    open_checkpoint(model_dir).check_serves(cfg.audio_output)  # fail here, with the problem, not in N children
+    checkpoint = open_checkpoint(model_dir)
+    checkpoint.check_serves(cfg.audio_output)  # fail here, with the problem, not in N children
     check_devices(cfg)
     check_files(cfg.tls, cfg.host)  # (its own health checks dial every process on host: before any starts)
     check_ports(cfg)
@@ -405,6 +415,9 @@ def start_stack(
     env = dict(os.environ)
     if api_key:  # to the gateway's environment, never on a command line
         env["OMNISTAGE_API_KEY"] = api_key
+    if forking_wanted([cfg.stage(n).device for n in cfg.stage_names()]):  # type: ignore[arg-type]
+        stack.forker = Forker(preload_modules(FAMILIES[checkpoint.family.model_type]), child_env(env),
+                              stack.run_dir / "forker.log", cfg.timeouts.startup_timeout_s)  # fmt: skip
     common = ["--config", str(cfg_path), "--model", str(model_dir), "--host", cfg.host,
               "--log-level", log_level, "--log-format", log_format]  # fmt: skip
     try:
@@ -419,7 +432,7 @@ def start_stack(
                     args += ["--downstream", downstream]
                 log_path = stack.run_dir / f"{name}-{i}.log"
                 start = _size(log_path)
-                stack.children.append(Child(name, i, cfg.address(port), _spawn(args, log_path, env), log_path,
+                stack.children.append(Child(name, i, cfg.address(port), stack.spawn(args, log_path, env), log_path,
                                             args, env, log_from=start))  # fmt: skip
         http_ports = cfg.http_ports()
         for i in range(cfg.gateway.replicas):  # replica i on port + i (and HTTP port + i)
@@ -428,7 +441,7 @@ def start_stack(
             args += ["--http-port", str(http_ports[i])] if http_ports else ["--no-http"]
             log_path = stack.run_dir / f"gateway-{i}.log"
             start = _size(log_path)
-            stack.children.append(Child("gateway", i, cfg.address(port), _spawn(args, log_path, env), log_path,
+            stack.children.append(Child("gateway", i, cfg.address(port), stack.spawn(args, log_path, env), log_path,
                                         args, env, log_from=start))  # fmt: skip
         _wait_healthy(stack, cfg.timeouts.startup_timeout_s, interrupted)
     except BaseException:

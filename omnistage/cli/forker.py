@@ -1,0 +1,280 @@
+"""`omnistage serve`'s children forked from one process that has already imported them.
+
+Every child of a stack imports the same torch, transformers and model family: about 6 s of
+CPU each before it reads a weight, so a stack of five paid it five times over. Instead `serve`
+starts one *forker* (``python -m omnistage.cli.forker MODULE...``), which imports all that once
+and then forks each child on request; the child runs the same command line a fresh
+``python -m omnistage.cli`` would.
+
+The forker double-forks and `serve` makes itself the children's reaper for that moment
+(PR_SET_CHILD_SUBREAPER), so each child is `serve`'s own child: it waits for it, signals it and
+reads its exit status as for a process it started itself (`ForkedChild`), and the child dies
+with `serve` (PR_SET_PDEATHSIG) as before.
+
+Only where forking is safe: every stage on the CPU (a process that touched CUDA cannot fork a
+child that uses it, and importing is not guaranteed to stay clear of it), and a forker with no
+Python thread but its main one when it says it is ready. Anything else, or ``OMNISTAGE_FORK_CHILDREN=0``, starts each
+child by exec as before; so does a forker that dies or stops answering.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import json
+import logging
+import os
+import pkgutil
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import setproctitle
+
+log = logging.getLogger(__name__)
+
+FORK_ENV = "OMNISTAGE_FORK_CHILDREN"  # "0": start every child by exec
+# what every child imports: the command line, both kinds of process and the stages' workers
+PRELOAD = ("omnistage.cli.main", "omnistage.cli.serve", "omnistage.server.process", "gateway.process",
+           "services.thinker.worker", "services.talker.worker", "services.code2wav.worker")  # fmt: skip
+REPARENT_WAIT_S = 10.0
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+
+
+def _prctl(option: int, value: int) -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+
+
+class ForkedChild:
+    """A child the forker made, reparented to this process: what `serve` needs of a Popen."""
+
+    def __init__(self, pid: int, args: list[str]) -> None:
+        self.pid = pid
+        self.args = args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: its status is gone
+                self.returncode = 255
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # never a pid that was reaped and may be reused
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Forker:
+    """`serve`'s side: start the forker, ask it for children; `spawn` returns None whenever the
+    child should be started by exec instead (the forker is gone, refused or too slow)."""
+
+    def __init__(self, modules: list[str], env: dict[str, str], log_path: Path, ready_timeout_s: float) -> None:
+        self._ready_timeout_s = ready_timeout_s
+        self._ready: bool | None = None  # None: not heard from yet
+        command = [sys.executable, "-m", "omnistage.cli.forker", *modules]
+        with open(log_path, "ab") as err:
+            self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env)
+
+    def _reply(self, timeout: float) -> dict | None:
+        """The forker's next line, or None (and the forker given up) if none comes in time."""
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else b""
+        try:
+            return json.loads(line) if line else self._give_up("it did not answer" if not ready else "it exited")
+        except ValueError:
+            return self._give_up(f"it answered {line[:80]!r}")
+
+    def _give_up(self, why: str) -> None:
+        if self._ready is not False:
+            log.warning("the forker (pid %d) is given up (%s): children start by exec", self.proc.pid, why)
+        self._ready = False
+        self.close()
+        return None
+
+    def spawn(self, args: list[str], log_path: Path, env: dict[str, str]) -> ForkedChild | None:
+        if self._ready is None:
+            hello = self._reply(self._ready_timeout_s)
+            if hello is None:
+                return None
+            if hello.get("threads") != 1:  # forking a threaded process can deadlock the child
+                return self._give_up(f"it runs {hello.get('threads')} threads")
+            self._ready = True
+        if not self._ready:
+            return None
+        if self.proc.poll() is not None:
+            return self._give_up(f"it exited with code {self.proc.returncode}")
+        assert self.proc.stdin is not None
+        try:
+            _prctl(PR_SET_CHILD_SUBREAPER, 1)  # the child, orphaned at once, is reparented here
+            try:
+                self.proc.stdin.write(json.dumps({"args": args, "log": str(log_path), "env": env}).encode() + b"\n")
+                self.proc.stdin.flush()
+                reply = self._reply(30.0)
+            finally:
+                _prctl(PR_SET_CHILD_SUBREAPER, 0)
+        except OSError as e:
+            return self._give_up(str(e))
+        if reply is None or "pid" not in reply:
+            return self._give_up(f"it could not fork: {reply.get('error') if reply else 'no answer'}")
+        child = ForkedChild(int(reply["pid"]), args)
+        try:
+            os.waitpid(child.pid, os.WNOHANG)  # ours (ChildProcessError if not); 0 while it runs
+        except ChildProcessError:
+            os.kill(child.pid, signal.SIGKILL)
+            return self._give_up(f"its child {child.pid} was not reparented to serve")
+        return child
+
+    def close(self) -> None:
+        for pipe in (self.proc.stdin, self.proc.stdout):  # the end of its input ends it
+            if pipe is not None and not pipe.closed:
+                with contextlib.suppress(OSError):  # (a dead forker's pipe)
+                    pipe.close()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def forking_wanted(devices: list[str]) -> bool:
+    """Whether a stack whose stages run on `devices` should fork its children."""
+    return os.environ.get(FORK_ENV, "1") != "0" and all(d == "cpu" for d in devices)
+
+
+# --- the forker process --------------------------------------------------------------------
+
+
+def preload_modules(family_module: str) -> list[str]:
+    """What a forker for a stack of this family imports: `PRELOAD` and every module of the
+    family's folder (its parts import transformers' modeling code)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(family_module)
+    where = list(spec.submodule_search_locations or []) if spec else []
+    return [*PRELOAD, family_module, *(m.name for m in pkgutil.iter_modules(where, f"{family_module}."))]
+
+
+def _read_line(fd: int) -> bytes:
+    """One request line from the control pipe, unbuffered (a child must not inherit a buffer)."""
+    out = bytearray()
+    while not out.endswith(b"\n"):
+        chunk = os.read(fd, 1)
+        if not chunk:
+            return b""
+        out += chunk
+    return bytes(out)
+
+
+def _become_child(request: dict, middle: int) -> None:
+    """In the forked child: its own descriptors, environment and command line; then run it. It
+    leaves only by SystemExit, which ends the process as the end of a fresh one's `main` does."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    out = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(devnull)
+    os.close(out)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = [str(Path(__file__).with_name("__main__.py")), *request["args"]]  # as `-m omnistage.cli` has it
+    setproctitle.setproctitle(" ".join([sys.executable, "-m", "omnistage.cli", *request["args"]]))  # for ps, pkill -f
+    import random
+
+    random.seed()  # not the forker's sequence in every child
+    # Python 3.11's fork hook keeps the forker's thread id as this thread's `native_id` (the
+    # per-thread CPU figures map threads by it); 3.12 sets it again
+    set_native_id = getattr(threading.current_thread(), "_set_native_id", None)
+    if set_native_id is not None:
+        set_native_id()
+    deadline = time.monotonic() + REPARENT_WAIT_S
+    while os.getppid() == middle and time.monotonic() < deadline:  # until it is serve's own child
+        time.sleep(0.001)
+    from omnistage.cli.__main__ import main
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the forker ignores Ctrl-C; a child does not
+    main()
+    sys.exit(0)
+
+
+def _fork(request: dict) -> int:
+    """Fork a child for `request` through a middle process that exits at once, so that the child
+    is orphaned and reparented to serve (its subreaper); returns the child's pid."""
+    r, w = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        os.close(r)
+        try:
+            pid = os.fork()
+        except OSError:
+            os._exit(1)
+        if pid == 0:
+            os.close(w)
+            _become_child(request, os.getppid())
+        os.write(w, str(pid).encode())
+        os._exit(0)
+    os.close(w)
+    chunks = []
+    while chunk := os.read(r, 64):
+        chunks.append(chunk)
+    os.close(r)
+    os.waitpid(middle, 0)
+    if not chunks:
+        raise OSError("the middle process could not fork")
+    return int(b"".join(chunks))
+
+
+def main(argv: list[str]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is serve's to handle; EOF ends this
+    # (set up here, with the environment still in place: it moves it to make room for a title)
+    setproctitle.setproctitle(f"{sys.executable} -m omnistage.cli.forker")
+    from omnistage.cli.serve import die_with_parent_if_asked
+
+    die_with_parent_if_asked()
+    for name in argv:  # the modules its children import
+        importlib.import_module(name)
+    out = sys.stdout.buffer
+    # Python threads: a native pool such as numpy's OpenBLAS stops its own threads at each fork
+    out.write(json.dumps({"threads": threading.active_count()}).encode() + b"\n")
+    out.flush()
+    while line := _read_line(0):
+        request = json.loads(line)
+        try:
+            reply = {"pid": _fork(request)}
+        except OSError as e:
+            reply = {"error": str(e)}
+        out.write(json.dumps(reply).encode() + b"\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,113 @@
+"""`serve`'s forker: children forked from one preloaded process are this process's own, run
+their command line with their own log, environment, title and signals, and anything the forker
+cannot do safely falls back to exec."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from omnistage.cli.forker import Forker, forking_wanted
+from omnistage.cli.serve import child_env
+
+
+def _forker(tmp_path: Path, modules: tuple[str, ...] = ("json",), env: dict[str, str] | None = None) -> Forker:
+    return Forker(list(modules), child_env(env or dict(os.environ)), tmp_path / "forker.log", 60)
+
+
+def _parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _catches_sigint(pid: int) -> bool:
+    caught = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigCgt"))
+    return bool(int(caught.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+
+
+def test_a_forked_child_runs_its_command_as_a_child_of_this_process(tmp_path: Path) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))  # never answers: the client waits on it
+    port = listener.getsockname()[1]
+    forker = _forker(tmp_path)
+    try:
+        args = ["client", "hi", "--target", f"127.0.0.1:{port}", "--out", str(tmp_path / "r.wav")]
+        waiting = forker.spawn(args, tmp_path / "client.log", child_env(dict(os.environ)))
+        assert waiting is not None
+        assert _parent_of(waiting.pid) == os.getpid()  # reparented here: waited for, signalled, reaped here
+        title = f"{sys.executable} -m omnistage.cli client hi".encode()  # what ps shows of an exec'd one
+        deadline = time.monotonic() + 20
+        while title not in (shown := Path(f"/proc/{waiting.pid}/cmdline").read_bytes().replace(b"\0", b" ")):
+            assert time.monotonic() < deadline, shown  # (the child sets it as it starts)
+            time.sleep(0.01)
+        while not _catches_sigint(waiting.pid):  # (and takes Ctrl-C as it runs its command)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert waiting.poll() is None
+        waiting.send_signal(signal.SIGINT)  # Ctrl-C: the forker ignores it, its children do not
+        assert waiting.wait(20) == 130
+        assert "interrupted" in (tmp_path / "client.log").read_text()
+
+        # its own environment, its exit code and its log
+        missing = tmp_path / "missing.yaml"
+        render = ["deploy", "render", "--target", "compose", "--out", str(tmp_path / "out")]
+        env = child_env({**os.environ, "OMNISTAGE_CONFIG": str(missing)})
+        refused = forker.spawn(render, tmp_path / "render.log", env)
+        assert refused is not None and refused.wait(20) == 2
+        said = (tmp_path / "render.log").read_text()
+        assert str(missing) in said and "OMNISTAGE_CONFIG" in said
+
+        killed = forker.spawn(args, tmp_path / "client.log", child_env(dict(os.environ)))
+        assert killed is not None
+        killed.kill()
+        assert killed.wait(20) == -signal.SIGKILL and killed.poll() == -signal.SIGKILL
+        killed.send_signal(signal.SIGTERM)  # reaped: never signals a pid that may be reused
+    finally:
+        forker.close()
+        listener.close()
+    assert forker.proc.returncode == 0  # the end of its input ends it
+
+
+def test_a_forker_with_a_python_thread_is_not_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "threaded_module.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    forker = _forker(tmp_path, ("threaded_module",), env)
+    with caplog.at_level(logging.WARNING):
+        assert forker.spawn(["--version"], tmp_path / "v.log", child_env(env)) is None
+    assert "it runs 2 threads" in caplog.text and "children start by exec" in caplog.text
+    assert forker.proc.poll() is not None  # given up: stopped
+    assert forker.spawn(["--version"], tmp_path / "v.log", child_env(env)) is None
+
+
+def test_children_start_by_exec_once_the_forker_is_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    from omnistage.cli import serve
+    from omnistage.config import parse_config
+
+    forker = _forker(tmp_path)
+    stack = serve.Stack(parse_config({}), Path("."), tmp_path, forker=forker)
+    first = stack.spawn(["--version"], tmp_path / "v.log", dict(os.environ))
+    assert first.wait(20) == 0 and first.pid != forker.proc.pid
+    assert "omnistage" in (tmp_path / "v.log").read_text()
+    forker.proc.kill()
+    forker.proc.wait()
+    execs: list[list[str]] = []
+    monkeypatch.setattr(serve, "_spawn", lambda args, log, env: execs.append(args) or "exec'd")
+    with caplog.at_level(logging.WARNING):
+        assert stack.spawn(["--version"], tmp_path / "v.log", dict(os.environ)) == "exec'd"
+    assert execs == [["--version"]] and "it exited" in caplog.text
+    stack.stop()
+
+
+def test_only_a_stack_wholly_on_the_cpu_forks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMNISTAGE_FORK_CHILDREN", raising=False)
+    assert forking_wanted(["cpu", "cpu"])
+    assert not forking_wanted(["cpu", "cuda:0"])  # a process that touched CUDA cannot fork a CUDA user
+    monkeypatch.setenv("OMNISTAGE_FORK_CHILDREN", "0")
+    assert not forking_wanted(["cpu"])
