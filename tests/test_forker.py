@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from omnistage.cli.forker import Forker, forking_wanted
+from omnistage.cli import forker as forker_module
+from omnistage.cli.forker import ForkedChild, Forker, forking_wanted
 from omnistage.cli.serve import child_env
 
 
 def _forker(tmp_path: Path, modules: tuple[str, ...] = ("json",), env: dict[str, str] | None = None) -> Forker:
-    return Forker(list(modules), child_env(env or dict(os.environ)), tmp_path / "forker.log", 60)
+    return Forker(list(modules), child_env(env or dict(os.environ)), tmp_path / "forker.log")
 
 
 def _parent_of(pid: int) -> int:
@@ -31,7 +32,8 @@ def _catches_sigint(pid: int) -> bool:
     return bool(int(caught.split()[1], 16) & (1 << (signal.SIGINT - 1)))
 
 
-def test_a_forked_child_runs_its_command_as_a_child_of_this_process(tmp_path: Path) -> None:
+def test_a_forked_child_runs_its_command_as_a_child_of_this_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     listener = socket.create_server(("127.0.0.1", 0))  # never answers: the client waits on it
     port = listener.getsockname()[1]
     forker = _forker(tmp_path)
@@ -62,12 +64,18 @@ def test_a_forked_child_runs_its_command_as_a_child_of_this_process(tmp_path: Pa
         said = (tmp_path / "render.log").read_text()
         assert str(missing) in said and "OMNISTAGE_CONFIG" in said
 
+        forker_module._set_subreaper(1)  # a host process that is a subreaper itself stays one
         killed = forker.spawn(args, tmp_path / "client.log", child_env(dict(os.environ)))
-        assert killed is not None
+        assert killed is not None and forker_module._subreaper() == 1
         killed.kill()
         assert killed.wait(20) == -signal.SIGKILL and killed.poll() == -signal.SIGKILL
+        signalled: list[int] = []
+        monkeypatch.setattr(forker_module.os, "kill", lambda pid, sig: signalled.append(pid))
         killed.send_signal(signal.SIGTERM)  # reaped: never signals a pid that may be reused
+        assert signalled == []
     finally:
+        monkeypatch.undo()
+        forker_module._set_subreaper(0)
         forker.close()
         listener.close()
     assert forker.proc.returncode == 0  # the end of its input ends it
@@ -111,3 +119,28 @@ def test_only_a_stack_wholly_on_the_cpu_forks(monkeypatch: pytest.MonkeyPatch) -
     assert not forking_wanted(["cpu", "cuda:0"])  # a process that touched CUDA cannot fork a CUDA user
     monkeypatch.setenv("OMNISTAGE_FORK_CHILDREN", "0")
     assert not forking_wanted(["cpu"])
+
+
+def test_a_child_that_exited_before_it_was_adopted_keeps_its_exit_code() -> None:
+    """The check that a forked child is this process's own reaps one that has already exited:
+    its exit code is kept, not lost (it read as 255)."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(3)
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.01)
+    child = ForkedChild(pid, [])
+    assert child.adopted() and child.poll() == 3 and child.wait(1) == 3
+    assert not ForkedChild(1, []).adopted()  # init is no child of this process
+
+
+def test_an_interrupt_while_the_forker_imports_stops_it_at_once(tmp_path: Path) -> None:
+    (tmp_path / "slow_module.py").write_text("import time\ntime.sleep(60)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    asked: list[float] = []
+    forker = Forker(["slow_module"], child_env(env), tmp_path / "forker.log",
+                    interrupted=lambda: bool(asked.append(time.monotonic())) or len(asked) > 3)  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        forker.spawn(["--version"], tmp_path / "v.log", child_env(env))
+    forker.close()
+    assert forker.proc.returncode == -signal.SIGTERM  # terminated, not left to finish its imports

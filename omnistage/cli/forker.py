@@ -32,6 +32,8 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import setproctitle
@@ -42,14 +44,25 @@ FORK_ENV = "OMNISTAGE_FORK_CHILDREN"  # "0": start every child by exec
 # what every child imports: the command line, both kinds of process and the stages' workers
 PRELOAD = ("omnistage.cli.main", "omnistage.cli.serve", "omnistage.server.process", "gateway.process",
            "services.thinker.worker", "services.talker.worker", "services.code2wav.worker")  # fmt: skip
-REPARENT_WAIT_S = 10.0
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+READY_TIMEOUT_S = 120.0  # its imports; past this, children start by exec
+FORK_TIMEOUT_S = 30.0  # one fork
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 1, 36, 37
 
 
-def _prctl(option: int, value: int) -> None:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    if libc.prctl(option, value, 0, 0, 0) != 0:
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL("libc.so.6", use_errno=True)
+
+
+def _set_subreaper(value: int) -> None:
+    if _libc().prctl(PR_SET_CHILD_SUBREAPER, value, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+
+
+def _subreaper() -> int:
+    value = ctypes.c_int(0)
+    if _libc().prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(value), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return value.value
 
 
 class ForkedChild:
@@ -59,6 +72,17 @@ class ForkedChild:
         self.pid = pid
         self.args = args
         self.returncode: int | None = None
+
+    def adopted(self) -> bool:
+        """Whether it is this process's child (reparented here), keeping its status if it has
+        already exited (the call reaps it)."""
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            return False
+        if pid:
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return True
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -96,20 +120,27 @@ class Forker:
     """`serve`'s side: start the forker, ask it for children; `spawn` returns None whenever the
     child should be started by exec instead (the forker is gone, refused or too slow)."""
 
-    def __init__(self, modules: list[str], env: dict[str, str], log_path: Path, ready_timeout_s: float) -> None:
-        self._ready_timeout_s = ready_timeout_s
+    def __init__(self, modules: list[str], env: dict[str, str], log_path: Path,
+                 interrupted: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
+        self._interrupted = interrupted
         self._ready: bool | None = None  # None: not heard from yet
         command = [sys.executable, "-m", "omnistage.cli.forker", *modules]
         with open(log_path, "ab") as err:
             self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env)
 
     def _reply(self, timeout: float) -> dict | None:
-        """The forker's next line, or None (and the forker given up) if none comes in time."""
+        """The forker's next line (each is written whole, at once), or None, the forker given
+        up, if none comes in time; a wait cut short by `interrupted` raises KeyboardInterrupt."""
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else b""
+        deadline = time.monotonic() + timeout
+        while not select.select([self.proc.stdout], [], [], 0.2)[0]:
+            if self._interrupted():
+                raise KeyboardInterrupt
+            if time.monotonic() > deadline:
+                return self._give_up(f"it did not answer in {timeout:.0f} s")
+        line = self.proc.stdout.readline()
         try:
-            return json.loads(line) if line else self._give_up("it did not answer" if not ready else "it exited")
+            return json.loads(line) if line else self._give_up("it exited")
         except ValueError:
             return self._give_up(f"it answered {line[:80]!r}")
 
@@ -122,7 +153,7 @@ class Forker:
 
     def spawn(self, args: list[str], log_path: Path, env: dict[str, str]) -> ForkedChild | None:
         if self._ready is None:
-            hello = self._reply(self._ready_timeout_s)
+            hello = self._reply(READY_TIMEOUT_S)
             if hello is None:
                 return None
             if hello.get("threads") != 1:  # forking a threaded process can deadlock the child
@@ -134,30 +165,33 @@ class Forker:
             return self._give_up(f"it exited with code {self.proc.returncode}")
         assert self.proc.stdin is not None
         try:
-            _prctl(PR_SET_CHILD_SUBREAPER, 1)  # the child, orphaned at once, is reparented here
+            was = _subreaper()
             try:
+                _set_subreaper(1)  # the child, orphaned at once, is reparented here
                 self.proc.stdin.write(json.dumps({"args": args, "log": str(log_path), "env": env}).encode() + b"\n")
                 self.proc.stdin.flush()
-                reply = self._reply(30.0)
+                reply = self._reply(FORK_TIMEOUT_S)
             finally:
-                _prctl(PR_SET_CHILD_SUBREAPER, 0)
+                _set_subreaper(was)
         except OSError as e:
             return self._give_up(str(e))
         if reply is None or "pid" not in reply:
             return self._give_up(f"it could not fork: {reply.get('error') if reply else 'no answer'}")
         child = ForkedChild(int(reply["pid"]), args)
-        try:
-            os.waitpid(child.pid, os.WNOHANG)  # ours (ChildProcessError if not); 0 while it runs
-        except ChildProcessError:
-            os.kill(child.pid, signal.SIGKILL)
+        if not child.adopted():  # (it kills itself too: it finds another parent than serve)
+            with contextlib.suppress(OSError):
+                os.kill(child.pid, signal.SIGKILL)
             return self._give_up(f"its child {child.pid} was not reparented to serve")
         return child
 
     def close(self) -> None:
-        for pipe in (self.proc.stdin, self.proc.stdout):  # the end of its input ends it
+        """Stop it: the end of its input ends it; one still importing is terminated."""
+        for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None and not pipe.closed:
                 with contextlib.suppress(OSError):  # (a dead forker's pipe)
                     pipe.close()
+        if self._ready is None and self.proc.poll() is None:
+            self.proc.terminate()
         try:
             self.proc.wait(5)
         except subprocess.TimeoutExpired:
@@ -194,54 +228,66 @@ def _read_line(fd: int) -> bytes:
     return bytes(out)
 
 
-def _become_child(request: dict, middle: int) -> None:
-    """In the forked child: its own descriptors, environment and command line; then run it. It
-    leaves only by SystemExit, which ends the process as the end of a fresh one's `main` does."""
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
+def _become_child(request: dict, middle: int, control: tuple[int, int]) -> None:
+    """In the forked child: its own descriptors, environment and command line; then run it."""
+    for fd in control:
+        os.close(fd)
     out = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(out, 1)
     os.dup2(out, 2)
-    os.close(devnull)
     os.close(out)
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = [str(Path(__file__).with_name("__main__.py")), *request["args"]]  # as `-m omnistage.cli` has it
     setproctitle.setproctitle(" ".join([sys.executable, "-m", "omnistage.cli", *request["args"]]))  # for ps, pkill -f
-    import random
-
-    random.seed()  # not the forker's sequence in every child
     # Python 3.11's fork hook keeps the forker's thread id as this thread's `native_id` (the
     # per-thread CPU figures map threads by it); 3.12 sets it again
     set_native_id = getattr(threading.current_thread(), "_set_native_id", None)
     if set_native_id is not None:
         set_native_id()
-    deadline = time.monotonic() + REPARENT_WAIT_S
-    while os.getppid() == middle and time.monotonic() < deadline:  # until it is serve's own child
-        time.sleep(0.001)
+    while os.getppid() == middle:  # until the middle has exited and this is serve's own child (< 1 ms)
+        time.sleep(0.0005)
     from omnistage.cli.__main__ import main
 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the forker ignores Ctrl-C; a child does not
     main()
+
+
+def _run_child(request: dict, middle: int, control: tuple[int, int]) -> None:
+    """The child's whole life. It leaves only by SystemExit, which ends the process as the end of
+    a fresh one's `main` does (atexit, threads joined): never back into the forker's loop."""
+    try:
+        _become_child(request, middle, control)
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:  # Ctrl-C before its command took it over
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)
     sys.exit(0)
 
 
-def _fork(request: dict) -> int:
+def _fork(request: dict, control: tuple[int, int]) -> int:
     """Fork a child for `request` through a middle process that exits at once, so that the child
     is orphaned and reparented to serve (its subreaper); returns the child's pid."""
     r, w = os.pipe()
     middle = os.fork()
     if middle == 0:
-        os.close(r)
+        me = os.getpid()
         try:
+            os.close(r)
             pid = os.fork()
-        except OSError:
+        except BaseException:
             os._exit(1)
         if pid == 0:
             os.close(w)
-            _become_child(request, os.getppid())
-        os.write(w, str(pid).encode())
-        os._exit(0)
+            _run_child(request, me, control)
+        try:
+            os.write(w, str(pid).encode())
+        finally:
+            os._exit(0)
     os.close(w)
     chunks = []
     while chunk := os.read(r, 64):
@@ -257,23 +303,32 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is serve's to handle; EOF ends this
     # (set up here, with the environment still in place: it moves it to make room for a title)
     setproctitle.setproctitle(f"{sys.executable} -m omnistage.cli.forker")
+    # the requests and replies on descriptors of their own; stdout to the log, stdin empty, so
+    # that nothing an import prints can be taken for a reply
+    control = (os.dup(0), os.dup(1))
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.dup2(2, 1)
     from omnistage.cli.serve import die_with_parent_if_asked
 
     die_with_parent_if_asked()
     for name in argv:  # the modules its children import
         importlib.import_module(name)
-    out = sys.stdout.buffer
+
+    def reply(message: dict) -> None:
+        sys.stdout.flush()  # (a child must not inherit what an import printed, unflushed)
+        sys.stderr.flush()
+        os.write(control[1], json.dumps(message).encode() + b"\n")  # one write: serve reads whole lines
+
     # Python threads: a native pool such as numpy's OpenBLAS stops its own threads at each fork
-    out.write(json.dumps({"threads": threading.active_count()}).encode() + b"\n")
-    out.flush()
-    while line := _read_line(0):
-        request = json.loads(line)
+    reply({"threads": threading.active_count()})
+    while line := _read_line(control[0]):
         try:
-            reply = {"pid": _fork(request)}
+            answer = {"pid": _fork(json.loads(line), control)}
         except OSError as e:
-            reply = {"error": str(e)}
-        out.write(json.dumps(reply).encode() + b"\n")
-        out.flush()
+            answer = {"error": str(e)}
+        reply(answer)
 
 
 if __name__ == "__main__":

@@ -323,20 +323,22 @@ class Stack:
         up to 5 s past its gRPC one)."""
         if timeout is None:
             timeout = self.cfg.timeouts.drain_grace_s + 10.0
-        for phase in ([c for c in self.children if c.name == "gateway"],
-                      [c for c in self.children if c.name != "gateway"]):  # fmt: skip
-            for c in phase:
-                if c.proc.poll() is None:
-                    c.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + timeout
-            for c in phase:
-                try:
-                    c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    c.proc.kill()
-                    c.proc.wait()
-        if self.forker is not None:
-            self.forker.close()
+        try:
+            for phase in ([c for c in self.children if c.name == "gateway"],
+                          [c for c in self.children if c.name != "gateway"]):  # fmt: skip
+                for c in phase:
+                    if c.proc.poll() is None:
+                        c.proc.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + timeout
+                for c in phase:
+                    try:
+                        c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        c.proc.kill()
+                        c.proc.wait()
+        finally:
+            if self.forker is not None:
+                self.forker.close()
 
     def __enter__(self) -> Stack:
         return self
@@ -415,12 +417,12 @@ def start_stack(
     env = dict(os.environ)
     if api_key:  # to the gateway's environment, never on a command line
         env["OMNISTAGE_API_KEY"] = api_key
-    if forking_wanted([cfg.stage(n).device for n in cfg.stage_names()]):  # type: ignore[arg-type]
-        stack.forker = Forker(preload_modules(FAMILIES[checkpoint.family.model_type]), child_env(env),
-                              stack.run_dir / "forker.log", cfg.timeouts.startup_timeout_s)  # fmt: skip
     common = ["--config", str(cfg_path), "--model", str(model_dir), "--host", cfg.host,
               "--log-level", log_level, "--log-format", log_format]  # fmt: skip
     try:
+        if forking_wanted([cfg.stage(n).device for n in cfg.stage_names()]):  # type: ignore[arg-type]
+            stack.forker = Forker(preload_modules(FAMILIES[checkpoint.family.model_type]), child_env(env),
+                                  stack.run_dir / "forker.log", interrupted)  # fmt: skip
         chain = cfg.chain()
         for definition in reversed(chain):  # downstream first: each upstream finds its target up
             name = definition.name
