@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from omnistage.cli import forker as forker_module
-from omnistage.cli.forker import ForkedChild, Forker, forking_wanted
+from omnistage.cli.forker import ForkedChild, Forker, forking_wanted, shared_forker
 from omnistage.cli.serve import child_env
 
 
@@ -144,3 +144,19 @@ def test_an_interrupt_while_the_forker_imports_stops_it_at_once(tmp_path: Path) 
         forker.spawn(["--version"], tmp_path / "v.log", child_env(env))
     forker.close()
     assert forker.proc.returncode == -signal.SIGTERM  # terminated, not left to finish its imports
+
+
+def test_the_stacks_of_one_process_share_a_forker_while_it_can_fork(tmp_path: Path) -> None:
+    env = child_env(dict(os.environ))
+    first = shared_forker(["json"], env, tmp_path / "forker.log")
+    assert shared_forker(["json"], env, tmp_path / "other.log") is first  # the next stack's: no new imports
+    other_env = shared_forker(["json"], {**env, "OMNISTAGE_API_KEY": "k"}, tmp_path / "forker.log")
+    other_modules = shared_forker(["json", "csv"], env, tmp_path / "forker.log")
+    assert len({id(first), id(other_env), id(other_modules)}) == 3  # (what its imports saw differs)
+    child = first.spawn(["--version"], tmp_path / "v.log", env)
+    assert child is not None and child.wait(20) == 0
+    for forker in (first, other_env, other_modules):
+        forker.close()
+    again = shared_forker(["json"], env, tmp_path / "forker.log")
+    assert again is not first and again.usable()  # one that cannot fork any more is replaced
+    again.close()

@@ -123,7 +123,7 @@ def test_start_up_stops_when_interrupted_even_if_no_keyboard_interrupt_surfaced(
     assert len(spawned) == 4  # thinker, talker, code2wav, gateway
     assert all(isinstance(p, ForkedChild) for p in spawned)  # (all on the CPU: forked)
     assert all(p.poll() is not None for p in spawned)  # every child stopped before it raised
-    assert [f.proc.poll() for f in forkers] == [0]  # and the forker
+    assert len(forkers) == 1 and next(iter(forkers)).usable()  # kept for this process's next stack
 
 
 def test_a_child_that_dies_soon_after_serving_is_restarted_later_each_time(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,9 @@ The forker double-forks and `serve` makes itself the children's reaper for that 
 reads its exit status as for a process it started itself (`ForkedChild`), and the child dies
 with `serve` (PR_SET_PDEATHSIG) as before.
 
+The forker lives as long as `serve`: it restarts children, and a process that starts several
+stacks (the bench, the tests) starts the next ones from it too (`shared_forker`).
+
 Only where forking is safe: every stage on the CPU (a process that touched CUDA cannot fork a
 child that uses it, and importing is not guaranteed to stay clear of it), and a forker with no
 Python thread but its main one when it says it is ready. Anything else, or ``OMNISTAGE_FORK_CHILDREN=0``, starts each
@@ -19,6 +22,7 @@ child by exec as before; so does a forker that dies or stops answering.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import importlib
@@ -122,7 +126,7 @@ class Forker:
 
     def __init__(self, modules: list[str], env: dict[str, str], log_path: Path,
                  interrupted: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
-        self._interrupted = interrupted
+        self.interrupted = interrupted
         self._ready: bool | None = None  # None: not heard from yet
         command = [sys.executable, "-m", "omnistage.cli.forker", *modules]
         with open(log_path, "ab") as err:
@@ -134,7 +138,7 @@ class Forker:
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         while not select.select([self.proc.stdout], [], [], 0.2)[0]:
-            if self._interrupted():
+            if self.interrupted():
                 raise KeyboardInterrupt
             if time.monotonic() > deadline:
                 return self._give_up(f"it did not answer in {timeout:.0f} s")
@@ -184,6 +188,9 @@ class Forker:
             return self._give_up(f"its child {child.pid} was not reparented to serve")
         return child
 
+    def usable(self) -> bool:
+        return self._ready is not False and self.proc.poll() is None
+
     def close(self) -> None:
         """Stop it: the end of its input ends it; one still importing is terminated."""
         for pipe in (self.proc.stdin, self.proc.stdout):
@@ -197,6 +204,25 @@ class Forker:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+_SHARED: dict[tuple[tuple[str, ...], tuple[tuple[str, str], ...]], Forker] = {}
+
+
+def shared_forker(modules: list[str], env: dict[str, str], log_path: Path,
+                  interrupted: Callable[[], bool] = lambda: False) -> Forker:  # fmt: skip
+    """A forker of `modules` in `env`: the one an earlier stack of this process started, while it
+    can still fork (a process that starts many stacks, as the bench and the tests do, imports
+    once), else a new one, logging to `log_path`. It lives as long as this process: it ends with
+    the end of its input, or as its parent dies."""
+    key = (tuple(modules), tuple(sorted(env.items())))
+    forker = _SHARED.get(key)
+    if forker is None or not forker.usable():
+        if not _SHARED:
+            atexit.register(lambda: [f.close() for f in _SHARED.values()])
+        forker = _SHARED[key] = Forker(modules, env, log_path)
+    forker.interrupted = interrupted
+    return forker
 
 
 def forking_wanted(devices: list[str]) -> bool:

@@ -28,7 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from omnistage.cli.forker import ForkedChild, Forker, forking_wanted, preload_modules
+from omnistage.cli.forker import ForkedChild, Forker, forking_wanted, preload_modules, shared_forker
 from omnistage.config import ConfigError, DeployConfig
 from omnistage.server.grpc_common import PortTaken, port_free, unusable_host
 from omnistage.server.health_check import check
@@ -222,7 +222,7 @@ class Stack:
     model_dir: Path
     run_dir: Path
     children: list[Child] = field(default_factory=list)
-    forker: Forker | None = None  # starts the children by forking, where it can (see forker.py)
+    forker: Forker | None = None  # starts the children by forking, where it can (see forker.py; it outlives the stack)
 
     def spawn(self, args: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes] | ForkedChild:
         forked = self.forker.spawn(args, log_path, child_env(env)) if self.forker is not None else None
@@ -323,22 +323,18 @@ class Stack:
         up to 5 s past its gRPC one)."""
         if timeout is None:
             timeout = self.cfg.timeouts.drain_grace_s + 10.0
-        try:
-            for phase in ([c for c in self.children if c.name == "gateway"],
-                          [c for c in self.children if c.name != "gateway"]):  # fmt: skip
-                for c in phase:
-                    if c.proc.poll() is None:
-                        c.proc.send_signal(signal.SIGTERM)
-                deadline = time.monotonic() + timeout
-                for c in phase:
-                    try:
-                        c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                    except subprocess.TimeoutExpired:
-                        c.proc.kill()
-                        c.proc.wait()
-        finally:
-            if self.forker is not None:
-                self.forker.close()
+        for phase in ([c for c in self.children if c.name == "gateway"],
+                      [c for c in self.children if c.name != "gateway"]):  # fmt: skip
+            for c in phase:
+                if c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for c in phase:
+                try:
+                    c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait()
 
     def __enter__(self) -> Stack:
         return self
@@ -421,8 +417,8 @@ def start_stack(
               "--log-level", log_level, "--log-format", log_format]  # fmt: skip
     try:
         if forking_wanted([cfg.stage(n).device for n in cfg.stage_names()]):  # type: ignore[arg-type]
-            stack.forker = Forker(preload_modules(FAMILIES[checkpoint.family.model_type]), child_env(env),
-                                  stack.run_dir / "forker.log", interrupted)  # fmt: skip
+            stack.forker = shared_forker(preload_modules(FAMILIES[checkpoint.family.model_type]), child_env(env),
+                                         stack.run_dir / "forker.log", interrupted)  # fmt: skip
         chain = cfg.chain()
         for definition in reversed(chain):  # downstream first: each upstream finds its target up
             name = definition.name
