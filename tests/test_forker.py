@@ -37,6 +37,7 @@ def test_a_forked_child_runs_its_command_as_a_child_of_this_process(
     listener = socket.create_server(("127.0.0.1", 0))  # never answers: the client waits on it
     port = listener.getsockname()[1]
     forker = _forker(tmp_path)
+    was = forker_module._subreaper()
     try:
         args = ["client", "hi", "--target", f"127.0.0.1:{port}", "--out", str(tmp_path / "r.wav")]
         waiting = forker.spawn(args, tmp_path / "client.log", child_env(dict(os.environ)))
@@ -75,7 +76,7 @@ def test_a_forked_child_runs_its_command_as_a_child_of_this_process(
         assert signalled == []
     finally:
         monkeypatch.undo()
-        forker_module._set_subreaper(0)
+        forker_module._set_subreaper(was)
         forker.close()
         listener.close()
     assert forker.proc.returncode == 0  # the end of its input ends it
@@ -127,8 +128,7 @@ def test_a_child_that_exited_before_it_was_adopted_keeps_its_exit_code() -> None
     pid = os.fork()
     if pid == 0:
         os._exit(3)
-    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-        time.sleep(0.01)
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # until it has exited, left unreaped
     child = ForkedChild(pid, [])
     assert child.adopted() and child.poll() == 3 and child.wait(1) == 3
     assert not ForkedChild(1, []).adopted()  # init is no child of this process
@@ -138,10 +138,10 @@ def test_an_interrupt_while_the_forker_imports_stops_it_at_once(tmp_path: Path) 
     (tmp_path / "slow_module.py").write_text("import time\ntime.sleep(60)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     asked: list[float] = []
-    forker = Forker(["slow_module"], child_env(env), tmp_path / "forker.log",
-                    interrupted=lambda: bool(asked.append(time.monotonic())) or len(asked) > 3)  # fmt: skip
+    forker = Forker(["slow_module"], child_env(env), tmp_path / "forker.log")
     with pytest.raises(KeyboardInterrupt):
-        forker.spawn(["--version"], tmp_path / "v.log", child_env(env))
+        forker.spawn(["--version"], tmp_path / "v.log", child_env(env),
+                     interrupted=lambda: bool(asked.append(time.monotonic())) or len(asked) > 3)  # fmt: skip
     forker.close()
     assert forker.proc.returncode == -signal.SIGTERM  # terminated, not left to finish its imports
 
@@ -150,13 +150,30 @@ def test_the_stacks_of_one_process_share_a_forker_while_it_can_fork(tmp_path: Pa
     env = child_env(dict(os.environ))
     first = shared_forker(["json"], env, tmp_path / "forker.log")
     assert shared_forker(["json"], env, tmp_path / "other.log") is first  # the next stack's: no new imports
-    other_env = shared_forker(["json"], {**env, "OMNISTAGE_API_KEY": "k"}, tmp_path / "forker.log")
+    assert shared_forker(["json"], {**env, "OMNISTAGE_API_KEY": "k"}, tmp_path / "forker.log") is first  # (unread)
     other_modules = shared_forker(["json", "csv"], env, tmp_path / "forker.log")
-    assert len({id(first), id(other_env), id(other_modules)}) == 3  # (what its imports saw differs)
+    assert other_modules is not first and first.usable()  # one per set of modules (per model family)
     child = first.spawn(["--version"], tmp_path / "v.log", env)
     assert child is not None and child.wait(20) == 0
-    for forker in (first, other_env, other_modules):
-        forker.close()
+    other_env = shared_forker(["json"], {**env, "OMNISTAGE_PROBE": "1"}, tmp_path / "forker.log")
+    assert other_env is not first and not first.usable()  # what its imports saw differs: replaced, closed
+    other_env.close()
     again = shared_forker(["json"], env, tmp_path / "forker.log")
-    assert again is not first and again.usable()  # one that cannot fork any more is replaced
-    again.close()
+    assert again is not other_env and again.usable()  # one that cannot fork any more is replaced
+    for forker in (again, other_modules):
+        forker.close()
+
+
+def test_a_child_that_cannot_start_exits_1_and_the_forker_goes_on(tmp_path: Path) -> None:
+    """A child that fails before its command runs (here: no folder for its log) exits 1 with
+    the reason in the forker's log, and the forker answers the next request for itself."""
+    forker = _forker(tmp_path)
+    try:
+        failed = forker.spawn(["--version"], tmp_path / "no" / "such" / "v.log", child_env(dict(os.environ)))
+        assert failed is not None and failed.wait(20) == 1
+        assert "FileNotFoundError" in (tmp_path / "forker.log").read_text()
+        ok = forker.spawn(["--version"], tmp_path / "v.log", child_env(dict(os.environ)))
+        assert ok is not None and ok.pid != failed.pid and ok.wait(20) == 0
+        assert "omnistage" in (tmp_path / "v.log").read_text()
+    finally:
+        forker.close()

@@ -122,65 +122,77 @@ class ForkedChild:
 
 class Forker:
     """`serve`'s side: start the forker, ask it for children; `spawn` returns None whenever the
-    child should be started by exec instead (the forker is gone, refused or too slow)."""
+    child should be started by exec instead (the forker is gone, refused or too slow), and a
+    forker that failed once is not asked again."""
 
-    def __init__(self, modules: list[str], env: dict[str, str], log_path: Path,
-                 interrupted: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
-        self.interrupted = interrupted
-        self._ready: bool | None = None  # None: not heard from yet
+    def __init__(self, modules: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.env = env
+        self._hello: dict | None = None  # what it said once its imports were done
+        self._failed = False
         command = [sys.executable, "-m", "omnistage.cli.forker", *modules]
         with open(log_path, "ab") as err:
             self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env)
 
-    def _reply(self, timeout: float) -> dict | None:
-        """The forker's next line (each is written whole, at once), or None, the forker given
-        up, if none comes in time; a wait cut short by `interrupted` raises KeyboardInterrupt."""
+    def _reply(self, timeout: float, interrupted: Callable[[], bool]) -> dict | str:
+        """The forker's next line (each is written whole, at once), or why there is none."""
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         while not select.select([self.proc.stdout], [], [], 0.2)[0]:
-            if self.interrupted():
+            if interrupted():
                 raise KeyboardInterrupt
             if time.monotonic() > deadline:
-                return self._give_up(f"it did not answer in {timeout:.0f} s")
+                return f"it did not answer in {timeout:.0f} s"
         line = self.proc.stdout.readline()
         try:
-            return json.loads(line) if line else self._give_up("it exited")
+            return json.loads(line) if line else "it exited"
         except ValueError:
-            return self._give_up(f"it answered {line[:80]!r}")
+            return f"it answered {line[:80]!r}"
 
     def _give_up(self, why: str) -> None:
-        if self._ready is not False:
+        if not self._failed:
             log.warning("the forker (pid %d) is given up (%s): children start by exec", self.proc.pid, why)
-        self._ready = False
+        self._failed = True
         self.close()
         return None
 
-    def spawn(self, args: list[str], log_path: Path, env: dict[str, str]) -> ForkedChild | None:
-        if self._ready is None:
-            hello = self._reply(READY_TIMEOUT_S)
-            if hello is None:
-                return None
+    def spawn(self, args: list[str], log_path: Path, env: dict[str, str],
+              interrupted: Callable[[], bool] = lambda: False) -> ForkedChild | None:  # fmt: skip
+        """A child running `omnistage.cli` with `args`, `env` and its output to `log_path`; None:
+        start it by exec. Waiting for a new forker's imports ends as soon as `interrupted()`
+        (KeyboardInterrupt); a fork is not interrupted (a reply left unread would be taken for
+        the next one's)."""
+        if self._failed:
+            return None
+        if self._hello is None:
+            hello = self._reply(READY_TIMEOUT_S, interrupted)
+            if isinstance(hello, str):
+                return self._give_up(hello)
             if hello.get("threads") != 1:  # forking a threaded process can deadlock the child
                 return self._give_up(f"it runs {hello.get('threads')} threads")
-            self._ready = True
-        if not self._ready:
-            return None
+            self._hello = hello
         if self.proc.poll() is not None:
             return self._give_up(f"it exited with code {self.proc.returncode}")
         assert self.proc.stdin is not None
+        request = {"args": args, "log": str(log_path), "env": env, "cwd": os.getcwd()}
+        reply: dict | str = "no answer"
         try:
             was = _subreaper()
             try:
                 _set_subreaper(1)  # the child, orphaned at once, is reparented here
-                self.proc.stdin.write(json.dumps({"args": args, "log": str(log_path), "env": env}).encode() + b"\n")
+                self.proc.stdin.write(json.dumps(request).encode() + b"\n")
                 self.proc.stdin.flush()
-                reply = self._reply(FORK_TIMEOUT_S)
+                reply = self._reply(FORK_TIMEOUT_S, lambda: False)
             finally:
                 _set_subreaper(was)
         except OSError as e:
-            return self._give_up(str(e))
-        if reply is None or "pid" not in reply:
-            return self._give_up(f"it could not fork: {reply.get('error') if reply else 'no answer'}")
+            reply = str(e)
+        finally:
+            if not isinstance(reply, dict):  # (given up only here, with the subreaper flag restored)
+                self._give_up(reply)
+        if isinstance(reply, str):
+            return None
+        if "pid" not in reply:
+            return self._give_up(f"it could not fork: {reply.get('error')}")
         child = ForkedChild(int(reply["pid"]), args)
         if not child.adopted():  # (it kills itself too: it finds another parent than serve)
             with contextlib.suppress(OSError):
@@ -189,7 +201,7 @@ class Forker:
         return child
 
     def usable(self) -> bool:
-        return self._ready is not False and self.proc.poll() is None
+        return not self._failed and self.proc.poll() is None
 
     def close(self) -> None:
         """Stop it: the end of its input ends it; one still importing is terminated."""
@@ -197,7 +209,7 @@ class Forker:
             if pipe is not None and not pipe.closed:
                 with contextlib.suppress(OSError):  # (a dead forker's pipe)
                     pipe.close()
-        if self._ready is None and self.proc.poll() is None:
+        if self._hello is None and self.proc.poll() is None:
             self.proc.terminate()
         try:
             self.proc.wait(5)
@@ -206,22 +218,24 @@ class Forker:
             self.proc.wait()
 
 
-_SHARED: dict[tuple[tuple[str, ...], tuple[tuple[str, str], ...]], Forker] = {}
+_SHARED: dict[tuple[str, ...], Forker] = {}
+_NOT_FOR_THE_FORKER = ("OMNISTAGE_API_KEY",)  # a child gets it in its own environment; no import reads it
 
 
-def shared_forker(modules: list[str], env: dict[str, str], log_path: Path,
-                  interrupted: Callable[[], bool] = lambda: False) -> Forker:  # fmt: skip
-    """A forker of `modules` in `env`: the one an earlier stack of this process started, while it
-    can still fork (a process that starts many stacks, as the bench and the tests do, imports
-    once), else a new one, logging to `log_path`. It lives as long as this process: it ends with
-    the end of its input, or as its parent dies."""
-    key = (tuple(modules), tuple(sorted(env.items())))
-    forker = _SHARED.get(key)
-    if forker is None or not forker.usable():
-        if not _SHARED:
-            atexit.register(lambda: [f.close() for f in _SHARED.values()])
-        forker = _SHARED[key] = Forker(modules, env, log_path)
-    forker.interrupted = interrupted
+def shared_forker(modules: list[str], env: dict[str, str], log_path: Path) -> Forker:
+    """A forker of `modules`: the one an earlier stack of this process started, while it can still
+    fork and `env` is the one it started with (the bench and the tests start many stacks: they
+    import once), else a new one, logging to `log_path`. It lives as long as this process (it
+    ends with its input, or with its parent); one it replaces is closed."""
+    env = {k: v for k, v in env.items() if k not in _NOT_FOR_THE_FORKER}
+    forker = _SHARED.get(key := tuple(modules))
+    if forker is not None and forker.usable() and forker.env == env:
+        return forker
+    if forker is not None:
+        forker.close()
+    if not _SHARED:
+        atexit.register(lambda: [f.close() for f in _SHARED.values()])
+    forker = _SHARED[key] = Forker(modules, env, log_path)
     return forker
 
 
@@ -254,9 +268,9 @@ def _read_line(fd: int) -> bytes:
     return bytes(out)
 
 
-def _become_child(request: dict, middle: int, control: tuple[int, int]) -> None:
-    """In the forked child: its own descriptors, environment and command line; then run it."""
-    for fd in control:
+def _become_child(request: dict, middle: int, fds: tuple[int, ...]) -> None:
+    """In the forked child: its own descriptors, environment, folder and command line; then run it."""
+    for fd in fds:  # the forker's control pipes and the pipe to the middle
         os.close(fd)
     out = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(out, 1)
@@ -264,6 +278,7 @@ def _become_child(request: dict, middle: int, control: tuple[int, int]) -> None:
     os.close(out)
     os.environ.clear()
     os.environ.update(request["env"])
+    os.chdir(request["cwd"])  # serve's folder now, not the forker's when it started
     sys.argv = [str(Path(__file__).with_name("__main__.py")), *request["args"]]  # as `-m omnistage.cli` has it
     setproctitle.setproctitle(" ".join([sys.executable, "-m", "omnistage.cli", *request["args"]]))  # for ps, pkill -f
     # Python 3.11's fork hook keeps the forker's thread id as this thread's `native_id` (the
@@ -279,20 +294,25 @@ def _become_child(request: dict, middle: int, control: tuple[int, int]) -> None:
     main()
 
 
-def _run_child(request: dict, middle: int, control: tuple[int, int]) -> None:
+def _run_child(request: dict, middle: int, fds: tuple[int, ...]) -> None:
     """The child's whole life. It leaves only by SystemExit, which ends the process as the end of
-    a fresh one's `main` does (atexit, threads joined): never back into the forker's loop."""
+    a fresh one's `main` does (atexit, threads joined); the forker's loop checks that it never
+    comes back there."""
     try:
-        _become_child(request, middle, control)
+        _become_child(request, middle, fds)
     except SystemExit:
         raise
     except KeyboardInterrupt:  # Ctrl-C before its command took it over
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        code = 130
+        with contextlib.suppress(BaseException):
+            print("interrupted", file=sys.stderr)
     except BaseException:
-        traceback.print_exc()
-        sys.exit(1)
-    sys.exit(0)
+        code = 1
+        with contextlib.suppress(BaseException):
+            traceback.print_exc()
+    else:
+        code = 0
+    sys.exit(code)
 
 
 def _fork(request: dict, control: tuple[int, int]) -> int:
@@ -308,8 +328,7 @@ def _fork(request: dict, control: tuple[int, int]) -> int:
         except BaseException:
             os._exit(1)
         if pid == 0:
-            os.close(w)
-            _run_child(request, me, control)
+            _run_child(request, me, (*control, w))
         try:
             os.write(w, str(pid).encode())
         finally:
@@ -349,11 +368,14 @@ def main(argv: list[str]) -> None:
 
     # Python threads: a native pool such as numpy's OpenBLAS stops its own threads at each fork
     reply({"threads": threading.active_count()})
+    forker = os.getpid()
     while line := _read_line(control[0]):
         try:
             answer = {"pid": _fork(json.loads(line), control)}
         except OSError as e:
             answer = {"error": str(e)}
+        if os.getpid() != forker:  # a child or a middle that came back here: never answers
+            os._exit(1)
         reply(answer)
 
 

@@ -224,8 +224,10 @@ class Stack:
     children: list[Child] = field(default_factory=list)
     forker: Forker | None = None  # starts the children by forking, where it can (see forker.py; it outlives the stack)
 
-    def spawn(self, args: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes] | ForkedChild:
-        forked = self.forker.spawn(args, log_path, child_env(env)) if self.forker is not None else None
+    def spawn(self, args: list[str], log_path: Path, env: dict[str, str],
+              interrupted: Callable[[], bool] = lambda: False) -> subprocess.Popen[bytes] | ForkedChild:  # fmt: skip
+        """A child running `omnistage.cli` with `args`: forked where the stack has a forker, else exec'd."""
+        forked = None if self.forker is None else self.forker.spawn(args, log_path, child_env(env), interrupted)
         return forked if forked is not None else _spawn(args, log_path, env)
 
     @property
@@ -417,8 +419,18 @@ def start_stack(
               "--log-level", log_level, "--log-format", log_format]  # fmt: skip
     try:
         if forking_wanted([cfg.stage(n).device for n in cfg.stage_names()]):  # type: ignore[arg-type]
-            stack.forker = shared_forker(preload_modules(FAMILIES[checkpoint.family.model_type]), child_env(env),
-                                         stack.run_dir / "forker.log", interrupted)  # fmt: skip
+            try:
+                stack.forker = shared_forker(preload_modules(FAMILIES[checkpoint.family.model_type]),
+                                             child_env(env), stack.run_dir / "forker.log")  # fmt: skip
+            except OSError as e:
+                log.warning("no forker (%s): children start by exec", e)
+
+        def start(name: str, i: int, port: int, args: list[str]) -> None:
+            log_path = stack.run_dir / f"{name}-{i}.log"
+            log_from = _size(log_path)  # (its log is appended to)
+            proc = stack.spawn(args, log_path, env, interrupted)
+            stack.children.append(Child(name, i, cfg.address(port), proc, log_path, args, env, log_from=log_from))
+
         chain = cfg.chain()
         for definition in reversed(chain):  # downstream first: each upstream finds its target up
             name = definition.name
@@ -426,21 +438,12 @@ def start_stack(
             downstream = cfg.stage_target(below) if below else None
             for i, port in enumerate(cfg.stage_ports(name)):
                 args = ["stage", name, "--port", str(port), *common]
-                if downstream:
-                    args += ["--downstream", downstream]
-                log_path = stack.run_dir / f"{name}-{i}.log"
-                start = _size(log_path)
-                stack.children.append(Child(name, i, cfg.address(port), stack.spawn(args, log_path, env), log_path,
-                                            args, env, log_from=start))  # fmt: skip
+                start(name, i, port, [*args, "--downstream", downstream] if downstream else args)
         http_ports = cfg.http_ports()
         for i in range(cfg.gateway.replicas):  # replica i on port + i (and HTTP port + i)
             port = cfg.gateway.port + i
             args = ["gateway", "--port", str(port), "--thinker", cfg.stage_target(chain[0].name), *common]
-            args += ["--http-port", str(http_ports[i])] if http_ports else ["--no-http"]
-            log_path = stack.run_dir / f"gateway-{i}.log"
-            start = _size(log_path)
-            stack.children.append(Child("gateway", i, cfg.address(port), stack.spawn(args, log_path, env), log_path,
-                                        args, env, log_from=start))  # fmt: skip
+            start("gateway", i, port, args + (["--http-port", str(http_ports[i])] if http_ports else ["--no-http"]))
         _wait_healthy(stack, cfg.timeouts.startup_timeout_s, interrupted)
     except BaseException:
         stack.stop()
