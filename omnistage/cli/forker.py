@@ -16,8 +16,9 @@ stacks (the bench, the tests) starts the next ones from it too (`shared_forker`)
 
 Only where forking is safe: every stage on the CPU (a process that touched CUDA cannot fork a
 child that uses it, and importing is not guaranteed to stay clear of it), and a forker with no
-Python thread but its main one when it says it is ready. Anything else, or ``OMNISTAGE_FORK_CHILDREN=0``, starts each
-child by exec as before; so does a forker that dies or stops answering.
+Python thread but its main one when it says it is ready. Anything else, or
+``OMNISTAGE_FORK_CHILDREN=0``, starts each child by exec as before; so does a forker that dies
+or stops answering.
 """
 
 from __future__ import annotations
