@@ -51,7 +51,7 @@ PRELOAD = ("omnistage.cli.main", "omnistage.cli.serve", "omnistage.server.proces
            "services.thinker.worker", "services.talker.worker", "services.code2wav.worker")  # fmt: skip
 READY_TIMEOUT_S = 120.0  # its imports; past this, children start by exec
 FORK_TIMEOUT_S = 30.0  # one fork
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 1, 36, 37
+PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
 
 
 def _libc() -> ctypes.CDLL:
@@ -78,26 +78,27 @@ class ForkedChild:
         self.args = args
         self.returncode: int | None = None
 
+    def _reap(self) -> None:
+        """Its exit status if it has exited (ChildProcessError: not this process's child)."""
+        pid, status = os.waitpid(self.pid, os.WNOHANG)
+        if pid:
+            self.returncode = os.waitstatus_to_exitcode(status)
+
     def adopted(self) -> bool:
         """Whether it is this process's child (reparented here), keeping its status if it has
         already exited (the call reaps it)."""
         try:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            self._reap()
         except ChildProcessError:
             return False
-        if pid:
-            self.returncode = os.waitstatus_to_exitcode(status)
         return True
 
     def poll(self) -> int | None:
         if self.returncode is None:
             try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                self._reap()
             except ChildProcessError:  # reaped elsewhere: its status is gone
                 self.returncode = 255
-            else:
-                if pid:
-                    self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -128,7 +129,7 @@ class Forker:
 
     def __init__(self, modules: list[str], env: dict[str, str], log_path: Path) -> None:
         self.env = env
-        self._hello: dict | None = None  # what it said once its imports were done
+        self._ready = False  # it said its imports were done
         self._failed = False
         command = [sys.executable, "-m", "omnistage.cli.forker", *modules]
         with open(log_path, "ab") as err:
@@ -164,13 +165,13 @@ class Forker:
         the next one's)."""
         if self._failed:
             return None
-        if self._hello is None:
+        if not self._ready:
             hello = self._reply(READY_TIMEOUT_S, interrupted)
             if isinstance(hello, str):
                 return self._give_up(hello)
             if hello.get("threads") != 1:  # forking a threaded process can deadlock the child
                 return self._give_up(f"it runs {hello.get('threads')} threads")
-            self._hello = hello
+            self._ready = True
         if self.proc.poll() is not None:
             return self._give_up(f"it exited with code {self.proc.returncode}")
         assert self.proc.stdin is not None
@@ -210,7 +211,7 @@ class Forker:
             if pipe is not None and not pipe.closed:
                 with contextlib.suppress(OSError):  # (a dead forker's pipe)
                     pipe.close()
-        if self._hello is None and self.proc.poll() is None:
+        if not self._ready and self.proc.poll() is None:
             self.proc.terminate()
         try:
             self.proc.wait(5)
@@ -245,9 +246,6 @@ def forking_wanted(devices: list[str]) -> bool:
     return os.environ.get(FORK_ENV, "1") != "0" and all(d == "cpu" for d in devices)
 
 
-# --- the forker process --------------------------------------------------------------------
-
-
 def preload_modules(family_module: str) -> list[str]:
     """What a forker for a stack of this family imports: `PRELOAD` and every module of the
     family's folder (its parts import transformers' modeling code)."""
@@ -256,6 +254,9 @@ def preload_modules(family_module: str) -> list[str]:
     spec = importlib.util.find_spec(family_module)
     where = list(spec.submodule_search_locations or []) if spec else []
     return [*PRELOAD, family_module, *(m.name for m in pkgutil.iter_modules(where, f"{family_module}."))]
+
+
+# --- the forker process --------------------------------------------------------------------
 
 
 def _read_line(fd: int) -> bytes:
