@@ -1,0 +1,27 @@
+"""How a long-lived omnistage process ends once its work is done: as the interpreter would, but
+without its teardown."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+import threading
+from typing import NoReturn
+
+
+def fast_exit(code: int = 0, join_s: float = 5.0) -> NoReturn:
+    """Exit with `code` as the interpreter would (other threads joined, up to `join_s` each, but
+    daemons; atexit handlers run: logging's flush, shared-memory finalizers; stdio flushed), but
+    without its teardown. Freeing every module's objects one by one, with collections between,
+    took 1.2-1.6 s per stack process that imports torch and transformers (py-spy: the exit in
+    `gc_collect_main`), and gives back only what the exit gives back anyway."""
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            t.join(join_s)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # (closed, or its reader gone)
+            stream.flush()
+    os._exit(code)

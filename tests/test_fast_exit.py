@@ -1,0 +1,60 @@
+"""`fast_exit`: a drained server process ends as the interpreter would end it, without the teardown."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+SCRIPT = textwrap.dedent(
+    """
+    import atexit, logging, sys, threading, time, weakref
+    from pathlib import Path
+
+    from omnistage.server.fast_exit import fast_exit
+
+    out = Path(sys.argv[1])
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
+
+    def late() -> None:
+        time.sleep(0.3)
+        (out / "thread").write_text("joined")
+
+    class Held:
+        pass
+
+    held = Held()
+    weakref.finalize(held, (out / "finalized").write_text, "unlinked")  # how ShmPool unlinks its segments
+    atexit.register((out / "atexit").write_text, "ran")
+    threading.Thread(target=late).start()
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # a daemon is not waited for
+    print("buffered on a pipe")
+    logging.info("a last log line")
+    fast_exit({code})
+    (out / "after").write_text("fast_exit returned")
+    """
+)
+
+
+def run(tmp_path: Path, code: int) -> subprocess.CompletedProcess[str]:
+    script = SCRIPT.replace("{code}", str(code))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # (its stdout buffered, as on a pipe)
+    return subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                          timeout=30, cwd=Path(__file__).parents[1], env=env)  # fmt: skip
+
+
+def test_fast_exit_joins_threads_runs_atexit_and_flushes(tmp_path: Path) -> None:
+    done = run(tmp_path, 0)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "buffered on a pipe\n"
+    assert done.stderr.endswith("a last log line\n")
+    assert (tmp_path / "thread").read_text() == "joined"
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "finalized").read_text() == "unlinked"
+    assert not (tmp_path / "after").exists()
+
+
+def test_fast_exit_gives_its_code(tmp_path: Path) -> None:
+    assert run(tmp_path, 3).returncode == 3
