@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from gateway.server import GatewayService
 from omnistage.config import DeployConfig, TlsConfig
 from omnistage.models import Checkpoint
-from omnistage.server.fast_exit import fast_exit
 from omnistage.server.grpc_common import HealthState, PortTaken, add_servicer, bind, drain, new_server, wait_for_signal
 from omnistage.server.metrics import serve_metrics
 from omnistage.server.tls import server_credentials
@@ -90,4 +89,3 @@ def run_gateway(cfg: DeployConfig, ckpt: Checkpoint, host: str, port: int, think
                 await http_task
 
     asyncio.run(main())
-    fast_exit()  # drained

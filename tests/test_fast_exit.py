@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import atexit, logging, sys, threading, time, weakref
@@ -32,21 +34,21 @@ SCRIPT = textwrap.dedent(
     threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # a daemon is not waited for
     print("buffered on a pipe")
     logging.info("a last log line")
-    fast_exit({code})
+    fast_exit({status})
     (out / "after").write_text("fast_exit returned")
     """
 )
 
 
-def run(tmp_path: Path, code: int) -> subprocess.CompletedProcess[str]:
-    script = SCRIPT.replace("{code}", str(code))
+def run(tmp_path: Path, status: str) -> subprocess.CompletedProcess[str]:
+    script = SCRIPT.replace("{status}", status)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # (its stdout buffered, as on a pipe)
     return subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
                           timeout=30, cwd=Path(__file__).parents[1], env=env)  # fmt: skip
 
 
 def test_fast_exit_joins_threads_runs_atexit_and_flushes(tmp_path: Path) -> None:
-    done = run(tmp_path, 0)
+    done = run(tmp_path, "0")
     assert done.returncode == 0, done.stderr
     assert done.stdout == "buffered on a pipe\n"
     assert done.stderr.endswith("a last log line\n")
@@ -56,5 +58,7 @@ def test_fast_exit_joins_threads_runs_atexit_and_flushes(tmp_path: Path) -> None
     assert not (tmp_path / "after").exists()
 
 
-def test_fast_exit_gives_its_code(tmp_path: Path) -> None:
-    assert run(tmp_path, 3).returncode == 3
+@pytest.mark.parametrize(("status", "code", "stderr"), [("3", 3, ""), ("None", 0, ""), ("'no model'", 1, "no model\n")])
+def test_fast_exit_ends_as_sys_exit_would(tmp_path: Path, status: str, code: int, stderr: str) -> None:
+    done = run(tmp_path, status)
+    assert done.returncode == code and done.stderr.endswith("a last log line\n" + stderr), done.stderr

@@ -1,5 +1,7 @@
-"""`python -m omnistage.cli`: how `omnistage serve` starts its children (by exec, or forked:
-the forker calls `main` as this file's own run does)."""
+"""The `omnistage` process: the console script, and `python -m omnistage.cli`, how `omnistage
+serve` starts its children (by exec, or forked: the forker calls `main` as this file's own run
+does). It ends without the interpreter's teardown (`fast_exit`); `cli.main.run` is the same
+command line for a caller that goes on."""
 
 import sys
 
@@ -11,8 +13,14 @@ def main() -> None:
     except KeyboardInterrupt:  # Ctrl-C while still importing: stop quietly
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    from omnistage.server.fast_exit import fast_exit
+
     die_with_parent_if_asked()
-    run()
+    try:
+        run()
+    except SystemExit as e:
+        fast_exit(e.code)
+    fast_exit(0)
 
 
 if __name__ == "__main__":

@@ -297,9 +297,9 @@ def _become_child(request: dict, middle: int, fds: tuple[int, ...]) -> None:
 
 
 def _run_child(request: dict, middle: int, fds: tuple[int, ...]) -> None:
-    """The child's whole life. It leaves only by SystemExit, which ends the process as the end of
-    a fresh one's `main` does (atexit, threads joined); the forker's loop checks that it never
-    comes back there."""
+    """The child's whole life. It ends the process as a fresh one's `main` does: by `main`'s own
+    exit, or by SystemExit (atexit, threads joined) when it fails before that; the forker's loop
+    checks that it never comes back there."""
     try:
         _become_child(request, middle, fds)
     except SystemExit:

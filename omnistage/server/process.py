@@ -13,7 +13,6 @@ from omnistage.config import ConfigError, DeployConfig
 from omnistage.engine import Engine
 from omnistage.models import open_checkpoint
 from omnistage.models.onednn import widen_primitive_cache
-from omnistage.server.fast_exit import fast_exit
 from omnistage.server.metrics import StageMetrics, serve_metrics
 from omnistage.server.stage_server import StageServer, StageService
 from omnistage.topology import stage_def, stages_below
@@ -82,4 +81,3 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
         await server.serve_forever()
 
     asyncio.run(main())
-    fast_exit()  # drained
