@@ -201,7 +201,7 @@ def free_port_blocks(sizes: Sequence[int], host: str = "127.0.0.1", metrics_offs
     Drawn below the kernel's ephemeral range where there is room: a port from that range can
     become any outgoing connection's source port between this check and the server's bind (a
     CI run lost a gateway's HTTP port that way)."""
-    from omnistage.server.grpc_common import port_free
+    from omnistage.server.ports import port_free
 
     draw = random.Random()
     bases: list[int] = []

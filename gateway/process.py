@@ -13,8 +13,9 @@ from collections.abc import Iterator
 from gateway.server import GatewayService
 from omnistage.config import DeployConfig, TlsConfig
 from omnistage.models import Checkpoint
-from omnistage.server.grpc_common import HealthState, PortTaken, add_servicer, bind, drain, new_server, wait_for_signal
+from omnistage.server.grpc_common import HealthState, add_servicer, bind, drain, new_server, wait_for_signal
 from omnistage.server.metrics import serve_metrics
+from omnistage.server.ports import PortTaken
 from omnistage.server.tls import server_credentials
 from omnistage.v1 import gateway_pb2
 

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from omnistage.cli.main import app
-from omnistage.server.grpc_common import unusable_host
+from omnistage.server.ports import unusable_host
 
 
 @pytest.fixture(autouse=True)
@@ -164,3 +164,21 @@ def test_a_missing_config_named_by_the_environment_says_so(tmp_path: Path, monke
         out = _refused(command)
         assert "gone.yaml (from OMNISTAGE_CONFIG" in out, (command, out)
     assert "(from OMNISTAGE_CONFIG" not in _refused(["serve", "--config", str(tmp_path / "other.yaml")])
+
+
+def test_a_checkpoint_refused_before_any_child_starts_leaves_no_run_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """`serve` makes its run folder, and starts its forker there, before it reads the checkpoint
+    (the forker imports meanwhile): a checkpoint it then refuses leaves no empty run folder in
+    the cache; a --log-dir given is the user's and stays."""
+    from tests.integration.conftest import free_port_block
+
+    monkeypatch.setenv("OMNISTAGE_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "no_such_family"}')
+    port = str(free_port_block(400))
+    assert "no_such_family" in _refused(["serve", str(bad), "--port", port])
+    assert not any((tmp_path / "cache" / "runs").iterdir())
+    assert "no_such_family" in _refused(["serve", str(bad), "--port", port, "--log-dir", str(tmp_path / "mine")])
+    assert (tmp_path / "mine").is_dir()

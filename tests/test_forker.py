@@ -151,8 +151,8 @@ def test_the_stacks_of_one_process_share_a_forker_while_it_can_fork(tmp_path: Pa
     first = shared_forker(["json"], env, tmp_path / "forker.log")
     assert shared_forker(["json"], env, tmp_path / "other.log") is first  # the next stack's: no new imports
     assert shared_forker(["json"], {**env, "OMNISTAGE_API_KEY": "k"}, tmp_path / "forker.log") is first  # (unread)
-    other_modules = shared_forker(["json", "csv"], env, tmp_path / "forker.log")
-    assert other_modules is not first and first.usable()  # one per set of modules (per model family)
+    assert shared_forker(["json", "csv"], env, tmp_path / "forker.log") is first  # (it imports csv too)
+    assert first.modules == ["json", "csv"]
     child = first.spawn(["--version"], tmp_path / "v.log", env)
     assert child is not None and child.wait(20) == 0
     other_env = shared_forker(["json"], {**env, "OMNISTAGE_PROBE": "1"}, tmp_path / "forker.log")
@@ -160,7 +160,27 @@ def test_the_stacks_of_one_process_share_a_forker_while_it_can_fork(tmp_path: Pa
     other_env.close()
     again = shared_forker(["json"], env, tmp_path / "forker.log")
     assert again is not other_env and again.usable()  # one that cannot fork any more is replaced
-    for forker in (again, other_modules):
+    again.close()
+
+
+def test_a_forker_imports_the_modules_a_stack_needs_before_its_next_child(tmp_path: Path) -> None:
+    """`serve` starts the forker before it reads the checkpoint, then names the model family:
+    the forker imports it itself, before it forks the next child; one it cannot import is given
+    up (its children start by exec and say why in their own logs)."""
+    marker = "import os, pathlib\npathlib.Path(__file__).with_suffix('.pid').write_text(str(os.getpid()))\n"
+    (tmp_path / "family_a.py").write_text(marker)
+    (tmp_path / "broken_family.py").write_text("raise ImportError('no model code here')\n")
+    env = child_env({**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])})
+    forker = Forker(["json"], env, tmp_path / "forker.log")
+    try:
+        forker.need(["json", "family_a"])
+        assert forker.modules == ["json", "family_a"]
+        child = forker.spawn(["--version"], tmp_path / "v.log", env)
+        assert child is not None and child.wait(20) == 0
+        assert (tmp_path / "family_a.pid").read_text() == str(forker.proc.pid)  # imported there, once
+        forker.need(["broken_family"])
+        assert forker.spawn(["--version"], tmp_path / "v2.log", env) is None and not forker.usable()
+    finally:
         forker.close()
 
 
@@ -177,3 +197,27 @@ def test_a_child_that_cannot_start_exits_1_and_the_forker_goes_on(tmp_path: Path
         assert "omnistage" in (tmp_path / "v.log").read_text()
     finally:
         forker.close()
+
+
+def test_serve_starts_its_forker_before_it_imports_torch(tmp_path: Path, tiny_dir: Path) -> None:
+    """The forker imports torch, transformers and the workers (the most of a stack's start-up)
+    while `serve` reads the checkpoint, which imports them too: `serve` must not import them
+    before it starts the forker (they overlap on two cores)."""
+    import subprocess
+
+    from tests.integration.conftest import free_port_block
+
+    code = "\n".join([
+        "import sys",
+        "from omnistage.cli import serve",
+        "from omnistage.config import DeployConfig, apply_overrides, port_layout",
+        "def started(*args):",
+        "    print('torch' in sys.modules, 'transformers' in sys.modules)",
+        "    raise SystemExit(0)",
+        "serve.shared_forker = started",
+        f"cfg = apply_overrides(DeployConfig(), port_layout({free_port_block(400)}))",
+        f"serve.start_stack(cfg, model={str(tiny_dir)!r}, log_dir=__import__('pathlib').Path({str(tmp_path)!r}))",
+    ])  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if k != forker_module.FORK_ENV})  # fmt: skip
+    assert done.stdout == "False False\n", (done.stdout, done.stderr)

@@ -11,8 +11,11 @@ The forker double-forks and `serve` makes itself the children's reaper for that 
 reads its exit status as for a process it started itself (`ForkedChild`), and the child dies
 with `serve` (PR_SET_PDEATHSIG) as before.
 
-The forker lives as long as `serve`: it restarts children, and a process that starts several
-stacks (the bench, the tests) starts the next ones from it too (`shared_forker`).
+`serve` starts the forker before it reads the checkpoint, with what every child imports
+(`PRELOAD`), and names the model family's modules once it knows them (`Forker.need`): the two
+import side by side. The forker lives as long as `serve`: it restarts children, and a process
+that starts several stacks (the bench, the tests) starts the next ones from it too, of either
+family (`shared_forker`).
 
 Only where forking is safe: every stage on the CPU (a process that touched CUDA cannot fork a
 child that uses it, and importing is not guaranteed to stay clear of it), and a forker with no
@@ -129,26 +132,54 @@ class Forker:
 
     def __init__(self, modules: list[str], env: dict[str, str], log_path: Path) -> None:
         self.env = env
-        self._ready = False  # it said its imports were done
+        self.modules = list(modules)
+        self._importing = 1  # imports it has not yet said were done (its first: those of its command line)
         self._failed = False
+        self._read = b""  # what it wrote past the last line read
         command = [sys.executable, "-m", "omnistage.cli.forker", *modules]
         with open(log_path, "ab") as err:
             self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env)
 
     def _reply(self, timeout: float, interrupted: Callable[[], bool]) -> dict | str:
-        """The forker's next line (each is written whole, at once), or why there is none."""
+        """The forker's next line (each is written whole, at once), or why there is none. Read
+        from the descriptor into a buffer of its own: a buffered file's readline may take two
+        lines (an import's reply and a fork's) and leave select nothing to see."""
         assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
         deadline = time.monotonic() + timeout
-        while not select.select([self.proc.stdout], [], [], 0.2)[0]:
-            if interrupted():
-                raise KeyboardInterrupt
-            if time.monotonic() > deadline:
-                return f"it did not answer in {timeout:.0f} s"
-        line = self.proc.stdout.readline()
+        while b"\n" not in self._read:
+            if not select.select([fd], [], [], 0.2)[0]:
+                if interrupted():
+                    raise KeyboardInterrupt
+                if time.monotonic() > deadline:
+                    return f"it did not answer in {timeout:.0f} s"
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return "it exited"
+            self._read += chunk
+        line, _, self._read = self._read.partition(b"\n")
         try:
-            return json.loads(line) if line else "it exited"
+            return json.loads(line)
         except ValueError:
             return f"it answered {line[:80]!r}"
+
+    def need(self, modules: list[str]) -> None:
+        """Have it import `modules` too (those it has not), before its next child: a stack's
+        model family, named once its checkpoint is read, while the forker already imports the
+        rest (`PRELOAD`)."""
+        missing = [m for m in modules if m not in self.modules]
+        if not missing or not self.usable():
+            return
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps({"import": missing}).encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError as e:
+            self._give_up(str(e))
+            return
+        self.modules += missing
+        self._importing += 1
 
     def _give_up(self, why: str) -> None:
         if not self._failed:
@@ -165,13 +196,15 @@ class Forker:
         the next one's)."""
         if self._failed:
             return None
-        if not self._ready:
-            hello = self._reply(READY_TIMEOUT_S, interrupted)
-            if isinstance(hello, str):
-                return self._give_up(hello)
-            if hello.get("threads") != 1:  # forking a threaded process can deadlock the child
-                return self._give_up(f"it runs {hello.get('threads')} threads")
-            self._ready = True
+        while self._importing:
+            done = self._reply(READY_TIMEOUT_S, interrupted)
+            if isinstance(done, str):
+                return self._give_up(done)
+            if "error" in done:
+                return self._give_up(f"it could not import: {done['error']}")
+            if done.get("threads") != 1:  # forking a threaded process can deadlock the child
+                return self._give_up(f"it runs {done.get('threads')} threads")
+            self._importing -= 1
         if self.proc.poll() is not None:
             return self._give_up(f"it exited with code {self.proc.returncode}")
         assert self.proc.stdin is not None
@@ -211,7 +244,7 @@ class Forker:
             if pipe is not None and not pipe.closed:
                 with contextlib.suppress(OSError):  # (a dead forker's pipe)
                     pipe.close()
-        if not self._ready and self.proc.poll() is None:
+        if self._importing and self.proc.poll() is None:
             self.proc.terminate()
         try:
             self.proc.wait(5)
@@ -220,25 +253,26 @@ class Forker:
             self.proc.wait()
 
 
-_SHARED: dict[tuple[str, ...], Forker] = {}
+_SHARED: list[Forker] = []  # this process's forker, if it started one
 _NOT_FOR_THE_FORKER = ("OMNISTAGE_API_KEY",)  # a child gets it in its own environment; no import reads it
 
 
 def shared_forker(modules: list[str], env: dict[str, str], log_path: Path) -> Forker:
-    """A forker of `modules`: the one an earlier stack of this process started, while it can still
-    fork and `env` is the one it started with (the bench and the tests start many stacks: they
-    import once), else a new one, logging to `log_path`. It lives as long as this process (it
-    ends with its input, or with its parent); one it replaces is closed."""
+    """A forker that imports `modules` (`Forker.need` adds more): the one an earlier stack of this
+    process started, while it can still fork and `env` is the one it started with (the bench and
+    the tests start many stacks, of either family: they import once), else a new one, logging to
+    `log_path`. It lives as long as this process (it ends with its input, or with its parent);
+    one it replaces is closed."""
     env = {k: v for k, v in env.items() if k not in _NOT_FOR_THE_FORKER}
-    forker = _SHARED.get(key := tuple(modules))
-    if forker is not None and forker.usable() and forker.env == env:
-        return forker
-    if forker is not None:
-        forker.close()
-    if not _SHARED:
-        atexit.register(lambda: [f.close() for f in _SHARED.values()])
-    forker = _SHARED[key] = Forker(modules, env, log_path)
-    return forker
+    if _SHARED and _SHARED[0].usable() and _SHARED[0].env == env:
+        _SHARED[0].need(modules)
+        return _SHARED[0]
+    if _SHARED:
+        _SHARED.pop().close()
+    else:
+        atexit.register(lambda: [f.close() for f in _SHARED])
+    _SHARED.append(Forker(modules, env, log_path))
+    return _SHARED[0]
 
 
 def forking_wanted(devices: list[str]) -> bool:
@@ -372,8 +406,18 @@ def main(argv: list[str]) -> None:
     reply({"threads": threading.active_count()})
     forker = os.getpid()
     while line := _read_line(control[0]):
+        request = json.loads(line)
+        if "import" in request:  # more modules for the children to come (a model family)
+            try:
+                for name in request["import"]:
+                    importlib.import_module(name)
+            except Exception as e:  # (a child started by exec says it in its own log)
+                reply({"error": f"{type(e).__name__}: {e}"})
+            else:
+                reply({"threads": threading.active_count()})
+            continue
         try:
-            answer = {"pid": _fork(json.loads(line), control)}
+            answer = {"pid": _fork(request, control)}
         except OSError as e:
             answer = {"error": str(e)}
         if os.getpid() != forker:  # a child or a middle that came back here: never answers

@@ -110,7 +110,7 @@ def _usage_errors() -> tuple[type[BaseException], ...]:
 def _runtime_errors() -> tuple[type[BaseException], ...]:
     """Failures whose message says it all (no traceback hint)."""
     from omnistage.cli.serve import StartupError
-    from omnistage.server.grpc_common import PortTaken
+    from omnistage.server.ports import PortTaken
 
     return PortTaken, StartupError
 

@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,10 +29,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from omnistage.cli.forker import ForkedChild, Forker, forking_wanted, preload_modules, shared_forker
+from omnistage.cli.forker import PRELOAD, ForkedChild, Forker, forking_wanted, preload_modules, shared_forker
 from omnistage.config import ConfigError, DeployConfig
-from omnistage.server.grpc_common import PortTaken, port_free, unusable_host
 from omnistage.server.health_check import check
+from omnistage.server.ports import PortTaken, port_free, unusable_host
 from omnistage.server.tls import gateway_channel_credentials, name_override, stage_channel_credentials
 
 log = logging.getLogger(__name__)
@@ -398,32 +399,41 @@ def start_stack(
     """Start every process and wait until all are healthy; raises (after cleanup) if one fails,
     and KeyboardInterrupt (after cleanup) once `interrupted()` is true."""
     from omnistage.config import dump_config
-    from omnistage.models import open_checkpoint
-    from omnistage.models.family import FAMILIES
     from omnistage.server.tls import check_files
 
     given = new_run_dir(log_dir) if log_dir is not None else None  # a --log-dir it cannot use: said first
-    model_dir = resolve_model(cfg, model)
-    checkpoint = open_checkpoint(model_dir)
-    checkpoint.check_serves(cfg.audio_output)  # fail here, with the problem, not in N children
     check_devices(cfg)
     check_files(cfg.tls, cfg.host)  # (its own health checks dial every process on host: before any starts)
     check_ports(cfg)
-    stack = Stack(cfg=cfg, model_dir=model_dir, run_dir=given or new_run_dir(None))
-    cfg_path = stack.run_dir / "omnistage.yaml"  # what the children read, kept with their logs
-    cfg_path.write_text(dump_config(cfg))
+    run_dir = given or new_run_dir(None)
     env = dict(os.environ)
     if api_key:  # to the gateway's environment, never on a command line
         env["OMNISTAGE_API_KEY"] = api_key
+    forker = None
+    if forking_wanted([cfg.stage(n).device for n in cfg.stage_names()]):  # type: ignore[arg-type]
+        try:  # first: it imports what every child needs while this process reads the checkpoint
+            forker = shared_forker(list(PRELOAD), child_env(env), run_dir / "forker.log")
+        except OSError as e:
+            log.warning("no forker (%s): children start by exec", e)
+    try:
+        from omnistage.models import open_checkpoint  # (torch and transformers: the forker's imports meanwhile)
+        from omnistage.models.family import FAMILIES
+
+        model_dir = resolve_model(cfg, model)
+        checkpoint = open_checkpoint(model_dir)
+        checkpoint.check_serves(cfg.audio_output)  # fail here, with the problem, not in N children
+    except BaseException:
+        if given is None:  # (the folder it made for this run: nothing ran)
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    stack = Stack(cfg=cfg, model_dir=model_dir, run_dir=run_dir, forker=forker)
+    cfg_path = stack.run_dir / "omnistage.yaml"  # what the children read, kept with their logs
+    cfg_path.write_text(dump_config(cfg))
     common = ["--config", str(cfg_path), "--model", str(model_dir), "--host", cfg.host,
               "--log-level", log_level, "--log-format", log_format]  # fmt: skip
     try:
-        if forking_wanted([cfg.stage(n).device for n in cfg.stage_names()]):  # type: ignore[arg-type]
-            try:
-                stack.forker = shared_forker(preload_modules(FAMILIES[checkpoint.family.model_type]),
-                                             child_env(env), stack.run_dir / "forker.log")  # fmt: skip
-            except OSError as e:
-                log.warning("no forker (%s): children start by exec", e)
+        if forker is not None:  # and the modules of the checkpoint's family
+            forker.need(preload_modules(FAMILIES[checkpoint.family.model_type]))
 
         def start(name: str, i: int, port: int, args: list[str]) -> None:
             log_path = stack.run_dir / f"{name}-{i}.log"

@@ -8,7 +8,6 @@ import asyncio
 import inspect
 import json
 import signal
-import socket
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -18,6 +17,7 @@ from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from omnistage.server.ports import PortTaken, port_free
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from omnistage.wire import Code
 from omnistage.wire.wire_view import Undecodable, or_undecodable, parse_request, parse_response, serialize
@@ -28,7 +28,6 @@ __all__ = [
     "STAGE_SERVICE",
     "ChainWatcher",
     "HealthState",
-    "PortTaken",
     "add_servicer",
     "add_stage_servicer",
     "bind",
@@ -36,9 +35,7 @@ __all__ = [
     "grpc_code",
     "lost_peer",
     "new_server",
-    "port_free",
     "stage_stream",
-    "unusable_host",
     "wait_for_signal",
 ]
 
@@ -129,33 +126,6 @@ def new_server(max_message_bytes: int, extra: Iterable[tuple[str, Any]] = (), ke
             *_keepalive(keepalive_s),
         ]
     return grpc.aio.server(options=[*_limits(max_message_bytes), ("grpc.so_reuseport", 0), *pings, *extra])
-
-
-class PortTaken(OSError):
-    """A port this process must listen on is taken; the message names the port and the role."""
-
-
-def _bind_error(host: str, port: int) -> OSError | None:
-    """Why a listener could not bind `host:port` now (None: it could)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # ignore TIME_WAIT leftovers, as servers do
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            return e
-    return None
-
-
-def port_free(host: str, port: int) -> bool:
-    """Can a listener bind `host:port` now (no other process listening there)?"""
-    return _bind_error(host, port) is None
-
-
-def unusable_host(host: str) -> str | None:
-    """Why nothing can listen on `host` at all (not an address of this machine, ...), or None."""
-    e = _bind_error(host, 0)  # any free port: only the address is in question
-    return None if e is None else e.strerror or str(e)
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, role: str,

@@ -45,7 +45,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from omnistage.server.grpc_common import PortTaken, port_free
+from omnistage.server.ports import PortTaken, port_free
 from omnistage.server.thread_cpu import ThreadCpuCollector
 
 __all__ = ["StageMetrics", "serve_metrics"]

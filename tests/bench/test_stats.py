@@ -254,7 +254,7 @@ def test_ratios_pair_requests_with_monolithic_and_inprocess() -> None:
 
 def test_free_port_blocks_are_free_apart_and_below_the_ephemeral_range() -> None:
     from benchmarks.harness import _ephemeral_low, free_port_blocks
-    from omnistage.server.grpc_common import port_free
+    from omnistage.server.ports import port_free
 
     sizes, offset = [3, 1, 12], 1000
     bases = free_port_blocks(sizes, metrics_offset=offset)

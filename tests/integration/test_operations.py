@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from omnistage.config import HTTP_PORT_OFFSET, PORT_STRIDE
-from omnistage.server.grpc_common import port_free
 from omnistage.server.health_check import health_status
+from omnistage.server.ports import port_free
 from tests.integration.conftest import free_port_block, info, run
 
 REPO = Path(__file__).resolve().parents[2]
