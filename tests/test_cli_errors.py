@@ -169,10 +169,12 @@ def test_a_missing_config_named_by_the_environment_says_so(tmp_path: Path, monke
 def test_a_checkpoint_refused_before_any_child_starts_leaves_no_run_folder(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """`serve` makes its run folder, and starts its forker there, before it reads the checkpoint
-    (the forker imports meanwhile): a checkpoint it then refuses leaves no empty run folder in
-    the cache; a --log-dir given is the user's and stays."""
+    (the forker imports meanwhile): a checkpoint it then refuses leaves no run folder in the
+    cache, nor a forker logging into the one removed; a --log-dir given is the user's and stays."""
+    from omnistage.cli import forker as forker_module
     from tests.integration.conftest import free_port_block
 
+    monkeypatch.delenv(forker_module.FORK_ENV, raising=False)
     monkeypatch.setenv("OMNISTAGE_CACHE", str(tmp_path / "cache"))
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -180,5 +182,19 @@ def test_a_checkpoint_refused_before_any_child_starts_leaves_no_run_folder(
     port = str(free_port_block(400))
     assert "no_such_family" in _refused(["serve", str(bad), "--port", port])
     assert not any((tmp_path / "cache" / "runs").iterdir())
+    assert not [f for f in forker_module._SHARED if f.usable() and tmp_path in f.log_path.parents]
     assert "no_such_family" in _refused(["serve", str(bad), "--port", port, "--log-dir", str(tmp_path / "mine")])
     assert (tmp_path / "mine").is_dir()
+
+
+def test_two_runs_of_one_process_in_one_second_get_folders_of_their_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The default run folder is named by the second and the pid: a second stack of the same
+    process in that second appended to the first one's logs."""
+    from omnistage.cli import serve
+
+    monkeypatch.setenv("OMNISTAGE_CACHE", str(tmp_path))
+    monkeypatch.setattr(serve.time, "strftime", lambda fmt: "20261128-080000")
+    first, second, third = (serve.new_run_dir(None) for _ in range(3))
+    assert len({first, second, third}) == 3 and all(p.is_dir() for p in (first, second, third))
+    assert serve.new_run_dir(first) == first  # a folder given is used as it is

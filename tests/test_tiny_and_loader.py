@@ -664,3 +664,14 @@ def test_dotted_overrides_nest_known_paths_and_refuse_the_rest() -> None:
                           ({"a.b": 5, "a.b.c": 2}, "'b' was set to a value by another --set")):  # fmt: skip
         with pytest.raises(ValueError, match=re.escape(needle)):
             dotted_overrides(base, pairs)
+
+
+def test_the_built_in_checkpoints_cache_key_is_its_generators_source() -> None:
+    """`serve` keys the cached built-in checkpoint by its generator's files, read without
+    importing them (that imports torch): they must be the modules that write it."""
+    from omnistage.cli import serve
+    from omnistage.models import tiny_files
+    from omnistage.models.qwen3_omni import tiny
+
+    models = Path(serve.__file__).resolve().parents[1] / "models"
+    assert [models / f for f in serve.TINY_GENERATOR] == [Path(m.__file__).resolve() for m in (tiny, tiny_files)]  # type: ignore[arg-type]

@@ -6,7 +6,7 @@ command line for a caller that goes on."""
 import sys
 
 
-def main() -> None:
+def main(die_with_parent: bool = True) -> None:
     try:
         from omnistage.cli.main import run
         from omnistage.cli.serve import die_with_parent_if_asked
@@ -15,12 +15,19 @@ def main() -> None:
         sys.exit(130)
     from omnistage.server.fast_exit import fast_exit
 
-    die_with_parent_if_asked()
+    if die_with_parent:
+        die_with_parent_if_asked()
     try:
         run()
     except SystemExit as e:
         fast_exit(e.code)
     fast_exit(0)
+
+
+def console() -> None:
+    """The `omnistage` console script: `main`, but never a child of `serve` (it does not read
+    $OMNISTAGE_PARENT_PID)."""
+    main(die_with_parent=False)
 
 
 if __name__ == "__main__":

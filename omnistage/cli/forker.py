@@ -132,6 +132,7 @@ class Forker:
 
     def __init__(self, modules: list[str], env: dict[str, str], log_path: Path) -> None:
         self.env = env
+        self.log_path = log_path
         self.modules = list(modules)
         self._importing = 1  # imports it has not yet said were done (its first: those of its command line)
         self._failed = False
@@ -154,7 +155,10 @@ class Forker:
                 if time.monotonic() > deadline:
                     return f"it did not answer in {timeout:.0f} s"
                 continue
-            chunk = os.read(fd, 65536)
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError as e:
+                return str(e)
             if not chunk:
                 return "it exited"
             self._read += chunk
@@ -240,6 +244,7 @@ class Forker:
 
     def close(self) -> None:
         """Stop it: the end of its input ends it; one still importing is terminated."""
+        self._failed = True  # (a stack that still holds it starts its children by exec)
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None and not pipe.closed:
                 with contextlib.suppress(OSError):  # (a dead forker's pipe)

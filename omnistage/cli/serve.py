@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import logging
 import os
 import re
@@ -43,20 +44,23 @@ def cache_dir() -> Path:
     return Path(base).expanduser()
 
 
+TINY_GENERATOR = ("qwen3_omni/tiny.py", "tiny_files.py")  # the built-in checkpoint's generator, under omnistage/models
+
+
 def default_model_dir() -> Path:
     """The built-in tiny checkpoint, generated once into the cache dir (atomically)."""
     import hashlib
 
-    from omnistage.models import tiny_files
-    from omnistage.models.qwen3_omni import tiny
-    from omnistage.models.qwen3_omni.tiny import write_tiny_checkpoint
-
-    # Keyed by the generator's source: an edited generator never serves a stale cached copy.
-    source = b"".join(Path(m.__file__).read_bytes() for m in (tiny, tiny_files))  # type: ignore[arg-type]
+    # Keyed by the generator's source: an edited generator never serves a stale cached copy. (Read
+    # as files: importing them imports torch, which `serve` leaves to its forker until it must.)
+    models = Path(__file__).resolve().parents[1] / "models"
+    source = b"".join((models / f).read_bytes() for f in TINY_GENERATOR)
     version = hashlib.sha256(source).hexdigest()[:12]
     target = cache_dir() / f"tiny-qwen3-omni-{version}"
     if (target / "config.json").is_file():  # renamed into place whole: present means complete
         return target
+    from omnistage.models.qwen3_omni.tiny import write_tiny_checkpoint
+
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
     write_tiny_checkpoint(tmp)
@@ -347,14 +351,20 @@ class Stack:
 
 
 def new_run_dir(log_dir: Path | None) -> Path:
-    """`log_dir`, or a fresh folder under the cache for this run."""
-    run = log_dir or cache_dir() / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    try:
-        run.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        where = "--log-dir" if log_dir else "the run folder (give --log-dir)"
-        raise ConfigError(f"{where} {run}: cannot make it: {e.strerror or e}") from None
-    return run
+    """`log_dir`, or a fresh folder under the cache for this run (a new one, never another
+    stack's: a process may start two within a second)."""
+    stem = cache_dir() / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    run = log_dir or stem
+    for n in itertools.count(2):
+        try:
+            run.mkdir(parents=True, exist_ok=log_dir is not None)
+            return run
+        except FileExistsError:
+            run = stem.with_name(f"{stem.name}-{n}")
+        except OSError as e:
+            where = "--log-dir" if log_dir else "the run folder (give --log-dir)"
+            raise ConfigError(f"{where} {run}: cannot make it: {e.strerror or e}") from None
+    raise AssertionError("unreachable")
 
 
 def check_ports(cfg: DeployConfig) -> None:
@@ -402,9 +412,7 @@ def start_stack(
     from omnistage.server.tls import check_files
 
     given = new_run_dir(log_dir) if log_dir is not None else None  # a --log-dir it cannot use: said first
-    check_devices(cfg)
-    check_files(cfg.tls, cfg.host)  # (its own health checks dial every process on host: before any starts)
-    check_ports(cfg)
+    model_dir = resolve_model(cfg, model)  # (imports no torch)
     run_dir = given or new_run_dir(None)
     env = dict(os.environ)
     if api_key:  # to the gateway's environment, never on a command line
@@ -419,11 +427,15 @@ def start_stack(
         from omnistage.models import open_checkpoint  # (torch and transformers: the forker's imports meanwhile)
         from omnistage.models.family import FAMILIES
 
-        model_dir = resolve_model(cfg, model)
         checkpoint = open_checkpoint(model_dir)
         checkpoint.check_serves(cfg.audio_output)  # fail here, with the problem, not in N children
+        check_devices(cfg)
+        check_files(cfg.tls, cfg.host)  # (its own health checks dial every process on host: before any starts)
+        check_ports(cfg)
     except BaseException:
-        if given is None:  # (the folder it made for this run: nothing ran)
+        if given is None:  # the folder made for this run: nothing ran (a forker that logs there is closed)
+            if forker is not None and forker.log_path.parent == run_dir:
+                forker.close()
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     stack = Stack(cfg=cfg, model_dir=model_dir, run_dir=run_dir, forker=forker)

@@ -18,14 +18,19 @@ def fast_exit(status: int | str | None = 0, join_s: float = 5.0) -> NoReturn:
     Freeing every module's objects one by one, with collections between, took 1.2-1.6 s per
     stack process that imports torch and transformers (py-spy: the exit in `gc_collect_main`),
     and gives back only what the exit gives back anyway."""
-    if isinstance(status, str):
+    if status is not None and not isinstance(status, int):
         print(status, file=sys.stderr)
-    code = 1 if isinstance(status, str) else status or 0
-    for t in threading.enumerate():
-        if t is not threading.current_thread() and not t.daemon:
-            t.join(join_s)
+    code = 1 if status is not None and not isinstance(status, int) else int(status or 0)
+    try:
+        for hook in reversed(getattr(threading, "_threading_atexits", [])):  # what the interpreter runs
+            hook()  # first: concurrent.futures' tells its idle workers to end
+        for t in threading.enumerate():
+            if t is not threading.current_thread() and not t.daemon:
+                t.join(join_s)
+    except KeyboardInterrupt:  # (the interpreter's own wait gives up on Ctrl-C too)
+        pass
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # (closed, or its reader gone)
             stream.flush()
-    os._exit(code)
+    os._exit(code if -(2**31) <= code < 2**31 else 1)
