@@ -58,6 +58,7 @@ def test_serve_names_a_log_dir_or_host_it_cannot_use(tmp_path: Path, tiny_dir: P
     afile = tmp_path / "afile"
     afile.write_text("x")
     assert "--log-dir" in _refused(["serve", "--model", str(tiny_dir), "--log-dir", str(afile / "run")])
+    assert "--log-dir" in _refused(["serve", "--model", str(tiny_dir), "--log-dir", str(afile)])
     # TEST-NET-1 (RFC 5737): never an address of this machine; it was "ports taken" by another stack
     if unusable_host("192.0.2.1") is None:
         pytest.skip("this machine lets a socket bind addresses it does not have (net.ipv4.ip_nonlocal_bind)")

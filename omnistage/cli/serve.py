@@ -359,9 +359,10 @@ def new_run_dir(log_dir: Path | None) -> Path:
         try:
             run.mkdir(parents=True, exist_ok=log_dir is not None)
             return run
-        except FileExistsError:
-            run = stem.with_name(f"{stem.name}-{n}")
         except OSError as e:
+            if isinstance(e, FileExistsError) and log_dir is None:  # (another stack's)
+                run = stem.with_name(f"{stem.name}-{n}")
+                continue
             where = "--log-dir" if log_dir else "the run folder (give --log-dir)"
             raise ConfigError(f"{where} {run}: cannot make it: {e.strerror or e}") from None
     raise AssertionError("unreachable")
