@@ -287,16 +287,12 @@ def stage_stream(channel: Any, *, relay: bool = False) -> Any:
 
 
 class ChainWatcher:
-    """Polls the next stage's `Info` every `poll_s`, and every `down_poll_s` while it does not
-    serve (a stage starting beside this process, or coming back, is seen within a reconnect
-    backoff, not a whole period: a gateway started before its thinker served 1 s later): `chain` is
-    that stage's health followed by the chain it reports (so each process knows every stage
-    below it)."""
+    """Polls the next stage's `Info` every `poll_s`: `chain` is that stage's health followed by
+    the chain it reports (so each process knows every stage below it)."""
 
-    def __init__(self, channel: grpc.aio.Channel, stage: str, target: str, poll_s: float = 1.0,
-                 down_poll_s: float = 0.2) -> None:  # fmt: skip
+    def __init__(self, channel: grpc.aio.Channel, stage: str, target: str, poll_s: float = 1.0) -> None:
         self.stub = stage_pb2_grpc.StageStub(channel)
-        self.stage, self.target, self.poll_s, self.down_poll_s = stage, target, poll_s, min(down_poll_s, poll_s)
+        self.stage, self.target, self.poll_s = stage, target, poll_s
         self.chain: list[stage_pb2.StageHealth] = [stage_pb2.StageHealth(stage=stage, target=target, serving=False,
                                                                          detail="not checked yet")]  # fmt: skip
 
@@ -320,4 +316,4 @@ class ChainWatcher:
             await self.poll()
             if on_poll is not None:
                 await on_poll()
-            await asyncio.sleep(self.poll_s if self.serving else self.down_poll_s)
+            await asyncio.sleep(self.poll_s)
