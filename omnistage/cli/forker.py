@@ -175,15 +175,18 @@ class Forker:
         missing = [m for m in modules if m not in self.modules]
         if not missing or not self.usable():
             return
-        assert self.proc.stdin is not None
         try:
-            self.proc.stdin.write(json.dumps({"import": missing}).encode() + b"\n")
-            self.proc.stdin.flush()
+            self._send({"import": missing})
         except OSError as e:
             self._give_up(str(e))
             return
         self.modules += missing
         self._importing += 1
+
+    def _send(self, request: dict) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        self.proc.stdin.flush()
 
     def _give_up(self, why: str) -> None:
         if not self._failed:
@@ -211,15 +214,13 @@ class Forker:
             self._importing -= 1
         if self.proc.poll() is not None:
             return self._give_up(f"it exited with code {self.proc.returncode}")
-        assert self.proc.stdin is not None
         request = {"args": args, "log": str(log_path), "env": env, "cwd": os.getcwd()}
         reply: dict | str = "no answer"
         try:
             was = _subreaper()
             try:
                 _set_subreaper(1)  # the child, orphaned at once, is reparented here
-                self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-                self.proc.stdin.flush()
+                self._send(request)
                 reply = self._reply(FORK_TIMEOUT_S, lambda: False)
             finally:
                 _set_subreaper(was)
@@ -399,27 +400,28 @@ def main(argv: list[str]) -> None:
     from omnistage.cli.serve import die_with_parent_if_asked
 
     die_with_parent_if_asked()
-    for name in argv:  # the modules its children import
-        importlib.import_module(name)
 
     def reply(message: dict) -> None:
         sys.stdout.flush()  # (a child must not inherit what an import printed, unflushed)
         sys.stderr.flush()
         os.write(control[1], json.dumps(message).encode() + b"\n")  # one write: serve reads whole lines
 
-    # Python threads: a native pool such as numpy's OpenBLAS stops its own threads at each fork
-    reply({"threads": threading.active_count()})
+    def imported(names: list[str]) -> dict:
+        """Import the modules its children import; its threads then (a native pool such as
+        numpy's OpenBLAS stops its own threads at each fork, a Python thread does not)."""
+        try:
+            for name in names:
+                importlib.import_module(name)
+        except Exception as e:  # (a child started by exec says it in its own log)
+            return {"error": f"{type(e).__name__}: {e}"}
+        return {"threads": threading.active_count()}
+
+    reply(imported(argv))
     forker = os.getpid()
     while line := _read_line(control[0]):
         request = json.loads(line)
         if "import" in request:  # more modules for the children to come (a model family)
-            try:
-                for name in request["import"]:
-                    importlib.import_module(name)
-            except Exception as e:  # (a child started by exec says it in its own log)
-                reply({"error": f"{type(e).__name__}: {e}"})
-            else:
-                reply({"threads": threading.active_count()})
+            reply(imported(request["import"]))
             continue
         try:
             answer = {"pid": _fork(request, control)}
