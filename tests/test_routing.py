@@ -10,7 +10,15 @@ from typing import Any
 import grpc
 import pytest
 
-from omnistage.server.grpc_common import STAGE_SERVICE, HealthState, add_stage_servicer, bind, new_server
+from omnistage.server.grpc_common import (
+    STAGE_SERVICE,
+    ChainWatcher,
+    HealthState,
+    add_stage_servicer,
+    bind,
+    channel_options,
+    new_server,
+)
 from omnistage.server.routing import Router, replica_addresses, unserved
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
 from tests.integration.conftest import free_port_block
@@ -148,6 +156,44 @@ def test_a_replica_is_waited_for_only_in_the_window_a_lost_one_opens() -> None:
     asyncio.run(go())
 
 
+def test_a_watcher_sees_a_stage_that_comes_up_as_soon_as_its_channel_dials_it() -> None:
+    """While the stage below cannot be reached, the ChainWatcher's poll waits for its channel to
+    connect: a stage that starts after the watcher (a gateway up before its thinker, a replica
+    restarted) is seen within the channel's reconnect backoff (0.2 s, growing to 2 s), not at the
+    next poll (here a minute away). Meanwhile the chain says why it is down, not that a waited
+    call ran out of time."""
+
+    async def go() -> None:
+        port = free_port_block(1)
+        target = f"ipv4:127.0.0.1:{port}"
+        channel = grpc.aio.insecure_channel(target, options=channel_options(1 << 20))
+        slow, quick = ChainWatcher(channel, "talker", target, 60.0), ChainWatcher(channel, "talker", target, 0.3)
+        tasks = [asyncio.ensure_future(w.run()) for w in (slow, quick)]
+        server = new_server(1 << 20)
+        try:
+            await asyncio.sleep(1.0)  # a few of the quick one's waited polls ran out
+            assert not slow.serving and not quick.serving
+            assert quick.chain[0].detail.startswith("UNAVAILABLE"), quick.chain[0].detail
+            add_stage_servicer(_Named("talker"), server)
+            health = HealthState(server, (STAGE_SERVICE,))
+            bind(server, "127.0.0.1", port, "talker")
+            await server.start()
+            await health.set(True)
+            for _ in range(100):
+                if slow.serving and quick.serving:
+                    break
+                await asyncio.sleep(0.1)
+            assert slow.serving and quick.serving and slow.chain[0].detail == ""
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await server.stop(None)
+            await channel.close()
+
+    asyncio.run(go())
+
+
 class _Named:
     """A Stage servicer whose Info says its name."""
 
@@ -155,7 +201,7 @@ class _Named:
         self.name = name
 
     async def Info(self, request: object, context: object) -> stage_pb2.InfoResponse:
-        return stage_pb2.InfoResponse(role=self.name)
+        return stage_pb2.InfoResponse(role=self.name, serving=True)
 
     async def Stream(self, request_iterator: object, context: object) -> object:  # unused here
         raise NotImplementedError

@@ -288,32 +288,48 @@ def stage_stream(channel: Any, *, relay: bool = False) -> Any:
 
 class ChainWatcher:
     """Polls the next stage's `Info` every `poll_s`: `chain` is that stage's health followed by
-    the chain it reports (so each process knows every stage below it)."""
+    the chain it reports (so each process knows every stage below it).
+
+    While the next stage cannot be reached, each poll waits (up to `poll_s`) for the channel to
+    connect, so a stage that comes up (at start, or restarted after a failure) is seen as soon as
+    its channel dials it, not up to `poll_s` later."""
 
     def __init__(self, channel: grpc.aio.Channel, stage: str, target: str, poll_s: float = 1.0) -> None:
         self.stub = stage_pb2_grpc.StageStub(channel)
         self.stage, self.target, self.poll_s = stage, target, poll_s
         self.chain: list[stage_pb2.StageHealth] = [stage_pb2.StageHealth(stage=stage, target=target, serving=False,
                                                                          detail="not checked yet")]  # fmt: skip
+        self.reached = False  # the last poll had an answer
 
     @property
     def serving(self) -> bool:
         """The next stage itself serves."""
         return self.chain[0].serving
 
-    async def poll(self) -> None:
+    async def poll(self, wait: bool = False) -> None:
+        """One `Info` call. `wait`: the call waits for the channel to connect, up to `poll_s`;
+        if it never does, a call that fails at once then says why (a waited call would only say
+        DEADLINE_EXCEEDED)."""
         try:
-            info = await self.stub.Info(stage_pb2.InfoRequest(), timeout=self.poll_s)
+            info = await self.stub.Info(stage_pb2.InfoRequest(), timeout=self.poll_s, wait_for_ready=wait)
             head = stage_pb2.StageHealth(stage=self.stage, target=self.target, serving=info.serving,
                                          detail="" if info.serving else "draining")  # fmt: skip
             self.chain = [head, *info.chain]
+            self.reached = True
         except grpc.aio.AioRpcError as e:
+            if wait and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return await self.poll()
             detail = f"{e.code().name}: {e.details() or ''}".strip()
             self.chain = [stage_pb2.StageHealth(stage=self.stage, target=self.target, serving=False, detail=detail)]
+            self.reached = False
 
     async def run(self, on_poll: Callable[[], Awaitable[None]] | None = None) -> None:
+        await self.poll()
         while True:
-            await self.poll()
             if on_poll is not None:
                 await on_poll()
-            await asyncio.sleep(self.poll_s)
+            if self.reached:
+                await asyncio.sleep(self.poll_s)
+                await self.poll()
+            else:  # (returns as soon as the next stage can be dialled)
+                await self.poll(wait=True)
