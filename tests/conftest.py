@@ -73,6 +73,19 @@ def staged_pipeline(model_dir: Path, cfg: Any = None) -> Any:
     return InProcessPipeline(model_dir, cfg)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def temp_files_under_pytest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """What the code under test makes with `tempfile` in this process (the bench's stack logs,
+    ...) goes under pytest's own base folder, which keeps the last few runs, not into /tmp
+    for good."""
+    import tempfile
+
+    before = tempfile.tempdir
+    tempfile.tempdir = str(tmp_path_factory.mktemp("tempfile"))
+    yield
+    tempfile.tempdir = before
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from omnistage.models.qwen3_omni.tiny import write_tiny_checkpoint
