@@ -343,6 +343,8 @@ class HttpError(Exception):
 
     def response(self) -> JSONResponse:
         headers = {"retry-after": "1"} if self.status == 429 else {}  # what the OpenAI SDK waits on
+        if self.status == 504:  # it ran out its whole deadline: the OpenAI SDK would run it twice more
+            headers["x-should-retry"] = "false"
         if self.status in UNREAD_BODY:
             headers["connection"] = "close"
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
@@ -942,7 +944,7 @@ class ChatCompletions:
             return self._crashed(t0, rid)
         sse = body.stream_format == "sse"
         media = "text/event-stream" if sse else MIME[req.audio_format]
-        if req.audio_format == gateway_pb2.AudioFormat.PCM16:  # raw samples: their rate is not in them
+        if req.audio_format == gateway_pb2.AudioFormat.PCM16 and not sse:  # raw samples: their rate is not in them
             media += f";rate={self.service.sample_rate}"
         # the status waits for the first audio: a stage that fails before it gets its own status
         return await self._serve(request, req, timeout, lambda responses: self._first(responses, audio=True),

@@ -269,8 +269,9 @@ def test_speech_speaks_the_given_words(http_stack: Stack, client: openai.OpenAI)
     assert got.size > 0 and _same_pcm16(got, pcm)
     url = f"http://{http_stack.http_address}/v1/audio/speech"
     body = {"input": words, "voice": "ethan", "response_format": "pcm", "seed": 11, "stream_format": "sse"}
-    events = [json.loads(line[5:]) for line in httpx.post(url, json=body, timeout=60).text.splitlines()
-              if line.startswith("data:")]  # fmt: skip
+    sse = httpx.post(url, json=body, timeout=60)
+    assert sse.headers["content-type"] == "text/event-stream; charset=utf-8"  # (no `;rate=` in an event stream's)
+    events = [json.loads(line[5:]) for line in sse.text.splitlines() if line.startswith("data:")]
     assert [e["type"] for e in events[-1:]] == ["speech.audio.done"]
     assert b"".join(base64.b64decode(e["audio"]) for e in events[:-1]) == got.tobytes()
     # as a chat reply's usage: the words and the end of the reply, then the speech's codec frames
@@ -399,6 +400,7 @@ def test_bad_requests_get_the_documented_status_and_shape(http_stack: Stack) -> 
         body = {"messages": hi, "max_tokens": 400, "modalities": ["text", "audio"], "temperature": 0, "stream": stream}
         r = _post(http_stack, body, **{"x-omnistage-timeout": seconds})
         assert r.status_code == 504 and r.json()["error"]["type"] == "timeout", r.text
+        assert r.headers["x-should-retry"] == "false"  # (the OpenAI SDK would run it twice more)
         # whichever call ran out first, the message names the request (was gRPC's own "Stream removed")
         assert "passed its deadline" in r.json()["error"]["message"], r.text
     assert _post(http_stack, {"messages": hi}, **{"x-omnistage-timeout": "soon"}).status_code == 400
