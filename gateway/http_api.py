@@ -27,7 +27,8 @@ Chat completions (OpenAI's shapes; what differs is said here):
   `top_p`, `top_k`, `repetition_penalty`, `seed` (it seeds the speech too), `stop`, vLLM's
   `stop_token_ids`; vLLM's fields with no counterpart that would change the reply (`ignore_eos`,
   `min_tokens`, ...) are refused. A field sent as null is unset.
-  `tools`, a `tool_choice` other than none/auto, a non-text `response_format`, `logprobs` and
+  `tools` (but with `tool_choice: none`, which calls none: then they go unread), a `tool_choice`
+  other than none/auto, a non-text `response_format`, `logprobs` and
   `top_logprobs` are refused (400), not ignored; so are a field of the wrong JSON type (as OpenAI:
   `"stream": "true"`, `"max_tokens": 5.0`) and a string with a lone UTF-16 surrogate.
 * vLLM-Omni's `sampling_params_list`: each stage's own sampling, in stage order (`StageSampling`).
@@ -496,8 +497,9 @@ def _template_kwargs_unused(body: ChatRequest, names: frozenset[str]) -> None:
 def _unsupported(body: ChatRequest) -> None:
     """Fields that would change the reply's shape, which this server cannot honour: a 400, not
     a reply the client would misread."""
-    if body.tools:
-        raise HttpError(400, "tools: tool calling is not supported by this server", param="tools")
+    if body.tools and body.tool_choice != "none":  # ("none": the client wants no call; the tools go unread)
+        raise HttpError(400, "tools: tool calling is not supported by this server (only with tool_choice: none, "
+                        "which calls none)", param="tools")  # fmt: skip
     if body.tool_choice not in (None, "none", "auto"):  # without tools only these mean anything
         raise HttpError(400, "tool_choice: only allowed with tools, which this server does not support",
                         param="tool_choice")  # fmt: skip
@@ -518,6 +520,9 @@ def _unsupported(body: ChatRequest) -> None:
     if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
         # as OpenAI and vLLM refuse it (options of a stream, with none); null or {} passes
         raise HttpError(400, "stream_options: only allowed when stream is true", param="stream_options")
+    if (body.model_extra or {}).get("web_search_options") is not None:  # ({} too: a search with its defaults)
+        raise HttpError(400, "web_search_options: web search is not supported by this server",
+                        param="web_search_options")  # fmt: skip
     for name, value in (body.model_extra or {}).items():
         if name in _TOP_LEVEL_NO_COUNTERPART and not _changes_nothing(value, _TOP_LEVEL_NO_COUNTERPART[name]):
             raise HttpError(400, f"{name}: not supported by this server", param=name)
