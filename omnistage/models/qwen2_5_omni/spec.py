@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from omnistage.models.family import encoder_width_problems
 from omnistage.quoting import quoted
 
 MODEL_TYPE = "qwen2_5_omni"
@@ -129,7 +130,7 @@ def check_config(config: Any) -> list[str]:
     thinker, talker = config.thinker_config, config.talker_config
     dit, bigvgan = config.token2wav_config.dit_config, config.token2wav_config.bigvgan_config
     text = thinker.text_config
-    problems = []
+    problems = encoder_width_problems(thinker)
     if talker.embedding_size != text.hidden_size:
         problems.append(f"thinker width: thinker_config.text_config.hidden_size={text.hidden_size}, "
                         f"talker_config.embedding_size={talker.embedding_size}")  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from omnistage.models.family import encoder_width_problems
 from omnistage.quoting import quoted
 
 MODEL_TYPE = "qwen3_omni_moe"
@@ -146,9 +147,9 @@ def check_config(config: Any, speech: bool = True) -> list[str]:
     thinker, talker, c2w = config.thinker_config, config.talker_config, config.code2wav_config
     cp = talker.code_predictor_config
     text = thinker.text_config
-    problems = []
+    problems = encoder_width_problems(thinker)
     if not speech:
-        return _thinker_id_problems(config, text.vocab_size)
+        return problems + _thinker_id_problems(config, text.vocab_size)
 
     def agree(what: str, values: dict[str, Any]) -> None:
         if len(set(values.values())) > 1:
@@ -157,6 +158,14 @@ def check_config(config: Any, speech: bool = True) -> list[str]:
     agree("number of code groups", {"talker_config.num_code_groups": talker.num_code_groups,
                                     "talker_config.code_predictor_config.num_code_groups": cp.num_code_groups,
                                     "code2wav_config.num_quantizers": c2w.num_quantizers})  # fmt: skip
+    if talker.num_code_groups < 2:  # the first code is the talker's; the code predictor makes the rest
+        problems.append(f"talker_config.num_code_groups={talker.num_code_groups}: a frame has at least 2 codes "
+                        "(the talker's and the code predictor's)")  # fmt: skip
+    agree("talker width", {"talker_config.text_config.hidden_size": talker.text_config.hidden_size,
+                           "talker_config.code_predictor_config.hidden_size": cp.hidden_size})  # fmt: skip
+    if not talker.speaker_id:
+        problems.append("talker_config.speaker_id names no voice: the talker cannot speak (set "
+                        "enable_audio_output: false to serve text only)")  # fmt: skip
     agree("codebook size", {"talker_config.code_predictor_config.vocab_size": cp.vocab_size,
                             "code2wav_config.codebook_size": c2w.codebook_size})  # fmt: skip
     agree("thinker width", {"thinker_config.text_config.hidden_size": text.hidden_size,
