@@ -130,7 +130,7 @@ class Qwen25Omni(Family):
         model = load_part(ckpt, "talker", dtype, device)
         s = ckpt.spec
         ids = sorted({s.text_eos_id, s.text_pad_id, *s.speakers.values()})
-        rows = read_tensor_rows(ckpt, THINKER_EMBED_KEYS, ids)
+        rows = read_tensor_rows(ckpt, THINKER_EMBED_KEYS, ids, (s.thinker_vocab, s.thinker_hidden))
         return Talker(model, s, dict(zip(ids, rows.to(model.dtype), strict=True)), self.row_modules(), batching)
 
     def code2wav(self, ckpt: Checkpoint, dtype: str, device: str, batching: str = "exact") -> Any:

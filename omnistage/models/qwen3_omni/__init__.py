@@ -97,7 +97,8 @@ class Qwen3Omni(Family):
             model.config.audio_config = ckpt.config.thinker_config.audio_config
         # The talker's projected tts_bos/eos/pad embeddings, from three rows of the thinker's
         # embedding table (the talker stage never loads the thinker).
-        rows = read_tensor_rows(ckpt, THINKER_EMBED_KEYS, prompt.tts_special_ids(ckpt.spec))
+        rows = read_tensor_rows(ckpt, THINKER_EMBED_KEYS, prompt.tts_special_ids(ckpt.spec),
+                                (ckpt.spec.thinker_vocab, ckpt.spec.thinker_hidden))
         return Talker(model, ckpt.spec, prompt.tts_special_embeds(model, rows), self.row_modules(), batching,
                       cuda_graphs)  # fmt: skip
 
