@@ -272,14 +272,16 @@ def _gap_first(header: dict[str, Any]) -> None:
             entry["data_offsets"] = [o + 4 for o in entry["data_offsets"]]
 
 
-@pytest.mark.parametrize("stored", [torch.int64, torch.bool])
+@pytest.mark.parametrize("stored", [torch.int64, torch.bool, torch.float8_e8m0fnu])
 def test_weights_not_stored_as_floats_are_refused(tiny_dir: Path, tmp_path: Path, stored: torch.dtype) -> None:
-    """transformers would cast them to the model's dtype without a word: refused at open."""
+    """transformers would cast them to the model's dtype without a word: refused at open. (An
+    MXFP8 scale, F8_E8M0, was called a malformed file: its size was unknown here.)"""
     bad = _copy(tiny_dir, tmp_path / "ints")
     key = "code2wav.decoder.0.conv.weight"
     _rewrite(bad, lambda w: w.__setitem__(key, (w[key] * 1000).to(stored)))
     with pytest.raises(CheckpointError, match=rf"1 weight\(s\) not stored as floating point \(e\.g\. "
-                                              rf"{re.escape(key)} as (I64|BOOL)\).*quantized checkpoints"):  # fmt: skip
+                                              rf"{re.escape(key)} as (I64|BOOL|F8_E8M0)\).*quantized "
+                                              "checkpoints"):  # fmt: skip
         open_checkpoint(bad)
 
 
@@ -326,6 +328,73 @@ def test_a_config_whose_parts_disagree_is_refused(tiny_dir: Path, tmp_path: Path
     with pytest.raises(CheckpointError, match="the parts of the config disagree") as err:
         open_checkpoint(bad)
     assert needle in str(err.value)
+
+
+def _no_code_groups_but_one(c: dict) -> None:
+    c["talker_config"].update(num_code_groups=1)
+    c["talker_config"]["code_predictor_config"].update(num_code_groups=1)
+    c["code2wav_config"].update(num_quantizers=1)
+
+
+@pytest.mark.parametrize(("family", "edit", "needle"), [
+    # the towers' embeddings take the place of media tokens: a narrower one failed every media
+    # request, a wider audio one served them scrambled
+    ("tiny_dir", lambda c: c["thinker_config"]["audio_config"].update(output_dim=96),
+     "thinker_config.audio_config.output_dim=96 is not the thinker's width"),
+    ("tiny_dir", lambda c: c["thinker_config"]["vision_config"].update(out_hidden_size=32),
+     "thinker_config.vision_config.out_hidden_size=32 is not the thinker's width"),
+    ("q25_dir", lambda c: c["thinker_config"]["audio_config"].update(output_dim=96),
+     "thinker_config.audio_config.output_dim=96 is not the thinker's width"),
+    # each failed every speech request, as an internal error or as the client's unknown voice ''
+    ("tiny_dir", lambda c: c["talker_config"]["code_predictor_config"].update(hidden_size=32),
+     "talker width: talker_config.text_config.hidden_size=64, talker_config.code_predictor_config.hidden_size=32"),
+    ("tiny_dir", _no_code_groups_but_one, "talker_config.num_code_groups=1: a frame has at least 2 codes"),
+    ("tiny_dir", lambda c: c["talker_config"].update(speaker_id={}), "talker_config.speaker_id names no voice"),
+], ids=["audio-width", "vision-width", "q25-audio-width", "code-predictor-width", "one-code-group", "no-voice"])
+def test_a_config_whose_towers_or_talker_disagree_is_refused(request: pytest.FixtureRequest, tmp_path: Path,
+                                                             family: str, edit: Any, needle: str) -> None:  # fmt: skip
+    bad = _copy(request.getfixturevalue(family), tmp_path / "config")
+    _edit_config(bad, edit)
+    with pytest.raises(CheckpointError, match="the parts of the config disagree") as err:
+        open_checkpoint(bad)
+    assert needle in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("family", ["tiny_dir", "q25_dir"])
+def test_the_talker_refuses_a_thinker_embedding_table_of_another_shape(
+        request: pytest.FixtureRequest, tmp_path: Path, family: str) -> None:  # fmt: skip
+    """The talker stage reads a few rows of the thinker's embeddings, which it never loads
+    (it may run on another machine): a table of another width failed as a shape error in a
+    matrix product, one too short as an IndexError, neither naming the checkpoint."""
+    bad = _copy(request.getfixturevalue(family), tmp_path / "embed")
+    ckpt = open_checkpoint(bad)
+    key = next(k for k in ckpt.tensors if k.startswith("thinker.") and k.endswith("embed_tokens.weight"))
+    _rewrite(bad, lambda w: w.__setitem__(key, w[key][:, :-16].clone()))
+    ckpt = open_checkpoint(bad)  # (the thinker stage refuses it as it loads)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(key)} is \[\d+, \d+\], the config makes it"):
+        ckpt.family.talker(ckpt, "float32", "cpu")
+
+
+@pytest.mark.parametrize(("file", "field", "value", "needle"), [
+    ("preprocessor_config.json", "feature_size", 80, "feature_extractor.feature_size=80, "
+                                                     "thinker_config.audio_config.num_mel_bins=128"),
+    ("preprocessor_config.json", "patch_size", 8, "image_processor.patch_size=8, thinker_config.vision_config"),
+    ("video_preprocessor_config.json", "merge_size", 4, "video_processor.merge_size=4"),
+])
+def test_a_processor_that_disagrees_with_the_towers_turns_media_off_saying_why(
+        tiny_dir: Path, tmp_path: Path, file: str, field: str, value: int, needle: str) -> None:  # fmt: skip
+    """Every audio request failed, blamed on its input; now the gateway takes text only and
+    says why (as for missing processor files)."""
+    from omnistage.models import load_tokenizer, media_inputs
+
+    bad = _copy(tiny_dir, tmp_path / "processor")
+    settings = json.loads((bad / file).read_text())
+    settings[field] = value
+    (bad / file).write_text(json.dumps(settings))
+    ckpt = open_checkpoint(bad)
+    inputs, why = media_inputs(ckpt, load_tokenizer(ckpt))
+    assert inputs is None and "disagree with config.json" in why and needle in why, why
+    assert media_inputs(open_checkpoint(tiny_dir), load_tokenizer(ckpt))[0] is not None
 
 
 @pytest.mark.parametrize(("family", "edit", "needle"), [

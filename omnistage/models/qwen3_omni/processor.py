@@ -173,6 +173,23 @@ MODEL_INPUTS = ("input_features", "feature_attention_mask", "pixel_values", "ima
                 "video_grid_thw", "video_second_per_grid")  # fmt: skip
 
 
+def processor_problems(processor: Any, thinker: Any) -> list[str]:
+    """Where the processor's settings disagree with the towers that take what it makes (empty:
+    they agree)."""
+    wants = [("feature_extractor", "feature_size", "audio_config", "num_mel_bins")]
+    for part in ("image_processor", "video_processor"):
+        wants += [(part, "patch_size", "vision_config", "patch_size"),
+                  (part, "temporal_patch_size", "vision_config", "temporal_patch_size"),
+                  (part, "merge_size", "vision_config", "spatial_merge_size")]  # fmt: skip
+    problems = []
+    for part, name, tower, field in wants:
+        got = getattr(getattr(processor, part, None), name, None)
+        want = getattr(getattr(thinker, tower, None), field, None)
+        if got is not None and want is not None and got != want:
+            problems.append(f"{part}.{name}={got}, thinker_config.{tower}.{field}={want}")
+    return problems
+
+
 class InputBuilder:
     """Chat messages with decoded media -> prompt ids and model inputs, with the checkpoint's
     processor, for this checkpoint's model config (audio window, positions per second).
@@ -189,6 +206,9 @@ class InputBuilder:
     def __init__(self, ckpt: Checkpoint, tokenizer: Any) -> None:
         self.processor = load_processor(ckpt, tokenizer, self.processor_class)
         thinker = ckpt.config.thinker_config
+        if problems := processor_problems(self.processor, thinker):  # (else each media request fails, blamed on it)
+            raise CheckpointError(f"{ckpt.path}: the processor's files disagree with config.json: "
+                                  + "; ".join(problems))  # fmt: skip
         self.n_window = int(thinker.audio_config.n_window)
         self.position_id_per_seconds = float(thinker.position_id_per_seconds)
         fe = self.processor.feature_extractor
