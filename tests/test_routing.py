@@ -194,6 +194,45 @@ def test_a_watcher_sees_a_stage_that_comes_up_as_soon_as_its_channel_dials_it() 
     asyncio.run(go())
 
 
+def test_a_watcher_asks_a_peer_that_answers_with_an_error_once_a_poll() -> None:
+    """A peer that answers Info at once with an error (a server of another service, a proxy's
+    UNAVAILABLE) is asked about once a poll, not again at once: the waited poll for a stage not
+    reached came back at once and was asked again, thousands of times a second."""
+
+    class Refusing:
+        calls = 0
+
+        async def Info(self, request: object, context: grpc.aio.ServicerContext) -> stage_pb2.InfoResponse:
+            Refusing.calls += 1
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no Stage here")
+
+        async def Stream(self, request_iterator: object, context: object) -> object:  # unused here
+            raise NotImplementedError
+
+    async def go() -> None:
+        server = new_server(1 << 20)
+        add_stage_servicer(Refusing(), server)
+        health = HealthState(server, (STAGE_SERVICE,))
+        port = bind(server, "127.0.0.1", free_port_block(1), "refusing")
+        await server.start()
+        await health.set(True)
+        target = f"ipv4:127.0.0.1:{port}"
+        channel = grpc.aio.insecure_channel(target, options=channel_options(1 << 20))
+        watcher = ChainWatcher(channel, "talker", target, 0.5)
+        task = asyncio.ensure_future(watcher.run())
+        try:
+            await asyncio.sleep(2.0)
+            assert not watcher.serving and watcher.chain[0].detail.startswith("UNIMPLEMENTED")
+            assert 2 <= Refusing.calls <= 12, Refusing.calls  # (two a poll at most: 8 in 2 s)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await server.stop(None)
+            await channel.close()
+
+    asyncio.run(go())
+
+
 class _Named:
     """A Stage servicer whose Info says its name."""
 
