@@ -335,16 +335,17 @@ UNREAD_BODY = (401, 408, 413, 499)
 
 class HttpError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:  # fmt: skip
+                 code: str | None = None, retry: bool = True) -> None:  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.retry = retry  # False: says x-should-retry: false (the OpenAI SDK retries 408, 409, 429 and 5xx)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         headers = {"retry-after": "1"} if self.status == 429 else {}  # what the OpenAI SDK waits on
-        if self.status == 504:  # it ran out its whole deadline: the OpenAI SDK would run it twice more
+        if not self.retry:
             headers["x-should-retry"] = "false"
         if self.status in UNREAD_BODY:
             headers["connection"] = "close"
@@ -402,7 +403,8 @@ def _from_gateway(e: GatewayError) -> HttpError:
     if status == 400 and (field := _SAMPLING_FIELD.match(message)):
         name = _ENTRY_NAMES.get(field[2], field[2])
         param = name if field[1] == "thinker" else f"sampling_params_list[{STAGES.index('talker')}].{name}"
-    return HttpError(status, message, kind, param=param, code=code)
+    # a request that ran out its whole deadline would again: the OpenAI SDK would run it twice more
+    return HttpError(status, message, kind, param=param, code=code, retry=not e.deadline_passed)
 
 
 def _unknown_model(name: str, served: str) -> HttpError:

@@ -42,7 +42,7 @@ from omnistage.server.routing import Router, unserved
 from omnistage.server.tls import name_override, stage_channel_credentials
 from omnistage.topology import STAGES, stage_def
 from omnistage.v1 import gateway_pb2, gateway_pb2_grpc, stage_pb2
-from omnistage.wire import ChunkAssembler, DecodedChunk, StageError, TensorBlobError, encode_chunks
+from omnistage.wire import DEADLINE_PASSED, ChunkAssembler, DecodedChunk, StageError, TensorBlobError, encode_chunks
 from omnistage.wire.resume import Resume, Seen
 from services import edges
 
@@ -77,6 +77,12 @@ class GatewayError(Exception):
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s  # a refusal a later try may pass (a full gateway): when to try
+
+    @property
+    def deadline_passed(self) -> bool:
+        """The request ran out its own deadline (the gateway's or a stage's word): a retry would
+        too, where a hop that waited too long on its peer might not."""
+        return self.code == grpc.StatusCode.DEADLINE_EXCEEDED and DEADLINE_PASSED in self.message
 
 
 async def fail_replies(replies: AsyncGenerator[Any, None], error: GatewayError) -> None:
@@ -508,7 +514,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                         detail += f" (not replayed again: {why}{'; ' + said if said else ''})"
                 elif code == grpc.StatusCode.DEADLINE_EXCEEDED and not detail.startswith(self.stages):
                     # this gateway's own call ran out before a stage said so ("Deadline Exceeded")
-                    detail = f"gateway: request {stage_id} passed its deadline"
+                    detail = f"gateway: request {stage_id} {DEADLINE_PASSED}"
                 # a stage's RESOURCE_EXHAUSTED is its out of memory: the same request may fit later (as
                 # HTTP's 429 says retry-after: 1); not gRPC's own (a message over a limit, named by no
                 # stage), which no retry passes

@@ -995,6 +995,24 @@ def test_a_refused_requests_decoded_media_are_freed_as_it_ends(tiny_dir: Path, a
         gc.enable()
 
 
+def test_only_a_request_past_its_own_deadline_says_do_not_retry() -> None:
+    """The OpenAI SDK retries a 504 twice: one that ran out its whole deadline would again
+    (x-should-retry: false); a hop that waited too long on its peer may not."""
+    import grpc
+
+    from gateway.http_api import _from_gateway
+    from gateway.server import GatewayError
+
+    def headers(message: str) -> dict[str, str]:
+        error = _from_gateway(GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, message))
+        assert error.status == 504
+        return dict(error.response().headers)
+
+    assert headers("gateway: request r1 passed its deadline")["x-should-retry"] == "false"
+    assert headers("talker: request r1 passed its deadline waiting to be admitted")["x-should-retry"] == "false"
+    assert "x-should-retry" not in headers("code2wav: no input for request r1 in 60 s (its upstream starved it)")
+
+
 def test_a_refusal_over_http_counts_under_the_grpc_status_of_the_same_refusal() -> None:
     """`outcome` is one vocabulary whatever the front door: a body refused over HTTP counted
     `HTTP_400` while the same mistake found by the gateway counted `INVALID_ARGUMENT`."""

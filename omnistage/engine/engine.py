@@ -26,7 +26,7 @@ from omnistage.engine.device_copy import DeviceInputs, HostOutputs
 from omnistage.engine.request import FinishReason, Request, RequestStatus
 from omnistage.engine.scheduler import RequestRejected, ScheduledItem, Scheduler, SchedulerConfig
 from omnistage.engine.worker import StageWorker, StepOutput
-from omnistage.wire import Code, DecodedChunk, StageError, TensorBlobError, invalid
+from omnistage.wire import DEADLINE_PASSED, Code, DecodedChunk, StageError, TensorBlobError, invalid
 
 __all__ = ["Engine", "EngineSink", "StepObserver"]
 
@@ -274,7 +274,7 @@ class Engine:
             waited = " waiting to be admitted (the stage's max_num_seqs or cache_capacity_tokens taken by the " \
                      "requests before it)" if req.queued and not req.admitted and req.ready else ""  # fmt: skip
             raise StageError(Code.DEADLINE_EXCEEDED,
-                             f"{worker.name}: request {req.shown_id} passed its deadline{waited}")  # fmt: skip
+                             f"{worker.name}: request {req.shown_id} {DEADLINE_PASSED}{waited}")  # fmt: skip
         if req.state is None:
             worker.open(req)
         took = False

@@ -2,10 +2,11 @@
 zero-copy parsing and one-copy serialization of stage messages (wire_view), and the errors a
 request can fail with. No gRPC here."""
 
-from omnistage.wire.errors import Code, StageError, TensorBlobError, invalid
+from omnistage.wire.errors import DEADLINE_PASSED, Code, StageError, TensorBlobError, invalid
 from omnistage.wire.tensor_blob import ChunkAssembler, DecodedChunk, LazyChunk, encode_chunk, encode_chunks
 
 __all__ = [
+    "DEADLINE_PASSED",
     "ChunkAssembler",
     "Code",
     "DecodedChunk",

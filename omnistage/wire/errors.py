@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["Code", "StageError", "TensorBlobError", "invalid"]
+__all__ = ["DEADLINE_PASSED", "Code", "StageError", "TensorBlobError", "invalid"]
+
+# in the message of a request that ran out its own deadline (DEADLINE_EXCEEDED also ends a hop that
+# waited too long on its peer, which a retry may pass)
+DEADLINE_PASSED = "passed its deadline"
 
 
 class Code(enum.Enum):
