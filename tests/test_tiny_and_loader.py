@@ -242,8 +242,10 @@ def test_a_wrong_shape_is_refused_by_name(tiny_dir: Path, tmp_path: Path) -> Non
         (lambda f: f.write_bytes(f.read_bytes() + b"\0" * 4), "4 bytes after the last tensor's data"),
         (lambda f: _edit_header(f, lambda h: h.__setitem__("__metadata__", {"format": 1})), "map of strings"),
         (lambda f: _edit_header(f, _gap_first), "starts at byte 4 of the data, the one before it ends at 0"),
+        # a dtype with no size here: its shape is still checked (a TypeError later, naming no file)
+        (lambda f: _edit_header(f, _odd_dtype_bad_shape), r"for dtype F8_E8M0 and shape \[\{\}\]"),
     ],
-    ids=["truncated", "empty", "garbage-header", "garbage", "trailing-bytes", "metadata", "gap"],
+    ids=["truncated", "empty", "garbage-header", "garbage", "trailing-bytes", "metadata", "gap", "odd-dtype-shape"],
 )
 def test_broken_weight_files_are_named_at_open(tiny_dir: Path, tmp_path: Path, damage: Any, needle: str) -> None:
     bad = _copy(tiny_dir, tmp_path / "broken")
@@ -263,6 +265,11 @@ def _edit_header(f: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     edit(header)
     text = json.dumps(header).encode()
     f.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+
+
+def _odd_dtype_bad_shape(header: dict[str, Any]) -> None:
+    entry = next(e for name, e in header.items() if name != "__metadata__")
+    entry.update(dtype="F8_E8M0", shape=[{}])
 
 
 def _gap_first(header: dict[str, Any]) -> None:

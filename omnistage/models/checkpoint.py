@@ -154,7 +154,8 @@ def read_header(file: Path) -> dict[str, tuple[str, list[int]]]:
             if dtype in _DTYPE_BYTES:
                 size_ok = stop - start == _DTYPE_BYTES[dtype] * math.prod(shape) and start >= 0
             else:  # one this check has no size for (F8_E8M0, F4, ...): not a float weight, refused below by name
-                size_ok = isinstance(dtype, str) and 0 <= start <= stop
+                size_ok = isinstance(dtype, str) and 0 <= start <= stop and all(
+                    isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
         except (KeyError, TypeError, ValueError):
             raise bad(f"tensor {name!r} has a malformed entry") from None
         if not size_ok:

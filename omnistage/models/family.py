@@ -140,16 +140,3 @@ def family_for(model_type: object) -> Family:
         raise UnknownFamily(f"unknown model family {model_type!r}; omnistage serves {known}")
     family: Family = importlib.import_module(module).FAMILY
     return family
-
-
-def encoder_width_problems(thinker: Any) -> list[str]:
-    """The audio and vision towers' output widths against the thinker's: their embeddings take
-    the place of the prompt's media tokens (a wider audio output fills the slots scrambled,
-    without an error)."""
-    width = thinker.text_config.hidden_size
-    towers = {"audio_config.output_dim": getattr(getattr(thinker, "audio_config", None), "output_dim", width),
-              "vision_config.out_hidden_size": getattr(getattr(thinker, "vision_config", None), "out_hidden_size",
-                                                       width)}  # fmt: skip
-    return [f"thinker_config.{name}={value} is not the thinker's width (thinker_config.text_config.hidden_size="
-            f"{width}): its embeddings take the place of media tokens" for name, value in towers.items()
-            if value != width]  # fmt: skip

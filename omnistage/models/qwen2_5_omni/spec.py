@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnistage.models.family import encoder_width_problems
+from omnistage.models.qwen3_omni.spec import encoder_width_problems
 from omnistage.quoting import quoted
 
 MODEL_TYPE = "qwen2_5_omni"

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from omnistage.models.family import encoder_width_problems
 from omnistage.quoting import quoted
 
 MODEL_TYPE = "qwen3_omni_moe"
@@ -186,6 +185,19 @@ def check_config(config: Any, speech: bool = True) -> list[str]:
         if not 0 <= int(value) < talker_vocab:
             problems.append(f"talker_config.{name}={value} is outside the talker vocabulary (0..{talker_vocab - 1})")
     return problems + _thinker_id_problems(config, text.vocab_size)
+
+
+def encoder_width_problems(thinker: Any) -> list[str]:
+    """The audio and vision towers' output widths against the thinker's (Qwen2.5-Omni's fields
+    have the same names): their embeddings take the place of the prompt's media tokens (a wider
+    audio output fills the slots scrambled, without an error)."""
+    width = thinker.text_config.hidden_size
+    towers = {"audio_config.output_dim": getattr(getattr(thinker, "audio_config", None), "output_dim", width),
+              "vision_config.out_hidden_size": getattr(getattr(thinker, "vision_config", None), "out_hidden_size",
+                                                       width)}  # fmt: skip
+    return [f"thinker_config.{name}={value} is not the thinker's width (thinker_config.text_config.hidden_size="
+            f"{width}): its embeddings take the place of media tokens" for name, value in towers.items()
+            if value != width]  # fmt: skip
 
 
 def _thinker_id_problems(config: Any, vocab: int) -> list[str]:
