@@ -32,10 +32,10 @@ import grpc
 from gateway.audio_out import AudioEncoder
 from gateway.media import decode_messages
 from gateway.metrics import GatewayMetrics, Outcome
-from gateway.text import TextStream, check_stop_texts
 from omnistage.config import DeployConfig
 from omnistage.engine import OutChunk
 from omnistage.models import Checkpoint, PartRefused, load_tokenizer, media_inputs
+from omnistage.models.text_stream import TextStream, check_stop_texts
 from omnistage.quoting import quoted
 from omnistage.server.grpc_common import REPLAY_BACKOFF_S, ChainWatcher, HealthState, lost_peer, stage_stream
 from omnistage.server.routing import Router, unserved
@@ -118,7 +118,7 @@ async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messa
 
 
 # the thinker's stop detail -> the reason a client sees (OpenAI's names)
-FINISH_REASONS = {"stop_id": "stop", "max_tokens": "length"}
+FINISH_REASONS = {"stop_id": "stop", "stop_text": "stop", "max_tokens": "length"}
 MAX_CHARS_PER_TOKEN = 64  # text longer than this many characters per allowed token is refused untokenized
 
 
@@ -338,17 +338,19 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         # (a retry while the first attempt still runs below the thinker, two clients alike).
         stage_id = f"{request.request_id}.{secrets.token_hex(4)}"
         # The reply needs the talker's frame count, not its codes: its finished chunk says it,
-        # and the codes stay off the three hops up. A stop text may end the reply before the
-        # talker ends: then the frames counted are those whose codes had come up.
+        # and the codes stay off the three hops up.
         start = stage_pb2.Start(request_id=stage_id, want_audio=request.want_audio, mode=request.mode,
                                 speaker=request.speaker, deadline_unix_s=time.time() + timeout,
-                                omit_codes=not request.stop)  # fmt: skip
+                                omit_codes=True)  # fmt: skip
         for name, params in request.sampling.items():
             if name not in STAGES:
                 raise bad(f"sampling: unknown stage {quoted(name)}")  # (a name past 16 KiB would pass gRPC's limit)
             if name == "code2wav" and (unused := [f.name for f, _ in params.ListFields() if f.name != "seed"]):
                 raise bad(f"sampling: code2wav samples nothing; it takes only a seed, not {', '.join(unused)}")
             start.sampling[name].CopyFrom(params)
+        if request.stop:  # the thinker ends the reply there, and every stage below with it
+            texts = start.sampling["thinker"].stop_texts
+            texts.extend(s for s in request.stop if s not in texts)
         for name in STAGES:  # a replay on another replica then samples the same stream
             if not start.sampling[name].HasField("seed"):
                 start.sampling[name].seed = secrets.randbits(62)
@@ -417,9 +419,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     if reason:
                         outcome.finish_reason = FINISH_REASONS.get(reason, reason)
                     yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text=text.push(ids), token_ids=ids))
-                    if text.stopped:  # a stop text: the reply ends here, for every stage
+                    if text.stopped:  # a stop text: the thinker ended there too; its speech comes on to its end
                         outcome.finish_reason = "stop"
-                        break
                 elif stage == "talker":  # its frames (codes), or its finished chunk at the count
                     frames = max(frames, got.offset + got.length)
                 elif edges.AUDIO in got.tensors and encoder is not None:
@@ -430,7 +431,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                         for piece in self._audio(encoder, data, outcome, now):
                             yield piece
         finally:
-            await outputs.aclose()  # ends the thinker call when the reply stopped early
+            await outputs.aclose()  # ends the thinker call when this ends early (a client gone, an error)
         if speech_cut:  # the audio stops short of the text: as OpenAI says of a reply cut by its limit
             outcome.finish_reason = "length"
         tail = text.flush()

@@ -47,6 +47,7 @@ import torch
 from omnistage.engine import OutChunk
 from omnistage.models import SamplingParams
 from omnistage.models.sampling import MIN_TEMPERATURE
+from omnistage.models.text_stream import check_stop_texts
 from omnistage.topology import STAGES
 from omnistage.v1 import stage_pb2
 from omnistage.wire import Code, DecodedChunk, StageError, invalid
@@ -313,8 +314,9 @@ def read_handoff(stage: str, chunk: DecodedChunk, prompt_tokens: int, hidden_siz
     if GENERATOR_STATE in chunk.tensors:
         gen = tensor(stage, chunk, GENERATOR_STATE, (torch.uint8,), (None,)).clone()
     stopped_on = meta_str(chunk.meta, STOPPED_ON) or None
-    if stopped_on not in (None, "stop_id", "max_tokens"):
-        raise invalid(f"{stage}: meta {STOPPED_ON!r} is {stopped_on!r}; expected '', 'stop_id' or 'max_tokens'")
+    if stopped_on not in (None, "stop_id", "stop_text", "max_tokens"):
+        raise invalid(f"{stage}: meta {STOPPED_ON!r} is {stopped_on!r}; expected '', 'stop_id', 'stop_text' or "
+                      "'max_tokens'")  # fmt: skip
     talker_prompt = None
     if want_audio:
         prompt_part = DecodedChunk({k: v for k, v in chunk.tensors.items() if k in {PROMPT_IDS, PROMPT_EMBED,
@@ -371,6 +373,9 @@ def check_start(stage: str, start: stage_pb2.Start) -> None:
     forced = sorted(name for name, params in start.sampling.items() if params.forced_ids and name != "thinker")
     if forced:
         raise invalid(f"{stage}: sampling: forced_ids are for the thinker only, not {forced}")
+    texts = sorted(name for name, params in start.sampling.items() if params.stop_texts and name != "thinker")
+    if texts:
+        raise invalid(f"{stage}: sampling: stop_texts are for the thinker only, not {texts}")
 
 
 def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,
@@ -412,6 +417,11 @@ def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,
         overrides["stop_ids"] = stops
     if msg.forced_ids:
         overrides["forced_ids"] = tuple(int(i) for i in msg.forced_ids)
+    if msg.stop_texts:
+        try:
+            overrides["stop_texts"] = tuple(check_stop_texts(list(msg.stop_texts)))
+        except ValueError as e:
+            raise invalid(f"{stage}: sampling: stop_texts: {e}") from None
     try:
         return defaults.with_overrides(**overrides)
     except ValueError as e:
@@ -444,7 +454,8 @@ def meta_str(meta: Mapping[str, Any], key: str) -> str:
 
 def sampling_proto(params: SamplingParams) -> stage_pb2.SamplingParams:
     """`SamplingParams` as the proto message a Start carries (every field set)."""
-    msg = stage_pb2.SamplingParams(stop_ids=list(params.stop_ids), forced_ids=list(params.forced_ids))
+    msg = stage_pb2.SamplingParams(stop_ids=list(params.stop_ids), forced_ids=list(params.forced_ids),
+                                   stop_texts=list(params.stop_texts))  # fmt: skip
     for f in _SAMPLING_FIELDS:
         value = getattr(params, f)
         if value is not None:

@@ -21,8 +21,8 @@ import pytest
 from benchmarks import media
 from gateway.audio_out import FORMAT_NAMES, AudioEncoder, format_from_name
 from gateway.media import decode_audio
-from gateway.text import TextStream, check_stop_texts
 from omnistage.config import MediaConfig
+from omnistage.models.text_stream import TextStream, check_stop_texts
 from omnistage.v1 import gateway_pb2
 
 RATE = 24_000
@@ -342,6 +342,30 @@ def test_vllm_fields_at_the_top_level_are_honoured_or_refused() -> None:
                          ("skip_special_tokens", True), ("length_penalty", 1), ("chat_template_kwargs", {}),
                          ("user", "u-1"), ("metadata", {"a": "b"}), ("priority", 3)):  # fmt: skip
         to_generate_request(_chat(**{field: value}), ["ethan"])
+
+
+def test_stop_texts_are_the_thinkers_and_checked_as_the_gateways_stop() -> None:
+    """`SamplingParams.stop_texts` (the gateway's `stop`, which the thinker ends its reply at):
+    taken by the thinker, checked as `stop` is (count, empty, length), refused for any other
+    stage, and carried through the proto both ways."""
+    from omnistage.models import SamplingParams
+    from omnistage.v1 import stage_pb2
+    from omnistage.wire import StageError
+    from services import edges
+
+    def start_with(stage: str, texts: list[str]) -> Any:
+        start = stage_pb2.Start(request_id="r")
+        start.sampling[stage].stop_texts.extend(texts)
+        return start
+
+    got = edges.sampling("thinker", start_with("thinker", ["robot", "sing"]), SamplingParams())
+    assert got.stop_texts == ("robot", "sing")
+    assert list(edges.sampling_proto(got).stop_texts) == ["robot", "sing"]
+    for texts, needle in ((["x"] * 17, "at most 16"), ([""], r"stop\[0\]: empty"), (["x" * 300], "longer than")):
+        with pytest.raises(StageError, match="thinker: sampling: stop_texts: .*" + needle):
+            edges.sampling("thinker", start_with("thinker", texts), SamplingParams())
+    with pytest.raises(StageError, match=r"stop_texts are for the thinker only, not \['talker'\]"):
+        edges.check_start("talker", start_with("talker", ["x"]))
 
 
 def test_a_sampling_knob_without_do_sample_says_what_was_meant() -> None:
@@ -699,7 +723,10 @@ def test_the_thinkers_start_omits_the_talkers_codes_unless_a_stop_text_may_cut_t
         return GatewayService._start(service, request, 30.0)  # type: ignore[arg-type]
 
     assert start().omit_codes and start(want_audio=False).omit_codes
-    assert not start(stop=["robot"]).omit_codes
+    # a stop text: the thinker ends the reply there (every stage below ends with it), so the talker's
+    # finished chunk still counts the frames
+    stopped = start(stop=["robot", "sing"])
+    assert stopped.omit_codes and list(stopped.sampling["thinker"].stop_texts) == ["robot", "sing"]
 
 
 def test_a_request_too_large_for_a_stage_is_a_400_no_retry_helps() -> None:

@@ -721,9 +721,9 @@ def demo(
     import numpy as np
 
     from gateway.client import write_wav
-    from gateway.text import TextStream
     from omnistage.cli.serve import resolve_model
     from omnistage.config import DeployConfig
+    from omnistage.models.text_stream import TextStream
     from services.pipeline import AudioEvent, InProcessPipeline, PipelineRequest, TextEvent
 
     _check_writable(out)

@@ -38,6 +38,7 @@ class SamplingParams:
     max_tokens: int = 1024
     stop_ids: tuple[int, ...] = field(default_factory=tuple)
     forced_ids: tuple[int, ...] = field(default_factory=tuple)  # a given reply (thinker): see `forced_token`
+    stop_texts: tuple[str, ...] = field(default_factory=tuple)  # (thinker) the reply ends where one appears
 
     def __post_init__(self) -> None:
         # Written so that NaN fails every check (any comparison with NaN is False).
@@ -63,6 +64,8 @@ class SamplingParams:
         for name in ("stop_ids", "forced_ids"):
             if name in clean:
                 clean[name] = tuple(int(i) for i in clean[name])
+        if "stop_texts" in clean:
+            clean["stop_texts"] = tuple(str(s) for s in clean["stop_texts"])
         return replace(self, **clean)
 
 

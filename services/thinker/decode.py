@@ -27,6 +27,7 @@ class _Incoming:
     prompt_tokens: int = 0  # from the header chunk
     kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # made when the first KV comes
     forward: list[OutChunk] = field(default_factory=list)  # to the talker before the first decode
+    stopped_on: str | None = None  # the handoff's: the first token was the last
 
 
 class DecodeWorker(ThinkerWorker):
@@ -91,6 +92,7 @@ class DecodeWorker(ThinkerWorker):
                                inc.kv)  # fmt: skip
         except ValueError as e:
             raise invalid(f"{self.name}: {e}") from None
+        inc.stopped_on = h.stopped_on
         if start.want_audio:  # what the single thinker sends the talker after its prefill
             p = h.talker_prompt
             assert p is not None
@@ -120,7 +122,7 @@ class DecodeWorker(ThinkerWorker):
         for item, only in zip(batch, forward_only, strict=True):
             state = item.request.state
             if only:
-                reason = "stop_id" if state.chooser.is_stop(state.history[-1]) else "max_tokens"
+                reason = state.role.stopped_on or "max_tokens"
                 out: StepOutput | Exception = StepOutput(finished=FINISH_REASONS[reason], detail=reason)
             else:
                 out = next(stepped)

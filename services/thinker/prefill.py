@@ -61,6 +61,7 @@ class PrefillWorker(ThinkerWorker):
         tok = step.token
         if tok is None:  # a prefill chunk that is not the last
             return out
+        self.end_at_stop_text(state, tok)
         last_position, generator_state = self.thinker.decode_state(state)
         talker_prompt = self.talker_prompt(step.prompt) if start.want_audio else None
         out.down.append(edges.handoff_chunk(len(state.prompt_ids), state.prompt_ids, tok.token_id, tok.embed,

@@ -9,7 +9,8 @@ from typing import Any, Self
 
 from omnistage.config import DeployConfig
 from omnistage.engine import Demand, FinishReason, OutChunk, Request, ScheduledItem, StageWorker, StepOutput
-from omnistage.models import Checkpoint, SamplingParams
+from omnistage.models import Checkpoint, SamplingParams, load_tokenizer
+from omnistage.models.text_stream import TextStream
 from omnistage.v1 import stage_pb2
 from omnistage.wire import Code, DecodedChunk, StageError, invalid
 from services import edges
@@ -17,7 +18,7 @@ from services import edges
 log = logging.getLogger(__name__)
 
 # what made a thinker stop -> the engine's finish reason
-FINISH_REASONS = {"stop_id": FinishReason.STOP, "max_tokens": FinishReason.LENGTH}
+FINISH_REASONS = {"stop_id": FinishReason.STOP, "stop_text": FinishReason.STOP, "max_tokens": FinishReason.LENGTH}
 
 
 class ThinkerWorker(StageWorker):
@@ -25,8 +26,9 @@ class ThinkerWorker(StageWorker):
     part = "thinker"  # the model part: its sampling is Start.sampling["thinker"] in every role
 
     def __init__(self, thinker: Any, defaults: SamplingParams, max_model_len: int | None = None,
-                 audio_output: bool = True) -> None:  # fmt: skip
+                 audio_output: bool = True, tokenizer: Any = None) -> None:  # fmt: skip
         self.thinker = thinker  # the family's thinker (e.g. omnistage/models/qwen3_omni/thinker.py)
+        self.tokenizer = tokenizer  # the reply's text, for stop texts
         self.audio_output = audio_output  # False: no talker below (a text-only stack)
         self.device = thinker.device
         self.spec = thinker.spec
@@ -43,6 +45,8 @@ class ThinkerWorker(StageWorker):
         if start.want_audio and not self.audio_output:
             raise invalid(f"{self.name}: want_audio: this stack serves text only (no stage below)")
         sampling = edges.sampling(self.part, start, self.defaults, self._max_model_len, vocab=self.spec.thinker_vocab)
+        if sampling.stop_texts and self.tokenizer is None:
+            raise invalid(f"{self.name}: sampling: stop_texts: this thinker has no tokenizer to read its reply with")
         req.state = self.thinker.new_state(sampling, self._max_model_len)
 
     def sends_down(self, req: Request) -> bool:
@@ -103,11 +107,26 @@ class ThinkerWorker(StageWorker):
         hidden = prompt.hidden if has_mm or self.talker_needs_hidden else None
         return edges.thinker_prompt_chunk(prompt.ids, prompt.embeds, hidden, prompt.rope.tensors())
 
+    def end_at_stop_text(self, state: Any, tok: Any) -> None:
+        """A token that completes one of the reply's stop texts is its last: every stage below
+        ends with it (the gateway cuts the text before the stop text, as it streams it)."""
+        if tok is None or tok.is_last or not state.sampling.stop_texts:
+            return
+        if state.text is None:  # (a decode role's first check: the prefill role's token too)
+            state.text = TextStream(self.tokenizer, state.sampling.stop_texts)
+            state.text.push(state.history[len(state.prompt_ids) :])
+        else:
+            state.text.push([tok.token_id])
+        if state.text.stopped:
+            tok.stopped_on = "stop_text"
+            state.finished = True
+
     def _output(self, item: ScheduledItem, step: Any) -> StepOutput:
         req = item.request
         start: stage_pb2.Start = req.params
         out = StepOutput()
         prompt, tok = step.prompt, step.token
+        self.end_at_stop_text(req.state, tok)
         if prompt is not None and start.want_audio:
             out.down.append(self.talker_prompt(prompt))
         if tok is None:  # a prefill chunk that is not the last
@@ -130,7 +149,8 @@ class ThinkerWorker(StageWorker):
         stage = cfg.stage(cls.name)
         thinker = ckpt.family.thinker(ckpt, stage.dtype, stage.device, stage.batching)
         thinker.set_kv_budget(stage.cache_capacity_tokens)
-        worker = cls(thinker, ckpt.family.thinker_defaults(ckpt), cfg.max_model_len, cfg.audio_output)
+        worker = cls(thinker, ckpt.family.thinker_defaults(ckpt), cfg.max_model_len, cfg.audio_output,
+                     load_tokenizer(ckpt))  # fmt: skip
         worker.warn_if_defaults_do_not_fit(stage.cache_capacity_tokens)
         return worker
 

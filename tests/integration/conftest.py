@@ -167,3 +167,31 @@ def solo_reply(pipeline: Any, prompt: str, thinker_max: int, talker_max: int, **
     codes = events[-1].codes
     return Solo(events[-1].token_ids, torch.cat(audio).numpy() if audio else np.zeros(0, np.float32),
                 0 if codes is None else int(codes.shape[1]))  # fmt: skip
+
+
+def assert_stop_text_ends_speech(gateway: str, tokenizer: Any, prompt: str, thinker_max: int, talker_max: int,
+                                 first: bool = False) -> None:  # fmt: skip
+    """A stop text completed by a token of the greedy reply (its first with `first`, else one a
+    third in) ends the text before it, and the speech is that of the reply cut there by
+    max_tokens: the same samples, the same frames (none for a reply of one token, as generate()
+    gives none: a split thinker's first token is its prefill role's, handed off as the last)."""
+    import numpy as np
+
+    from gateway.client import generate
+
+    def reply(**options: Any) -> Any:
+        return run(generate(gateway, prompt, talker_max_tokens=talker_max, timeout=60, **options))
+
+    whole = reply(thinker_max_tokens=thinker_max)
+    text, ids = whole.text, whole.token_ids
+    stop = tokenizer.decode(ids[:1], skip_special_tokens=True) if first else text[len(text) // 3 : len(text) // 3 + 3]
+    assert stop.strip(), (stop, text)
+    # the token that completes the stop text: the first k whose decoded text holds it
+    k = next(k for k in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:k], skip_special_tokens=True))
+    assert k < len(ids) and (k == 1) == first, (k, len(ids))
+    cut = reply(thinker_max_tokens=thinker_max, stop=[stop])
+    assert cut.text == text[: text.index(stop)] and cut.token_ids == ids[:k]
+    at_k = reply(thinker_max_tokens=k)
+    assert at_k.token_ids == cut.token_ids and (at_k.pcm.size > 0) != first  # (a one-token reply has no speech)
+    assert cut.pcm.shape == at_k.pcm.shape and np.array_equal(cut.pcm, at_k.pcm)
+    assert cut.usage["audio_frames"] == at_k.usage["audio_frames"]

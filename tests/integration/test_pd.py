@@ -25,6 +25,7 @@ from omnistage.v1 import gateway_pb2_grpc
 from omnistage.wire.shm import DEFAULT_DIR
 from tests.integration.conftest import (
     assert_all_idle,
+    assert_stop_text_ends_speech,
     call_outputs,
     info,
     prompt_chunk,
@@ -83,6 +84,14 @@ def test_a_given_reply_crosses_the_split(pd_stack: Stack, pipeline: Any) -> None
     reply = run(generate(pd_stack.gateway_address, PROMPT, want_audio=False, timeout=60,
                          sampling={"thinker": {"forced_ids": given, "max_tokens": len(given) + 1}}))  # fmt: skip
     assert reply.token_ids == [*given, pipeline.spec.im_end_id] and reply.text == "Some other words"
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-token", "later-token"])
+def test_a_stop_text_ends_the_speech_across_the_split(pd_stack: Stack, pipeline: Any, first: bool) -> None:
+    """A stop text completed by the first token (the prefill role's) or a later one (the decode
+    role's, which reads on from the handoff's): the reply and its speech end there."""
+    assert_stop_text_ends_speech(pd_stack.gateway_address, pipeline.tokenizer, PROMPT, THINKER_MAX, TALKER_MAX,
+                                 first=first)  # fmt: skip
 
 
 def test_pd_audio_input_matches_generate(pd_stack: Stack, checkpoints: Any) -> None:

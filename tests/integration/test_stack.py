@@ -21,6 +21,7 @@ from omnistage.wire.tensor_blob import encode_chunk
 from services.pipeline import AudioEvent, PipelineRequest
 from tests.integration.conftest import (
     assert_all_idle,
+    assert_stop_text_ends_speech,
     call_outputs,
     cancel_at_first_audio,
     info,
@@ -71,7 +72,7 @@ def test_stack_matches_pipeline_and_generate(stack: Stack, pipeline: Any, refere
     samples_for = pipeline.workers["code2wav"].code2wav.incremental.samples_for_frames
     assert first_audio.length in (samples_for(1), samples_for(2)), first_audio.length
 
-    # With omit_codes (as the gateway asks, unless it has stop texts): the same audio, and of the
+    # With omit_codes (as the gateway asks): the same audio, and of the
     # talker only its finished chunk, at the frame count.
     start = greedy_start("parity-omit")
     start.omit_codes = True
@@ -88,6 +89,13 @@ def test_stack_matches_pipeline_and_generate(stack: Stack, pipeline: Any, refere
     assert reply.sample_rate == 24000
     assert np.allclose(reply.pcm, ref_wav.numpy(), atol=1e-5, rtol=0)
     assert reply.usage["audio_frames"] == ref_codes.shape[1]
+
+
+def test_a_stop_text_ends_the_speech_with_the_text(stack: Stack, pipeline: Any) -> None:
+    """The thinker ends the reply at the token that completes a stop text, and every stage below
+    ends with it (the gateway used to end the call at once, and the speech stopped wherever the
+    talker was, short or empty)."""
+    assert_stop_text_ends_speech(stack.gateway_address, pipeline.tokenizer, PROMPT, THINKER_MAX, TALKER_MAX)
 
 
 def test_concurrent_requests_match_their_solo_runs(stack: Stack, pipeline: Any) -> None:

@@ -45,7 +45,7 @@ class TokenOutput:
     token_id: int
     embed: torch.Tensor  # [H] layer-0 embedding of token_id
     hidden: torch.Tensor  # [H] accept-layer hidden state of the position that produced token_id
-    stopped_on: str | None = None  # "stop_id" | "max_tokens" when this is the last token
+    stopped_on: str | None = None  # "stop_id" | "max_tokens" (| "stop_text": services/thinker) when the last
 
     @property
     def is_last(self) -> bool:
@@ -71,6 +71,7 @@ class ThinkerState:
     role: Any = None  # what a prefill/decode role of the thinker keeps for the request (services/thinker)
     # the generated tokens its cache will hold when fewer than max_tokens (a prefill role's: its first)
     cache_new_tokens: int | None = None
+    text: Any = None  # its reply's text, where it has stop texts (services/thinker: a TextStream)
 
     @property
     def generated(self) -> int:

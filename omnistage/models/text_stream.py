@@ -1,6 +1,8 @@
 """The reply's text as it streams: incremental detokenization that never emits half a UTF-8
 character, and stop texts (the reply ends where one first appears, which is not sent; text that
-could still become a stop text is held back until it cannot)."""
+could still become a stop text is held back until it cannot). The gateway streams the text with
+it; the thinker ends a reply with it where a stop text appears, so every stage below ends there
+too (the speech is that of the text up to the stop)."""
 
 from __future__ import annotations
 
