@@ -350,7 +350,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             start.sampling[name].CopyFrom(params)
         if request.stop:  # the thinker ends the reply there, and every stage below with it
             texts = start.sampling["thinker"].stop_texts
-            texts.extend(s for s in request.stop if s not in texts)
+            texts.extend(dict.fromkeys(s for s in request.stop if s not in texts))
         for name in STAGES:  # a replay on another replica then samples the same stream
             if not start.sampling[name].HasField("seed"):
                 start.sampling[name].seed = secrets.randbits(62)
@@ -398,7 +398,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 yield stage_pb2.StageRequest(chunk=piece)
 
         t0 = outcome.t0
-        text = TextStream(self.tokenizer, request.stop)
+        text = TextStream(self.tokenizer, list(start.sampling["thinker"].stop_texts))  # (`stop`, and a client's own)
         encoder = AudioEncoder(request.audio_format, self.sample_rate) if request.want_audio else None
         timings: dict[str, gateway_pb2.StageTiming] = {}
         frames = 0
@@ -421,6 +421,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text=text.push(ids), token_ids=ids))
                     if text.stopped:  # a stop text: the thinker ended there too; its speech comes on to its end
                         outcome.finish_reason = "stop"
+                        if not reason:  # a thinker that reads on (stop_texts unknown to it): end it here
+                            log.warning("request %s: the thinker did not end its reply at the stop text; ended here "
+                                        "(its speech stops where the talker was)", request.request_id)  # fmt: skip
+                            break
                 elif stage == "talker":  # its frames (codes), or its finished chunk at the count
                     frames = max(frames, got.offset + got.length)
                 elif edges.AUDIO in got.tensors and encoder is not None:

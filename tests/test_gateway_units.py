@@ -705,9 +705,9 @@ def test_a_stage_error_names_the_request_by_the_clients_own_id(client_id: str) -
     assert all("1a2b3c4d" not in s for s in shown)
 
 
-def test_the_thinkers_start_omits_the_talkers_codes_unless_a_stop_text_may_cut_the_reply(tiny_dir: Path) -> None:
-    """The gateway counts frames from the talker's finished chunk, so the codes stay below; a
-    reply a stop text may end before the talker ends counts the frames whose codes came up."""
+def test_the_thinkers_start_omits_the_talkers_codes_and_carries_the_stop_texts(tiny_dir: Path) -> None:
+    """The gateway counts frames from the talker's finished chunk, so the codes stay below (a
+    stop text ends the reply in the thinker: the talker ends too, and says the count)."""
     from types import SimpleNamespace
 
     from gateway.server import GatewayService
@@ -725,7 +725,7 @@ def test_the_thinkers_start_omits_the_talkers_codes_unless_a_stop_text_may_cut_t
     assert start().omit_codes and start(want_audio=False).omit_codes
     # a stop text: the thinker ends the reply there (every stage below ends with it), so the talker's
     # finished chunk still counts the frames
-    stopped = start(stop=["robot", "sing"])
+    stopped = start(stop=["robot", "sing", "robot"])
     assert stopped.omit_codes and list(stopped.sampling["thinker"].stop_texts) == ["robot", "sing"]
 
 

@@ -170,7 +170,7 @@ def solo_reply(pipeline: Any, prompt: str, thinker_max: int, talker_max: int, **
 
 
 def assert_stop_text_ends_speech(gateway: str, tokenizer: Any, prompt: str, thinker_max: int, talker_max: int,
-                                 first: bool = False) -> None:  # fmt: skip
+                                 first: bool = False) -> str:  # fmt: skip
     """A stop text completed by a token of the greedy reply (its first with `first`, else one a
     third in) ends the text before it, and the speech is that of the reply cut there by
     max_tokens: the same samples, the same frames (none for a reply of one token, as generate()
@@ -195,3 +195,4 @@ def assert_stop_text_ends_speech(gateway: str, tokenizer: Any, prompt: str, thin
     assert at_k.token_ids == cut.token_ids and (at_k.pcm.size > 0) != first  # (a one-token reply has no speech)
     assert cut.pcm.shape == at_k.pcm.shape and np.array_equal(cut.pcm, at_k.pcm)
     assert cut.usage["audio_frames"] == at_k.usage["audio_frames"]
+    return stop

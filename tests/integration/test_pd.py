@@ -90,8 +90,14 @@ def test_a_given_reply_crosses_the_split(pd_stack: Stack, pipeline: Any) -> None
 def test_a_stop_text_ends_the_speech_across_the_split(pd_stack: Stack, pipeline: Any, first: bool) -> None:
     """A stop text completed by the first token (the prefill role's) or a later one (the decode
     role's, which reads on from the handoff's): the reply and its speech end there."""
-    assert_stop_text_ends_speech(pd_stack.gateway_address, pipeline.tokenizer, PROMPT, THINKER_MAX, TALKER_MAX,
-                                 first=first)  # fmt: skip
+    stop = assert_stop_text_ends_speech(pd_stack.gateway_address, pipeline.tokenizer, PROMPT, THINKER_MAX,
+                                        TALKER_MAX, first=first)  # fmt: skip
+    # the role that ended it says why (a one-token reply has no speech to tell the cut from the end)
+    start = greedy_start(f"pd-stop-{first}")
+    start.sampling["thinker"].stop_texts.append(stop)
+    out = run(stage_call(pd_stack.addresses("thinker-prefill")[0], start, [prompt_chunk(pipeline.prompt_ids(PROMPT))]))
+    assert [c.meta.get("finish_reason") for c in out["thinker"]][-1] == "stop_text"
+    assert out["talker"][-1].finished  # (the talker ended too, not cut off)
 
 
 def test_pd_audio_input_matches_generate(pd_stack: Stack, checkpoints: Any) -> None:
