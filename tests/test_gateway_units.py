@@ -1271,3 +1271,41 @@ def test_a_stage_out_of_memory_tells_a_grpc_client_when_to_retry(tiny_dir: Path)
     assert memory.get("grpc-retry-pushback-ms") == "1000" and memory.get("x-request-id"), memory
     assert too_big.get("x-request-id") and "grpc-retry-pushback-ms" not in too_big, too_big
     assert bug.get("x-request-id") and "grpc-retry-pushback-ms" not in bug, bug
+
+
+def test_the_thinker_ends_its_reply_at_the_token_that_completes_a_stop_text(tiny_dir: Path) -> None:
+    """`ThinkerWorker.end_at_stop_text`: the token whose text completes a stop text is the last
+    (a decode role, whose first check comes with the prefill role's token in its history, reads
+    that token too); a token already last for another reason keeps it."""
+    from types import SimpleNamespace
+
+    from omnistage.models import SamplingParams, load_tokenizer, open_checkpoint
+    from services.thinker.worker import ThinkerWorker
+
+    tokenizer = load_tokenizer(open_checkpoint(tiny_dir))
+    ids = tokenizer.encode("one two three four", add_special_tokens=False)
+    worker = SimpleNamespace(tokenizer=tokenizer)
+
+    def run_to_stop(stop: str, decode_role: bool) -> int | None:
+        state = SimpleNamespace(sampling=SamplingParams(stop_texts=(stop,)), prompt_ids=[1, 2], history=[1, 2],
+                                text=None, finished=False)  # fmt: skip
+        for k, token in enumerate(ids):
+            state.history.append(token)
+            if decode_role and k == 0:  # the prefill role's token: the decode role never checks it
+                continue
+            tok = SimpleNamespace(token_id=token, is_last=False, stopped_on=None)
+            ThinkerWorker.end_at_stop_text(worker, state, tok)  # type: ignore[arg-type]
+            if tok.stopped_on:
+                assert tok.stopped_on == "stop_text" and state.finished
+                return k
+        return None
+
+    for stop in ("three", "one two"):  # (the second spans the prefill role's token)
+        k = next(k for k in range(len(ids)) if stop in tokenizer.decode(ids[: k + 1]))
+        assert 0 < k < len(ids) - 1, (stop, k)
+        assert run_to_stop(stop, decode_role=False) == run_to_stop(stop, decode_role=True) == k, stop
+    last = SimpleNamespace(token_id=ids[k], is_last=True, stopped_on="max_tokens")
+    state = SimpleNamespace(sampling=SamplingParams(stop_texts=("three",)), prompt_ids=[], history=ids[: k + 1],
+                            text=None, finished=True)  # fmt: skip
+    ThinkerWorker.end_at_stop_text(worker, state, last)  # type: ignore[arg-type]
+    assert last.stopped_on == "max_tokens"
