@@ -329,12 +329,12 @@ class ChainWatcher:
         while True:
             if on_poll is not None:
                 await on_poll()
+            if self.reached:
+                await asyncio.sleep(self.poll_s)
+                await self.poll()
+                continue
             started = time.monotonic()
-            if not self.reached:  # (returns as soon as the next stage can be dialled)
-                await self.poll(wait=True)
-                if self.reached:
-                    continue
-            # once a poll_s, whatever the poll met: a peer that answers at once with an error (no
-            # Stage service, a proxy's UNAVAILABLE) is not asked again at once
-            await asyncio.sleep(max(0.0, self.poll_s - (time.monotonic() - started)))
-            await self.poll()
+            await self.poll(wait=True)  # (returns as soon as the next stage can be dialled)
+            if not self.reached:  # once a poll_s: a peer that answers at once with an error (no Stage
+                # service, a proxy's UNAVAILABLE) is not asked again at once
+                await asyncio.sleep(max(0.0, self.poll_s - (time.monotonic() - started)))
