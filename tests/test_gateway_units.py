@@ -1,5 +1,5 @@
-"""The gateway's pieces on their own: text with stop texts, the audio formats, the OpenAI request
-translation."""
+"""The gateway's pieces on their own: the audio formats, the OpenAI request translation (its text
+stream: tests/test_text_stream.py)."""
 
 from __future__ import annotations
 
@@ -22,63 +22,9 @@ from benchmarks import media
 from gateway.audio_out import FORMAT_NAMES, AudioEncoder, format_from_name
 from gateway.media import decode_audio
 from omnistage.config import MediaConfig
-from omnistage.models.text_stream import TextStream, check_stop_texts
 from omnistage.v1 import gateway_pb2
 
 RATE = 24_000
-
-
-class CharTokenizer:
-    """One token per character (ids are code points); 0xD8 starts a two-token character."""
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        out, i = [], 0
-        while i < len(ids):
-            if ids[i] == 0xD8:  # half of "é" until its second token arrives
-                if i + 1 == len(ids):
-                    out.append("\ufffd")
-                    break
-                out.append("é")
-                i += 2
-                continue
-            out.append(chr(ids[i]))
-            i += 1
-        return "".join(out)
-
-
-def _ids(text: str) -> list[int]:
-    return [ord(c) for c in text]
-
-
-def _stream(text_pieces: list[list[int]], stop: list[str]) -> tuple[list[str], TextStream]:
-    ts = TextStream(CharTokenizer(), stop)
-    out = [ts.push(p) for p in text_pieces]
-    out.append(ts.flush())
-    return out, ts
-
-
-def test_text_streams_whole_characters() -> None:
-    out, ts = _stream([_ids("ab"), [0xD8], [0x01], _ids("c")], [])
-    assert out == ["ab", "", "é", "c", ""] and not ts.stopped
-
-
-def test_stop_text_ends_the_reply_and_is_not_sent() -> None:
-    pieces = [_ids(c) for c in "Hello, END world"]
-    out, ts = _stream(pieces, ["END"])
-    assert "".join(out) == "Hello, " and ts.stopped
-    # text that might begin a stop text is held until it cannot
-    held, _ = _stream([_ids("aE"), _ids("Nx")], ["END"])
-    assert held == ["a", "ENx", ""]
-    # the earliest of several stop texts wins, even across pieces
-    out, _ = _stream([_ids("one tw"), _ids("o three")], ["three", "two"])
-    assert "".join(out) == "one "
-
-
-def test_stop_text_rules() -> None:
-    assert check_stop_texts(["a", "bc"]) == ["a", "bc"]
-    for bad, message in ((["x"] * 17, "at most 16"), ([""], "stop[0]: empty"), (["y" * 300], "longer than")):
-        with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-            check_stop_texts(bad)
 
 
 def _encode(fmt: str, samples: np.ndarray, piece: int = 4800) -> list[bytes]:

@@ -13,6 +13,7 @@ __all__ = ["MAX_STOP_TEXTS", "TextStream", "check_stop_texts"]
 
 MAX_STOP_TEXTS = 16
 MAX_STOP_CHARS = 256
+MAX_WAIT_IDS = 8  # ids that may wait for the rest of a character (see _decode_new)
 
 
 def check_stop_texts(stop: Sequence[str]) -> list[str]:
@@ -28,32 +29,66 @@ def check_stop_texts(stop: Sequence[str]) -> list[str]:
 
 
 class TextStream:
+    """Each push decodes only the new ids, with the few before them as context (vLLM's prefix and read
+    offsets): a reply's text costs O(its length), not O(length²) as re-decoding it whole each token
+    would, which the thinker's engine thread paid per request per step. For the byte-level BPE
+    tokenizers of the families served, the pieces join to exactly the whole reply's decode
+    (tests/test_text_stream.py checks it on the tiny checkpoint's tokenizer)."""
+
     def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = list(stop)
         self.hold = max((len(s) for s in self.stop), default=1) - 1  # chars that may begin a stop text
         self.ids: list[int] = []
-        self.text = ""
+        self.text = ""  # the decoded text: whole characters
         self.sent = 0  # characters already emitted
         self.stopped = False  # a stop text appeared
+        self._prefix = 0  # ids[_prefix:_read]: decoded last time, the context for the next piece
+        self._read = 0  # ids before this are in self.text
+        self._waiting_since: int | None = None  # len(ids) when the text first ended in half a character
 
     def push(self, ids: Sequence[int]) -> str:
         """New token ids -> the text that can be sent now."""
         if self.stopped:
             return ""
         self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # half a character: wait for the rest
+        return self._take(final=False)
+
+    def flush(self) -> str:
+        """At the end: whatever was held back (a character still incomplete as the decoder shows it)."""
+        return "" if self.stopped else self._take(final=True)
+
+    def _take(self, final: bool) -> str:
+        new = self._decode_new(final)
+        if new is None:  # half a character: wait for the rest
             return ""
-        self.text = text
+        self.text += new
         if self.stop:
             start = max(0, self.sent - self.hold)
-            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
             if hits:
                 self.stopped = True
                 return self._emit_to(min(hits))
-            return self._emit_to(max(self.sent, len(text) - self._could_begin_stop(text)))
-        return self._emit_to(len(text))
+            if not final:
+                return self._emit_to(max(self.sent, len(self.text) - self._could_begin_stop(self.text)))
+        return self._emit_to(len(self.text))
+
+    def _decode_new(self, final: bool) -> str | None:
+        """The text of the ids not yet read, or None while it ends in half a character."""
+        if self._read == len(self.ids):
+            return ""
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self._prefix : self._read], skip_special_tokens=True)
+        text = decode(self.ids[self._prefix :], skip_special_tokens=True)
+        if text.endswith("\ufffd") and not final:
+            # A character spans at most 4 bytes, so text still ending in U+FFFD after many more ids
+            # is the model's invalid bytes, not a character on its way: it is sent as decoded.
+            if self._waiting_since is None:
+                self._waiting_since = len(self.ids)
+            if len(self.ids) - self._waiting_since <= MAX_WAIT_IDS:
+                return None
+        self._prefix, self._read, self._waiting_since = self._read, len(self.ids), None
+        return text[len(before) :]
 
     def _could_begin_stop(self, text: str) -> int:
         """How many characters at the end of `text` begin some stop text (held back)."""
@@ -64,10 +99,6 @@ class TextStream:
                     longest = k
                     break
         return longest
-
-    def flush(self) -> str:
-        """At the end: whatever was held back."""
-        return "" if self.stopped else self._emit_to(len(self.text))
 
     def _emit_to(self, end: int) -> str:
         delta = self.text[self.sent : end]
