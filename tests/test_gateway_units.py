@@ -1255,3 +1255,44 @@ def test_the_thinker_ends_its_reply_at_the_token_that_completes_a_stop_text(tiny
                             text=None, finished=True)  # fmt: skip
     ThinkerWorker.end_at_stop_text(worker, state, last)  # type: ignore[arg-type]
     assert last.stopped_on == "max_tokens"
+
+
+def test_a_thinker_that_reads_on_past_a_stop_text_is_ended_there_by_the_gateway(
+        tiny_dir: Path, caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """A thinker that does not know stop_texts (an older one) streams past the stop text without a
+    finish reason: the gateway cuts its text there, ends the thinker call, says `stop` and warns."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from gateway.server import GatewayService
+    from omnistage.config import parse_config
+    from omnistage.models import load_tokenizer, open_checkpoint
+    from services import edges
+
+    ckpt = open_checkpoint(tiny_dir)
+    ids = load_tokenizer(ckpt).encode("hello END world and more", add_special_tokens=False)
+    sent: list[int] = []
+    closed = []
+
+    async def reads_on(*args: Any) -> Any:  # the thinker's chunks, one token each, no finish reason
+        try:
+            for k, token in enumerate(ids):
+                sent.append(token)
+                yield "thinker", SimpleNamespace(tensors={edges.IDS: torch.tensor([token])}, meta={}, offset=k,
+                                                 length=1, finished=False)  # fmt: skip
+        finally:
+            closed.append(True)
+
+    async def call() -> list[gateway_pb2.GenerateResponse]:
+        service = GatewayService(parse_config({}), ckpt, "ipv4:127.0.0.1:1")
+        service._outputs = reads_on  # type: ignore[method-assign]
+        request = gateway_pb2.GenerateRequest(prompt="hi", want_audio=False, stop=["END"])
+        return [resp async for resp in service.serve(request, 30.0, "grpc")]
+
+    with caplog.at_level(logging.WARNING, logger="gateway"):
+        replies = asyncio.run(call())
+    assert "".join(r.text.text for r in replies) == "hello "
+    assert [r.final.finish_reason for r in replies if r.HasField("final")] == ["stop"]
+    assert closed and len(sent) < len(ids)  # the call ended at the stop text, not read to its end
+    assert "did not end its reply at the stop text" in caplog.text
