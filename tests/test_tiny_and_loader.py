@@ -523,6 +523,32 @@ def test_the_processors_chat_template_comes_first_and_none_is_refused(tiny_dir: 
         open_checkpoint(none)
 
 
+@pytest.mark.parametrize("layout", ["json and jinja", "processor_config", "jinja", "tokenizer_config"])
+def test_the_chat_template_is_the_one_transformers_processor_takes(tiny_dir: Path, tmp_path: Path,
+                                                                     layout: str) -> None:  # fmt: skip
+    """Where a checkpoint holds more than one template (transformers 5 saves chat_template.jinja,
+    so a processor saved again into a downloaded folder leaves it beside chat_template.json), the
+    prompt is built with the one transformers' processor loads (it was the .jinja file)."""
+    from transformers.processing_utils import ProcessorMixin
+
+    path = _copy(tiny_dir, tmp_path / "layout")
+    template = json.loads((path / "chat_template.json").read_text())["chat_template"]
+    other = template.replace("<|im_start|>assistant", "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>assistant")
+    assert other != template
+    if layout == "json and jinja":
+        (path / "chat_template.jinja").write_text(other)
+    elif layout == "processor_config":  # (a legacy layout transformers still reads first, with a warning)
+        (path / "processor_config.json").write_text(json.dumps({"chat_template": other}))
+    else:
+        _move_chat_template(path, "jinja" if layout == "jinja" else "tokenizer_config")
+    ours = load_tokenizer(open_checkpoint(path)).chat_template
+    theirs = ProcessorMixin.get_processor_dict(str(path), local_files_only=True)[0].get("chat_template")
+    if layout == "tokenizer_config":  # the processor has none; its tokenizer's is the template
+        assert theirs is None and ours == template
+    else:
+        assert ours == theirs == (template if layout in ("json and jinja", "jinja") else other)
+
+
 def test_generation_config_eos_ids_all_stop_the_thinker(tiny_dir: Path, tmp_path: Path) -> None:
     two = _copy(tiny_dir, tmp_path / "eos")
     gen = json.loads((two / "generation_config.json").read_text())

@@ -392,7 +392,9 @@ def special_token_ids(path: Path, tokens: tuple[str, ...]) -> dict[str, int]:
     return out
 
 
-CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
+# transformers' processor order (ProcessorMixin.get_processor_dict): its config's key, then the
+# legacy chat_template.json, then chat_template.jinja; the tokenizer's own last
+CHAT_TEMPLATE_FILES = ("processor_config.json", "chat_template.json", "chat_template.jinja", "tokenizer_config.json")
 
 
 def _template_in(file: Path) -> str | None:
@@ -414,9 +416,11 @@ def _template_in(file: Path) -> str | None:
 
 
 def chat_template(path: Path) -> str:
-    """The checkpoint's chat template, as its processor takes it: chat_template.jinja, else
-    chat_template.json (where the published Qwen Omni checkpoints keep it), else
-    tokenizer_config.json's. CheckpointError when there is none."""
+    """The checkpoint's chat template, as its processor takes it: processor_config.json's, else
+    chat_template.json's (where the published Qwen Omni checkpoints keep it), else
+    chat_template.jinja (where transformers 5 saves it, so a processor saved again into a
+    downloaded folder leaves both files), else tokenizer_config.json's. CheckpointError when there
+    is none."""
     for name in CHAT_TEMPLATE_FILES:
         template = _template_in(path / name)
         if template is not None:
