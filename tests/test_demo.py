@@ -27,7 +27,7 @@ def test_demo_prints_whole_characters_and_no_stop_token(tiny_dir: Path, tmp_path
     assert any("\ufffd" in tokenizer.decode([i]) for i in ids), "no character spans two tokens: the case is moot"
 
     class Replay:  # the pipeline's events for `ids` (the real one: the model's, which are random here)
-        def __init__(self, model_dir: Any) -> None:
+        def __init__(self, model_dir: Any, cfg: Any = None) -> None:
             self.checkpoint, self.tokenizer = ckpt, tokenizer
 
         def prompt_ids(self, prompt: str) -> list[int]:
@@ -46,3 +46,13 @@ def test_demo_prints_whole_characters_and_no_stop_token(tiny_dir: Path, tmp_path
     result = CliRunner().invoke(app, ["demo", "hi", "--model", str(tiny_dir), "--out", str(tmp_path / "r.wav")])
     assert result.exit_code == 0, result.output
     assert result.output.startswith(words) and "<|im_end|>" not in result.output and "\ufffd" not in result.output
+
+
+def test_demo_runs_a_checkpoint_without_speech_as_text_only(thinking_dir: Path, tmp_path: Path) -> None:
+    """A Thinking or Captioner checkpoint: the refusal names --text-only, which demo takes too."""
+    out = tmp_path / "r.wav"
+    refused = CliRunner().invoke(app, ["demo", "hi", "--model", str(thinking_dir), "--out", str(out)])
+    assert refused.exit_code != 0 and "--text-only" in refused.output and "demo" in refused.output
+    result = CliRunner().invoke(app, ["demo", "hi", "--model", str(thinking_dir), "--text-only", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() and "wrote" not in result.output and not out.exists()

@@ -716,8 +716,9 @@ def demo(
     prompt: Annotated[str, typer.Argument(help="What to ask.")] = "Hello! Tell me a short story.",
     model: ModelOpt = None,
     out: Annotated[Path, typer.Option("--out", help="WAV file to write.")] = Path("reply.wav"),
+    text_only: TextOnlyOpt = False,
 ) -> None:
-    """Run the in-process staged pipeline (no gRPC) once and write a WAV."""
+    """Run the in-process staged pipeline (no gRPC) once and write a WAV (--text-only: the text alone)."""
     import numpy as np
 
     from gateway.client import write_wav
@@ -726,10 +727,13 @@ def demo(
     from omnistage.models.text_stream import TextStream
     from services.pipeline import AudioEvent, InProcessPipeline, PipelineRequest, TextEvent
 
-    _check_writable(out)
+    if not text_only:
+        _check_writable(out)
     with _errors():
-        pipe = InProcessPipeline(resolve_model(DeployConfig(), model))
-        req = PipelineRequest(pipe.prompt_ids(prompt), pipe.thinker_defaults().with_overrides(max_tokens=64))
+        cfg = DeployConfig(audio_output=not text_only)
+        pipe = InProcessPipeline(resolve_model(cfg, model), cfg)
+        req = PipelineRequest(pipe.prompt_ids(prompt), pipe.thinker_defaults().with_overrides(max_tokens=64),
+                              want_audio=not text_only)  # fmt: skip
         pcm = []
         text = TextStream(pipe.tokenizer)  # the reply's text as the gateway sends it (whole characters, no <|im_end|>)
         for ev in pipe.run(req):
@@ -738,6 +742,9 @@ def demo(
             elif isinstance(ev, AudioEvent):
                 pcm.append(ev.pcm.numpy())
         typer.echo(text.flush(), nl=False)
+    if text_only:
+        typer.echo("")
+        return
     audio = np.concatenate(pcm) if pcm else np.zeros(0, np.float32)
     rate = pipe.checkpoint.sample_rate
     write_wav(str(out), audio, rate)

@@ -89,7 +89,7 @@ class Checkpoint:
         if audio_output and not self.speaks:
             raise CheckpointError(f"{self.path}: a checkpoint without speech output ({'; '.join(self.no_speech)}): "
                                   "serve it as text only with `audio_output: false` in the deploy config "
-                                  "(`omnistage serve --text-only`)")  # fmt: skip
+                                  "(`--text-only` for omnistage serve, stage, gateway or demo)")  # fmt: skip
 
 
 def weight_files(path: Path) -> list[Path]:
