@@ -583,7 +583,8 @@ def read_tensor_rows(ckpt: Checkpoint, keys: tuple[str, ...], rows: list[int], s
 
 def generation_defaults(ckpt: Checkpoint, stop_ids: tuple[int, ...], max_tokens: int = 1024) -> SamplingParams:
     """The checkpoint's generation_config.json as sampling defaults, stopping on `stop_ids` and
-    on every `eos_token_id` it lists (as `generate()` stops on them)."""
+    on every `eos_token_id` it lists, as vLLM takes the file (the Omni models' `generate()` gives
+    its thinker neither: the parity tests pass both explicitly)."""
     gen_file = ckpt.path / "generation_config.json"
     try:
         gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
@@ -591,10 +592,11 @@ def generation_defaults(ckpt: Checkpoint, stop_ids: tuple[int, ...], max_tokens:
             raise ValueError("not a JSON object")
         eos = gen.get("eos_token_id")
         eos_ids = [] if eos is None else [int(i) for i in (eos if isinstance(eos, list) else [eos])]
-        sampled = bool(gen.get("do_sample", False))
+        temperature = 1.0 if gen.get("temperature") is None else float(gen["temperature"])
+        sampled = bool(gen.get("do_sample", False)) and temperature != 0  # (0: greedy, as vLLM takes it)
         return SamplingParams(
             do_sample=sampled,
-            temperature=float(gen.get("temperature") or 1.0),
+            temperature=temperature if sampled else 1.0,
             # generate() fills an absent top_k with GenerationConfig's 50; an explicit 0 turns it off
             top_k=(50 if gen.get("top_k") is None else int(gen["top_k"])) if sampled else 0,
             top_p=float(gen.get("top_p") or 1.0),
