@@ -4,6 +4,7 @@ errors that name the problem, before any model work."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import time
@@ -569,6 +570,23 @@ def test_generation_config_eos_ids_all_stop_the_thinker(tiny_dir: Path, tmp_path
     (two / "generation_config.json").write_text("{nope")
     with pytest.raises(CheckpointError, match=r"generation_config\.json: not a valid generation config"):
         ckpt.family.thinker_defaults(ckpt)
+
+
+def test_generation_config_fields_not_applied_are_said_once(tiny_dir: Path, tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """A checkpoint's file that turns on a logits processor this server has not (min_p, ...) is
+    served without it, and the log says so once; the values that leave one off are not named."""
+    path = _copy(tiny_dir, tmp_path / "gen")
+    gen = json.loads((path / "generation_config.json").read_text())
+    extra = {"do_sample": True, "min_p": 0.05, "no_repeat_ngram_size": 3, "typical_p": 1.0, "suppress_tokens": []}
+    (path / "generation_config.json").write_text(json.dumps({**gen, **extra}))
+    ckpt = open_checkpoint(path)
+    with caplog.at_level(logging.WARNING, logger="omnistage.models.checkpoint"):
+        first = ckpt.family.thinker_defaults(ckpt)
+        assert ckpt.family.thinker_defaults(ckpt) == first
+    said = [r.getMessage() for r in caplog.records if "does not apply" in r.getMessage()]
+    assert len(said) == 1 and "min_p=0.05, no_repeat_ngram_size=3" in said[0], said
+    assert "typical_p" not in said[0] and "suppress_tokens" not in said[0]
 
 
 def test_a_checkpoint_that_cannot_speak_is_served_only_as_text(thinking_dir: Path, tiny_dir: Path,

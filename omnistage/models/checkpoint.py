@@ -18,7 +18,9 @@ missing, wrong-shape or unexpected weight of this part. Nothing is downloaded:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import logging
 import math
 import re
 from collections.abc import Iterator
@@ -31,6 +33,8 @@ from safetensors import SafetensorError
 
 from omnistage.models.family import Family, UnknownFamily, family_for
 from omnistage.models.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DTYPES", "Checkpoint", "CheckpointError", "generation_defaults", "load_part", "load_tokenizer",
            "open_checkpoint", "read_tensor_rows"]  # fmt: skip
@@ -581,6 +585,21 @@ def read_tensor_rows(ckpt: Checkpoint, keys: tuple[str, ...], rows: list[int], s
     raise CheckpointError(f"{ckpt.path}: none of the weights {', '.join(keys)} found")
 
 
+# generate()'s other logits processors, with the values that leave them off: a checkpoint's file
+# that turns one on is served without it (said once), as the HTTP API refuses them in a request
+_UNSAMPLED = {"min_p": (None, 0), "typical_p": (None, 1), "epsilon_cutoff": (None, 0), "eta_cutoff": (None, 0),
+              "no_repeat_ngram_size": (None, 0), "min_new_tokens": (None, 0), "min_length": (None, 0),
+              "bad_words_ids": (None, []), "suppress_tokens": (None, []), "begin_suppress_tokens": (None, []),
+              "sequence_bias": (None, {}), "num_beams": (None, 1), "presence_penalty": (None, 0),
+              "frequency_penalty": (None, 0)}  # fmt: skip
+
+
+@functools.cache
+def _say_unsampled(path: str, fields: str) -> None:
+    log.warning("%s: generation_config.json sets %s, which this server does not apply (it samples with "
+                "temperature, top_k, top_p and repetition_penalty): served without", path, fields)  # fmt: skip
+
+
 def generation_defaults(ckpt: Checkpoint, stop_ids: tuple[int, ...], max_tokens: int = 1024) -> SamplingParams:
     """The checkpoint's generation_config.json as sampling defaults, stopping on `stop_ids` and
     on every `eos_token_id` it lists, as vLLM takes the file (the Omni models' `generate()` gives
@@ -592,6 +611,9 @@ def generation_defaults(ckpt: Checkpoint, stop_ids: tuple[int, ...], max_tokens:
             raise ValueError("not a JSON object")
         eos = gen.get("eos_token_id")
         eos_ids = [] if eos is None else [int(i) for i in (eos if isinstance(eos, list) else [eos])]
+        unsampled = [f"{k}={gen[k]!r}" for k, off in _UNSAMPLED.items() if k in gen and gen[k] not in off]
+        if unsampled:
+            _say_unsampled(str(ckpt.path), ", ".join(unsampled))
         temperature = 1.0 if gen.get("temperature") is None else float(gen["temperature"])
         sampled = bool(gen.get("do_sample", False)) and temperature != 0  # (0: greedy, as vLLM takes it)
         return SamplingParams(
