@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from omnistage.models import load_tokenizer, open_checkpoint
-from omnistage.models.text_stream import MAX_WAIT_IDS, TextStream, check_stop_texts
+from omnistage.models.text_stream import TextStream, check_stop_texts
 
 
 class CharTokenizer:
@@ -116,12 +116,19 @@ def test_a_character_waits_for_its_last_byte(tokenizer: Any) -> None:
     assert out == [""] * (len(ids) - 1) + ["🎉", ""]
 
 
-def test_invalid_bytes_do_not_hold_the_text_back_for_ever(tokenizer: Any) -> None:
-    lead = tokenizer.encode("🎉")[0]  # a 4-byte character's first byte, alone: never completed
-    ids = [lead] * (3 * MAX_WAIT_IDS) + tokenizer.encode("ok")
-    out, _ = _stream([[i] for i in ids], [], tokenizer)
+@pytest.mark.parametrize("per_push", [1, 2, 5, 7])
+def test_invalid_bytes_then_text_join_to_the_whole_decode(tokenizer: Any, per_push: int) -> None:
+    """The model's stray bytes, then characters split over ids: nothing is sent early that a later
+    id would change (an earlier cap on waiting sent a half character and lost the character, and
+    with it the stop text), however the ids are pushed (the gateway one a chunk, a decode role the
+    handoff's history at once)."""
+    stray = tokenizer.encode("é")[1]  # a lone continuation byte: invalid on its own
+    ids = [stray] * 20 + tokenizer.encode("中文 🎉🎉 ok")
+    pieces = [ids[i : i + per_push] for i in range(0, len(ids), per_push)]
+    out, _ = _stream(pieces, [], tokenizer)
     assert "".join(out) == tokenizer.decode(ids, skip_special_tokens=True)
-    assert "".join(out[: 2 * MAX_WAIT_IDS + 2]), "text waited past MAX_WAIT_IDS ids"
+    out, ts = _stream(pieces, ["中文"], tokenizer)
+    assert ts.stopped and "".join(out) == tokenizer.decode([stray] * 20)
 
 
 def test_stop_text_within_multibyte_text(tokenizer: Any) -> None:

@@ -563,10 +563,13 @@ def test_generation_config_eos_ids_all_stop_the_thinker(tiny_dir: Path, tmp_path
             sampled["top_k"] = top_k
         (two / "generation_config.json").write_text(json.dumps(sampled))
         assert ckpt.family.thinker_defaults(ckpt).top_k == want, top_k
-    for temperature, want_sampled, want_t in ((0, False, 1.0), (0.7, True, 0.7), (None, True, 1.0)):
+    for temperature, want_sampled, want_t in ((0, False, 1.0), (1e-6, False, 1.0), (0.7, True, 0.7), (None, True, 1.0)):
         (two / "generation_config.json").write_text(json.dumps({**gen, "do_sample": True, "temperature": temperature}))
         got = ckpt.family.thinker_defaults(ckpt)  # temperature 0 is greedy (as vLLM takes it), not 1.0
         assert (got.do_sample, got.temperature) == (want_sampled, want_t), temperature
+    (two / "generation_config.json").write_text(json.dumps({**gen, "do_sample": True, "temperature": -1}))
+    with pytest.raises(CheckpointError, match="temperature"):
+        ckpt.family.thinker_defaults(ckpt)
     (two / "generation_config.json").write_text("{nope")
     with pytest.raises(CheckpointError, match=r"generation_config\.json: not a valid generation config"):
         ckpt.family.thinker_defaults(ckpt)

@@ -13,7 +13,6 @@ __all__ = ["MAX_STOP_TEXTS", "TextStream", "check_stop_texts"]
 
 MAX_STOP_TEXTS = 16
 MAX_STOP_CHARS = 256
-MAX_WAIT_IDS = 8  # ids that may wait for the rest of a character (see _decode_new)
 
 
 def check_stop_texts(stop: Sequence[str]) -> list[str]:
@@ -45,7 +44,6 @@ class TextStream:
         self.stopped = False  # a stop text appeared
         self._prefix = 0  # ids[_prefix:_read]: decoded last time, the context for the next piece
         self._read = 0  # ids before this are in self.text
-        self._waiting_since: int | None = None  # len(ids) when the text first ended in half a character
 
     def push(self, ids: Sequence[int]) -> str:
         """New token ids -> the text that can be sent now."""
@@ -80,14 +78,12 @@ class TextStream:
         decode = self.tokenizer.decode
         before = decode(self.ids[self._prefix : self._read], skip_special_tokens=True)
         text = decode(self.ids[self._prefix :], skip_special_tokens=True)
+        # Half a character waits for the rest. (Invalid bytes from the model wait too, until a whole
+        # character follows them: sending them sooner can split a character that a later id
+        # completes, and no count of ids tells them apart, since a token may hold parts of two.)
         if text.endswith("\ufffd") and not final:
-            # A character spans at most 4 bytes, so text still ending in U+FFFD after many more ids
-            # is the model's invalid bytes, not a character on its way: it is sent as decoded.
-            if self._waiting_since is None:
-                self._waiting_since = len(self.ids)
-            if len(self.ids) - self._waiting_since <= MAX_WAIT_IDS:
-                return None
-        self._prefix, self._read, self._waiting_since = self._read, len(self.ids), None
+            return None
+        self._prefix, self._read = self._read, len(self.ids)
         return text[len(before) :]
 
     def _could_begin_stop(self, text: str) -> int:
