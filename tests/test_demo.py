@@ -56,3 +56,35 @@ def test_demo_runs_a_checkpoint_without_speech_as_text_only(thinking_dir: Path, 
     result = CliRunner().invoke(app, ["demo", "hi", "--model", str(thinking_dir), "--text-only", "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert result.output.strip() and "wrote" not in result.output and not out.exists()
+
+
+def test_a_demo_failing_mid_reply_puts_its_error_on_a_line_of_its_own(
+        tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    import services.pipeline
+    from omnistage.models import load_tokenizer, open_checkpoint
+    from services.pipeline import TextEvent
+
+    ckpt = open_checkpoint(tiny_dir)
+    tokenizer = load_tokenizer(ckpt)
+
+    class FailsMidway:
+        def __init__(self, model_dir: Any, cfg: Any = None) -> None:
+            self.checkpoint, self.tokenizer = ckpt, tokenizer
+
+        def prompt_ids(self, prompt: str) -> list[int]:
+            return [0]
+
+        def thinker_defaults(self) -> Any:
+            from omnistage.models.sampling import SamplingParams
+
+            return SamplingParams()
+
+        def run(self, req: Any) -> Iterator[TextEvent]:
+            for i in tokenizer.encode("Once upon"):
+                yield TextEvent(i, "", 0.0)
+            raise ValueError("codec id outside the codebook")
+
+    monkeypatch.setattr(services.pipeline, "InProcessPipeline", FailsMidway)
+    result = CliRunner().invoke(app, ["demo", "hi", "--model", str(tiny_dir), "--out", str(tmp_path / "r.wav")])
+    assert result.exit_code == 1
+    assert result.output.splitlines()[:2] == ["Once upon", "error: ValueError: codec id outside the codebook"], result.output

@@ -736,11 +736,16 @@ def demo(
                               want_audio=not text_only)  # fmt: skip
         pcm = []
         text = TextStream(pipe.tokenizer)  # the reply's text as the gateway sends it (whole characters, no <|im_end|>)
-        for ev in pipe.run(req):
-            if isinstance(ev, TextEvent):
-                typer.echo(text.push([ev.token_id]), nl=False)
-            elif isinstance(ev, AudioEvent):
-                pcm.append(ev.pcm.numpy())
+        try:
+            for ev in pipe.run(req):
+                if isinstance(ev, TextEvent):
+                    typer.echo(text.push([ev.token_id]), nl=False)
+                elif isinstance(ev, AudioEvent):
+                    pcm.append(ev.pcm.numpy())
+        except BaseException:
+            if text.sent:  # the error's line after the text, not on it
+                typer.echo("")
+            raise
         typer.echo(text.flush(), nl=False)
     if text_only:
         typer.echo("")
