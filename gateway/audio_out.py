@@ -76,8 +76,9 @@ class AudioEncoder:
         self._sink = _Sink()
         container, codec = ("mp3", "libmp3lame") if fmt == F.MP3 else ("ogg", "libopus")
         # a small I/O buffer so every encoded packet reaches the sink (and the client) at once
-        # (Ogg pages flushed every 20 ms instead of every second)
-        options = {"page_duration": "20000"} if fmt == F.OPUS else {}
+        # (Ogg pages flushed every 20 ms instead of every second); bitexact: the Ogg stream's serial
+        # number fixed, not random, so the same reply is the same bytes (as every other format)
+        options = {"page_duration": "20000", "fflags": "+bitexact"} if fmt == F.OPUS else {}
         self._muxer = av.open(self._sink, mode="w", format=container, buffer_size=512, options=options)
         self._stream = self._muxer.add_stream(codec, rate=self.sample_rate, layout="mono")
         if fmt == F.MP3:

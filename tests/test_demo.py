@@ -87,4 +87,5 @@ def test_a_demo_failing_mid_reply_puts_its_error_on_a_line_of_its_own(
     monkeypatch.setattr(services.pipeline, "InProcessPipeline", FailsMidway)
     result = CliRunner().invoke(app, ["demo", "hi", "--model", str(tiny_dir), "--out", str(tmp_path / "r.wav")])
     assert result.exit_code == 1
-    assert result.output.splitlines()[:2] == ["Once upon", "error: ValueError: codec id outside the codebook"], result.output
+    lines = result.output.splitlines()
+    assert lines[:2] == ["Once upon", "error: ValueError: codec id outside the codebook"], result.output

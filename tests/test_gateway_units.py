@@ -61,6 +61,13 @@ def test_every_format_carries_the_audio(fmt: str) -> None:
         assert nonempty == [len(parts) - 1]
 
 
+@pytest.mark.parametrize("fmt", list(FORMAT_NAMES))
+def test_the_same_audio_is_the_same_bytes(fmt: str) -> None:
+    """As a greedy reply's samples are (opus's Ogg stream had a random serial number)."""
+    samples = media.tone(0.5, RATE, 220.0, seed=3)
+    assert b"".join(_encode(fmt, samples)) == b"".join(_encode(fmt, samples))
+
+
 def test_unknown_format_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown audio format 'aac'"):
         format_from_name("aac")
