@@ -135,12 +135,16 @@ class InProcessDriver(SyncDriver):
         ids = self.pipe.prompt_ids(req.prompt)
         preq = PipelineRequest(ids, thinker=thinker, talker=talker, want_audio=req.want_audio,
                                full_payload=self.full_payload)  # fmt: skip
+        # The pipeline hands out a round's events after the round's last stage: a token comes out with
+        # the talker's and code2wav's steps after it. Each event is timed when its stage made it (ev.t,
+        # from the request's start), as a served stack sends it then.
+        start = time.perf_counter()
         for ev in self.pipe.run(preq):
             now = time.perf_counter()
             if isinstance(ev, TextEvent):
-                yield StreamEvent("text", now, token_ids=(ev.token_id,))
+                yield StreamEvent("text", min(now, start + ev.t), token_ids=(ev.token_id,))
             elif isinstance(ev, AudioEvent):
-                yield StreamEvent("audio", now, samples=int(ev.pcm.shape[0]),
+                yield StreamEvent("audio", min(now, start + ev.t), samples=int(ev.pcm.shape[0]),
                                   sample_rate=self.pipe.checkpoint.sample_rate)  # fmt: skip
             elif isinstance(ev, DoneEvent):
                 yield StreamEvent(

@@ -60,6 +60,7 @@ from omnistage.models.sampling import SamplingParams
 from omnistage.server.thread_cpu import ThreadCpuCollector
 
 SCHEMA = "omnistage.bench/1"
+BURST_FACTOR = 4  # a closed-loop level of fewer than this many times c requests is mostly one burst
 
 
 @dataclass
@@ -356,6 +357,9 @@ class Run:
                             mode=mode)
         if c > len(reqs):  # its name says c: say it never had that many
             level.notes.append(f"{len(reqs)} request(s): at most {len(reqs)} in flight, not {c}")
+        elif c > 1 and len(reqs) < BURST_FACTOR * c:  # its rate counts the ramp down, fewer than c in flight
+            level.notes.append(f"{len(reqs)} request(s) at concurrency {c}: mostly one burst, its requests/s "
+                               f"includes the ramp down (give {BURST_FACTOR * c}+ for a steady c)")  # fmt: skip
         with self.bar(name, len(reqs)) as bar:
             async with self._stage_load(level):
                 await run_concurrency(driver, level, reqs, c, time_limit, bar.update)
@@ -382,6 +386,9 @@ class Run:
         t, client = time.perf_counter(), own_snapshot(self.client_threads)
         yield
         wall, client_end = time.perf_counter() - t, own_snapshot(self.client_threads)
+        # over the window the level's requests/s is over (an open loop's starts at its first arrival:
+        # the wait for it, idle, would lower every share)
+        wall = level.wall_s or wall
         after = await asyncio.to_thread(snapshot, self.metrics_endpoints)
         if before is not None and after is not None:
             # the load generator shares the machine too: this process, all of its threads

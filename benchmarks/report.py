@@ -215,7 +215,8 @@ def format_stage_load(result: dict[str, Any]) -> str:
     if not lines:
         return ""
     return "\n".join(["stage load (each stack process's own metrics over the level, and the bench client's CPU; "
-                      "busy = share of the level in engine steps, cpu = cores used, outside steps = the share "
+                      "busy = share of the level in engine steps (a replica's: the mean over a role's "
+                      "replicas), cpu = cores used (all replicas), outside steps = the share "
                       "of them not in engine steps: gRPC, encoding, relaying; messages = gRPC messages sent and "
                       "received, every hop; by thread: CPU of the engine thread, the main thread's event loop, "
                       "gRPC's threads and the others):", *lines])

@@ -70,11 +70,12 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 def snapshot(eps: dict[str, list[str]], timeout: float = 2.0) -> dict[str, dict[str, float]] | None:
-    """Each role's figures summed over its replicas; None if any process did not answer."""
+    """Each role's figures summed over its replicas (and their count, `replicas`); None if any
+    process did not answer."""
     out: dict[str, dict[str, float]] = {}
     try:
         for role, urls in eps.items():
-            total: dict[str, float] = {}
+            total: dict[str, float] = {"replicas": float(len(urls))}
             for url in urls:
                 for k, v in _scrape(url, timeout).items():
                     total[k] = total.get(k, 0.0) + v
@@ -110,7 +111,9 @@ def load_between(before: dict[str, dict[str, float]], after: dict[str, dict[str,
             "steps": steps,
             "mean_batch": batch / steps if steps and batch is not None else None,
             "mean_step_ms": 1000 * step_s / steps if steps and step_s is not None else None,
-            "busy": step_s / wall_s if step_s is not None and wall_s > 0 else None,
+            # a replica's share of the level in steps, the mean over the role's replicas (summed, two
+            # half-busy replicas read as one saturated one)
+            "busy": step_s / wall_s / end.get("replicas", 1.0) if step_s is not None and wall_s > 0 else None,
             # the engine thread's share of its step time on a core: the rest it waited (a core, the GIL)
             "step_on_cpu": step_cpu / step_s if step_cpu is not None and step_s else None,
             "cpu_cores": cpu / wall_s if cpu is not None and wall_s > 0 else None,
