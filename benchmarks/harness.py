@@ -48,6 +48,7 @@ from benchmarks.drivers import (
     GrpcDriver,
     InProcessDriver,
     MonolithicDriver,
+    SyncDriver,
 )
 from benchmarks.load import LevelResult, run_concurrency, run_poisson
 from benchmarks.prompts import load_prompts, request_sequence
@@ -357,7 +358,8 @@ class Run:
                             mode=mode)
         if c > len(reqs):  # its name says c: say it never had that many
             level.notes.append(f"{len(reqs)} request(s): at most {len(reqs)} in flight, not {c}")
-        elif c > 1 and len(reqs) < BURST_FACTOR * c:  # its rate counts the ramp down, fewer than c in flight
+        elif c > 1 and len(reqs) < BURST_FACTOR * c and not isinstance(driver, SyncDriver):
+            # its rate counts the ramp down, fewer than c in flight (a SyncDriver runs one at a time anyway)
             level.notes.append(f"{len(reqs)} request(s) at concurrency {c}: mostly one burst, its requests/s "
                                f"includes the ramp down (give {BURST_FACTOR * c}+ for a steady c)")  # fmt: skip
         with self.bar(name, len(reqs)) as bar:

@@ -65,10 +65,12 @@ def test_stage_figures_are_over_the_levels_own_window(monkeypatch: pytest.Monkey
     assert level.stage_load is not None and level.stage_load["talker"]["busy"] == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize(("n", "c", "said"), [(16, 16, "mostly one burst"), (64, 16, None), (8, 16, "not 16"),
-                                             (3, 1, None)])  # fmt: skip
+@pytest.mark.parametrize(("n", "c", "said", "one_at_a_time"),
+                         [(16, 16, "mostly one burst", False), (64, 16, None, False), (8, 16, "not 16", False),
+                          (3, 1, None, False), (16, 8, None, True)])  # fmt: skip
 def test_a_level_too_short_for_its_concurrency_says_so(monkeypatch: pytest.MonkeyPatch, n: int, c: int,
-                                                       said: str | None) -> None:  # fmt: skip
+                                                       said: str | None, one_at_a_time: bool) -> None:  # fmt: skip
+    """(Not where the driver runs one request at a time, as the in-process pipeline's does: no ramp down.)"""
     async def no_load(*args: Any) -> None:
         return None
 
@@ -84,6 +86,6 @@ def test_a_level_too_short_for_its_concurrency_says_so(monkeypatch: pytest.Monke
     run = SimpleNamespace(bar=bar, _stage_load=no_stage_load, _finish_level=lambda level: None)
     reqs = [BenchRequest(index=i, prompt_index=0, prompt="hi", thinker_max_tokens=4, talker_max_tokens=4)
             for i in range(n)]  # fmt: skip
-    level = asyncio.run(harness.Run.level_concurrency(run, SimpleNamespace(name="grpc"), f"c={c}", "sut",  # type: ignore[arg-type]
-                                                      reqs, c, None, None))  # fmt: skip
+    driver = object.__new__(InProcessDriver) if one_at_a_time else SimpleNamespace(name="grpc")
+    level = asyncio.run(harness.Run.level_concurrency(run, driver, f"c={c}", "sut", reqs, c, None, None))  # type: ignore[arg-type]
     assert [said in note for note in level.notes] == ([] if said is None else [True]), level.notes
