@@ -89,7 +89,7 @@ from gateway.server import (
     fail_replies,
     internal_failure,
 )
-from omnistage.models.sampling import MIN_TEMPERATURE
+from omnistage.models.sampling import greedy_temperature
 from omnistage.quoting import quoted
 from omnistage.topology import STAGES
 from omnistage.v1 import gateway_pb2, stage_pb2
@@ -540,18 +540,12 @@ def _seed_speech(req: gateway_pb2.GenerateRequest, seed: int) -> None:
         req.sampling[stage].seed = (seed + offset + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
-def _greedy(temperature: float) -> bool:
-    """0, and as in vLLM any temperature under 1e-5 (sampling there would divide the logits
-    into overflow), is greedy."""
-    return temperature < MIN_TEMPERATURE
-
-
 def _stage_sampling(entry: StageSampling, stop_ids: Sequence[int]) -> stage_pb2.SamplingParams:
     """A thinker or talker entry of `sampling_params_list` as that stage's sampling; its
     `stop_token_ids` stop the stage besides its own stop ids (`stop_ids`), as in vLLM."""
     msg = stage_pb2.SamplingParams()
     if entry.temperature is not None:
-        msg.do_sample = not _greedy(entry.temperature)
+        msg.do_sample = not greedy_temperature(entry.temperature)
         if msg.do_sample:
             msg.temperature = entry.temperature
     if entry.top_p is not None:
@@ -634,7 +628,7 @@ def to_generate_request(
     if max_tokens is not None:
         thinker.max_tokens = max_tokens
     if body.temperature is not None:
-        if _greedy(body.temperature):  # deterministic: greedy text and greedy speech
+        if greedy_temperature(body.temperature):  # deterministic: greedy text and greedy speech
             thinker.do_sample = False
             req.sampling["talker"].do_sample = False
             if want_audio and body.seed is None:  # and a sampled vocoder's noise (Qwen2.5-Omni's) as for seed 0

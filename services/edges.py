@@ -46,7 +46,7 @@ import torch
 
 from omnistage.engine import OutChunk
 from omnistage.models import SamplingParams
-from omnistage.models.sampling import MIN_TEMPERATURE
+from omnistage.models.sampling import greedy_temperature
 from omnistage.models.text_stream import check_stop_texts
 from omnistage.topology import STAGES
 from omnistage.v1 import stage_pb2
@@ -399,7 +399,7 @@ def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,
             raise invalid(f"{stage}: sampling: max_tokens {msg.max_tokens} exceeds this stage's limit {limit} ({why})")
     overrides: dict[str, Any] = {f: getattr(msg, f) for f in _SAMPLING_FIELDS if msg.HasField(f)}
     if not msg.HasField("do_sample"):  # the knobs say what was meant (generate() would ignore them)
-        if msg.HasField("temperature") and 0 <= msg.temperature < MIN_TEMPERATURE:  # 0: greedy, as over HTTP
+        if msg.HasField("temperature") and greedy_temperature(msg.temperature):  # 0: greedy, as over HTTP
             overrides["do_sample"] = False
             del overrides["temperature"]
         elif msg.HasField("temperature") or (msg.HasField("top_p") and msg.top_p < 1) \

@@ -32,7 +32,7 @@ import torch
 from safetensors import SafetensorError
 
 from omnistage.models.family import Family, UnknownFamily, family_for
-from omnistage.models.sampling import MIN_TEMPERATURE, SamplingParams
+from omnistage.models.sampling import SamplingParams, greedy_temperature
 
 log = logging.getLogger(__name__)
 
@@ -615,8 +615,8 @@ def generation_defaults(ckpt: Checkpoint, stop_ids: tuple[int, ...], max_tokens:
         if unsampled:
             _say_unsampled(str(ckpt.path), ", ".join(unsampled))
         temperature = 1.0 if gen.get("temperature") is None else float(gen["temperature"])
-        # under 1e-5: greedy, as vLLM takes it (and as the HTTP API takes a request's); below 0 refused
-        sampled = bool(gen.get("do_sample", False)) and not 0 <= temperature < MIN_TEMPERATURE
+        # under 1e-5: greedy, as the HTTP API takes a request's; below 0 refused (SamplingParams)
+        sampled = bool(gen.get("do_sample", False)) and not greedy_temperature(temperature)
         return SamplingParams(
             do_sample=sampled,
             temperature=temperature if sampled else 1.0,

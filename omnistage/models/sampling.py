@@ -24,6 +24,12 @@ from transformers.generation.logits_process import (
 MIN_TEMPERATURE = 1e-5
 
 
+def greedy_temperature(temperature: float) -> bool:
+    """0, and as in vLLM any temperature under 1e-5 (sampling there would divide the logits into
+    overflow), means greedy: for the HTTP API, a Start's knobs and a checkpoint's generation config."""
+    return 0 <= temperature < MIN_TEMPERATURE
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """One stage's sampling. `max_tokens` counts generated tokens (thinker) or code-0 tokens
