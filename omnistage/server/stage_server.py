@@ -99,8 +99,15 @@ async def host_ready(out: OutChunk) -> None:
 # passed, counted in short sleeps: after a stall past all of it (the process not scheduled, or its
 # loop held up: seen once in a suite run on the loaded 2-core machine, a cancel on code2wav counted
 # INVALID_ARGUMENT), most of it is still to come, so the cancel delivered just after lands first.
+# The stages themselves send a Cancel message first (below), which no stall confuses; this is for
+# other callers (the gateway, while it still sends a prompt) and a stage's last-resort cancel.
 CANCEL_GRACE_S = 0.25
 CANCEL_GRACE_STEPS = 25
+# A call that ends early asks the stage below to end the request with a Cancel message (which
+# cannot pass for a half-close, whatever the load), then half-closes; the call below is cancelled
+# only if that stage has not ended it within this long (it does not read: stopped, or its worker
+# holds its input until the request is admitted).
+CANCEL_BELOW_S = 1.0
 
 
 class _Call:
@@ -125,6 +132,7 @@ class _Call:
         self.wait_ended = ""  # how a replay's last wait for a replica ended (Router.wait_after_loss)
         self.down_ever_served = False  # a replica served one of its downstream calls when opened
         self.failed = False  # the request failed: its input is read and dropped until the call ends
+        self.closing = False  # the call has ended: what comes from below is read and dropped until it ends too
         # set once the request's cache is reserved, or it ended (a worker that holds its input until then)
         self.admitted = asyncio.Event()
 
@@ -155,11 +163,13 @@ class _Call:
         return item
 
     async def relay(self, item: Any) -> None:
-        """Queue a relayed item once there is room (the caller is reading)."""
-        while self._over():
+        """Queue a relayed item once there is room (the caller is reading); drop it once the
+        call has ended (nobody reads the queue)."""
+        while self._over() and not self.closing:
             self.room.clear()
             await self.room.wait()
-        self.put_now(item)
+        if not self.closing:
+            self.put_now(item)
 
     def put_now(self, item: Any) -> None:
         """Queue an item at once (errors must get through), counted like the others."""
@@ -214,6 +224,9 @@ class ReplayMemory:
         self.held -= nbytes
 
 
+_CANCEL_BELOW = object()  # in a _DownBuffer: the request ended early; send a Cancel and end the call
+
+
 class _DownBuffer:
     """What one request sends downstream, in order (None: its end), read by index so a replayed
     call can send it all again. Kept while it fits `budget` bytes and the process's `memory`;
@@ -221,7 +234,7 @@ class _DownBuffer:
     was sent is dropped."""
 
     def __init__(self, budget: int, memory: ReplayMemory | None = None) -> None:
-        self.items: list[OutChunk | None] = []
+        self.items: list[Any] = []  # OutChunk, None (the end) or _CANCEL_BELOW
         self.first = 0  # index of items[0] (earlier ones dropped)
         self.nbytes = 0  # kept for replay, counted in `memory`
         self.budget = budget
@@ -252,16 +265,19 @@ class _DownBuffer:
         self.memory.give(self.nbytes)
         self.nbytes = 0
 
-    def close(self) -> None:
+    def close(self, cancel: bool = False) -> None:
         """The request's call has ended: hand back what is counted, count nothing more, and end
         the reader waiting for more (else gRPC's task sending the downstream call's messages,
-        parked in `get`, outlived a failed call until garbage collection, which logged errors)."""
+        parked in `get`, outlived a failed call until garbage collection, which logged errors).
+        `cancel`: before its end (the call below still open), the reader sends a Cancel first."""
+        if cancel and not self.closed:
+            self.items.append(_CANCEL_BELOW)
         if self.replayable:
             self._give_up("its call has ended")
         self.closed = True
         self._added.set()
 
-    async def get(self, index: int) -> OutChunk | None:
+    async def get(self, index: int) -> Any:
         """Item `index`, once there is one (None also for an index already dropped: only a
         superseded attempt's reader, which sends nothing more, can ask for one; and once closed)."""
         while index >= self.first + len(self.items):
@@ -333,6 +349,7 @@ class StageService:
         # gRPC messages this process sent and received, both directions and every hop (metrics)
         self.messages_sent = self.messages_received = 0
         self.draining = False
+        self._ending: set[asyncio.Task[None]] = set()  # calls below being ended (_end_below)
         self._router: Router | None = None
         self.watcher: ChainWatcher | None = None  # the stages below, polled (see start_watching)
 
@@ -433,7 +450,7 @@ class StageService:
                 await self._reject(context, request_iterator, self._undecodable(received, 1))
             first = received.message
             if first.WhichOneof("kind") != "start":
-                got = "a chunk" if first.WhichOneof("kind") else "an empty message"
+                got = {"chunk": "a chunk", "cancel": "a Cancel"}.get(first.WhichOneof("kind") or "", "an empty message")
                 await self._reject(context, request_iterator,
                                    invalid(f"{self.stage}: the first message must be Start, got {got}"))  # fmt: skip
             start = first.start
@@ -492,16 +509,34 @@ class StageService:
                 await context.abort(grpc_code(late.code), late.message)
         finally:
             self.open_streams -= 1
+            below = call.down_call is not None and not call.down_call.done()  # ended early: cancel it there
+            call.closing = True
+            call.room.set()  # (a relay waiting for room drops what it has)
             if call.down is not None:
-                call.down.close()
+                call.down.close(cancel=below)
             if req is not None:
                 self.engine.abort(req)  # no-op when already finished
                 self.engine.sent(req)  # whatever it had not sent will not be
                 self.pool.release_request(req.request_id)
-            if call.down_call is not None and not call.down_call.done():
-                call.down_call.cancel()
-            for t in tasks:
+            for t in tasks[:1]:  # the reader
                 t.cancel()
+            if below:  # (cancelling the relay would cancel the call below: grpc aio does on a cancelled read)
+                ending = asyncio.create_task(self._end_below(call, tasks[1:]))
+                self._ending.add(ending)
+                ending.add_done_callback(self._ending.discard)
+            else:
+                for t in tasks[1:]:
+                    t.cancel()
+
+    async def _end_below(self, call: _Call, relay: list[asyncio.Task[Any]]) -> None:
+        """Once the call below has taken the Cancel and ended (the relay reads and drops what it
+        still sends: its status comes only after them), or after CANCEL_BELOW_S: cancel what is left."""
+        if relay:
+            await asyncio.wait(relay, timeout=CANCEL_BELOW_S)
+        if call.down_call is not None and not call.down_call.done():
+            call.down_call.cancel()
+        for t in relay:
+            t.cancel()
 
     async def _read_inputs(
         self, req: Request, call: _Call,
@@ -521,9 +556,13 @@ class StageService:
                     if isinstance(msg, Undecodable):
                         raise self._undecodable(msg, index)
                     kind = msg.message.WhichOneof("kind")
+                    if kind == "cancel":  # the caller ended the request: as its cancel, without the race below
+                        reason = msg.message.cancel.reason
+                        raise StageError(Code.CANCELLED, f"{self.stage}: request {req.shown_id} cancelled by "
+                                         f"its caller{f' ({reason})' if reason else ''}")  # fmt: skip
                     if kind != "chunk":
                         got = "a second Start" if kind else "an empty message"
-                        raise invalid(f"{self.stage}: message {index} is {got}; expected a chunk")
+                        raise invalid(f"{self.stage}: message {index} is {got}; expected a chunk or a Cancel")
                     decoded = assembler.push(msg.message.chunk, msg.views)
                     if decoded is not None:
                         self.engine.feed(req, decoded)
@@ -640,6 +679,10 @@ class StageService:
             if item is None:  # the stream has taken every message before this: all of it has left
                 self.engine.sent(req)
                 return
+            if item is _CANCEL_BELOW:  # then half-close: the stage below ends the call (_end_below)
+                self.messages_sent += 1
+                yield stage_pb2.StageRequest(cancel=stage_pb2.Cancel(reason=f"{self.stage}: its call ended early"))
+                return
             if call.down_call.done():
                 continue  # the downstream finished first (e.g. the talker hit its limit): drop
             if accepted is None:
@@ -654,6 +697,8 @@ class StageService:
 
     def _replayable(self, e: grpc.aio.AioRpcError, call: _Call, context: grpc.aio.ServicerContext) -> str:
         """Why this failure cannot be replayed on another replica ("" when it can)."""
+        if call.closing:
+            return "its call has ended"
         detail = e.details() or ""
         if not lost_peer(e.code(), detail):
             return "not a lost replica"
@@ -688,7 +733,8 @@ class StageService:
                 await call.relay(_DOWN_DONE)
                 return
             except grpc.aio.AioRpcError as e:
-                # Also when we cancelled it ourselves: then nobody reads out_q any more.
+                if call.closing:  # this call has ended (and asked below to end): nothing to replay or tell
+                    return
                 why = self._replayable(e, call, context)
                 if not why:
                     call.attempt += 1

@@ -65,13 +65,21 @@ class Start(_message.Message):
     omit_codes: bool
     def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Mapping[str, SamplingParams]] = ..., want_audio: _Optional[bool] = ..., mode: _Optional[_Union[EdgeMode, str]] = ..., speaker: _Optional[str] = ..., deadline_unix_s: _Optional[float] = ..., omit_codes: _Optional[bool] = ...) -> None: ...
 
+class Cancel(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
 class StageRequest(_message.Message):
-    __slots__ = ("start", "chunk")
+    __slots__ = ("start", "chunk", "cancel")
     START_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
     start: Start
     chunk: _tensor_pb2.Chunk
-    def __init__(self, start: _Optional[_Union[Start, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
+    cancel: Cancel
+    def __init__(self, start: _Optional[_Union[Start, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
 
 class StageResponse(_message.Message):
     __slots__ = ("stage", "chunk")

@@ -26,7 +26,7 @@ from omnistage.models.checkpoint import open_checkpoint
 from omnistage.topology import STAGES
 from omnistage.v1 import gateway_pb2_grpc, stage_pb2, stage_pb2_grpc
 from omnistage.wire.tensor_blob import ChunkAssembler, encode_chunk
-from tests.integration.conftest import free_port_block, metric, run, stack_config
+from tests.integration.conftest import free_port_block, metric, prompt_chunk, run, stack_config
 
 PROBES_PER_STAGE = 240  # the bench runs 10,000
 
@@ -223,6 +223,61 @@ def test_errors_never_echo_payload_bytes(replicated: Stack) -> None:
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "message 2" in err.details() and f"{len(secret)} bytes" in err.details()
     assert "SECRET" not in err.details()
+
+
+def test_a_cancel_message_ends_the_request_cancelled_on_every_stage(replicated: Stack, pipeline: Any) -> None:
+    """A caller's Cancel mid-reply (the thinker's, here a direct one, as the first audio comes):
+    the call ends CANCELLED, the thinker's teardown asks the talker the same way, and it the
+    code2wav, so each stage counts one cancel, none a malformed stream, and all are idle after."""
+    never = int(pipeline.spec.tts_pad_id)  # (a thinker stop id it never makes)
+    everywhere = [a for name in STAGES for a in replicated.addresses(name)]
+
+    def ended(outcome: str) -> dict[str, float]:
+        return {name: sum(metric(a, "omnistage_stage_requests_finished_total", outcome=outcome)
+                          for a in replicated.addresses(name)) for name in STAGES}  # fmt: skip
+
+    refused_before, cancelled_before = ended("INVALID_ARGUMENT"), ended("CANCELLED")
+    start = faults._start("cancel-message")
+    start.sampling["thinker"].max_tokens = 300
+    start.sampling["thinker"].stop_ids.append(never)
+    start.sampling["talker"].max_tokens = 200
+    prompt = [prompt_chunk(pipeline.prompt_ids("Tell me a long story."))]
+
+    async def go() -> tuple[grpc.StatusCode, str, set[str]]:
+        audio = asyncio.Event()
+
+        async def messages() -> Any:
+            yield stage_pb2.StageRequest(start=start)
+            for c in prompt:
+                yield stage_pb2.StageRequest(chunk=c)
+            await asyncio.wait_for(audio.wait(), 30)
+            yield stage_pb2.StageRequest(cancel=stage_pb2.Cancel(reason="the test"))
+
+        seen: set[str] = set()
+        async with grpc.aio.insecure_channel(replicated.addresses("thinker")[0]) as ch:
+            try:
+                async for resp in stage_pb2_grpc.StageStub(ch).Stream(messages(), timeout=30):
+                    seen.add(resp.stage)
+                    if resp.stage == "code2wav":
+                        audio.set()
+            except grpc.aio.AioRpcError as e:
+                return e.code(), e.details() or "", seen
+        return grpc.StatusCode.OK, "", seen
+
+    code, details, seen = run(go())
+    assert code == grpc.StatusCode.CANCELLED, (code, details, seen)
+    assert details.startswith("thinker: request") and details.endswith("cancelled by its caller (the test)"), details
+    assert run(faults.wait_until(lambda: _all_idle(everywhere), limit_s=2.0)) is not None
+    assert ended("INVALID_ARGUMENT") == refused_before
+    cancelled = ended("CANCELLED")
+    assert all(cancelled[name] == cancelled_before[name] + 1 for name in STAGES), (cancelled_before, cancelled)
+
+
+async def _all_idle(addresses: list[str]) -> bool:
+    for a in addresses:
+        if not await stage_idle(a):
+            return False
+    return True
 
 
 def test_cancels_at_random_points_leave_nothing_held(replicated: Stack) -> None:

@@ -420,3 +420,111 @@ def test_an_early_close_is_told_from_a_cancel_across_a_stalled_process(cancelled
         return call.failed
 
     assert asyncio.run(go()) is (not cancelled)
+
+
+def test_a_cancel_message_ends_the_request_as_cancelled_and_drops_what_follows() -> None:
+    """A caller that ends a request early says so with a Cancel (its gRPC cancel alone ends the
+    messages as a half-close does): the request fails CANCELLED at once, not INVALID_ARGUMENT
+    after the grace, and chunks behind the Cancel are not fed."""
+    fed: list[Any] = []
+    aborted: list[StageError | None] = []
+    engine = SimpleNamespace(worker=SimpleNamespace(name="talker", holds_input_until_admitted=False),
+                             feed=lambda req, chunk: fed.append(chunk),
+                             abort=lambda req, error=None: aborted.append(error))  # fmt: skip
+    service = StageService(engine, model_name="m", arch="a", device="cpu", dtype="float32",  # type: ignore[arg-type]
+                           downstream=None, downstream_name=None, edge_mode=0, max_message_bytes=1 << 20,
+                           shm=False)  # fmt: skip
+    chunk = encode_chunk({"ids": torch.tensor([1])}, offset=0, length=1, finished=False)
+    later = encode_chunk({"ids": torch.tensor([2])}, offset=1, length=1, finished=True)
+
+    async def go() -> list[Any]:
+        async def messages() -> Any:
+            yield Received(stage_pb2.StageRequest(chunk=chunk), {}, b"")
+            yield Received(stage_pb2.StageRequest(cancel=stage_pb2.Cancel(reason="thinker: its call ended")), {}, b"")
+            yield Received(stage_pb2.StageRequest(chunk=later), {}, b"")
+
+        call = _Call(asyncio.get_running_loop())
+        req = SimpleNamespace(request_id="r#1", shown_id="'r'", input_closed=False)
+        await asyncio.wait_for(service._read_inputs(req, call, messages(),  # type: ignore[arg-type]
+                                                    CallShmReader(ShmReader(enabled=False), None)), 5)  # fmt: skip
+        assert call.failed
+        return [call.out_q.get_nowait() for _ in range(call.out_q.qsize())]
+
+    queued = asyncio.run(go())
+    assert len(fed) == 1  # the chunk before the Cancel only
+    assert len(queued) == 1 and isinstance(queued[0], StageError), queued
+    assert queued[0].code == Code.CANCELLED
+    assert queued[0].message == "talker: request 'r' cancelled by its caller (thinker: its call ended)"
+    assert aborted == [queued[0]]
+
+
+@pytest.mark.parametrize("cancel", [True, False])
+def test_a_call_that_ends_early_sends_a_cancel_below_before_its_half_close(cancel: bool) -> None:
+    """The downstream call's messages: what was sent, then, when the request's call ended with
+    the call below still open, a Cancel; then the half-close (an end in order sends none)."""
+    from omnistage.engine import OutChunk
+    from omnistage.server.stage_server import _DownBuffer
+
+    service = StageService(SimpleNamespace(worker=SimpleNamespace(name="thinker"), sent=lambda req: None),  # type: ignore[arg-type]
+                           model_name="m", arch="a", device="cpu", dtype="float32", downstream="127.0.0.1:1",
+                           downstream_name="talker", edge_mode=0, max_message_bytes=1 << 20, shm=False)  # fmt: skip
+
+    async def go() -> list[str]:
+        call = _Call(asyncio.get_running_loop())
+        call.down = _DownBuffer(1 << 20)
+        call.down_call = SimpleNamespace(done=lambda: False)
+        call.down.put(OutChunk({"k": torch.zeros(2)}, offset=0, length=1))
+        call.down.close(cancel=cancel)
+        call.down.put(OutChunk({"k": torch.zeros(2)}, offset=1, length=1))  # (after the end: dropped)
+        kinds = []
+        async for m in service._down_messages(SimpleNamespace(request_id="r#1"), call,  # type: ignore[arg-type]
+                                              stage_pb2.Start(request_id="r"), 0):  # fmt: skip
+            msg = m if isinstance(m, stage_pb2.StageRequest) else m.chunk.message()
+            kinds.append(msg.WhichOneof("kind") if isinstance(msg, stage_pb2.StageRequest) else "chunk")
+        return kinds
+
+    assert asyncio.run(go()) == ["start", "chunk", *(["cancel"] if cancel else [])]
+
+
+@pytest.mark.parametrize("below_ends_it", [True, False])
+def test_the_call_below_is_cancelled_only_when_it_does_not_end_after_the_cancel(
+    below_ends_it: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the Cancel the stage below ends the call itself (the relay reads it to its end);
+    one that does not within CANCEL_BELOW_S (stopped, not reading) has its call cancelled."""
+    from omnistage.server import stage_server
+
+    monkeypatch.setattr(stage_server, "CANCEL_BELOW_S", 0.05)
+    service = StageService(SimpleNamespace(worker=SimpleNamespace(name="thinker")),  # type: ignore[arg-type]
+                           model_name="m", arch="a", device="cpu", dtype="float32", downstream="127.0.0.1:1",
+                           downstream_name="talker", edge_mode=0, max_message_bytes=1 << 20, shm=False)  # fmt: skip
+
+    class _DownCall:
+        def __init__(self) -> None:
+            self.ended = self.cancelled = False
+
+        def done(self) -> bool:
+            return self.ended
+
+        def cancel(self) -> None:
+            self.cancelled = self.ended = True
+
+    async def go() -> tuple[bool, bool]:
+        call = _Call(asyncio.get_running_loop())
+        call.down_call = down = _DownCall()
+
+        async def relay() -> None:  # reads the call below to its end, or forever
+            if below_ends_it:
+                await asyncio.sleep(0.01)
+                down.ended = True
+                return
+            await asyncio.sleep(60)
+
+        task = asyncio.create_task(relay())
+        await asyncio.wait_for(service._end_below(call, [task]), 5)
+        await asyncio.sleep(0)
+        return down.cancelled, task.done()
+
+    cancelled, relay_done = asyncio.run(go())
+    assert cancelled is not below_ends_it
+    assert relay_done
