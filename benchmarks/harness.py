@@ -28,6 +28,7 @@ import os
 import random
 import shlex
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -556,6 +557,35 @@ def _find(levels: Sequence[LevelResult], pred: Callable[[LevelResult], bool]) ->
     return next((lv for lv in levels if pred(lv)), None)
 
 
+# The bottleneck stage's work per request, as the stage baseline records it (one list entry per
+# baseline request, in order): what its time over a request mix grows with.
+_STAGE_WORK = {"thinker": "tokens", "talker": "frames", "code2wav": "audio_samples"}
+
+
+def _for_mix(rate: float | None, cost: dict[int, float], base: Sequence[int], mix: Sequence[int]) -> float | None:
+    """`rate`, requests/s over the prompts `base` (prompt indices, one per request), turned into
+    the rate over the prompts `mix`, by what each prompt costs (`cost`, greedy: the same every
+    time): a baseline that ran fewer requests (--baseline-requests) ran another mix of prompts.
+    None when a prompt of `mix` was not run by the baseline."""
+    if rate is None or not base or not mix or any(p not in cost for p in (*base, *mix)):
+        return None
+    base_cost = sum(cost[p] for p in base) / len(base)
+    mix_cost = sum(cost[p] for p in mix) / len(mix)
+    return rate * base_cost / mix_cost if mix_cost > 0 else None
+
+
+def _same_mix(rate: float | None, cost: dict[int, float], base: Sequence[int], mix: Sequence[int]
+              ) -> tuple[float | None, str]:  # fmt: skip
+    """The baseline's rate for the system under test's prompts, and how it was had."""
+    if sorted(base) == sorted(mix):
+        return rate, "same requests"
+    scaled = _for_mix(rate, cost, base, mix)
+    if scaled is not None:
+        return scaled, f"its rate over its {len(base)} requests scaled to these {len(mix)} by each prompt's {{what}}"
+    return rate, (f"its {len(base)} requests against these {len(mix)}, not scaled: it did not run every prompt "
+                  "(raise --baseline-requests)")
+
+
 def ratio_inputs(run: Run, sut: str) -> tuple[RatioInputs, dict[str, str]]:
     lv = run.levels
     sweep = [x for x in lv if x.role == "sut" and x.load["type"] == "concurrency" and x.mode == "async_chunk"]
@@ -567,29 +597,51 @@ def ratio_inputs(run: Run, sut: str) -> tuple[RatioInputs, dict[str, str]]:
     ttfa_async, ttfa_full = _paired(c1, "ttfa", full, "ttfa")
     ttfa_sut, mono_e2e = _paired(c1, "ttfa", mono, "e2e")
     grpc_e2e, inproc_e2e = _paired(c1 if sut == "grpc" else None, "e2e", inproc, "e2e")
+    # the throughput baselines for the prompts cmax ran (its rate counts those requests)
+    mix = [r.prompt_index for r in cmax.records if r.ok] if cmax else []
+    mono_rate, mono_how = None, ""
+    if mono is not None:
+        per_prompt: dict[int, list[float]] = {}
+        for r in mono.records:
+            if r.ok and r.e2e is not None:
+                per_prompt.setdefault(r.prompt_index, []).append(r.e2e)
+        e2e = {p: statistics.median(v) for p, v in per_prompt.items()}
+        mono_rate, mono_how = _same_mix(mono.summary()["requests_per_s"], e2e,
+                                        [r.prompt_index for r in mono.records if r.ok], mix)  # fmt: skip
+        mono_how = mono_how.format(what="median E2E")
+    st = run.stage_baseline or {}
+    bn = st.get("bottleneck")
+    stage_rate, stage_how = st.get("bottleneck_requests_per_s"), ""
+    if bn is not None:
+        work = st["stages"][bn].get(_STAGE_WORK.get(bn, ""))
+        base = [r.prompt_index for r in run.baseline]
+        cost = dict(zip(base, map(float, work), strict=True)) if work and len(work) == len(base) else {}
+        stage_rate, stage_how = _same_mix(stage_rate, cost, base, mix)
+        stage_how = stage_how.format(what=_STAGE_WORK.get(bn, "work"))
     x = RatioInputs(
         ttfa_median_async_c1=ttfa_async,
         ttfa_median_full_c1=ttfa_full,
         ttfa_median_c1_vs_monolithic=ttfa_sut,
         monolithic_e2e_median=mono_e2e,
-        monolithic_requests_per_s=mono.summary()["requests_per_s"] if mono else None,
+        monolithic_requests_per_s=mono_rate,
         grpc_e2e_median_c1=grpc_e2e,
         inprocess_e2e_median_c1=inproc_e2e,
         requests_per_s_cmax=cmax.summary()["requests_per_s"] if cmax else None,
         # (a level over itself is no ratio: null when c=1 is the only level)
         requests_per_s_c1=c1.summary()["requests_per_s"] if c1 and c1 is not cmax else None,
-        bottleneck_stage_requests_per_s=(run.stage_baseline or {}).get("bottleneck_requests_per_s"),
+        bottleneck_stage_requests_per_s=stage_rate,
     )
     cm = f"{sut} c={cmax.load['value']}" if cmax else "(no concurrency level)"
-    bn = (run.stage_baseline or {}).get("bottleneck")
     basis = {
         "ttfa_async_over_full": f"median TTFA, {sut} c=1 async_chunk / {sut} full_payload c=1 (requests both ran)",
         "ttfa_over_monolithic_e2e": f"median TTFA {sut} c=1 / median E2E monolithic generate() (requests both ran)",
         "e2e_grpc_over_inprocess_c1": "median E2E grpc c=1 / in-process pipeline c=1 (requests both ran)"
         + ("" if sut == "grpc" else "; null: the system under test is the in-process pipeline"),
-        "throughput_cmax_over_sequential_monolithic": f"requests/s {cm} / monolithic generate() sequential",
+        "throughput_cmax_over_sequential_monolithic": f"requests/s {cm} / monolithic generate() sequential"
+        + (f" ({mono_how})" if mono_how else ""),
         "throughput_cmax_over_c1": f"requests/s {cm} / {sut} c=1",
-        "pipeline_over_bottleneck_stage": f"requests/s {cm} / slowest stage alone ({bn or 'not run'})",
+        "pipeline_over_bottleneck_stage": f"requests/s {cm} / slowest stage alone ({bn or 'not run'}"
+        + (f"; {stage_how})" if stage_how else ")"),
     }
     return x, basis
 

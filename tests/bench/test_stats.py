@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -264,3 +265,52 @@ def test_free_port_blocks_are_free_apart_and_below_the_ephemeral_range() -> None
     assert all(port_free("127.0.0.1", p) for p in ports)
     if _ephemeral_low() - max(sizes) - offset > 10_000:  # room below the range: drawn there
         assert max(ports) < _ephemeral_low()
+
+
+def test_throughput_baselines_are_taken_over_the_prompts_the_level_ran() -> None:
+    """A baseline that ran fewer requests (--baseline-requests) ran another mix of prompts: its
+    rate is turned into the rate over the level's prompts by each prompt's cost (monolithic: its
+    E2E; the slowest stage: its work, here talker frames). Checked against the time each would
+    take over the level's prompts, summed request by request."""
+    from benchmarks.harness import BenchOptions
+
+    prompts = [0, 1, 0, 0]
+    reqs = [BenchRequest(index=i, prompt_index=p, prompt="abc", thinker_max_tokens=4, talker_max_tokens=8)
+            for i, p in enumerate(prompts)]  # fmt: skip
+
+    def rec(i: int, issued: float, e2e: float) -> RequestRecord:
+        return RequestRecord(config="c", index=i, prompt_index=prompts[i], prompt_chars=1, issued_at=issued, ok=True,
+                             e2e=e2e, ttft=e2e / 10, ttfa=e2e / 2, text_tokens=4, audio_samples=1000,
+                             sample_rate=1000)  # fmt: skip
+
+    run = Run(BenchOptions(), reqs, reqs[:2])  # the baselines ran prompts 0 and 1 once each
+    mono_e2e = {0: 1.0, 1: 3.0}
+    talker_frames = {0: 10, 1: 30}
+    run.levels = [
+        _level("grpc c=4", "grpc", "sut", 4, "async_chunk", [rec(i, 0.0, 1.0) for i in range(4)]),  # 4 req/s
+        _level("monolithic sequential", "monolithic", "baseline", 1, None,
+               [rec(0, 0.0, mono_e2e[0]), rec(1, mono_e2e[0], mono_e2e[1])]),
+    ]
+    talker_s = 1.0  # both baseline requests, alone on the talker
+    run.stage_baseline = {"bottleneck": "talker", "bottleneck_requests_per_s": 2 / talker_s,
+                          "stages": {"talker": {"frames": [talker_frames[0], talker_frames[1]]}}}  # fmt: skip
+    inputs, basis = ratio_inputs(run, "grpc")
+    ratios = compute_ratios(inputs)
+    mono_s = sum(mono_e2e[p] for p in prompts)  # generate() over the level's prompts, one after another
+    assert inputs.monolithic_requests_per_s == pytest.approx(len(prompts) / mono_s)
+    assert ratios["throughput_cmax_over_sequential_monolithic"] == pytest.approx(4.0 / (len(prompts) / mono_s))
+    frames_per_s = sum(talker_frames.values()) / talker_s
+    stage_s = sum(talker_frames[p] for p in prompts) / frames_per_s
+    assert ratios["pipeline_over_bottleneck_stage"] == pytest.approx(4.0 / (len(prompts) / stage_s))
+    assert "scaled to these 4 by each prompt's median E2E" in basis["throughput_cmax_over_sequential_monolithic"]
+    assert "scaled to these 4 by each prompt's frames" in basis["pipeline_over_bottleneck_stage"]
+
+    # A prompt the baselines never ran: no cost to scale by; the rates stand as measured, and say so.
+    prompts[3] = 2
+    reqs[3] = replace(reqs[3], prompt_index=2)
+    run.levels[0] = _level("grpc c=4", "grpc", "sut", 4, "async_chunk", [rec(i, 0.0, 1.0) for i in range(4)])
+    inputs, basis = ratio_inputs(run, "grpc")
+    assert inputs.monolithic_requests_per_s == pytest.approx(2 / sum(mono_e2e.values()))
+    assert inputs.bottleneck_stage_requests_per_s == pytest.approx(2 / talker_s)
+    assert "not scaled" in basis["throughput_cmax_over_sequential_monolithic"]
+    assert "not scaled" in basis["pipeline_over_bottleneck_stage"]
