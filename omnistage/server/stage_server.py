@@ -7,8 +7,9 @@ Message flow for one request on a stage with a downstream:
                                           down chunks to the downstream call (opened by the first)
   downstream responses --> relayed to the caller as the bytes they came in (never parsed here)
 The call ends when this stage's own work and the downstream call have both finished. A
-cancelled or failed call aborts the request here (the engine frees its state) and cancels the
-downstream call, so the abort travels down the chain by itself.
+cancelled or failed call aborts the request here (the engine frees its state) and ends the
+downstream call (a Cancel message, or a gRPC cancel once its input is all sent), so the abort
+travels down the chain by itself.
 """
 
 from __future__ import annotations
@@ -234,7 +235,7 @@ class _DownBuffer:
     was sent is dropped."""
 
     def __init__(self, budget: int, memory: ReplayMemory | None = None) -> None:
-        self.items: list[Any] = []  # OutChunk, None (the end) or _CANCEL_BELOW
+        self.items: list[OutChunk | None] = []
         self.first = 0  # index of items[0] (earlier ones dropped)
         self.nbytes = 0  # kept for replay, counted in `memory`
         self.budget = budget
@@ -242,6 +243,8 @@ class _DownBuffer:
         self.replayable = True
         self.why = ""  # why it is not replayable
         self.closed = False
+        self.cancelling = False  # the reader sends a Cancel next, whatever is queued (close(cancel=True))
+        self.end_taken = False  # the reader has taken the end (None): the call below is half-closed
         self._added = asyncio.Event()
 
     def put(self, item: OutChunk | None) -> None:
@@ -269,9 +272,10 @@ class _DownBuffer:
         """The request's call has ended: hand back what is counted, count nothing more, and end
         the reader waiting for more (else gRPC's task sending the downstream call's messages,
         parked in `get`, outlived a failed call until garbage collection, which logged errors).
-        `cancel`: before its end (the call below still open), the reader sends a Cancel first."""
-        if cancel and not self.closed:
-            self.items.append(_CANCEL_BELOW)
+        `cancel` (the call below still open, its end not taken): the reader's next item is a
+        Cancel, ahead of whatever is still queued (the stage below would read all of it first)."""
+        if cancel and not self.closed and not self.end_taken:
+            self.cancelling = True
         if self.replayable:
             self._give_up("its call has ended")
         self.closed = True
@@ -279,11 +283,14 @@ class _DownBuffer:
 
     async def get(self, index: int) -> Any:
         """Item `index`, once there is one (None also for an index already dropped: only a
-        superseded attempt's reader, which sends nothing more, can ask for one; and once closed)."""
-        while index >= self.first + len(self.items):
+        superseded attempt's reader, which sends nothing more, can ask for one; and once closed);
+        _CANCEL_BELOW once cancelling."""
+        while not self.cancelling and index >= self.first + len(self.items):
             if self.closed:
                 return None
             await self._added.wait()
+        if self.cancelling:
+            return _CANCEL_BELOW
         return self.items[index - self.first] if index >= self.first else None
 
     def taken(self, index: int) -> None:
@@ -509,34 +516,50 @@ class StageService:
                 await context.abort(grpc_code(late.code), late.message)
         finally:
             self.open_streams -= 1
-            below = call.down_call is not None and not call.down_call.done()  # ended early: cancel it there
+            # Ended early, the call below still open: before its input's end, a Cancel tells it
+            # (a gRPC cancel would look like an early close there); after it, a cancel cannot
+            below = call.down_call is not None and not call.down_call.done()
+            tell = below and call.down is not None and not call.down.end_taken
             call.closing = True
             call.room.set()  # (a relay waiting for room drops what it has)
             if call.down is not None:
-                call.down.close(cancel=below)
+                call.down.close(cancel=tell)
             if req is not None:
                 self.engine.abort(req)  # no-op when already finished
                 self.engine.sent(req)  # whatever it had not sent will not be
-                self.pool.release_request(req.request_id)
+                if not below:  # (else once the call below has ended: what is in flight points at them)
+                    self.pool.release_request(req.request_id)
             for t in tasks[:1]:  # the reader
                 t.cancel()
             if below:  # (cancelling the relay would cancel the call below: grpc aio does on a cancelled read)
-                ending = asyncio.create_task(self._end_below(call, tasks[1:]))
+                if not tell:
+                    call.down_call.cancel()
+                ending = asyncio.create_task(self._end_below(call, tasks[1:], req))
                 self._ending.add(ending)
                 ending.add_done_callback(self._ending.discard)
             else:
                 for t in tasks[1:]:
                     t.cancel()
 
-    async def _end_below(self, call: _Call, relay: list[asyncio.Task[Any]]) -> None:
-        """Once the call below has taken the Cancel and ended (the relay reads and drops what it
-        still sends: its status comes only after them), or after CANCEL_BELOW_S: cancel what is left."""
-        if relay:
-            await asyncio.wait(relay, timeout=CANCEL_BELOW_S)
-        if call.down_call is not None and not call.down_call.done():
-            call.down_call.cancel()
-        for t in relay:
-            t.cancel()
+    async def _end_below(self, call: _Call, relay: list[asyncio.Task[Any]], req: Request | None) -> None:
+        """Once the call below has ended (after the Cancel, the relay reads and drops what it
+        still sends: its status comes only after them), or after CANCEL_BELOW_S: cancel what is
+        left, and free the request's shared memory (the stage below has read what it sent)."""
+        try:
+            if relay:
+                await asyncio.wait(relay, timeout=CANCEL_BELOW_S)
+        finally:
+            if call.down_call is not None and not call.down_call.done():
+                call.down_call.cancel()
+            for t in relay:
+                t.cancel()
+            if req is not None:
+                self.pool.release_request(req.request_id)
+
+    @property
+    def ending_below(self) -> int:
+        """Calls below that ended requests are still being ended (a Cancel sent, no end yet)."""
+        return len(self._ending)
 
     async def _read_inputs(
         self, req: Request, call: _Call,
@@ -677,6 +700,7 @@ class StageService:
             call.down.taken(index)
             index += 1
             if item is None:  # the stream has taken every message before this: all of it has left
+                call.down.end_taken = True
                 self.engine.sent(req)
                 return
             if item is _CANCEL_BELOW:  # then half-close: the stage below ends the call (_end_below)
@@ -697,8 +721,6 @@ class StageService:
 
     def _replayable(self, e: grpc.aio.AioRpcError, call: _Call, context: grpc.aio.ServicerContext) -> str:
         """Why this failure cannot be replayed on another replica ("" when it can)."""
-        if call.closing:
-            return "its call has ended"
         detail = e.details() or ""
         if not lost_peer(e.code(), detail):
             return "not a lost replica"
@@ -725,6 +747,8 @@ class StageService:
             try:
                 async for raw in call.down_call:
                     self.messages_received += 1
+                    if call.closing:
+                        continue  # (read only for the call's end, after a Cancel)
                     if release_at_answer:
                         release_at_answer = False
                         self.pool.release_request(req.request_id)
@@ -774,6 +798,8 @@ class StageService:
                 self._fail(req, call, StageError(Code[code.name], detail))
                 return
             except (TensorBlobError, DecodeError) as e:
+                if call.closing:
+                    return
                 self._fail(req, call, StageError(Code.INTERNAL, f"{self.downstream_name} sent a bad response: {e}"))
                 return
 
@@ -877,7 +903,9 @@ class StageServer:
             self.service.engine.stop()
             self.service.pool.close()
 
-        await drain(self.health, lambda: self.service.open_streams > 0, self.drain_grace_s, self.server, shutdown)
+        # (calls below still being ended keep their shared memory until then: see _end_below)
+        await drain(self.health, lambda: self.service.open_streams > 0 or self.service.ending_below > 0,
+                    self.drain_grace_s, self.server, shutdown)  # fmt: skip
 
     async def serve_forever(self) -> None:
         await wait_for_signal()

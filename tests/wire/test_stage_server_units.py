@@ -458,10 +458,14 @@ def test_a_cancel_message_ends_the_request_as_cancelled_and_drops_what_follows()
     assert aborted == [queued[0]]
 
 
-@pytest.mark.parametrize("cancel", [True, False])
-def test_a_call_that_ends_early_sends_a_cancel_below_before_its_half_close(cancel: bool) -> None:
-    """The downstream call's messages: what was sent, then, when the request's call ended with
-    the call below still open, a Cancel; then the half-close (an end in order sends none)."""
+@pytest.mark.parametrize("case", ["waiting", "backlog", "end-queued", "end-taken"])
+def test_a_call_that_ends_early_sends_a_cancel_below_ahead_of_its_backlog(case: str) -> None:
+    """The downstream call's messages when the request's call ends early: what was taken, then
+    a Cancel at once (to a reader waiting for more too), ahead of what is still queued (its end
+    included: the stage below would read all of that first, and its shared memory, freed with
+    the request). Once the end was
+    taken (the call below half-closed), there is nothing to send: no Cancel, and the teardown
+    cancels that call (its input complete, a cancel cannot pass for an early close there)."""
     from omnistage.engine import OutChunk
     from omnistage.server.stage_server import _DownBuffer
 
@@ -469,21 +473,44 @@ def test_a_call_that_ends_early_sends_a_cancel_below_before_its_half_close(cance
                            model_name="m", arch="a", device="cpu", dtype="float32", downstream="127.0.0.1:1",
                            downstream_name="talker", edge_mode=0, max_message_bytes=1 << 20, shm=False)  # fmt: skip
 
-    async def go() -> list[str]:
+    def out(i: int) -> OutChunk:
+        return OutChunk({"k": torch.zeros(2)}, offset=i, length=1)
+
+    def kind(m: Any) -> str:
+        msg = m if isinstance(m, stage_pb2.StageRequest) else None
+        return msg.WhichOneof("kind") or "" if msg is not None else f"chunk {m.chunk.message().offset}"
+
+    async def go() -> tuple[list[str], bool]:
         call = _Call(asyncio.get_running_loop())
         call.down = _DownBuffer(1 << 20)
         call.down_call = SimpleNamespace(done=lambda: False)
-        call.down.put(OutChunk({"k": torch.zeros(2)}, offset=0, length=1))
-        call.down.close(cancel=cancel)
-        call.down.put(OutChunk({"k": torch.zeros(2)}, offset=1, length=1))  # (after the end: dropped)
-        kinds = []
-        async for m in service._down_messages(SimpleNamespace(request_id="r#1"), call,  # type: ignore[arg-type]
-                                              stage_pb2.Start(request_id="r"), 0):  # fmt: skip
-            msg = m if isinstance(m, stage_pb2.StageRequest) else m.chunk.message()
-            kinds.append(msg.WhichOneof("kind") if isinstance(msg, stage_pb2.StageRequest) else "chunk")
-        return kinds
+        messages = service._down_messages(SimpleNamespace(request_id="r#1"), call,  # type: ignore[arg-type]
+                                          stage_pb2.Start(request_id="r"), 0)  # fmt: skip
+        call.down.put(out(0))
+        sent = [kind(await anext(messages)), kind(await anext(messages))]  # the Start, chunk 0
+        if case == "waiting":  # the reader waits for more when the call ends
+            parked = asyncio.ensure_future(anext(messages))
+            await asyncio.sleep(0.01)
+            call.down.close(cancel=True)
+            sent.append(kind(await asyncio.wait_for(parked, 5)))
+            sent += [kind(m) async for m in messages]
+            return sent, call.down.end_taken
+        call.down.put(out(1))  # queued, not taken
+        if case != "backlog":
+            call.down.put(None)
+        if case == "end-taken":
+            sent.append(kind(await anext(messages)))  # chunk 1
+            with pytest.raises(StopAsyncIteration):  # the end: the half-close
+                await anext(messages)
+        call.down.close(cancel=not call.down.end_taken)  # as the teardown decides
+        sent += [kind(m) async for m in messages]
+        return sent, call.down.end_taken
 
-    assert asyncio.run(go()) == ["start", "chunk", *(["cancel"] if cancel else [])]
+    sent, end_taken = asyncio.run(go())
+    if case == "end-taken":
+        assert (sent, end_taken) == (["start", "chunk 0", "chunk 1"], True)
+    else:
+        assert (sent, end_taken) == (["start", "chunk 0", "cancel"], False)
 
 
 @pytest.mark.parametrize("below_ends_it", [True, False])
@@ -491,7 +518,8 @@ def test_the_call_below_is_cancelled_only_when_it_does_not_end_after_the_cancel(
     below_ends_it: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """After the Cancel the stage below ends the call itself (the relay reads it to its end);
-    one that does not within CANCEL_BELOW_S (stopped, not reading) has its call cancelled."""
+    one that does not within CANCEL_BELOW_S (stopped, not reading) has its call cancelled. The
+    request's shared memory is freed only then."""
     from omnistage.server import stage_server
 
     monkeypatch.setattr(stage_server, "CANCEL_BELOW_S", 0.05)
@@ -521,10 +549,14 @@ def test_the_call_below_is_cancelled_only_when_it_does_not_end_after_the_cancel(
             await asyncio.sleep(60)
 
         task = asyncio.create_task(relay())
-        await asyncio.wait_for(service._end_below(call, [task]), 5)
+        # the request's shared memory is freed once the call below has ended (it read what was sent)
+        service.pool = SimpleNamespace(release_request=lambda rid: released.append((rid, down.ended)))  # type: ignore[assignment]
+        await asyncio.wait_for(service._end_below(call, [task], SimpleNamespace(request_id="r#1")), 5)  # type: ignore[arg-type]
         await asyncio.sleep(0)
         return down.cancelled, task.done()
 
+    released: list[tuple[str, bool]] = []
     cancelled, relay_done = asyncio.run(go())
     assert cancelled is not below_ends_it
     assert relay_done
+    assert released == [("r#1", True)]
