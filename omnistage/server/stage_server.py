@@ -20,7 +20,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -281,6 +281,10 @@ class _DownBuffer:
         self.closed = True
         self._added.set()
 
+    def replay(self) -> None:
+        """A new call below sends it all again: its end is not taken there yet."""
+        self.end_taken = False
+
     async def get(self, index: int) -> Any:
         """Item `index`, once there is one (None also for an index already dropped: only a
         superseded attempt's reader, which sends nothing more, can ask for one; and once closed);
@@ -381,8 +385,13 @@ class StageService:
 
         return asyncio.create_task(self.watcher.run(on_poll))
 
-    async def _encode(self, out: OutChunk, seq: int, pool: ShmPool | None, request_id: str) -> list[LazyChunk]:
+    async def _encode(self, out: OutChunk, seq: int, pool: ShmPool | None, request_id: str,
+                      live: Callable[[], bool] | None = None) -> list[LazyChunk]:  # fmt: skip
+        """`live`: whether the call is still there once the host copy is ready (else no shared
+        memory: the request's may have been freed meanwhile, and nobody would free it again)."""
         await host_ready(out)
+        if live is not None and not live():
+            pool = None
         return encode_chunks(
             out.tensors,
             max_bytes=self.max_message_bytes - 1024,
@@ -545,9 +554,18 @@ class StageService:
         """Once the call below has ended (after the Cancel, the relay reads and drops what it
         still sends: its status comes only after them), or after CANCEL_BELOW_S: cancel what is
         left, and free the request's shared memory (the stage below has read what it sent)."""
+        async def read_to_end() -> None:  # (the relay stopped early: on a bad response from below)
+            with contextlib.suppress(Exception):
+                async for _ in call.down_call:
+                    pass
+
         try:
-            if relay:
-                await asyncio.wait(relay, timeout=CANCEL_BELOW_S)
+            waiting = [t for t in relay if not t.done()]
+            if not waiting and call.down_call is not None and not call.down_call.done():
+                waiting = [asyncio.ensure_future(read_to_end())]
+            if waiting:
+                await asyncio.wait(waiting, timeout=CANCEL_BELOW_S)
+            relay = relay + waiting
         finally:
             if call.down_call is not None and not call.down_call.done():
                 call.down_call.cancel()
@@ -672,6 +690,8 @@ class StageService:
             seeds = {s: secrets.randbits(62) for s in self.sampled_below}
             call.down_start = downstream_start(req.params, self.edge_mode, seeds)
         start = call.down_start
+        if call.attempt > 0 and call.down is not None:
+            call.down.replay()  # (a superseded writer checks its attempt before it marks the end)
         router = self._downstream()
         channel, done = router.pick()
         call.down_was_serving = router.serving(channel)
@@ -714,7 +734,10 @@ class StageService:
                 if self.pool.enabled:
                     with contextlib.suppress(grpc.aio.AioRpcError):
                         accepted = peer_accepts_shm(await call.down_call.initial_metadata())
-            for chunk in await self._encode(item, seq, self.pool if accepted else None, req.request_id):
+            def still() -> bool:  # (while the attempt is current, call.down_call is its call)
+                return call.attempt == attempt and not call.down_call.done()
+
+            for chunk in await self._encode(item, seq, self.pool if accepted else None, req.request_id, still):
                 seq += 1
                 self.messages_sent += 1
                 yield Outgoing(stage_pb2.StageRequest(), chunk)
@@ -899,7 +922,10 @@ class StageServer:
         if self._watching is not None:
             self._watching.cancel()
 
-        def shutdown() -> None:
+        async def shutdown() -> None:
+            # calls below being ended read what was sent (shared memory included) until they end
+            if self.service._ending:
+                await asyncio.wait(set(self.service._ending), timeout=CANCEL_BELOW_S + 0.5)
             self.service.engine.stop()
             self.service.pool.close()
 

@@ -502,7 +502,7 @@ def test_a_call_that_ends_early_sends_a_cancel_below_ahead_of_its_backlog(case: 
             sent.append(kind(await anext(messages)))  # chunk 1
             with pytest.raises(StopAsyncIteration):  # the end: the half-close
                 await anext(messages)
-        call.down.close(cancel=not call.down.end_taken)  # as the teardown decides
+        call.down.close(cancel=True)  # (a taken end leaves nothing to send it after)
         sent += [kind(m) async for m in messages]
         return sent, call.down.end_taken
 
@@ -560,3 +560,35 @@ def test_the_call_below_is_cancelled_only_when_it_does_not_end_after_the_cancel(
     assert cancelled is not below_ends_it
     assert relay_done
     assert released == [("r#1", True)]
+
+
+def test_a_replay_sends_the_cancel_although_the_lost_call_had_taken_the_end() -> None:
+    """The lost call's writer took the end; the replay's new call sends everything again. A
+    call that ends now must send that new call a Cancel (its input is not all sent again yet):
+    a plain gRPC cancel there could pass for an early close."""
+    from omnistage.engine import OutChunk
+    from omnistage.server.stage_server import _DownBuffer
+
+    service = StageService(SimpleNamespace(worker=SimpleNamespace(name="thinker"), sent=lambda req: None),  # type: ignore[arg-type]
+                           model_name="m", arch="a", device="cpu", dtype="float32", downstream="127.0.0.1:1",
+                           downstream_name="talker", edge_mode=0, max_message_bytes=1 << 20, shm=False)  # fmt: skip
+
+    async def go() -> list[str]:
+        call = _Call(asyncio.get_running_loop())
+        call.down = _DownBuffer(1 << 20)
+        call.down_call = SimpleNamespace(done=lambda: False)
+        for i in range(2):
+            call.down.put(OutChunk({"k": torch.zeros(2)}, offset=i, length=1, finished=i == 1))
+        call.down.put(None)
+        req, start = SimpleNamespace(request_id="r#1"), stage_pb2.Start(request_id="r")
+        lost = [m async for m in service._down_messages(req, call, start, 0)]  # type: ignore[arg-type]
+        assert len(lost) == 3 and call.down.end_taken  # the Start, both chunks, then the end
+        call.attempt = 1
+        call.down.replay()  # as _open_downstream does for a replay
+        again = service._down_messages(req, call, start, 1)  # type: ignore[arg-type]
+        sent = [await anext(again), await anext(again)]  # the Start, chunk 0
+        call.down.close(cancel=not call.down.end_taken)  # the teardown's choice (tell)
+        sent += [m async for m in again]
+        return [m.WhichOneof("kind") if isinstance(m, stage_pb2.StageRequest) else "chunk" for m in sent]
+
+    assert asyncio.run(go()) == ["start", "chunk", "cancel"]
