@@ -713,6 +713,10 @@ class StageService:
         index = call.down.first if attempt == 0 else 0
         # shared memory is decided once the peer's metadata is known; a replay sends inline
         accepted: bool | None = None if attempt == 0 else False
+
+        def still() -> bool:  # this attempt's call is open (while it is current, call.down_call is its call)
+            return call.attempt == attempt and not call.down_call.done()
+
         while True:
             item = await call.down.get(index)
             if call.attempt != attempt:
@@ -734,9 +738,6 @@ class StageService:
                 if self.pool.enabled:
                     with contextlib.suppress(grpc.aio.AioRpcError):
                         accepted = peer_accepts_shm(await call.down_call.initial_metadata())
-            def still() -> bool:  # (while the attempt is current, call.down_call is its call)
-                return call.attempt == attempt and not call.down_call.done()
-
             for chunk in await self._encode(item, seq, self.pool if accepted else None, req.request_id, still):
                 seq += 1
                 self.messages_sent += 1
