@@ -574,14 +574,17 @@ def _for_mix(rate: float | None, cost: dict[int, float], base: Sequence[int], mi
     return rate * base_cost / mix_cost if mix_cost > 0 else None
 
 
-def _same_mix(rate: float | None, cost: dict[int, float], base: Sequence[int], mix: Sequence[int]
+def _same_mix(rate: float | None, cost: dict[int, float], base: Sequence[int], mix: Sequence[int], what: str
               ) -> tuple[float | None, str]:  # fmt: skip
-    """The baseline's rate for the system under test's prompts, and how it was had."""
+    """The baseline's rate for the system under test's prompts (`mix`; none: no level to compare),
+    and how it was had (`what`: the cost each prompt is scaled by)."""
+    if not mix:
+        return rate, ""
     if sorted(base) == sorted(mix):
         return rate, "same requests"
     scaled = _for_mix(rate, cost, base, mix)
     if scaled is not None:
-        return scaled, f"its rate over its {len(base)} requests scaled to these {len(mix)} by each prompt's {{what}}"
+        return scaled, f"its rate over its {len(base)} requests scaled to these {len(mix)} by each prompt's {what}"
     return rate, (f"its {len(base)} requests against these {len(mix)}, not scaled: it did not run every prompt "
                   "(raise --baseline-requests)")
 
@@ -607,8 +610,7 @@ def ratio_inputs(run: Run, sut: str) -> tuple[RatioInputs, dict[str, str]]:
                 per_prompt.setdefault(r.prompt_index, []).append(r.e2e)
         e2e = {p: statistics.median(v) for p, v in per_prompt.items()}
         mono_rate, mono_how = _same_mix(mono.summary()["requests_per_s"], e2e,
-                                        [r.prompt_index for r in mono.records if r.ok], mix)  # fmt: skip
-        mono_how = mono_how.format(what="median E2E")
+                                        [r.prompt_index for r in mono.records if r.ok], mix, "median E2E")  # fmt: skip
     st = run.stage_baseline or {}
     bn = st.get("bottleneck")
     stage_rate, stage_how = st.get("bottleneck_requests_per_s"), ""
@@ -616,8 +618,7 @@ def ratio_inputs(run: Run, sut: str) -> tuple[RatioInputs, dict[str, str]]:
         work = st["stages"][bn].get(_STAGE_WORK.get(bn, ""))
         base = [r.prompt_index for r in run.baseline]
         cost = dict(zip(base, map(float, work), strict=True)) if work and len(work) == len(base) else {}
-        stage_rate, stage_how = _same_mix(stage_rate, cost, base, mix)
-        stage_how = stage_how.format(what=_STAGE_WORK.get(bn, "work"))
+        stage_rate, stage_how = _same_mix(stage_rate, cost, base, mix, _STAGE_WORK.get(bn, "work"))
     x = RatioInputs(
         ttfa_median_async_c1=ttfa_async,
         ttfa_median_full_c1=ttfa_full,
