@@ -562,29 +562,21 @@ def _find(levels: Sequence[LevelResult], pred: Callable[[LevelResult], bool]) ->
 _STAGE_WORK = {"thinker": "tokens", "talker": "frames", "code2wav": "audio_samples"}
 
 
-def _for_mix(rate: float | None, cost: dict[int, float], base: Sequence[int], mix: Sequence[int]) -> float | None:
-    """`rate`, requests/s over the prompts `base` (prompt indices, one per request), turned into
-    the rate over the prompts `mix`, by what each prompt costs (`cost`, greedy: the same every
-    time): a baseline that ran fewer requests (--baseline-requests) ran another mix of prompts.
-    None when a prompt of `mix` was not run by the baseline."""
-    if rate is None or not base or not mix or any(p not in cost for p in (*base, *mix)):
-        return None
-    base_cost = sum(cost[p] for p in base) / len(base)
-    mix_cost = sum(cost[p] for p in mix) / len(mix)
-    return rate * base_cost / mix_cost if mix_cost > 0 else None
-
-
 def _same_mix(rate: float | None, cost: dict[int, float], base: Sequence[int], mix: Sequence[int], what: str
               ) -> tuple[float | None, str]:  # fmt: skip
-    """The baseline's rate for the system under test's prompts (`mix`; none: no level to compare),
-    and how it was had (`what`: the cost each prompt is scaled by)."""
+    """`rate`, requests/s over the prompts `base` (prompt indices, one per request), for the
+    system under test's prompts `mix` (none: no level to compare), and how it was had. A baseline
+    that ran fewer requests (--baseline-requests) ran another mix: its rate is scaled by what each
+    prompt costs (`cost`, named `what`; greedy: the same every time), unless a prompt has no cost."""
     if not mix:
         return rate, ""
     if sorted(base) == sorted(mix):
         return rate, "same requests"
-    scaled = _for_mix(rate, cost, base, mix)
-    if scaled is not None:
-        return scaled, f"its rate over its {len(base)} requests scaled to these {len(mix)} by each prompt's {what}"
+    if rate is not None and base and all(p in cost for p in (*base, *mix)):
+        mix_cost = sum(cost[p] for p in mix) / len(mix)
+        if mix_cost > 0:
+            scaled = rate * (sum(cost[p] for p in base) / len(base)) / mix_cost
+            return scaled, f"its rate over its {len(base)} requests scaled to these {len(mix)} by each prompt's {what}"
     return rate, (f"its {len(base)} requests against these {len(mix)}, not scaled: it did not run every prompt "
                   "(raise --baseline-requests)")
 

@@ -268,18 +268,20 @@ class _DownBuffer:
         self.memory.give(self.nbytes)
         self.nbytes = 0
 
-    def close(self, cancel: bool = False) -> None:
+    def close(self, cancel: bool = False) -> bool:
         """The request's call has ended: hand back what is counted, count nothing more, and end
         the reader waiting for more (else gRPC's task sending the downstream call's messages,
         parked in `get`, outlived a failed call until garbage collection, which logged errors).
-        `cancel` (the call below still open, its end not taken): the reader's next item is a
-        Cancel, ahead of whatever is still queued (the stage below would read all of it first)."""
+        `cancel` (the call below still open): unless its end was taken, the reader's next item is
+        a Cancel, ahead of whatever is still queued (the stage below would read all of it first).
+        Returns whether a Cancel goes."""
         if cancel and not self.closed and not self.end_taken:
             self.cancelling = True
         if self.replayable:
             self._give_up("its call has ended")
         self.closed = True
         self._added.set()
+        return self.cancelling
 
     def replay(self) -> None:
         """A new call below sends it all again: its end is not taken there yet."""
@@ -528,11 +530,9 @@ class StageService:
             # Ended early, the call below still open: before its input's end, a Cancel tells it
             # (a gRPC cancel would look like an early close there); after it, a cancel cannot
             below = call.down_call is not None and not call.down_call.done()
-            tell = below and call.down is not None and not call.down.end_taken
             call.closing = True
             call.room.set()  # (a relay waiting for room drops what it has)
-            if call.down is not None:
-                call.down.close(cancel=tell)
+            tell = call.down is not None and call.down.close(cancel=below)
             if req is not None:
                 self.engine.abort(req)  # no-op when already finished
                 self.engine.sent(req)  # whatever it had not sent will not be
@@ -578,6 +578,11 @@ class StageService:
     def ending_below(self) -> int:
         """Calls below that ended requests are still being ended (a Cancel sent, no end yet)."""
         return len(self._ending)
+
+    async def wait_ending_below(self, timeout: float) -> None:
+        """Until those calls have ended (they read what was sent, shared memory included), at most `timeout`."""
+        if self._ending:
+            await asyncio.wait(set(self._ending), timeout=timeout)
 
     async def _read_inputs(
         self, req: Request, call: _Call,
@@ -924,9 +929,7 @@ class StageServer:
             self._watching.cancel()
 
         async def shutdown() -> None:
-            # calls below being ended read what was sent (shared memory included) until they end
-            if self.service._ending:
-                await asyncio.wait(set(self.service._ending), timeout=CANCEL_BELOW_S + 0.5)
+            await self.service.wait_ending_below(CANCEL_BELOW_S + 0.5)  # (before the pool closes)
             self.service.engine.stop()
             self.service.pool.close()
 

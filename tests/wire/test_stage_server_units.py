@@ -458,6 +458,13 @@ def test_a_cancel_message_ends_the_request_as_cancelled_and_drops_what_follows()
     assert aborted == [queued[0]]
 
 
+def _thinker_with_talker_below() -> StageService:
+    """A thinker's service, a talker below it, for its downstream writer and teardown alone."""
+    return StageService(SimpleNamespace(worker=SimpleNamespace(name="thinker"), sent=lambda req: None),  # type: ignore[arg-type]
+                        model_name="m", arch="a", device="cpu", dtype="float32", downstream="127.0.0.1:1",
+                        downstream_name="talker", edge_mode=0, max_message_bytes=1 << 20, shm=False)  # fmt: skip
+
+
 @pytest.mark.parametrize("case", ["waiting", "backlog", "end-queued", "end-taken"])
 def test_a_call_that_ends_early_sends_a_cancel_below_ahead_of_its_backlog(case: str) -> None:
     """The downstream call's messages when the request's call ends early: what was taken, then
@@ -469,9 +476,7 @@ def test_a_call_that_ends_early_sends_a_cancel_below_ahead_of_its_backlog(case: 
     from omnistage.engine import OutChunk
     from omnistage.server.stage_server import _DownBuffer
 
-    service = StageService(SimpleNamespace(worker=SimpleNamespace(name="thinker"), sent=lambda req: None),  # type: ignore[arg-type]
-                           model_name="m", arch="a", device="cpu", dtype="float32", downstream="127.0.0.1:1",
-                           downstream_name="talker", edge_mode=0, max_message_bytes=1 << 20, shm=False)  # fmt: skip
+    service = _thinker_with_talker_below()
 
     def out(i: int) -> OutChunk:
         return OutChunk({"k": torch.zeros(2)}, offset=i, length=1)
@@ -523,9 +528,7 @@ def test_the_call_below_is_cancelled_only_when_it_does_not_end_after_the_cancel(
     from omnistage.server import stage_server
 
     monkeypatch.setattr(stage_server, "CANCEL_BELOW_S", 0.05)
-    service = StageService(SimpleNamespace(worker=SimpleNamespace(name="thinker")),  # type: ignore[arg-type]
-                           model_name="m", arch="a", device="cpu", dtype="float32", downstream="127.0.0.1:1",
-                           downstream_name="talker", edge_mode=0, max_message_bytes=1 << 20, shm=False)  # fmt: skip
+    service = _thinker_with_talker_below()
 
     class _DownCall:
         def __init__(self) -> None:
@@ -569,9 +572,7 @@ def test_a_replay_sends_the_cancel_although_the_lost_call_had_taken_the_end() ->
     from omnistage.engine import OutChunk
     from omnistage.server.stage_server import _DownBuffer
 
-    service = StageService(SimpleNamespace(worker=SimpleNamespace(name="thinker"), sent=lambda req: None),  # type: ignore[arg-type]
-                           model_name="m", arch="a", device="cpu", dtype="float32", downstream="127.0.0.1:1",
-                           downstream_name="talker", edge_mode=0, max_message_bytes=1 << 20, shm=False)  # fmt: skip
+    service = _thinker_with_talker_below()
 
     async def go() -> list[str]:
         call = _Call(asyncio.get_running_loop())
