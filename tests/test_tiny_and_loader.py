@@ -575,6 +575,37 @@ def test_generation_config_eos_ids_all_stop_the_thinker(tiny_dir: Path, tmp_path
         ckpt.family.thinker_defaults(ckpt)
 
 
+def test_generation_config_max_new_tokens_is_the_thinker_default_limit(tiny_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint's `max_new_tokens` is how many tokens a request that sets no limit gets (as
+    vLLM takes the file); none set: the family's own default; a value generate() refuses is
+    refused by name."""
+    from services.pipeline import PipelineRequest
+    from tests.conftest import staged_pipeline
+
+    path = _copy(tiny_dir, tmp_path / "limit")
+    gen = json.loads((path / "generation_config.json").read_text())
+    assert "max_new_tokens" not in gen
+    ckpt = open_checkpoint(path)
+    unset = ckpt.family.thinker_defaults(ckpt)
+    pipe = staged_pipeline(path)
+    ids = pipe.prompt_ids("Tell me a long story.")
+    greedy = unset.with_overrides(do_sample=False, max_tokens=9)
+    free = list(pipe.run(PipelineRequest(ids, greedy, want_audio=False)))[-1].token_ids
+    assert len(free) > 4  # (its reply is longer than the limit below)
+    (path / "generation_config.json").write_text(json.dumps({**gen, "max_new_tokens": 4}))
+    limited = ckpt.family.thinker_defaults(ckpt)
+    assert limited.max_tokens == 4 and unset.max_tokens > 9
+    assert limited.with_overrides(max_tokens=unset.max_tokens) == unset  # nothing else changed
+    pipe = staged_pipeline(path)
+    done = list(pipe.run(PipelineRequest(ids, pipe.thinker_defaults().with_overrides(do_sample=False),
+                                         want_audio=False)))[-1]  # fmt: skip
+    assert done.token_ids == free[:4] and done.thinker_stopped_on == "max_tokens"
+    for bad in (0, -3, 2.5, "64", True):
+        (path / "generation_config.json").write_text(json.dumps({**gen, "max_new_tokens": bad}))
+        with pytest.raises(CheckpointError, match=r"generation_config\.json: .*max_new_tokens must be"):
+            ckpt.family.thinker_defaults(ckpt)
+
+
 def test_generation_config_fields_not_applied_are_said_once(tiny_dir: Path, tmp_path: Path,
                                                              caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
     """A checkpoint's file that turns on a logits processor this server has not (min_p, ...) is

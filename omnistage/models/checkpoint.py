@@ -602,8 +602,10 @@ def _say_unsampled(path: str, fields: str) -> None:
 
 def generation_defaults(ckpt: Checkpoint, stop_ids: tuple[int, ...], max_tokens: int = 1024) -> SamplingParams:
     """The checkpoint's generation_config.json as sampling defaults, stopping on `stop_ids` and
-    on every `eos_token_id` it lists, as vLLM takes the file (the Omni models' `generate()` gives
-    its thinker neither: the parity tests pass both explicitly)."""
+    on every `eos_token_id` it lists, and generating its `max_new_tokens` (else `max_tokens`), as
+    vLLM takes the file (the Omni models' `generate()` gives its thinker neither stop ids nor
+    limit: the parity tests pass both explicitly). A request's limit is still cut to what the
+    model's context has left."""
     gen_file = ckpt.path / "generation_config.json"
     try:
         gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
@@ -614,6 +616,9 @@ def generation_defaults(ckpt: Checkpoint, stop_ids: tuple[int, ...], max_tokens:
         unsampled = [f"{k}={gen[k]!r}" for k, off in _UNSAMPLED.items() if k in gen and gen[k] not in off]
         if unsampled:
             _say_unsampled(str(ckpt.path), ", ".join(unsampled))
+        limit = gen.get("max_new_tokens")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"max_new_tokens must be a whole number >= 1, got {limit!r}")
         temperature = 1.0 if gen.get("temperature") is None else float(gen["temperature"])
         # under 1e-5: greedy, as the HTTP API takes a request's; below 0 refused (SamplingParams)
         sampled = bool(gen.get("do_sample", False)) and not greedy_temperature(temperature)
@@ -624,7 +629,7 @@ def generation_defaults(ckpt: Checkpoint, stop_ids: tuple[int, ...], max_tokens:
             top_k=(50 if gen.get("top_k") is None else int(gen["top_k"])) if sampled else 0,
             top_p=float(gen.get("top_p") or 1.0),
             repetition_penalty=float(gen.get("repetition_penalty") or 1.0),
-            max_tokens=max_tokens,
+            max_tokens=max_tokens if limit is None else limit,
             stop_ids=tuple(dict.fromkeys([*stop_ids, *eos_ids])),
         )
     except (OSError, UnicodeDecodeError, ValueError, TypeError) as e:
