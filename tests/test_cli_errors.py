@@ -199,3 +199,23 @@ def test_two_runs_of_one_process_in_one_second_get_folders_of_their_own(
     first, second, third = (serve.new_run_dir(None) for _ in range(3))
     assert len({first, second, third}) == 3 and all(p.is_dir() for p in (first, second, third))
     assert serve.new_run_dir(first) == first  # a folder given is used as it is
+
+
+@pytest.mark.parametrize("args", [
+    ["serve", "--config", "MISSING.yaml"],
+    ["serve", "--replicas", "talker=two"],
+    ["stage", "nobody", "--port", "1"],
+    ["stage", "talker", "--port", "1", "--config", "MISSING.yaml"],
+    ["gateway", "--thinker", "x:1", "--port", "5", "--http-port", "5"],
+])  # fmt: skip
+def test_a_bad_flag_is_refused_before_torch_loads(args: list[str]) -> None:
+    """`serve`, `stage` and `gateway` check their flags and config before they import torch (with
+    the model code, seconds): the refusal comes at once, and classifying it does not import it."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom omnistage.cli.main import run\ntry:\n    run()\nexcept SystemExit as e:\n"
+             "    print('exit', e.code, 'torch' in sys.modules)\n")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == "exit 2 False", (done.stdout, done.stderr)
+    assert "error:" in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -101,10 +101,12 @@ _add_plugins()
 def _usage_errors() -> tuple[type[BaseException], ...]:
     from omnistage.cli.serve import ModelNotLocal
     from omnistage.config import ConfigError
-    from omnistage.models import CheckpointError
     from omnistage.server.tls import TlsError
 
-    return ConfigError, CheckpointError, ModelNotLocal, TlsError
+    # A CheckpointError exists only once its module is imported: not imported for it (torch and
+    # transformers, seconds), so that a bad flag is refused before they load
+    checkpoint = sys.modules.get("omnistage.models.checkpoint")
+    return ConfigError, ModelNotLocal, TlsError, *((checkpoint.CheckpointError,) if checkpoint else ())
 
 
 def _runtime_errors() -> tuple[type[BaseException], ...]:
@@ -542,7 +544,6 @@ def stage(
     """Run one stage service (what compose and Kubernetes run)."""
     from omnistage.cli.logs import setup_logging
     from omnistage.cli.serve import check_devices, resolve_model
-    from omnistage.server.process import run_stage
     from omnistage.topology import PROCESSES
 
     setup_logging(f"{name}:{port}", log_level.value, log_format.value)
@@ -556,7 +557,10 @@ def stage(
                      "audio_output": False if text_only else None}  # fmt: skip
         cfg = _load_cfg(config, overrides, default=True)
         check_devices(cfg, (name,))
-        run_stage(name, cfg, resolve_model(cfg, model_arg or model), cfg.host, port, downstream)
+        model_dir = resolve_model(cfg, model_arg or model)
+        from omnistage.server.process import run_stage  # (torch and transformers: once the flags are checked)
+
+        run_stage(name, cfg, model_dir, cfg.host, port, downstream)
 
 
 def _stop_on_sigterm() -> None:
@@ -586,11 +590,9 @@ def gateway(
 ) -> None:
     """Run the gateway (gRPC Gateway.Generate and the OpenAI-compatible HTTP API) in front of a
     thinker target."""
-    from gateway.process import run_gateway
     from omnistage.cli.logs import setup_logging
     from omnistage.cli.serve import resolve_model
     from omnistage.config import ConfigError
-    from omnistage.models import open_checkpoint
 
     setup_logging(f"gateway:{port or 'config'}", log_level.value, log_format.value)
     _stop_on_sigterm()
@@ -602,7 +604,11 @@ def gateway(
         port = port or cfg.gateway.port  # (it was 50051 whatever the config said)
         if http == port:  # (it was "taken by another process": its own gRPC server)
             raise ConfigError(f"--http-port {http}: the gateway's gRPC port too (--port); give them apart")
-        ckpt = open_checkpoint(resolve_model(cfg, model_arg or model))
+        model_dir = resolve_model(cfg, model_arg or model)
+        from gateway.process import run_gateway  # (torch and transformers: once the flags are checked)
+        from omnistage.models import open_checkpoint
+
+        ckpt = open_checkpoint(model_dir)
         run_gateway(cfg, ckpt, cfg.host, port, thinker, http_port=http, api_key=api_key or "")
 
 
