@@ -440,7 +440,9 @@ def test_a_caller_that_stops_reading_pauses_its_request_then_fails_it() -> None:
 
 def test_a_cache_too_small_for_the_default_reply_is_said_at_start(caplog: pytest.LogCaptureFixture) -> None:
     """cache_capacity_tokens under a one-token prompt plus the default reply length refuses every
-    request that does not set max_tokens: the thinker says so once, at start (it started silently)."""
+    request that does not set max_tokens: the thinker says so once, at start (it started silently);
+    and when it holds fewer such requests than max_num_seqs. Not a prefill role, which reserves
+    no reply."""
     import logging
     from types import SimpleNamespace
 
@@ -458,6 +460,22 @@ def test_a_cache_too_small_for_the_default_reply_is_said_at_start(caplog: pytest
     short = ThinkerWorker(SimpleNamespace(device="cpu", spec=spec), SamplingParams(max_tokens=1024), max_model_len=500)
     caplog.clear()
     short.warn_if_defaults_do_not_fit(500)  # the model length caps the reply: a 500-token cache holds any request
+    assert not caplog.records
+    # a cache that holds fewer default-length requests than max_num_seqs: said too, with what would hold them
+    with caplog.at_level(logging.WARNING):
+        worker.warn_if_defaults_do_not_fit(16 * 1025, 16)
+        assert not caplog.records
+        worker.warn_if_defaults_do_not_fit(16 * 1025 - 1, 16)
+    assert len(caplog.records) == 1 and "holds at most 15 requests" in caplog.text, caplog.text
+    assert "max_num_seqs=16" in caplog.text and "raise it to 16400" in caplog.text
+    # a prefill role reserves its prompts and their first tokens only: a small cache refuses no reply there
+    from services.thinker.prefill import PrefillWorker
+
+    prefill = PrefillWorker.__new__(PrefillWorker)  # (its model checks need a real thinker: this one's settings)
+    prefill.__dict__.update(worker.__dict__)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        prefill.warn_if_defaults_do_not_fit(600, 16)
     assert not caplog.records
 
 

@@ -30,6 +30,7 @@ class PrefillWorker(ThinkerWorker):
     name = "thinker-prefill"
     holds_reservation_until_sent = True  # its KV waits here while the decode role has no room
     downstream_consumes_input_first = True  # the decode role answers once it has copied the KV in
+    reserves_reply = False  # the prompt and its first token (demand): the decode role reserves the reply
 
     def __init__(self, thinker: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(thinker, *args, **kwargs)

@@ -24,6 +24,7 @@ FINISH_REASONS = {"stop_id": FinishReason.STOP, "stop_text": FinishReason.STOP, 
 class ThinkerWorker(StageWorker):
     name = "thinker"  # its process; errors name it
     part = "thinker"  # the model part: its sampling is Start.sampling["thinker"] in every role
+    reserves_reply = True  # a request is admitted with its whole reply's cache reserved (demand)
 
     def __init__(self, thinker: Any, defaults: SamplingParams, max_model_len: int | None = None,
                  audio_output: bool = True, tokenizer: Any = None) -> None:  # fmt: skip
@@ -151,17 +152,28 @@ class ThinkerWorker(StageWorker):
         thinker.set_kv_budget(stage.cache_capacity_tokens)
         worker = cls(thinker, ckpt.family.thinker_defaults(ckpt), cfg.max_model_len, cfg.audio_output,
                      load_tokenizer(ckpt))  # fmt: skip
-        worker.warn_if_defaults_do_not_fit(stage.cache_capacity_tokens)
+        worker.warn_if_defaults_do_not_fit(stage.cache_capacity_tokens, stage.max_num_seqs)
         return worker
 
-    def warn_if_defaults_do_not_fit(self, cache_capacity_tokens: int | None) -> None:
+    def warn_if_defaults_do_not_fit(self, cache_capacity_tokens: int | None, max_num_seqs: int | None = None) -> None:
         """A cache smaller than a one-token prompt with a reply of the default length refuses
-        every request that does not set max_tokens: said at start, not at each request."""
+        every request that does not set max_tokens: said at start, not at each request. So is
+        one that holds fewer such requests than `max_num_seqs` (a request is admitted with its
+        prompt and its whole reply reserved: a checkpoint's long max_new_tokens, taken as the
+        default, cuts how many share a step)."""
         least = min(self.defaults.max_tokens + 1, self._max_model_len)
-        if cache_capacity_tokens is not None and cache_capacity_tokens < least:
+        if cache_capacity_tokens is None or not self.reserves_reply:
+            return
+        if cache_capacity_tokens < least:
             log.warning("%s: cache_capacity_tokens=%d is below a reply of the default length (%d tokens) and its "
                         "prompt: every request that does not set max_tokens will be refused; raise it to at least %d",
                         self.name, cache_capacity_tokens, self.defaults.max_tokens, least)  # fmt: skip
+        elif max_num_seqs is not None and (fit := cache_capacity_tokens // least) < max_num_seqs:
+            log.warning("%s: cache_capacity_tokens=%d holds at most %d requests that do not set max_tokens at once "
+                        "(each reserves its prompt and a reply of the default length, %d tokens), fewer than "
+                        "max_num_seqs=%d; raise it to %d to admit as many, or send max_tokens",
+                        self.name, cache_capacity_tokens, fit, self.defaults.max_tokens, max_num_seqs,
+                        least * max_num_seqs)  # fmt: skip
 
 
 def build_worker(cfg: DeployConfig, ckpt: Checkpoint) -> ThinkerWorker:
