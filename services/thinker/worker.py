@@ -170,9 +170,9 @@ class ThinkerWorker(StageWorker):
                         self.name, cache_capacity_tokens, self.defaults.max_tokens, least)  # fmt: skip
         elif max_num_seqs is not None and (fit := cache_capacity_tokens // least) < max_num_seqs:
             log.warning("%s: cache_capacity_tokens=%d holds at most %d requests that do not set max_tokens at once "
-                        "(each reserves its prompt and a reply of the default length, %d tokens), fewer than "
-                        "max_num_seqs=%d; raise it to %d to admit as many, or send max_tokens",
-                        self.name, cache_capacity_tokens, fit, self.defaults.max_tokens, max_num_seqs,
+                        "(each reserves its prompt and a reply of the default length, %d tokens: %d at least), "
+                        "fewer than max_num_seqs=%d; raise it to %d to admit as many, or send max_tokens",
+                        self.name, cache_capacity_tokens, fit, self.defaults.max_tokens, least, max_num_seqs,
                         least * max_num_seqs)  # fmt: skip
 
 
