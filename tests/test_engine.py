@@ -477,6 +477,16 @@ def test_a_cache_too_small_for_the_default_reply_is_said_at_start(caplog: pytest
     with caplog.at_level(logging.WARNING):
         prefill.warn_if_defaults_do_not_fit(600, 16)
     assert not caplog.records
+    # a decode role reserves the reply past the prefill's first token: one token less
+    from services.thinker.decode import DecodeWorker
+
+    decode = DecodeWorker.__new__(DecodeWorker)
+    decode.__dict__.update(worker.__dict__)
+    with caplog.at_level(logging.WARNING):
+        decode.warn_if_defaults_do_not_fit(16 * 1024, 16)
+        assert not caplog.records
+        decode.warn_if_defaults_do_not_fit(1023, 16)
+    assert "at least 1024" in caplog.text, caplog.text
 
 
 def test_each_ending_is_told_to_the_observer_once_with_its_outcome() -> None:

@@ -596,11 +596,18 @@ def test_generation_config_max_new_tokens_is_the_thinker_default_limit(tiny_dir:
     limited = ckpt.family.thinker_defaults(ckpt)
     assert limited.max_tokens == 4 and unset.max_tokens > 9
     assert limited.with_overrides(max_tokens=unset.max_tokens) == unset  # nothing else changed
+    # a request whose Start sets no max_tokens: the thinker stage's own default is its limit
+    from benchmarks.stages import make_start, run_stage
+    from omnistage.models.sampling import SamplingParams
+    from services import edges
+
     pipe = staged_pipeline(path)
-    done = list(pipe.run(PipelineRequest(ids, pipe.thinker_defaults().with_overrides(do_sample=False),
-                                         want_audio=False)))[-1]  # fmt: skip
-    assert done.token_ids == free[:4] and done.thinker_stopped_on == "max_tokens"
-    for bad in (0, -3, 2.5, "64", True):
+    assert pipe.workers["thinker"].defaults.max_tokens == 4
+    start = make_start(limited.with_overrides(do_sample=False), SamplingParams(), want_audio=False)
+    start.sampling["thinker"].ClearField("max_tokens")
+    [rec] = run_stage(pipe, "thinker", [(start, [edges.prompt_chunk(ids)])])
+    assert [int(i) for t in rec.tensors(edges.IDS) for i in t.tolist()] == free[:4]
+    for bad in (0, -3, 2.5, "64", True, 1 << 31):
         (path / "generation_config.json").write_text(json.dumps({**gen, "max_new_tokens": bad}))
         with pytest.raises(CheckpointError, match=r"generation_config\.json: .*max_new_tokens must be"):
             ckpt.family.thinker_defaults(ckpt)

@@ -617,8 +617,9 @@ def generation_defaults(ckpt: Checkpoint, stop_ids: tuple[int, ...], max_tokens:
         if unsampled:
             _say_unsampled(str(ckpt.path), ", ".join(unsampled))
         limit = gen.get("max_new_tokens")
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise ValueError(f"max_new_tokens must be a whole number >= 1, got {limit!r}")
+        # (at most int32's largest: a request's max_tokens on the wire)
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit < 1 << 31):
+            raise ValueError(f"max_new_tokens must be a whole number from 1 to {(1 << 31) - 1}, got {limit!r}")
         temperature = 1.0 if gen.get("temperature") is None else float(gen["temperature"])
         # under 1e-5: greedy, as the HTTP API takes a request's; below 0 refused (SamplingParams)
         sampled = bool(gen.get("do_sample", False)) and not greedy_temperature(temperature)

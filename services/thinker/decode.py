@@ -111,6 +111,10 @@ class DecodeWorker(ThinkerWorker):
         # a request that ended at its first token still takes one step: the forwarding
         return Demand(n, max(left, 1), n)
 
+    def least_reservation(self) -> int:
+        """A one-token prompt and the reply past the prefill's first token (demand)."""
+        return 1 + max(min(self.defaults.max_tokens, self._max_model_len - 1) - 1, 1)
+
     def ready(self, req: Request) -> bool:
         return req.input_finished and bool(req.state.prompt_ids)
 

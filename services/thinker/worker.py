@@ -155,13 +155,17 @@ class ThinkerWorker(StageWorker):
         worker.warn_if_defaults_do_not_fit(stage.cache_capacity_tokens, stage.max_num_seqs)
         return worker
 
+    def least_reservation(self) -> int:
+        """The cache a one-token prompt reserves with a reply of the default length (demand)."""
+        return min(self.defaults.max_tokens + 1, self._max_model_len)
+
     def warn_if_defaults_do_not_fit(self, cache_capacity_tokens: int | None, max_num_seqs: int | None = None) -> None:
         """A cache smaller than a one-token prompt with a reply of the default length refuses
         every request that does not set max_tokens: said at start, not at each request. So is
         one that holds fewer such requests than `max_num_seqs` (a request is admitted with its
         prompt and its whole reply reserved: a checkpoint's long max_new_tokens, taken as the
         default, cuts how many share a step)."""
-        least = min(self.defaults.max_tokens + 1, self._max_model_len)
+        least = self.least_reservation()
         if cache_capacity_tokens is None or not self.reserves_reply:
             return
         if cache_capacity_tokens < least:
