@@ -242,6 +242,10 @@ def test_a_cancel_message_ends_the_request_cancelled_on_every_stage(replicated: 
     start.sampling["thinker"].max_tokens = 300
     start.sampling["thinker"].stop_ids.append(never)
     start.sampling["talker"].max_tokens = 200
+    # greedy: the talker's default sampling (unseeded) now and then draws its end code at the
+    # first frame, and the call would end before a Cancel could be sent
+    start.sampling["talker"].do_sample = False
+    start.sampling["talker"].repetition_penalty = 1.0
     prompt = [prompt_chunk(pipeline.prompt_ids("Tell me a long story."))]
 
     async def go() -> tuple[grpc.StatusCode, str, set[str], set[str]]:
