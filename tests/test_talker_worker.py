@@ -349,7 +349,9 @@ def test_a_qwen2_5_code_token2wav_cannot_take_fails_as_a_model_failure(q25_dir: 
     spec = pipeline.spec
     stops = set(spec.talker_stop_ids()) | {spec.codec_bos_id}
     beyond = next(i for i in range(spec.codebook_size, spec.talker_vocab) if i not in stops)
-    req = _fed(pipeline, Request("beyond", stage_pb2.Start(request_id="beyond")))
+    start = stage_pb2.Start(request_id="beyond")
+    start.sampling["talker"].do_sample = False  # (the family's default samples)
+    req = _fed(pipeline, Request("beyond", start))
 
     def favour_beyond(module: Any, args: Any, out: torch.Tensor) -> torch.Tensor:
         out = out.clone()
