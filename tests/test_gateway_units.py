@@ -53,6 +53,8 @@ def test_every_format_carries_the_audio(fmt: str) -> None:
             assert decoded.size == samples.size and np.abs(decoded - samples).max() < 2 / 32767
         else:
             assert abs(decoded.size - samples.size) < 0.08 * RATE
+            # the sound itself, not silence of its length: its loudness survives the codec
+            assert float(np.sqrt(np.mean(decoded**2))) > 0.3 * float(np.sqrt(np.mean(samples**2)))
     streamed = fmt in ("pcm_f32le", "pcm16", "mp3", "opus")
     nonempty = [i for i, p in enumerate(parts) if p]
     if streamed:  # pieces as the samples come, not one file at the end
@@ -294,7 +296,8 @@ def test_vllm_fields_at_the_top_level_are_honoured_or_refused() -> None:
     for field, value in (("ignore_eos", False), ("min_tokens", 0), ("min_p", 0.0), ("best_of", 1), ("echo", False),
                          ("skip_special_tokens", True), ("length_penalty", 1), ("chat_template_kwargs", {}),
                          ("user", "u-1"), ("metadata", {"a": "b"}), ("priority", 3)):  # fmt: skip
-        to_generate_request(_chat(**{field: value}), ["ethan"])
+        taken = to_generate_request(_chat(**{field: value}), ["ethan"])
+        assert taken == to_generate_request(_chat(), ["ethan"]), field
 
 
 def test_stop_texts_are_the_thinkers_and_checked_as_the_gateways_stop() -> None:
@@ -1257,11 +1260,18 @@ def test_the_thinker_ends_its_reply_at_the_token_that_completes_a_stop_text(tiny
         k = next(k for k in range(len(ids)) if stop in tokenizer.decode(ids[: k + 1]))
         assert 0 < k < len(ids) - 1, (stop, k)
         assert run_to_stop(stop, decode_role=False) == run_to_stop(stop, decode_role=True) == k, stop
+    # the token completing "three", already the last for its limit: its reason stays the limit's
+    k = next(k for k in range(len(ids)) if "three" in tokenizer.decode(ids[: k + 1]))
     last = SimpleNamespace(token_id=ids[k], is_last=True, stopped_on="max_tokens")
     state = SimpleNamespace(sampling=SamplingParams(stop_texts=("three",)), prompt_ids=[], history=ids[: k + 1],
                             text=None, finished=True)  # fmt: skip
     ThinkerWorker.end_at_stop_text(worker, state, last)  # type: ignore[arg-type]
     assert last.stopped_on == "max_tokens"
+    # (the same token, not yet last, would end on the stop text: the check above can fail)
+    fresh = SimpleNamespace(token_id=ids[k], is_last=False, stopped_on=None)
+    state.finished = False
+    ThinkerWorker.end_at_stop_text(worker, state, fresh)  # type: ignore[arg-type]
+    assert fresh.stopped_on == "stop_text"
 
 
 def test_a_thinker_that_reads_on_past_a_stop_text_is_ended_there_by_the_gateway(

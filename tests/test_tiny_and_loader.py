@@ -7,7 +7,6 @@ import json
 import logging
 import re
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -252,10 +251,9 @@ def test_broken_weight_files_are_named_at_open(tiny_dir: Path, tmp_path: Path, d
     bad = _copy(tiny_dir, tmp_path / "broken")
     shard = sorted(bad.glob("*.safetensors"))[-1]
     damage(shard)
-    t0 = time.monotonic()
     with pytest.raises(CheckpointError, match=needle) as err:
         open_checkpoint(bad)
-    assert shard.name in str(err.value) and time.monotonic() - t0 < 5
+    assert shard.name in str(err.value)
 
 
 def _edit_header(f: Path, edit: Callable[[dict[str, Any]], None]) -> None:
@@ -810,9 +808,10 @@ def test_make_tiny_sets_config_values_by_path(tmp_path: Path, family: str, key: 
     ckpt = open_checkpoint(out)
     layers = {int(m.group(1)) for k in ckpt.tensors if (m := re.match(r"talker\.model\.layers\.(\d+)\.", k))}
     assert layers == {0, 1, 2}
-    unservable = ("im_end_token_id=300", "im_end_token_id=300")  # the tokenizer's own <|im_end|> id is another
+    # the checkpoint's own checks refuse these (the tokenizer's <|im_end|> id is another)
+    unservable = ("im_end_token_id=300", "tokenizer disagrees with config")
     if family == "qwen2_5_omni":
-        unservable = ("thinker_config.text_config.rope_parameters.mrope_section=[2, 3, 4]", "mrope_section")
+        unservable = ("thinker_config.text_config.rope_parameters.mrope_section=[2, 3, 4]", "sections must add up")
     for bad, needle in ((f"{key[:-2]}=3", "has no key 'num_hidden_laye'"), (key, "expected KEY.PATH=VALUE"),
                         (f"{key}=[", "not YAML"), unservable):  # fmt: skip
         result = CliRunner().invoke(app, ["make-tiny", str(tmp_path / "bad"), "--family", family, "--set", bad])

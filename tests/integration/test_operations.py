@@ -317,13 +317,25 @@ def test_a_bad_config_field_is_named(tmp_path: Path) -> None:
     assert got == 2 and "thinker.max_num_seqs" in out and "thinker.mystery: unknown field" in out
 
 
+def _read_until(proc: subprocess.Popen[str], needle: str) -> list[str]:
+    """The process's output lines up to the one holding `needle`; fails, with what it printed,
+    if it ends first."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    while not lines or needle not in lines[-1]:
+        line = proc.stdout.readline()
+        if not line:
+            code, rest = finish(proc)
+            pytest.fail(f"exited ({code}) before printing {needle!r}:\n{''.join(lines)}{rest}")
+        lines.append(line)
+    return lines
+
+
 def test_ctrl_c_stops_cleanly_during_start_up(tiny_dir: Path, tmp_path: Path) -> None:
     base = free_layout()
     starting = omnistage("serve", str(tiny_dir), "--port", str(base), "--log-dir", str(tmp_path / "a"))
     assert starting.stdout is not None
-    lines = []
-    while not any("starting omnistage" in line for line in lines):  # start-up has begun
-        lines.append(starting.stdout.readline())
+    lines = _read_until(starting, "starting omnistage")  # start-up has begun
     time.sleep(1)
     starting.send_signal(signal.SIGINT)
     code, out = finish(starting)
@@ -332,8 +344,7 @@ def test_ctrl_c_stops_cleanly_during_start_up(tiny_dir: Path, tmp_path: Path) ->
     # Ctrl-C twice: the second exits at once, in clean-up or not; no child outlives it
     twice = omnistage("serve", str(tiny_dir), "--port", str(base), "--log-dir", str(tmp_path / "a2"))
     assert twice.stdout is not None
-    while "starting omnistage" not in twice.stdout.readline():
-        pass
+    _read_until(twice, "starting omnistage")
     time.sleep(1)
     twice.send_signal(signal.SIGINT)
     time.sleep(0.2)

@@ -78,6 +78,7 @@ def test_a_pending_host_copy_is_awaited_off_the_event_loop() -> None:
     class _Copy:  # a CUDA event stand-in: not done yet; synchronize blocks until released
         def __init__(self) -> None:
             self.release = threading.Event()
+            self.waiting = threading.Event()
             self.waited_in: str | None = None
 
         def query(self) -> bool:
@@ -85,6 +86,7 @@ def test_a_pending_host_copy_is_awaited_off_the_event_loop() -> None:
 
         def synchronize(self) -> None:
             self.waited_in = threading.current_thread().name
+            self.waiting.set()
             assert self.release.wait(5)
 
     async def go() -> tuple[_Copy, OutChunk, int]:
@@ -92,19 +94,21 @@ def test_a_pending_host_copy_is_awaited_off_the_event_loop() -> None:
         out = OutChunk(tensors={}, offset=0, ready=copy)
         ticks = 0
 
-        async def loop_alive() -> None:
+        async def loop_alive() -> None:  # counts its turns while the copy is being waited for
             nonlocal ticks
-            while not copy.release.is_set():
-                ticks += 1
-                if ticks == 5:
-                    copy.release.set()  # the copy completes while the loop runs
+            for _ in range(500):  # (at most 5 s)
+                if copy.waiting.is_set():
+                    ticks += 1
+                    if ticks == 5:
+                        copy.release.set()  # the copy completes while the loop runs
+                        return
                 await asyncio.sleep(0.01)
 
         await asyncio.gather(host_ready(out), loop_alive())
         return copy, out, ticks
 
     copy, out, ticks = asyncio.run(go())
-    assert ticks >= 5  # the loop ran while host_ready waited
+    assert ticks == 5  # the loop ran while host_ready waited (on the loop, the wait would have stalled it)
     assert copy.waited_in is not None and copy.waited_in != threading.main_thread().name
     assert out.ready is None  # waited: encoding reads the host tensors now
 
