@@ -107,13 +107,11 @@ class DecodeWorker(ThinkerWorker):
         state, n = req.state, req.state.role.prompt_tokens
         if not n:
             return None
-        left = min(state.sampling.max_tokens, state.max_len - n) - 1  # the prefill made the first token
-        # a request that ended at its first token still takes one step: the forwarding
-        return Demand(n, max(left, 1), n)
+        return Demand(n, self.reply_reservation(n, state.sampling.max_tokens, state.max_len), n)
 
-    def least_reservation(self) -> int:
-        """A one-token prompt and the reply past the prefill's first token (demand)."""
-        return 1 + max(min(self.defaults.max_tokens, self._max_model_len - 1) - 1, 1)
+    def reply_reservation(self, prompt_tokens: int, max_tokens: int, max_len: int) -> int:
+        left = min(max_tokens, max_len - prompt_tokens) - 1  # the prefill made the first token
+        return max(left, 1)  # a request that ended at its first token still takes one step: the forwarding
 
     def ready(self, req: Request) -> bool:
         return req.input_finished and bool(req.state.prompt_ids)

@@ -65,7 +65,12 @@ class ThinkerWorker(StageWorker):
         state = req.state
         if not state.prompt_ids:
             return None
-        return Demand(len(state.prompt_ids), min(state.sampling.max_tokens, state.max_len - len(state.prompt_ids)))
+        n = len(state.prompt_ids)
+        return Demand(n, self.reply_reservation(n, state.sampling.max_tokens, state.max_len))
+
+    def reply_reservation(self, prompt_tokens: int, max_tokens: int, max_len: int) -> int:
+        """The cache a request reserves for its reply, past its prompt (`demand`)."""
+        return min(max_tokens, max_len - prompt_tokens)
 
     def ready(self, req: Request) -> bool:
         return req.input_finished and bool(req.state.prompt_ids) and not req.state.finished
@@ -156,8 +161,8 @@ class ThinkerWorker(StageWorker):
         return worker
 
     def least_reservation(self) -> int:
-        """The cache a one-token prompt reserves with a reply of the default length (demand)."""
-        return min(self.defaults.max_tokens + 1, self._max_model_len)
+        """The cache a one-token prompt reserves with a reply of the default length."""
+        return 1 + self.reply_reservation(1, self.defaults.max_tokens, self._max_model_len)
 
     def warn_if_defaults_do_not_fit(self, cache_capacity_tokens: int | None, max_num_seqs: int | None = None) -> None:
         """A cache smaller than a one-token prompt with a reply of the default length refuses
