@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from omnistage.models.qwen3_omni import code2wav_streaming
 from omnistage.models.qwen3_omni.code2wav_streaming import (
     _CPU_POINTWISE_ROWS,
     GroupBy,
@@ -100,6 +101,48 @@ def test_a_wide_batch_of_pointwise_convs_computes_each_row_as_alone() -> None:
         x = torch.randn(rows, 4, 3000)
         alone = torch.cat([conv(x[i : i + 1]) for i in range(rows)])
         assert torch.equal(_pointwise_conv(conv, x), alone)
+
+
+def test_a_cpu_convolution_call_gets_the_rows_that_fit_its_byte_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past `_CPU_CONV_CALL_BYTES` of input and output a step's convolutions run in calls of fewer
+    rows (one where a row alone is over it), the small ones still batched; each request's stream
+    stays what it gets alone."""
+    budget = 64 << 10  # small, so this model's shapes split: its widest rows are ~0.5 MB in float64
+    monkeypatch.setattr(code2wav_streaming, "_CPU_CONV_CALL_BYTES", budget)
+    calls: list[tuple[int, int]] = []  # (rows, bytes of a row's input and output) per call
+
+    def record(x: torch.Tensor, y: torch.Tensor) -> None:
+        calls.append((x.shape[0], (x[0].numel() + y[0].numel()) * x.element_size()))
+
+    def conv1d_hook(mod: torch.nn.Module, args: tuple[torch.Tensor, ...], y: torch.Tensor) -> None:
+        record(args[0], y)
+
+    transposed = torch.nn.functional.conv_transpose1d
+
+    def conv_transpose1d(x: torch.Tensor, *args: object, **kw: object) -> torch.Tensor:
+        y = transposed(x, *args, **kw)  # type: ignore[arg-type]
+        record(x, y)
+        return y
+
+    model = make_model("A", seed=3, dtype=torch.float64)
+    dec = IncrementalCode2Wav(model)
+    codes = [random_codes(model.config, 30, seed=50 + i) for i in range(4)]
+    alone = [_run_alone(dec, c, (5, 25)) for c in codes]
+    hooks = [m.register_forward_hook(conv1d_hook) for m in model.modules() if isinstance(m, torch.nn.Conv1d)]
+    monkeypatch.setattr(torch.nn.functional, "conv_transpose1d", conv_transpose1d)
+    try:
+        states = [dec.new_state() for _ in codes]
+        pieces = [dec.step(states, [c[:, a:b] for c in codes]) for a, b in ((0, 5), (5, 30))]
+    finally:
+        for h in hooks:
+            h.remove()
+    assert {rows for rows, _ in calls} == {1, 2, 4}, calls  # split where needed, batched where not
+    assert all(rows == 1 or rows * row <= budget for rows, row in calls), calls
+    assert any(rows == 1 and row > budget for rows, row in calls)  # rows over the budget alone still run
+    for i, ref in enumerate(alone):
+        together = torch.cat([p[i] for p in pieces])
+        assert together.shape == ref.shape
+        assert (together - ref).abs().max().item() <= 1e-12
 
 
 def test_zero_frame_requests_in_a_step() -> None:

@@ -30,7 +30,7 @@ threaded through.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -553,7 +553,7 @@ class IncrementalCode2Wav:
             return _pointwise_conv(mod.conv, batch.x)
         hist = torch.stack([s.conv_history[idx] for s in states])
         xx = torch.cat([hist, batch.x], dim=-1)
-        y = mod.conv(xx)
+        y = _in_parts(mod.conv, xx, _rows_per_call(xx, mod.conv.out_channels * batch.x.shape[-1]))
         for s, kept in zip(states, _windows(xx, batch.lens, hist_len), strict=True):
             s.conv_history[idx] = kept
         return y
@@ -571,7 +571,12 @@ class IncrementalCode2Wav:
             lens_t = torch.tensor(batch.lens, device=x.device)
             valid = torch.arange(x.shape[-1], device=x.device)[None, :] < lens_t[:, None]
             x = x * valid[:, None, :].to(x.dtype)
-        y = F.conv_transpose1d(x, conv.weight, None, stride=stride)  # [B, C, (L-1)s + K]
+        out_len = (x.shape[-1] - 1) * stride + int(conv.kernel_size[0])
+
+        def transposed(part: Tensor) -> Tensor:
+            return F.conv_transpose1d(part, conv.weight, None, stride=stride)
+
+        y = _in_parts(transposed, x, _rows_per_call(x, conv.out_channels * out_len))  # [B, C, (L-1)s + K]
         if tail_len:
             y[..., :tail_len] += torch.stack([s.trans_tail[idx] for s in states])  # y is this step's own
         bias = conv.bias[None, :, None] if conv.bias is not None else None
@@ -598,6 +603,15 @@ class IncrementalCode2Wav:
         return _Batch(out, out_lens)
 
 
+# oneDNN's CPU convolutions (every one wider than 1, and 1-wide ones as below) get slower per row
+# as one call's batch outgrows the caches, while under a few hundred kB a row batching still pays.
+# Measured per row (torch 2.13, one thread, a 2-core AMD EPYC VM: 1 MB of L2 a core, 32 MB of L3):
+# a 7-wide convolution with 4 channels over 47,451 samples, 0.30-0.43 ms at 1-8 rows and 1.7 ms at
+# 12-16; with the real model's 96 channels over 48,000 samples, 32 ms alone and 54 ms at 2-4 rows;
+# with its 192 over 16,000, 40 ms at 1-2 rows and 49 at 4; with 16 over 4,000, 0.12 ms alone and
+# 0.08 at 8 rows. So a CPU call gets as many rows as fit this many bytes of input and output.
+_CPU_CONV_CALL_BYTES = 8 << 20
+
 # ATen runs a single-threaded CPU convolution with a 1-wide kernel on its own per-row kernel
 # below a batch of 16 and on oneDNN from 16 on (`ConvParams::use_mkldnn`; with more threads always
 # on oneDNN). On this decoder's shapes (torch 2.13, one thread, 16-32 rows) oneDNN's is 13-16x slower
@@ -607,14 +621,29 @@ class IncrementalCode2Wav:
 _CPU_POINTWISE_ROWS = 15
 
 
+def _rows_per_call(x: Tensor, out_row: int) -> int:
+    """How many rows of `x` (`[B, C, L]`) one convolution call gets: on CPU as many as fit
+    `_CPU_CONV_CALL_BYTES` with their outputs (`out_row` elements a row), at least one."""
+    if x.device.type != "cpu":
+        return max(1, x.shape[0])
+    return max(1, _CPU_CONV_CALL_BYTES // ((x[0].numel() + out_row) * x.element_size()))
+
+
+def _in_parts(conv: Callable[[Tensor], Tensor], x: Tensor, rows: int) -> Tensor:
+    """`conv(x)`, in calls of at most `rows` rows of `x`, as even as they go."""
+    if x.shape[0] <= rows:
+        return conv(x)
+    return torch.cat([conv(part) for part in x.tensor_split(-(-x.shape[0] // rows))])
+
+
 def _pointwise_conv(conv: nn.Conv1d, x: Tensor) -> Tensor:
     """`conv(x)` for a kernel of 1, in calls of at most `_CPU_POINTWISE_ROWS` rows on one CPU
-    thread: the kernel, and so each row's result, is the one a request gets alone, at any batch
-    size."""
-    if x.device.type != "cpu" or torch.get_num_threads() > 1 or x.shape[0] <= _CPU_POINTWISE_ROWS:
-        return conv(x)
-    parts = -(-x.shape[0] // _CPU_POINTWISE_ROWS)
-    return torch.cat([conv(part) for part in x.tensor_split(parts)])
+    thread (the kernel, and so each row's result, is the one a request gets alone, at any batch
+    size) and of at most `_rows_per_call`'s."""
+    rows = _rows_per_call(x, conv.out_channels * x.shape[-1])
+    if x.device.type == "cpu" and torch.get_num_threads() == 1:
+        rows = min(rows, _CPU_POINTWISE_ROWS)
+    return _in_parts(conv, x, rows)
 
 
 def _snake_beta(act: Qwen3OmniMoeSnakeBeta, x: Tensor) -> Tensor:
