@@ -1,6 +1,6 @@
 """The reply's audio in the format a client asked for (`AudioFormat` in gateway.proto).
 
-PCM streams as it comes; MP3 and Opus (in Ogg) stream as the encoded pieces of one file, made by
+PCM streams as it comes; MP3, Opus (in Ogg) and AAC (in ADTS) stream as the encoded pieces of one file, made by
 FFmpeg's encoders through PyAV as samples arrive; WAV and FLAC are whole-file formats and come
 in one piece at the end. Every encoder takes mono float32 samples at the model's rate.
 """
@@ -20,10 +20,12 @@ __all__ = ["FORMAT_NAMES", "AudioEncoder", "format_from_name"]
 F = gateway_pb2.AudioFormat
 # names as OpenAI's API spells them (`audio.format`, `response_format`) -> formats
 FORMAT_NAMES = {"pcm_f32le": F.PCM_F32LE, "pcm16": F.PCM16, "wav": F.WAV, "mp3": F.MP3, "flac": F.FLAC,
-                "opus": F.OPUS}  # fmt: skip
-STREAMED = {F.PCM_F32LE, F.PCM16, F.MP3, F.OPUS}
+                "opus": F.OPUS, "aac": F.AAC}  # fmt: skip
+STREAMED = {F.PCM_F32LE, F.PCM16, F.MP3, F.OPUS, F.AAC}
 MIME = {F.PCM_F32LE: "audio/L32", F.PCM16: "audio/pcm", F.WAV: "audio/wav", F.MP3: "audio/mpeg", F.FLAC: "audio/flac",
-        F.OPUS: "audio/ogg"}  # fmt: skip
+        F.OPUS: "audio/ogg", F.AAC: "audio/aac"}  # fmt: skip
+# streamed encoded formats: (FFmpeg muxer, encoder, bit rate: None for the encoder's default)
+_ENCODED = {F.MP3: ("mp3", "libmp3lame", 64_000), F.OPUS: ("ogg", "libopus", None), F.AAC: ("adts", "aac", 64_000)}
 
 
 def format_from_name(name: str) -> int:
@@ -67,22 +69,22 @@ class AudioEncoder:
         self._held: list[np.ndarray] = []  # whole-file formats
         self._muxer: Any = None
         self._pts = 0
-        if fmt in (F.MP3, F.OPUS):
+        if fmt in _ENCODED:
             self._open(fmt)
 
     def _open(self, fmt: int) -> None:
         import av
 
         self._sink = _Sink()
-        container, codec = ("mp3", "libmp3lame") if fmt == F.MP3 else ("ogg", "libopus")
+        container, codec, bit_rate = _ENCODED[fmt]
         # a small I/O buffer so every encoded packet reaches the sink (and the client) at once
         # (Ogg pages flushed every 20 ms instead of every second); bitexact: the Ogg stream's serial
         # number fixed, not random, so the same reply is the same bytes (as every other format)
         options = {"page_duration": "20000", "fflags": "+bitexact"} if fmt == F.OPUS else {}
         self._muxer = av.open(self._sink, mode="w", format=container, buffer_size=512, options=options)
         self._stream = self._muxer.add_stream(codec, rate=self.sample_rate, layout="mono")
-        if fmt == F.MP3:
-            self._stream.bit_rate = 64_000
+        if bit_rate is not None:
+            self._stream.bit_rate = bit_rate
         self._resampler = av.AudioResampler(format=self._stream.format.name, layout="mono", rate=self.sample_rate)
 
     def push(self, samples: np.ndarray) -> bytes:

@@ -19,7 +19,7 @@ Chat completions (OpenAI's shapes; what differs is said here):
   `mm_processor_kwargs`) interleaves each video's sound track.
 * `modalities`: ["text"] (default) or ["text", "audio"]; `audio: {voice, format}` with voice one
   of the checkpoint's speakers (or one of OpenAI's own voice names, which stand for the default
-  speaker) and format wav, mp3, flac, opus or pcm16 (default wav).
+  speaker) and format wav, mp3, flac, opus, aac or pcm16 (default wav).
 * `temperature` 0 (or under 1e-5, as in vLLM) makes the whole reply deterministic (text and speech
   greedy, and a vocoder that samples its noise, Qwen2.5-Omni's, seeded as by `seed` 0 unless
   `seed` is set); unset keeps the checkpoint's defaults, but a `top_p` under 1 or a `top_k` above 0
@@ -106,7 +106,6 @@ TALKER_SEED_OFFSET = 0x5EED  # the talker's seed is the request's plus this (wra
 CODE2WAV_SEED_OFFSET = 0xC0DE  # code2wav's (Qwen2.5-Omni's token2wav draws its noise from it), likewise
 PCM16_RATE = 24_000  # `input_audio.format: pcm16` (as OpenAI's realtime audio)
 TIMEOUT_HEADER = "x-omnistage-timeout"  # seconds the request may take (default: timeouts.request_timeout_s)
-AUDIO_OUT_FORMATS = ("wav", "mp3", "flac", "opus", "pcm16")
 STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
@@ -191,7 +190,7 @@ class Message(_Body):
 
 class AudioOut(_Body):
     voice: str | AudioRef | None = None
-    format: Literal["wav", "mp3", "flac", "opus", "pcm16"] | None = None  # None: wav
+    format: Literal["wav", "mp3", "flac", "opus", "aac", "pcm16"] | None = None  # None: wav
 
 
 class StreamOptions(_Body):
@@ -662,9 +661,6 @@ def to_speech_request(body: SpeechRequest, voices: list[str], tokenizer: Any,
     thinker's `forced_ids`), so the talker speaks exactly these words; `instructions`, when set,
     is the system turn. `max_words`: the most tokens a reply may have (the gateway also refuses
     a prompt and reply together longer than the model takes)."""
-    if body.response_format == "aac":
-        raise HttpError(400, "response_format: aac is not supported; one of mp3, opus, flac, wav, pcm",
-                        param="response_format")  # fmt: skip
     if body.speed is not None and body.speed != 1.0:
         raise HttpError(400, "speed: only 1.0 is supported", param="speed")
     # special-token text in the input ("<|im_end|>") is spoken as text: it must not end the reply

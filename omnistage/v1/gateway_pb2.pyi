@@ -17,12 +17,14 @@ class AudioFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MP3: _ClassVar[AudioFormat]
     FLAC: _ClassVar[AudioFormat]
     OPUS: _ClassVar[AudioFormat]
+    AAC: _ClassVar[AudioFormat]
 PCM_F32LE: AudioFormat
 PCM16: AudioFormat
 WAV: AudioFormat
 MP3: AudioFormat
 FLAC: AudioFormat
 OPUS: AudioFormat
+AAC: AudioFormat
 
 class ContentPart(_message.Message):
     __slots__ = ("text", "audio", "image", "video")
