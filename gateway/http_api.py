@@ -27,8 +27,9 @@ Chat completions (OpenAI's shapes; what differs is said here):
   `top_p`, `top_k`, `repetition_penalty`, `seed` (it seeds the speech too), `stop`, vLLM's
   `stop_token_ids`; vLLM's fields with no counterpart that would change the reply (`ignore_eos`,
   `min_tokens`, ...) are refused. A field sent as null is unset.
-  `tools` (but with `tool_choice: none`, which calls none: then they go unread), a `tool_choice`
-  other than none/auto, a non-text `response_format`, `logprobs` and
+  `tools` (but with `tool_choice: none`, which calls none: then they go unread), likewise the
+  legacy `functions` (with `function_call: none`), a `tool_choice` or `function_call` other than
+  none/auto, a non-text `response_format`, `logprobs` and
   `top_logprobs` are refused (400), not ignored; so are a field of the wrong JSON type (as OpenAI:
   `"stream": "true"`, `"max_tokens": 5.0`) and a string with a lone UTF-16 surrogate.
 * vLLM-Omni's `sampling_params_list`: each stage's own sampling, in stage order (`StageSampling`).
@@ -293,6 +294,7 @@ class ChatRequest(_Body):
     # Asked for, these would change the reply's shape; this server has none of them, so it says so.
     tools: list[Any] | None = None
     functions: list[Any] | None = None  # the legacy form of tools
+    function_call: Any = None  # (and of tool_choice)
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
@@ -510,8 +512,12 @@ def _unsupported(body: ChatRequest) -> None:
         raise HttpError(400, "logprobs: not supported by this server", param="logprobs")
     if body.top_logprobs:
         raise HttpError(400, "top_logprobs: not supported by this server (it needs logprobs)", param="top_logprobs")
-    if body.functions:
-        raise HttpError(400, "functions: function calling is not supported by this server", param="functions")
+    if body.functions and body.function_call != "none":  # as tools with tool_choice: none
+        raise HttpError(400, "functions: function calling is not supported by this server (only with "
+                        "function_call: none, which calls none)", param="functions")  # fmt: skip
+    if body.function_call not in (None, "none", "auto"):
+        raise HttpError(400, "function_call: only allowed with functions, which this server does not support",
+                        param="function_call")  # fmt: skip
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name):
             raise HttpError(400, f"{name}: not supported by this server (0 or unset; repetition_penalty is)",

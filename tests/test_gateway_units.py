@@ -400,6 +400,8 @@ def test_fields_that_ask_for_what_this_server_lacks_are_refused_and_harmless_one
     for fields, param in (({"tool_choice": "required"}, "tool_choice"),
                           ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
                           ({"top_logprobs": 3}, "top_logprobs"),
+                          ({"function_call": {"name": "f"}}, "function_call"),
+                          ({"functions": [{"name": "f"}], "function_call": "auto"}, "functions"),
                           ({"web_search_options": {}}, "web_search_options")):  # fmt: skip
         with pytest.raises(HttpError) as e:
             to_generate_request(_chat(**fields), ["ethan"])
@@ -410,6 +412,7 @@ def test_fields_that_ask_for_what_this_server_lacks_are_refused_and_harmless_one
     assert e.value.param == "tools" and "tool_choice: none" in e.value.message
     for fields in ({"tool_choice": "none"}, {"tool_choice": "auto"}, {"top_logprobs": 0}, {"tool_choice": None},
                    {"tools": tools, "tool_choice": "none"},  # (an agent's every turn: tools, none to be called)
+                   {"functions": [{"name": "f"}], "function_call": "none"}, {"function_call": "auto"},
                    {"web_search_options": None}):
         assert to_generate_request(_chat(**fields), ["ethan"]).messages[0].content == "hi"
 
