@@ -25,8 +25,9 @@ Chat completions (OpenAI's shapes; what differs is said here):
   `seed` is set); unset keeps the checkpoint's defaults, but a `top_p` under 1 or a `top_k` above 0
   samples (the stage's rule: services/edges.py `sampling`). `max_tokens` / `max_completion_tokens`,
   `top_p`, `top_k`, `repetition_penalty`, `seed` (it seeds the speech too), `stop`, vLLM's
-  `stop_token_ids`; vLLM's fields with no counterpart that would change the reply (`ignore_eos`,
-  `min_tokens`, ...) are refused. A field sent as null is unset.
+  `stop_token_ids`, `chat_template_kwargs` (gateway/chat_template.py); vLLM's fields with no
+  counterpart that would change the reply (`ignore_eos`, `min_tokens`, ...) are refused. A field
+  sent as null is unset.
   `tools` (but with `tool_choice: none`, which calls none: then they go unread), likewise the
   legacy `functions` (with `function_call: none`), a `tool_choice` or `function_call` other than
   none/auto, a non-text `response_format`, `logprobs` and
@@ -81,6 +82,7 @@ from starlette.types import Message as AsgiMessage
 from starlette.types import Send
 
 from gateway.audio_out import FORMAT_NAMES, MIME
+from gateway.chat_template import FIELD as CHAT_TEMPLATE_KWARGS
 from gateway.server import (
     MAX_REQUEST_ID_CHARS,
     REQUEST_ID_KEY,
@@ -478,23 +480,16 @@ def _speaker(voice: str | AudioRef | None, voices: list[str], field: str = "audi
                     param=field)  # fmt: skip
 
 
-def template_names(template: str) -> frozenset[str]:
-    """Every name a chat template's text holds (a superset of the variables it reads)."""
-    return frozenset(re.findall(r"[A-Za-z_]\w*", template))
-
-
-def _template_kwargs_unused(body: ChatRequest, names: frozenset[str]) -> None:
-    """vLLM's `chat_template_kwargs` (Qwen3 clients send `{"enable_thinking": false}`): the
-    template is rendered with its defaults, so a variable the checkpoint's template reads is
-    refused; one it never names changes nothing and is taken."""
-    kwargs = (body.model_extra or {}).get("chat_template_kwargs")
-    if kwargs is None or kwargs == {}:
+def _template_kwargs(body: ChatRequest, req: gateway_pb2.GenerateRequest) -> None:
+    """vLLM's `chat_template_kwargs` (Qwen3 clients send `{"enable_thinking": false}`), each value
+    as JSON: the gateway renders the template with those it reads (gateway/chat_template.py)."""
+    kwargs = (body.model_extra or {}).get(CHAT_TEMPLATE_KWARGS)
+    if kwargs is None:
         return
     if not isinstance(kwargs, dict):
-        raise HttpError(400, "chat_template_kwargs: expected an object", param="chat_template_kwargs")
-    if used := sorted(k for k in kwargs if k in names):  # (a set lookup: a body may hold many keys)
-        raise HttpError(400, f"chat_template_kwargs: {', '.join(used)}: not supported by this server (the "
-                        "checkpoint's chat template is rendered with its defaults)", param="chat_template_kwargs")
+        raise HttpError(400, f"{CHAT_TEMPLATE_KWARGS}: expected an object", param=CHAT_TEMPLATE_KWARGS)
+    for key, value in kwargs.items():
+        req.chat_template_kwargs[key] = json.dumps(value)
 
 
 def _unsupported(body: ChatRequest) -> None:
@@ -628,6 +623,7 @@ def to_generate_request(
             req.messages.append(gateway_pb2.ChatMessage(role=role, content=m.content or ""))
     if body.stop is not None:
         req.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
+    _template_kwargs(body, req)
     thinker = stage_pb2.SamplingParams()
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is not None:
@@ -888,7 +884,6 @@ class ChatCompletions:
         if service.cfg.audio_output:
             self.stop_ids["talker"] = service.ckpt.spec.talker_stop_ids()
         self.transcripts = Transcripts()
-        self.template_names = template_names(service.ckpt.chat_template)  # what `chat_template_kwargs` could change
 
     async def parse(self, request: Request, model: type[BodyT]) -> BodyT:
         if not self.service.check_api_key(request.headers.get("authorization")):
@@ -913,7 +908,6 @@ class ChatCompletions:
             if "audio" in (body.modalities or ()) and not self.service.cfg.audio_output:
                 raise HttpError(400, "modalities: this stack serves text only (no talker); ask for [\"text\"]",
                                 param="modalities")  # fmt: skip
-            _template_kwargs_unused(body, self.template_names)
             req = to_generate_request(body, self.voices, self.transcripts.get, self.stop_ids)
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
             req.request_id = rid

@@ -28,8 +28,11 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from jinja2 import TemplateError
 
 from gateway.audio_out import AudioEncoder
+from gateway.chat_template import FIELD as CHAT_TEMPLATE_KWARGS
+from gateway.chat_template import template_kwargs, template_names
 from gateway.media import decode_messages
 from gateway.metrics import GatewayMetrics, Outcome
 from omnistage.config import DeployConfig
@@ -132,6 +135,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.cfg = cfg
         self.ckpt = ckpt
         self.tokenizer = load_tokenizer(ckpt)
+        self.template_names = template_names(ckpt.chat_template)  # what a request's chat_template_kwargs may set
         # the family's input builder (the checkpoint's processor); without one, text still works and
         # media requests get the reason
         self.inputs, self.no_media_reason = media_inputs(ckpt, self.tokenizer)
@@ -170,6 +174,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         chars = given if request.messages else len(request.prompt)  # `prompt` is ignored with messages
         if chars > MAX_CHARS_PER_TOKEN * self.max_prompt_tokens:  # before tokenizing: it could never fit
             raise ValueError(f"prompt: {chars} characters of text cannot fit in {self.max_prompt_tokens} tokens")
+        kwargs = template_kwargs(request.chat_template_kwargs, self.template_names)
         if request.messages:
             messages, has_media = decode_messages(request, self.media_limits, self._audio_rate(), cancelled)
             # (media come in user messages only; without media every content is text)
@@ -183,19 +188,29 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             if self.inputs is None:
                 raise ValueError(f"messages: {self.no_media_reason}")
             try:
-                ids, tensors = self.inputs.build(messages, request.use_audio_in_video)
+                ids, tensors = self.inputs.build(messages, request.use_audio_in_video, kwargs)
             except PartRefused:  # named already
                 raise
-            except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:  # the processor's refusals
-                raise ValueError(f"messages: cannot build the model inputs: {type(e).__name__}: {e}") from None
+            except (ValueError, TypeError, KeyError, IndexError, RuntimeError, TemplateError) as e:  # the processor's
+                raise ValueError(f"{self._rendered(kwargs)}: cannot build the model inputs: {type(e).__name__}: {e}"
+                                 ) from None  # fmt: skip
             prompt = edges.Prompt(ids, tensors, request.use_audio_in_video)
         else:
-            prompt = edges.Prompt(self.ckpt.family.prompt_ids(self.tokenizer, messages))
+            try:
+                prompt = edges.Prompt(self.ckpt.family.prompt_ids(self.tokenizer, messages, kwargs))
+            except (ValueError, TypeError, KeyError, IndexError, TemplateError) as e:  # the template's refusals
+                raise ValueError(f"{self._rendered(kwargs)}: cannot render the chat template: {type(e).__name__}: "
+                                 f"{e}") from None  # fmt: skip
         limit = self.max_prompt_tokens
         if len(prompt.ids) > limit:
             raise ValueError(f"prompt: {len(prompt.ids)} tokens exceeds the model maximum of {limit} (the model "
                              f"length, {limit + 1}, keeps one for the reply)")
         return prompt
+
+    @staticmethod
+    def _rendered(kwargs: dict[str, Any]) -> str:
+        """The field a failure to render names: the messages, or the variables that came with them."""
+        return CHAT_TEMPLATE_KWARGS if kwargs else "messages"
 
     def _audio_rate(self) -> int:
         # without a processor media are refused after decoding (any rate will do until then)

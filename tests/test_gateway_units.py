@@ -273,16 +273,13 @@ def test_vllm_fields_at_the_top_level_are_honoured_or_refused() -> None:
         with pytest.raises(HttpError) as e:
             to_generate_request(_chat(**{field: value}), ["ethan"])
         assert e.value.status == 400 and e.value.param == field, e.value.message
-    # chat_template_kwargs: a variable the template reads is refused, one it never names changes nothing
-    from gateway.http_api import _template_kwargs_unused, template_names
-
-    template = template_names("{%- if enable_thinking %}<think>{% endif %}{{ messages }}")
-    _template_kwargs_unused(_chat(chat_template_kwargs={"add_vision_id": True}), template)
-    _template_kwargs_unused(_chat(chat_template_kwargs={}), template)
-    for kwargs in ({"enable_thinking": False}, "x"):
-        with pytest.raises(HttpError) as e:
-            _template_kwargs_unused(_chat(chat_template_kwargs=kwargs), template)
-        assert e.value.param == "chat_template_kwargs", e.value.message
+    # chat_template_kwargs: each value goes to the gateway as JSON (it keeps those the template reads)
+    sent = {"enable_thinking": False, "depth": 3, "names": ["a", "b"], "note": None}
+    got = to_generate_request(_chat(chat_template_kwargs=sent), ["ethan"]).chat_template_kwargs
+    assert {k: json.loads(v) for k, v in got.items()} == sent and isinstance(json.loads(got["depth"]), int)
+    with pytest.raises(HttpError) as e:
+        to_generate_request(_chat(chat_template_kwargs="x"), ["ethan"])
+    assert e.value.param == "chat_template_kwargs", e.value.message
     # temperature 0: a sampled vocoder's noise is pinned too (as seed 0 pins it), unless a seed is set
     from gateway.http_api import CODE2WAV_SEED_OFFSET
 
@@ -1315,3 +1312,44 @@ def test_a_thinker_that_reads_on_past_a_stop_text_is_ended_there_by_the_gateway(
     assert [r.final.finish_reason for r in replies if r.HasField("final")] == ["stop"]
     assert closed and len(sent) < len(ids)  # the call ended at the stop text, not read to its end
     assert "did not end its reply at the stop text" in caplog.text
+
+
+def test_chat_template_kwargs_reach_the_variables_the_template_reads(tiny_dir: Path) -> None:
+    """vLLM's `chat_template_kwargs`: a variable the checkpoint's template reads is rendered with
+    the request's value, in text and media prompts alike; one it never names changes nothing; the
+    renderer's own (the generation prompt, special tokens) and values it cannot render are refused
+    by name, as INVALID_ARGUMENT would say them."""
+    from gateway.chat_template import template_names
+    from gateway.server import GatewayService
+    from omnistage.config import parse_config
+    from omnistage.models import open_checkpoint
+
+    async def make() -> GatewayService:  # (made in a running loop: its channel binds to it)
+        return GatewayService(parse_config({}), open_checkpoint(tiny_dir), "ipv4:127.0.0.1:1")
+
+    service = asyncio.run(make())
+    # the tiny checkpoint's template reads no variable of its own: one that does, as Qwen3's enable_thinking
+    template = "{%- if greeting %}{{- greeting + '!' }}{%- endif %}" + service.ckpt.chat_template
+    service.tokenizer.chat_template = template
+    assert service.inputs is not None
+    service.inputs.processor.chat_template = template
+    service.template_names = template_names(template)
+    png = media.encode_image(media.image(32, 32, seed=2), "png")
+    image = gateway_pb2.ChatMessage(role="user", parts=[gateway_pb2.ContentPart(image=gateway_pb2.ImagePart(file=png)),
+                                                        gateway_pb2.ContentPart(text="What is it?")])  # fmt: skip
+    greeting = service.tokenizer.encode("Hello!", add_special_tokens=False)
+
+    def ids(message: gateway_pb2.ChatMessage, **kwargs: str) -> list[int]:
+        return service._prompt(gateway_pb2.GenerateRequest(messages=[message], chat_template_kwargs=kwargs)).ids
+
+    for message in (gateway_pb2.ChatMessage(role="user", content="hi"), image):
+        plain = ids(message)
+        assert plain[: len(greeting)] != greeting
+        assert ids(message, greeting='"Hello"') == greeting + plain  # rendered with it
+        assert ids(message, enable_thinking="false") == plain  # a variable the template never names
+    for kwargs, message in (({"add_generation_prompt": "false"}, "add_generation_prompt: set by this server's"),
+                            ({"eos_token": '"x"'}, "eos_token: set by this server's"),
+                            ({"greeting": "Hello"}, "greeting: not a JSON value"),
+                            ({"greeting": "5"}, "cannot render the chat template: TypeError")):  # 5 + '!'  # fmt: skip
+        with pytest.raises(ValueError, match=f"^chat_template_kwargs: .*{message}"):
+            ids(gateway_pb2.ChatMessage(role="user", content="hi"), **kwargs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -89,8 +90,10 @@ class Family(ABC):
         """Disagreements between the tokenizer's special ids and the config (empty: none)."""
 
     @abstractmethod
-    def prompt_ids(self, tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-        """Chat messages -> prompt ids ending with the assistant header."""
+    def prompt_ids(self, tokenizer: Any, messages: list[dict[str, str]],
+                   template_kwargs: Mapping[str, Any] | None = None) -> list[int]:  # fmt: skip
+        """Chat messages -> prompt ids ending with the assistant header (`template_kwargs`: the
+        request's own variables for the chat template)."""
 
     @abstractmethod
     def input_builder(self, ckpt: Checkpoint, tokenizer: Any) -> Any:

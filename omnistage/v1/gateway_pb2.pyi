@@ -87,7 +87,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "want_audio", "speaker", "sampling", "mode", "request_id", "use_audio_in_video", "audio_format", "stop")
+    __slots__ = ("prompt", "messages", "want_audio", "speaker", "sampling", "mode", "request_id", "use_audio_in_video", "audio_format", "stop", "chat_template_kwargs")
     class SamplingEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,13 @@ class GenerateRequest(_message.Message):
         key: str
         value: _stage_pb2.SamplingParams
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_stage_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    class ChatTemplateKwargsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     WANT_AUDIO_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +112,7 @@ class GenerateRequest(_message.Message):
     USE_AUDIO_IN_VIDEO_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FORMAT_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     want_audio: bool
@@ -115,7 +123,8 @@ class GenerateRequest(_message.Message):
     use_audio_in_video: bool
     audio_format: AudioFormat
     stop: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., want_audio: _Optional[bool] = ..., speaker: _Optional[str] = ..., sampling: _Optional[_Mapping[str, _stage_pb2.SamplingParams]] = ..., mode: _Optional[_Union[_stage_pb2.EdgeMode, str]] = ..., request_id: _Optional[str] = ..., use_audio_in_video: _Optional[bool] = ..., audio_format: _Optional[_Union[AudioFormat, str]] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+    chat_template_kwargs: _containers.ScalarMap[str, str]
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., want_audio: _Optional[bool] = ..., speaker: _Optional[str] = ..., sampling: _Optional[_Mapping[str, _stage_pb2.SamplingParams]] = ..., mode: _Optional[_Union[_stage_pb2.EdgeMode, str]] = ..., request_id: _Optional[str] = ..., use_audio_in_video: _Optional[bool] = ..., audio_format: _Optional[_Union[AudioFormat, str]] = ..., stop: _Optional[_Iterable[str]] = ..., chat_template_kwargs: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class TextDelta(_message.Message):
     __slots__ = ("text", "token_ids")

@@ -371,6 +371,7 @@ def test_bad_requests_get_the_documented_status_and_shape(http_stack: Stack) -> 
         ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA"}}]}]},
          None, 400, "messages[0].content[0]"),
         ({"messages": hi, "audio": {"format": "aiff"}}, None, 400, "audio.format"),
+        ({"messages": hi, "chat_template_kwargs": {"add_generation_prompt": False}}, None, 400, "chat_template_kwargs"),
         ({"messages": hi, "n": 2}, None, 400, "n"),
         ({"messages": hi, "max_tokens": 0}, None, 400, "max_tokens"),
         ({"messages": hi, "stop": [""]}, None, 400, "stop[0]"),

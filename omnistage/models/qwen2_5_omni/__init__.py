@@ -9,6 +9,7 @@ The talker, token2wav, the voices (`spk_dict.pt`) and the prompt glue are this f
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -105,10 +106,11 @@ class Qwen25Omni(Family):
     def check_tokenizer(self, tokenizer: Any, config: Any) -> list[str]:
         return spec.check_tokenizer(tokenizer, config)
 
-    def prompt_ids(self, tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    def prompt_ids(self, tokenizer: Any, messages: list[dict[str, str]],
+                   template_kwargs: Mapping[str, Any] | None = None) -> list[int]:  # fmt: skip
         from omnistage.models.qwen3_omni.prompt import build_prompt_ids
 
-        return build_prompt_ids(tokenizer, messages)
+        return build_prompt_ids(tokenizer, messages, template_kwargs)
 
     def input_builder(self, ckpt: Checkpoint, tokenizer: Any) -> Any:
         from omnistage.models.qwen2_5_omni.processor import InputBuilder

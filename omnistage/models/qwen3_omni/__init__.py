@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -72,8 +73,9 @@ class Qwen3Omni(Family):
     def check_tokenizer(self, tokenizer: Any, config: Any) -> list[str]:
         return spec.check_tokenizer(tokenizer, config)
 
-    def prompt_ids(self, tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-        return prompt.build_prompt_ids(tokenizer, messages)
+    def prompt_ids(self, tokenizer: Any, messages: list[dict[str, str]],
+                   template_kwargs: Mapping[str, Any] | None = None) -> list[int]:  # fmt: skip
+        return prompt.build_prompt_ids(tokenizer, messages, template_kwargs)
 
     def input_builder(self, ckpt: Checkpoint, tokenizer: Any) -> Any:
         from omnistage.models.qwen3_omni.processor import InputBuilder

@@ -12,6 +12,7 @@ loads a video file itself.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -237,9 +238,10 @@ class InputBuilder:
         except ValueError as e:
             raise PartRefused(f"{at}: {e}") from None
 
-    def build(self, messages: list[dict[str, Any]], use_audio_in_video: bool = False
-              ) -> tuple[list[int], dict[str, Any]]:  # fmt: skip
-        """(prompt ids, model inputs as torch tensors under MODEL_INPUTS names)."""
+    def build(self, messages: list[dict[str, Any]], use_audio_in_video: bool = False,
+              template_kwargs: Mapping[str, Any] | None = None) -> tuple[list[int], dict[str, Any]]:  # fmt: skip
+        """(prompt ids, model inputs as torch tensors under MODEL_INPUTS names); `template_kwargs`:
+        the request's own variables for the chat template."""
         audios: list[np.ndarray] = []
         audio_sources: list[int | None] = []  # per audio: None (its own part) or the video it comes from
         audio_parts: list[str] = []  # per audio, the part it comes from (for errors)
@@ -280,7 +282,8 @@ class InputBuilder:
                     raise ValueError(f"unknown content part type {kind!r}")
                 parts.append({"type": kind, kind: kind})  # the template emits the placeholder
             rendered.append({"role": message["role"], "content": parts})
-        text = self.processor.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+        text = self.processor.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False,
+                                                  **(template_kwargs or {}))  # fmt: skip
         kwargs = self.options()
         if audios:
             longest = max(range(len(audios)), key=lambda k: len(audios[k]))  # the others are padded to it

@@ -14,7 +14,7 @@ Talker prompt (mirrors `Qwen3OmniMoeForConditionalGeneration.generate`):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,9 +34,11 @@ def text_positions(start: int, length: int, device: torch.device | str) -> torch
     return pos.view(1, 1, -1).expand(4, 1, -1)
 
 
-def build_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Chat messages -> prompt ids ending with the assistant header, via the checkpoint's template."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def build_prompt_ids(tokenizer: Any, messages: list[dict[str, str]],
+                     template_kwargs: Mapping[str, Any] | None = None) -> list[int]:  # fmt: skip
+    """Chat messages -> prompt ids ending with the assistant header, via the checkpoint's template
+    (`template_kwargs`: the request's own variables for it)."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **(template_kwargs or {}))
     if isinstance(out, dict) or hasattr(out, "keys"):
         out = out["input_ids"]
     if out and isinstance(out[0], list):
