@@ -52,7 +52,7 @@ class Counting(StageWorker):
         for item in batch:
             state = item.request.state
             if item.request.params.get("fail_at") == state["done"]:
-                out.append(RuntimeError("boom"))
+                out.append(item.request.params.get("error", RuntimeError("boom")))
                 continue
             state["done"] += 1
             step = StepOutput(up=[OutChunk({}, offset=state["done"] - 1, length=1)])
@@ -268,6 +268,19 @@ def test_one_failing_request_does_not_take_the_others_down() -> None:
     assert bad.req.error is not None and bad.req.error.code is Code.INTERNAL and "boom" in bad.req.error.message
     assert good.req is not None and good.req.status is RequestStatus.FINISHED_STOPPED and len(good.outputs) == 3
     assert sorted(worker.closed) == ["bad", "good"]
+
+
+def test_one_request_out_of_memory_fails_it_as_resource_exhausted() -> None:
+    """Out of memory in one request's own work (a media encoder's, returned in its place) is
+    RESOURCE_EXHAUSTED, as in a shared step (a client may retry it), not an internal error."""
+    engine = Engine(Counting(), background=False)
+    big, good = Sink(), Sink()
+    engine.open("big", {"steps": 3, "fail_at": 0, "error": MemoryError("encoder")}, big)
+    engine.open("good", {"steps": 3}, good)
+    run_until_idle(engine)
+    assert big.req is not None and big.req.error is not None
+    assert big.req.error.code is Code.RESOURCE_EXHAUSTED and "out of memory in request big" in big.req.error.message
+    assert good.req is not None and good.req.status is RequestStatus.FINISHED_STOPPED
 
 
 class RaisesInStep(Counting):

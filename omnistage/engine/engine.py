@@ -363,26 +363,29 @@ class Engine:
     def _shared_failure(self, exc: Exception, batch: Sequence[ScheduledItem]) -> StageError:
         """What a step's failure is to each request in it, logged once for the step (not once
         per request); out of memory is RESOURCE_EXHAUSTED (retryable: the same request may fit later)."""
-        name = self.worker.name
         ids = ", ".join(it.request.request_id for it in batch)
-        if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":  # torch's, CPU or CUDA
-            log.error("%s: out of memory in a step of %d requests (%s): %s", name, len(batch), ids, exc)
-            return StageError(Code.RESOURCE_EXHAUSTED, f"{name}: out of memory in a step of {len(batch)} requests")
-        return self._stage_error(exc, f"a step of {len(batch)} requests ({ids})")
+        step = f"a step of {len(batch)} requests"
+        return self._stage_error(exc, f"{step} ({ids})", step)
 
-    def _stage_error(self, exc: BaseException, what: str) -> StageError:
-        """The status `exc` maps to; an unexpected one (a bug) is logged with its traceback."""
+    def _stage_error(self, exc: BaseException, what: str, said: str | None = None) -> StageError:
+        """The status `exc` maps to; an unexpected one (a bug) is logged with its traceback. `what`
+        failed, as the log says it (`said`: as the caller is told, where that differs)."""
         if isinstance(exc, StageError):
             return exc
         if isinstance(exc, TensorBlobError):
             return invalid(f"{self.worker.name}: {exc}")
+        # out of memory (torch's, CPU or CUDA, or Python's), in a step or in one request's own work
+        # (a media encoder): RESOURCE_EXHAUSTED, retryable, as the same request may fit later
+        if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+            log.error("%s: out of memory in %s: %s", self.worker.name, what, exc)
+            return StageError(Code.RESOURCE_EXHAUSTED, f"{self.worker.name}: out of memory in {said or what}")
         # a bug must fail the request, not the service
         log.error("%s: %s failed:\n%s", self.worker.name, what, "".join(traceback.format_exception(exc)))
         return StageError(Code.INTERNAL, f"{self.worker.name}: internal error: {exc}")
 
     def _fail(self, req: Request, exc: BaseException) -> None:
         """Fail one request with the status its exception maps to; the others go on."""
-        err = self._stage_error(exc, f"request {req.request_id}")
+        err = self._stage_error(exc, f"request {req.request_id}", f"request {req.shown_id}")
         if req.error is None:
             req.error = err
         self._end(req, FinishReason.ERROR)
