@@ -232,16 +232,17 @@ class _DownBuffer:
     """What one request sends downstream, in order (None: its end), read by index so a replayed
     call can send it all again. Kept while it fits `budget` bytes and the process's `memory`;
     past either the request can no longer be replayed on this hop (`why` says which) and what
-    was sent is dropped."""
+    was sent is dropped. With `replayable` false (failover off) nothing is kept: each item is
+    dropped once the call below has taken it."""
 
-    def __init__(self, budget: int, memory: ReplayMemory | None = None) -> None:
+    def __init__(self, budget: int, memory: ReplayMemory | None = None, replayable: bool = True) -> None:
         self.items: list[OutChunk | None] = []
         self.first = 0  # index of items[0] (earlier ones dropped)
         self.nbytes = 0  # kept for replay, counted in `memory`
         self.budget = budget
         self.memory = memory or ReplayMemory(budget)
-        self.replayable = True
-        self.why = ""  # why it is not replayable
+        self.replayable = replayable
+        self.why = "" if replayable else "failover is off (failover.attempts: 0)"  # why it is not replayable
         self.closed = False
         self.cancelling = False  # the reader sends a Cancel next, whatever is queued (close(cancel=True))
         self.end_taken = False  # the reader has taken the end (None): the call below is half-closed
@@ -684,7 +685,7 @@ class StageService:
         if call.down is not None:
             return
         pending.add("down")
-        call.down = _DownBuffer(self.replay_budget_bytes, self.replay_memory)
+        call.down = _DownBuffer(self.replay_budget_bytes, self.replay_memory, replayable=self.failover_attempts > 0)
         self._open_downstream(req, call, context)
         tasks.append(asyncio.create_task(self._relay(req, call, context)))
 

@@ -321,6 +321,13 @@ def test_what_requests_keep_for_replay_is_bounded_per_process_and_handed_back_at
         fourth.close()
         assert await asyncio.wait_for(waiting, 1.0) is None
         assert memory.held == 0 and memory.refusals == 1
+        # failover off (failover.attempts: 0): nothing is kept once the call below has taken it
+        off = _DownBuffer(800, memory, replayable=False)
+        off.put(out(400))
+        assert memory.held == 0 and not off.replayable and "failover.attempts: 0" in off.why
+        assert await off.get(0) is not None
+        off.taken(0)
+        assert off.items == [] and off.first == 1
 
     asyncio.run(go())
 
