@@ -344,6 +344,27 @@ def test_input_order_is_checked_before_the_worker_sees_it() -> None:
     assert req.status is RequestStatus.FINISHED_STOPPED
 
 
+def test_input_after_a_request_has_ended_is_checked_and_held_nowhere() -> None:
+    """A request that ended while its caller still sends (a talker at its frame limit while the
+    thinker goes on) drops what comes: order still checked, no device copy, nothing queued."""
+    engine = Engine(Counting(), background=False)
+    starts: list[int] = []
+    real_start = engine.device_inputs.start
+    engine.device_inputs.start = lambda c: (starts.append(c.offset), real_start(c))[1]  # type: ignore[method-assign]
+    req = engine.open("r", {"steps": 1}, Sink())
+    engine.feed(req, chunk(0, 2))
+    assert starts == [0] and len(req.inbox) == 1
+    run_until_idle(engine)
+    assert req.status is RequestStatus.FINISHED_STOPPED and not req.inbox  # what it did not read is let go
+    for offset in range(2, 40, 2):
+        engine.feed(req, chunk(offset, 2))
+    assert starts == [0] and not req.inbox
+    with pytest.raises(StageError, match="out of order; expected 40"):
+        engine.feed(req, chunk(3, 1))
+    engine.close_input(req)
+    assert not req.inbox
+
+
 def test_abort_frees_the_request_and_says_so() -> None:
     worker = Counting()
     engine = Engine(worker, background=False)

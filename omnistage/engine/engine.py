@@ -146,17 +146,23 @@ class Engine:
         return req
 
     def feed(self, req: Request, chunk: DecodedChunk) -> None:
-        """Order checks happen here, so a bad chunk fails before it reaches the worker."""
+        """Order checks happen here, so a bad chunk fails before it reaches the worker. A request
+        that has ended (e.g. the talker at its frame limit while the thinker still sends) drops
+        what comes after its end, still checked, and holds none of it."""
         name = self.worker.name
         with self._cond:  # one reader feeds a request, so nothing changes these between the two blocks
             if req.input_closed:
                 raise invalid(f"{name}: chunk (offset {chunk.offset}) after the finished chunk")
             if chunk.offset != req.next_offset:
                 raise invalid(f"{name}: chunk offset {chunk.offset} out of order; expected {req.next_offset}")
-        self.device_inputs.start(chunk)  # only a chunk that is in order takes device memory
+            ended = self._requests.get(req.request_id) is not req
+        if not ended:
+            self.device_inputs.start(chunk)  # only a chunk that is in order takes device memory
         with self._cond:
             req.next_offset = chunk.offset + chunk.length
             req.input_closed = chunk.finished
+            if ended or self._requests.get(req.request_id) is not req:  # (or it ended meanwhile)
+                return
             req.inbox.append(chunk)
             req.last_input = time.monotonic()
             self._cond.notify()
@@ -165,8 +171,9 @@ class Engine:
         """The caller closed its side: no more input will come."""
         with self._cond:
             req.input_closed = True
-            req.inbox.append(None)
-            self._cond.notify()
+            if self._requests.get(req.request_id) is req:  # (once it has ended nothing reads it)
+                req.inbox.append(None)
+                self._cond.notify()
 
     def abort(self, req: Request, error: StageError | None = None) -> None:
         """Cancel (no error) or fail (`error`) the request; a no-op once it has ended."""
@@ -410,6 +417,7 @@ class Engine:
         req.state = None
         self.scheduler.finish(req, reason)  # a no-op for one a step ended (update_from_output, with its hold)
         with self._cond:
+            req.inbox.clear()  # what came and was not read (feed keeps nothing once it has ended)
             if self._requests.pop(req.request_id, None) is None:
                 return
         if self.observer is not None:
