@@ -318,6 +318,34 @@ def test_a_failed_shared_step_fails_its_requests_once_logged(error: Exception, c
     assert later.req is not None and later.req.status is RequestStatus.FINISHED_STOPPED
 
 
+class MiscountsOutputs(Counting):
+    """A bug outside any one request's work: a step returns one output too few."""
+
+    def execute(self, batch: Sequence[ScheduledItem]) -> list[StepOutput | Exception]:
+        return super().execute(batch)[1:]
+
+
+def test_an_engine_thread_that_fails_outside_a_request_says_so() -> None:
+    """A failure of the loop itself (here a step's outputs miscounted: the strict zip raises)
+    leaves no request able to step: `on_dead` hears it (a stage process exits on it, so its
+    callers replay elsewhere) instead of the thread ending silently under a live service."""
+    died: list[BaseException] = []
+    heard = threading.Event()
+
+    def on_dead(exc: BaseException) -> None:
+        died.append(exc)
+        heard.set()
+
+    engine = Engine(MiscountsOutputs(), on_dead=on_dead)
+    engine.open("r1", {"steps": 2}, Sink())
+    engine.open("r2", {"steps": 2}, Sink())
+    assert heard.wait(10)
+    assert engine.dead is died[0] and isinstance(died[0], ValueError)  # zip(strict=True)'s
+    assert engine._thread is not None
+    engine._thread.join(5)
+    assert not engine._thread.is_alive()
+
+
 def test_open_errors_and_duplicate_ids() -> None:
     engine = Engine(Counting(), background=False)
     sink = Sink()

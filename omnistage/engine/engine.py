@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from omnistage.engine.device_copy import DeviceInputs, HostOutputs
@@ -97,8 +97,15 @@ class Engine:
         background: bool = True,
         observer: StepObserver | None = None,
         output_stall_timeout_s: float = 60.0,
+        on_dead: Callable[[BaseException], None] | None = None,
     ) -> None:
-        """`background=False`: no engine thread; the owner calls `run_once()` (in-process use)."""
+        """`background=False`: no engine thread; the owner calls `run_once()` (in-process use).
+        `on_dead(exc)`: called on the engine thread if it fails outside any one request's work (a
+        bug in the loop, the scheduler or a step's bookkeeping), when nothing can step again:
+        a stage process exits, so its callers replay elsewhere and `serve` restarts it (a live
+        process with a dead engine would hold every request until its deadline)."""
+        self.on_dead = on_dead
+        self.dead: BaseException | None = None
         self.worker = worker
         self.observer = observer
         self.input_wait_timeout_s = input_wait_timeout_s
@@ -226,6 +233,16 @@ class Engine:
     # ---- engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:
+            self.dead = e
+            log.critical("%s: the engine thread failed; no request can step again:\n%s", self.worker.name,
+                         "".join(traceback.format_exception(e)))  # fmt: skip
+            if self.on_dead is not None:
+                self.on_dead(e)
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 if self._stop and not self._requests:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import sys
 from importlib import import_module
 from pathlib import Path
 
@@ -19,6 +22,19 @@ from omnistage.topology import stage_def, stages_below
 from services.edges import edge_mode
 
 log = logging.getLogger(__name__)
+
+
+ENGINE_DEAD_EXIT = 70  # (EX_SOFTWARE) the engine thread failed: the process exits for `serve` to restart it
+
+
+def _exit_engine_dead(exc: BaseException) -> None:
+    """The engine thread failed (logged): end the process at once, as a crash would, so its calls
+    fail UNAVAILABLE and their callers replay them on another replica, and the supervisor
+    (`serve`, Kubernetes) starts a new one. Not a drain: no request here can finish."""
+    for flush in [h.flush for h in logging.getLogger().handlers] + [sys.stdout.flush, sys.stderr.flush]:
+        with contextlib.suppress(OSError, ValueError):
+            flush()
+    os._exit(ENGINE_DEAD_EXIT)
 
 
 def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: int, downstream: str | None) -> None:
@@ -40,6 +56,7 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
         cfg.timeouts.input_wait_timeout_s,
         **stage_cfg.engine_limits(),
         output_stall_timeout_s=cfg.timeouts.output_stall_timeout_s,
+        on_dead=_exit_engine_dead,
     )
     service = StageService(
         engine,
