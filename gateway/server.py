@@ -129,6 +129,11 @@ def bad_request_id(request_id: str) -> bool:
     return len(request_id) > MAX_REQUEST_ID_CHARS or not all(" " <= c <= "~" for c in request_id)
 
 
+def _failure_code(failure: stage_pb2.Failure) -> grpc.StatusCode:
+    """A stage's in-band Failure's status code (one it does not name: INTERNAL)."""
+    return grpc.StatusCode.__members__.get(failure.code, grpc.StatusCode.INTERNAL)
+
+
 class GatewayService(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, cfg: DeployConfig, ckpt: Checkpoint, thinker_target: str, api_key: str = "") -> None:
         ckpt.check_serves(cfg.audio_output)
@@ -495,9 +500,13 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             call = stage_stream(channel)(messages(), timeout=max(deadline - time.monotonic(), 0.001))
             call.add_done_callback(done)
             assemblers: dict[str, ChunkAssembler] = {}
+            failure: stage_pb2.Failure | None = None  # the call's status as the thinker said it, in band
             try:
                 async for received in call:
                     resp = received.message
+                    if resp.HasField("failure"):  # its status follows, unless grpc replaced it (a write under way)
+                        failure = resp.failure
+                        continue
                     got = assemblers.setdefault(resp.stage, ChunkAssembler()).push(resp.chunk, received.views)
                     if got is None:
                         continue
@@ -508,9 +517,13 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                         got = resume.tail(resp.stage, got)
                     resume.delivered(resp.stage, got.offset, got.length, got.finished)
                     yield resp.stage, got
+                if failure is not None:  # (a Failure is always followed by its status: no thinker of ours)
+                    raise GatewayError(_failure_code(failure), client_ids(failure.message, stage_id, request_id))
                 return
             except grpc.aio.AioRpcError as e:
                 code, detail = e.code(), e.details() or ""
+                if failure is not None:  # as the thinker said it (see stage_server's `_failure`)
+                    code, detail = _failure_code(failure), failure.message
                 lost = lost_peer(code, detail) and not detail.startswith(self.stages[1:])
                 if lost and attempt < self.cfg.failover.attempts and deadline - time.monotonic() > 0.5:
                     attempt += 1

@@ -1353,3 +1353,67 @@ def test_chat_template_kwargs_reach_the_variables_the_template_reads(tiny_dir: P
                             ({"greeting": "5"}, "cannot render the chat template: TypeError")):  # 5 + '!'  # fmt: skip
         with pytest.raises(ValueError, match=f"^chat_template_kwargs: .*{message}"):
             ids(gateway_pb2.ChatMessage(role="user", content="hi"), **kwargs)
+
+
+def test_the_gateway_goes_by_the_thinkers_failure_not_by_the_status_grpc_put_in_its_place(tiny_dir: Path) -> None:
+    """A thinker that failed a request while the gateway was still writing its prompt: grpc gives
+    the gateway its own INTERNAL ("Internal error from Core", a lost peer's) in place of the
+    status, and the gateway replayed the request and said UNAVAILABLE. It goes by the Failure the
+    thinker sent in band first: the thinker's status and words, and no replay."""
+    from gateway.server import GatewayService
+    from omnistage.config import parse_config
+    from omnistage.models import open_checkpoint
+    from omnistage.server.grpc_common import (
+        CORE_WRITE_FAILED,
+        STAGE_SERVICE,
+        HealthState,
+        add_stage_servicer,
+        bind,
+        new_server,
+    )
+    from omnistage.v1 import stage_pb2
+    from omnistage.wire.wire_view import failure_response
+    from tests.integration.conftest import free_port_block
+
+    class Thinker:
+        calls = 0
+
+        async def Info(self, request: Any, context: Any) -> Any:
+            return stage_pb2.InfoResponse(role="thinker")
+
+        async def Stream(self, request_iterator: Any, context: Any) -> Any:
+            Thinker.calls += 1
+            async for _ in request_iterator:
+                break
+            yield failure_response("thinker", "INVALID_ARGUMENT", "thinker: prompt chunk 2 is bad")
+            await context.abort(grpc.StatusCode.INTERNAL, CORE_WRITE_FAILED)
+
+    class Context(_GrpcContext):
+        said: tuple[Any, str] | None = None
+
+        async def abort(self, code: Any, details: str, trailing_metadata: Any = ()) -> None:
+            self.said = (code, details)
+            raise RuntimeError("aborted")  # (grpc's AbortError ends the handler)
+
+    ckpt = open_checkpoint(tiny_dir)
+
+    async def go() -> tuple[Any, str] | None:
+        server = new_server(1 << 20)
+        add_stage_servicer(Thinker(), server)
+        health = HealthState(server, (STAGE_SERVICE,))
+        port = bind(server, "127.0.0.1", free_port_block(1), "thinker")
+        await server.start()
+        await health.set(True)
+        service = GatewayService(parse_config({}), ckpt, f"ipv4:127.0.0.1:{port}")
+        context = Context()
+        try:
+            with contextlib.suppress(RuntimeError):
+                await service.Generate(gateway_pb2.GenerateRequest(prompt="hi"), context)  # type: ignore[arg-type]
+        finally:
+            await server.stop(None)
+        return context.said
+
+    said = asyncio.run(go())
+    assert said is not None and said[0] == grpc.StatusCode.INVALID_ARGUMENT, said
+    assert said[1].startswith("thinker: prompt chunk 2 is bad"), said
+    assert Thinker.calls == 1  # not replayed

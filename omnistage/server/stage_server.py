@@ -52,7 +52,7 @@ from omnistage.wire import ChunkAssembler, Code, LazyChunk, StageError, TensorBl
 from omnistage.wire.resume import Resume, Seen
 from omnistage.wire.shm import CallShmReader, ShmPool, ShmReader, peer_accepts_shm
 from omnistage.wire.tensor_blob import LENGTH_KEY, get_meta
-from omnistage.wire.wire_view import Outgoing, Received, Undecodable, parse_response
+from omnistage.wire.wire_view import Outgoing, Received, Undecodable, failure_of, failure_response, parse_response
 from services.edges import check_start, downstream_start
 
 log = logging.getLogger(__name__)
@@ -308,6 +308,12 @@ class _DownBuffer:
             self.first = index + 1
 
 
+def _said(failure: stage_pb2.Failure) -> StageError:
+    """A stage's in-band Failure as the error it is (a code this stage does not know: INTERNAL)."""
+    code = Code.__members__.get(failure.code, Code.INTERNAL)
+    return StageError(code, failure.message)
+
+
 class StageService:
     def __init__(
         self,
@@ -446,10 +452,11 @@ class StageService:
         self,
         request_iterator: AsyncIterator[Received[stage_pb2.StageRequest] | Undecodable],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[Outgoing | bytes]:
+    ) -> AsyncIterator[Outgoing | bytes | stage_pb2.StageResponse]:
         if self.draining:
-            await self._reject(context, request_iterator, StageError(Code.UNAVAILABLE,
-                               f"{self.stage}: draining, not accepting new requests"))  # fmt: skip
+            refusal = StageError(Code.UNAVAILABLE, f"{self.stage}: draining, not accepting new requests")
+            yield self._failure(refusal)
+            await self._reject(context, request_iterator, refusal)
         ack, shm_reader = self.reader.accept_call(context.invocation_metadata())
         await context.send_initial_metadata(ack)
         self.open_streams += 1
@@ -466,16 +473,20 @@ class StageService:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.stage}: no Start within "
                                     f"{wait:g} s of opening the call (timeouts.input_wait_timeout_s)")  # fmt: skip
             if isinstance(received, Undecodable):
-                await self._reject(context, request_iterator, self._undecodable(received, 1))
+                refusal = self._undecodable(received, 1)
+                yield self._failure(refusal)
+                await self._reject(context, request_iterator, refusal)
             first = received.message
             if first.WhichOneof("kind") != "start":
                 got = {"chunk": "a chunk", "cancel": "a Cancel"}.get(first.WhichOneof("kind") or "", "an empty message")
-                await self._reject(context, request_iterator,
-                                   invalid(f"{self.stage}: the first message must be Start, got {got}"))  # fmt: skip
+                refusal = invalid(f"{self.stage}: the first message must be Start, got {got}")
+                yield self._failure(refusal)
+                await self._reject(context, request_iterator, refusal)
             start = first.start
             try:
                 check_start(self.stage, start)
             except StageError as e:
+                yield self._failure(e)
                 await self._reject(context, request_iterator, e)
             deadline = None
             if start.deadline_unix_s > 0:
@@ -485,6 +496,7 @@ class StageService:
                 # a new caller while the lost caller's call (frozen, not yet noticed) is still open.
                 req = self.engine.open(f"{start.request_id}#{call.serial}", start, call, deadline, start.request_id)
             except StageError as e:
+                yield self._failure(e)
                 await self._reject(context, request_iterator, e)
             self.requests_total += 1
             self.messages_received += 1  # the Start
@@ -511,6 +523,7 @@ class StageService:
                             call.down.put(None)
                 elif isinstance(item, _Finished):
                     if item.error is not None:
+                        yield self._failure(item.error)
                         await self._end_with(context, call, tasks[0], item.error)
                     pending.discard("self")
                 elif item is _DOWN_DONE:
@@ -518,6 +531,7 @@ class StageService:
                 elif item is _OPEN_DOWN and self.downstream is not None:
                     self._begin_downstream(req, call, context, pending, tasks)
                 elif isinstance(item, StageError):
+                    yield self._failure(item)
                     await self._end_with(context, call, tasks[0], item)
             # Done: end the call only once the caller has half-closed (same race as above; e.g.
             # the talker reaching its frame limit while the thinker still sends tokens).
@@ -525,6 +539,7 @@ class StageService:
             await asyncio.wait({tasks[0]}, timeout=remaining if remaining is not None else 60.0)
             late = call.error_after_done()
             if late is not None:  # the caller sent something wrong after this stage's work ended
+                yield self._failure(late)
                 await context.abort(grpc_code(late.code), late.message)
         finally:
             self.open_streams -= 1
@@ -646,9 +661,15 @@ class StageService:
                        f"({msg.reason})")  # fmt: skip
 
     # Ending a call while the caller is still writing surfaces on the caller as INTERNAL
-    # ("Internal error from Core") instead of our status: every rejection first reads what the
-    # caller has already sent (bounded), then ends the call.
+    # ("Internal error from Core", as a lost peer's) instead of our status: every rejection first
+    # sends its Failure in band (`_failure`: what our callers go by), then reads what the caller
+    # has already sent (bounded), then ends the call.
     REJECT_READ_S = 0.5
+
+    def _failure(self, error: StageError) -> stage_pb2.StageResponse:
+        """A request's last message: why it failed here, ahead of the status that says it too."""
+        self.messages_sent += 1
+        return failure_response(self.stream, error.code.name, error.message)
 
     async def _reject(self, context: grpc.aio.ServicerContext, request_iterator: AsyncIterator[Any],
                       error: StageError) -> None:  # fmt: skip
@@ -749,10 +770,11 @@ class StageService:
                 self.messages_sent += 1
                 yield Outgoing(stage_pb2.StageRequest(), chunk)
 
-    def _replayable(self, e: grpc.aio.AioRpcError, call: _Call, context: grpc.aio.ServicerContext) -> str:
-        """Why this failure cannot be replayed on another replica ("" when it can)."""
-        detail = e.details() or ""
-        if not lost_peer(e.code(), detail):
+    def _replayable(self, code: grpc.StatusCode, detail: str, call: _Call, context: grpc.aio.ServicerContext
+                    ) -> str:  # fmt: skip
+        """Why the downstream call's failure (`code`, `detail`) cannot be replayed on another
+        replica ("" when it can)."""
+        if not lost_peer(code, detail):
             return "not a lost replica"
         if detail.startswith(tuple(s for s in self.below if s != self.downstream_name)):
             return "a stage further down failed"  # that stage's caller has already tried
@@ -774,6 +796,7 @@ class StageService:
         release_at_answer = self.engine.worker.downstream_consumes_input_first
         while True:
             parts: dict[str, list[Received[stage_pb2.StageResponse]]] = {}  # per stage: a split chunk, held whole
+            failure: stage_pb2.Failure | None = None  # the call's status as the stage below said it, in band
             try:
                 async for raw in call.down_call:
                     self.messages_received += 1
@@ -782,18 +805,28 @@ class StageService:
                     if release_at_answer:
                         release_at_answer = False
                         self.pool.release_request(req.request_id)
+                    if (failed := failure_of(raw)) is not None:  # the status follows (unless replaced: _failure)
+                        failure = failed
+                        continue
                     for out in self._resume(raw, parts, resume):
                         await call.relay(out)
+                if failure is not None:  # (a Failure is always followed by its status: this is no stage of ours)
+                    self._fail(req, call, _said(failure))
+                    return
                 await call.relay(_DOWN_DONE)
                 return
             except grpc.aio.AioRpcError as e:
                 if call.closing:  # this call has ended (and asked below to end): nothing to replay or tell
                     return
-                why = self._replayable(e, call, context)
+                # the status as the stage below gave it: grpc replaces it with its own INTERNAL, a lost
+                # peer's, when our write was under way as the call ended
+                code, detail = (e.code(), e.details() or "") if failure is None else (
+                    grpc_code(_said(failure).code), failure.message)
+                why = self._replayable(code, detail, call, context)
                 if not why:
                     call.attempt += 1
                     log.warning("%s: request %s lost its %s call (%s: %s); replaying it (attempt %d)",
-                                self.stage, req.request_id, self.downstream_name, e.code().name, e.details(),
+                                self.stage, req.request_id, self.downstream_name, code.name, detail,
                                 call.attempt)  # fmt: skip
                     await asyncio.sleep(REPLAY_BACKOFF_S * 2 ** (call.attempt - 1))  # the channel sees the loss
                     await self._replica_back(call, context, until_unreplayable=True)
@@ -808,8 +841,6 @@ class StageService:
                     call.down.close()
                     await asyncio.sleep(REPLAY_BACKOFF_S)  # the channel sees the loss (else: READY still)
                     await self._replica_back(call, context)
-                code = e.code()
-                detail = e.details() or ""
                 if call.down is not None and why == call.down.why:
                     # this stage's own failure, so its caller, which holds the request (the gateway
                     # holds all of it), may replay it from there: a lost replica loses no request

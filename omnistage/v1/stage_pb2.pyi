@@ -82,12 +82,22 @@ class StageRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[Start, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
 
 class StageResponse(_message.Message):
-    __slots__ = ("stage", "chunk")
+    __slots__ = ("stage", "chunk", "failure")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     stage: str
     chunk: _tensor_pb2.Chunk
-    def __init__(self, stage: _Optional[str] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ...) -> None: ...
+    failure: Failure
+    def __init__(self, stage: _Optional[str] = ..., chunk: _Optional[_Union[_tensor_pb2.Chunk, _Mapping]] = ..., failure: _Optional[_Union[Failure, _Mapping]] = ...) -> None: ...
+
+class Failure(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

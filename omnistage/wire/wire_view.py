@@ -61,6 +61,8 @@ __all__ = [
     "Outgoing",
     "Received",
     "Undecodable",
+    "failure_of",
+    "failure_response",
     "or_undecodable",
     "parse_chunk",
     "parse_request",
@@ -288,6 +290,30 @@ def or_undecodable(parse: Callable[[bytes], T]) -> Callable[[bytes], T | Undecod
 def parse_response(data: bytes) -> Received[stage_pb2.StageResponse]:
     """StageResponse bytes -> ``Received`` (the gRPC response deserializer of Stage.Stream)."""
     return _parse(stage_pb2.StageResponse, data, _RESPONSE_PLAN, lambda m: m.chunk if m.HasField("chunk") else None)
+
+
+_STAGE_TAG = _number(stage_pb2.StageResponse, "stage") << 3 | 2
+_FAILURE_TAG = _number(stage_pb2.StageResponse, "failure") << 3 | 2
+
+
+def failure_of(data: bytes) -> stage_pb2.Failure | None:
+    """The Failure a StageResponse's bytes hold, else None, without walking a chunk: protobuf and
+    `serialize` write a response's `stage` first, then its chunk or its failure (a relaying stage
+    checks every response it passes up unparsed)."""
+    pos = 0
+    if data[:1] == bytes((_STAGE_TAG,)):
+        try:
+            n, pos = _varint(data, 1, len(data))
+        except _Unsupported:  # (garbage: the parse that follows says so)
+            return None
+        pos += n
+    if data[pos : pos + 1] != bytes((_FAILURE_TAG,)):
+        return None
+    return stage_pb2.StageResponse.FromString(data).failure
+
+
+def failure_response(stage: str, code: str, message: str) -> stage_pb2.StageResponse:
+    return stage_pb2.StageResponse(stage=stage, failure=stage_pb2.Failure(code=code, message=message))
 
 
 # --------------------------------------------------------------------------------------------

@@ -122,6 +122,8 @@ async def stage_call(
     async with grpc.aio.insecure_channel(address) as ch:
         call = stage_pb2_grpc.StageStub(ch).Stream(messages(), timeout=timeout)
         async for resp in call:
+            if resp.HasField("failure"):  # (why the call fails: its status follows)
+                continue
             d = asm.setdefault(resp.stage, ChunkAssembler()).push(resp.chunk)
             if d is not None:
                 out.setdefault(resp.stage, []).append(d)
