@@ -1173,9 +1173,8 @@ def test_a_stage_out_of_memory_tells_a_grpc_client_when_to_retry(tiny_dir: Path)
     from gateway.server import GatewayService
     from omnistage.config import parse_config
     from omnistage.models import open_checkpoint
-    from omnistage.server.grpc_common import STAGE_SERVICE, HealthState, add_stage_servicer, bind, new_server
     from omnistage.v1 import stage_pb2
-    from tests.integration.conftest import free_port_block
+    from tests.integration.conftest import serve_stage
 
     class Thinker:  # a thinker whose calls fail as `code`, `detail`
         def __init__(self) -> None:
@@ -1201,12 +1200,7 @@ def test_a_stage_out_of_memory_tells_a_grpc_client_when_to_retry(tiny_dir: Path)
 
     async def go() -> list[dict[str, str]]:
         thinker = Thinker()
-        server = new_server(1 << 20)
-        add_stage_servicer(thinker, server)
-        health = HealthState(server, (STAGE_SERVICE,))
-        port = bind(server, "127.0.0.1", free_port_block(1), "thinker")
-        await server.start()
-        await health.set(True)
+        server, port = await serve_stage(thinker, "thinker")
         service = GatewayService(parse_config({}), ckpt, f"ipv4:127.0.0.1:{port}")
         seen = []
         try:
@@ -1363,17 +1357,10 @@ def test_the_gateway_goes_by_the_thinkers_failure_not_by_the_status_grpc_put_in_
     from gateway.server import GatewayService
     from omnistage.config import parse_config
     from omnistage.models import open_checkpoint
-    from omnistage.server.grpc_common import (
-        CORE_WRITE_FAILED,
-        STAGE_SERVICE,
-        HealthState,
-        add_stage_servicer,
-        bind,
-        new_server,
-    )
+    from omnistage.server.grpc_common import CORE_WRITE_FAILED
     from omnistage.v1 import stage_pb2
     from omnistage.wire.wire_view import failure_response
-    from tests.integration.conftest import free_port_block
+    from tests.integration.conftest import serve_stage
 
     class Thinker:
         calls = 0
@@ -1398,12 +1385,7 @@ def test_the_gateway_goes_by_the_thinkers_failure_not_by_the_status_grpc_put_in_
     ckpt = open_checkpoint(tiny_dir)
 
     async def go() -> tuple[Any, str] | None:
-        server = new_server(1 << 20)
-        add_stage_servicer(Thinker(), server)
-        health = HealthState(server, (STAGE_SERVICE,))
-        port = bind(server, "127.0.0.1", free_port_block(1), "thinker")
-        await server.start()
-        await health.set(True)
+        server, port = await serve_stage(Thinker(), "thinker")
         service = GatewayService(parse_config({}), ckpt, f"ipv4:127.0.0.1:{port}")
         context = Context()
         try:

@@ -21,7 +21,7 @@ from omnistage.server.grpc_common import (
 )
 from omnistage.server.routing import Router, replica_addresses, unserved
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
-from tests.integration.conftest import free_port_block
+from tests.integration.conftest import free_port_block, serve_stage
 
 
 def test_replica_addresses_of_each_target_form() -> None:
@@ -210,12 +210,7 @@ def test_a_watcher_asks_a_peer_that_answers_with_an_error_once_a_poll() -> None:
             raise NotImplementedError
 
     async def go() -> None:
-        server = new_server(1 << 20)
-        add_stage_servicer(Refusing(), server)
-        health = HealthState(server, (STAGE_SERVICE,))
-        port = bind(server, "127.0.0.1", free_port_block(1), "refusing")
-        await server.start()
-        await health.set(True)
+        server, port = await serve_stage(Refusing(), "refusing")
         target = f"ipv4:127.0.0.1:{port}"
         channel = grpc.aio.insecure_channel(target, options=channel_options(1 << 20))
         watcher = ChainWatcher(channel, "talker", target, 0.5)

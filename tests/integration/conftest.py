@@ -24,6 +24,20 @@ def free_port_block(n: int, metrics_offset: int = 1000) -> int:
     return free_port_blocks([n], metrics_offset=metrics_offset)[0]
 
 
+async def serve_stage(servicer: Any, name: str) -> tuple[grpc.aio.Server, int]:
+    """`servicer` (a stand-in stage: Info and Stream) served on a free loopback port, SERVING in
+    gRPC health as a stage is; the server and its port (stop it with `server.stop(None)`)."""
+    from omnistage.server.grpc_common import STAGE_SERVICE, HealthState, add_stage_servicer, bind, new_server
+
+    server = new_server(1 << 20)
+    add_stage_servicer(servicer, server)
+    health = HealthState(server, (STAGE_SERVICE,))
+    port = bind(server, "127.0.0.1", free_port_block(1), name)
+    await server.start()
+    await health.set(True)
+    return server, port
+
+
 def metric(address: str, sample: str, **labels: str) -> float:
     """The sum of the samples named `sample` (with these labels, among others) that the process
     at `address` serves on its metrics port (its port + 1000)."""
