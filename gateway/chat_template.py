@@ -47,6 +47,6 @@ def template_kwargs(raw: Mapping[str, str], names: frozenset[str]) -> dict[str, 
             continue
         try:
             out[key] = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested past the parser's stack: over gRPC, no body parser before)
             raise ValueError(f"{FIELD}: {key}: not a JSON value") from None
     return out

@@ -197,25 +197,20 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             except PartRefused:  # named already
                 raise
             except (ValueError, TypeError, KeyError, IndexError, RuntimeError, TemplateError) as e:  # the processor's
-                raise ValueError(f"{self._rendered(kwargs)}: cannot build the model inputs: {type(e).__name__}: {e}"
-                                 ) from None  # fmt: skip
+                field = CHAT_TEMPLATE_KWARGS if kwargs and isinstance(e, TemplateError) else "messages"
+                raise ValueError(f"{field}: cannot build the model inputs: {type(e).__name__}: {e}") from None
             prompt = edges.Prompt(ids, tensors, request.use_audio_in_video)
         else:
             try:
                 prompt = edges.Prompt(self.ckpt.family.prompt_ids(self.tokenizer, messages, kwargs))
             except (ValueError, TypeError, KeyError, IndexError, TemplateError) as e:  # the template's refusals
-                raise ValueError(f"{self._rendered(kwargs)}: cannot render the chat template: {type(e).__name__}: "
-                                 f"{e}") from None  # fmt: skip
+                field = CHAT_TEMPLATE_KWARGS if kwargs else "messages"  # (rendering is all it does)
+                raise ValueError(f"{field}: cannot render the chat template: {type(e).__name__}: {e}") from None
         limit = self.max_prompt_tokens
         if len(prompt.ids) > limit:
             raise ValueError(f"prompt: {len(prompt.ids)} tokens exceeds the model maximum of {limit} (the model "
                              f"length, {limit + 1}, keeps one for the reply)")
         return prompt
-
-    @staticmethod
-    def _rendered(kwargs: dict[str, Any]) -> str:
-        """The field a failure to render names: the messages, or the variables that came with them."""
-        return CHAT_TEMPLATE_KWARGS if kwargs else "messages"
 
     def _audio_rate(self) -> int:
         # without a processor media are refused after decoding (any rate will do until then)

@@ -1344,9 +1344,17 @@ def test_chat_template_kwargs_reach_the_variables_the_template_reads(tiny_dir: P
     for kwargs, message in (({"add_generation_prompt": "false"}, "add_generation_prompt: set by this server's"),
                             ({"eos_token": '"x"'}, "eos_token: set by this server's"),
                             ({"greeting": "Hello"}, "greeting: not a JSON value"),
+                            ({"greeting": "[" * 5000 + "]" * 5000}, "greeting: not a JSON value"),  # (too deep)
                             ({"greeting": "5"}, "cannot render the chat template: TypeError")):  # 5 + '!'  # fmt: skip
         with pytest.raises(ValueError, match=f"^chat_template_kwargs: .*{message}"):
             ids(gateway_pb2.ChatMessage(role="user", content="hi"), **kwargs)
+
+    def refuses(*args: Any) -> Any:
+        raise ValueError("videos at different frame rates")  # the processor's own refusal, not the template's
+
+    service.inputs.build = refuses  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match=r"^messages: cannot build the model inputs: ValueError: videos"):
+        ids(image, greeting='"Hello"')  # the media's fault, though variables came along
 
 
 def test_the_gateway_goes_by_the_thinkers_failure_not_by_the_status_grpc_put_in_its_place(tiny_dir: Path) -> None:

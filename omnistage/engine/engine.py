@@ -237,8 +237,10 @@ class Engine:
             self._loop()
         except BaseException as e:
             self.dead = e
-            log.critical("%s: the engine thread failed; no request can step again:\n%s", self.worker.name,
-                         "".join(traceback.format_exception(e)))  # fmt: skip
+            with self._cond:  # (a request that makes every replica's engine fail shows by its id in each log)
+                held = ", ".join(self._requests) or "none"
+            log.critical("%s: the engine thread failed (requests in it: %s); no request can step again:\n%s",
+                         self.worker.name, held, "".join(traceback.format_exception(e)))  # fmt: skip
             if self.on_dead is not None:
                 self.on_dead(e)
 

@@ -841,7 +841,7 @@ class StageService:
                     call.down.close()
                     await asyncio.sleep(REPLAY_BACKOFF_S)  # the channel sees the loss (else: READY still)
                     await self._replica_back(call, context)
-                if call.down is not None and why == call.down.why:
+                if call.down is not None and why == call.down.why and self.failover_attempts:
                     # this stage's own failure, so its caller, which holds the request (the gateway
                     # holds all of it), may replay it from there: a lost replica loses no request
                     # only because this one sent too much to keep

@@ -1,7 +1,8 @@
-"""A stage says why it failed a request in band (a `Failure` response) before the call's status:
-grpc hands a caller whose write was under way as the call ended its own INTERNAL ("Internal
-error from Core", a lost peer's) instead of the status, and our callers took that for a lost
-replica: they replayed the request and reported UNAVAILABLE. They go by the Failure now."""
+"""How a stage's caller names a failure below it. A stage says why it failed a request in band
+(a `Failure` response) before the call's status: grpc hands a caller whose write was under way
+as the call ended its own INTERNAL ("Internal error from Core", a lost peer's) instead of the
+status, and our callers took that for a lost replica: they replayed the request and reported
+UNAVAILABLE. They go by the Failure now."""
 
 from __future__ import annotations
 
@@ -86,10 +87,11 @@ async def _serve(servicer: Any) -> tuple[grpc.aio.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
-def _service(worker: _Stage, below: str | None = None) -> StageService:
+def _service(worker: _Stage, below: str | None = None, failover_attempts: int = 3) -> StageService:
     return StageService(Engine(worker), model_name="m", arch="a", device="cpu", dtype="float32", downstream=below,
                         downstream_name="code2wav" if below else None, edge_mode=0, max_message_bytes=64 << 20,
-                        shm=False, below=["code2wav"] if below else [], replica_wait_s=0.0)  # fmt: skip
+                        shm=False, below=["code2wav"] if below else [], replica_wait_s=0.0,
+                        failover_attempts=failover_attempts)  # fmt: skip
 
 
 async def _call(address: str, chunks: int = 1) -> tuple[list[stage_pb2.StageResponse], grpc.aio.AioRpcError]:
@@ -170,3 +172,23 @@ def test_a_caller_goes_by_the_failure_below_not_by_the_status_grpc_put_in_its_pl
     failures = [r.failure for r in responses if r.HasField("failure")]
     assert [(f.code, f.message) for f in failures] == [("INVALID_ARGUMENT", "code2wav: bad chunk at offset 0")]
     assert responses[-1].HasField("failure")  # its own Failure last, for its caller in turn
+
+
+def test_with_failover_off_a_stage_below_that_is_down_is_named() -> None:
+    """Failover off keeps nothing for replay; a lost call below is still the stage below's loss
+    (UNAVAILABLE naming it), not this stage's own loss for its caller to replay (none would)."""
+    from tests.integration.conftest import free_port_block
+
+    async def go() -> grpc.aio.AioRpcError:
+        dead = f"127.0.0.1:{free_port_block(1)}"  # nothing listens there
+        service = _service(_Stage("talker", steps=3), below=dead, failover_attempts=0)
+        server, address = await _serve(service)
+        try:
+            return (await _call(address))[1]
+        finally:
+            await server.stop(None)
+            service.engine.stop()
+
+    error = asyncio.run(go())
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert (error.details() or "").startswith("code2wav unavailable at 127.0.0.1:"), error.details()

@@ -630,10 +630,20 @@ def _rows_per_call(x: Tensor, out_row: int) -> int:
 
 
 def _in_parts(conv: Callable[[Tensor], Tensor], x: Tensor, rows: int) -> Tensor:
-    """`conv(x)`, in calls of at most `rows` rows of `x`, as even as they go."""
+    """`conv(x)`, in calls of at most `rows` rows of `x`, as even as they go, each written into
+    the one output as it comes (a concatenation would hold every part's output beside it)."""
     if x.shape[0] <= rows:
         return conv(x)
-    return torch.cat([conv(part) for part in x.tensor_split(-(-x.shape[0] // rows))])
+    parts = x.tensor_split(-(-x.shape[0] // rows))
+    first = conv(parts[0])
+    out = first.new_empty((x.shape[0], *first.shape[1:]))
+    out[: first.shape[0]] = first
+    at = first.shape[0]
+    for part in parts[1:]:
+        y = conv(part)
+        out[at : at + y.shape[0]] = y
+        at += y.shape[0]
+    return out
 
 
 def _pointwise_conv(conv: nn.Conv1d, x: Tensor) -> Tensor:
