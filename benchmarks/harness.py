@@ -487,7 +487,55 @@ async def _sut_phase(run: Run, target: str | None, pipe: Any, cfg: Any = None) -
         await driver.aclose()
 
 
-async def _baseline_phase(run: Run, target: str | None, model_dir: Path, pipe: Any) -> None:
+MONOLITHIC = "monolithic sequential"
+
+
+def monolithic_halves(baseline: Sequence[BenchRequest]) -> tuple[list[BenchRequest], list[BenchRequest]]:
+    """The sequential generate() baseline's requests run before the system under test and after
+    it: the machine's drift over a run (a shared VM's neighbours) weighs on both sides of the
+    throughput ratio alike, and the two halves' rates show how large it was."""
+    half = len(baseline) // 2
+    return list(baseline[:half]), list(baseline[half:])
+
+
+async def _monolithic(run: Run, model_dir: Path, cfg: Any, reqs: Sequence[BenchRequest], name: str) -> LevelResult:
+    """generate(), one request at a time, where and in what precision the stack's thinker runs
+    (`cfg`: the deploy config; None: the CPU in float32)."""
+    opts = run.opts
+    enc = PromptEncoder(model_dir)
+    place = cfg.stage("thinker") if cfg is not None else None
+    device, dtype = (place.device, place.dtype) if place is not None else ("cpu", "float32")
+    mono = MonolithicDriver(model_dir, enc, enc.spec.im_end_id, enc.family.sample_rate, opts.threads, device, dtype)
+    try:
+        await run.warm(mono)
+        return await run.level_concurrency(mono, name, "baseline", reqs, 1, None, opts.time_limit)
+    finally:
+        await mono.aclose()
+
+
+def _merge_monolithic(run: Run, before: LevelResult | None, after: LevelResult) -> None:
+    """The two halves as the one baseline level: their requests, over their summed time."""
+    halves = [lv for lv in (before, after) if lv is not None]
+    merged = LevelResult(name=MONOLITHIC, driver=after.driver, role="baseline", load=after.load, mode=None,
+                         records=[r for lv in halves for r in lv.records],
+                         wall_s=sum(lv.wall_s or 0.0 for lv in halves),
+                         stopped_by_time_limit=any(lv.stopped_by_time_limit for lv in halves),
+                         notes=[n for lv in halves for n in lv.notes])  # fmt: skip
+    if before is not None:
+        rates = [lv.summary()["requests_per_s"] for lv in halves]
+        said = [f"{len(lv.records)} request{'s' * (len(lv.records) != 1)}" + (f" at {r:.3g} req/s" if r else "")
+                for lv, r in zip(halves, rates, strict=True)]  # fmt: skip
+        merged.notes.append(f"run in two halves, before and after the system under test: {' and '.join(said)}")
+    merged.notes.append("generate() does not stream: its first token and first audio arrive at the end")
+    run.levels = [lv for lv in run.levels if lv not in halves] + [merged]
+    run.log(level_line(merged.name, merged.summary()))
+
+
+async def _baseline_phase(run: Run, target: str | None, model_dir: Path, pipe: Any, mono_cfg: Any,
+                          before: LevelResult | None = None) -> None:  # fmt: skip
+    """The baselines after the system under test: the in-process pipeline, and generate()'s
+    requests that `before` (its first half, if it ran) did not take (`mono_cfg`: the deploy
+    config whose thinker placement it takes)."""
     opts = run.opts
     if opts.inprocess and target is not None:
         driver = InProcessDriver(pipe, opts.threads)
@@ -498,18 +546,10 @@ async def _baseline_phase(run: Run, target: str | None, model_dir: Path, pipe: A
         finally:
             await driver.aclose()
     if opts.monolithic:
-        enc = PromptEncoder(model_dir)
-        # where and in what precision the stack's thinker runs
-        place = pipe.cfg.stage("thinker") if pipe is not None else None
-        device, dtype = (place.device, place.dtype) if place is not None else ("cpu", "float32")
-        mono = MonolithicDriver(model_dir, enc, enc.spec.im_end_id, enc.family.sample_rate, opts.threads, device, dtype)
-        try:
-            await run.warm(mono)
-            level = await run.level_concurrency(mono, "monolithic sequential", "baseline", run.baseline, 1, None,
-                                                opts.time_limit)  # fmt: skip
-            level.notes.append("generate() does not stream: its first token and first audio arrive at the end")
-        finally:
-            await mono.aclose()
+        reqs = monolithic_halves(run.baseline)[1] if before is not None else run.baseline
+        after = await _monolithic(run, model_dir, mono_cfg, reqs,
+                                  f"{MONOLITHIC} (after)" if before is not None else MONOLITHIC)  # fmt: skip
+        _merge_monolithic(run, before, after)
 
 
 def _stage_phase(run: Run, pipe: Any) -> None:
@@ -669,6 +709,17 @@ def consistency(levels: Sequence[LevelResult], eos_id: int | None, by_request: b
 
 async def _run_async(run: Run, model_dir: Path, pipe_box: dict[str, Any], log: Callable[[str], None]) -> str:
     opts = run.opts
+    before = None
+    first, _ = monolithic_halves(run.baseline)
+    mono_cfg = _load_config(opts) if opts.monolithic else None  # (where the stack's thinker runs, and how)
+    if opts.target and mono_cfg is not None and first:  # a target that is no gateway fails before anything runs
+        await check_gateway(opts.target, access(opts, None), min(30.0, opts.request_timeout))
+    if mono_cfg is not None and first:
+        with run.phase("baseline_before"):
+            # the checkpoint the system under test will run: a started stack's config may name it
+            served = opts.serve and not opts.target and mono_cfg.model and opts.model is None
+            model = Path(mono_cfg.model) if served else model_dir
+            before = await _monolithic(run, model, mono_cfg, first, f"{MONOLITHIC} (before)")
     with run.phase("system_under_test"), sut_target(opts, log) as (target, cfg):
         if cfg is not None and cfg.model and opts.model is None:
             pipe_box["model_dir"] = Path(cfg.model)
@@ -686,11 +737,18 @@ async def _run_async(run: Run, model_dir: Path, pipe_box: dict[str, Any], log: C
     with run.phase("baselines"):
         if need_pipe and "pipe" not in pipe_box:
             pipe_box["pipe"] = _load_pipe(pipe_box)
-        await _baseline_phase(run, target, pipe_box["model_dir"], pipe_box.get("pipe"))
+        await _baseline_phase(run, target, pipe_box["model_dir"], pipe_box.get("pipe"), mono_cfg, before)
     if opts.stages:
         with run.phase("stages_alone"):
             _stage_phase(run, pipe_box["pipe"])
     return sut
+
+
+def _load_config(opts: BenchOptions) -> Any:
+    """The deploy config a run's stack or in-process pipeline takes (--config, else the default)."""
+    from omnistage.config import load_config
+
+    return load_config(opts.config)
 
 
 def _load_pipe(box: dict[str, Any]) -> Any:

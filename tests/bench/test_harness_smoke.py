@@ -52,6 +52,11 @@ def test_harness_in_process(tiny_dir: Path, tmp_path: Path) -> None:
 
     names = [c["name"] for c in result["configurations"]]
     assert names == ["inprocess c=1", "inprocess c=2", "inprocess full_payload c=1", "monolithic sequential"]
+    # generate()'s baseline ran half before the system under test and half after, as one level
+    mono = result["configurations"][-1]
+    assert list(result["phase_seconds"])[:2] == ["baseline_before", "system_under_test"]
+    assert any(n.startswith("run in two halves, before and after the system under test: 1 request at ")
+               for n in mono["notes"]), mono["notes"]  # fmt: skip
     for cfg in result["configurations"]:
         assert len(cfg["requests"]) == 2
         s = cfg["summary"]
