@@ -493,7 +493,7 @@ MONOLITHIC = "monolithic sequential"
 def monolithic_halves(baseline: Sequence[BenchRequest]) -> tuple[list[BenchRequest], list[BenchRequest]]:
     """The sequential generate() baseline's requests run before the system under test and after
     it: the machine's drift over a run (a shared VM's neighbours) weighs on both sides of the
-    throughput ratio alike, and the two halves' rates show how large it was."""
+    throughput ratio alike, not on the baseline's end of the run alone."""
     half = len(baseline) // 2
     return list(baseline[:half]), list(baseline[half:])
 
@@ -525,7 +525,8 @@ def _merge_monolithic(run: Run, before: LevelResult | None, after: LevelResult) 
         rates = [lv.summary()["requests_per_s"] for lv in halves]
         said = [f"{len(lv.records)} request{'s' * (len(lv.records) != 1)}" + (f" at {r:.3g} req/s" if r else "")
                 for lv, r in zip(halves, rates, strict=True)]  # fmt: skip
-        merged.notes.append(f"run in two halves, before and after the system under test: {' and '.join(said)}")
+        merged.notes.append(f"run in two halves, before and after the system under test: {' and '.join(said)} "
+                            "(other requests in each: their rates differ by their prompts as well)")
     merged.notes.append("generate() does not stream: its first token and first audio arrive at the end")
     run.levels = [lv for lv in run.levels if lv not in halves] + [merged]
     run.log(level_line(merged.name, merged.summary()))
