@@ -121,11 +121,14 @@ def bench(
     except ValueError as e:  # a usage error, as a bad value of one option is (it was a traceback)
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    try:
-        result = main(opts)
-    except TargetError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1) from None
+    from omnistage.cli.main import known_errors
+
+    with known_errors():  # a config or checkpoint no bench stack can run: one line, exit 2
+        try:
+            result = main(opts)
+        except TargetError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(1) from None
     failed = failed_levels(result)
     if failed:  # the figures are written; the exit status says they are not a clean measurement
         typer.echo("error: requests failed at " + "; ".join(failed) + ". A level's latency figures cover only "

@@ -715,6 +715,8 @@ async def _run_async(run: Run, model_dir: Path, pipe_box: dict[str, Any], log: C
     mono_cfg = _load_config(opts) if opts.monolithic else None  # (where the stack's thinker runs, and how)
     if opts.target and mono_cfg is not None and first:  # a target that is no gateway fails before anything runs
         await check_gateway(opts.target, access(opts, None), min(30.0, opts.request_timeout))
+    if opts.serve and not opts.target and mono_cfg is not None and first:
+        stack_config(opts)  # a config no bench stack can run is refused (ConfigError) before anything runs
     if mono_cfg is not None and first:
         with run.phase("baseline_before"):
             # the checkpoint the system under test will run: a started stack's config may name it

@@ -118,7 +118,7 @@ def _runtime_errors() -> tuple[type[BaseException], ...]:
 
 
 @contextlib.contextmanager
-def _errors(log_level: str | None = None, *, interrupted_code: int = 130) -> Iterator[None]:
+def known_errors(log_level: str | None = None, *, interrupted_code: int = 130) -> Iterator[None]:
     """Known failures as one line and an exit code; a traceback only at --log-level debug
     (`log_level` None: the command has no such flag)."""
     try:
@@ -303,7 +303,7 @@ def deploy_render(
     """Render docker-compose or Kubernetes files from the deploy YAML that `serve` reads."""
     from omnistage.cli.deploy_render import render_to_dir
 
-    with _errors():
+    with known_errors():
         for path in render_to_dir(config or _default_config(), target.value, out):
             typer.echo(str(path))
 
@@ -325,7 +325,7 @@ def health(
     from omnistage.server.health_check import health_status, stage_role
     from omnistage.server.tls import gateway_channel_credentials, name_override, stage_channel_credentials
 
-    with _errors():
+    with known_errors():
         cfg = _load_cfg(config, {**_port_overrides(config, port), "audio_output": False if text_only else None},
                         default=True)  # fmt: skip
         tls = cfg.tls
@@ -400,7 +400,7 @@ def serve(
 
     setup_logging("serve", log_level.value, log_format.value)
     stop = StopFlag()
-    with _errors(log_level.value):
+    with known_errors(log_level.value):
         counts = parse_replicas(replicas) if replicas else {}
         overrides: dict[str, object] = dict(counts)
         overrides.update(_port_overrides(config, port))
@@ -548,7 +548,7 @@ def stage(
 
     setup_logging(f"{name}:{port}", log_level.value, log_format.value)
     _stop_on_sigterm()
-    with _errors(log_level.value, interrupted_code=0):
+    with known_errors(log_level.value, interrupted_code=0):
         if name not in PROCESSES:
             typer.echo(f"error: unknown stage {name!r}; expected one of {', '.join(PROCESSES)}", err=True)
             raise typer.Exit(2)
@@ -596,7 +596,7 @@ def gateway(
 
     setup_logging(f"gateway:{port or 'config'}", log_level.value, log_format.value)
     _stop_on_sigterm()
-    with _errors(log_level.value, interrupted_code=0):
+    with known_errors(log_level.value, interrupted_code=0):
         # (the host checked as serve's is: an IP address; it took a name)
         cfg = _load_cfg(config, {"served_model_name": served_model_name, "max_model_len": max_model_len,
                                  "host": host, "audio_output": False if text_only else None}, default=True)  # fmt: skip
@@ -735,7 +735,7 @@ def demo(
 
     if not text_only:
         _check_writable(out)
-    with _errors():
+    with known_errors():
         cfg = DeployConfig(audio_output=not text_only)
         pipe = InProcessPipeline(resolve_model(cfg, model), cfg)
         req = PipelineRequest(pipe.prompt_ids(prompt), pipe.thinker_defaults().with_overrides(max_tokens=64),

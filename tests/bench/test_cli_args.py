@@ -4,6 +4,8 @@ each front door gets the request's limits."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -40,6 +42,17 @@ def test_a_value_no_run_can_use_is_a_usage_error(args: list[str], option: str) -
     result = CliRunner().invoke(bench_app, args)
     assert result.exit_code == 2, (result.exit_code, result.output)
     assert option in result.output and "Traceback" not in result.output
+
+
+def test_a_config_no_bench_stack_can_run_is_one_line_and_exit_2_before_anything_runs(tmp_path: Path) -> None:
+    """A text-only deploy file (the bench measures speech) is refused as `serve` refuses a bad
+    config: one line naming the field, exit 2 (it was a traceback), and no baseline ran first."""
+    (tmp_path / "text.yaml").write_text("audio_output: false\n")
+    result = CliRunner().invoke(bench_app, ["--serve", "--config", str(tmp_path / "text.yaml"), "--concurrency", "1",
+                                            "--num-requests", "2", "--no-progress"])  # fmt: skip
+    assert result.exit_code == 2, (result.exit_code, result.output[-2000:])
+    assert result.output.startswith("error: audio_output: false: the bench measures speech"), result.output[-2000:]
+    assert "Traceback" not in result.output and "monolithic" not in result.output
 
 
 def test_a_target_where_no_gateway_answers_fails_before_anything_runs() -> None:
