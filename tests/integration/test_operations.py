@@ -425,7 +425,7 @@ def test_a_checkpoint_a_stage_refuses_as_it_loads_ends_serve_with_exit_2(tiny_di
 
     import typer
 
-    from omnistage.cli.main import _errors
+    from omnistage.cli.main import known_errors
     from omnistage.cli.serve import StartupError, start_stack
     from omnistage.config import DeployConfig, apply_overrides, port_layout
 
@@ -439,6 +439,6 @@ def test_a_checkpoint_a_stage_refuses_as_it_loads_ends_serve_with_exit_2(tiny_di
         start_stack(cfg, model=str(bad), log_dir=tmp_path / "logs")
     assert err.value.exit_code == 2 and "during start-up" in str(err.value), str(err.value)
     assert "missing weight" in str(err.value), str(err.value)
-    with pytest.raises(typer.Exit) as ended, _errors():
+    with pytest.raises(typer.Exit) as ended, known_errors():
         raise err.value
     assert ended.value.exit_code == 2

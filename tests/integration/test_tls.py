@@ -58,7 +58,7 @@ def test_tls_files_that_would_not_do_are_refused_at_start_by_name(
     not sign or that does not name the address: one line naming the file and why, before any
     process starts, exit 2 (they were a port "taken by another process", or 658 lines of
     handshake failures and "not healthy after 180 s")."""
-    from omnistage.cli.main import _errors
+    from omnistage.cli.main import known_errors
     from omnistage.config import TlsConfig
     from omnistage.server.tls import TlsError, check_files
 
@@ -82,7 +82,7 @@ def test_tls_files_that_would_not_do_are_refused_at_start_by_name(
         start_stack(stack_config(tls=moved), model=str(tiny_dir), log_dir=tmp_path / "logs")
     import typer
 
-    with pytest.raises(typer.Exit) as ended, _errors():
+    with pytest.raises(typer.Exit) as ended, known_errors():
         raise err.value
     assert ended.value.exit_code == 2
     check_files(TlsConfig(**moved), "0.0.0.0")  # (listening everywhere: no one address to check)
