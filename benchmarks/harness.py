@@ -727,9 +727,7 @@ async def _run_async(run: Run, model_dir: Path, pipe_box: dict[str, Any], log: C
         if cfg is not None and cfg.model and opts.model is None:
             pipe_box["model_dir"] = Path(cfg.model)
         if opts.config is not None or cfg is not None:
-            from omnistage.config import load_config
-
-            pipe_box["cfg"] = cfg or load_config(opts.config)
+            pipe_box["cfg"] = cfg or _load_config(opts)
         if target is None:
             pipe_box["pipe"] = _load_pipe(pipe_box)
         if cfg is not None and opts.serve and not opts.target:

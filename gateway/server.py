@@ -40,7 +40,14 @@ from omnistage.engine import OutChunk
 from omnistage.models import Checkpoint, PartRefused, load_tokenizer, media_inputs
 from omnistage.models.text_stream import TextStream, check_stop_texts
 from omnistage.quoting import quoted
-from omnistage.server.grpc_common import REPLAY_BACKOFF_S, ChainWatcher, HealthState, lost_peer, stage_stream
+from omnistage.server.grpc_common import (
+    REPLAY_BACKOFF_S,
+    ChainWatcher,
+    HealthState,
+    failure_status,
+    lost_peer,
+    stage_stream,
+)
 from omnistage.server.routing import Router, unserved
 from omnistage.server.tls import name_override, stage_channel_credentials
 from omnistage.topology import STAGES, stage_def
@@ -127,11 +134,6 @@ MAX_CHARS_PER_TOKEN = 64  # text longer than this many characters per allowed to
 
 def bad_request_id(request_id: str) -> bool:
     return len(request_id) > MAX_REQUEST_ID_CHARS or not all(" " <= c <= "~" for c in request_id)
-
-
-def _failure_code(failure: stage_pb2.Failure) -> grpc.StatusCode:
-    """A stage's in-band Failure's status code (one it does not name: INTERNAL)."""
-    return grpc.StatusCode.__members__.get(failure.code, grpc.StatusCode.INTERNAL)
 
 
 class GatewayService(gateway_pb2_grpc.GatewayServicer):
@@ -513,12 +515,13 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     resume.delivered(resp.stage, got.offset, got.length, got.finished)
                     yield resp.stage, got
                 if failure is not None:  # (a Failure is always followed by its status: no thinker of ours)
-                    raise GatewayError(_failure_code(failure), client_ids(failure.message, stage_id, request_id))
+                    code, detail = failure_status(failure)
+                    raise GatewayError(code, client_ids(detail, stage_id, request_id))
                 return
             except grpc.aio.AioRpcError as e:
                 code, detail = e.code(), e.details() or ""
                 if failure is not None:  # as the thinker said it (see stage_server's `_failure`)
-                    code, detail = _failure_code(failure), failure.message
+                    code, detail = failure_status(failure)
                 lost = lost_peer(code, detail) and not detail.startswith(self.stages[1:])
                 if lost and attempt < self.cfg.failover.attempts and deadline - time.monotonic() > 0.5:
                     attempt += 1

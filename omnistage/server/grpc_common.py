@@ -107,6 +107,11 @@ def grpc_code(code: Code) -> grpc.StatusCode:
     return grpc.StatusCode[code.name]
 
 
+def failure_status(failure: stage_pb2.Failure) -> tuple[grpc.StatusCode, str]:
+    """A stage's in-band Failure as the status it stands for (a code no stage sends: INTERNAL)."""
+    return grpc_code(Code.__members__.get(failure.code, Code.INTERNAL)), failure.message
+
+
 def new_server(max_message_bytes: int, extra: Iterable[tuple[str, Any]] = (), keepalive_s: float = 0.0
                ) -> grpc.aio.Server:  # fmt: skip
     """A grpc.aio server (create it inside the running event loop) with our message limits.

@@ -37,6 +37,7 @@ from omnistage.server.grpc_common import (
     add_stage_servicer,
     bind,
     drain,
+    failure_status,
     grpc_code,
     lost_peer,
     new_server,
@@ -306,12 +307,6 @@ class _DownBuffer:
         if not self.replayable and index >= self.first:
             del self.items[: index + 1 - self.first]
             self.first = index + 1
-
-
-def _said(failure: stage_pb2.Failure) -> StageError:
-    """A stage's in-band Failure as the error it is (a code this stage does not know: INTERNAL)."""
-    code = Code.__members__.get(failure.code, Code.INTERNAL)
-    return StageError(code, failure.message)
 
 
 class StageService:
@@ -811,7 +806,8 @@ class StageService:
                     for out in self._resume(raw, parts, resume):
                         await call.relay(out)
                 if failure is not None:  # (a Failure is always followed by its status: this is no stage of ours)
-                    self._fail(req, call, _said(failure))
+                    code, detail = failure_status(failure)
+                    self._fail(req, call, StageError(Code[code.name], detail))
                     return
                 await call.relay(_DOWN_DONE)
                 return
@@ -820,8 +816,7 @@ class StageService:
                     return
                 # the status as the stage below gave it: grpc replaces it with its own INTERNAL, a lost
                 # peer's, when our write was under way as the call ended
-                code, detail = (e.code(), e.details() or "") if failure is None else (
-                    grpc_code(_said(failure).code), failure.message)
+                code, detail = (e.code(), e.details() or "") if failure is None else failure_status(failure)
                 why = self._replayable(code, detail, call, context)
                 if not why:
                     call.attempt += 1
