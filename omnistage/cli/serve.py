@@ -279,7 +279,7 @@ class Stack:
         now = time.monotonic()
         for c in self.children:
             if c.proc.poll() is None:
-                if c.healthy_since is None and self.healthy(c, 0.3):
+                if c.healthy_since is None and self.healthy(c, 1.0):  # (0.3 s missed a busy 2-core box)
                     c.healthy_since, c.failed_starts = now, 0
                     if c.restarts:
                         say(f"{c.role} at {c.address} is serving again (pid {c.proc.pid}, restart {c.restarts})")

@@ -245,6 +245,11 @@ def test_a_dead_child_is_restarted_and_serves_again(served: dict[str, Any]) -> N
             break
         time.sleep(1)
     assert code == 0, out
+    # serve notices on its own pass (every 0.5 s); the loop above may have seen it serving first
+    log = served["run_dir"] / "serve.log"
+    deadline = time.monotonic() + 30
+    while "serving again" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
     for sig in (signal.SIGINT, signal.SIGTERM) * 10:  # Ctrl-C and a supervisor's SIGTERMs, as they come
         proc.send_signal(sig)
     code, out = finish(proc, timeout=60)
