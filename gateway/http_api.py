@@ -4,6 +4,8 @@
 
   POST /v1/chat/completions   chat with text, audio, image and video in; text and audio out
   POST /v1/audio/speech       a given text spoken (the model's reply, given: `forced_ids`)
+  POST /v1/audio/transcriptions, /v1/audio/translations
+                              the text of an uploaded file (gateway/transcription.py)
   GET  /v1/models[/{id}]      the served model (and its voices)
   GET  /health                200 when every stage serves, else 503 naming the ones that do not
   GET  /metrics               the gateway's Prometheus metrics (404 with metrics.enabled false)
@@ -76,13 +78,14 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Message as AsgiMessage
 from starlette.types import Send
 
 from gateway.audio_out import FORMAT_NAMES, MIME
 from gateway.chat_template import FIELD as CHAT_TEMPLATE_KWARGS
+from gateway.http_error import HttpError
 from gateway.server import (
     MAX_REQUEST_ID_CHARS,
     REQUEST_ID_KEY,
@@ -92,6 +95,7 @@ from gateway.server import (
     fail_replies,
     internal_failure,
 )
+from gateway.transcription import read_form, to_transcription_request
 from omnistage.models.sampling import greedy_temperature
 from omnistage.quoting import quoted
 from omnistage.topology import STAGES
@@ -107,6 +111,7 @@ AUDIO_TTL_S = 3600  # a reply's audio id names its transcript this long (its `ex
 AUDIO_ALIGN = 6
 TALKER_SEED_OFFSET = 0x5EED  # the talker's seed is the request's plus this (wrapped to int64)
 CODE2WAV_SEED_OFFSET = 0xC0DE  # code2wav's (Qwen2.5-Omni's token2wav draws its noise from it), likewise
+FORM_OVERHEAD = 256 * 1024  # a speech-to-text form's fields and part headers, beside its file
 PCM16_RATE = 24_000  # `input_audio.format: pcm16` (as OpenAI's realtime audio)
 TIMEOUT_HEADER = "x-omnistage-timeout"  # seconds the request may take (default: timeouts.request_timeout_s)
 STATUS = {
@@ -329,30 +334,6 @@ def _subclasses(cls: type) -> list[type]:
 
 _MODELS = frozenset(c.__name__ for c in _subclasses(_Body))  # union branches pydantic names in paths
 Replies = AsyncGenerator[gateway_pb2.GenerateResponse, None]
-
-
-# answered before the body was read: the connection closes after (a client still sending it would
-# keep it open with no keep-alive timer: uvicorn restarts that timer only when a response ends)
-UNREAD_BODY = (401, 408, 413, 499)
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, retry: bool = True) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-        self.retry = retry  # False: says x-should-retry: false (the OpenAI SDK retries 408, 409, 429 and 5xx)
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        headers = {"retry-after": "1"} if self.status == 429 else {}  # what the OpenAI SDK waits on
-        if not self.retry:
-            headers["x-should-retry"] = "false"
-        if self.status in UNREAD_BODY:
-            headers["connection"] = "close"
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 _FIELD = re.compile(r"^[A-Za-z_][\w.\[\]]*$")
@@ -885,16 +866,21 @@ class ChatCompletions:
             self.stop_ids["talker"] = service.ckpt.spec.talker_stop_ids()
         self.transcripts = Transcripts()
 
-    async def parse(self, request: Request, model: type[BodyT]) -> BodyT:
+    async def read(self, request: Request, limit: int) -> bytes:
+        """The body of a request with the right key (if one is set), within `limit` bytes."""
         if not self.service.check_api_key(request.headers.get("authorization")):
             raise HttpError(401, "missing or wrong API key (header Authorization: Bearer <key>)",
                             "authentication_error", code="invalid_api_key")  # fmt: skip
-        raw = await _read_body(request, self.service.cfg.media.max_request_bytes * 4 // 3 + 4096,  # base64: 4/3
-                               self.service.cfg.timeouts.input_wait_timeout_s)  # fmt: skip
-        body = _parse_body(raw, model)
-        name = getattr(body, "model", None)
+        return await _read_body(request, limit, self.service.cfg.timeouts.input_wait_timeout_s)
+
+    def check_model(self, name: str | None) -> None:
         if name is not None and name != self.service.model_name:
             raise _unknown_model(name, self.service.model_name)
+
+    async def parse(self, request: Request, model: type[BodyT]) -> BodyT:
+        raw = await self.read(request, self.service.cfg.media.max_request_bytes * 4 // 3 + 4096)  # base64: 4/3
+        body = _parse_body(raw, model)
+        self.check_model(getattr(body, "model", None))
         return body
 
     async def handle(self, request: Request) -> Response:
@@ -947,6 +933,38 @@ class ChatCompletions:
         return await self._serve(request, req, timeout, lambda responses: self._first(responses, audio=True),
                                  lambda first, responses: _speech_stream(first, responses, sse, req.request_id),
                                  media)  # fmt: skip
+
+    async def transcriptions(self, request: Request) -> Response:
+        """POST /v1/audio/transcriptions"""
+        return await self._speech_to_text(request, translate=False)
+
+    async def translations(self, request: Request) -> Response:
+        """POST /v1/audio/translations"""
+        return await self._speech_to_text(request, translate=True)
+
+    async def _speech_to_text(self, request: Request, translate: bool) -> Response:
+        """The text of an uploaded file (gateway/transcription.py)."""
+        t0, rid = time.perf_counter(), ""
+        try:
+            raw = request.headers.get(REQUEST_ID_KEY)
+            rid = _request_id(raw)
+            body = await self.read(request, self.service.cfg.media.max_request_bytes + FORM_OVERHEAD)  # (the key first)
+            upload = await read_form(request.headers, body)
+            self.check_model(upload.form.model)
+            _request_id_header(raw)
+            req = to_transcription_request(upload, translate)
+            timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
+            req.request_id = rid
+        except HttpError as e:
+            return self._refused(e, t0, rid)
+        except Exception:  # a bug in reading the body: INTERNAL, with an access line (it had none)
+            return self._crashed(t0, rid)
+        if upload.form.stream:
+            return await self._serve(request, req, timeout, lambda responses: _file_named(self._first(responses)),
+                                     lambda first, responses: _transcript_events(first, responses, rid))  # fmt: skip
+        text_only = upload.form.response_format == "text"
+        return await self._serve(request, req, timeout,
+                                 lambda responses: _file_named(_transcript(responses, text_only)))  # fmt: skip
 
     def _crashed(self, t0: float, request_id: str) -> Response:
         log.exception("http: internal error on request %s", request_id)
@@ -1193,6 +1211,69 @@ async def _speech_stream(first: list[gateway_pb2.GenerateResponse], responses: R
         await responses.aclose()
 
 
+async def _file_named(call: Awaitable[ResultT]) -> ResultT:
+    """A refusal of what a speech-to-text request put in its chat turn names the form's `file`
+    (the turn is the file and an instruction: a media or length error is the file's)."""
+    try:
+        return await call
+    except HttpError as e:
+        raise _of_file(e) from None
+
+
+def _of_file(e: HttpError) -> HttpError:
+    if e.param is not None and e.param.startswith("messages"):
+        e.param = "file"
+    return e
+
+
+async def _transcript(responses: Replies, text_only: bool) -> Response:
+    """The whole transcript: OpenAI's `{"text", "usage"}`, or the text alone (`text_only`)."""
+    text: list[str] = []
+    usage = gateway_pb2.Usage()
+    try:
+        async for resp in responses:
+            kind = resp.WhichOneof("kind")
+            if kind == "text":
+                text.append(resp.text.text)
+            elif kind == "final":
+                usage = resp.final.usage
+    except GatewayError as e:
+        raise _from_gateway(e) from None
+    if text_only:
+        return PlainTextResponse("".join(text))
+    return JSONResponse({"text": "".join(text), "usage": _stt_usage(usage)})
+
+
+async def _transcript_events(first: list[gateway_pb2.GenerateResponse], responses: Replies,
+                             request_id: str) -> AsyncIterator[str]:  # fmt: skip
+    """OpenAI's transcription events: a `transcript.text.delta` per piece of text as it is made,
+    then `transcript.text.done` (an `error` event after a failure once the stream began)."""
+    text: list[str] = []
+    try:
+        async for resp in _chain(first, responses):
+            kind = resp.WhichOneof("kind")
+            if kind == "text" and resp.text.text:
+                text.append(resp.text.text)
+                yield _sse({"type": "transcript.text.delta", "delta": resp.text.text})
+            elif kind == "final":
+                yield _sse({"type": "transcript.text.done", "text": "".join(text),
+                            "usage": _stt_usage(resp.final.usage)})  # fmt: skip
+    except GatewayError as e:
+        log.warning("transcript ended early: %s", e.message)
+        yield _sse({"type": "error", **_of_file(_from_gateway(e)).body()})
+    except Exception:  # a bug: INTERNAL, as over gRPC (closed first, it would count CANCELLED)
+        await fail_replies(responses, internal_failure(request_id))
+        raise
+    finally:
+        await responses.aclose()
+
+
+def _stt_usage(u: gateway_pb2.Usage) -> dict[str, Any]:
+    """A transcription's usage as OpenAI gives a token-billed one (the input counts the audio's)."""
+    return {"type": "tokens", "input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens}  # fmt: skip
+
+
 def _usage(u: gateway_pb2.Usage) -> dict[str, Any]:
     """OpenAI's usage: its completion tokens count the audio's too (here the talker's codec
     frames, one per talker step), broken out in `completion_tokens_details`."""
@@ -1264,6 +1345,8 @@ def build_app(service: GatewayService) -> Starlette:
     return Starlette(routes=[
         Route("/v1/chat/completions", chat.handle, methods=["POST"]),
         Route("/v1/audio/speech", chat.speech, methods=["POST"]),
+        Route("/v1/audio/transcriptions", chat.transcriptions, methods=["POST"]),
+        Route("/v1/audio/translations", chat.translations, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

@@ -226,6 +226,48 @@ def test_audio_and_image_in(http_stack: Stack, client: openai.OpenAI) -> None:
     assert _same_pcm16(np.frombuffer(base64.b64decode(message.audio.data), "<i2"), pcm)
 
 
+def test_transcriptions_and_translations_are_the_chat_turn_they_stand_for(http_stack: Stack,
+                                                                          client: openai.OpenAI) -> None:
+    """OpenAI's speech-to-text endpoints, through the official client: the text of the chat turn
+    [the file, the instruction], greedy, whole or streamed; a bad form is a 400 naming its field."""
+    wav = media.encode_audio(media.tone(1.2, 16_000, seed=5), 16_000, "wav")
+    model = client.models.list().data[0].id
+
+    def chat(instruction: str) -> str:
+        content = [{"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
+                   {"type": "text", "text": instruction}]  # fmt: skip
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
+                                               temperature=0)  # type: ignore[list-item]  # fmt: skip
+        return reply.choices[0].message.content or ""
+
+    text = chat("Transcribe the German audio into text.")
+    assert text
+    got = client.audio.transcriptions.create(model=model, file=("speech.wav", wav), language="de")
+    assert got.text == text
+    assert got.usage is not None and got.usage.type == "tokens" and got.usage.output_tokens > 0
+    assert client.audio.transcriptions.create(model=model, file=("speech.wav", wav), language="de",
+                                              response_format="text") == text  # fmt: skip
+    events = list(client.audio.transcriptions.create(model=model, file=("speech.wav", wav), language="de",
+                                                     stream=True))  # fmt: skip
+    deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == text  # as it is made, not at the end
+    assert events[-1].type == "transcript.text.done" and events[-1].text == text
+    translated = client.audio.translations.create(model=model, file=("speech.wav", wav))
+    assert translated.text == chat("Translate the audio into English text.")
+    url = f"http://{http_stack.http_address}/v1/audio/transcriptions"
+    cases = [
+        ({"model": model}, {"file": ("x.wav", b"not audio at all")}, 400, "file"),
+        ({"model": model}, {"other": (None, "x")}, 400, "file"),
+        ({"response_format": "srt"}, {"file": ("speech.wav", wav)}, 400, "response_format"),
+        ({"model": "other"}, {"file": ("speech.wav", wav)}, 404, "model"),
+    ]
+    for data, files, status, param in cases:
+        r = httpx.post(url, data=data, files=files, timeout=60)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (data, r.text)
+    r = httpx.post(url, json={"file": "x"}, timeout=60)
+    assert r.status_code == 400 and "multipart/form-data" in r.json()["error"]["message"], r.text
+
+
 def test_a_later_turn_names_a_spoken_reply_by_its_audio_id(http_stack: Stack, client: openai.OpenAI) -> None:
     """OpenAI's multi-turn voice chat: the assistant turn is `{"audio": {"id"}}`, no text; the
     model then sees that reply's words, as if the client had sent them as content."""

@@ -1,0 +1,165 @@
+"""OpenAI's speech-to-text endpoints on an omni model: `POST /v1/audio/transcriptions` and
+`POST /v1/audio/translations` (multipart/form-data, as OpenAI's clients send them).
+
+The model hears the uploaded file and is asked, in the user's turn, to transcribe it (or to
+translate it into English): the request is a chat turn `[audio, instruction]` with text out
+only, served through the same path as every other request. What the fields do here:
+
+* `file` (required): any audio (or video) FFmpeg reads; `model` as everywhere (optional).
+* `language` (ISO-639-1, transcriptions) names the spoken language in the instruction
+  ("Transcribe the German audio into text."); for translations it is the source language.
+* `prompt` is context the instruction quotes (names, spellings, the text before this part).
+* `response_format`: `json` (default: `{"text", "usage"}`) or `text`. `srt`, `vtt` and
+  `verbose_json` need timestamps the model does not give: refused (400), as are
+  `timestamp_granularities[]` and `include[]` (logprobs).
+* `temperature`: 0 or unset is greedy (the same file, the same text); above 0 samples, with
+  `seed` (not OpenAI's) to repeat a draw.
+* `stream: true` (transcriptions): server-sent `transcript.text.delta` events as the text is
+  made, then one `transcript.text.done` with the whole text and the usage.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.datastructures import Headers, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
+
+from gateway.http_error import HttpError
+from omnistage.models.sampling import greedy_temperature
+from omnistage.v1 import gateway_pb2
+
+__all__ = ["SpeechToText", "instruction", "read_form", "to_transcription_request"]
+
+# The form's fields other than the file: a few short strings (the prompt is the longest).
+MAX_FIELD_BYTES = 64 * 1024
+MAX_FIELDS = 32
+# ISO-639-1 names for the instruction: the languages Qwen3-Omni's speech understanding covers and
+# other common ones; another well-formed code is named by itself ("the 'xh' audio").
+LANGUAGES = {
+    "ar": "Arabic", "cs": "Czech", "da": "Danish", "de": "German", "el": "Greek", "en": "English",
+    "es": "Spanish", "fa": "Persian", "fi": "Finnish", "fr": "French", "he": "Hebrew", "hi": "Hindi",
+    "hu": "Hungarian", "id": "Indonesian", "it": "Italian", "ja": "Japanese", "ko": "Korean", "ms": "Malay",
+    "nl": "Dutch", "no": "Norwegian", "pl": "Polish", "pt": "Portuguese", "ro": "Romanian", "ru": "Russian",
+    "sv": "Swedish", "th": "Thai", "tl": "Filipino", "tr": "Turkish", "uk": "Ukrainian", "ur": "Urdu",
+    "vi": "Vietnamese", "yue": "Cantonese", "zh": "Chinese",
+}  # fmt: skip
+_LANGUAGE = re.compile(r"^[A-Za-z]{2,3}(-[A-Za-z0-9]{2,8})?$")  # "en", "yue", "pt-BR"
+
+
+class SpeechToText(BaseModel):
+    """The form's fields (strings in a form: "0.2", "true" are read as their types)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str | None = None
+    language: str | None = Field(None, max_length=35)
+    prompt: str | None = Field(None, max_length=4096)
+    response_format: Literal["json", "text", "srt", "verbose_json", "vtt"] | None = None  # None: json
+    temperature: float | None = Field(None, ge=0, le=2)
+    stream: bool | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
+    chunking_strategy: str | None = None
+
+
+@dataclass
+class Upload:
+    """A parsed form: its fields, the file's bytes, and the list fields it sent."""
+
+    form: SpeechToText
+    audio: bytes
+    lists: dict[str, list[str]]
+
+
+async def _once(raw: bytes) -> AsyncGenerator[bytes, None]:
+    yield raw
+
+
+async def read_form(headers: Headers, raw: bytes) -> Upload:
+    """The multipart body (already read, within the size limit) as its fields and file, or an
+    HttpError naming what is wrong."""
+    kind = headers.get("content-type", "")
+    if not kind.lower().startswith("multipart/form-data"):
+        raise HttpError(400, f"body: expected multipart/form-data with the audio as `file`, got "
+                             f"{kind or 'no content-type'}", param="file")  # fmt: skip
+    parser = MultiPartParser(headers, _once(raw), max_files=1, max_fields=MAX_FIELDS, max_part_size=MAX_FIELD_BYTES)
+    try:
+        parsed = await parser.parse()
+    except MultiPartException as e:  # malformed, over a limit, or more than one file
+        raise HttpError(400, f"body: {e.message}", param="file") from None
+    try:
+        fields: dict[str, str] = {}
+        lists: dict[str, list[str]] = {}
+        audio: bytes | None = None
+        for name, value in parsed.multi_items():
+            if isinstance(value, UploadFile):
+                if name != "file":
+                    raise HttpError(400, f"{name}: a file where a field was expected (the audio goes in `file`)",
+                                    param=name)  # fmt: skip
+                audio = await value.read()
+            elif name.endswith("[]"):
+                lists.setdefault(name, []).append(value)
+            else:
+                fields[name] = value
+    finally:
+        await parsed.close()
+    if audio is None:
+        raise HttpError(400, "file: missing (the audio to transcribe, as a file part of the form)", param="file")
+    if not audio:
+        raise HttpError(400, "file: empty", param="file")
+    try:
+        form = SpeechToText.model_validate(fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = str(err["loc"][0]) if err["loc"] else "body"
+        raise HttpError(400, f"{where}: {err['msg']}", param=where) from None
+    return Upload(form, audio, lists)
+
+
+def _language(code: str) -> str:
+    if not _LANGUAGE.match(code):
+        raise HttpError(400, f"language: expected an ISO-639-1 code such as 'en', got {code!r}", param="language")
+    return LANGUAGES.get(code.split("-")[0].lower(), repr(code))
+
+
+def instruction(translate: bool, language: str | None = None, prompt: str | None = None) -> str:
+    """What the user's turn asks of the audio."""
+    spoken = f"the {_language(language)} audio" if language else "the audio"
+    text = f"Translate {spoken} into English text." if translate else f"Transcribe {spoken} into text."
+    if prompt:
+        text += f" Context (words it may contain, or the text before it): {prompt}"
+    return text
+
+
+def to_transcription_request(upload: Upload, translate: bool) -> gateway_pb2.GenerateRequest:
+    """The form as the gateway's own request: one user turn, the audio then the instruction,
+    text out only."""
+    form = upload.form
+    if form.response_format in ("srt", "vtt", "verbose_json"):
+        raise HttpError(400, f"response_format: {form.response_format} needs timestamps, which this model does "
+                             "not give; use json or text", param="response_format")  # fmt: skip
+    for name in ("timestamp_granularities[]", "include[]"):
+        if upload.lists.get(name):
+            raise HttpError(400, f"{name.removesuffix('[]')}: not supported (the model gives text only: no "
+                                 "timestamps or logprobs)", param=name.removesuffix("[]"))  # fmt: skip
+    if form.chunking_strategy not in (None, "auto"):
+        raise HttpError(400, "chunking_strategy: only auto (the file is heard whole)", param="chunking_strategy")
+    if translate and form.stream:
+        raise HttpError(400, "stream: translations are not streamed (as OpenAI's)", param="stream")
+    parts = [gateway_pb2.ContentPart(audio=gateway_pb2.AudioPart(file=upload.audio)),
+             gateway_pb2.ContentPart(text=instruction(translate, form.language, form.prompt))]  # fmt: skip
+    req = gateway_pb2.GenerateRequest(want_audio=False)
+    req.messages.append(gateway_pb2.ChatMessage(role="user", parts=parts))
+    thinker = req.sampling["thinker"]
+    if form.temperature is None or greedy_temperature(form.temperature):
+        thinker.do_sample = False  # OpenAI's default 0: the same file, the same text
+    else:
+        thinker.do_sample = True
+        thinker.temperature = form.temperature
+    if form.seed is not None:
+        thinker.seed = form.seed
+    return req
