@@ -190,3 +190,26 @@ def test_temperature_0_gives_the_same_speech_every_time(q25_stack: Stack) -> Non
     assert audio[0] and audio[0] == audio[1]
     seeded = httpx.post(url, json={**body, "seed": 5}, timeout=120)
     assert seeded.status_code == 200 and seeded.json()["choices"][0]["message"]["audio"]["data"] != audio[0]
+
+
+def test_a_transcription_is_the_chat_turn_it_stands_for(q25_stack: Stack) -> None:
+    """`/v1/audio/transcriptions` on the second family: the text of the chat turn [the file,
+    the instruction], greedy."""
+    import base64
+
+    import httpx
+
+    from benchmarks import media
+
+    wav = media.encode_audio(media.tone(1.0, 16_000, seed=8), 16_000, "wav")
+    base = f"http://{q25_stack.http_address}/v1"
+    content = [{"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
+               {"type": "text", "text": "Transcribe the English audio into text."}]  # fmt: skip
+    chat = httpx.post(f"{base}/chat/completions", timeout=120,
+                      json={"messages": [{"role": "user", "content": content}], "temperature": 0})  # fmt: skip
+    assert chat.status_code == 200, chat.text[:300]
+    text = chat.json()["choices"][0]["message"]["content"]
+    got = httpx.post(f"{base}/audio/transcriptions", data={"language": "en"}, files={"file": ("a.wav", wav)},
+                     timeout=120)  # fmt: skip
+    assert got.status_code == 200, got.text[:300]
+    assert text and got.json()["text"] == text
