@@ -482,7 +482,8 @@ class SlowReader(Sink):
 
 
 def test_a_caller_that_stops_reading_pauses_its_request_then_fails_it() -> None:
-    engine = Engine(Counting(), output_stall_timeout_s=0.2, background=False)
+    # (2 s: the 40 steps before the stall must not pass it on a loaded machine)
+    engine = Engine(Counting(), output_stall_timeout_s=2.0, background=False)
     slow, fast = SlowReader(room=3), Sink()
     engine.open("slow", {"steps": 50}, slow)
     engine.open("fast", {"steps": 20}, fast)
@@ -494,7 +495,7 @@ def test_a_caller_that_stops_reading_pauses_its_request_then_fails_it() -> None:
     for _ in range(10):
         engine.run_once()
     assert len(slow.outputs) == 5 and not slow.ended.is_set()
-    time.sleep(0.3)  # then reads nothing for longer than output_stall_timeout_s
+    time.sleep(2.1)  # then reads nothing for longer than output_stall_timeout_s
     run_until_idle(engine)
     assert slow.req is not None and slow.req.error is not None
     assert slow.req.error.code is Code.DEADLINE_EXCEEDED and "output_stall_timeout_s" in slow.req.error.message

@@ -80,7 +80,10 @@ def test_channels_route_only_to_replicas_whose_health_says_serving() -> None:
             try:
                 assert await roles(8) == {"a", "b"}
                 await healths[1].set(False)  # b drains
-                await asyncio.sleep(0.5)
+                for _ in range(100):  # out of the rotation once its Watch says NOT_SERVING
+                    if await roles(4) == {"a"}:
+                        break
+                    await asyncio.sleep(0.1)
                 assert await roles(12) == {"a"}
                 await healths[1].set(True)
                 for _ in range(50):  # back in the rotation once its Watch says SERVING
@@ -122,7 +125,7 @@ def test_a_replica_is_waited_for_only_in_the_window_a_lost_one_opens() -> None:
                 assert (await timed(5.0, 5.0))[0] == "served"
                 await down()
                 ended, took = await timed(5.0, 5.0)
-                assert ended == "no window" and took < 0.1  # no loss under a call: no wait
+                assert ended == "no window" and took < 1.0  # no loss under a call: no wait
                 router.lost_replica()
                 ended, took = await timed(0.4, 5.0)
                 assert ended == "window" and 0.3 < took < 2.0  # the window, not the timeout
@@ -130,14 +133,14 @@ def test_a_replica_is_waited_for_only_in_the_window_a_lost_one_opens() -> None:
                 ended, took = await timed(5.0, 0.3)
                 assert ended == "timeout" and 0.2 < took < 2.0  # the request's deadline first
                 ended, took = await timed(5.0, 5.0, stop=lambda: True)
-                assert ended == "stopped" and took < 0.1  # (a drain that starts meanwhile)
+                assert ended == "stopped" and took < 1.0  # (a drain that starts meanwhile)
                 back = asyncio.ensure_future(timed(5.0, 5.0))
                 await asyncio.sleep(0.3)
                 await healths[0].set(True)  # it serves again within the window: the wait ends there
                 assert (await asyncio.wait_for(back, 5.0))[0] == "served"
                 await down()
                 ended, took = await timed(5.0, 5.0)
-                assert ended == "no window" and took < 0.1  # the window closed when it served
+                assert ended == "no window" and took < 1.0  # the window closed when it served
                 # a caller's wait after a loss: the loss of a serving replica opens the window; what
                 # the request's failure then says of it
                 ended = await router.wait_after_loss(False, 5.0, 5.0)

@@ -20,7 +20,7 @@ from omnistage.cli.serve import Stack, start_stack
 from omnistage.config import DeployConfig
 from services.pipeline import PipelineRequest
 from tests.conftest import family_reference, staged_pipeline
-from tests.integration.conftest import free_port_block, prompt_chunk, run, stack_config, stage_call
+from tests.integration.conftest import prompt_chunk, run, stack_config, stage_call
 from tests.integration.test_stack import PROMPT, greedy_start
 
 MAX = 12
@@ -30,7 +30,7 @@ STALL_S = 2
 @pytest.fixture(scope="module")
 def text_stack(thinking_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # (a short output_stall_timeout_s for the stalled-client test; every other test reads at once)
-    cfg = stack_config(audio_output=False, gateway={"http_port": free_port_block(1)},
+    cfg = stack_config(audio_output=False,
                        timeouts={"output_stall_timeout_s": STALL_S})  # fmt: skip
     with start_stack(cfg, model=str(thinking_dir), log_dir=tmp_path_factory.mktemp("text-only-logs")) as s:
         yield s

@@ -20,7 +20,7 @@ from gateway.client import generate
 from omnistage.cli.serve import Stack, start_stack
 from omnistage.server.health_check import health_status
 from omnistage.v1 import stage_pb2, stage_pb2_grpc
-from tests.integration.conftest import free_port_block, run, stack_config
+from tests.integration.conftest import run, stack_config
 
 KEY = "test-key-123"
 
@@ -105,7 +105,7 @@ def test_tls_files_that_would_not_do_are_refused_at_start_by_name(
 def tls_stack(tiny_dir: Path, certs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tls = {"gateway": True, "stages": True, "cert_file": str(certs["cert"]), "key_file": str(certs["key"]),
            "ca_file": str(certs["cert"])}  # fmt: skip
-    cfg = stack_config(talker={"replicas": 1}, tls=tls, gateway={"http_port": free_port_block(1)})
+    cfg = stack_config(talker={"replicas": 1}, tls=tls)
     with start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("tls-logs"), api_key=KEY) as s:
         yield s
 

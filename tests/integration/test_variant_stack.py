@@ -25,7 +25,6 @@ from gateway.client import generate
 from omnistage.cli.serve import Stack, start_stack
 from tests.integration.conftest import (
     call_outputs,
-    free_port_block,
     prompt_chunk,
     run,
     solo_reply,
@@ -40,7 +39,7 @@ THINKER_MAX, TALKER_MAX = 30, 60
 
 @pytest.fixture(scope="module")
 def variant_stack(tiny_variant_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    cfg = stack_config(talker={"replicas": 1}, gateway={"http_port": free_port_block(1)})
+    cfg = stack_config(talker={"replicas": 1})
     with start_stack(cfg, model=str(tiny_variant_dir), log_dir=tmp_path_factory.mktemp("variant-stack-logs")) as s:
         yield s
 
