@@ -95,7 +95,7 @@ from gateway.server import (
     fail_replies,
     internal_failure,
 )
-from gateway.transcription import read_form, to_transcription_request
+from gateway.transcription import check_form_type, read_form, to_transcription_request
 from omnistage.models.sampling import greedy_temperature
 from omnistage.quoting import quoted
 from omnistage.topology import STAGES
@@ -866,11 +866,14 @@ class ChatCompletions:
             self.stop_ids["talker"] = service.ckpt.spec.talker_stop_ids()
         self.transcripts = Transcripts()
 
-    async def read(self, request: Request, limit: int) -> bytes:
-        """The body of a request with the right key (if one is set), within `limit` bytes."""
+    async def read(self, request: Request, limit: int, check: Callable[[], Any] | None = None) -> bytes:
+        """The body of a request with the right key (if one is set), within `limit` bytes;
+        `check()` runs first, before the body is read."""
         if not self.service.check_api_key(request.headers.get("authorization")):
             raise HttpError(401, "missing or wrong API key (header Authorization: Bearer <key>)",
                             "authentication_error", code="invalid_api_key")  # fmt: skip
+        if check is not None:
+            check()
         return await _read_body(request, limit, self.service.cfg.timeouts.input_wait_timeout_s)
 
     def check_model(self, name: str | None) -> None:
@@ -948,21 +951,26 @@ class ChatCompletions:
         try:
             raw = request.headers.get(REQUEST_ID_KEY)
             rid = _request_id(raw)
-            body = await self.read(request, self.service.cfg.media.max_request_bytes + FORM_OVERHEAD)  # (the key first)
+            # the key, then the body's type, before any of it is read; the file is one media part
+            media = self.service.cfg.media
+            body = await self.read(request, min(media.max_request_bytes, media.max_part_bytes) + FORM_OVERHEAD,
+                                   check=lambda: check_form_type(request.headers))  # fmt: skip
             upload = await read_form(request.headers, body)
+            del body  # (a request holds its file once: in `req`)
             self.check_model(upload.form.model)
             _request_id_header(raw)
             req = to_transcription_request(upload, translate)
+            stream, text_only = upload.form.stream, upload.form.response_format == "text"
+            del upload
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
             req.request_id = rid
         except HttpError as e:
             return self._refused(e, t0, rid)
         except Exception:  # a bug in reading the body: INTERNAL, with an access line (it had none)
             return self._crashed(t0, rid)
-        if upload.form.stream:
+        if stream:
             return await self._serve(request, req, timeout, lambda responses: _file_named(self._first(responses)),
                                      lambda first, responses: _transcript_events(first, responses, rid))  # fmt: skip
-        text_only = upload.form.response_format == "text"
         return await self._serve(request, req, timeout,
                                  lambda responses: _file_named(_transcript(responses, text_only)))  # fmt: skip
 
@@ -1083,8 +1091,8 @@ class ChatCompletions:
             "usage": _usage(final.usage),
         })  # fmt: skip
 
-    async def _stream(self, req: gateway_pb2.GenerateRequest, body: ChatRequest,
-                      first: list[gateway_pb2.GenerateResponse], responses: Replies) -> AsyncIterator[str]:  # fmt: skip
+    def _stream(self, req: gateway_pb2.GenerateRequest, body: ChatRequest,
+                first: list[gateway_pb2.GenerateResponse], responses: Replies) -> AsyncIterator[str]:  # fmt: skip
         created = int(time.time())
         rid = req.request_id
         audio_id = _audio_id()
@@ -1107,9 +1115,9 @@ class ChatCompletions:
         def audio_chunk(data: bytes) -> str:
             return chunk({"audio": audio(data=base64.b64encode(data).decode())})
 
-        text: list[str] = []
-        held = b""  # audio bytes past the last whole AUDIO_ALIGN
-        try:
+        async def pieces() -> AsyncGenerator[str, None]:
+            text: list[str] = []
+            held = b""  # audio bytes past the last whole AUDIO_ALIGN
             yield chunk({"role": "assistant", "content": ""})
             async for resp in _chain(first, responses):
                 kind = resp.WhichOneof("kind")
@@ -1140,13 +1148,9 @@ class ChatCompletions:
                                  "usage": _usage(resp.final.usage)}  # fmt: skip
                         yield _sse(event)
             yield "data: [DONE]\n\n"
-        except GatewayError as e:  # the status line went out already: the error is the last event
-            yield _sse(_from_gateway(e).body())
-        except Exception:  # a bug: INTERNAL, as over gRPC (closed first, it counted CANCELLED)
-            await fail_replies(responses, internal_failure(rid))
-            raise
-        finally:
-            await responses.aclose()
+
+        # the status line went out already: an error is the stream's last event
+        return _ended_well(pieces(), responses, rid, lambda e: _sse(_from_gateway(e).body()))
 
 
 class _Delivered(StreamingResponse):
@@ -1181,11 +1185,37 @@ async def _chain(first: list[gateway_pb2.GenerateResponse], rest: Replies) -> Re
         yield resp
 
 
-async def _speech_stream(first: list[gateway_pb2.GenerateResponse], responses: Replies,
-                         sse: bool, request_id: str) -> AsyncIterator[str | bytes]:  # fmt: skip
+PieceT = TypeVar("PieceT", str, bytes, str | bytes)
+
+
+async def _ended_well(pieces: AsyncGenerator[PieceT, None], responses: Replies, request_id: str,
+                      failed: Callable[[GatewayError], PieceT | None]) -> AsyncIterator[PieceT]:  # fmt: skip
+    """A streamed reply's `pieces`, ended as every stream here ends: a failure once the status
+    line is out is the stream's last piece, `failed(e)` (None: the connection is cut instead);
+    a bug fails the request INTERNAL, as over gRPC (closed first, it would count CANCELLED); the
+    replies are closed however it ends."""
+    try:
+        async for piece in pieces:
+            yield piece
+    except GatewayError as e:
+        last = failed(e)
+        if last is None:
+            raise
+        yield last
+    except Exception:
+        await fail_replies(responses, internal_failure(request_id))
+        raise
+    finally:
+        await pieces.aclose()
+        await responses.aclose()
+
+
+def _speech_stream(first: list[gateway_pb2.GenerateResponse], responses: Replies,
+                   sse: bool, request_id: str) -> AsyncIterator[str | bytes]:  # fmt: skip
     """The speech's bytes as they are encoded, or OpenAI's speech events (`sse`). An error after
     the first audio ends the bytes early (an `error` event with `sse`)."""
-    try:
+
+    async def pieces() -> AsyncGenerator[str | bytes, None]:
         async for resp in _chain(first, responses):
             kind = resp.WhichOneof("kind")
             if kind == "audio" and resp.audio.data:
@@ -1199,16 +1229,13 @@ async def _speech_stream(first: list[gateway_pb2.GenerateResponse], responses: R
                 usage = {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                          "total_tokens": u["total_tokens"]}  # fmt: skip
                 yield _sse({"type": "speech.audio.done", "usage": usage})
-    except GatewayError as e:
+
+    def failed(e: GatewayError) -> str | None:
         log.warning("speech ended early: %s", e.message)
-        if not sse:
-            raise  # the connection is cut, not closed as if the audio were whole
-        yield _sse({"type": "error", **_from_gateway(e).body()})
-    except Exception:  # a bug: INTERNAL, as over gRPC (closed first, it counted CANCELLED)
-        await fail_replies(responses, internal_failure(request_id))
-        raise
-    finally:
-        await responses.aclose()
+        # raw bytes: the connection is cut, not closed as if the audio were whole
+        return _sse({"type": "error", **_from_gateway(e).body()}) if sse else None
+
+    return _ended_well(pieces(), responses, request_id, failed)
 
 
 async def _file_named(call: Awaitable[ResultT]) -> ResultT:
@@ -1220,9 +1247,16 @@ async def _file_named(call: Awaitable[ResultT]) -> ResultT:
         raise _of_file(e) from None
 
 
+_TURN_PART = re.compile(r"^messages\[\d+\]\.content\[\d+\]")
+
+
 def _of_file(e: HttpError) -> HttpError:
+    """The gateway's refusal of the chat turn a speech-to-text form became, in the form's terms."""
     if e.param is not None and e.param.startswith("messages"):
         e.param = "file"
+        e.message = _TURN_PART.sub("file", e.message)
+        if e.message.startswith("prompt: "):  # the turn's length: the file's tokens and the instruction's
+            e.message = "file: the audio and its instruction: " + e.message.removeprefix("prompt: ")
     return e
 
 
@@ -1244,12 +1278,13 @@ async def _transcript(responses: Replies, text_only: bool) -> Response:
     return JSONResponse({"text": "".join(text), "usage": _stt_usage(usage)})
 
 
-async def _transcript_events(first: list[gateway_pb2.GenerateResponse], responses: Replies,
-                             request_id: str) -> AsyncIterator[str]:  # fmt: skip
+def _transcript_events(first: list[gateway_pb2.GenerateResponse], responses: Replies,
+                       request_id: str) -> AsyncIterator[str]:  # fmt: skip
     """OpenAI's transcription events: a `transcript.text.delta` per piece of text as it is made,
     then `transcript.text.done` (an `error` event after a failure once the stream began)."""
-    text: list[str] = []
-    try:
+
+    async def pieces() -> AsyncGenerator[str, None]:
+        text: list[str] = []
         async for resp in _chain(first, responses):
             kind = resp.WhichOneof("kind")
             if kind == "text" and resp.text.text:
@@ -1258,14 +1293,12 @@ async def _transcript_events(first: list[gateway_pb2.GenerateResponse], response
             elif kind == "final":
                 yield _sse({"type": "transcript.text.done", "text": "".join(text),
                             "usage": _stt_usage(resp.final.usage)})  # fmt: skip
-    except GatewayError as e:
+
+    def failed(e: GatewayError) -> str:
         log.warning("transcript ended early: %s", e.message)
-        yield _sse({"type": "error", **_of_file(_from_gateway(e)).body()})
-    except Exception:  # a bug: INTERNAL, as over gRPC (closed first, it would count CANCELLED)
-        await fail_replies(responses, internal_failure(request_id))
-        raise
-    finally:
-        await responses.aclose()
+        return _sse({"type": "error", **_of_file(_from_gateway(e)).body()})
+
+    return _ended_well(pieces(), responses, request_id, failed)
 
 
 def _stt_usage(u: gateway_pb2.Usage) -> dict[str, Any]:

@@ -11,7 +11,7 @@ __all__ = ["UNREAD_BODY", "HttpError"]
 
 # answered before the body was read: the connection closes after (a client still sending it would
 # keep it open with no keep-alive timer: uvicorn restarts that timer only when a response ends)
-UNREAD_BODY = (401, 408, 413, 499)
+UNREAD_BODY = (401, 408, 413, 415, 499)
 
 
 class HttpError(Exception):

@@ -11,7 +11,9 @@ only, served through the same path as every other request. What the fields do he
 * `prompt` is context the instruction quotes (names, spellings, the text before this part).
 * `response_format`: `json` (default: `{"text", "usage"}`) or `text`. `srt`, `vtt` and
   `verbose_json` need timestamps the model does not give: refused (400), as are
-  `timestamp_granularities[]` and `include[]` (logprobs).
+  `timestamp_granularities[]`, `include[]` (logprobs), any other list field (`keywords[]`,
+  `known_speaker_names[]`, ...: each would change the text) and a `chunking_strategy` other
+  than `auto` (the SDK sends an object as `chunking_strategy[type]`, ...).
 * `temperature`: 0 or unset is greedy (the same file, the same text); above 0 samples, with
   `seed` (not OpenAI's) to repeat a draw.
 * `stream: true` (transcriptions): server-sent `transcript.text.delta` events as the text is
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from python_multipart.multipart import parse_options_header
 from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
@@ -33,7 +36,7 @@ from gateway.http_error import HttpError
 from omnistage.models.sampling import greedy_temperature
 from omnistage.v1 import gateway_pb2
 
-__all__ = ["SpeechToText", "instruction", "read_form", "to_transcription_request"]
+__all__ = ["SpeechToText", "check_form_type", "instruction", "read_form", "to_transcription_request"]
 
 # The form's fields other than the file: a few short strings (the prompt is the longest).
 MAX_FIELD_BYTES = 64 * 1024
@@ -72,25 +75,39 @@ class Upload:
 
     form: SpeechToText
     audio: bytes
-    lists: dict[str, list[str]]
+    lists: dict[str, list[str]]  # `name[]` and `name[key]` fields
+    extra: dict[str, str]  # the form's other fields, unread
 
 
 async def _once(raw: bytes) -> AsyncGenerator[bytes, None]:
     yield raw
 
 
+def check_form_type(headers: Headers) -> bytes:
+    """The form's boundary; a body that is not multipart/form-data is refused (415) before it
+    is read."""
+    kind = headers.get("content-type", "")
+    media, options = parse_options_header(kind)
+    boundary = options.get(b"boundary", b"")
+    if media != b"multipart/form-data" or not boundary:
+        raise HttpError(415, f"body: expected multipart/form-data with the audio as a file part `file`, got "
+                             f"{kind or 'no content-type'}", code="unsupported_media_type")  # fmt: skip
+    return boundary
+
+
 async def read_form(headers: Headers, raw: bytes) -> Upload:
     """The multipart body (already read, within the size limit) as its fields and file, or an
     HttpError naming what is wrong."""
-    kind = headers.get("content-type", "")
-    if not kind.lower().startswith("multipart/form-data"):
-        raise HttpError(400, f"body: expected multipart/form-data with the audio as `file`, got "
-                             f"{kind or 'no content-type'}", param="file")  # fmt: skip
+    boundary = check_form_type(headers)
+    # (the parser takes a body cut short for a whole one: its last part would go missing)
+    if not raw.rstrip(b"\r\n").endswith(b"--" + boundary + b"--"):
+        raise HttpError(400, "body: incomplete multipart/form-data (it does not end with its closing boundary)")
     parser = MultiPartParser(headers, _once(raw), max_files=1, max_fields=MAX_FIELDS, max_part_size=MAX_FIELD_BYTES)
     try:
         parsed = await parser.parse()
     except MultiPartException as e:  # malformed, over a limit, or more than one file
-        raise HttpError(400, f"body: {e.message}", param="file") from None
+        raise HttpError(400, f"body: {e.message} (the audio goes as one file part, with a filename: "
+                             "curl -F file=@speech.wav)") from None  # fmt: skip
     try:
         fields: dict[str, str] = {}
         lists: dict[str, list[str]] = {}
@@ -101,14 +118,16 @@ async def read_form(headers: Headers, raw: bytes) -> Upload:
                     raise HttpError(400, f"{name}: a file where a field was expected (the audio goes in `file`)",
                                     param=name)  # fmt: skip
                 audio = await value.read()
-            elif name.endswith("[]"):
+            elif name.endswith("]"):  # `include[]`; an object's keys: `chunking_strategy[type]`
                 lists.setdefault(name, []).append(value)
             else:
                 fields[name] = value
     finally:
         await parsed.close()
     if audio is None:
-        raise HttpError(400, "file: missing (the audio to transcribe, as a file part of the form)", param="file")
+        why = ("sent as a plain field: send it as a file part, with a filename (curl -F file=@speech.wav)"
+               if "file" in fields else "missing (the audio, as a file part of the form)")  # fmt: skip
+        raise HttpError(400, f"file: {why}", param="file")
     if not audio:
         raise HttpError(400, "file: empty", param="file")
     try:
@@ -117,7 +136,7 @@ async def read_form(headers: Headers, raw: bytes) -> Upload:
         err = e.errors()[0]
         where = str(err["loc"][0]) if err["loc"] else "body"
         raise HttpError(400, f"{where}: {err['msg']}", param=where) from None
-    return Upload(form, audio, lists)
+    return Upload(form, audio, lists, {k: v for k, v in fields.items() if k not in SpeechToText.model_fields})
 
 
 def _language(code: str) -> str:
@@ -142,10 +161,13 @@ def to_transcription_request(upload: Upload, translate: bool) -> gateway_pb2.Gen
     if form.response_format in ("srt", "vtt", "verbose_json"):
         raise HttpError(400, f"response_format: {form.response_format} needs timestamps, which this model does "
                              "not give; use json or text", param="response_format")  # fmt: skip
-    for name in ("timestamp_granularities[]", "include[]"):
-        if upload.lists.get(name):
-            raise HttpError(400, f"{name.removesuffix('[]')}: not supported (the model gives text only: no "
-                                 "timestamps or logprobs)", param=name.removesuffix("[]"))  # fmt: skip
+    # (every list field would change the text, and none is taken: the model gives text only)
+    for name in [*upload.lists, *(n for n in ("timestamp_granularities", "include") if upload.extra.get(n))]:
+        field = name.partition("[")[0]
+        if field == "chunking_strategy":
+            raise HttpError(400, "chunking_strategy: only auto (the file is heard whole)", param=field)
+        raise HttpError(400, f"{field}: not supported (the model gives text only: no timestamps, logprobs, "
+                             "keywords or speakers)", param=field)  # fmt: skip
     if form.chunking_strategy not in (None, "auto"):
         raise HttpError(400, "chunking_strategy: only auto (the file is heard whole)", param="chunking_strategy")
     if translate and form.stream:

@@ -1407,3 +1407,56 @@ def test_the_gateway_goes_by_the_thinkers_failure_not_by_the_status_grpc_put_in_
     assert said is not None and said[0] == grpc.StatusCode.INVALID_ARGUMENT, said
     assert said[1].startswith("thinker: prompt chunk 2 is bad"), said
     assert Thinker.calls == 1  # not replayed
+
+
+def test_a_failure_after_a_streamed_reply_began_is_its_last_event(tiny_dir: Path) -> None:
+    """Once the status line is out, a stage's failure ends each streamed reply as its endpoint
+    says: chat's error object, the speech and transcription error events, raw speech bytes cut
+    short (not closed as if whole); the request counts the failure's status either way."""
+    import httpx
+
+    import gateway.http_api as http_api
+    from gateway.server import GatewayError, GatewayService
+    from omnistage.config import parse_config
+    from omnistage.models import open_checkpoint
+
+    ckpt = open_checkpoint(tiny_dir)
+    wav = io.BytesIO()
+    with wave.open(wav, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16_000), w.writeframes(b"\0\0" * 1600)
+
+    async def go() -> tuple[GatewayService, dict[str, httpx.Response | str]]:
+        service = GatewayService(parse_config({}), ckpt, "ipv4:127.0.0.1:1")
+
+        async def chain(*args: Any) -> Any:  # a first piece of text and of audio, then a stage fails
+            yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text="x", token_ids=[1]))
+            yield gateway_pb2.GenerateResponse(audio=gateway_pb2.AudioChunk(data=b"\1\0" * 6))
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, "talker: lost")
+
+        service._generate = chain  # type: ignore[method-assign]
+        transport = httpx.ASGITransport(app=http_api.build_app(service), raise_app_exceptions=False)
+        got: dict[str, httpx.Response | str] = {}
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            got["chat"] = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "stream": True})  # fmt: skip
+            got["speech sse"] = await client.post("/v1/audio/speech", json={"input": "hi", "stream_format": "sse"})
+            got["transcript"] = await client.post("/v1/audio/transcriptions", data={"stream": "true"},
+                                                  files={"file": ("a.wav", wav.getvalue())})  # fmt: skip
+            try:
+                await client.post("/v1/audio/speech", json={"input": "hi", "response_format": "pcm"})
+                got["speech"] = "closed as if whole"
+            except AssertionError as e:  # httpx's ASGI transport: the app never completed the response
+                got["speech"] = f"cut: {type(e).__name__}"
+        return service, got
+
+    service, got = asyncio.run(go())
+    events = {k: [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+              for k, r in got.items() if isinstance(r, httpx.Response)}  # fmt: skip
+    assert all(got[k].status_code == 200 for k in events)  # type: ignore[union-attr]
+    assert events["chat"][-1]["error"]["type"] == "service_unavailable", events["chat"]
+    assert "data: [DONE]" not in got["chat"].text  # type: ignore[union-attr]
+    assert events["speech sse"][-1]["type"] == "error" and events["speech sse"][0]["type"] == "speech.audio.delta"
+    assert [e["type"] for e in events["transcript"]] == ["transcript.text.delta", "error"], events["transcript"]
+    assert events["transcript"][-1]["error"]["message"] == "talker: lost"
+    assert str(got["speech"]).startswith("cut"), got["speech"]
+    assert service.metrics.requests.labels("http", "UNAVAILABLE")._value.get() == 4

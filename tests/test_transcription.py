@@ -69,28 +69,51 @@ def test_a_bad_form_is_refused_naming_its_field() -> None:
     _refused("response_format", {"response_format": "mp3"})
     _refused("timestamp_granularities", {"timestamp_granularities[]": ["word"]})
     _refused("include", {"include[]": ["logprobs"]})
+    _refused("include", {"include": "logprobs"})  # (hand-written, without the brackets)
+    _refused("known_speaker_names", {"known_speaker_names[]": ["ann"]})  # any list field: each changes the text
+    # an object, as the OpenAI SDK sends one: a field per key
+    _refused("chunking_strategy", {"chunking_strategy[type]": "server_vad", "chunking_strategy[threshold]": "0.5"})
     _refused("temperature", {"temperature": "warm"})
     _refused("temperature", {"temperature": "nan"})
     _refused("stream", {"stream": "maybe"})
     _refused("language", {"language": "english please"})
     _refused("chunking_strategy", {"chunking_strategy": "server_vad"})
+    _refused("chunking_strategy", {"chunking_strategy": '{"type": "server_vad"}'})
+    assert to_transcription_request(_read({"chunking_strategy": "auto"}), False).messages
     _refused("stream", {"stream": "true"}, translate=True)  # (OpenAI's translations do not stream)
     _refused("other", {"model": "m"}, files={"other": ("a.wav", AUDIO)})  # a file under another name
     _refused("file", files={"file": ("a.wav", b"")})
     with pytest.raises(HttpError) as e:  # a form with no file at all
         _read(files={"model": (None, "m")})
     assert e.value.param == "file" and "missing" in e.value.message
+    with pytest.raises(HttpError) as e:  # the audio as a plain field (no filename: curl -F 'file=<a.wav')
+        _read(files={"file": (None, "RIFF....WAVE")})
+    assert e.value.param == "file" and "plain field" in e.value.message
     with pytest.raises(HttpError) as e:  # two files
         _read(files=[("file", ("a.wav", AUDIO)), ("file", ("b.wav", AUDIO))])
-    assert e.value.param == "file"
+    assert e.value.status == 400 and "Too many files" in e.value.message
 
 
-def test_a_body_that_is_not_a_form_is_refused() -> None:
-    for kind in ("application/json", "application/x-www-form-urlencoded"):
+def test_a_body_that_is_not_a_whole_form_is_refused() -> None:
+    for kind in ("application/json", "application/x-www-form-urlencoded", "multipart/form-data"):  # (no boundary)
         with pytest.raises(HttpError) as e:
             asyncio.run(read_form(Headers({"content-type": kind}), b'{"file": "x"}'))
-        assert e.value.status == 400 and "multipart/form-data" in e.value.message
-    headers, body = _form()
-    with pytest.raises(HttpError) as e:  # cut off mid-part: no closing boundary
-        asyncio.run(read_form(headers, body[: len(body) // 2]))
-    assert e.value.status == 400 and e.value.param == "file"
+        assert e.value.status == 415 and "multipart/form-data" in e.value.message
+    headers, body = _form({"model": "m"})
+    for cut in (len(body) // 2, len(body) - 8):  # cut off mid-part, and just before the closing boundary's end
+        with pytest.raises(HttpError) as e:
+            asyncio.run(read_form(headers, body[:cut]))
+        assert e.value.status == 400 and "incomplete" in e.value.message
+    assert asyncio.run(read_form(headers, body)).audio == AUDIO  # (whole, it is read)
+
+
+def test_a_refused_turn_is_said_in_the_forms_terms() -> None:
+    """The gateway refuses the chat turn the form became; the client sent a form."""
+    from gateway.http_api import _of_file
+
+    media = _of_file(HttpError(400, "messages[0].content[0]: cannot decode the audio", param="messages[0].content[0]"))
+    assert (media.param, media.message) == ("file", "file: cannot decode the audio")
+    long = _of_file(HttpError(400, "prompt: 2000 tokens, over max_model_len=1024", param="messages"))
+    assert long.param == "file" and long.message.startswith("file: the audio and its instruction: 2000 tokens")
+    other = _of_file(HttpError(400, "language: bad", param="language"))
+    assert (other.param, other.message) == ("language", "language: bad")

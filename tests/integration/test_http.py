@@ -264,8 +264,19 @@ def test_transcriptions_and_translations_are_the_chat_turn_they_stand_for(http_s
     for data, files, status, param in cases:
         r = httpx.post(url, data=data, files=files, timeout=60)
         assert r.status_code == status and r.json()["error"]["param"] == param, (data, r.text)
+        assert not r.json()["error"]["message"].startswith("messages"), r.text  # the form's terms, not chat's
     r = httpx.post(url, json={"file": "x"}, timeout=60)
-    assert r.status_code == 400 and "multipart/form-data" in r.json()["error"]["message"], r.text
+    assert r.status_code == 415 and "multipart/form-data" in r.json()["error"]["message"], r.text
+    # a file declared over the limit of one media part is refused before any of it is read
+    host, port = http_stack.http_address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: multipart/form-data; boundary=b\r\n"
+                     + f"Content-Length: {MediaConfig().max_part_bytes + (1 << 20)}\r\n\r\n".encode())  # fmt: skip
+        got = b""
+        while piece := sock.recv(4096):  # to the end: the server closes the connection after its 413
+            got += piece
+    assert got.startswith(b"HTTP/1.1 413") and b"request_too_large" in got, got
 
 
 def test_a_later_turn_names_a_spoken_reply_by_its_audio_id(http_stack: Stack, client: openai.OpenAI) -> None:
