@@ -326,6 +326,7 @@ class SpeechRequest(_Body):
 
 
 BodyT = TypeVar("BodyT", bound=_Body)
+MadeT = TypeVar("MadeT")
 
 
 def _subclasses(cls: type) -> list[type]:
@@ -886,24 +887,40 @@ class ChatCompletions:
         self.check_model(getattr(body, "model", None))
         return body
 
-    async def handle(self, request: Request) -> Response:
-        """POST /v1/chat/completions"""
+    async def _admit(self, request: Request, make: Callable[[], Awaitable[MadeT]]
+                     ) -> tuple[MadeT, gateway_pb2.GenerateRequest, float | None] | Response:  # fmt: skip
+        """A request let in: `make()` reads and checks its body (the API key first, as over gRPC)
+        and gives what it parsed and the gateway request; the request-id and timeout headers are
+        checked too. A refusal (HttpError) or a bug in reading it is counted, logged and answered:
+        that Response is returned instead."""
         t0, rid = time.perf_counter(), ""
         try:
             raw = request.headers.get(REQUEST_ID_KEY)
             rid = _request_id(raw)
-            body = await self.parse(request, ChatRequest)  # (the API key first, as over gRPC)
+            made, req = await make()
             _request_id_header(raw)
-            if "audio" in (body.modalities or ()) and not self.service.cfg.audio_output:
-                raise HttpError(400, "modalities: this stack serves text only (no talker); ask for [\"text\"]",
-                                param="modalities")  # fmt: skip
-            req = to_generate_request(body, self.voices, self.transcripts.get, self.stop_ids)
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
             req.request_id = rid
         except HttpError as e:
             return self._refused(e, t0, rid)
         except Exception:  # a bug in reading the body: INTERNAL, with an access line (it had none)
             return self._crashed(t0, rid)
+        return made, req, timeout
+
+    async def handle(self, request: Request) -> Response:
+        """POST /v1/chat/completions"""
+
+        async def make() -> tuple[ChatRequest, gateway_pb2.GenerateRequest]:
+            body = await self.parse(request, ChatRequest)
+            if "audio" in (body.modalities or ()) and not self.service.cfg.audio_output:
+                raise HttpError(400, "modalities: this stack serves text only (no talker); ask for [\"text\"]",
+                                param="modalities")  # fmt: skip
+            return body, to_generate_request(body, self.voices, self.transcripts.get, self.stop_ids)
+
+        admitted = await self._admit(request, make)
+        if isinstance(admitted, Response):
+            return admitted
+        body, req, timeout = admitted
         if not body.stream:
             return await self._serve(request, req, timeout,
                                      lambda responses: _entry_named(self._whole(req, responses), body))
@@ -912,22 +929,18 @@ class ChatCompletions:
 
     async def speech(self, request: Request) -> Response:
         """POST /v1/audio/speech"""
-        t0, rid = time.perf_counter(), ""
-        try:
-            raw = request.headers.get(REQUEST_ID_KEY)
-            rid = _request_id(raw)
-            body = await self.parse(request, SpeechRequest)  # (the API key first, as over gRPC)
-            _request_id_header(raw)
+
+        async def make() -> tuple[SpeechRequest, gateway_pb2.GenerateRequest]:
+            body = await self.parse(request, SpeechRequest)
             if not self.service.cfg.audio_output:
                 raise HttpError(400, "this stack serves text only (no talker): it cannot speak", code="text_only")
             # the reply and its stop id within the thinker's limit, the prompt not counted yet
-            req = to_speech_request(body, self.voices, self.service.tokenizer, self.service.max_prompt_tokens)
-            timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
-            req.request_id = rid
-        except HttpError as e:
-            return self._refused(e, t0, rid)
-        except Exception:  # a bug in reading the body: INTERNAL, with an access line (it had none)
-            return self._crashed(t0, rid)
+            return body, to_speech_request(body, self.voices, self.service.tokenizer, self.service.max_prompt_tokens)
+
+        admitted = await self._admit(request, make)
+        if isinstance(admitted, Response):
+            return admitted
+        body, req, timeout = admitted
         sse = body.stream_format == "sse"
         media = "text/event-stream" if sse else MIME[req.audio_format]
         if req.audio_format == gateway_pb2.AudioFormat.PCM16 and not sse:  # raw samples: their rate is not in them
@@ -947,28 +960,24 @@ class ChatCompletions:
 
     async def _speech_to_text(self, request: Request, translate: bool) -> Response:
         """The text of an uploaded file (gateway/transcription.py)."""
-        t0, rid = time.perf_counter(), ""
-        try:
-            raw = request.headers.get(REQUEST_ID_KEY)
-            rid = _request_id(raw)
+
+        async def make() -> tuple[tuple[bool, bool], gateway_pb2.GenerateRequest]:
             # the key, then the body's type, before any of it is read; the file is one media part
             media = self.service.cfg.media
             body = await self.read(request, min(media.max_request_bytes, media.max_part_bytes) + FORM_OVERHEAD,
                                    check=lambda: check_form_type(request.headers))  # fmt: skip
             upload = await read_form(request.headers, body)
-            del body  # (a request holds its file once: in `req`)
+            del body  # (a request holds its file once: in its gateway request)
             self.check_model(upload.form.model)
-            _request_id_header(raw)
-            req = to_transcription_request(upload, translate)
-            stream, text_only = upload.form.stream, upload.form.response_format == "text"
-            del upload
-            timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
-            req.request_id = rid
-        except HttpError as e:
-            return self._refused(e, t0, rid)
-        except Exception:  # a bug in reading the body: INTERNAL, with an access line (it had none)
-            return self._crashed(t0, rid)
+            shape = (bool(upload.form.stream), upload.form.response_format == "text")  # (not the form: its file)
+            return shape, to_transcription_request(upload, translate)
+
+        admitted = await self._admit(request, make)
+        if isinstance(admitted, Response):
+            return admitted
+        (stream, text_only), req, timeout = admitted
         if stream:
+            rid = req.request_id
             return await self._serve(request, req, timeout, lambda responses: _file_named(self._first(responses)),
                                      lambda first, responses: _transcript_events(first, responses, rid))  # fmt: skip
         return await self._serve(request, req, timeout,
