@@ -327,6 +327,9 @@ class SpeechRequest(_Body):
 
 BodyT = TypeVar("BodyT", bound=_Body)
 MadeT = TypeVar("MadeT")
+# An endpoint's reading of its request: given the header check to call once its body is read, what
+# it parsed (what the reply's shape needs) and the gateway request
+Make = Callable[[Callable[[], object]], Awaitable[tuple[MadeT, gateway_pb2.GenerateRequest]]]
 
 
 def _subclasses(cls: type) -> list[type]:
@@ -887,18 +890,18 @@ class ChatCompletions:
         self.check_model(getattr(body, "model", None))
         return body
 
-    async def _admit(self, request: Request, make: Callable[[], Awaitable[MadeT]]
+    async def _admit(self, request: Request, make: Make[MadeT]
                      ) -> tuple[MadeT, gateway_pb2.GenerateRequest, float | None] | Response:  # fmt: skip
-        """A request let in: `make()` reads and checks its body (the API key first, as over gRPC)
-        and gives what it parsed and the gateway request; the request-id and timeout headers are
-        checked too. A refusal (HttpError) or a bug in reading it is counted, logged and answered:
-        that Response is returned instead."""
+        """A request let in: `make(headers_checked)` reads and checks its body (the API key
+        first, as over gRPC), calls `headers_checked()` once the body is read (the request-id
+        header: refused before any work on the body's media), and gives what it parsed and the
+        gateway request; then the timeout header. A refusal (HttpError) or a bug in reading it is
+        counted, logged and answered: that Response is returned instead."""
         t0, rid = time.perf_counter(), ""
         try:
             raw = request.headers.get(REQUEST_ID_KEY)
             rid = _request_id(raw)
-            made, req = await make()
-            _request_id_header(raw)
+            made, req = await make(lambda: _request_id_header(raw))
             timeout = _timeout_header(request.headers.get(TIMEOUT_HEADER))
             req.request_id = rid
         except HttpError as e:
@@ -910,8 +913,9 @@ class ChatCompletions:
     async def handle(self, request: Request) -> Response:
         """POST /v1/chat/completions"""
 
-        async def make() -> tuple[ChatRequest, gateway_pb2.GenerateRequest]:
+        async def make(headers_checked: Callable[[], object]) -> tuple[ChatRequest, gateway_pb2.GenerateRequest]:
             body = await self.parse(request, ChatRequest)
+            headers_checked()
             if "audio" in (body.modalities or ()) and not self.service.cfg.audio_output:
                 raise HttpError(400, "modalities: this stack serves text only (no talker); ask for [\"text\"]",
                                 param="modalities")  # fmt: skip
@@ -930,8 +934,9 @@ class ChatCompletions:
     async def speech(self, request: Request) -> Response:
         """POST /v1/audio/speech"""
 
-        async def make() -> tuple[SpeechRequest, gateway_pb2.GenerateRequest]:
+        async def make(headers_checked: Callable[[], object]) -> tuple[SpeechRequest, gateway_pb2.GenerateRequest]:
             body = await self.parse(request, SpeechRequest)
+            headers_checked()
             if not self.service.cfg.audio_output:
                 raise HttpError(400, "this stack serves text only (no talker): it cannot speak", code="text_only")
             # the reply and its stop id within the thinker's limit, the prompt not counted yet
@@ -961,7 +966,7 @@ class ChatCompletions:
     async def _speech_to_text(self, request: Request, translate: bool) -> Response:
         """The text of an uploaded file (gateway/transcription.py)."""
 
-        async def make() -> tuple[tuple[bool, bool], gateway_pb2.GenerateRequest]:
+        async def make(headers_checked: Callable[[], object]) -> tuple[tuple[bool, bool], gateway_pb2.GenerateRequest]:
             # the key, then the body's type, before any of it is read; the file is one media part
             media = self.service.cfg.media
             body = await self.read(request, min(media.max_request_bytes, media.max_part_bytes) + FORM_OVERHEAD,
@@ -969,6 +974,7 @@ class ChatCompletions:
             upload = await read_form(request.headers, body)
             del body  # (a request holds its file once: in its gateway request)
             self.check_model(upload.form.model)
+            headers_checked()
             shape = (bool(upload.form.stream), upload.form.response_format == "text")  # (not the form: its file)
             return shape, to_transcription_request(upload, translate)
 
@@ -1194,7 +1200,7 @@ async def _chain(first: list[gateway_pb2.GenerateResponse], rest: Replies) -> Re
         yield resp
 
 
-PieceT = TypeVar("PieceT", str, bytes, str | bytes)
+PieceT = TypeVar("PieceT", bound=str | bytes)
 
 
 async def _ended_well(pieces: AsyncGenerator[PieceT, None], responses: Replies, request_id: str,
@@ -1215,8 +1221,10 @@ async def _ended_well(pieces: AsyncGenerator[PieceT, None], responses: Replies, 
         await fail_replies(responses, internal_failure(request_id))
         raise
     finally:
-        await pieces.aclose()
-        await responses.aclose()
+        try:
+            await pieces.aclose()
+        finally:
+            await responses.aclose()
 
 
 def _speech_stream(first: list[gateway_pb2.GenerateResponse], responses: Replies,

@@ -99,8 +99,10 @@ async def read_form(headers: Headers, raw: bytes) -> Upload:
     """The multipart body (already read, within the size limit) as its fields and file, or an
     HttpError naming what is wrong."""
     boundary = check_form_type(headers)
-    # (the parser takes a body cut short for a whole one: its last part would go missing)
-    if not raw.rstrip(b"\r\n").endswith(b"--" + boundary + b"--"):
+    # (the parser takes a body cut short for a whole one: its last part would go missing; what
+    # follows the close delimiter, an epilogue, is the body's to have)
+    close = b"--" + boundary + b"--"
+    if b"\r\n" + close not in raw and not raw.startswith(close):
         raise HttpError(400, "body: incomplete multipart/form-data (it does not end with its closing boundary)")
     parser = MultiPartParser(headers, _once(raw), max_files=1, max_fields=MAX_FIELDS, max_part_size=MAX_FIELD_BYTES)
     try:

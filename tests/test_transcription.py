@@ -105,6 +105,7 @@ def test_a_body_that_is_not_a_whole_form_is_refused() -> None:
             asyncio.run(read_form(headers, body[:cut]))
         assert e.value.status == 400 and "incomplete" in e.value.message
     assert asyncio.run(read_form(headers, body)).audio == AUDIO  # (whole, it is read)
+    assert asyncio.run(read_form(headers, body + b"an epilogue, which RFC 2046 allows\r\n")).audio == AUDIO
 
 
 def test_a_refused_turn_is_said_in_the_forms_terms() -> None:

@@ -552,6 +552,10 @@ def test_a_client_request_id_is_kept_and_a_bad_one_refused(http_stack: Stack) ->
     assert len(made) == 32 and made != "proxy-7f3a"
     bad = httpx.post(url, json=body, headers={"x-request-id": "x" * 300}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-request-id"
+    # on every endpoint, and before the body's media is looked at (this file would be refused too)
+    stt = httpx.post(url.replace("chat/completions", "audio/transcriptions"), files={"file": ("a.wav", b"junk")},
+                     headers={"x-request-id": "x" * 300}, timeout=60)  # fmt: skip
+    assert stt.status_code == 400 and stt.json()["error"]["param"] == "x-request-id", stt.text
     # a request refused at its body is named by its id too (reply header, access line)
     refused = httpx.post(url, json={**body, "max_tokens": 0}, headers={"x-request-id": "proxy-refused"}, timeout=60)
     assert refused.status_code == 400 and refused.headers["x-request-id"] == "proxy-refused"
