@@ -3,6 +3,7 @@
 PCM streams as it comes; MP3, Opus (in Ogg) and AAC (in ADTS) stream as the encoded pieces of one file, made by
 FFmpeg's encoders through PyAV as samples arrive; WAV and FLAC are whole-file formats and come
 in one piece at the end. Every encoder takes mono float32 samples at the model's rate.
+`Tempo` changes the audio's speed before it is encoded (OpenAI's speech `speed`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 
 from omnistage.v1 import gateway_pb2
 
-__all__ = ["FORMAT_NAMES", "AudioEncoder", "format_from_name"]
+__all__ = ["FORMAT_NAMES", "MAX_SPEED", "MIN_SPEED", "AudioEncoder", "Tempo", "format_from_name"]
 
 F = gateway_pb2.AudioFormat
 # names as OpenAI's API spells them (`audio.format`, `response_format`) -> formats
@@ -33,6 +34,72 @@ def format_from_name(name: str) -> int:
         return FORMAT_NAMES[name]
     except KeyError:
         raise ValueError(f"unknown audio format {name!r}; expected one of {', '.join(FORMAT_NAMES)}") from None
+
+
+MIN_SPEED, MAX_SPEED = 0.25, 4.0  # OpenAI's range for speech `speed`
+_ATEMPO_RANGE = (0.5, 2.0)  # one atempo filter's factors (FFmpeg's documented range)
+
+
+def _atempo_factors(speed: float) -> list[float]:
+    """`speed` as a product of factors each one atempo filter takes (4.0: 2.0 x 2.0)."""
+    low, high = _ATEMPO_RANGE
+    factors = []
+    while speed > high:
+        factors.append(high)
+        speed /= high
+    while speed < low:
+        factors.append(low)
+        speed /= low
+    return [*factors, speed]
+
+
+class Tempo:
+    """Mono float32 samples played `speed` times as fast, their pitch kept: FFmpeg's atempo
+    (WSOLA) through PyAV, as they stream. `push(samples)` -> the samples ready now; `finish()`
+    -> the rest (the filter holds back a window's worth)."""
+
+    def __init__(self, speed: float, sample_rate: int) -> None:
+        import av
+
+        if not MIN_SPEED <= speed <= MAX_SPEED:
+            raise ValueError(f"speed {speed:g} is outside {MIN_SPEED:g} to {MAX_SPEED:g}")
+        self.sample_rate = sample_rate
+        self._graph = av.filter.Graph()
+        source = self._graph.add_abuffer(format="flt", sample_rate=sample_rate, layout="mono",
+                                         time_base=Fraction(1, sample_rate))  # fmt: skip
+        stages = [self._graph.add("atempo", f"{f:.9g}") for f in _atempo_factors(speed)]
+        self._graph.link_nodes(source, *stages, self._graph.add("abuffersink")).configure()
+        self._pts = 0
+
+    def push(self, samples: np.ndarray) -> np.ndarray:
+        import av
+
+        if not samples.size:
+            return np.zeros(0, np.float32)
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples, dtype=np.float32)[None], format="flt",
+                                           layout="mono")  # fmt: skip
+        frame.sample_rate = self.sample_rate
+        frame.pts = self._pts
+        frame.time_base = Fraction(1, self.sample_rate)
+        self._pts += samples.size
+        self._graph.push(frame)
+        return self._pull()
+
+    def finish(self) -> np.ndarray:
+        self._graph.push(None)
+        return self._pull()
+
+    def _pull(self) -> np.ndarray:
+        import av
+
+        out = []
+        while True:
+            try:
+                frame = self._graph.pull()
+            except (av.BlockingIOError, av.EOFError):  # nothing more now / ever
+                break
+            out.append(frame.to_ndarray().reshape(-1))
+        return np.concatenate(out).astype(np.float32, copy=False) if out else np.zeros(0, np.float32)
 
 
 def _pcm16(samples: np.ndarray) -> bytes:

@@ -648,8 +648,6 @@ def to_speech_request(body: SpeechRequest, voices: list[str], tokenizer: Any,
     thinker's `forced_ids`), so the talker speaks exactly these words; `instructions`, when set,
     is the system turn. `max_words`: the most tokens a reply may have (the gateway also refuses
     a prompt and reply together longer than the model takes)."""
-    if body.speed is not None and body.speed != 1.0:
-        raise HttpError(400, "speed: only 1.0 is supported", param="speed")
     # special-token text in the input ("<|im_end|>") is spoken as text: it must not end the reply
     ids = [int(i) for i in tokenizer.encode(body.input, add_special_tokens=False, split_special_tokens=True)]
     if not ids:
@@ -660,6 +658,8 @@ def to_speech_request(body: SpeechRequest, voices: list[str], tokenizer: Any,
     fmt = "pcm16" if body.response_format == "pcm" else body.response_format or "mp3"
     req = gateway_pb2.GenerateRequest(want_audio=True, audio_format=FORMAT_NAMES[fmt])  # type: ignore[arg-type]
     req.speaker = _speaker(body.voice, voices, "voice")
+    if body.speed is not None:
+        req.speed = body.speed  # (the gateway time-stretches the speech: gateway/audio_out.py Tempo)
     if body.instructions:
         req.messages.append(gateway_pb2.ChatMessage(role="system", content=body.instructions))
     req.messages.append(gateway_pb2.ChatMessage(role="user", content=body.input))

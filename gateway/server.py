@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 from jinja2 import TemplateError
 
-from gateway.audio_out import AudioEncoder
+from gateway.audio_out import MAX_SPEED, MIN_SPEED, AudioEncoder, Tempo
 from gateway.chat_template import FIELD as CHAT_TEMPLATE_KWARGS
 from gateway.chat_template import template_kwargs, template_names
 from gateway.media import decode_messages
@@ -347,6 +347,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 raise bad(f"speaker: {e}") from None
         if request.audio_format not in gateway_pb2.AudioFormat.values():
             raise bad(f"audio_format: unknown value {request.audio_format}")
+        if request.speed and not MIN_SPEED <= request.speed <= MAX_SPEED:  # (NaN too)
+            raise bad(f"speed: {request.speed:g} is outside {MIN_SPEED:g} to {MAX_SPEED:g} (0: 1)")
         try:
             check_stop_texts(request.stop)
         except ValueError as e:
@@ -417,6 +419,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         t0 = outcome.t0
         text = TextStream(self.tokenizer, list(start.sampling["thinker"].stop_texts))  # (`stop`, and a client's own)
         encoder = AudioEncoder(request.audio_format, self.sample_rate) if request.want_audio else None
+        speed = request.speed or 1.0
+        tempo = Tempo(speed, self.sample_rate) if encoder is not None and speed != 1.0 else None
         timings: dict[str, gateway_pb2.StageTiming] = {}
         frames = 0
         outputs = self._outputs(messages, time.monotonic() + timeout, request.request_id, start.request_id)
@@ -446,6 +450,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     frames = max(frames, got.offset + got.length)
                 elif edges.AUDIO in got.tensors and encoder is not None:
                     pcm = got.tensors[edges.AUDIO].float().contiguous().numpy()
+                    if tempo is not None:  # (what the client hears is counted: the stretched audio)
+                        pcm = tempo.push(pcm)
                     outcome.audio_samples += int(pcm.shape[0])
                     data = encoder.push(pcm)
                     if data:
@@ -459,6 +465,13 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         if tail:
             yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text=tail))
         if encoder is not None:
+            if tempo is not None:  # the samples the filter held back
+                pcm = tempo.finish()
+                outcome.audio_samples += int(pcm.shape[0])
+                data = encoder.push(pcm)
+                if data:
+                    for piece in self._audio(encoder, data, outcome, time.perf_counter() - t0):
+                        yield piece
             data = encoder.finish()
             if data:
                 for piece in self._audio(encoder, data, outcome, time.perf_counter() - t0):

@@ -496,8 +496,9 @@ def test_speech_request_gives_the_thinker_the_words(tiny_dir: Path) -> None:
     assert req.sampling["talker"].HasField("seed")
     long = len(tok.encode("hi " * 20, add_special_tokens=False))
     assert long > 30
+    assert to_speech_request(SpeechRequest(input="hi", speed=1.5), ["ethan"], tok).speed == 1.5
+    assert to_speech_request(SpeechRequest(input="hi"), ["ethan"], tok).speed == 0  # (unset: 1)
     refused = [
-        ({"speed": 1.5}, "speed: only 1.0"),
         ({"voice": "nobody"}, "voice: unknown voice"),
         ({"input": "hi " * 20}, f"input: {long} tokens; at most 30"),
     ]
@@ -665,7 +666,7 @@ def test_the_thinkers_start_omits_the_talkers_codes_and_carries_the_stop_texts(t
     stop text ends the reply in the thinker: the talker ends too, and says the count)."""
     from types import SimpleNamespace
 
-    from gateway.server import GatewayService
+    from gateway.server import GatewayError, GatewayService
     from omnistage.config import parse_config
     from omnistage.models import open_checkpoint
 
@@ -682,6 +683,11 @@ def test_the_thinkers_start_omits_the_talkers_codes_and_carries_the_stop_texts(t
     # finished chunk still counts the frames
     stopped = start(stop=["robot", "sing", "robot"])
     assert stopped.omit_codes and list(stopped.sampling["thinker"].stop_texts) == ["robot", "sing"]
+    assert start(speed=0.25) and start(speed=4.0) and start(speed=0)  # (0: unset, 1)
+    for speed in (0.2, 4.5, -1.0, float("nan")):
+        with pytest.raises(GatewayError) as e:
+            start(speed=speed)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "speed:" in e.value.message, e.value.message
 
 
 def test_a_request_too_large_for_a_stage_is_a_400_no_retry_helps() -> None:
@@ -1460,3 +1466,21 @@ def test_a_failure_after_a_streamed_reply_began_is_its_last_event(tiny_dir: Path
     assert events["transcript"][-1]["error"]["message"] == "talker: lost"
     assert str(got["speech"]).startswith("cut"), got["speech"]
     assert service.metrics.requests.labels("http", "UNAVAILABLE")._value.get() == 4
+
+
+@pytest.mark.parametrize("speed", [0.25, 0.6, 1.5, 4.0])
+def test_tempo_changes_the_speed_and_keeps_the_pitch(speed: float) -> None:
+    """Speech `speed`: the audio lasts 1/speed as long, streamed in pieces of any size, at the
+    same pitch (FFmpeg's atempo keeps it; resampling would not)."""
+    from gateway.audio_out import Tempo
+
+    rate, hz = 24_000, 440.0
+    tone = np.sin(2 * np.pi * hz * np.arange(2 * rate) / rate).astype(np.float32)
+    tempo = Tempo(speed, rate)
+    pieces = [tempo.push(p) for p in np.array_split(tone, 37)] + [tempo.finish()]
+    out = np.concatenate(pieces)
+    assert out.dtype == np.float32 and abs(out.size * speed / tone.size - 1) < 0.03, out.size
+    spectrum = np.abs(np.fft.rfft(out * np.hanning(out.size)))
+    assert abs(np.argmax(spectrum) * rate / out.size - hz) < 2.0
+    with pytest.raises(ValueError, match="outside"):
+        Tempo(4.5, rate)

@@ -341,8 +341,12 @@ def test_speech_speaks_the_given_words(http_stack: Stack, client: openai.OpenAI)
     per_frame = math.prod(c2w.upsample_rates) * math.prod(c2w.upsampling_ratios)
     # (it may end inside its last frame)
     assert (frames - 1) * per_frame < got.size <= frames * per_frame, (frames, got.size)
+    # `speed`: the same speech in half the time (time-stretched as it streams, its pitch kept: tested in units)
+    fast = client.audio.speech.create(model=client.models.list().data[0].id, voice="ethan", input=words,
+                                      response_format="pcm", speed=2.0, extra_body={"seed": 11})  # fmt: skip
+    assert abs(np.frombuffer(fast.read(), "<i2").size * 2 / got.size - 1) < 0.05
     for bad, field in [({"input": ""}, "input"), ({"input": words, "response_format": "aiff"}, "response_format"),
-                       ({"input": words, "speed": 2}, "speed"), ({"input": words, "voice": "nobody"}, "voice"),
+                       ({"input": words, "speed": 5}, "speed"), ({"input": words, "voice": "nobody"}, "voice"),
                        ({"input": "word " * 800}, "input"),  # more words than a reply may have
                        ({"input": "word " * 300}, "input")]:  # a reply that fits, but not with its prompt  # fmt: skip
         r = httpx.post(url, json=bad, timeout=60)
