@@ -111,16 +111,18 @@ def build_request(
     sampling: dict[str, dict[str, Any]] | None = None,
     audio_format: int = gateway_pb2.PCM_F32LE,
     stop: list[str] | None = None,
+    speed: float = 0.0,
 ) -> gateway_pb2.GenerateRequest:
     """`greedy`: both stages greedy (what parity is checked on), unless `temperature` is set
     (and not under 1e-5, which is greedy): then the thinker samples at that temperature (the
     talker stays greedy). `audio`, `images`, `videos`: encoded files for the user turn, before
     its text. `messages`: the conversation so far (earlier turns, any media in them); the prompt
     and media become its last user turn.
-    `sampling`: per-stage fields set last (e.g. {"talker": {"do_sample": False}})."""
+    `sampling`: per-stage fields set last (e.g. {"talker": {"do_sample": False}}). `speed`: the
+    speech's playback speed, time-stretched by the gateway (0: 1)."""
     req = gateway_pb2.GenerateRequest(want_audio=want_audio, speaker=speaker, request_id=request_id,
                                       use_audio_in_video=use_audio_in_video, audio_format=audio_format,  # type: ignore[arg-type]
-                                      stop=stop or [])  # fmt: skip
+                                      stop=stop or [], speed=speed)  # fmt: skip
     if system or messages or audio or images or videos:
         if system:
             req.messages.add(role="system", content=system)

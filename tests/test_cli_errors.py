@@ -42,6 +42,7 @@ def test_an_output_file_that_cannot_be_written_is_refused_before_the_request(tmp
     assert "is a directory" in _refused(["client", "hi", "--target", "127.0.0.1:1", "--out", str(tmp_path)])
     assert "its folder" in _refused(["demo", "hi", "--out", str(missing)])
     assert "--timeout" in _refused(["client", "hi", "--target", "127.0.0.1:1", "--timeout", "-1"])
+    assert "--speed" in _refused(["client", "hi", "--target", "127.0.0.1:1", "--speed", "5"])
 
 
 def test_make_tiny_refusals_leave_nothing_behind(tmp_path: Path) -> None:

@@ -621,6 +621,8 @@ def client(
     as_json: Annotated[bool, typer.Option("--json", help="Print request id, text, ids, timings as JSON.")] = False,
     system: Annotated[str | None, typer.Option("--system", help="A system message before the prompt.")] = None,
     speaker: Annotated[str, typer.Option("--speaker", help="Voice (default: the model's).")] = "",
+    speed: Annotated[float | None, typer.Option("--speed", min=0.25, max=4.0,
+                                                help="Speech speed, 0.25 to 4 (time-stretched, pitch kept).")] = None,
     temperature: Annotated[
         float | None, typer.Option("--temperature", help="Sample the text at this temperature (default: greedy).")
     ] = None,
@@ -676,7 +678,7 @@ def client(
             want_audio=not no_audio, thinker_max_tokens=max_tokens, talker_max_tokens=max_frames,
             greedy=True, mode=mode.value if mode else None, timeout=timeout, system=system, speaker=speaker,
             temperature=temperature, seed=seed, use_audio_in_video=use_audio_in_video, api_key=api_key, tls_ca=ca,
-            tls_server_name=server_name, tls=tls, request_id=request_id, **media,
+            tls_server_name=server_name, tls=tls, request_id=request_id, speed=speed or 0.0, **media,
         ))  # fmt: skip
     except grpc.aio.AioRpcError as e:
         # the id the gateway gave it, to find its access line (none when refused before it started)

@@ -184,6 +184,15 @@ def test_client_json_has_the_text_and_request_id_and_the_access_log_has_a_line(
     # what the stages' logs call it: the client's id and a suffix of its own
     stage_id = entry["stage_request_id"]
     assert stage_id.startswith(reply["request_id"] + ".") and len(stage_id) == len(reply["request_id"]) + 9
+    # --speed: the same (greedy) speech, time-stretched by the gateway
+    code, out = finish(omnistage("client", "Hello", "--target", f"127.0.0.1:{served['base']}", "--json",
+                                 "--max-tokens", "6", "--max-frames", "6", "--out", str(tmp_path / "fast.wav"),
+                                 "--speaker", "chelsie", "--system", "Be brief.", "--speed", "2"))  # fmt: skip
+    assert code == 0, out
+    fast = json.loads(out[out.index("{") :])
+    assert fast["token_ids"] == reply["token_ids"]
+    assert abs(fast["audio_samples"] * 2 / reply["audio_samples"] - 1) < 0.1, (fast["audio_samples"],
+                                                                                reply["audio_samples"])  # fmt: skip
 
 
 def test_a_failed_requests_access_line_says_why(served: dict[str, Any], tmp_path: Path) -> None:
