@@ -38,6 +38,10 @@ def format_from_name(name: str) -> int:
 
 MIN_SPEED, MAX_SPEED = 0.25, 4.0  # OpenAI's range for speech `speed`
 _ATEMPO_RANGE = (0.5, 2.0)  # one atempo filter's factors (FFmpeg's documented range)
+# atempo gives out a frame once it has filled an output buffer sized from its input frames: fed a
+# model chunk whole (25 frames: 48,000 samples), it would hold that chunk back until the next one
+# (two with chained filters). Fed pieces of about its window, it holds back about a window.
+_TEMPO_PIECE = 1024
 
 
 def _atempo_factors(speed: float) -> list[float]:
@@ -74,16 +78,18 @@ class Tempo:
     def push(self, samples: np.ndarray) -> np.ndarray:
         import av
 
-        if not samples.size:
-            return np.zeros(0, np.float32)
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples, dtype=np.float32)[None], format="flt",
-                                           layout="mono")  # fmt: skip
-        frame.sample_rate = self.sample_rate
-        frame.pts = self._pts
-        frame.time_base = Fraction(1, self.sample_rate)
-        self._pts += samples.size
-        self._graph.push(frame)
-        return self._pull()
+        samples = np.ascontiguousarray(samples, dtype=np.float32)
+        out = []
+        for at in range(0, samples.size, _TEMPO_PIECE):
+            piece = samples[at : at + _TEMPO_PIECE]
+            frame = av.AudioFrame.from_ndarray(piece[None], format="flt", layout="mono")
+            frame.sample_rate = self.sample_rate
+            frame.pts = self._pts
+            frame.time_base = Fraction(1, self.sample_rate)
+            self._pts += piece.size
+            self._graph.push(frame)
+            out.append(self._pull())
+        return np.concatenate(out) if out else np.zeros(0, np.float32)
 
     def finish(self) -> np.ndarray:
         self._graph.push(None)

@@ -41,7 +41,7 @@ class Outcome:
     api: str = "grpc"
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    audio_samples: int = 0  # samples code2wav made
+    audio_samples: int = 0  # samples of the reply's audio (time-stretched by its speed: what the client hears)
     audio_sent: int = 0  # of those, covered by the audio chunks sent so far
     ttft: float | None = None
     ttfa: float | None = None

@@ -344,7 +344,8 @@ def test_speech_speaks_the_given_words(http_stack: Stack, client: openai.OpenAI)
     # `speed`: the same speech in half the time (time-stretched as it streams, its pitch kept: tested in units)
     fast = client.audio.speech.create(model=client.models.list().data[0].id, voice="ethan", input=words,
                                       response_format="pcm", speed=2.0, extra_body={"seed": 11})  # fmt: skip
-    assert abs(np.frombuffer(fast.read(), "<i2").size * 2 / got.size - 1) < 0.05
+    # (atempo's length is off by up to about a window of 1024 samples, whatever the audio's)
+    assert abs(np.frombuffer(fast.read(), "<i2").size * 2 - got.size) < 0.05 * got.size + 2048
     for bad, field in [({"input": ""}, "input"), ({"input": words, "response_format": "aiff"}, "response_format"),
                        ({"input": words, "speed": 5}, "speed"), ({"input": words, "voice": "nobody"}, "voice"),
                        ({"input": "word " * 800}, "input"),  # more words than a reply may have

@@ -191,8 +191,9 @@ def test_client_json_has_the_text_and_request_id_and_the_access_log_has_a_line(
     assert code == 0, out
     fast = json.loads(out[out.index("{") :])
     assert fast["token_ids"] == reply["token_ids"]
-    assert abs(fast["audio_samples"] * 2 / reply["audio_samples"] - 1) < 0.1, (fast["audio_samples"],
-                                                                                reply["audio_samples"])  # fmt: skip
+    # (atempo's length is off by up to about a window of 1024 samples, whatever the audio's)
+    assert abs(fast["audio_samples"] * 2 - reply["audio_samples"]) < 0.05 * reply["audio_samples"] + 2048, (
+        fast["audio_samples"], reply["audio_samples"])  # fmt: skip
 
 
 def test_a_failed_requests_access_line_says_why(served: dict[str, Any], tmp_path: Path) -> None:
