@@ -79,7 +79,7 @@ class Tempo:
         import av
 
         samples = np.ascontiguousarray(samples, dtype=np.float32)
-        out = []
+        out: list[np.ndarray] = []
         for at in range(0, samples.size, _TEMPO_PIECE):
             piece = samples[at : at + _TEMPO_PIECE]
             frame = av.AudioFrame.from_ndarray(piece[None], format="flt", layout="mono")
@@ -88,24 +88,29 @@ class Tempo:
             frame.time_base = Fraction(1, self.sample_rate)
             self._pts += piece.size
             self._graph.push(frame)
-            out.append(self._pull())
-        return np.concatenate(out) if out else np.zeros(0, np.float32)
+            self._pull(out)
+        return _joined(out)
 
     def finish(self) -> np.ndarray:
         self._graph.push(None)
-        return self._pull()
+        out: list[np.ndarray] = []
+        self._pull(out)
+        return _joined(out)
 
-    def _pull(self) -> np.ndarray:
+    def _pull(self, out: list[np.ndarray]) -> None:
+        """Onto `out`, the frames the filters have ready."""
         import av
 
-        out = []
         while True:
             try:
                 frame = self._graph.pull()
             except (av.BlockingIOError, av.EOFError):  # nothing more now / ever
-                break
+                return
             out.append(frame.to_ndarray().reshape(-1))
-        return np.concatenate(out).astype(np.float32, copy=False) if out else np.zeros(0, np.float32)
+
+
+def _joined(pieces: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(pieces).astype(np.float32, copy=False) if pieces else np.zeros(0, np.float32)
 
 
 def _pcm16(samples: np.ndarray) -> bytes:

@@ -1074,21 +1074,7 @@ class ChatCompletions:
         return pieces
 
     async def _whole(self, req: gateway_pb2.GenerateRequest, responses: Replies) -> Response:
-        text: list[str] = []
-        audio: list[bytes] = []
-        reply: Response | None = None
-        try:
-            async for resp in responses:
-                kind = resp.WhichOneof("kind")
-                if kind == "text":
-                    text.append(resp.text.text)
-                elif kind == "audio":
-                    audio.append(resp.audio.data)
-                else:  # made while `responses` waits at its final: a bug here fails the request INTERNAL
-                    reply = self._whole_reply(req, "".join(text), audio, resp.final)  # (once it ended, OK)
-        except GatewayError as e:
-            raise _from_gateway(e) from None
-        return reply if reply is not None else self._whole_reply(req, "".join(text), audio, gateway_pb2.Final())
+        return await _whole_of(responses, lambda text, audio, final: self._whole_reply(req, text, audio, final))
 
     def _whole_reply(self, req: gateway_pb2.GenerateRequest, content: str, audio: list[bytes],
                      final: gateway_pb2.Final) -> Response:  # fmt: skip
@@ -1243,8 +1229,7 @@ def _speech_stream(first: list[gateway_pb2.GenerateResponse], responses: Replies
                 yield _sse(event)
             elif kind == "final" and sse:
                 u = _usage(resp.final.usage)  # the output counts the speech's frames, as a chat reply's does
-                usage = {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
-                         "total_tokens": u["total_tokens"]}  # fmt: skip
+                usage = _io_usage(u["prompt_tokens"], u["completion_tokens"])
                 yield _sse({"type": "speech.audio.done", "usage": usage})
 
     def failed(e: GatewayError) -> str | None:
@@ -1277,22 +1262,35 @@ def _of_file(e: HttpError) -> HttpError:
     return e
 
 
-async def _transcript(responses: Replies, text_only: bool) -> Response:
-    """The whole transcript: OpenAI's `{"text", "usage"}`, or the text alone (`text_only`)."""
+async def _whole_of(responses: Replies, reply: Callable[[str, list[bytes], gateway_pb2.Final], Response]) -> Response:
+    """A whole reply: `reply(text, audio pieces, final)`, made while `responses` waits at its
+    final, so that a bug in making it fails the request INTERNAL (once it ended it counts OK)."""
     text: list[str] = []
-    usage = gateway_pb2.Usage()
+    audio: list[bytes] = []
+    made: Response | None = None
     try:
         async for resp in responses:
             kind = resp.WhichOneof("kind")
             if kind == "text":
                 text.append(resp.text.text)
-            elif kind == "final":
-                usage = resp.final.usage
+            elif kind == "audio":
+                audio.append(resp.audio.data)
+            else:
+                made = reply("".join(text), audio, resp.final)
     except GatewayError as e:
         raise _from_gateway(e) from None
-    if text_only:
-        return PlainTextResponse("".join(text))
-    return JSONResponse({"text": "".join(text), "usage": _stt_usage(usage)})
+    return made if made is not None else reply("".join(text), audio, gateway_pb2.Final())
+
+
+async def _transcript(responses: Replies, text_only: bool) -> Response:
+    """The whole transcript: OpenAI's `{"text", "usage"}`, or the text alone (`text_only`)."""
+
+    def reply(text: str, _audio: list[bytes], final: gateway_pb2.Final) -> Response:
+        if text_only:
+            return PlainTextResponse(text)
+        return JSONResponse({"text": text, "usage": _stt_usage(final.usage)})
+
+    return await _whole_of(responses, reply)
 
 
 def _transcript_events(first: list[gateway_pb2.GenerateResponse], responses: Replies,
@@ -1318,10 +1316,14 @@ def _transcript_events(first: list[gateway_pb2.GenerateResponse], responses: Rep
     return _ended_well(pieces(), responses, request_id, failed)
 
 
+def _io_usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    """Usage as OpenAI's audio endpoints say it: input and output tokens."""
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens, "total_tokens": input_tokens + output_tokens}
+
+
 def _stt_usage(u: gateway_pb2.Usage) -> dict[str, Any]:
     """A transcription's usage as OpenAI gives a token-billed one (the input counts the audio's)."""
-    return {"type": "tokens", "input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens}  # fmt: skip
+    return {"type": "tokens", **_io_usage(u.prompt_tokens, u.completion_tokens)}
 
 
 def _usage(u: gateway_pb2.Usage) -> dict[str, Any]:

@@ -465,14 +465,12 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         if tail:
             yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text=tail))
         if encoder is not None:
-            if tempo is not None:  # the samples the filter held back
+            data = b""
+            if tempo is not None:  # the samples the filter held back, then the encoder's rest
                 pcm = tempo.finish()
                 outcome.audio_samples += int(pcm.shape[0])
                 data = encoder.push(pcm)
-                if data:
-                    for piece in self._audio(encoder, data, outcome, time.perf_counter() - t0):
-                        yield piece
-            data = encoder.finish()
+            data += encoder.finish()
             if data:
                 for piece in self._audio(encoder, data, outcome, time.perf_counter() - t0):
                     yield piece
