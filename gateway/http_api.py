@@ -6,6 +6,7 @@
   POST /v1/audio/speech       a given text spoken (the model's reply, given: `forced_ids`)
   POST /v1/audio/transcriptions, /v1/audio/translations
                               the text of an uploaded file (gateway/transcription.py)
+  GET  /v1/realtime           OpenAI's Realtime API, a WebSocket (gateway/realtime.py)
   GET  /v1/models[/{id}]      the served model (and its voices)
   GET  /health                200 when every stage serves, else 503 naming the ones that do not
   GET  /metrics               the gateway's Prometheus metrics (404 with metrics.enabled false)
@@ -65,21 +66,14 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from importlib import resources
 from typing import Annotated, Any, Literal, TypeVar
 
 import grpc
 import numpy as np
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.applications import Starlette
 from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.types import Message as AsgiMessage
 from starlette.types import Send
 
@@ -101,7 +95,8 @@ from omnistage.quoting import quoted
 from omnistage.topology import STAGES
 from omnistage.v1 import gateway_pb2, stage_pb2
 
-__all__ = ["build_app"]
+__all__ = ["ChatCompletions", "apply_temperature", "from_gateway_error", "served_voices", "to_generate_request",
+           "unknown_model", "voice_speaker"]
 
 log = logging.getLogger(__name__)
 
@@ -376,7 +371,7 @@ async def _entry_named(call: Awaitable[ResultT], body: ChatRequest) -> ResultT:
         raise
 
 
-def _from_gateway(e: GatewayError) -> HttpError:
+def from_gateway_error(e: GatewayError) -> HttpError:
     """The gateway's error as OpenAI's: its status, and the field its message starts with."""
     status, kind = STATUS.get(e.code, (500, "server_error"))
     message = _PART.sub(r"messages[\1].content[\2]", e.message.removeprefix("gateway: "))
@@ -395,7 +390,7 @@ def _from_gateway(e: GatewayError) -> HttpError:
     return HttpError(status, message, kind, param=param, code=code, retry=not e.deadline_passed)
 
 
-def _unknown_model(name: str, served: str) -> HttpError:
+def unknown_model(name: str, served: str) -> HttpError:
     return HttpError(404, f"model {quoted(name)} not found; this server serves {served!r}", "not_found_error",
                      param="model", code="model_not_found")  # fmt: skip
 
@@ -452,7 +447,12 @@ OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "cedar", "coral", "echo", "
                            "sage", "shimmer", "verse"})  # fmt: skip
 
 
-def _speaker(voice: str | AudioRef | None, voices: list[str], field: str = "audio.voice") -> str:
+def served_voices(service: GatewayService) -> list[str]:
+    """The checkpoint's speakers a request may name (none: a stack that serves text only)."""
+    return sorted(service.ckpt.spec.speakers) if service.cfg.audio_output else []
+
+
+def voice_speaker(voice: str | AudioRef | None, voices: list[str], field: str = "audio.voice") -> str:
     """The gateway's speaker for the body's `field` ("" = the checkpoint's default)."""
     name = voice.id if isinstance(voice, AudioRef) else voice
     if not name:
@@ -574,6 +574,21 @@ def _apply_sampling_list(req: gateway_pb2.GenerateRequest, entries: Sequence[Sta
         req.sampling[stage].MergeFrom(_stage_sampling(entry, stop_ids.get(stage, ())))
 
 
+def apply_temperature(req: gateway_pb2.GenerateRequest, thinker: stage_pb2.SamplingParams, temperature: float,
+                      seeded: bool) -> None:  # fmt: skip
+    """A request's `temperature`: the thinker's; 0 (or under 1e-5, as in vLLM) makes the whole reply
+    deterministic: greedy text, greedy speech, and a sampled vocoder's noise (Qwen2.5-Omni's)
+    drawn as for seed 0 unless the request is `seeded`."""
+    if greedy_temperature(temperature):
+        thinker.do_sample = False
+        req.sampling["talker"].do_sample = False
+        if req.want_audio and not seeded:
+            req.sampling["code2wav"].seed = CODE2WAV_SEED_OFFSET
+    else:
+        thinker.do_sample = True
+        thinker.temperature = temperature
+
+
 def to_generate_request(
     body: ChatRequest, voices: list[str], transcripts: TranscriptLookup = lambda _id: None,
     stop_ids: Mapping[str, Sequence[int]] | None = None,
@@ -590,7 +605,7 @@ def to_generate_request(
         in_video = body.mm_processor_kwargs.use_audio_in_video
     req = gateway_pb2.GenerateRequest(want_audio=want_audio, use_audio_in_video=bool(in_video),
                                       audio_format=FORMAT_NAMES[audio.format or "wav"])  # type: ignore[arg-type]  # fmt: skip
-    req.speaker = _speaker(audio.voice, voices) if want_audio else ""
+    req.speaker = voice_speaker(audio.voice, voices) if want_audio else ""
     for i, m in enumerate(body.messages):
         role = "system" if m.role == "developer" else m.role
         if not m.content and m.audio is not None:  # a spoken earlier reply: its words (content null, "" or [])
@@ -614,14 +629,7 @@ def to_generate_request(
     if max_tokens is not None:
         thinker.max_tokens = max_tokens
     if body.temperature is not None:
-        if greedy_temperature(body.temperature):  # deterministic: greedy text and greedy speech
-            thinker.do_sample = False
-            req.sampling["talker"].do_sample = False
-            if want_audio and body.seed is None:  # and a sampled vocoder's noise (Qwen2.5-Omni's) as for seed 0
-                req.sampling["code2wav"].seed = CODE2WAV_SEED_OFFSET
-        else:
-            thinker.do_sample = True
-            thinker.temperature = body.temperature
+        apply_temperature(req, thinker, body.temperature, seeded=body.seed is not None)
     if body.top_p == 0:  # OpenAI takes 0..1; nothing but the most likely token is greedy
         thinker.do_sample = False
         thinker.ClearField("temperature")
@@ -657,7 +665,7 @@ def to_speech_request(body: SpeechRequest, voices: list[str], tokenizer: Any,
                         code="context_length_exceeded")  # fmt: skip
     fmt = "pcm16" if body.response_format == "pcm" else body.response_format or "mp3"
     req = gateway_pb2.GenerateRequest(want_audio=True, audio_format=FORMAT_NAMES[fmt])  # type: ignore[arg-type]
-    req.speaker = _speaker(body.voice, voices, "voice")
+    req.speaker = voice_speaker(body.voice, voices, "voice")
     if body.speed is not None:
         req.speed = body.speed  # (the gateway time-stretches the speech: gateway/audio_out.py Tempo)
     if body.instructions:
@@ -864,7 +872,7 @@ class ChatCompletions:
 
     def __init__(self, service: GatewayService) -> None:
         self.service = service
-        self.voices = sorted(service.ckpt.spec.speakers) if service.cfg.audio_output else []
+        self.voices = served_voices(service)
         self.stop_ids = {"thinker": service.thinker_defaults.stop_ids}  # what a stage stops on unless told
         if service.cfg.audio_output:
             self.stop_ids["talker"] = service.ckpt.spec.talker_stop_ids()
@@ -882,7 +890,7 @@ class ChatCompletions:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.service.model_name:
-            raise _unknown_model(name, self.service.model_name)
+            raise unknown_model(name, self.service.model_name)
 
     async def parse(self, request: Request, model: type[BodyT]) -> BodyT:
         raw = await self.read(request, self.service.cfg.media.max_request_bytes * 4 // 3 + 4096)  # base64: 4/3
@@ -1067,7 +1075,7 @@ class ChatCompletions:
                 if not audio or resp.WhichOneof("kind") in ("audio", "final"):
                     break
         except GatewayError as e:
-            error = _from_gateway(e)
+            error = from_gateway_error(e)
             if audio and error.param in ("messages", "prompt", "max_tokens"):
                 error.param = "input"
             raise error from None
@@ -1151,7 +1159,7 @@ class ChatCompletions:
             yield "data: [DONE]\n\n"
 
         # the status line went out already: an error is the stream's last event
-        return _ended_well(pieces(), responses, rid, lambda e: _sse(_from_gateway(e).body()))
+        return _ended_well(pieces(), responses, rid, lambda e: _sse(from_gateway_error(e).body()))
 
 
 class _Delivered(StreamingResponse):
@@ -1235,7 +1243,7 @@ def _speech_stream(first: list[gateway_pb2.GenerateResponse], responses: Replies
     def failed(e: GatewayError) -> str | None:
         log.warning("speech ended early: %s", e.message)
         # raw bytes: the connection is cut, not closed as if the audio were whole
-        return _sse({"type": "error", **_from_gateway(e).body()}) if sse else None
+        return _sse({"type": "error", **from_gateway_error(e).body()}) if sse else None
 
     return _ended_well(pieces(), responses, request_id, failed)
 
@@ -1278,7 +1286,7 @@ async def _whole_of(responses: Replies, reply: Callable[[str, list[bytes], gatew
             else:
                 made = reply("".join(text), audio, resp.final)
     except GatewayError as e:
-        raise _from_gateway(e) from None
+        raise from_gateway_error(e) from None
     return made if made is not None else reply("".join(text), audio, gateway_pb2.Final())
 
 
@@ -1311,7 +1319,7 @@ def _transcript_events(first: list[gateway_pb2.GenerateResponse], responses: Rep
 
     def failed(e: GatewayError) -> str:
         log.warning("transcript ended early: %s", e.message)
-        return _sse({"type": "error", **_of_file(_from_gateway(e)).body()})
+        return _sse({"type": "error", **_of_file(from_gateway_error(e)).body()})
 
     return _ended_well(pieces(), responses, request_id, failed)
 
@@ -1334,74 +1342,3 @@ def _usage(u: gateway_pb2.Usage) -> dict[str, Any]:
             "total_tokens": u.prompt_tokens + completion,
             "completion_tokens_details": {"text_tokens": u.completion_tokens,
                                           "audio_tokens": u.audio_frames}}  # fmt: skip
-
-
-def build_app(service: GatewayService) -> Starlette:
-    chat = ChatCompletions(service)
-    page = resources.files("gateway").joinpath("static/playground.html").read_text()
-    started = int(time.time())  # the model card's `created`
-
-    def model_card() -> dict[str, Any]:
-        return {"id": service.model_name, "object": "model", "created": started, "owned_by": "omnistage",
-                "voices": chat.voices,
-                "default_voice": service.ckpt.spec.default_speaker if chat.voices else None,
-                "sample_rate": service.sample_rate, "audio_output": service.cfg.audio_output}  # fmt: skip
-
-    async def models(request: Request) -> Response:
-        if not service.check_api_key(request.headers.get("authorization")):
-            return HttpError(401, "missing or wrong API key", "authentication_error", code="invalid_api_key").response()
-        name = request.path_params.get("model")
-        if name is None:
-            return JSONResponse({"object": "list", "data": [model_card()]})
-        if name != service.model_name:
-            return _unknown_model(name, service.model_name).response()
-        return JSONResponse(model_card())
-
-    async def health(request: Request) -> Response:
-        ok, chain = service.chain_serving()
-        # open for probes; the stages' addresses (and errors, which may name them) take the key, as Info does
-        inside = service.check_api_key(request.headers.get("authorization"))
-        stages = [{"stage": h.stage, "serving": h.serving}
-                  | ({"target": h.target, "detail": h.detail} if inside else {}) for h in chain]  # fmt: skip
-        body = {"status": "ok" if ok else "unavailable", "draining": service.draining, "stages": stages}
-        return JSONResponse(body, status_code=200 if ok else 503)
-
-    async def metrics(request: Request) -> Response:
-        # off the event loop: a scrape reads every thread's /proc files (metrics' thread_cpu.py)
-        body = await asyncio.to_thread(generate_latest, service.metrics.registry)
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
-
-    async def playground(request: Request) -> Response:
-        return HTMLResponse(page)
-
-    async def http_error(request: Request, exc: Exception) -> Response:
-        """Starlette's own 404 and 405 as OpenAI error objects, like every other error here."""
-        assert isinstance(exc, HTTPException)
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        message = f"{request.method} {request.url.path}: {exc.detail}"
-        response = HttpError(exc.status_code, message, kind).response()
-        response.headers.update(exc.headers or {})  # 405's Allow
-        return response
-
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        """A failure nothing above answered (a bug): an OpenAI error object, not Starlette's
-        text, told not to retry (the OpenAI SDK retries a 500 twice otherwise). Starlette raises
-        it on to the server, which logs it."""
-        response = HttpError(500, f"internal error: {type(exc).__name__}", "server_error").response()
-        response.headers["x-should-retry"] = "false"
-        return response
-
-    origins = service.cfg.gateway.cors_allow_origins
-    middleware = [Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"], allow_headers=["*"],
-                             expose_headers=[REQUEST_ID_KEY])] if origins else []  # fmt: skip
-    return Starlette(routes=[
-        Route("/v1/chat/completions", chat.handle, methods=["POST"]),
-        Route("/v1/audio/speech", chat.speech, methods=["POST"]),
-        Route("/v1/audio/transcriptions", chat.transcriptions, methods=["POST"]),
-        Route("/v1/audio/translations", chat.translations, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/models/{model:path}", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        *([Route("/metrics", metrics, methods=["GET"])] if service.cfg.metrics.enabled else []),  # (off: none)
-        Route("/", playground, methods=["GET"]),
-    ], middleware=middleware, exception_handlers={HTTPException: http_error, Exception: internal_error})  # fmt: skip

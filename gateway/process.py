@@ -55,7 +55,7 @@ def _http_server(app: object, sock: socket.socket, tls: TlsConfig) -> object:
 def run_gateway(cfg: DeployConfig, ckpt: Checkpoint, host: str, port: int, thinker_target: str, *,
                 http_port: int | None = None, api_key: str = "") -> None:  # fmt: skip
     async def main() -> None:
-        from gateway.http_api import build_app
+        from gateway.app import build_app
 
         service = GatewayService(cfg, ckpt, thinker_target, api_key=api_key)
         # clients send their media in the request: the receive limit is the media request limit

@@ -610,7 +610,7 @@ def test_a_failure_nothing_answered_is_an_openai_error_not_retried(monkeypatch: 
 
     from starlette.testclient import TestClient
 
-    import gateway.http_api as http_api
+    from gateway.app import build_app
     from gateway.metrics import GatewayMetrics
     from omnistage.config import parse_config
 
@@ -623,7 +623,7 @@ def test_a_failure_nothing_answered_is_an_openai_error_not_retried(monkeypatch: 
     def broken(*args: Any) -> Any:
         raise RuntimeError("a bug")
 
-    client = TestClient(http_api.build_app(service), raise_server_exceptions=False)  # type: ignore[arg-type]
+    client = TestClient(build_app(service), raise_server_exceptions=False)  # type: ignore[arg-type]
     with monkeypatch.context() as m:
         m.setattr(service, "check_api_key", broken)  # (a chat request's own bugs are its handler's: INTERNAL)
         r = client.get("/v1/models")
@@ -696,7 +696,7 @@ def test_a_request_too_large_for_a_stage_is_a_400_no_retry_helps() -> None:
     OpenAI SDK retried (three times the same hopeless request)."""
     import grpc
 
-    from gateway.http_api import _from_gateway
+    from gateway.http_api import from_gateway_error
     from gateway.server import GatewayError
     from omnistage.engine import Request
     from omnistage.engine.scheduler import RequestRejected, Scheduler, SchedulerConfig
@@ -707,17 +707,17 @@ def test_a_request_too_large_for_a_stage_is_a_400_no_retry_helps() -> None:
         scheduler.add(Request("r", None), 498, 400)
     message = f"thinker-decode: {refused.value}"
     for detail in (message, "thinker: request 'r': input of 3000 tokens exceeds max_model_len=2048"):
-        http = _from_gateway(GatewayError(grpc.StatusCode.INVALID_ARGUMENT, detail))
+        http = from_gateway_error(GatewayError(grpc.StatusCode.INVALID_ARGUMENT, detail))
         assert (http.status, http.param, http.code) == (400, "messages", "context_length_exceeded"), detail
     for other in ("talker: unknown speaker 'x'", "talker: request 'r': needs 900 tokens of cache (...)"):
-        assert _from_gateway(GatewayError(grpc.StatusCode.INVALID_ARGUMENT, other)).code == "invalid_argument"
+        assert from_gateway_error(GatewayError(grpc.StatusCode.INVALID_ARGUMENT, other)).code == "invalid_argument"
     # a thinker's refusal of a sampling field names the body's field (it named "thinker")
     for detail, param in (("gateway: thinker: sampling: repetition_penalty must be a finite number >= 1e-05",
                            "repetition_penalty"),
                           ("gateway: thinker: sampling: stop_ids outside the vocabulary (0..151935): [999999]",
                            "stop_token_ids"),
                           ("gateway: talker: sampling: top_k must be >= 0", "sampling_params_list[1].top_k")):
-        assert _from_gateway(GatewayError(grpc.StatusCode.INVALID_ARGUMENT, detail)).param == param, detail
+        assert from_gateway_error(GatewayError(grpc.StatusCode.INVALID_ARGUMENT, detail)).param == param, detail
 
 
 def test_a_call_cancelled_at_its_deadline_counts_as_deadline_exceeded(tiny_dir: Path) -> None:
@@ -935,8 +935,8 @@ def test_a_refused_requests_decoded_media_are_freed_as_it_ends(tiny_dir: Path, a
     from PIL import Image
 
     from gateway import media as media_module
+    from gateway.app import build_app
     from gateway.client import image_part, text_part
-    from gateway.http_api import build_app
     from gateway.server import GatewayError, GatewayService
     from omnistage.config import parse_config
     from omnistage.models import open_checkpoint
@@ -988,11 +988,11 @@ def test_only_a_request_past_its_own_deadline_says_do_not_retry() -> None:
     (x-should-retry: false); a hop that waited too long on its peer may not."""
     import grpc
 
-    from gateway.http_api import _from_gateway
+    from gateway.http_api import from_gateway_error
     from gateway.server import GatewayError
 
     def headers(message: str) -> dict[str, str]:
-        error = _from_gateway(GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, message))
+        error = from_gateway_error(GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, message))
         assert error.status == 504
         return dict(error.response().headers)
 
@@ -1061,6 +1061,7 @@ def test_a_bug_in_the_http_door_counts_internal_not_cancelled(tiny_dir: Path, mo
     import httpx
 
     import gateway.http_api as http_api
+    from gateway.app import build_app
     from gateway.server import GatewayService
     from omnistage.config import parse_config
     from omnistage.models import open_checkpoint
@@ -1084,7 +1085,7 @@ def test_a_bug_in_the_http_door_counts_internal_not_cancelled(tiny_dir: Path, mo
                 yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text="x", token_ids=[1]))
 
         service._generate = chain  # type: ignore[method-assign]
-        transport = httpx.ASGITransport(app=http_api.build_app(service), raise_app_exceptions=False)
+        transport = httpx.ASGITransport(app=build_app(service), raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
             for stream in (False, True):
                 with contextlib.suppress(httpx.HTTPError):
@@ -1108,6 +1109,7 @@ def test_a_bug_before_or_after_the_reply_runs_counts_internal(tiny_dir: Path, mo
     import httpx
 
     import gateway.http_api as http_api
+    from gateway.app import build_app
     from gateway.server import GatewayService
     from omnistage.config import parse_config
     from omnistage.models import open_checkpoint
@@ -1126,7 +1128,7 @@ def test_a_bug_before_or_after_the_reply_runs_counts_internal(tiny_dir: Path, mo
             yield gateway_pb2.GenerateResponse(final=gateway_pb2.Final(finish_reason="stop"))
 
         service._generate = chain  # type: ignore[method-assign]
-        transport = httpx.ASGITransport(app=http_api.build_app(service), raise_app_exceptions=False)
+        transport = httpx.ASGITransport(app=build_app(service), raise_app_exceptions=False)
         got = []
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
             got.append(await client.post("/v1/chat/completions", json=body))  # as it is: OK
@@ -1153,7 +1155,7 @@ def test_http_metrics_follow_the_metrics_switch(tiny_dir: Path) -> None:
     metrics while the metrics ports were off)."""
     import httpx
 
-    from gateway.http_api import build_app
+    from gateway.app import build_app
     from gateway.server import GatewayService
     from omnistage.config import parse_config
     from omnistage.models import open_checkpoint
@@ -1421,7 +1423,7 @@ def test_a_failure_after_a_streamed_reply_began_is_its_last_event(tiny_dir: Path
     short (not closed as if whole); the request counts the failure's status either way."""
     import httpx
 
-    import gateway.http_api as http_api
+    from gateway.app import build_app
     from gateway.server import GatewayError, GatewayService
     from omnistage.config import parse_config
     from omnistage.models import open_checkpoint
@@ -1440,7 +1442,7 @@ def test_a_failure_after_a_streamed_reply_began_is_its_last_event(tiny_dir: Path
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, "talker: lost")
 
         service._generate = chain  # type: ignore[method-assign]
-        transport = httpx.ASGITransport(app=http_api.build_app(service), raise_app_exceptions=False)
+        transport = httpx.ASGITransport(app=build_app(service), raise_app_exceptions=False)
         got: dict[str, httpx.Response | str] = {}
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
             got["chat"] = await client.post("/v1/chat/completions", json={
