@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from gateway.http_api import ChatCompletions, unknown_model
 from gateway.http_error import HttpError
+from gateway.realtime import realtime_route
 from gateway.server import REQUEST_ID_KEY, GatewayService
 
 __all__ = ["build_app"]
@@ -87,6 +88,7 @@ def build_app(service: GatewayService) -> Starlette:
         Route("/v1/audio/speech", chat.speech, methods=["POST"]),
         Route("/v1/audio/transcriptions", chat.transcriptions, methods=["POST"]),
         Route("/v1/audio/translations", chat.translations, methods=["POST"]),
+        realtime_route(service),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

@@ -279,6 +279,83 @@ def test_transcriptions_and_translations_are_the_chat_turn_they_stand_for(http_s
     assert got.startswith(b"HTTP/1.1 413") and b"request_too_large" in got, got
 
 
+def test_realtime_turns_are_the_chat_turns_they_stand_for(http_stack: Stack, client: openai.OpenAI) -> None:
+    """OpenAI's Realtime API through the official client's WebSocket: a spoken turn (appended in
+    pieces, committed) and a typed one, answered with speech and its transcript as they are made;
+    each reply is the chat completion of the same turns (temperature 0): the same words, the same
+    samples. A later turn sees the earlier reply's words; a text reply is chat's text reply."""
+    spoken = _pcm16(media.tone(1.5, RATE, seed=11)).tobytes()
+    model = client.models.list().data[0].id
+    chat_turns: list[dict[str, Any]] = [
+        {"role": "user", "content": [{"type": "input_audio",
+                                      "input_audio": {"data": base64.b64encode(spoken).decode(), "format": "pcm16"}}]},
+        {"role": "user", "content": [{"type": "text", "text": "What is it?"}]},
+    ]  # fmt: skip
+
+    async def reply(conn: Any) -> tuple[str, bytes, int, Any]:
+        text, audio, audio_deltas = "", b"", 0
+        async for event in conn:
+            if event.type in ("response.output_audio_transcript.delta", "response.output_text.delta"):
+                text += event.delta
+            elif event.type == "response.output_audio.delta":
+                piece = base64.b64decode(event.delta)
+                assert len(piece) % 2 == 0  # whole samples in each
+                audio += piece
+                audio_deltas += 1
+            elif event.type == "error":
+                raise AssertionError(event)
+            elif event.type == "response.done":
+                return text, audio, audio_deltas, event.response
+        raise AssertionError("the connection ended before response.done")
+
+    async def talk() -> list[tuple[str, bytes, int, Any]]:
+        aclient = openai.AsyncOpenAI(base_url=f"http://{http_stack.http_address}/v1", api_key="unused", max_retries=0)
+        async with aclient.realtime.connect(model=model) as conn:
+            assert (await conn.recv()).type == "session.created"
+            await conn.session.update(session={"type": "realtime", "temperature": 0, "max_output_tokens": MAX_TOKENS,
+                                               "audio": {"output": {"voice": "ethan"}}})  # type: ignore[typeddict-unknown-key]  # fmt: skip
+            assert (await conn.recv()).type == "session.updated"
+            for i in range(0, len(spoken), 4800):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(spoken[i:i + 4800]).decode())
+            await conn.input_audio_buffer.commit()
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "What is it?"}]})
+            await conn.response.create()
+            first = await reply(conn)
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "And then?"}]})
+            await conn.response.create()
+            second = await reply(conn)
+            await conn.response.create(response={"output_modalities": ["text"]})
+            third = await reply(conn)
+            await conn.send({"type": "session.update", "session": {"audio": {"input": {
+                "turn_detection": {"type": "server_vad"}}}}})  # fmt: skip
+            refused = await conn.recv()
+            assert refused.type == "error" and refused.error.param == "session.audio.input.turn_detection"
+            return [first, second, third]
+
+    spoken_replies = run(talk())
+    for (text, audio, deltas, response), later in zip(spoken_replies[:2], ("And then?", None), strict=True):
+        assert response.status in ("completed", "incomplete") and response.usage.output_tokens > 0
+        message = client.chat.completions.create(model=model, messages=chat_turns,  # type: ignore[arg-type]
+                                                 modalities=["text", "audio"],
+                                                 audio={"voice": "ethan", "format": "pcm16"}, temperature=0,
+                                                 max_tokens=MAX_TOKENS).choices[0].message  # fmt: skip
+        assert text == message.content and text, (text, message.content)
+        want = np.frombuffer(base64.b64decode(message.audio.data), "<i2")
+        got = np.frombuffer(audio, "<i2")
+        assert got.shape == want.shape and deltas > 1  # the speech as it is made, in pieces
+        assert int(np.abs(got.astype(np.int32) - want).max()) <= 1  # the same samples (16-bit rounding aside)
+        chat_turns.append({"role": "assistant", "content": text})
+        if later:
+            chat_turns.append({"role": "user", "content": [{"type": "text", "text": later}]})
+    text, audio, _, response = spoken_replies[2]
+    assert audio == b"" and response.output[0].content[0].type == "output_text"
+    chat_text = client.chat.completions.create(model=model, messages=chat_turns, temperature=0,  # type: ignore[arg-type]
+                                               max_tokens=MAX_TOKENS).choices[0].message.content  # fmt: skip
+    assert text == chat_text and text
+
+
 def test_a_later_turn_names_a_spoken_reply_by_its_audio_id(http_stack: Stack, client: openai.OpenAI) -> None:
     """OpenAI's multi-turn voice chat: the assistant turn is `{"audio": {"id"}}`, no text; the
     model then sees that reply's words, as if the client had sent them as content."""

@@ -1,0 +1,402 @@
+"""The Realtime WebSocket (gateway/realtime.py) against a scripted gateway service: the events a
+client sees, the gateway requests its turns become, refusals that leave the session going, and
+cancels and hang-ups that close the request. The real stack, with the official client:
+tests/integration/test_http.py::test_realtime_turns_are_the_chat_turns_they_stand_for."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from starlette.applications import Starlette
+from starlette.testclient import TestClient, WebSocketDenialResponse
+
+from gateway.realtime import realtime_route
+from gateway.server import GatewayError
+from omnistage.config import parse_config
+from omnistage.v1 import gateway_pb2
+
+pytestmark = pytest.mark.timeout(60)  # (a lost event would otherwise wait out the suite's 300 s)
+
+HANG = "hang"  # a script step: the reply waits (for a cancel) here
+
+
+def _text(t: str) -> gateway_pb2.GenerateResponse:
+    return gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text=t))
+
+
+def _audio(data: bytes) -> gateway_pb2.GenerateResponse:
+    return gateway_pb2.GenerateResponse(audio=gateway_pb2.AudioChunk(data=data))
+
+
+def _final(reason: str = "stop") -> gateway_pb2.GenerateResponse:
+    usage = gateway_pb2.Usage(prompt_tokens=7, completion_tokens=2, audio_frames=3)
+    return gateway_pb2.GenerateResponse(final=gateway_pb2.Final(finish_reason=reason, usage=usage))
+
+
+REPLY = [_text("Hel"), _audio(b"\x01\x02\x03"), _text("lo"), _audio(b"\x04"), _final()]
+
+
+class ScriptedService:
+    """What the Realtime route uses of GatewayService; each request's reply is `script`'s."""
+
+    def __init__(self, script: list[Any] = REPLY, api_key: str = "", audio: bool = True, **media: Any) -> None:
+        self.cfg = parse_config({"media": media} if media else {})
+        self.cfg.audio_output = audio
+        self.model_name, self.sample_rate, self.api_key, self.script = "tiny", 24_000, api_key, script
+        self.ckpt = SimpleNamespace(spec=SimpleNamespace(speakers=["ethan", "chelsie"], default_speaker="ethan"))
+        self.requests: list[gateway_pb2.GenerateRequest] = []
+        self.closed: list[str] = []
+        self.refusals: list[tuple[str, str]] = []
+
+    def check_api_key(self, authorization: str | None) -> bool:
+        return not self.api_key or authorization == f"Bearer {self.api_key}"
+
+    def refused(self, api: str, outcome: str, message: str, seconds: float = 0.0, request_id: str = "") -> None:
+        self.refusals.append((api, outcome))
+
+    async def serve(self, req: gateway_pb2.GenerateRequest, timeout: float | None,
+                    api: str) -> AsyncIterator[gateway_pb2.GenerateResponse]:  # fmt: skip
+        assert api == "realtime"
+        self.requests.append(req)
+        try:
+            for step in self.script:
+                if step == HANG:
+                    await asyncio.sleep(60)
+                elif isinstance(step, Exception):
+                    raise step
+                else:
+                    yield step
+        finally:
+            self.closed.append(req.request_id)
+
+    async def deliver(self, write: Any, replies: Any, request_id: str) -> None:
+        await write
+
+
+@pytest.fixture
+def connect() -> Iterator[Callable[..., Any]]:
+    clients: list[TestClient] = []
+
+    def open_(service: ScriptedService, path: str = "/v1/realtime", **kw: Any) -> Any:
+        client = TestClient(Starlette(routes=[realtime_route(service)]))  # type: ignore[arg-type]
+        clients.append(client)
+        return client.websocket_connect(path, **kw)
+
+    yield open_
+    for c in clients:
+        c.close()
+
+
+def _until(ws: Any, kind: str, limit: int = 200) -> list[dict[str, Any]]:
+    """Events up to and including the first of `kind`."""
+    events = []
+    for _ in range(limit):
+        events.append(ws.receive_json())
+        if events[-1]["type"] == kind:
+            return events
+    raise AssertionError(f"no {kind} in {[e['type'] for e in events]}")
+
+
+def _pcm16(n: int, rate: int = 24_000) -> bytes:
+    t = np.arange(n) / rate
+    return (0.25 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2").tobytes()
+
+
+def test_a_spoken_and_a_typed_turn_are_answered_with_speech_and_its_transcript(connect: Callable[..., Any]) -> None:
+    service = ScriptedService()
+    with connect(service) as ws:
+        created = ws.receive_json()
+        assert created["type"] == "session.created"
+        session = created["session"]
+        assert session["model"] == "tiny" and session["output_modalities"] == ["audio"]
+        assert session["audio"]["output"]["format"] == {"type": "audio/pcm", "rate": 24_000}
+        assert session["audio"]["input"]["turn_detection"] is None
+        ws.send_json({"type": "session.update", "session": {
+            "type": "realtime", "instructions": "Be brief.", "max_output_tokens": 9, "temperature": 0,
+            "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24_000}, "turn_detection": None},
+                      "output": {"voice": "chelsie", "speed": 1.25}}}})  # fmt: skip
+        updated = ws.receive_json()
+        assert updated["type"] == "session.updated", updated
+        assert updated["session"]["instructions"] == "Be brief." and updated["session"]["max_output_tokens"] == 9
+        assert updated["session"]["audio"]["output"]["voice"] == "chelsie"
+        pcm = _pcm16(4800)
+        for i in range(0, len(pcm), 3000):
+            ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[i:i + 3000]).decode()})
+        ws.send_json({"type": "input_audio_buffer.commit", "event_id": "c1"})
+        committed, added, done = _until(ws, "conversation.item.done")
+        assert done["item"] == added["item"]
+        assert committed["type"] == "input_audio_buffer.committed" and committed["previous_item_id"] is None
+        assert added["item"]["id"] == committed["item_id"] and added["item"]["role"] == "user"
+        ws.send_json({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is it?"}]}})
+        typed = _until(ws, "conversation.item.done")[0]
+        assert typed["previous_item_id"] == committed["item_id"]
+        ws.send_json({"type": "response.create"})
+        events = _until(ws, "response.done")
+        kinds = [e["type"] for e in events]
+        assert kinds[:4] == ["response.created", "response.output_item.added", "conversation.item.added",
+                             "response.content_part.added"]  # fmt: skip
+        assert kinds[-6:] == ["response.output_audio.done", "response.output_audio_transcript.done",
+                              "response.content_part.done", "response.output_item.done", "conversation.item.done",
+                              "response.done"]  # fmt: skip
+        # the pieces in the order they came, each audio delta whole 16-bit samples
+        middle = [(e["type"], e["delta"]) for e in events[4:-6]]
+        assert middle == [("response.output_audio_transcript.delta", "Hel"),
+                          ("response.output_audio.delta", base64.b64encode(b"\x01\x02").decode()),
+                          ("response.output_audio_transcript.delta", "lo"),
+                          ("response.output_audio.delta", base64.b64encode(b"\x03\x04").decode())]  # fmt: skip
+        final = events[-1]["response"]
+        assert final["status"] == "completed" and final["output"][0]["content"] == [
+            {"type": "output_audio", "transcript": "Hello"}]
+        assert final["usage"]["input_tokens"] == 7 and final["usage"]["output_tokens"] == 5
+        assert final["usage"]["output_token_details"] == {"text_tokens": 2, "audio_tokens": 3}
+        assert len({e.get("event_id") for e in events}) == len(events)  # every event its own id
+        # the request: the instructions, the spoken turn at its rate, the typed one; the settings
+        (req,) = service.requests
+        assert [m.role for m in req.messages] == ["system", "user", "user"]
+        assert req.messages[0].content == "Be brief."
+        raw = req.messages[1].parts[0].audio.pcm
+        assert raw.sample_rate == 24_000
+        expected = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768
+        assert np.array_equal(np.frombuffer(raw.f32le, "<f4"), expected)
+        assert req.messages[2].parts[0].text == "What is it?"
+        assert req.want_audio and req.audio_format == gateway_pb2.AudioFormat.PCM16
+        assert req.speaker == "chelsie" and req.speed == pytest.approx(1.25)
+        assert req.sampling["thinker"].max_tokens == 9
+        assert not req.sampling["thinker"].do_sample and not req.sampling["talker"].do_sample  # temperature 0
+        assert req.request_id == final["id"] and service.closed == [req.request_id]
+        # the next response's request holds this reply's words as the assistant's turn
+        ws.send_json({"type": "response.create", "response": {"instructions": "Now in French.",
+                                                              "metadata": {"k": "v"}}})  # fmt: skip
+        second = _until(ws, "response.done")[-1]["response"]
+        assert second["metadata"] == {"k": "v"}
+        req2 = service.requests[1]
+        assert [m.role for m in req2.messages] == ["system", "user", "user", "assistant"]
+        assert req2.messages[0].content == "Now in French." and req2.messages[3].content == "Hello"
+
+
+def test_text_out_and_a_reply_cut_at_max_output_tokens(connect: Callable[..., Any]) -> None:
+    service = ScriptedService([_text("Hi"), _text(" there"), _final("length")])
+    with connect(service) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]}})
+        _until(ws, "conversation.item.done")
+        ws.send_json({"type": "response.create", "response": {"output_modalities": ["text"], "max_output_tokens": 2}})
+        events = _until(ws, "response.done")
+        assert [e["delta"] for e in events if e["type"] == "response.output_text.delta"] == ["Hi", " there"]
+        assert not any("audio" in e["type"] for e in events)
+        assert [e["text"] for e in events if e["type"] == "response.output_text.done"] == ["Hi there"]
+        final = events[-1]["response"]
+        assert final["status"] == "incomplete"
+        assert final["status_details"] == {"type": "incomplete", "reason": "max_output_tokens"}
+        assert final["output"][0]["content"] == [{"type": "output_text", "text": "Hi there"}]
+    (req,) = service.requests
+    assert not req.want_audio and req.sampling["thinker"].max_tokens == 2
+    assert not req.sampling["thinker"].HasField("do_sample") or req.sampling["thinker"].do_sample is False
+
+
+def test_a_text_only_stack_answers_in_text(connect: Callable[..., Any]) -> None:
+    service = ScriptedService([_text("ok"), _final()], audio=False)
+    with connect(service) as ws:
+        assert ws.receive_json()["session"]["output_modalities"] == ["text"]
+        ws.send_json({"type": "session.update", "session": {"output_modalities": ["audio"]}})
+        error = ws.receive_json()
+        assert error["type"] == "error" and error["error"]["param"] == "session.output_modalities"
+
+
+BAD_EVENTS = [
+    ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "server_vad"}}}}},
+     "session.audio.input.turn_detection", "unsupported_turn_detection"),
+    ({"type": "session.update", "session": {"audio": {"input": {"transcription": {"model": "whisper-1"}}}}},
+     "session.audio.input.transcription", None),
+    ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}},
+     "session.audio.input.format.type", None),
+    ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 4000}}}}},
+     "session.audio.input.format.rate", None),
+    ({"type": "session.update", "session": {"audio": {"output": {"format": {"type": "audio/pcm", "rate": 16000}}}}},
+     "session.audio.output.format.rate", None),
+    ({"type": "session.update", "session": {"audio": {"output": {"voice": "nobody"}}}},
+     "session.audio.output.voice", None),
+    ({"type": "session.update", "session": {"audio": {"output": {"speed": 3.0}}}}, "session.audio.output.speed", None),
+    ({"type": "session.update", "session": {"tools": [{"type": "function", "name": "f"}]}}, "session.tools", None),
+    ({"type": "session.update", "session": {"truncation": "auto"}}, "session.truncation", None),
+    ({"type": "session.update", "session": {"max_output_tokens": 5000}}, "session.max_output_tokens", None),
+    ({"type": "session.update", "session": {"output_modalities": ["text", "audio"]}},
+     "session.output_modalities", None),
+    ({"type": "session.update", "session": {"model": "gpt-realtime"}}, "session.model", "model_not_found"),
+    ({"type": "session.update", "session": {"colour": "blue"}}, "session.colour", None),
+    ({"type": "input_audio_buffer.append", "audio": "not base64!"}, "audio", None),
+    ({"type": "input_audio_buffer.commit"}, None, "input_audio_buffer_commit_empty"),
+    ({"type": "conversation.item.create", "item": {"type": "function_call", "name": "f"}}, "item.type", None),
+    ({"type": "conversation.item.create", "item": {"type": "message", "role": "system",
+                                                   "content": [{"type": "input_audio", "audio": ""}]}},
+     "item.content[0].type", None),
+    ({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+        {"type": "input_image", "image_url": "https://example.com/a.png"}]}}, "item.content[0].image_url", None),
+    ({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": []}},
+     "item.content", None),
+    ({"type": "conversation.item.create", "previous_item_id": "nope", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "x"}]}},
+     "previous_item_id", "item_not_found"),
+    ({"type": "conversation.item.delete", "item_id": "nope"}, "item_id", "item_not_found"),
+    ({"type": "response.create"}, None, "empty_conversation"),
+    ({"type": "response.create", "response": {"conversation": "none"}}, "response.conversation", None),
+    ({"type": "response.cancel"}, None, "response_cancel_not_active"),
+    ({"type": "transcription_session.update"}, "type", "invalid_event"),
+    ({"kind": "session.update"}, "type", "invalid_event"),
+]
+
+
+def test_a_refused_event_is_an_error_naming_it_and_the_session_goes_on(connect: Callable[..., Any]) -> None:
+    service = ScriptedService()
+    with connect(service) as ws:
+        ws.receive_json()
+        for i, (event, param, code) in enumerate(BAD_EVENTS):
+            ws.send_json({**event, "event_id": f"bad-{i}"})
+            got = ws.receive_json()
+            assert got["type"] == "error", (event, got)
+            error = got["error"]
+            assert error["event_id"] == f"bad-{i}" and error["type"] == "invalid_request_error", got
+            assert error["param"] == param and error["message"], (event, error)
+            if param:
+                assert error["message"].startswith(param) or param in error["message"], error
+            if code:
+                assert error["code"] == code, (event, error)
+        ws.send_text("{not json")
+        assert ws.receive_json()["error"]["code"] == "invalid_json"
+        ws.send_bytes(b"\x00\x01")
+        assert "text frames" in ws.receive_json()["error"]["message"]
+        # nothing refused changed the session
+        ws.send_json({"type": "session.update", "session": {}})
+        session = ws.receive_json()["session"]
+        assert session["audio"]["input"]["turn_detection"] is None and session["audio"]["output"]["speed"] == 1.0
+        assert session["audio"]["output"]["voice"] is None and session["max_output_tokens"] == "inf"
+    assert service.requests == []
+
+
+def test_items_are_placed_retrieved_and_deleted(connect: Callable[..., Any]) -> None:
+    service = ScriptedService()
+
+    def user(text: str, **item: Any) -> dict[str, Any]:
+        return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}], **item}
+
+    with connect(service) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "conversation.item.create", "item": user("second", id="b")})
+        _until(ws, "conversation.item.done")
+        ws.send_json({"type": "conversation.item.create", "previous_item_id": "root", "item": user("first", id="a")})
+        assert _until(ws, "conversation.item.done")[0]["previous_item_id"] is None
+        ws.send_json({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "assistant", "content": [{"type": "output_audio", "transcript": "said"}]}})
+        _until(ws, "conversation.item.done")
+        ws.send_json({"type": "conversation.item.create", "item": user("again", id="a")})
+        assert ws.receive_json()["error"]["param"] == "item.id"
+        ws.send_json({"type": "conversation.item.retrieve", "item_id": "a"})
+        got = ws.receive_json()
+        assert got["type"] == "conversation.item.retrieved"
+        assert got["item"]["content"] == [{"type": "input_text", "text": "first"}]
+        ws.send_json({"type": "conversation.item.delete", "item_id": "b"})
+        deleted = ws.receive_json()
+        assert (deleted["type"], deleted["item_id"]) == ("conversation.item.deleted", "b")
+        ws.send_json({"type": "response.create"})
+        _until(ws, "response.done")
+    (req,) = service.requests
+    assert [(m.role, m.parts[0].text if m.parts else m.content) for m in req.messages] == [
+        ("user", "first"), ("assistant", "said")]
+
+
+def test_a_cancelled_response_keeps_what_was_made_and_closes_its_request(connect: Callable[..., Any]) -> None:
+    service = ScriptedService([_text("Par"), HANG, _text("never"), _final()])
+    with connect(service) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk"}]}})
+        _until(ws, "conversation.item.done")
+        ws.send_json({"type": "response.create"})
+        _until(ws, "response.output_audio_transcript.delta")
+        ws.send_json({"type": "response.create"})  # one at a time
+        assert ws.receive_json()["error"]["code"] == "conversation_already_has_active_response"
+        ws.send_json({"type": "response.cancel"})
+        events = _until(ws, "response.done")
+        final = events[-1]["response"]
+        assert final["status"] == "cancelled" and final["status_details"]["type"] == "cancelled"
+        assert final["output"][0]["status"] == "incomplete"
+        assert final["output"][0]["content"] == [{"type": "output_audio", "transcript": "Par"}]
+        assert service.closed == [service.requests[0].request_id]
+        # the session takes the next response; its request holds the cut reply's words
+        service.script = REPLY
+        ws.send_json({"type": "response.create"})
+        assert _until(ws, "response.done")[-1]["response"]["status"] == "completed"
+        assert service.requests[1].messages[-1].content == "Par"
+
+
+def test_a_hang_up_cancels_the_response_being_made(connect: Callable[..., Any]) -> None:
+    service = ScriptedService([_text("Par"), HANG, _final()])
+    with connect(service) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk"}]}})
+        _until(ws, "conversation.item.done")
+        ws.send_json({"type": "response.create"})
+        _until(ws, "response.output_audio_transcript.delta")
+    deadline = time.monotonic() + 10
+    while not service.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service.closed == [service.requests[0].request_id]
+
+
+def test_a_failed_request_is_a_failed_response_and_the_session_goes_on(connect: Callable[..., Any]) -> None:
+    failure = GatewayError(grpc.StatusCode.INVALID_ARGUMENT, "prompt: 2000 tokens exceed max_model_len")
+    service = ScriptedService([failure])
+    with connect(service) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk"}]}})
+        _until(ws, "conversation.item.done")
+        ws.send_json({"type": "response.create"})
+        final = _until(ws, "response.done")[-1]["response"]
+        assert final["status"] == "failed"
+        assert final["status_details"]["error"]["message"].startswith("prompt: 2000 tokens")
+        assert final["status_details"]["error"]["type"] == "invalid_request_error"
+        service.script = REPLY
+        ws.send_json({"type": "response.create"})
+        assert _until(ws, "response.done")[-1]["response"]["status"] == "completed"
+
+
+def test_media_past_the_request_limit_is_refused(connect: Callable[..., Any]) -> None:
+    service = ScriptedService(max_request_bytes=64 * 1024)
+    with connect(service) as ws:
+        ws.receive_json()
+        piece = base64.b64encode(_pcm16(8000)).decode()  # 16 KB, held as 32 KB once committed
+        ws.send_json({"type": "input_audio_buffer.append", "audio": piece})
+        ws.send_json({"type": "input_audio_buffer.append", "audio": piece})
+        ws.send_json({"type": "input_audio_buffer.append", "audio": piece})
+        error = ws.receive_json()["error"]
+        assert error["code"] == "conversation_too_large" and "media.max_request_bytes" in error["message"]
+        ws.send_json({"type": "input_audio_buffer.clear"})
+        assert ws.receive_json()["type"] == "input_audio_buffer.cleared"
+        ws.send_json({"type": "input_audio_buffer.commit"})
+        assert ws.receive_json()["error"]["code"] == "input_audio_buffer_commit_empty"
+
+
+def test_the_key_and_the_model_are_checked_before_the_socket_opens(connect: Callable[..., Any]) -> None:
+    service = ScriptedService(api_key="k")
+    with pytest.raises(WebSocketDenialResponse) as denied, connect(service):
+        pass
+    assert denied.value.status_code == 401 and denied.value.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(WebSocketDenialResponse) as denied, connect(
+            service, "/v1/realtime?model=gpt-realtime", headers={"authorization": "Bearer k"}):
+        pass
+    assert denied.value.status_code == 404 and denied.value.json()["error"]["param"] == "model"
+    with connect(service, "/v1/realtime?model=tiny", headers={"authorization": "Bearer k"}) as ws:
+        assert ws.receive_json()["type"] == "session.created"
+    assert service.refusals == [("realtime", "UNAUTHENTICATED"), ("realtime", "NOT_FOUND")]
