@@ -95,8 +95,8 @@ from omnistage.quoting import quoted
 from omnistage.topology import STAGES
 from omnistage.v1 import gateway_pb2, stage_pb2
 
-__all__ = ["ChatCompletions", "apply_temperature", "from_gateway_error", "served_voices", "to_generate_request",
-           "unknown_model", "voice_speaker"]
+__all__ = ["ChatCompletions", "apply_temperature", "from_gateway_error", "lone_surrogate", "served_voices",
+           "to_generate_request", "unknown_model", "voice_speaker"]
 
 log = logging.getLogger(__name__)
 
@@ -763,7 +763,7 @@ def _path(parts: tuple[str | int, ...]) -> str:
     return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).removeprefix(".") or "body"
 
 
-def _lone_surrogate(raw: bytes, data: Any) -> str | None:
+def lone_surrogate(raw: bytes, data: Any) -> str | None:
     """The path of a string (or key) in the parsed body that is not Unicode text, else None.
     JSON lets a string hold half of a UTF-16 pair; Python keeps it, and protobuf, which takes
     only UTF-8, would fail on it far from the field."""
@@ -790,7 +790,7 @@ def _parse_body(raw: bytes, model: type[BodyT]) -> BodyT:
         data = json.loads(raw)
     except (ValueError, RecursionError) as e:  # not JSON, a 5000-digit number, nesting past the stack
         raise HttpError(400, f"body: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
-    if (where := _lone_surrogate(raw, data)) is not None:
+    if (where := lone_surrogate(raw, data)) is not None:
         raise HttpError(400, f"{where}: not valid Unicode (a lone UTF-16 surrogate)", param=where)
     try:
         return model.model_validate(data)

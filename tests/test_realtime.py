@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from starlette.applications import Starlette
 from starlette.testclient import TestClient, WebSocketDenialResponse
+from starlette.websockets import WebSocketDisconnect
 
 from gateway.realtime import realtime_route
 from gateway.server import GatewayError
@@ -55,6 +56,7 @@ class ScriptedService:
         self.requests: list[gateway_pb2.GenerateRequest] = []
         self.closed: list[str] = []
         self.refusals: list[tuple[str, str]] = []
+        self.stall_after: int | None = None  # deliver's sends before the client stops taking them
 
     def check_api_key(self, authorization: str | None) -> bool:
         return not self.api_key or authorization == f"Bearer {self.api_key}"
@@ -78,6 +80,11 @@ class ScriptedService:
             self.closed.append(req.request_id)
 
     async def deliver(self, write: Any, replies: Any, request_id: str) -> None:
+        if self.stall_after is not None and self.stall_after <= 0:  # as GatewayService.deliver at its stall timeout
+            write.close()
+            raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, "gateway: the client took nothing more")
+        if self.stall_after is not None:
+            self.stall_after -= 1
         await write
 
 
@@ -87,12 +94,13 @@ def connect() -> Iterator[Callable[..., Any]]:
 
     def open_(service: ScriptedService, path: str = "/v1/realtime", **kw: Any) -> Any:
         client = TestClient(Starlette(routes=[realtime_route(service)]))  # type: ignore[arg-type]
+        client.__enter__()  # one event loop for the test: the app's tasks outlive a socket closed in it
         clients.append(client)
         return client.websocket_connect(path, **kw)
 
     yield open_
     for c in clients:
-        c.close()
+        c.__exit__(None, None, None)
 
 
 def _until(ws: Any, kind: str, limit: int = 200) -> list[dict[str, Any]]:
@@ -244,6 +252,11 @@ BAD_EVENTS = [
         {"type": "input_image", "image_url": "https://example.com/a.png"}]}}, "item.content[0].image_url", None),
     ({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": []}},
      "item.content", None),
+    ({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": 5}]}}, "item.content[0].text", None),
+    ({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "half a pair: \ud800"}]}}, "item.content[0].text", None),
+    ({"type": "session.update", "session": {"instructions": "\udfff"}}, "session.instructions", None),
     ({"type": "conversation.item.create", "previous_item_id": "nope", "item": {
         "type": "message", "role": "user", "content": [{"type": "input_text", "text": "x"}]}},
      "previous_item_id", "item_not_found"),
@@ -348,6 +361,31 @@ def test_a_hang_up_cancels_the_response_being_made(connect: Callable[..., Any]) 
         _until(ws, "conversation.item.done")
         ws.send_json({"type": "response.create"})
         _until(ws, "response.output_audio_transcript.delta")
+    # (the app's event loop runs on: only the hang-up can have closed the request)
+    deadline = time.monotonic() + 10
+    while not service.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert service.closed == [service.requests[0].request_id]
+
+
+def test_a_client_that_stops_reading_loses_its_response_and_its_socket(connect: Callable[..., Any]) -> None:
+    """output_stall_timeout_s without a taken event (GatewayService.deliver fails the request):
+    the socket is closed (1008), the request closed, and the conversation keeps the words sent."""
+    service = ScriptedService([_text("Par"), _text("tial"), HANG, _final()])
+    service.stall_after = 1
+    with connect(service) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk"}]}})
+        _until(ws, "conversation.item.done")
+        ws.send_json({"type": "response.create"})
+        events = []
+        with pytest.raises(WebSocketDisconnect) as closed:
+            while True:
+                events.append(ws.receive_json())
+        assert closed.value.code == 1008
+        assert [e["delta"] for e in events if e["type"].endswith(".delta")] == ["Par"]
+        assert not any(e["type"] == "response.done" for e in events)
     deadline = time.monotonic() + 10
     while not service.closed and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -399,4 +437,42 @@ def test_the_key_and_the_model_are_checked_before_the_socket_opens(connect: Call
     assert denied.value.status_code == 404 and denied.value.json()["error"]["param"] == "model"
     with connect(service, "/v1/realtime?model=tiny", headers={"authorization": "Bearer k"}) as ws:
         assert ws.receive_json()["type"] == "session.created"
-    assert service.refusals == [("realtime", "UNAUTHENTICATED"), ("realtime", "NOT_FOUND")]
+    # a browser page's socket: its own server's origin, or one the deploy config lets in
+    with pytest.raises(WebSocketDenialResponse) as denied, connect(
+            service, headers={"authorization": "Bearer k", "origin": "https://elsewhere.example"}):
+        pass
+    assert denied.value.status_code == 403 and denied.value.json()["error"]["code"] == "origin_not_allowed"
+    with connect(service, headers={"authorization": "Bearer k", "origin": "http://testserver"}) as ws:
+        assert ws.receive_json()["type"] == "session.created"
+    service.cfg.gateway.cors_allow_origins = ["https://app.example"]
+    with connect(service, headers={"authorization": "Bearer k", "origin": "https://app.example"}) as ws:
+        assert ws.receive_json()["type"] == "session.created"
+    assert service.refusals == [("realtime", "UNAUTHENTICATED"), ("realtime", "NOT_FOUND"),
+                                ("realtime", "PERMISSION_DENIED")]  # fmt: skip
+
+
+def test_a_conversation_is_bounded_in_items_and_deleting_makes_room(
+        connect: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    import gateway.realtime as realtime
+
+    monkeypatch.setattr(realtime, "MAX_ITEMS", 2)
+    item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "x" * 1000}]}
+    with connect(ScriptedService(max_request_bytes=64 * 1024)) as ws:
+        ws.receive_json()
+        for name in ("a", "b"):
+            ws.send_json({"type": "conversation.item.create", "item": {**item, "id": name}})
+            _until(ws, "conversation.item.done")
+        ws.send_json({"type": "conversation.item.create", "item": {**item, "id": "c"}})
+        assert ws.receive_json()["error"]["code"] == "conversation_too_large"
+        ws.send_json({"type": "response.create"})  # (its reply would be a third item)
+        assert ws.receive_json()["error"]["code"] == "conversation_too_large"
+        ws.send_json({"type": "conversation.item.delete", "item_id": "a"})
+        assert ws.receive_json()["type"] == "conversation.item.deleted"
+        ws.send_json({"type": "conversation.item.create", "item": {**item, "id": "c"}})
+        assert _until(ws, "conversation.item.done")[-1]["item"]["id"] == "c"
+        # text counts towards the bound too
+        ws.send_json({"type": "conversation.item.delete", "item_id": "b"})
+        ws.receive_json()
+        ws.send_json({"type": "conversation.item.create", "item": {**item, "content": [
+            {"type": "input_text", "text": "y" * 70_000}]}})
+        assert ws.receive_json()["error"]["code"] == "conversation_too_large"

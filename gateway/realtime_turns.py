@@ -1,0 +1,379 @@
+"""What a Realtime client sends (gateway/realtime.py), checked, and a response's gateway request:
+the session's settings, the conversation's items as chat turns. A field this server cannot honour
+is a RealtimeError naming it, never ignored."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, TypeVar
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gateway.http_api import apply_temperature, voice_speaker
+from gateway.http_error import HttpError
+from omnistage.v1 import gateway_pb2, stage_pb2
+
+__all__ = [
+    "MAX_ITEMS",
+    "AudioConfig",
+    "Item",
+    "MessageItem",
+    "RealtimeError",
+    "ResponseBody",
+    "SessionBody",
+    "Settings",
+    "b64",
+    "parse",
+    "pcm_part",
+    "session_only",
+    "to_generate_request",
+    "to_item",
+]
+
+MIN_INPUT_RATE, MAX_INPUT_RATE = 8_000, 192_000
+MAX_ITEMS = 4096  # a conversation's items (each goes into every request of it)
+ITEM_BYTES = 256  # what an item counts towards media.max_request_bytes besides its text and media
+MAX_OUTPUT_TOKENS = 4096  # OpenAI's bound on `max_output_tokens`
+SPEED_RANGE = (0.25, 1.5)  # OpenAI's Realtime `audio.output.speed`
+
+
+class RealtimeError(Exception):
+    """A client event refused: sent as an `error` event; the session goes on."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+# ---- what a client may send ---------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PcmFormat(_Strict):
+    type: Literal["audio/pcm"]
+    rate: int | None = None
+
+
+class InputAudioConfig(_Strict):
+    format: PcmFormat | None = None
+    transcription: Any = None
+    noise_reduction: Any = None
+    turn_detection: Any = None
+
+
+class OutputAudioConfig(_Strict):
+    format: PcmFormat | None = None
+    voice: str | None = None
+    speed: float | None = None
+
+
+class AudioConfig(_Strict):
+    input: InputAudioConfig | None = None
+    output: OutputAudioConfig | None = None
+
+
+class ResponseAudioConfig(_Strict):
+    output: OutputAudioConfig | None = None
+
+
+MaxTokens = Annotated[int, Field(ge=1, le=MAX_OUTPUT_TOKENS)] | Literal["inf"]
+Modalities = Annotated[list[Literal["audio", "text"]], Field(min_length=1, max_length=1)]
+
+
+class _Common(_Strict):
+    """Fields a session and a response share; those with no counterpart here must be unset."""
+
+    instructions: str | None = None
+    output_modalities: Modalities | None = None
+    max_output_tokens: MaxTokens | None = None
+    temperature: float | None = Field(None, ge=0, le=2)  # (the Realtime API's beta field; 0: deterministic)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    prompt: Any = None
+
+
+class SessionBody(_Common):
+    type: Literal["realtime"] | None = None  # ("transcription" sessions: no)
+    model: str | None = None
+    audio: AudioConfig | None = None
+    include: list[Any] | None = None
+    tracing: Any = None  # (OpenAI's dashboard: nothing is traced here)
+    truncation: Any = None
+    parallel_tool_calls: bool | None = None
+    reasoning: Any = None
+
+
+class ResponseBody(_Common):
+    conversation: str | None = None
+    input: Any = None
+    audio: ResponseAudioConfig | None = None
+    metadata: dict[str, str] | None = None
+
+
+class InputTextPart(_Strict):
+    type: Literal["input_text"]
+    text: str
+
+
+class InputAudioPart(_Strict):
+    type: Literal["input_audio"]
+    audio: str
+    transcript: str | None = None
+
+
+class InputImagePart(_Strict):
+    type: Literal["input_image"]
+    image_url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class OutputTextPart(_Strict):
+    type: Literal["output_text", "text"]
+    text: str
+
+
+class OutputAudioPart(_Strict):
+    type: Literal["output_audio", "audio"]
+    transcript: str
+    audio: str | None = None
+
+
+Part = Annotated[InputTextPart | InputAudioPart | InputImagePart | OutputTextPart | OutputAudioPart,
+                 Field(discriminator="type")]  # fmt: skip
+_PART_TYPES = frozenset(("input_text", "input_audio", "input_image", "output_text", "text", "output_audio", "audio"))
+ROLE_PARTS = {"user": ("input_text", "input_audio", "input_image"), "system": ("input_text",),
+              "assistant": ("output_text", "text", "output_audio", "audio")}  # fmt: skip
+
+
+class MessageItem(_Strict):
+    id: str | None = Field(None, min_length=1, max_length=64)
+    type: Literal["message"]
+    object: Literal["realtime.item"] | None = None
+    role: Literal["user", "system", "assistant"]
+    status: str | None = None
+    content: Annotated[list[Part], Field(min_length=1)]
+
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def _where(loc: tuple[Any, ...], prefix: str) -> str:
+    """A pydantic error location as the event's field path, without the tags pydantic adds for
+    a union's branch (`content[0].input_text.text` is `content[0].text`)."""
+    out = prefix
+    for i, item in enumerate(loc):
+        if isinstance(item, int):
+            out += f"[{item}]"
+        elif i and isinstance(loc[i - 1], int) and item in _PART_TYPES:
+            continue  # a content part's tag
+        elif str(item).isidentifier() and item not in ("str", "int", "list"):
+            out += f".{item}"
+    return out
+
+
+def parse(model: type[ModelT], data: Any, prefix: str) -> ModelT:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = max(e.errors(), key=lambda x: len(x["loc"]))
+        where = _where(err["loc"], prefix)
+        raise RealtimeError(f"{where}: {err['msg']}", where) from None
+
+
+# ---- the session's state ------------------------------------------------------------------------
+
+
+@dataclass
+class Settings:
+    """What a response is made with: the session's settings, or one response's own."""
+
+    instructions: str = ""
+    modality: str = "audio"  # "audio": speech and its transcript; "text"
+    max_output_tokens: int | None = None  # None: "inf", the model's own limit
+    voice: str = ""  # as the client named it ("": the checkpoint's default speaker)
+    speaker: str = ""
+    speed: float = 1.0
+    input_rate: int = 24_000
+    temperature: float | None = None  # None: the checkpoint's sampling
+
+    def merged(self, body: _Common, voices: list[str], prefix: str, output: OutputAudioConfig | None,
+               sample_rate: int) -> Settings:  # fmt: skip
+        """These settings with `body`'s (None: unchanged); RealtimeError names a field it cannot honour."""
+        _unsupported(body, prefix)
+        out = Settings(**self.__dict__)
+        if body.instructions is not None:
+            out.instructions = body.instructions
+        if body.output_modalities is not None:
+            out.modality = body.output_modalities[0]
+            if out.modality == "audio" and not voices:
+                raise RealtimeError(f"{prefix}.output_modalities: this stack serves text only (no talker); "
+                                    "ask for [\"text\"]", f"{prefix}.output_modalities")  # fmt: skip
+        if body.max_output_tokens is not None:
+            out.max_output_tokens = None if body.max_output_tokens == "inf" else body.max_output_tokens
+        if body.temperature is not None:
+            out.temperature = body.temperature
+        if output is not None:
+            where = f"{prefix}.audio.output"
+            if output.format is not None and output.format.rate not in (None, sample_rate):
+                raise RealtimeError(f"{where}.format.rate: this model speaks at {sample_rate} Hz",
+                                    f"{where}.format.rate")  # fmt: skip
+            if output.voice is not None:
+                try:
+                    out.speaker = voice_speaker(output.voice, voices, f"{where}.voice")
+                except HttpError as e:
+                    raise RealtimeError(e.message, e.param) from None
+                out.voice = output.voice
+            if output.speed is not None:
+                if not SPEED_RANGE[0] <= output.speed <= SPEED_RANGE[1]:
+                    raise RealtimeError(f"{where}.speed: {output.speed} is not within {SPEED_RANGE[0]} to "
+                                        f"{SPEED_RANGE[1]}", f"{where}.speed")  # fmt: skip
+                out.speed = output.speed
+        return out
+
+    def session_fields(self, sample_rate: int) -> dict[str, Any]:
+        return ({"temperature": self.temperature} if self.temperature is not None else {}) | {
+            "instructions": self.instructions, "output_modalities": [self.modality],
+            "max_output_tokens": "inf" if self.max_output_tokens is None else self.max_output_tokens,
+            "audio": {
+                "input": {"format": {"type": "audio/pcm", "rate": self.input_rate}, "transcription": None,
+                          "noise_reduction": None, "turn_detection": None},
+                "output": {"format": {"type": "audio/pcm", "rate": sample_rate}, "voice": self.voice or None,
+                           "speed": self.speed},
+            },
+        }  # fmt: skip
+
+
+def _unsupported(body: _Common, prefix: str) -> None:
+    if body.tools:
+        raise RealtimeError(f"{prefix}.tools: this server calls no tools", f"{prefix}.tools")
+    if body.tool_choice not in (None, "auto", "none"):
+        raise RealtimeError(f"{prefix}.tool_choice: this server calls no tools (auto or none)", f"{prefix}.tool_choice")
+    if body.prompt is not None:
+        raise RealtimeError(f"{prefix}.prompt: no stored prompts here; send the instructions", f"{prefix}.prompt")
+
+
+def session_only(body: SessionBody) -> None:
+    """The session fields with no counterpart here: refused unless unset (or what they already are)."""
+    audio_in = body.audio.input if body.audio is not None else None
+    if audio_in is not None:
+        where = "session.audio.input"
+        if audio_in.turn_detection is not None:
+            raise RealtimeError(f"{where}.turn_detection: this server does not detect the end of a turn; set it "
+                                "null, then commit the input audio buffer and send response.create",
+                                f"{where}.turn_detection", "unsupported_turn_detection")  # fmt: skip
+        if audio_in.transcription is not None:
+            raise RealtimeError(f"{where}.transcription: input audio is not transcribed here (null); "
+                                "/v1/audio/transcriptions does it", f"{where}.transcription")  # fmt: skip
+        if audio_in.noise_reduction is not None:
+            raise RealtimeError(f"{where}.noise_reduction: no noise reduction here (null)",
+                                f"{where}.noise_reduction")  # fmt: skip
+    if body.include:
+        raise RealtimeError("session.include: no input transcription logprobs here", "session.include")
+    if body.truncation not in (None, "disabled"):
+        raise RealtimeError("session.truncation: a conversation is never truncated here (disabled): one over "
+                            "the model's length fails its response; delete items instead",
+                            "session.truncation")  # fmt: skip
+    if body.reasoning is not None:
+        raise RealtimeError("session.reasoning: not configurable here", "session.reasoning")
+
+
+@dataclass
+class Item:
+    """A conversation item: its chat turn, and what events say of it."""
+
+    id: str
+    role: str
+    parts: list[gateway_pb2.ContentPart] = field(default_factory=list)  # user and system turns
+    text: str = ""  # an assistant turn's words
+    content: list[dict[str, Any]] = field(default_factory=list)  # as events show it (no audio data)
+    status: str = "completed"
+    nbytes: int = 0  # what it counts towards the conversation's bound (media.max_request_bytes)
+
+    def event(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role,
+                "status": self.status, "content": self.content}  # fmt: skip
+
+    def message(self) -> gateway_pb2.ChatMessage:
+        if self.role == "assistant":
+            return gateway_pb2.ChatMessage(role="assistant", content=self.text)
+        return gateway_pb2.ChatMessage(role=self.role, parts=self.parts)
+
+
+def b64(data: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise RealtimeError(f"{where}: not valid base64", where) from None
+
+
+def pcm_part(pcm16: bytes, rate: int, where: str) -> gateway_pb2.ContentPart:
+    if len(pcm16) % 2:
+        raise RealtimeError(f"{where}: audio/pcm needs whole 16-bit samples", where)
+    f32 = (np.frombuffer(pcm16, "<i2").astype(np.float32) / 32768).astype("<f4").tobytes()
+    return gateway_pb2.ContentPart(audio=gateway_pb2.AudioPart(pcm=gateway_pb2.RawAudio(f32le=f32, sample_rate=rate)))
+
+
+def _image_part(url: str, where: str) -> gateway_pb2.ContentPart:
+    head, sep, data = url.partition(",")
+    if not (sep and head.startswith("data:") and head.endswith(";base64")):
+        raise RealtimeError(f"{where}: a data URL (data:image/...;base64,...) is taken; nothing is fetched", where)
+    return gateway_pb2.ContentPart(image=gateway_pb2.ImagePart(file=b64(data, where)))
+
+
+def to_item(body: MessageItem, item_id: str, input_rate: int, prefix: str = "item") -> Item:
+    """A client's message item as a conversation item (RealtimeError naming a part it cannot be)."""
+    item = Item(item_id, body.role)
+    words: list[str] = []
+    for j, part in enumerate(body.content):
+        where = f"{prefix}.content[{j}]"
+        if part.type not in ROLE_PARTS[body.role]:
+            raise RealtimeError(f"{where}.type: a {body.role} message takes {', '.join(ROLE_PARTS[body.role])}",
+                                f"{where}.type")  # fmt: skip
+        if isinstance(part, InputTextPart):
+            item.parts.append(gateway_pb2.ContentPart(text=part.text))
+            item.content.append({"type": "input_text", "text": part.text})
+        elif isinstance(part, InputAudioPart):
+            item.parts.append(pcm_part(b64(part.audio, f"{where}.audio"), input_rate, f"{where}.audio"))
+            item.content.append({"type": "input_audio", "transcript": part.transcript})
+        elif isinstance(part, InputImagePart):
+            item.parts.append(_image_part(part.image_url, f"{where}.image_url"))
+            item.content.append({"type": "input_image"})
+        elif isinstance(part, OutputTextPart):
+            words.append(part.text)
+            item.content.append({"type": "output_text", "text": part.text})
+        else:
+            words.append(part.transcript)
+            item.content.append({"type": "output_audio", "transcript": part.transcript})
+    item.text = "".join(words)
+    item.nbytes = ITEM_BYTES + len(item.text.encode()) + sum(
+        len(p.text.encode()) + len(p.audio.pcm.f32le) + len(p.image.file) for p in item.parts)
+    return item
+
+
+def to_generate_request(items: list[Item], settings: Settings) -> gateway_pb2.GenerateRequest:
+    """One response's request: the conversation's turns, under the settings' instructions."""
+    if not any(i.role != "assistant" for i in items) and not settings.instructions:
+        raise RealtimeError("response.create: the conversation is empty; commit input audio or create an item "
+                            "first", code="empty_conversation")  # fmt: skip
+    audio = settings.modality == "audio"
+    req = gateway_pb2.GenerateRequest(want_audio=audio, audio_format=gateway_pb2.AudioFormat.PCM16)
+    if audio:
+        req.speaker = settings.speaker
+        if settings.speed != 1.0:
+            req.speed = settings.speed
+    if settings.instructions:
+        req.messages.append(gateway_pb2.ChatMessage(role="system", content=settings.instructions))
+    req.messages.extend(i.message() for i in items)
+    thinker = stage_pb2.SamplingParams()
+    if settings.max_output_tokens is not None:
+        thinker.max_tokens = settings.max_output_tokens
+    if settings.temperature is not None:
+        apply_temperature(req, thinker, settings.temperature, seeded=False)
+    req.sampling["thinker"].CopyFrom(thinker)
+    return req
