@@ -113,6 +113,13 @@ def _until(ws: Any, kind: str, limit: int = 200) -> list[dict[str, Any]]:
     raise AssertionError(f"no {kind} in {[e['type'] for e in events]}")
 
 
+def _say(ws: Any, text: str) -> None:
+    """A typed user turn, added."""
+    ws.send_json({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}})
+    _until(ws, "conversation.item.done")
+
+
 def _pcm16(n: int, rate: int = 24_000) -> bytes:
     t = np.arange(n) / rate
     return (0.25 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2").tobytes()
@@ -331,9 +338,7 @@ def test_a_cancelled_response_keeps_what_was_made_and_closes_its_request(connect
     service = ScriptedService([_text("Par"), HANG, _text("never"), _final()])
     with connect(service) as ws:
         ws.receive_json()
-        ws.send_json({"type": "conversation.item.create", "item": {
-            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk"}]}})
-        _until(ws, "conversation.item.done")
+        _say(ws, "Talk")
         ws.send_json({"type": "response.create"})
         _until(ws, "response.output_audio_transcript.delta")
         ws.send_json({"type": "response.create"})  # one at a time
@@ -356,9 +361,7 @@ def test_a_hang_up_cancels_the_response_being_made(connect: Callable[..., Any]) 
     service = ScriptedService([_text("Par"), HANG, _final()])
     with connect(service) as ws:
         ws.receive_json()
-        ws.send_json({"type": "conversation.item.create", "item": {
-            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk"}]}})
-        _until(ws, "conversation.item.done")
+        _say(ws, "Talk")
         ws.send_json({"type": "response.create"})
         _until(ws, "response.output_audio_transcript.delta")
     # (the app's event loop runs on: only the hang-up can have closed the request)
@@ -375,9 +378,7 @@ def test_a_client_that_stops_reading_loses_its_response_and_its_socket(connect: 
     service.stall_after = 1
     with connect(service) as ws:
         ws.receive_json()
-        ws.send_json({"type": "conversation.item.create", "item": {
-            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk"}]}})
-        _until(ws, "conversation.item.done")
+        _say(ws, "Talk")
         ws.send_json({"type": "response.create"})
         events = []
         with pytest.raises(WebSocketDisconnect) as closed:
@@ -397,9 +398,7 @@ def test_a_failed_request_is_a_failed_response_and_the_session_goes_on(connect: 
     service = ScriptedService([failure])
     with connect(service) as ws:
         ws.receive_json()
-        ws.send_json({"type": "conversation.item.create", "item": {
-            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk"}]}})
-        _until(ws, "conversation.item.done")
+        _say(ws, "Talk")
         ws.send_json({"type": "response.create"})
         final = _until(ws, "response.done")[-1]["response"]
         assert final["status"] == "failed"
