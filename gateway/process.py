@@ -27,7 +27,10 @@ __all__ = ["run_gateway"]
 def _http_socket(host: str, port: int) -> socket.socket:
     """The HTTP port, bound exclusively (no SO_REUSEPORT), or PortTaken naming it."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say TCP (an accepted one
+    # takes the listener's proto; with 0, Nagle held each small event behind the last one's
+    # delayed ACK: 40 ms between a WebSocket's first events, and at the end of an SSE stream)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # not SO_REUSEPORT: a second bind fails
     try:
         sock.bind((host, port))

@@ -1496,3 +1496,34 @@ def test_tempo_changes_the_speed_as_it_streams_and_keeps_the_pitch(speed: float)
     assert abs(small.size - np.concatenate([whole.push(tone[:9600]), whole.finish()]).size) <= 1
     with pytest.raises(ValueError, match="outside"):
         Tempo(4.5, rate)
+
+
+def test_the_http_port_sends_small_writes_at_once() -> None:
+    """The HTTP port's connections have TCP_NODELAY: asyncio sets it only on a socket whose proto
+    says TCP, which an accepted one takes from the listener. Without it Nagle held each small
+    event (an SSE delta, a WebSocket event) behind the delayed ACK of the one before: measured,
+    44 ms between the Realtime API's first events."""
+    import socket
+
+    from gateway.process import _http_socket
+
+    listener = _http_socket("127.0.0.1", 0)
+    seen: list[int] = []
+
+    async def go() -> None:
+        async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            seen.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(accepted, sock=listener)
+        port = listener.getsockname()[1]
+        async with server:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            for _ in range(500):
+                if seen:
+                    break
+                await asyncio.sleep(0.01)
+            writer.close()
+
+    asyncio.run(go())
+    assert seen and seen[0] != 0
