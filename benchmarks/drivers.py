@@ -9,6 +9,8 @@ Every driver turns a ``BenchRequest`` into a list of ``StreamEvent``s stamped wi
 * ``MonolithicDriver``: transformers' monolithic ``generate()`` of the checkpoint's family; it
   does not stream, so text and audio are both seen when it returns.
 * ``GrpcDriver``: a thin adapter over ``gateway.client.stream_generate``.
+* ``HttpDriver``, ``RealtimeDriver``: the HTTP front door's streamed chat completions, and its
+  Realtime WebSocket.
 
 The in-process drivers are synchronous and run in one worker thread of their own, so several
 outstanding requests queue for it as they would for a one-engine server without batching.
@@ -55,7 +57,7 @@ class BenchRequest:
     prompt_index: int
     prompt: str
     thinker_max_tokens: int
-    talker_max_tokens: int
+    talker_max_tokens: int | None  # None: the stack's default (the Realtime API cannot set it)
     want_audio: bool = True
     mode: str | None = None  # "async_chunk" | "full_payload" (gRPC: per request)
     talker_seed: int | None = None  # set: the talker samples (its own defaults) with this seed; None: greedy
@@ -316,7 +318,8 @@ class HttpDriver(Driver):
                                 "stream_options": {"include_usage": True},
                                 "modalities": ["text", "audio"] if req.want_audio else ["text"],
                                 "audio": {"format": "pcm16"}}  # fmt: skip
-        if req.want_audio:  # the talker's limit, as vLLM-Omni's clients send a stage's own (the gRPC driver's)
+        if req.want_audio and req.talker_max_tokens is not None:
+            # the talker's limit, as vLLM-Omni's clients send a stage's own (the gRPC driver's)
             body["sampling_params_list"] = [{}, {"max_tokens": req.talker_max_tokens}]
         return body
 
@@ -360,6 +363,100 @@ class HttpDriver(Driver):
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+
+
+class RealtimeDriver(HttpDriver):
+    """A running stack's Realtime WebSocket (`/v1/realtime`): each request is a typed turn and a
+    response (temperature 0, `max_output_tokens` the thinker's limit, the talker's the stack's
+    default: the API has no field for it) on an open session taken from a pool, as a voice client
+    keeps its socket open; the turn and the reply are deleted after, so every request is a
+    conversation's first. A session is opened when none is idle (the first request of each
+    concurrent client: its handshake counts in that request's times)."""
+
+    name = "realtime"
+
+    def __init__(self, address: str, timeout: float | None = None, access: Access | None = None) -> None:
+        super().__init__(address, timeout, access)
+        self.ws_url = self.url.replace("/chat/completions", "/realtime").replace("http", "ws", 1)
+        self._idle: list[Any] = []
+
+    async def _session(self, req: BenchRequest) -> Any:
+        if self._idle:
+            return self._idle.pop()
+        import ssl
+
+        from websockets.asyncio.client import connect
+
+        options: dict[str, Any] = {"max_size": None, "open_timeout": self.timeout}
+        if self.access.secure:
+            options["ssl"] = (ssl.create_default_context(cadata=self.access.tls_ca.decode())
+                              if self.access.tls_ca is not None else ssl.create_default_context())  # fmt: skip
+            if self.access.server_name:
+                options["server_hostname"] = self.access.server_name
+        if self.access.api_key:
+            options["additional_headers"] = {"authorization": f"Bearer {self.access.api_key}"}
+        ws = await connect(self.ws_url, **options)
+        await self._expect(ws, "session.created")
+        return ws
+
+    @staticmethod
+    async def _expect(ws: Any, kind: str) -> dict[str, Any]:
+        import json
+
+        event = json.loads(await ws.recv())
+        if event["type"] != kind:
+            raise RuntimeError(f"expected {kind}, got {str(event)[:300]}")
+        return event  # type: ignore[no-any-return]
+
+    async def run(self, req: BenchRequest) -> list[StreamEvent]:
+        import base64
+        import json
+
+        ws = await self._session(req)
+        session = {"temperature": 0, "max_output_tokens": req.thinker_max_tokens,
+                   "output_modalities": ["audio" if req.want_audio else "text"]}  # fmt: skip
+        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": req.prompt}]}
+        for event in ({"type": "session.update", "session": session},
+                      {"type": "conversation.item.create", "item": item},
+                      {"type": "response.create"}):  # (sent at once: the server takes them in order)
+            await ws.send(json.dumps(event))
+        events: list[StreamEvent] = []
+        ids: list[str] = []
+        while True:
+            event = json.loads(await ws.recv())
+            now = time.perf_counter()
+            kind = event["type"]
+            if kind == "error":
+                await ws.close()
+                raise RuntimeError(event["error"]["message"])
+            if kind == "conversation.item.added":
+                ids.append(event["item"]["id"])
+            elif kind in ("response.output_audio_transcript.delta", "response.output_text.delta"):
+                events.append(StreamEvent("text", now, token_ids=(0,)))  # ids are not in the API
+            elif kind == "response.output_audio.delta":
+                n = len(base64.b64decode(event["delta"])) // 2
+                events.append(StreamEvent("audio", now, samples=n, sample_rate=24000))
+            elif kind == "response.done":
+                response = event["response"]
+                if response["status"] not in ("completed", "incomplete"):
+                    await ws.close()
+                    raise RuntimeError(f"response {response['status']}: {response.get('status_details')}")
+                details = (response.get("usage") or {}).get("output_token_details") or {}
+                info = {"text_tokens": details["text_tokens"]} if isinstance(details.get("text_tokens"), int) else {}
+                events.append(StreamEvent("final", now, info=info))
+                break
+        for item_id in ids:  # (after the reply: not in its times)
+            await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": item_id}))
+        for _ in ids:
+            await self._expect(ws, "conversation.item.deleted")
+        self._idle.append(ws)
+        return events
+
+    async def aclose(self) -> None:
+        for ws in self._idle:
+            await ws.close()
+        self._idle.clear()
+        await super().aclose()
 
 
 def build_record(

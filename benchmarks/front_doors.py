@@ -1,11 +1,14 @@
-"""`omnistage bench --http`: the OpenAI-compatible HTTP front door (streamed SSE) against the gRPC
-front door of the same gateway, same run, same requests.
+"""`omnistage bench --http` (`--realtime`): the OpenAI-compatible HTTP front door's streamed chat
+completions (SSE) (its Realtime WebSocket) against the gRPC front door of the same gateway, same
+run, same requests.
 
-Both ask for the same work: greedy text and speech (HTTP `temperature: 0`; gRPC the same
-sampling), text and audio out (HTTP pcm16 in base64 SSE events; gRPC float32 chunks). At each
+Both ask for the same work: greedy text and speech (`temperature: 0`; gRPC the same sampling),
+text and audio out (pcm16 in base64 events; gRPC float32 chunks). The Realtime API cannot set the
+talker's limit: with `--realtime` neither door sets it (the stack's default). At each
 `--concurrency` level (default 1 and 8) the two run the same request list one after the other,
 in alternating order per level (gRPC first at odd levels) so drift on a shared machine hits both;
-the ratios are HTTP over gRPC of the median TTFT, TTFA and E2E over the requests both ran.
+the ratios are HTTP (Realtime) over gRPC of the median TTFT, TTFA and E2E over the requests both
+ran.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import time
 from typing import Any
 
 from benchmarks.common import machine_info
-from benchmarks.drivers import BenchRequest, GrpcDriver, HttpDriver
+from benchmarks.drivers import BenchRequest, GrpcDriver, HttpDriver, RealtimeDriver
 from benchmarks.harness import (
     BenchOptions,
     Run,
@@ -40,19 +43,22 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
     levels = opts.concurrency  # the CLI's default here: 1 and 8
     prompts = load_prompts(opts.prompts)
     order = request_sequence(len(prompts), opts.num_requests, opts.seed)
-    requests = [BenchRequest(i, p, prompts[p], opts.thinker_max_tokens, opts.talker_max_tokens)
+    door_name = "realtime" if opts.realtime else "http"
+    talker_limit = None if opts.realtime else opts.talker_max_tokens
+    requests = [BenchRequest(i, p, prompts[p], opts.thinker_max_tokens, talker_limit)
                 for i, p in enumerate(order)]  # fmt: skip
     run = Run(opts, requests, requests)
     rows: list[dict[str, Any]] = []
 
     async def go(grpc_addr: str, http_addr: str, cfg: Any) -> None:
         door = access(opts, cfg)
+        front = (RealtimeDriver if opts.realtime else HttpDriver)(http_addr, timeout=opts.request_timeout, access=door)
         drivers = {"grpc": GrpcDriver(grpc_addr, timeout=opts.request_timeout, openai_greedy=True, access=door),
-                   "http": HttpDriver(http_addr, timeout=opts.request_timeout, access=door)}  # fmt: skip
+                   door_name: front}  # fmt: skip
         try:
             # both doors answer before anything is measured (a wrong --http-target failed every HTTP request)
             try:
-                await drivers["http"].check(min(30.0, opts.request_timeout))
+                await front.check(min(30.0, opts.request_timeout))
             except Exception as e:
                 where = f"--http-target {http_addr}" if opts.target else f"the HTTP port this run started ({http_addr})"
                 raise TargetError(f"{where}: no omnistage HTTP front door answers there ({e})") from None
@@ -60,16 +66,16 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
             for d in drivers.values():
                 await run.warm(d)
             for k, c in enumerate(levels):
-                names = ["grpc", "http"] if k % 2 == 0 else ["http", "grpc"]
+                names = ["grpc", door_name] if k % 2 == 0 else [door_name, "grpc"]
                 got = {}
                 for name in names:
                     got[name] = await run.level_concurrency(drivers[name], f"{name} c={c}", "sut", requests, c,
                                                             "async_chunk", opts.time_limit)  # fmt: skip
                 row: dict[str, Any] = {"concurrency": c}
                 for key in ("ttft", "ttfa", "e2e"):
-                    h, g = _paired(got["http"], key, got["grpc"], key)
-                    row[key] = {"http_median_s": h, "grpc_median_s": g, "http_over_grpc": None if not (h and g)
-                                else h / g}  # fmt: skip
+                    h, g = _paired(got[door_name], key, got["grpc"], key)
+                    row[key] = {f"{door_name}_median_s": h, "grpc_median_s": g,
+                                f"{door_name}_over_grpc": None if not (h and g) else h / g}  # fmt: skip
                 row["requests_per_s"] = {n: got[n].summary()["requests_per_s"] for n in names}
                 rows.append(row)
         finally:
@@ -84,7 +90,8 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
     machine["load_average_end"] = list(os.getloadavg())
     failed = {lv.name: sum(not r.ok for r in lv.records) for lv in run.levels}
     same_audio = _same_audio(run)
-    result = {"schema": "omnistage.bench.front_doors/1", "command": command or command_line(), "machine": machine,
+    result = {"schema": "omnistage.bench.front_doors/1", "door": door_name, "command": command or command_line(),
+              "machine": machine,
               "requests_per_level": len(requests), "levels": rows, "failed": failed,
               "audio_samples_equal": same_audio, "configurations": [lv.to_json() for lv in run.levels],
               "settings": settings(opts), "stack_config": stack_config_json(opts, cfg),
@@ -116,14 +123,15 @@ def _ms(x: float | None) -> str:
 
 
 def _table(result: dict[str, Any]) -> str:
-    lines = ["", "| c | median TTFT http / grpc ms (ratio) | median TTFA http / grpc ms (ratio) | "
-             "median E2E http / grpc ms (ratio) |", "|---|---|---|---|"]  # fmt: skip
+    door = result["door"]
+    lines = ["", f"| c | median TTFT {door} / grpc ms (ratio) | median TTFA {door} / grpc ms (ratio) | "
+             f"median E2E {door} / grpc ms (ratio) |", "|---|---|---|---|"]  # fmt: skip
     for row in result["levels"]:
         cells = []
         for key in ("ttft", "ttfa", "e2e"):
             v = row[key]
-            ratio = "-" if v["http_over_grpc"] is None else f"{v['http_over_grpc']:.3f}"
-            cells.append(f"{_ms(v['http_median_s'])} / {_ms(v['grpc_median_s'])} ({ratio})")
+            ratio = "-" if v[f"{door}_over_grpc"] is None else f"{v[f'{door}_over_grpc']:.3f}"
+            cells.append(f"{_ms(v[f'{door}_median_s'])} / {_ms(v['grpc_median_s'])} ({ratio})")
         lines.append(f"| {row['concurrency']} | " + " | ".join(cells) + " |")
     lines += ["", f"failed requests: {result['failed']}; same audio on both front doors: "
               f"{result['audio_samples_equal']}", ""]  # fmt: skip

@@ -91,6 +91,7 @@ class BenchOptions:
     threads: int = 1
     request_timeout: float = 300.0
     http: bool = False  # compare the HTTP front door with gRPC (benchmarks/front_doors.py)
+    realtime: bool = False  # likewise its Realtime WebSocket
     http_target: str | None = None  # HOST:PORT of a running gateway's HTTP port (with --target)
     api_key: str = ""  # a gateway's (--target)
     tls_ca: Path | None = None  # PEM roots of a TLS gateway (--target; --serve takes its config's)
@@ -767,20 +768,23 @@ def check_options(opts: BenchOptions) -> None:
         raise ValueError(f"--concurrency levels must be >= 1, got {opts.concurrency}")
     if opts.target and opts.serve:
         raise ValueError("--target and --serve are exclusive: drive a running stack or start one")
-    if opts.http and opts.sampled_speech:
-        raise ValueError("--sampled-speech with --http: the HTTP comparison sends temperature 0 (greedy) "
+    if opts.realtime and opts.http:
+        raise ValueError("--realtime and --http are exclusive: each compares one door with gRPC")
+    door = "--realtime" if opts.realtime else "--http"
+    if (opts.http or opts.realtime) and opts.sampled_speech:
+        raise ValueError(f"--sampled-speech with {door}: the comparison sends temperature 0 (greedy) "
                          "to both front doors")
-    if opts.http and not (opts.serve or (opts.target and opts.http_target)):
-        raise ValueError("--http needs a stack: --serve, or --target HOST:PORT with --http-target HOST:PORT")
-    if opts.http and (opts.rates or opts.plot_out is not None):  # (they were dropped without a word)
-        raise ValueError("--http compares the front doors at --concurrency levels: it takes no --rate and "
+    if (opts.http or opts.realtime) and not (opts.serve or (opts.target and opts.http_target)):
+        raise ValueError(f"{door} needs a stack: --serve, or --target HOST:PORT with --http-target HOST:PORT")
+    if (opts.http or opts.realtime) and (opts.rates or opts.plot_out is not None):  # (dropped without a word)
+        raise ValueError(f"{door} compares the front doors at --concurrency levels: it takes no --rate and "
                          "draws no --plot")
 
 
 def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
     """Runs the benchmark, prints the table, writes --json/--plot/--markdown; returns the result."""
     check_options(opts)
-    if opts.http:
+    if opts.http or opts.realtime:
         from benchmarks.front_doors import main as front_doors
 
         return front_doors(opts, command)

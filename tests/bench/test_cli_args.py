@@ -36,6 +36,9 @@ from tests.integration.conftest import free_port_block
         (["--http", "--target", "127.0.0.1:1"], "--http-target"),
         (["--http", "--serve", "--plot", "x.png"], "--plot"),
         (["--http", "--serve", "--rate", "2"], "--rate"),
+        (["--realtime", "--http", "--serve"], "--realtime"),
+        (["--realtime", "--target", "127.0.0.1:1"], "--http-target"),
+        (["--realtime", "--serve", "--sampled-speech"], "--sampled-speech"),
     ],
 )
 def test_a_value_no_run_can_use_is_a_usage_error(args: list[str], option: str) -> None:

@@ -356,6 +356,22 @@ def test_realtime_turns_are_the_chat_turns_they_stand_for(http_stack: Stack, cli
     assert text == chat_text and text
 
 
+def test_the_bench_drives_the_realtime_socket_against_grpc(http_stack: Stack) -> None:
+    """`omnistage bench --realtime`: the same requests over the Realtime WebSocket (a pooled
+    session, each turn deleted after) and gRPC give the same audio; the server's token count."""
+    from benchmarks.front_doors import main
+    from benchmarks.harness import BenchOptions, failed_levels
+
+    opts = BenchOptions(target=http_stack.gateway_address, realtime=True, http_target=http_stack.http_address,
+                        concurrency=[2], num_requests=4, thinker_max_tokens=5, warmup=1, progress=False,
+                        quiet=True)  # fmt: skip
+    result = main(opts)
+    assert failed_levels(result) == [] and result["audio_samples_equal"] is True, result["failed"]
+    assert result["door"] == "realtime" and result["levels"][0]["e2e"]["realtime_over_grpc"] > 0
+    tokens = {lv["name"]: [r["text_tokens"] for r in lv["requests"]] for lv in result["configurations"]}
+    assert tokens["realtime c=2"] == tokens["grpc c=2"] and all(t == 5 for t in tokens["grpc c=2"]), tokens
+
+
 def test_a_later_turn_names_a_spoken_reply_by_its_audio_id(http_stack: Stack, client: openai.OpenAI) -> None:
     """OpenAI's multi-turn voice chat: the assistant turn is `{"audio": {"id"}}`, no text; the
     model then sees that reply's words, as if the client had sent them as content."""
