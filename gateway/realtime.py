@@ -165,6 +165,9 @@ class RealtimeSession:
                     await self.error(e, event_id if isinstance(event_id, str) else None)
         except _Gone:
             return
+        except Exception:  # a bug: this session ends (its state may be half changed), the server goes on
+            log.exception("realtime session %s", self.id)
+            await self.hang_up(1011, "internal error")
         finally:
             self.gone = True
             if self.task is not None:  # the client is gone: its response is cancelled down the chain
@@ -351,6 +354,9 @@ class RealtimeSession:
             await response.run()
         except _Gone:
             pass  # (the receive loop ends with the session)
+        except Exception:  # a bug past the request's own handling (_generate's): the session ends
+            log.exception("realtime response %s", response.id)
+            await self.hang_up(1011, "internal error")
         finally:
             self.active = None
             self.task = None

@@ -475,3 +475,21 @@ def test_a_conversation_is_bounded_in_items_and_deleting_makes_room(
         ws.send_json({"type": "conversation.item.create", "item": {**item, "content": [
             {"type": "input_text", "text": "y" * 70_000}]}})
         assert ws.receive_json()["error"]["code"] == "conversation_too_large"
+
+
+def test_a_bug_ends_its_session_not_the_server(connect: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    import gateway.realtime as realtime
+
+    async def broken(session: Any, body: dict[str, Any]) -> None:
+        raise KeyError("a bug")
+
+    monkeypatch.setitem(realtime._HANDLERS, "input_audio_buffer.clear", broken)
+    service = ScriptedService()
+    with connect(service) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "input_audio_buffer.clear"})
+        with pytest.raises(WebSocketDisconnect) as closed:
+            ws.receive_json()
+        assert closed.value.code == 1011
+    with connect(service) as ws:  # the next session is served
+        assert ws.receive_json()["type"] == "session.created"
