@@ -11,9 +11,14 @@ it, never ignored; the session goes on):
   `temperature` (the API's beta field: 0 makes text and speech greedy, as chat's temperature 0),
   `audio.output.voice` (the checkpoint's speakers, or one of OpenAI's names for its default) and
   `.speed` (0.25 to 1.5), `audio.input.format` / `audio.output.format` `audio/pcm`: 16-bit mono
-  little-endian (input at any rate from 8 to 192 kHz, output at the model's, 24 kHz). Turn
-  detection is off (`turn_detection` must be null): the client says when a turn ends by committing
-  its audio, then asks for a response (push-to-talk). No input transcription, tools or prompts.
+  little-endian (input at any rate from 8 to 192 kHz, output at the model's, 24 kHz).
+  `turn_detection`: null (the default here: the client commits its audio, then asks for a
+  response: push-to-talk) or `server_vad` (gateway/realtime_vad.py: on the audio's level; its
+  `threshold`, `prefix_padding_ms`, `silence_duration_ms`, `create_response`,
+  `interrupt_response`): the server hears a turn start (`input_audio_buffer.speech_started`; a
+  response being made is cancelled) and end (`.speech_stopped`), commits it from its prefix
+  padding to where its end was known, and answers it; while no one speaks, only the padding's
+  worth of audio is kept. No semantic_vad, input transcription, tools or prompts.
 * `input_audio_buffer.append` (base64 PCM), `.commit` (the buffer becomes a user item), `.clear`.
 * `conversation.item.create` (a message: user `input_text`, `input_audio`, `input_image`;
   system `input_text`; assistant `output_text` or `output_audio` by its `transcript`), with
@@ -71,7 +76,9 @@ from gateway.realtime_turns import (
     session_only,
     to_generate_request,
     to_item,
+    turn_detection,
 )
+from gateway.realtime_vad import FRAME_MS, MIN_VOICED_MS, EnergyVad, VadEvent
 from gateway.server import GatewayError, GatewayService, fail_replies, internal_failure
 from omnistage.v1 import gateway_pb2
 
@@ -102,6 +109,10 @@ class RealtimeSession:
         self.id = _new_id("sess")
         self.settings = Settings(modality="audio" if voices else "text")
         self.buffer = bytearray()
+        self.buffer_start = 0  # where the buffer's first sample is in all the input audio appended
+        self.vad: EnergyVad | None = None  # server_vad (settings.vad) on the input audio
+        self.vad_item = ""  # the id the turn being spoken will have
+        self.turn_start = 0  # where it started in all the input audio
         self.items: dict[str, Item] = {}
         self.order: list[str] = []  # the items' ids in conversation order
         self.held = 0  # what the buffer and the items count towards max_bytes
@@ -252,6 +263,13 @@ class RealtimeSession:
                                     f"{settings.input_rate} Hz; commit or clear it first",
                                     "session.audio.input.format.rate")  # fmt: skip
             settings.input_rate = rate
+        if audio.input is not None:
+            settings.vad = turn_detection(audio.input, settings.vad)
+        if settings.vad != self.settings.vad or settings.input_rate != self.settings.input_rate:
+            self.vad = EnergyVad(settings.vad, settings.input_rate) if settings.vad else None
+            self.vad_item = ""
+            if self.vad is not None:
+                self.vad.fed = self.buffer_start + len(self.buffer) // 2  # (it hears what comes next)
         self.settings = settings
         await self.send(self.session_event("session.updated"))
 
@@ -263,28 +281,84 @@ class RealtimeSession:
         self._room(2 * len(pcm), "audio")  # (float32 once committed)
         self.buffer += pcm
         self.held += 2 * len(pcm)
+        if self.vad is not None:
+            for event in self.vad.feed(pcm):
+                await self._turn(event)
+            if not self.vad.speaking:  # silence: only what a turn's start would take is kept
+                self._drop_buffer(len(self.buffer) // 2 - self._lead())
 
+    def _lead(self) -> int:
+        """Samples kept before a turn's first voiced frame: its prefix padding, and the frames that
+        start it (the turn is known only after them) and the one being filled."""
+        assert self.settings.vad is not None
+        ms = self.settings.vad.prefix_padding_ms + MIN_VOICED_MS + 2 * FRAME_MS
+        return ms * self.settings.input_rate // 1000
+
+    def _drop_buffer(self, samples: int) -> None:
+        """The buffer's first `samples` (no more than it has) forgotten."""
+        samples = min(max(samples, 0), len(self.buffer) // 2)
+        del self.buffer[:2 * samples]
+        self.buffer_start += samples
+        self.held -= 4 * samples
+
+    def _ms(self, sample: int) -> int:
+        return sample * 1000 // self.settings.input_rate
+
+    async def _turn(self, event: VadEvent) -> None:
+        """server_vad: a turn started (a response being made is cancelled: the user speaks over
+        it), or ended: its audio, from its prefix padding to now, is committed, then answered."""
+        assert self.settings.vad is not None
+        vad = self.settings.vad
+        if event.kind == "started":
+            self.vad_item, self.turn_start = _new_id("item"), event.sample
+            if vad.interrupt_response and self.active is not None:
+                self.active.cancel()
+            await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": self._ms(event.sample),
+                             "item_id": self.vad_item})  # fmt: skip
+            return
+        item_id = self.vad_item or _new_id("item")
+        self.vad_item = ""
+        await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": self._ms(event.sample),
+                         "item_id": item_id})  # fmt: skip
+        padding = vad.prefix_padding_ms * self.settings.input_rate // 1000
+        self._drop_buffer(self.turn_start - padding - self.buffer_start)
+        await self._commit(event.at - self.buffer_start, item_id)
+        if not vad.create_response:
+            return
+        if self.active is not None and self.active.cancelled and self.task is not None:
+            await asyncio.wait({self.task})  # (the turn interrupted it: its response.done goes first)
+        if self.active is None:
+            await self.response_create({})
     async def buffer_commit(self, body: dict[str, Any]) -> None:
         if body:
             raise RealtimeError(f"input_audio_buffer.commit takes no fields (got {sorted(body)[:4]})")
         if not self.buffer:
             raise RealtimeError("the input audio buffer is empty: append audio first",
                                 code="input_audio_buffer_commit_empty")  # fmt: skip
+        item_id = self.vad_item or _new_id("item")  # (a turn server_vad heard start ends here)
+        self._reset_turn()
+        await self._commit(len(self.buffer) // 2, item_id)
+
+    async def _commit(self, samples: int, item_id: str) -> None:
+        """The buffer's first `samples` as a user item (the rest stays)."""
         self._room(0, "input_audio_buffer", items=1)
-        item = Item(_new_id("item"), "user", [pcm_part(bytes(self.buffer), self.settings.input_rate, "audio")],
+        pcm = bytes(self.buffer[:2 * samples])
+        item = Item(item_id, "user", [pcm_part(pcm, self.settings.input_rate, "audio")],
                     content=[{"type": "input_audio", "transcript": None}])  # fmt: skip
-        item.nbytes = 2 * len(self.buffer)
-        self._clear_buffer()
+        self._drop_buffer(samples)
+        item.nbytes = 2 * len(pcm)
         previous = self.insert(item, None)
         await self.send({"type": "input_audio_buffer.committed", "previous_item_id": previous, "item_id": item.id})
         await self._added(item, previous)
 
-    def _clear_buffer(self) -> None:
-        self.held -= 2 * len(self.buffer)
-        self.buffer.clear()
+    def _reset_turn(self) -> None:
+        self.vad_item = ""
+        if self.vad is not None:
+            self.vad.reset()
 
     async def buffer_clear(self, body: dict[str, Any]) -> None:
-        self._clear_buffer()
+        self._reset_turn()
+        self._drop_buffer(len(self.buffer) // 2)
         await self.send({"type": "input_audio_buffer.cleared"})
 
     async def item_create(self, body: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.http_api import apply_temperature, voice_speaker
 from gateway.http_error import HttpError
+from gateway.realtime_vad import VadSettings
 from omnistage.v1 import gateway_pb2, stage_pb2
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "MessageItem",
     "RealtimeError",
     "ResponseBody",
+    "ServerVad",
     "SessionBody",
     "Settings",
     "b64",
@@ -31,6 +33,7 @@ __all__ = [
     "session_only",
     "to_generate_request",
     "to_item",
+    "turn_detection",
 ]
 
 MIN_INPUT_RATE, MAX_INPUT_RATE = 8_000, 192_000
@@ -60,11 +63,44 @@ class PcmFormat(_Strict):
     rate: int | None = None
 
 
+class ServerVad(_Strict):
+    type: Literal["server_vad", "semantic_vad"]
+    threshold: float | None = Field(None, ge=0, le=1)
+    prefix_padding_ms: int | None = Field(None, ge=0, le=10_000)
+    silence_duration_ms: int | None = Field(None, ge=10, le=10_000)
+    create_response: bool | None = None
+    interrupt_response: bool | None = None
+    idle_timeout_ms: int | None = None
+    eagerness: str | None = None  # (semantic_vad's)
+
+
 class InputAudioConfig(_Strict):
     format: PcmFormat | None = None
     transcription: Any = None
     noise_reduction: Any = None
-    turn_detection: Any = None
+    turn_detection: ServerVad | None = None
+
+
+def turn_detection(audio_in: InputAudioConfig, now: VadSettings | None) -> VadSettings | None:
+    """The session's turn detection after `audio_in` (null: off; unset: as it was)."""
+    if "turn_detection" not in audio_in.model_fields_set:
+        return now
+    given = audio_in.turn_detection
+    if given is None:
+        return None
+    where = "session.audio.input.turn_detection"
+    if given.type == "semantic_vad":
+        raise RealtimeError(f"{where}.type: no semantic_vad here (no model of it): server_vad, on the audio's "
+                            "level, or null", f"{where}.type", "unsupported_turn_detection")  # fmt: skip
+    if given.idle_timeout_ms is not None:
+        raise RealtimeError(f"{where}.idle_timeout_ms: not here (null)", f"{where}.idle_timeout_ms")
+    if given.eagerness is not None:
+        raise RealtimeError(f"{where}.eagerness: semantic_vad's; server_vad takes none", f"{where}.eagerness")
+    out = VadSettings()
+    for name in ("threshold", "prefix_padding_ms", "silence_duration_ms", "create_response", "interrupt_response"):
+        if (value := getattr(given, name)) is not None:
+            setattr(out, name, value)
+    return out
 
 
 class OutputAudioConfig(_Strict):
@@ -201,6 +237,7 @@ class Settings:
     speed: float = 1.0
     input_rate: int = 24_000
     temperature: float | None = None  # None: the checkpoint's sampling
+    vad: VadSettings | None = None  # server_vad turn detection; None: the client commits
 
     def merged(self, body: _Common, voices: list[str], prefix: str, output: OutputAudioConfig | None,
                sample_rate: int) -> Settings:  # fmt: skip
@@ -242,7 +279,7 @@ class Settings:
             "max_output_tokens": "inf" if self.max_output_tokens is None else self.max_output_tokens,
             "audio": {
                 "input": {"format": {"type": "audio/pcm", "rate": self.input_rate}, "transcription": None,
-                          "noise_reduction": None, "turn_detection": None},
+                          "noise_reduction": None, "turn_detection": self.vad.event() if self.vad else None},
                 "output": {"format": {"type": "audio/pcm", "rate": sample_rate}, "voice": self.voice or None,
                            "speed": self.speed},
             },
@@ -263,10 +300,6 @@ def session_only(body: SessionBody) -> None:
     audio_in = body.audio.input if body.audio is not None else None
     if audio_in is not None:
         where = "session.audio.input"
-        if audio_in.turn_detection is not None:
-            raise RealtimeError(f"{where}.turn_detection: this server does not detect the end of a turn; set it "
-                                "null, then commit the input audio buffer and send response.create",
-                                f"{where}.turn_detection", "unsupported_turn_detection")  # fmt: skip
         if audio_in.transcription is not None:
             raise RealtimeError(f"{where}.transcription: input audio is not transcribed here (null); "
                                 "/v1/audio/transcriptions does it", f"{where}.transcription")  # fmt: skip

@@ -229,8 +229,12 @@ def test_a_text_only_stack_answers_in_text(connect: Callable[..., Any]) -> None:
 
 
 BAD_EVENTS = [
-    ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "server_vad"}}}}},
-     "session.audio.input.turn_detection", "unsupported_turn_detection"),
+    ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}},
+     "session.audio.input.turn_detection.type", "unsupported_turn_detection"),
+    ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+        "type": "server_vad", "idle_timeout_ms": 5000}}}}}, "session.audio.input.turn_detection.idle_timeout_ms", None),
+    ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+        "type": "server_vad", "threshold": 2}}}}}, "session.audio.input.turn_detection.threshold", None),
     ({"type": "session.update", "session": {"audio": {"input": {"transcription": {"model": "whisper-1"}}}}},
      "session.audio.input.transcription", None),
     ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}},
@@ -493,3 +497,86 @@ def test_a_bug_ends_its_session_not_the_server(connect: Callable[..., Any], monk
         assert closed.value.code == 1011
     with connect(service) as ws:  # the next session is served
         assert ws.receive_json()["type"] == "session.created"
+
+
+def _speech(rate: int = 24_000, lead_s: float = 0.5, speech_s: float = 0.8, tail_s: float = 0.7,
+            speech_dbfs: float = -20.0, noise_dbfs: float = -60.0) -> bytes:  # fmt: skip
+    """Quiet noise, a tone at `speech_dbfs` (RMS), quiet noise: 16-bit PCM."""
+    rng = np.random.default_rng(0)
+    n = [round(x * rate) for x in (lead_s, speech_s, tail_s)]
+    noise = rng.standard_normal(sum(n)) * 10 ** (noise_dbfs / 20)
+    t = np.arange(n[1]) / rate
+    noise[n[0]:n[0] + n[1]] += np.sqrt(2) * 10 ** (speech_dbfs / 20) * np.sin(2 * np.pi * 220 * t)
+    return (noise * 32767).round().astype("<i2").tobytes()
+
+
+def test_energy_vad_finds_a_turn_alike_in_any_pieces() -> None:
+    from gateway.realtime_vad import EnergyVad, VadEvent, VadSettings
+
+    pcm = _speech()
+    whole = EnergyVad(VadSettings(), 24_000).feed(pcm)
+    # 10 ms frames: the tone's first frame at 0.5 s starts it, known 30 ms on; its end at 1.3 s
+    # stops it, known silence_duration_ms (500) on
+    assert whole == [VadEvent("started", 12_000, 12_720), VadEvent("stopped", 31_200, 43_200)], whole
+    rng = np.random.default_rng(1)
+    vad, got, at = EnergyVad(VadSettings(), 24_000), [], 0
+    while at < len(pcm):
+        step = int(rng.integers(1, 5000))
+        got += vad.feed(pcm[at:at + step])
+        at += step
+    assert got == whole
+    # the level: a tone at -50 dBFS is below threshold 0.5 (-40 dBFS), above 0.2 (-58 dBFS)
+    quiet = _speech(speech_dbfs=-50)
+    assert EnergyVad(VadSettings(), 24_000).feed(quiet) == []
+    assert [e.kind for e in EnergyVad(VadSettings(threshold=0.2), 24_000).feed(quiet)] == ["started", "stopped"]
+    # a click (20 ms) starts no turn; a shorter silence than silence_duration_ms ends none
+    click = _speech(speech_s=0.02)
+    assert EnergyVad(VadSettings(), 24_000).feed(click) == []
+    gap = _speech(speech_s=0.4, tail_s=0.3) + _speech(lead_s=0.0, speech_s=0.4)
+    assert [e.kind for e in EnergyVad(VadSettings(), 24_000).feed(gap)] == ["started", "stopped"]
+
+
+def test_server_vad_commits_a_turn_and_answers_it(connect: Callable[..., Any]) -> None:
+    """server_vad: the turn's start and end as events, its audio (from its prefix padding to where
+    its end was known) committed and answered; silence before it is not kept (the buffer is
+    bounded by the padding, not by how long the client streams); a second turn over a response
+    being made interrupts it."""
+    service = ScriptedService(max_request_bytes=512 * 1024)  # (the 10 s of silence would be 960 KB, held)
+    rate = 24_000
+    with connect(service) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+            "type": "server_vad", "prefix_padding_ms": 100, "silence_duration_ms": 300}}}}})
+        vad = ws.receive_json()["session"]["audio"]["input"]["turn_detection"]
+        assert vad["type"] == "server_vad" and vad["prefix_padding_ms"] == 100 and vad["threshold"] == 0.5
+        silence = _speech(lead_s=10.0, speech_s=0.0, tail_s=0.0)
+        pcm = silence + _speech()
+        for i in range(0, len(pcm), 4800):  # 100 ms pieces
+            ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[i:i + 4800]).decode()})
+        events = _until(ws, "response.done")
+        kinds = [e["type"] for e in events]
+        assert kinds[:5] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                             "input_audio_buffer.committed", "conversation.item.added",
+                             "conversation.item.done"], kinds  # fmt: skip
+        started, stopped, committed = events[:3]
+        assert started["audio_start_ms"] == 10_500 and stopped["audio_end_ms"] == 11_300
+        assert started["item_id"] == stopped["item_id"] == committed["item_id"]
+        assert "error" not in kinds and events[-1]["response"]["status"] == "completed"
+        (req,) = service.requests
+        got = np.frombuffer(req.messages[0].parts[0].audio.pcm.f32le, "<f4")
+        first, end = (10_500 - 100) * rate // 1000, (11_300 + 300) * rate // 1000  # padding; where the end was known
+        want = np.frombuffer(pcm, "<i2")[first:end].astype(np.float32) / 32768
+        assert np.array_equal(got, want)
+        # a turn over a response being made interrupts it (its response.done first), then is answered
+        service.script = [_text("Par"), HANG, _final()]
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(_speech()).decode()})
+        _until(ws, "response.output_audio_transcript.delta")
+        service.script = REPLY
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(_speech()).decode()})
+        events = _until(ws, "response.done") + _until(ws, "response.done")
+        kinds = [e["type"] for e in events]
+        dones = [i for i, k in enumerate(kinds) if k == "response.done"]
+        assert [events[i]["response"]["status"] for i in dones] == ["cancelled", "completed"]
+        assert kinds[0] == "input_audio_buffer.speech_started"  # (then the cut response's end)
+        assert kinds.index("input_audio_buffer.committed") < kinds.index("response.created") < dones[1]
+    assert len(service.requests) == 3 and service.closed == [r.request_id for r in service.requests]

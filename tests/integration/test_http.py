@@ -329,9 +329,22 @@ def test_realtime_turns_are_the_chat_turns_they_stand_for(http_stack: Stack, cli
             await conn.response.create(response={"output_modalities": ["text"]})
             third = await reply(conn)
             await conn.send({"type": "session.update", "session": {"audio": {"input": {
-                "turn_detection": {"type": "server_vad"}}}}})  # fmt: skip
+                "turn_detection": {"type": "semantic_vad"}}}}})  # fmt: skip
             refused = await conn.recv()
-            assert refused.type == "error" and refused.error.param == "session.audio.input.turn_detection"
+            assert refused.type == "error" and refused.error.param == "session.audio.input.turn_detection.type"
+            # server_vad: the client streams; the server hears the turn end, commits it and answers
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
+                "type": "server_vad", "silence_duration_ms": 300}}}})  # fmt: skip
+            assert (await conn.recv()).type == "session.updated"
+            quiet = bytes(2 * RATE)  # 1 s of silence, the spoken clip, 1 s of silence
+            stream = quiet + spoken + quiet
+            for i in range(0, len(stream), 4800):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(stream[i:i + 4800]).decode())
+            heard = [(await conn.recv()).type for _ in range(3)]
+            assert heard == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                             "input_audio_buffer.committed"], heard  # fmt: skip
+            fourth = await reply(conn)
+            assert fourth[3].status in ("completed", "incomplete") and fourth[1]
             return [first, second, third]
 
     spoken_replies = run(talk())
