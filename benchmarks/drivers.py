@@ -409,10 +409,20 @@ class RealtimeDriver(HttpDriver):
         return event  # type: ignore[no-any-return]
 
     async def run(self, req: BenchRequest) -> list[StreamEvent]:
+        ws = await self._session(req)
+        try:
+            async with asyncio.timeout(self.timeout):  # (the other drivers' deadline)
+                events = await self._turn(ws, req)
+        except BaseException:
+            await ws.close()  # (never back to the pool: events of this request may be left on it)
+            raise
+        self._idle.append(ws)
+        return events
+
+    async def _turn(self, ws: Any, req: BenchRequest) -> list[StreamEvent]:
         import base64
         import json
 
-        ws = await self._session(req)
         session = {"temperature": 0, "max_output_tokens": req.thinker_max_tokens,
                    "output_modalities": ["audio" if req.want_audio else "text"]}  # fmt: skip
         item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": req.prompt}]}
@@ -427,7 +437,6 @@ class RealtimeDriver(HttpDriver):
             now = time.perf_counter()
             kind = event["type"]
             if kind == "error":
-                await ws.close()
                 raise RuntimeError(event["error"]["message"])
             if kind == "conversation.item.added":
                 ids.append(event["item"]["id"])
@@ -439,7 +448,6 @@ class RealtimeDriver(HttpDriver):
             elif kind == "response.done":
                 response = event["response"]
                 if response["status"] not in ("completed", "incomplete"):
-                    await ws.close()
                     raise RuntimeError(f"response {response['status']}: {response.get('status_details')}")
                 details = (response.get("usage") or {}).get("output_token_details") or {}
                 info = {"text_tokens": details["text_tokens"]} if isinstance(details.get("text_tokens"), int) else {}
@@ -449,7 +457,6 @@ class RealtimeDriver(HttpDriver):
             await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": item_id}))
         for _ in ids:
             await self._expect(ws, "conversation.item.deleted")
-        self._idle.append(ws)
         return events
 
     async def aclose(self) -> None:

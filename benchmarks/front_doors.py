@@ -94,7 +94,8 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
               "machine": machine,
               "requests_per_level": len(requests), "levels": rows, "failed": failed,
               "audio_samples_equal": same_audio, "configurations": [lv.to_json() for lv in run.levels],
-              "settings": settings(opts), "stack_config": stack_config_json(opts, cfg),
+              "settings": settings(opts) | {"talker_max_tokens": talker_limit},  # (None: the stack's default)
+              "stack_config": stack_config_json(opts, cfg),
               "stack_run_dirs": stacks_run[first_stack:],
               "total_seconds": time.perf_counter() - run.t0}  # fmt: skip
     table = _table(result)

@@ -771,6 +771,8 @@ def check_options(opts: BenchOptions) -> None:
     if opts.realtime and opts.http:
         raise ValueError("--realtime and --http are exclusive: each compares one door with gRPC")
     door = "--realtime" if opts.realtime else "--http"
+    if opts.realtime and opts.thinker_max_tokens > 4096:  # (the Realtime API's max_output_tokens)
+        raise ValueError("--thinker-max-tokens: at most 4096 with --realtime (its max_output_tokens)")
     if (opts.http or opts.realtime) and opts.sampled_speech:
         raise ValueError(f"--sampled-speech with {door}: the comparison sends temperature 0 (greedy) "
                          "to both front doors")

@@ -113,6 +113,9 @@ class RealtimeSession:
         self.vad: EnergyVad | None = None  # server_vad (settings.vad) on the input audio
         self.vad_item = ""  # the id the turn being spoken will have
         self.turn_start = 0  # where it started in all the input audio
+        self.respond_next = False  # a turn ended over a response: answer it after that one
+        self.event_id: str | None = None  # the client's id of the event being handled
+        self.ms_base, self.rate_start = 0, 0  # `_ms`: input audio before the rate's last change
         self.items: dict[str, Item] = {}
         self.order: list[str] = []  # the items' ids in conversation order
         self.held = 0  # what the buffer and the items count towards max_bytes
@@ -207,6 +210,7 @@ class RealtimeSession:
         if handler is None:
             raise RealtimeError(f"type: unknown or unsupported client event {kind[:100]!r}", "type",
                                 "invalid_event")  # fmt: skip
+        self.event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
         body = {k: v for k, v in event.items() if k not in ("type", "event_id")}
         await handler(self, body)
 
@@ -260,13 +264,15 @@ class RealtimeSession:
                                     f"{MAX_INPUT_RATE}", "session.audio.input.format.rate")  # fmt: skip
             if self.buffer and rate != settings.input_rate:
                 raise RealtimeError("session.audio.input.format.rate: the input audio buffer holds audio at "
-                                    f"{settings.input_rate} Hz; commit or clear it first",
+                                    f"{settings.input_rate} Hz; clear it (input_audio_buffer.clear) first",
                                     "session.audio.input.format.rate")  # fmt: skip
             settings.input_rate = rate
         if audio.input is not None:
             settings.vad = turn_detection(audio.input, settings.vad)
-        if settings.vad != self.settings.vad or settings.input_rate != self.settings.input_rate:
-            self.vad = EnergyVad(settings.vad, settings.input_rate) if settings.vad else None
+        if settings.input_rate != self.settings.input_rate:  # (the buffer is empty)
+            self.ms_base, self.rate_start = self._ms(self.buffer_start), self.buffer_start
+        if _hearing(settings) != _hearing(self.settings):  # (create_response and the like: read as they act)
+            self.vad = EnergyVad(settings.vad, settings.input_rate, self._max_turn(settings)) if settings.vad else None
             self.vad_item = ""
             if self.vad is not None:
                 self.vad.fed = self.buffer_start + len(self.buffer) // 2  # (it hears what comes next)
@@ -278,14 +284,26 @@ class RealtimeSession:
         if set(body) != {"audio"} or not isinstance(audio, str):
             raise RealtimeError("input_audio_buffer.append takes `audio`, base64 PCM", "audio")
         pcm = b64(audio, "audio")
+        if len(pcm) % 2:
+            raise RealtimeError("audio: audio/pcm needs whole 16-bit samples", "audio")
         self._room(2 * len(pcm), "audio")  # (float32 once committed)
         self.buffer += pcm
         self.held += 2 * len(pcm)
-        if self.vad is not None:
-            for event in self.vad.feed(pcm):
+        if self.vad is None:
+            return
+        for event in self.vad.feed(pcm):
+            try:
                 await self._turn(event)
-            if not self.vad.speaking:  # silence: only what a turn's start would take is kept
-                self._drop_buffer(len(self.buffer) // 2 - self._lead())
+            except RealtimeError as e:  # a turn refused (its error now): the next ones are still heard
+                await self.error(e, self.event_id)
+        if not self.vad.speaking:  # silence: only what a turn's start would take is kept
+            self._drop_buffer(len(self.buffer) // 2 - self._lead())
+
+    def _max_turn(self, settings: Settings) -> int:
+        """A turn's most samples: server_vad ends one there (steady noise could hold it open for
+        good: a buffer past the conversation's bound, every append refused)."""
+        seconds = min(self.service.cfg.media.max_audio_seconds, self.max_bytes / 4 / settings.input_rate / 2)
+        return max(1, int(seconds * settings.input_rate))
 
     def _lead(self) -> int:
         """Samples kept before a turn's first voiced frame: its prefix padding, and the frames that
@@ -301,8 +319,9 @@ class RealtimeSession:
         self.buffer_start += samples
         self.held -= 4 * samples
 
-    def _ms(self, sample: int) -> int:
-        return sample * 1000 // self.settings.input_rate
+    def _ms(self, sample: int, rate: int | None = None) -> int:
+        """Where `sample` (of all the input audio) is, in ms (the rate may have changed before it)."""
+        return self.ms_base + (sample - self.rate_start) * 1000 // (rate or self.settings.input_rate)
 
     async def _turn(self, event: VadEvent) -> None:
         """server_vad: a turn started (a response being made is cancelled: the user speaks over
@@ -318,17 +337,22 @@ class RealtimeSession:
             return
         item_id = self.vad_item or _new_id("item")
         self.vad_item = ""
-        await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": self._ms(event.sample),
-                         "item_id": item_id})  # fmt: skip
         padding = vad.prefix_padding_ms * self.settings.input_rate // 1000
         self._drop_buffer(self.turn_start - padding - self.buffer_start)
-        await self._commit(event.at - self.buffer_start, item_id)
+        turn = event.at - self.buffer_start
+        await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": self._ms(event.sample),
+                         "item_id": item_id})  # fmt: skip
+        try:
+            await self._commit(turn, item_id)
+        except RealtimeError:
+            self._drop_buffer(turn)  # (refused: not the next turn's start)
+            raise
         if not vad.create_response:
             return
-        if self.active is not None and self.active.cancelled and self.task is not None:
-            await asyncio.wait({self.task})  # (the turn interrupted it: its response.done goes first)
-        if self.active is None:
-            await self.response_create({})
+        if self.active is not None:  # (being cut, or not interrupted): answered once it is done
+            self.respond_next = True
+            return
+        await self.response_create({})
     async def buffer_commit(self, body: dict[str, Any]) -> None:
         if body:
             raise RealtimeError(f"input_audio_buffer.commit takes no fields (got {sorted(body)[:4]})")
@@ -434,6 +458,19 @@ class RealtimeSession:
         finally:
             self.active = None
             self.task = None
+        if self.respond_next and not self.gone:  # a turn server_vad heard end while this was made
+            self.respond_next = False
+            with contextlib.suppress(_Gone):
+                try:
+                    await self.response_create({})
+                except RealtimeError as e:
+                    await self.error(e, None)
+
+
+def _hearing(settings: Settings) -> tuple[object, ...] | None:
+    """What server_vad's detector is made from (None: off)."""
+    vad = settings.vad
+    return None if vad is None else (vad.threshold, vad.silence_duration_ms, settings.input_rate)
 
 
 _HANDLERS: dict[str, Callable[[RealtimeSession, dict[str, Any]], Awaitable[None]]] = {

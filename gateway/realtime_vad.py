@@ -4,8 +4,9 @@ A 10 ms frame is voiced when its RMS is at least the `threshold`'s level: 0 stan
 and 1 for -10 dBFS, on a straight dB scale (0.5, the default, is -40 dBFS: speech at a normal
 distance from a microphone is well above it, a quiet room below). Speech starts after
 MIN_VOICED_MS of voiced frames in a row (a click does not start a turn) and stops after
-`silence_duration_ms` of unvoiced ones. It is not a speech model: steady noise above the level is
-taken for speech; a client that knows better sends `turn_detection: null` and commits itself.
+`silence_duration_ms` of unvoiced ones, or at the longest turn the session takes. It is not a
+speech model: steady noise above the level is taken for speech; a client that knows better
+sends `turn_detection: null` and commits itself.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ class EnergyVad:
     """Speech starts and stops in 16-bit mono PCM fed in pieces of any size (the same events for
     any split)."""
 
-    def __init__(self, settings: VadSettings, rate: int) -> None:
+    def __init__(self, settings: VadSettings, rate: int, max_turn: int = 1 << 62) -> None:
         self.settings = settings
+        self.max_turn = max_turn  # a turn's most samples: it ends there, voiced or not
         self.frame = max(1, rate * FRAME_MS // 1000)
         db = FLOOR_DBFS + settings.threshold * (TOP_DBFS - FLOOR_DBFS)
         self.level = 32768.0 * 10 ** (db / 20)  # RMS in 16-bit units
@@ -58,6 +60,7 @@ class EnergyVad:
         self.pending = b""  # a frame's first bytes
         self.fed = 0  # samples in whole frames so far
         self.speaking = False
+        self.start = 0  # the turn's first voiced sample
         self.run = 0  # voiced frames in a row (not speaking) or unvoiced ones (speaking)
 
     def feed(self, pcm: bytes) -> list[VadEvent]:
@@ -76,10 +79,11 @@ class EnergyVad:
                 self.run = self.run + 1 if loud else 0
                 if self.run >= self.min_voiced:
                     self.speaking, self.run = True, 0
-                    events.append(VadEvent("started", end - self.min_voiced * self.frame, end))
+                    self.start = end - self.min_voiced * self.frame
+                    events.append(VadEvent("started", self.start, end))
             else:
                 self.run = 0 if loud else self.run + 1
-                if self.run >= self.max_silent:
+                if self.run >= self.max_silent or end - self.start >= self.max_turn:
                     self.speaking = False
                     events.append(VadEvent("stopped", end - self.run * self.frame, end))
                     self.run = 0

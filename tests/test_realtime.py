@@ -580,3 +580,68 @@ def test_server_vad_commits_a_turn_and_answers_it(connect: Callable[..., Any]) -
         assert kinds[0] == "input_audio_buffer.speech_started"  # (then the cut response's end)
         assert kinds.index("input_audio_buffer.committed") < kinds.index("response.created") < dones[1]
     assert len(service.requests) == 3 and service.closed == [r.request_id for r in service.requests]
+
+
+def test_a_turn_is_cut_at_the_longest_the_session_takes() -> None:
+    from gateway.realtime_vad import EnergyVad, VadEvent, VadSettings
+
+    steady = _speech(lead_s=0.0, speech_s=3.0, tail_s=0.0)  # noise above the level, say
+    events = EnergyVad(VadSettings(), 24_000, max_turn=24_000).feed(steady)
+    assert events[:3] == [VadEvent("started", 0, 720), VadEvent("stopped", 24_000, 24_000),
+                          VadEvent("started", 24_000, 24_720)], events  # fmt: skip
+
+
+def test_server_vad_turns_refused_changed_or_cleared_keep_their_bookkeeping(
+        connect: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A turn refused (the conversation full) is dropped, not joined to the next; odd bytes are
+    refused; the input rate changes (after a clear) without the turns' times going back."""
+    import gateway.realtime as realtime
+
+    monkeypatch.setattr(realtime, "MAX_ITEMS", 2)
+    rate, service = 24_000, ScriptedService()
+    with connect(service) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x01\x02\x03").decode()})
+        assert ws.receive_json()["error"]["message"] == "audio: audio/pcm needs whole 16-bit samples"
+        for name in ("t1", "t2"):  # the conversation full
+            ws.send_json({"type": "conversation.item.create", "item": {
+                "id": name, "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}})
+            _until(ws, "conversation.item.done")
+        ws.send_json({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+            "type": "server_vad", "create_response": False, "prefix_padding_ms": 0}}}}})
+        ws.receive_json()
+        two = _speech(speech_s=1.0, tail_s=0.7) + _speech(lead_s=0.0, speech_s=0.3, tail_s=0.7)
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(two).decode(), "event_id": "a1"})
+        events = [ws.receive_json() for _ in range(6)]
+        kinds = [e["type"] for e in events]
+        assert kinds == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped", "error",
+                         "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped", "error"], kinds
+        assert events[0]["item_id"] == events[1]["item_id"] != events[3]["item_id"] == events[4]["item_id"]
+        assert {e["error"]["code"] for e in events[2::3]} == {"conversation_too_large"}
+        assert events[2]["error"]["event_id"] == "a1"
+        ws.send_json({"type": "conversation.item.delete", "item_id": "t1"})
+        assert ws.receive_json()["type"] == "conversation.item.deleted"
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(_speech(speech_s=0.3)).decode()})
+        assert _until(ws, "conversation.item.done")[-1]["item"]["role"] == "user"
+        ws.send_json({"type": "conversation.item.delete", "item_id": "t2"})
+        ws.receive_json()
+        ws.send_json({"type": "response.create"})
+        _until(ws, "response.done")
+        # the refused turns' audio was dropped: the last turn's item is its own 0.8 s alone
+        # (from its first voiced frame to where its end was known: 0.3 s and 500 ms of silence)
+        last = service.requests[-1].messages[-1].parts[0].audio.pcm
+        assert len(last.f32le) // 4 == round(0.8 * rate), len(last.f32le) // 4
+        # a clear, then 16 kHz: times go on from where the 24 kHz audio ended
+        ws.send_json({"type": "input_audio_buffer.clear"})
+        assert ws.receive_json()["type"] == "input_audio_buffer.cleared"
+        ws.send_json({"type": "session.update", "session": {"audio": {"input": {
+            "format": {"type": "audio/pcm", "rate": 16_000}}}}})
+        assert ws.receive_json()["session"]["audio"]["input"]["format"]["rate"] == 16_000
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(
+            _speech(rate=16_000, speech_s=0.3)).decode()})
+        started = ws.receive_json()
+        ended_24k = (len(two) + len(_speech(speech_s=0.3))) // 2 * 1000 // rate  # the 24 kHz audio before it
+        assert started["type"] == "input_audio_buffer.speech_started"
+        assert started["audio_start_ms"] == ended_24k + 500, started
+        stopped = _until(ws, "input_audio_buffer.speech_stopped")[-1]
+        assert stopped["audio_end_ms"] == ended_24k + 800

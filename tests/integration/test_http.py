@@ -5,6 +5,7 @@ documented statuses; client disconnects cancel the chain; /metrics, /health, /v1
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -340,7 +341,8 @@ def test_realtime_turns_are_the_chat_turns_they_stand_for(http_stack: Stack, cli
             stream = quiet + spoken + quiet
             for i in range(0, len(stream), 4800):
                 await conn.input_audio_buffer.append(audio=base64.b64encode(stream[i:i + 4800]).decode())
-            heard = [(await conn.recv()).type for _ in range(3)]
+            async with asyncio.timeout(60):  # (a turn not heard fails here, not at the suite's timeout)
+                heard = [(await conn.recv()).type for _ in range(3)]
             assert heard == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
                              "input_audio_buffer.committed"], heard  # fmt: skip
             fourth = await reply(conn)
