@@ -319,9 +319,9 @@ class RealtimeSession:
         self.buffer_start += samples
         self.held -= 4 * samples
 
-    def _ms(self, sample: int, rate: int | None = None) -> int:
+    def _ms(self, sample: int) -> int:
         """Where `sample` (of all the input audio) is, in ms (the rate may have changed before it)."""
-        return self.ms_base + (sample - self.rate_start) * 1000 // (rate or self.settings.input_rate)
+        return self.ms_base + (sample - self.rate_start) * 1000 // self.settings.input_rate
 
     async def _turn(self, event: VadEvent) -> None:
         """server_vad: a turn started (a response being made is cancelled: the user speaks over
@@ -353,6 +353,7 @@ class RealtimeSession:
             self.respond_next = True
             return
         await self.response_create({})
+
     async def buffer_commit(self, body: dict[str, Any]) -> None:
         if body:
             raise RealtimeError(f"input_audio_buffer.commit takes no fields (got {sorted(body)[:4]})")
