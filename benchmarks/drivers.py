@@ -396,7 +396,11 @@ class RealtimeDriver(HttpDriver):
         if self.access.api_key:
             options["additional_headers"] = {"authorization": f"Bearer {self.access.api_key}"}
         ws = await connect(self.ws_url, **options)
-        await self._expect(ws, "session.created")
+        try:
+            await self._expect(ws, "session.created")
+        except BaseException:
+            await ws.close()
+            raise
         return ws
 
     @staticmethod
@@ -409,12 +413,14 @@ class RealtimeDriver(HttpDriver):
         return event  # type: ignore[no-any-return]
 
     async def run(self, req: BenchRequest) -> list[StreamEvent]:
-        ws = await self._session(req)
+        ws = None
         try:
             async with asyncio.timeout(self.timeout):  # (the other drivers' deadline)
+                ws = await self._session(req)
                 events = await self._turn(ws, req)
         except BaseException:
-            await ws.close()  # (never back to the pool: events of this request may be left on it)
+            if ws is not None:
+                await ws.close()  # (never back to the pool: events of this request may be left on it)
             raise
         self._idle.append(ws)
         return events

@@ -301,9 +301,12 @@ class RealtimeSession:
 
     def _max_turn(self, settings: Settings) -> int:
         """A turn's most samples: server_vad ends one there (steady noise could hold it open for
-        good: a buffer past the conversation's bound, every append refused)."""
-        seconds = min(self.service.cfg.media.max_audio_seconds, self.max_bytes / 4 / settings.input_rate / 2)
-        return max(1, int(seconds * settings.input_rate))
+        good: a buffer past the conversation's bound, every append refused), so that it and its
+        padding are a clip the gateway takes (media_limits: the feature extractor's too)."""
+        assert settings.vad is not None
+        seconds = min(self.service.media_limits.max_audio_seconds, self.max_bytes / 4 / settings.input_rate / 2)
+        lead = (settings.vad.prefix_padding_ms + MIN_VOICED_MS + 2 * FRAME_MS) / 1000
+        return max(settings.input_rate // 10, int((seconds - lead) * settings.input_rate))
 
     def _lead(self) -> int:
         """Samples kept before a turn's first voiced frame: its prefix padding, and the frames that
@@ -342,11 +345,7 @@ class RealtimeSession:
         turn = event.at - self.buffer_start
         await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": self._ms(event.sample),
                          "item_id": item_id})  # fmt: skip
-        try:
-            await self._commit(turn, item_id)
-        except RealtimeError:
-            self._drop_buffer(turn)  # (refused: not the next turn's start)
-            raise
+        await self._commit(turn, item_id)  # (refused: the next turn's start, or the silence, drops its audio)
         if not vad.create_response:
             return
         if self.active is not None:  # (being cut, or not interrupted): answered once it is done
@@ -459,13 +458,17 @@ class RealtimeSession:
         finally:
             self.active = None
             self.task = None
-        if self.respond_next and not self.gone:  # a turn server_vad heard end while this was made
-            self.respond_next = False
+        vad, pending, self.respond_next = self.settings.vad, self.respond_next, False
+        if pending and not self.gone and vad is not None and vad.create_response:
+            # a turn server_vad heard end while this response was made: answered now
             with contextlib.suppress(_Gone):
                 try:
                     await self.response_create({})
                 except RealtimeError as e:
                     await self.error(e, None)
+                except Exception:  # (as the receive loop's own)
+                    log.exception("realtime session %s", self.id)
+                    await self.hang_up(1011, "internal error")
 
 
 def _hearing(settings: Settings) -> tuple[object, ...] | None:

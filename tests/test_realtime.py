@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from types import SimpleNamespace
@@ -27,6 +28,7 @@ from omnistage.v1 import gateway_pb2
 pytestmark = pytest.mark.timeout(60)  # (a lost event would otherwise wait out the suite's 300 s)
 
 HANG = "hang"  # a script step: the reply waits (for a cancel) here
+GATE = "gate"  # a script step: the reply waits for the test to set `service.gate`
 
 
 def _text(t: str) -> gateway_pb2.GenerateResponse:
@@ -51,12 +53,14 @@ class ScriptedService:
     def __init__(self, script: list[Any] = REPLY, api_key: str = "", audio: bool = True, **media: Any) -> None:
         self.cfg = parse_config({"media": media} if media else {})
         self.cfg.audio_output = audio
+        self.media_limits = self.cfg.media
         self.model_name, self.sample_rate, self.api_key, self.script = "tiny", 24_000, api_key, script
         self.ckpt = SimpleNamespace(spec=SimpleNamespace(speakers=["ethan", "chelsie"], default_speaker="ethan"))
         self.requests: list[gateway_pb2.GenerateRequest] = []
         self.closed: list[str] = []
         self.refusals: list[tuple[str, str]] = []
         self.stall_after: int | None = None  # deliver's sends before the client stops taking them
+        self.gate = threading.Event()
 
     def check_api_key(self, authorization: str | None) -> bool:
         return not self.api_key or authorization == f"Bearer {self.api_key}"
@@ -72,6 +76,9 @@ class ScriptedService:
             for step in self.script:
                 if step == HANG:
                     await asyncio.sleep(60)
+                elif step == GATE:
+                    while not self.gate.is_set():
+                        await asyncio.sleep(0.005)
                 elif isinstance(step, Exception):
                     raise step
                 else:
@@ -627,7 +634,7 @@ def test_server_vad_turns_refused_changed_or_cleared_keep_their_bookkeeping(
         ws.receive_json()
         ws.send_json({"type": "response.create"})
         _until(ws, "response.done")
-        # the refused turns' audio was dropped: the last turn's item is its own 0.8 s alone
+        # the refused turns' audio is not the next's: the last turn's item is its own 0.8 s alone
         # (from its first voiced frame to where its end was known: 0.3 s and 500 ms of silence)
         last = service.requests[-1].messages[-1].parts[0].audio.pcm
         assert len(last.f32le) // 4 == round(0.8 * rate), len(last.f32le) // 4
@@ -645,3 +652,31 @@ def test_server_vad_turns_refused_changed_or_cleared_keep_their_bookkeeping(
         assert started["audio_start_ms"] == ended_24k + 500, started
         stopped = _until(ws, "input_audio_buffer.speech_stopped")[-1]
         assert stopped["audio_end_ms"] == ended_24k + 800
+
+
+def test_a_turn_that_ends_over_a_response_is_answered_after_it(connect: Callable[..., Any]) -> None:
+    """interrupt_response false: a turn spoken while a response is made does not cut it; it is
+    committed at once and answered when that response is done."""
+    service = ScriptedService([_text("Par"), GATE, _final()])
+    with connect(service) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+            "type": "server_vad", "interrupt_response": False}}}}})
+        ws.receive_json()
+        _say(ws, "Talk")
+        ws.send_json({"type": "response.create"})
+        _until(ws, "response.output_audio_transcript.delta")
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(_speech()).decode()})
+        heard = _until(ws, "conversation.item.done")
+        assert [e["type"] for e in heard][:3] == ["input_audio_buffer.speech_started",
+                                                  "input_audio_buffer.speech_stopped",
+                                                  "input_audio_buffer.committed"]  # fmt: skip
+        assert len(service.requests) == 1  # (not answered yet: a response is being made)
+        service.script = REPLY
+        service.gate.set()
+        first = _until(ws, "response.done")[-1]["response"]
+        second = _until(ws, "response.done")[-1]["response"]
+        assert (first["status"], second["status"]) == ("completed", "completed")
+        assert first["output"][0]["content"][0]["transcript"] == "Par"
+    turn = service.requests[1].messages
+    assert [m.role for m in turn] == ["user", "assistant", "user"] and turn[2].parts[0].audio.pcm.f32le
