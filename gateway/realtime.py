@@ -18,7 +18,11 @@ it, never ignored; the session goes on):
   `interrupt_response`): the server hears a turn start (`input_audio_buffer.speech_started`; a
   response being made is cancelled) and end (`.speech_stopped`), commits it from its prefix
   padding to where its end was known, and answers it; while no one speaks, only the padding's
-  worth of audio is kept. No semantic_vad, input transcription, tools or prompts.
+  worth of audio is kept. `transcription` ({model, language, prompt}; the model the served one,
+  or one of OpenAI's transcription models standing for it): each committed turn is also asked of
+  the model as /v1/audio/transcriptions asks it, beside its response, and its words come as
+  `conversation.item.input_audio_transcription.delta`s, then `.completed` (or `.failed`). No
+  semantic_vad, noise reduction, tools or prompts.
 * `input_audio_buffer.append` (base64 PCM), `.commit` (the buffer becomes a user item), `.clear`.
 * `conversation.item.create` (a message: user `input_text`, `input_audio`, `input_image`;
   system `input_text`; assistant `output_text` or `output_audio` by its `transcript`), with
@@ -71,11 +75,13 @@ from gateway.realtime_turns import (
     SessionBody,
     Settings,
     b64,
+    input_transcription,
     parse,
     pcm_part,
     session_only,
     to_generate_request,
     to_item,
+    transcription_request,
     turn_detection,
 )
 from gateway.realtime_vad import FRAME_MS, MIN_VOICED_MS, EnergyVad, VadEvent
@@ -115,6 +121,7 @@ class RealtimeSession:
         self.turn_start = 0  # where it started in all the input audio
         self.respond_next = False  # a turn ended over a response: answer it after that one
         self.event_id: str | None = None  # the client's id of the event being handled
+        self.transcribing: set[asyncio.Task[None]] = set()  # committed turns' input transcriptions
         self.ms_base, self.rate_start = 0, 0  # `_ms`: input audio before the rate's last change
         self.items: dict[str, Item] = {}
         self.order: list[str] = []  # the items' ids in conversation order
@@ -184,9 +191,11 @@ class RealtimeSession:
             await self.hang_up(1011, "internal error")
         finally:
             self.gone = True
-            if self.task is not None:  # the client is gone: its response is cancelled down the chain
-                self.task.cancel()
-                await asyncio.wait({self.task})  # (not `await`: a cancel of this handler is its own)
+            tasks = {*self.transcribing, *([self.task] if self.task is not None else [])}
+            for task in tasks:  # the client is gone: its requests are cancelled down the chain
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks)  # (not `await`: a cancel of this handler is its own)
 
     @staticmethod
     def _event(message: dict[str, Any]) -> Any:
@@ -269,6 +278,8 @@ class RealtimeSession:
             settings.input_rate = rate
         if audio.input is not None:
             settings.vad = turn_detection(audio.input, settings.vad)
+            settings.transcription = input_transcription(audio.input, settings.transcription,
+                                                         self.service.model_name)  # fmt: skip
         if settings.input_rate != self.settings.input_rate:  # (the buffer is empty)
             self.ms_base, self.rate_start = self._ms(self.buffer_start), self.buffer_start
         if _hearing(settings) != _hearing(self.settings):  # (create_response and the like: read as they act)
@@ -374,6 +385,63 @@ class RealtimeSession:
         previous = self.insert(item, None)
         await self.send({"type": "input_audio_buffer.committed", "previous_item_id": previous, "item_id": item.id})
         await self._added(item, previous)
+        if self.settings.transcription is not None:  # (beside the turn's response: their steps are shared)
+            task = asyncio.create_task(self._transcribe(item, self.settings.transcription))
+            self.transcribing.add(task)
+            task.add_done_callback(self.transcribing.discard)
+
+    async def _transcribe(self, item: Item, config: dict[str, Any]) -> None:
+        """A committed turn's words, as `/v1/audio/transcriptions` would give them: sent as
+        `conversation.item.input_audio_transcription.delta`s, then `.completed` (or `.failed`)."""
+        req = transcription_request(item, config)
+        req.request_id = _new_id("transcription")
+        ids = {"item_id": item.id, "content_index": 0}
+        replies = self.service.serve(req, None, "realtime")
+        words: list[str] = []
+        usage: dict[str, Any] | None = None
+        try:
+            try:
+                async for resp in replies:
+                    kind = resp.WhichOneof("kind")
+                    if kind == "text" and resp.text.text:
+                        words.append(resp.text.text)
+                        await self.deliver({"type": "conversation.item.input_audio_transcription.delta", **ids,
+                                            "delta": resp.text.text}, replies, req.request_id)  # fmt: skip
+                    elif kind == "final":
+                        u = resp.final.usage
+                        usage = {"type": "tokens", "input_tokens": u.prompt_tokens,
+                                 "output_tokens": u.completion_tokens,
+                                 "total_tokens": u.prompt_tokens + u.completion_tokens}  # fmt: skip
+            except GatewayError as e:
+                error = from_gateway_error(e)
+                log.warning("realtime transcription of %s failed: %s", item.id, error.message)
+                await self.send({"type": "conversation.item.input_audio_transcription.failed", **ids,
+                                 "error": {"type": error.kind, "code": error.code, "message": error.message,
+                                           "param": None}})  # fmt: skip
+                return
+            except _Gone:
+                return
+            except Exception:  # a bug: the request fails INTERNAL (closed, it would count CANCELLED)
+                await fail_replies(replies, internal_failure(req.request_id))
+                log.exception("realtime transcription of %s", item.id)
+                return
+            transcript = "".join(words)
+            item.content[0]["transcript"] = transcript
+            with contextlib.suppress(_Gone):
+                await self.send({"type": "conversation.item.input_audio_transcription.completed", **ids,
+                                 "transcript": transcript, "usage": usage})  # fmt: skip
+        finally:
+            await replies.aclose()
+
+    async def deliver(self, event: dict[str, Any], replies: Replies, request_id: str) -> None:
+        """One event of a request's reply: a client that takes nothing more for
+        output_stall_timeout_s fails the request (GatewayService.deliver) and loses its socket."""
+        try:
+            await self.service.deliver(self.send(event), replies, request_id)
+        except GatewayError as e:
+            log.warning("realtime session %s: %s", self.id, e.message)
+            await self.hang_up(1008, "took no event for output_stall_timeout_s")
+            raise _Gone from e
 
     def _reset_turn(self) -> None:
         self.vad_item = ""
@@ -565,12 +633,7 @@ class Response:
         s = self.session
 
         async def send(event: dict[str, Any]) -> None:
-            try:
-                await s.service.deliver(s.send(event), replies, self.id)
-            except GatewayError as e:  # it took nothing for output_stall_timeout_s: the request failed
-                log.warning("realtime session %s: %s", s.id, e.message)
-                await s.hang_up(1008, "took no event for output_stall_timeout_s")
-                raise _Gone from e
+            await s.deliver(event, replies, self.id)
 
         status, details, usage = "completed", None, None
         held = b""  # a byte past the last whole sample

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gateway.http_api import apply_temperature, voice_speaker
 from gateway.http_error import HttpError
 from gateway.realtime_vad import VadSettings
+from gateway.transcription import instruction
 from omnistage.v1 import gateway_pb2, stage_pb2
 
 __all__ = [
@@ -28,11 +29,14 @@ __all__ = [
     "SessionBody",
     "Settings",
     "b64",
+    "input_transcription",
     "parse",
     "pcm_part",
     "session_only",
     "to_generate_request",
     "to_item",
+    "transcription_instruction",
+    "transcription_request",
     "turn_detection",
 ]
 
@@ -74,11 +78,49 @@ class ServerVad(_Strict):
     eagerness: str | None = None  # (semantic_vad's)
 
 
+class TranscriptionConfig(_Strict):
+    model: str | None = None
+    language: str | None = None
+    prompt: str | None = None
+
+
 class InputAudioConfig(_Strict):
     format: PcmFormat | None = None
-    transcription: Any = None
+    transcription: TranscriptionConfig | None = None
     noise_reduction: Any = None
     turn_detection: ServerVad | None = None
+
+
+# OpenAI's transcription models: a client written for them names one; each stands for the served
+# model, which transcribes (as OpenAI's voice names stand for the default speaker)
+OPENAI_TRANSCRIBERS = frozenset({"whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe",
+                                 "gpt-4o-transcribe-latest", "gpt-4o-mini-transcribe-2025-12-15"})  # fmt: skip
+
+
+def input_transcription(audio_in: InputAudioConfig, now: dict[str, Any] | None,
+                        served: str) -> dict[str, Any] | None:  # fmt: skip
+    """The session's input transcription after `audio_in` (null: off; unset: as it was), as the
+    session shows it: {model, language, prompt} (`transcription_instruction` makes its turn)."""
+    if "transcription" not in audio_in.model_fields_set:
+        return now
+    given = audio_in.transcription
+    if given is None:
+        return None
+    where = "session.audio.input.transcription"
+    if given.model is not None and given.model != served and given.model not in OPENAI_TRANSCRIBERS:
+        raise RealtimeError(f"{where}.model: {given.model[:100]!r}: the served model {served!r} transcribes "
+                            "(or name one of OpenAI's transcription models for it)", f"{where}.model")  # fmt: skip
+    out = {"model": given.model, "language": given.language, "prompt": given.prompt}
+    transcription_instruction(out)  # (a bad language refused now)
+    return out
+
+
+def transcription_instruction(config: dict[str, Any]) -> str:
+    try:
+        return instruction(False, config["language"], config["prompt"])
+    except HttpError as e:
+        where = "session.audio.input.transcription.language"
+        raise RealtimeError(f"{where}: {e.message.removeprefix('language: ')}", where) from None
 
 
 def turn_detection(audio_in: InputAudioConfig, now: VadSettings | None) -> VadSettings | None:
@@ -238,6 +280,7 @@ class Settings:
     input_rate: int = 24_000
     temperature: float | None = None  # None: the checkpoint's sampling
     vad: VadSettings | None = None  # server_vad turn detection; None: the client commits
+    transcription: dict[str, Any] | None = None  # input audio transcribed: {model, language, prompt}
 
     def merged(self, body: _Common, voices: list[str], prefix: str, output: OutputAudioConfig | None,
                sample_rate: int) -> Settings:  # fmt: skip
@@ -278,7 +321,8 @@ class Settings:
             "instructions": self.instructions, "output_modalities": [self.modality],
             "max_output_tokens": "inf" if self.max_output_tokens is None else self.max_output_tokens,
             "audio": {
-                "input": {"format": {"type": "audio/pcm", "rate": self.input_rate}, "transcription": None,
+                "input": {"format": {"type": "audio/pcm", "rate": self.input_rate},
+                          "transcription": self.transcription,
                           "noise_reduction": None, "turn_detection": self.vad.event() if self.vad else None},
                 "output": {"format": {"type": "audio/pcm", "rate": sample_rate}, "voice": self.voice or None,
                            "speed": self.speed},
@@ -300,9 +344,6 @@ def session_only(body: SessionBody) -> None:
     audio_in = body.audio.input if body.audio is not None else None
     if audio_in is not None:
         where = "session.audio.input"
-        if audio_in.transcription is not None:
-            raise RealtimeError(f"{where}.transcription: input audio is not transcribed here (null); "
-                                "/v1/audio/transcriptions does it", f"{where}.transcription")  # fmt: skip
         if audio_in.noise_reduction is not None:
             raise RealtimeError(f"{where}.noise_reduction: no noise reduction here (null)",
                                 f"{where}.noise_reduction")  # fmt: skip
@@ -387,6 +428,16 @@ def to_item(body: MessageItem, item_id: str, input_rate: int, prefix: str = "ite
     item.nbytes = ITEM_BYTES + len(item.text.encode()) + sum(
         len(p.text.encode()) + len(p.audio.pcm.f32le) + len(p.image.file) for p in item.parts)
     return item
+
+
+def transcription_request(item: Item, config: dict[str, Any]) -> gateway_pb2.GenerateRequest:
+    """A committed turn's transcription: its audio and the instruction, greedy, text out (as
+    /v1/audio/transcriptions asks it)."""
+    req = gateway_pb2.GenerateRequest(want_audio=False)
+    parts = [*item.parts, gateway_pb2.ContentPart(text=transcription_instruction(config))]
+    req.messages.append(gateway_pb2.ChatMessage(role="user", parts=parts))
+    req.sampling["thinker"].do_sample = False
+    return req
 
 
 def to_generate_request(items: list[Item], settings: Settings) -> gateway_pb2.GenerateRequest:

@@ -242,8 +242,10 @@ BAD_EVENTS = [
         "type": "server_vad", "idle_timeout_ms": 5000}}}}}, "session.audio.input.turn_detection.idle_timeout_ms", None),
     ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
         "type": "server_vad", "threshold": 2}}}}}, "session.audio.input.turn_detection.threshold", None),
-    ({"type": "session.update", "session": {"audio": {"input": {"transcription": {"model": "whisper-1"}}}}},
-     "session.audio.input.transcription", None),
+    ({"type": "session.update", "session": {"audio": {"input": {"transcription": {"model": "other-asr"}}}}},
+     "session.audio.input.transcription.model", None),
+    ({"type": "session.update", "session": {"audio": {"input": {"transcription": {"language": "not a code"}}}}},
+     "session.audio.input.transcription.language", None),
     ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}},
      "session.audio.input.format.type", None),
     ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 4000}}}}},
@@ -680,3 +682,47 @@ def test_a_turn_that_ends_over_a_response_is_answered_after_it(connect: Callable
         assert first["output"][0]["content"][0]["transcript"] == "Par"
     turn = service.requests[1].messages
     assert [m.role for m in turn] == ["user", "assistant", "user"] and turn[2].parts[0].audio.pcm.f32le
+
+
+def test_committed_turns_are_transcribed_beside_their_response(connect: Callable[..., Any]) -> None:
+    """audio.input.transcription: each committed turn is also asked of the model as
+    /v1/audio/transcriptions asks it (its audio, the instruction, greedy, text out); its words
+    come as input_audio_transcription deltas, then .completed, and the item holds them."""
+    service = ScriptedService([_text("I said"), _audio(b"\x00\x00"), _text(" hi"), _final()])
+    with connect(service) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "session.update", "session": {"audio": {"input": {"transcription": {
+            "model": "gpt-4o-transcribe", "language": "de"}}}}})
+        shown = ws.receive_json()["session"]["audio"]["input"]["transcription"]
+        assert shown == {"model": "gpt-4o-transcribe", "language": "de", "prompt": None}
+        pcm = _pcm16(2400)
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
+        ws.send_json({"type": "input_audio_buffer.commit"})
+        events = _until(ws, "conversation.item.input_audio_transcription.completed")
+        item_id = events[0]["item_id"]
+        deltas = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.delta"]
+        assert [e["delta"] for e in deltas] == ["I said", " hi"] and {e["item_id"] for e in deltas} == {item_id}
+        done = events[-1]
+        assert done["transcript"] == "I said hi" and done["item_id"] == item_id and done["usage"]["input_tokens"] == 7
+        ws.send_json({"type": "conversation.item.retrieve", "item_id": item_id})
+        assert ws.receive_json()["item"]["content"] == [{"type": "input_audio", "transcript": "I said hi"}]
+        # a failed transcription is its own event; the session goes on
+        service.script = [GatewayError(grpc.StatusCode.INVALID_ARGUMENT, "messages[0].content[0]: too long")]
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
+        ws.send_json({"type": "input_audio_buffer.commit"})
+        failed = _until(ws, "conversation.item.input_audio_transcription.failed")[-1]
+        assert failed["error"]["message"].startswith("messages[0].content[0]: too long")
+        # transcription off: commits make no request
+        ws.send_json({"type": "session.update", "session": {"audio": {"input": {"transcription": None}}}})
+        assert ws.receive_json()["session"]["audio"]["input"]["transcription"] is None
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
+        ws.send_json({"type": "input_audio_buffer.commit"})
+        _until(ws, "conversation.item.done")
+    from gateway.transcription import instruction
+
+    (req, _) = service.requests
+    thinker = req.sampling["thinker"]
+    assert not req.want_audio and thinker.HasField("do_sample") and not thinker.do_sample
+    (turn,) = req.messages
+    assert turn.role == "user" and turn.parts[0].audio.pcm.sample_rate == 24_000
+    assert turn.parts[1].text == instruction(False, "de")  # (the speech-to-text endpoint's own)

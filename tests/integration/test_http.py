@@ -371,6 +371,37 @@ def test_realtime_turns_are_the_chat_turns_they_stand_for(http_stack: Stack, cli
     assert text == chat_text and text
 
 
+def test_realtime_input_transcription_is_the_transcription_endpoints(http_stack: Stack, client: openai.OpenAI) -> None:
+    """A committed turn, transcribed (audio.input.transcription): the words /v1/audio/transcriptions
+    gives for the same samples."""
+    spoken = _pcm16(media.tone(1.2, RATE, seed=7))
+    model = client.models.list().data[0].id
+
+    async def transcribe() -> str:
+        aclient = openai.AsyncOpenAI(base_url=f"http://{http_stack.http_address}/v1", api_key="unused", max_retries=0)
+        async with aclient.realtime.connect(model=model) as conn, asyncio.timeout(120):
+            await conn.recv()
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"transcription": {
+                "model": "whisper-1", "language": "en"}}}})  # fmt: skip
+            await conn.recv()
+            await conn.input_audio_buffer.append(audio=base64.b64encode(spoken.tobytes()).decode())
+            await conn.input_audio_buffer.commit()
+            async for event in conn:
+                if event.type == "conversation.item.input_audio_transcription.completed":
+                    return event.transcript
+                assert event.type != "conversation.item.input_audio_transcription.failed", event
+        raise AssertionError("no transcript")
+
+    wav = io.BytesIO()
+    with wave.open(wav, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(RATE)
+        w.writeframes(spoken.tobytes())
+    expected = client.audio.transcriptions.create(model=model, file=("turn.wav", wav.getvalue()), language="en").text
+    assert run(transcribe()) == expected and expected
+
+
 def test_the_bench_drives_the_realtime_socket_against_grpc(http_stack: Stack) -> None:
     """`omnistage bench --realtime`: the same requests over the Realtime WebSocket (a pooled
     session, each turn deleted after) and gRPC give the same audio; the server's token count."""
