@@ -121,7 +121,7 @@ class RealtimeSession:
         self.turn_start = 0  # where it started in all the input audio
         self.respond_next = False  # a turn ended over a response: answer it after that one
         self.event_id: str | None = None  # the client's id of the event being handled
-        self.transcribing: set[asyncio.Task[None]] = set()  # committed turns' input transcriptions
+        self.transcribing: dict[str, asyncio.Task[None]] = {}  # committed turns' input transcriptions, by item
         self.ms_base, self.rate_start = 0, 0  # `_ms`: input audio before the rate's last change
         self.items: dict[str, Item] = {}
         self.order: list[str] = []  # the items' ids in conversation order
@@ -191,7 +191,7 @@ class RealtimeSession:
             await self.hang_up(1011, "internal error")
         finally:
             self.gone = True
-            tasks = {*self.transcribing, *([self.task] if self.task is not None else [])}
+            tasks = {*self.transcribing.values(), *([self.task] if self.task is not None else [])}
             for task in tasks:  # the client is gone: its requests are cancelled down the chain
                 task.cancel()
             if tasks:
@@ -387,8 +387,13 @@ class RealtimeSession:
         await self._added(item, previous)
         if self.settings.transcription is not None:  # (beside the turn's response: their steps are shared)
             task = asyncio.create_task(self._transcribe(item, self.settings.transcription))
-            self.transcribing.add(task)
-            task.add_done_callback(self.transcribing.discard)
+            self.transcribing[item.id] = task
+
+            def forget(done: asyncio.Task[None], item_id: str = item.id) -> None:
+                if self.transcribing.get(item_id) is done:
+                    del self.transcribing[item_id]
+
+            task.add_done_callback(forget)
 
     async def _transcribe(self, item: Item, config: dict[str, Any]) -> None:
         """A committed turn's words, as `/v1/audio/transcriptions` would give them: sent as
@@ -415,15 +420,15 @@ class RealtimeSession:
             except GatewayError as e:
                 error = from_gateway_error(e)
                 log.warning("realtime transcription of %s failed: %s", item.id, error.message)
-                await self.send({"type": "conversation.item.input_audio_transcription.failed", **ids,
-                                 "error": {"type": error.kind, "code": error.code, "message": error.message,
-                                           "param": None}})  # fmt: skip
+                await self._transcription_failed(ids, error.kind, error.code, error.message)
                 return
             except _Gone:
                 return
             except Exception:  # a bug: the request fails INTERNAL (closed, it would count CANCELLED)
-                await fail_replies(replies, internal_failure(req.request_id))
+                failure = internal_failure(req.request_id)
+                await fail_replies(replies, failure)
                 log.exception("realtime transcription of %s", item.id)
+                await self._transcription_failed(ids, "server_error", "internal", failure.message)
                 return
             transcript = "".join(words)
             item.content[0]["transcript"] = transcript
@@ -432,6 +437,11 @@ class RealtimeSession:
                                  "transcript": transcript, "usage": usage})  # fmt: skip
         finally:
             await replies.aclose()
+
+    async def _transcription_failed(self, ids: dict[str, Any], kind: str, code: str | None, message: str) -> None:
+        with contextlib.suppress(_Gone):
+            await self.send({"type": "conversation.item.input_audio_transcription.failed", **ids,
+                             "error": {"type": kind, "code": code, "message": message, "param": None}})  # fmt: skip
 
     async def deliver(self, event: dict[str, Any], replies: Replies, request_id: str) -> None:
         """One event of a request's reply: a client that takes nothing more for
@@ -476,6 +486,8 @@ class RealtimeSession:
         if self.active is not None and self.active.item.id == item_id:
             raise RealtimeError("item_id: the response being made; cancel it first", "item_id")
         self.remove(item_id)
+        if (task := self.transcribing.get(item_id)) is not None:  # (its words would name a gone item)
+            task.cancel()
         await self.send({"type": "conversation.item.deleted", "item_id": item_id})
 
     async def item_retrieve(self, body: dict[str, Any]) -> None:

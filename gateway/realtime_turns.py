@@ -93,8 +93,9 @@ class InputAudioConfig(_Strict):
 
 # OpenAI's transcription models: a client written for them names one; each stands for the served
 # model, which transcribes (as OpenAI's voice names stand for the default speaker)
-OPENAI_TRANSCRIBERS = frozenset({"whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe",
-                                 "gpt-4o-transcribe-latest", "gpt-4o-mini-transcribe-2025-12-15"})  # fmt: skip
+OPENAI_TRANSCRIBERS = frozenset({"whisper-1", "gpt-transcribe", "gpt-live-transcribe", "gpt-4o-mini-transcribe",
+                                 "gpt-4o-mini-transcribe-2025-12-15", "gpt-4o-transcribe", "gpt-realtime-whisper"})
+# (gpt-4o-transcribe-diarize: refused, the served model labels no speakers)
 
 
 def input_transcription(audio_in: InputAudioConfig, now: dict[str, Any] | None,

@@ -726,3 +726,30 @@ def test_committed_turns_are_transcribed_beside_their_response(connect: Callable
     (turn,) = req.messages
     assert turn.role == "user" and turn.parts[0].audio.pcm.sample_rate == 24_000
     assert turn.parts[1].text == instruction(False, "de")  # (the speech-to-text endpoint's own)
+
+
+def test_a_transcription_ends_with_its_item_or_its_session(connect: Callable[..., Any]) -> None:
+    """Deleting a turn being transcribed cancels its transcription (its words would name a gone
+    item); a hang-up cancels one too."""
+    service = ScriptedService([_text("I said"), HANG, _final()])
+
+    def closed(n: int) -> list[str]:
+        deadline = time.monotonic() + 10
+        while len(service.closed) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return service.closed
+
+    with connect(service) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "session.update", "session": {"audio": {"input": {"transcription": {}}}}})
+        ws.receive_json()
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm16(2400)).decode()})
+        ws.send_json({"type": "input_audio_buffer.commit"})
+        item_id = _until(ws, "conversation.item.input_audio_transcription.delta")[-1]["item_id"]
+        ws.send_json({"type": "conversation.item.delete", "item_id": item_id})
+        assert ws.receive_json()["type"] == "conversation.item.deleted"
+        assert closed(1) == [service.requests[0].request_id]
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm16(2400)).decode()})
+        ws.send_json({"type": "input_audio_buffer.commit"})
+        _until(ws, "conversation.item.input_audio_transcription.delta")
+    assert closed(2) == [r.request_id for r in service.requests]
