@@ -95,8 +95,8 @@ from omnistage.quoting import quoted
 from omnistage.topology import STAGES
 from omnistage.v1 import gateway_pb2, stage_pb2
 
-__all__ = ["ChatCompletions", "apply_temperature", "from_gateway_error", "lone_surrogate", "served_voices",
-           "to_generate_request", "unknown_model", "voice_speaker"]
+__all__ = ["ChatCompletions", "apply_temperature", "data_url", "decode_b64", "from_gateway_error", "lone_surrogate",
+           "pcm16_part", "served_voices", "stt_usage", "to_generate_request", "unknown_model", "voice_speaker"]
 
 log = logging.getLogger(__name__)
 
@@ -400,7 +400,7 @@ def _sse(event: dict[str, Any]) -> str:
     return f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
 
 
-def _decode_b64(data: str, where: str) -> bytes:
+def decode_b64(data: str, where: str) -> bytes:
     data = "".join(data.split())  # line-wrapped base64 (MIME, `base64` without -w0) is still base64
     try:  # and so is base64 whose padding was left off
         return base64.b64decode(data + "=" * (-len(data) % 4), validate=True)
@@ -408,7 +408,7 @@ def _decode_b64(data: str, where: str) -> bytes:
         raise HttpError(400, f"{where}: not valid base64", param=where) from None
 
 
-def _data_url(url: Url | str, where: str) -> bytes:
+def data_url(url: Url | str, where: str) -> bytes:
     if isinstance(url, Url):
         url, where = url.url, f"{where}.url"
     if url[:5].lower() != "data:":  # (a scheme, and the base64 token, are case-insensitive)
@@ -416,29 +416,33 @@ def _data_url(url: Url | str, where: str) -> bytes:
     head, sep, data = url.partition(",")
     if not sep or not head.lower().endswith(";base64"):
         raise HttpError(400, f"{where}: expected data:<mime>;base64,<data>", param=where)
-    return _decode_b64(data, where)
+    return decode_b64(data, where)
+
+
+def pcm16_part(data: bytes, rate: int, where: str, name: str) -> gateway_pb2.ContentPart:
+    """Raw 16-bit little-endian mono samples at `rate` as an audio part (`name`: the format's, for
+    the error of a half sample)."""
+    if len(data) % 2:
+        raise HttpError(400, f"{where}: {name} needs whole 16-bit samples", param=where)
+    f32 = (np.frombuffer(data, "<i2").astype(np.float32) / 32768).astype("<f4").tobytes()
+    return gateway_pb2.ContentPart(audio=gateway_pb2.AudioPart(pcm=gateway_pb2.RawAudio(f32le=f32, sample_rate=rate)))
 
 
 def _part(part: Any, where: str) -> gateway_pb2.ContentPart:
     if isinstance(part, TextPart):
         return gateway_pb2.ContentPart(text=part.text)
     if isinstance(part, AudioUrlPart):
-        data = _data_url(part.audio_url, f"{where}.audio_url")
+        data = data_url(part.audio_url, f"{where}.audio_url")
         return gateway_pb2.ContentPart(audio=gateway_pb2.AudioPart(file=data))
     if isinstance(part, AudioPart):
-        data = _decode_b64(part.input_audio.data, f"{where}.input_audio.data")
+        data = decode_b64(part.input_audio.data, f"{where}.input_audio.data")
         if part.input_audio.format == "pcm16":
-            if len(data) % 2:
-                raise HttpError(400, f"{where}.input_audio.data: pcm16 needs whole 16-bit samples",
-                                param=f"{where}.input_audio.data")  # fmt: skip
-            f32 = (np.frombuffer(data, "<i2").astype(np.float32) / 32768).astype("<f4").tobytes()
-            raw = gateway_pb2.RawAudio(f32le=f32, sample_rate=PCM16_RATE)
-            return gateway_pb2.ContentPart(audio=gateway_pb2.AudioPart(pcm=raw))
+            return pcm16_part(data, PCM16_RATE, f"{where}.input_audio.data", "pcm16")
         return gateway_pb2.ContentPart(audio=gateway_pb2.AudioPart(file=data))
     if isinstance(part, ImagePart):
-        return gateway_pb2.ContentPart(image=gateway_pb2.ImagePart(file=_data_url(part.image_url,
+        return gateway_pb2.ContentPart(image=gateway_pb2.ImagePart(file=data_url(part.image_url,
                                                                                    f"{where}.image_url")))
-    return gateway_pb2.ContentPart(video=gateway_pb2.VideoPart(file=_data_url(part.video_url, f"{where}.video_url")))
+    return gateway_pb2.ContentPart(video=gateway_pb2.VideoPart(file=data_url(part.video_url, f"{where}.video_url")))
 
 
 # OpenAI's own voices: its SDK and examples always name one, so each stands for the checkpoint's
@@ -1296,7 +1300,7 @@ async def _transcript(responses: Replies, text_only: bool) -> Response:
     def reply(text: str, _audio: list[bytes], final: gateway_pb2.Final) -> Response:
         if text_only:
             return PlainTextResponse(text)
-        return JSONResponse({"text": text, "usage": _stt_usage(final.usage)})
+        return JSONResponse({"text": text, "usage": stt_usage(final.usage)})
 
     return await _whole_of(responses, reply)
 
@@ -1315,7 +1319,7 @@ def _transcript_events(first: list[gateway_pb2.GenerateResponse], responses: Rep
                 yield _sse({"type": "transcript.text.delta", "delta": resp.text.text})
             elif kind == "final":
                 yield _sse({"type": "transcript.text.done", "text": "".join(text),
-                            "usage": _stt_usage(resp.final.usage)})  # fmt: skip
+                            "usage": stt_usage(resp.final.usage)})  # fmt: skip
 
     def failed(e: GatewayError) -> str:
         log.warning("transcript ended early: %s", e.message)
@@ -1329,7 +1333,7 @@ def _io_usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
     return {"input_tokens": input_tokens, "output_tokens": output_tokens, "total_tokens": input_tokens + output_tokens}
 
 
-def _stt_usage(u: gateway_pb2.Usage) -> dict[str, Any]:
+def stt_usage(u: gateway_pb2.Usage) -> dict[str, Any]:
     """A transcription's usage as OpenAI gives a token-billed one (the input counts the audio's)."""
     return {"type": "tokens", **_io_usage(u.prompt_tokens, u.completion_tokens)}
 

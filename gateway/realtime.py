@@ -61,7 +61,7 @@ from urllib.parse import urlsplit
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from gateway.http_api import from_gateway_error, lone_surrogate, served_voices, unknown_model
+from gateway.http_api import from_gateway_error, lone_surrogate, served_voices, stt_usage, unknown_model
 from gateway.http_error import HttpError
 from gateway.realtime_turns import (
     MAX_INPUT_RATE,
@@ -413,10 +413,7 @@ class RealtimeSession:
                         await self.deliver({"type": "conversation.item.input_audio_transcription.delta", **ids,
                                             "delta": resp.text.text}, replies, req.request_id)  # fmt: skip
                     elif kind == "final":
-                        u = resp.final.usage
-                        usage = {"type": "tokens", "input_tokens": u.prompt_tokens,
-                                 "output_tokens": u.completion_tokens,
-                                 "total_tokens": u.prompt_tokens + u.completion_tokens}  # fmt: skip
+                        usage = stt_usage(resp.final.usage)
             except GatewayError as e:
                 error = from_gateway_error(e)
                 log.warning("realtime transcription of %s failed: %s", item.id, error.message)

@@ -4,18 +4,16 @@ is a RealtimeError naming it, never ignored."""
 
 from __future__ import annotations
 
-import base64
-import binascii
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gateway.http_api import apply_temperature, voice_speaker
+from gateway.http_api import apply_temperature, data_url, decode_b64, pcm16_part, voice_speaker
 from gateway.http_error import HttpError
 from gateway.realtime_vad import VadSettings
-from gateway.transcription import instruction
+from gateway.transcription import instruction, transcription_turn
 from omnistage.v1 import gateway_pb2, stage_pb2
 
 __all__ = [
@@ -240,6 +238,7 @@ class MessageItem(_Strict):
 
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+T = TypeVar("T")
 
 
 def _where(loc: tuple[Any, ...], prefix: str) -> str:
@@ -380,25 +379,24 @@ class Item:
         return gateway_pb2.ChatMessage(role=self.role, parts=self.parts)
 
 
-def b64(data: str, where: str) -> bytes:
+def _realtime(call: Callable[[], T]) -> T:
+    """`call()` of the HTTP door's shared decoding, its HttpError as this API's refusal."""
     try:
-        return base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise RealtimeError(f"{where}: not valid base64", where) from None
+        return call()
+    except HttpError as e:
+        raise RealtimeError(e.message, e.param) from None
+
+
+def b64(data: str, where: str) -> bytes:
+    return _realtime(lambda: decode_b64(data, where))
 
 
 def pcm_part(pcm16: bytes, rate: int, where: str) -> gateway_pb2.ContentPart:
-    if len(pcm16) % 2:
-        raise RealtimeError(f"{where}: audio/pcm needs whole 16-bit samples", where)
-    f32 = (np.frombuffer(pcm16, "<i2").astype(np.float32) / 32768).astype("<f4").tobytes()
-    return gateway_pb2.ContentPart(audio=gateway_pb2.AudioPart(pcm=gateway_pb2.RawAudio(f32le=f32, sample_rate=rate)))
+    return _realtime(lambda: pcm16_part(pcm16, rate, where, "audio/pcm"))
 
 
 def _image_part(url: str, where: str) -> gateway_pb2.ContentPart:
-    head, sep, data = url.partition(",")
-    if not (sep and head.startswith("data:") and head.endswith(";base64")):
-        raise RealtimeError(f"{where}: a data URL (data:image/...;base64,...) is taken; nothing is fetched", where)
-    return gateway_pb2.ContentPart(image=gateway_pb2.ImagePart(file=b64(data, where)))
+    return gateway_pb2.ContentPart(image=gateway_pb2.ImagePart(file=_realtime(lambda: data_url(url, where))))
 
 
 def to_item(body: MessageItem, item_id: str, input_rate: int, prefix: str = "item") -> Item:
@@ -434,9 +432,8 @@ def to_item(body: MessageItem, item_id: str, input_rate: int, prefix: str = "ite
 def transcription_request(item: Item, config: dict[str, Any]) -> gateway_pb2.GenerateRequest:
     """A committed turn's transcription: its audio and the instruction, greedy, text out (as
     /v1/audio/transcriptions asks it)."""
-    req = gateway_pb2.GenerateRequest(want_audio=False)
-    parts = [*item.parts, gateway_pb2.ContentPart(text=transcription_instruction(config))]
-    req.messages.append(gateway_pb2.ChatMessage(role="user", parts=parts))
+    (audio,) = item.parts
+    req = transcription_turn(audio, transcription_instruction(config))
     req.sampling["thinker"].do_sample = False
     return req
 

@@ -156,6 +156,13 @@ def instruction(translate: bool, language: str | None = None, prompt: str | None
     return text
 
 
+def transcription_turn(audio: gateway_pb2.ContentPart, text: str) -> gateway_pb2.GenerateRequest:
+    """What speech to text asks of the model: one user turn, the audio then the instruction, text out."""
+    req = gateway_pb2.GenerateRequest(want_audio=False)
+    req.messages.append(gateway_pb2.ChatMessage(role="user", parts=[audio, gateway_pb2.ContentPart(text=text)]))
+    return req
+
+
 def to_transcription_request(upload: Upload, translate: bool) -> gateway_pb2.GenerateRequest:
     """The form as the gateway's own request: one user turn, the audio then the instruction,
     text out only."""
@@ -174,10 +181,8 @@ def to_transcription_request(upload: Upload, translate: bool) -> gateway_pb2.Gen
         raise HttpError(400, "chunking_strategy: only auto (the file is heard whole)", param="chunking_strategy")
     if translate and form.stream:
         raise HttpError(400, "stream: translations are not streamed (as OpenAI's)", param="stream")
-    parts = [gateway_pb2.ContentPart(audio=gateway_pb2.AudioPart(file=upload.audio)),
-             gateway_pb2.ContentPart(text=instruction(translate, form.language, form.prompt))]  # fmt: skip
-    req = gateway_pb2.GenerateRequest(want_audio=False)
-    req.messages.append(gateway_pb2.ChatMessage(role="user", parts=parts))
+    audio = gateway_pb2.ContentPart(audio=gateway_pb2.AudioPart(file=upload.audio))
+    req = transcription_turn(audio, instruction(translate, form.language, form.prompt))
     thinker = req.sampling["thinker"]
     if form.temperature is None or greedy_temperature(form.temperature):
         thinker.do_sample = False  # OpenAI's default 0: the same file, the same text
