@@ -380,7 +380,7 @@ class RealtimeDriver(HttpDriver):
         self.ws_url = self.url.replace("/chat/completions", "/realtime").replace("http", "ws", 1)
         self._idle: list[Any] = []
 
-    async def _session(self, req: BenchRequest) -> Any:
+    async def _session(self) -> Any:
         if self._idle:
             return self._idle.pop()
         import ssl
@@ -416,7 +416,7 @@ class RealtimeDriver(HttpDriver):
         ws = None
         try:
             async with asyncio.timeout(self.timeout):  # (the other drivers' deadline)
-                ws = await self._session(req)
+                ws = await self._session()
                 events = await self._turn(ws, req)
         except BaseException:
             if ws is not None:

@@ -223,9 +223,9 @@ class OutputAudioPart(_Strict):
 
 Part = Annotated[InputTextPart | InputAudioPart | InputImagePart | OutputTextPart | OutputAudioPart,
                  Field(discriminator="type")]  # fmt: skip
-_PART_TYPES = frozenset(("input_text", "input_audio", "input_image", "output_text", "text", "output_audio", "audio"))
 ROLE_PARTS = {"user": ("input_text", "input_audio", "input_image"), "system": ("input_text",),
               "assistant": ("output_text", "text", "output_audio", "audio")}  # fmt: skip
+_PART_TYPES = frozenset(t for types in ROLE_PARTS.values() for t in types)
 
 
 class MessageItem(_Strict):
