@@ -43,6 +43,11 @@ Server events sent: `session.created` / `.updated`, `input_audio_buffer.committe
 `response.output_text.delta`), their `.done`s, `response.content_part.done`,
 `response.output_item.done`, and `response.done` with its status (completed; incomplete at
 max_output_tokens; cancelled; failed, with the error) and usage. `error` for a refused event.
+
+The beta dialect (`OpenAI-Beta: realtime=v1`: `client.beta.realtime.connect()` and the clients
+written before GA) is served too, translated at the edge (gateway/realtime_beta.py). A browser,
+which cannot set headers, offers `realtime`, `openai-insecure-api-key.<key>` and (for beta)
+`openai-beta.realtime-v1` as subprotocols, as OpenAI's API takes them.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from gateway.http_api import from_gateway_error, lone_surrogate, served_voices, stt_usage, unknown_model
 from gateway.http_error import HttpError
+from gateway.realtime_beta import is_beta, to_beta, to_ga
 from gateway.realtime_turns import (
     MAX_INPUT_RATE,
     MAX_ITEMS,
@@ -110,8 +116,9 @@ class _Gone(Exception):
 class RealtimeSession:
     """One WebSocket's conversation: its settings, input audio buffer and items; one response at a time."""
 
-    def __init__(self, service: GatewayService, ws: WebSocket, voices: list[str]) -> None:
+    def __init__(self, service: GatewayService, ws: WebSocket, voices: list[str], beta: bool = False) -> None:
         self.service, self.ws, self.voices = service, ws, voices
+        self.beta = beta  # the client speaks the beta dialect (gateway/realtime_beta.py)
         self.id = _new_id("sess")
         self.settings = Settings(modality="audio" if voices else "text")
         self.buffer = bytearray()
@@ -139,10 +146,12 @@ class RealtimeSession:
         """One event out; _Gone once the client is (a send on a closed socket raises one of these)."""
         if self.gone:
             raise _Gone
-        text = json.dumps({"type": event.pop("type"), "event_id": f"event_{next(self.events)}", **event})
+        texts = [json.dumps({"type": e.pop("type"), "event_id": f"event_{next(self.events)}", **e})
+                 for e in (to_beta(event) if self.beta else [event])]  # fmt: skip
         try:
             async with self.lock:
-                await self.ws.send_text(text)
+                for text in texts:
+                    await self.ws.send_text(text)
         except (WebSocketDisconnect, RuntimeError, OSError) as e:
             self.gone = True
             raise _Gone from e
@@ -214,6 +223,8 @@ class RealtimeSession:
         # JSON may escape half of a UTF-16 pair; protobuf, which takes only UTF-8, would fail on it later
         if (where := lone_surrogate(text.encode("utf-8", "surrogatepass"), event)) is not None:
             raise RealtimeError(f"{where}: not valid Unicode (a lone UTF-16 surrogate)", where)
+        if self.beta:
+            event = to_ga(event)
         kind = event["type"]
         handler = _HANDLERS.get(kind)
         if handler is None:
@@ -725,7 +736,8 @@ def realtime_route(service: GatewayService) -> WebSocketRoute:
     async def endpoint(ws: WebSocket) -> None:
         refusal: HttpError | None = None
         origin = ws.headers.get("origin")
-        if not service.check_api_key(ws.headers.get("authorization")):
+        offered: list[str] = list(ws.scope.get("subprotocols") or [])
+        if not service.check_api_key(ws.headers.get("authorization") or _subprotocol_key(offered)):
             refusal = HttpError(401, "missing or wrong API key (header Authorization: Bearer <key>)",
                                 "authentication_error", code="invalid_api_key")  # fmt: skip
         elif (model := ws.query_params.get("model")) is not None and model != service.model_name:
@@ -742,8 +754,10 @@ def realtime_route(service: GatewayService) -> WebSocketRoute:
             else:
                 await ws.close(1008, refusal.message[:120])
             return
-        await ws.accept()
-        session = RealtimeSession(service, ws, voices)
+        # (a browser, which cannot set headers, offers `realtime` and its key and dialect as
+        # subprotocols; it drops a socket whose server selects none of those it offered)
+        await ws.accept(subprotocol=_SUBPROTOCOL if _SUBPROTOCOL in offered else None)
+        session = RealtimeSession(service, ws, voices, beta=is_beta(ws.headers.get("openai-beta"), offered))
         await session.run()
         await session.hang_up(1000, "")
 
@@ -751,6 +765,14 @@ def realtime_route(service: GatewayService) -> WebSocketRoute:
 
 
 _REFUSALS = {401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND"}
+_SUBPROTOCOL = "realtime"
+_KEY_SUBPROTOCOL = "openai-insecure-api-key."  # OpenAI's way for a browser to send its key
+
+
+def _subprotocol_key(offered: list[str]) -> str | None:
+    """A browser's API key, offered as a subprotocol, as the Authorization header would carry it."""
+    keys = [p.removeprefix(_KEY_SUBPROTOCOL) for p in offered if p.startswith(_KEY_SUBPROTOCOL)]
+    return f"Bearer {keys[0]}" if keys else None
 
 
 def _origin_allowed(origin: str, host: str | None, allowed: list[str]) -> bool:

@@ -753,3 +753,122 @@ def test_a_transcription_ends_with_its_item_or_its_session(connect: Callable[...
         ws.send_json({"type": "input_audio_buffer.commit"})
         _until(ws, "conversation.item.input_audio_transcription.delta")
     assert closed(2) == [r.request_id for r in service.requests]
+
+
+# ---- the beta dialect (gateway/realtime_beta.py) ------------------------------------------------
+
+BETA = {"openai-beta": "realtime=v1"}
+# OpenAI's beta names for GA's server events (openai.types.beta.realtime); conversation.item.done
+# has none (beta's `created` carries the item)
+BETA_NAMES = {"conversation.item.added": "conversation.item.created",
+              "response.output_audio.delta": "response.audio.delta",
+              "response.output_audio.done": "response.audio.done",
+              "response.output_audio_transcript.delta": "response.audio_transcript.delta",
+              "response.output_audio_transcript.done": "response.audio_transcript.done",
+              "response.output_text.delta": "response.text.delta", "response.output_text.done": "response.text.done"}
+
+
+def _conversation(ws: Any, session: dict[str, Any], pcm: bytes, response: dict[str, Any]) -> list[dict[str, Any]]:
+    """session.update, a committed spoken turn, a typed one and a response: every event after the update."""
+    ws.send_json({"type": "session.update", "session": session})
+    events = _until(ws, "session.updated")[-1:]
+    ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
+    ws.send_json({"type": "input_audio_buffer.commit"})
+    ws.send_json({"type": "conversation.item.create", "item": {
+        "type": "message", "role": "user", "content": [{"type": "input_text", "text": "And?"}]}})
+    ws.send_json({"type": "response.create", "response": response})
+    return events + _until(ws, "response.done")
+
+
+def test_a_beta_client_is_served_in_its_dialect(connect: Callable[..., Any]) -> None:
+    """The same conversation in the beta dialect and in GA's asks the same of the gateway; the
+    beta client's events carry beta's names and shapes."""
+    pcm = _pcm16(4800)
+    ga, beta = ScriptedService(), ScriptedService()
+    with connect(ga) as ws:
+        ws.receive_json()
+        ga_events = _conversation(ws, {
+            "instructions": "Be brief.", "output_modalities": ["audio"], "max_output_tokens": 9, "temperature": 0,
+            "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24_000}, "turn_detection": None},
+                      "output": {"format": {"type": "audio/pcm"}, "voice": "chelsie", "speed": 1.25}}},
+            pcm, {"instructions": "In French.", "audio": {"output": {"voice": "ethan"}}})  # fmt: skip
+    with connect(beta, headers=BETA) as ws:
+        created = ws.receive_json()
+        assert created["type"] == "session.created"
+        assert created["session"]["modalities"] == ["text", "audio"] and "output_modalities" not in created["session"]
+        assert created["session"]["input_audio_format"] == "pcm16" and "audio" not in created["session"]
+        assert ws.receive_json()["type"] == "conversation.created"
+        beta_events = _conversation(ws, {
+            "instructions": "Be brief.", "modalities": ["text", "audio"], "max_response_output_tokens": 9,
+            "temperature": 0, "input_audio_format": "pcm16", "output_audio_format": "pcm16", "turn_detection": None,
+            "voice": "chelsie", "speed": 1.25},
+            pcm, {"instructions": "In French.", "voice": "ethan", "modalities": ["audio", "text"]})  # fmt: skip
+    for service in (ga, beta):
+        for req in service.requests:
+            req.request_id = ""
+    assert beta.requests == ga.requests and len(ga.requests) == 1
+    assert ga.requests[0].speaker == "ethan" and ga.requests[0].messages[0].content == "In French."
+    session = beta_events[0]["session"]
+    assert {k: session[k] for k in ("modalities", "instructions", "voice", "speed", "input_audio_format",
+                                    "output_audio_format", "turn_detection", "max_response_output_tokens",
+                                    "temperature")} == {
+        "modalities": ["text", "audio"], "instructions": "Be brief.", "voice": "chelsie", "speed": 1.25,
+        "input_audio_format": "pcm16", "output_audio_format": "pcm16", "turn_detection": None,
+        "max_response_output_tokens": 9, "temperature": 0}  # fmt: skip
+    expected = [BETA_NAMES.get(e["type"], e["type"]) for e in ga_events if e["type"] != "conversation.item.done"]
+    assert [e["type"] for e in beta_events] == expected
+    assert "response.audio.delta" in expected and "conversation.item.created" in expected
+    pieces = {"ga": [e.get("delta") for e in ga_events], "beta": [e.get("delta") for e in beta_events]}
+    assert [d for d in pieces["beta"] if d] == [d for d in pieces["ga"] if d]  # the same words and samples
+    done = beta_events[-1]["response"]
+    assert done["modalities"] == ["text", "audio"] and done["voice"] == "ethan"
+    assert done["output_audio_format"] == "pcm16" and "audio" not in done and "output_modalities" not in done
+    assert done["output"][0]["content"] == [{"type": "audio", "transcript": "Hello"}]
+    parts = [e["part"]["type"] for e in beta_events if "part" in e]
+    assert parts == ["audio", "audio"]
+    items = [e["item"] for e in beta_events if e["type"] == "conversation.item.created"]
+    assert [[p["type"] for p in i["content"]] for i in items] == [["input_audio"], ["input_text"], []]
+    done_item = next(e["item"] for e in beta_events if e["type"] == "response.output_item.done")
+    assert done_item["content"] == [{"type": "audio", "transcript": "Hello"}]  # (GA's: output_audio)
+
+
+def test_beta_text_replies_and_refusals(connect: Callable[..., Any]) -> None:
+    service = ScriptedService([_text("Hi"), _final()])
+    with connect(service, headers={"openai-beta": "assistants=v2, realtime=v1"}) as ws:
+        _until(ws, "conversation.created")
+        ws.send_json({"type": "session.update", "event_id": "u1", "session": {"client_secret": {"seconds": 9}}})
+        error = ws.receive_json()
+        assert error["type"] == "error" and error["error"]["param"] == "session.client_secret"
+        assert error["error"]["event_id"] == "u1"
+        ws.send_json({"type": "session.update", "session": {"modalities": ["video"]}})
+        assert ws.receive_json()["error"]["param"].startswith("session.output_modalities")
+        ws.send_json({"type": "session.update", "session": {"modalities": ["text"], "turn_detection": {
+            "type": "server_vad", "silence_duration_ms": 300}}})  # fmt: skip
+        session = _until(ws, "session.updated")[-1]["session"]
+        assert session["modalities"] == ["text"] and session["turn_detection"]["silence_duration_ms"] == 300
+        ws.send_json({"type": "response.create", "response": {"turn_detection": None}})  # a session's field
+        assert ws.receive_json()["type"] == "error"
+        ws.send_json({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]}})
+        assert ws.receive_json()["type"] == "conversation.item.created"
+        ws.send_json({"type": "response.create"})
+        events = _until(ws, "response.done")
+        assert [e["type"] for e in events if "delta" in e or e["type"].endswith("text.done")] == [
+            "response.text.delta", "response.text.done"]
+        assert events[-1]["response"]["output"][0]["content"] == [{"type": "text", "text": "Hi"}]
+    assert not service.requests[0].want_audio
+
+
+def test_a_browser_sends_its_key_and_dialect_as_subprotocols(connect: Callable[..., Any]) -> None:
+    service = ScriptedService(api_key="k")
+    offered = ["realtime", "openai-insecure-api-key.k", "openai-beta.realtime-v1"]
+    with connect(service, subprotocols=offered) as ws:
+        assert ws.accepted_subprotocol == "realtime"
+        assert "modalities" in ws.receive_json()["session"]  # beta's session
+    with connect(service, subprotocols=offered[:2]) as ws:
+        assert ws.accepted_subprotocol == "realtime"
+        assert "output_modalities" in ws.receive_json()["session"]  # GA's
+    with pytest.raises(WebSocketDenialResponse) as denied, connect(
+            service, subprotocols=["realtime", "openai-insecure-api-key.wrong"]):
+        pass
+    assert denied.value.status_code == 401

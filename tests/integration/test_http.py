@@ -371,6 +371,57 @@ def test_realtime_turns_are_the_chat_turns_they_stand_for(http_stack: Stack, cli
     assert text == chat_text and text
 
 
+def test_the_beta_realtime_client_gets_the_chat_reply(http_stack: Stack, client: openai.OpenAI) -> None:
+    """The official client's beta Realtime connection (`OpenAI-Beta: realtime=v1`, beta's event
+    and field names): a spoken and a typed turn, answered as chat completions answers them."""
+    spoken = _pcm16(media.tone(1.0, RATE, seed=5)).tobytes()
+    model = client.models.list().data[0].id
+
+    async def talk() -> tuple[str, bytes, list[str]]:
+        # (the beta connection takes wss:// from an http:// base URL; a plain socket is named)
+        aclient = openai.AsyncOpenAI(base_url=f"http://{http_stack.http_address}/v1", api_key="unused", max_retries=0,
+                                     websocket_base_url=f"ws://{http_stack.http_address}/v1")  # fmt: skip
+        async with aclient.beta.realtime.connect(model=model) as conn, asyncio.timeout(120):
+            assert (await conn.recv()).type == "session.created"
+            assert (await conn.recv()).type == "conversation.created"
+            await conn.session.update(session={"modalities": ["text", "audio"], "voice": "ethan", "temperature": 0,
+                                               "input_audio_format": "pcm16", "output_audio_format": "pcm16",
+                                               "max_response_output_tokens": MAX_TOKENS, "turn_detection": None})  # type: ignore[typeddict-item]  # fmt: skip
+            updated = await conn.recv()
+            assert updated.type == "session.updated" and updated.session.modalities == ["text", "audio"]
+            await conn.input_audio_buffer.append(audio=base64.b64encode(spoken).decode())
+            await conn.input_audio_buffer.commit()
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "What is it?"}]})
+            await conn.response.create()
+            text, audio, kinds = "", b"", []
+            async for event in conn:
+                kinds.append(event.type)
+                if event.type == "response.audio_transcript.delta":
+                    text += event.delta
+                elif event.type == "response.audio.delta":
+                    audio += base64.b64decode(event.delta)
+                elif event.type == "error":
+                    raise AssertionError(event)
+                elif event.type == "response.done":
+                    assert event.response.status in ("completed", "incomplete") and event.response.usage
+                    assert event.response.output[0].content[0].type == "audio"
+                    return text, audio, kinds
+        raise AssertionError("the connection ended before response.done")
+
+    text, audio, kinds = run(talk())
+    assert "conversation.item.created" in kinds and "conversation.item.added" not in kinds
+    turns = [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(spoken).decode(), "format": "pcm16"}}]},
+        {"role": "user", "content": [{"type": "text", "text": "What is it?"}]}]  # (two items: two turns)
+    message = client.chat.completions.create(model=model, messages=turns, modalities=["text", "audio"],  # type: ignore[arg-type]
+                                             audio={"voice": "ethan", "format": "pcm16"}, temperature=0,
+                                             max_tokens=MAX_TOKENS).choices[0].message  # fmt: skip
+    assert text == message.content and text
+    want, got = np.frombuffer(base64.b64decode(message.audio.data), "<i2"), np.frombuffer(audio, "<i2")
+    assert got.shape == want.shape and int(np.abs(got.astype(np.int32) - want).max()) <= 1
+
+
 def test_realtime_input_transcription_is_the_transcription_endpoints(http_stack: Stack, client: openai.OpenAI) -> None:
     """A committed turn, transcribed (audio.input.transcription): the words /v1/audio/transcriptions
     gives for the same samples."""

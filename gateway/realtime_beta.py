@@ -1,0 +1,150 @@
+"""The Realtime API's beta dialect: what `client.beta.realtime.connect()` and the clients written
+before the API's GA release speak (`OpenAI-Beta: realtime=v1`, or a browser's
+`openai-beta.realtime-v1` subprotocol). It is the same session with other names: a flat session
+(`modalities`, `voice`, `input_audio_format`, `turn_detection`, ...), `response.audio.delta`
+for `response.output_audio.delta`, `conversation.item.created` for `.added`, content parts
+`audio` / `text` for `output_audio` / `output_text`. gateway/realtime.py serves the GA API alone;
+a beta client's events are translated at the socket's edge: `to_ga` on the way in, `to_beta` on
+the way out. What the GA form refuses a beta client is refused too, its `param` the GA field's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["BETA_SUBPROTOCOL", "is_beta", "to_beta", "to_ga"]
+
+BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
+
+# beta audio format names <-> GA's (beta's pcm16 is 24 kHz, as GA's audio/pcm by default)
+_FORMATS = {"pcm16": {"type": "audio/pcm", "rate": 24_000}, "g711_ulaw": {"type": "audio/pcmu"},
+            "g711_alaw": {"type": "audio/pcma"}}  # fmt: skip
+_FORMAT_NAMES = {"audio/pcm": "pcm16", "audio/pcmu": "g711_ulaw", "audio/pcma": "g711_alaw"}
+
+# a beta session's (or response's) field -> where GA has it
+_MOVES: dict[str, tuple[str, ...]] = {
+    "modalities": ("output_modalities",),
+    "max_response_output_tokens": ("max_output_tokens",),
+    "voice": ("audio", "output", "voice"),
+    "speed": ("audio", "output", "speed"),
+    "output_audio_format": ("audio", "output", "format"),
+    "input_audio_format": ("audio", "input", "format"),
+    "input_audio_transcription": ("audio", "input", "transcription"),
+    "turn_detection": ("audio", "input", "turn_detection"),
+    "input_audio_noise_reduction": ("audio", "input", "noise_reduction"),
+}
+
+_EVENT_NAMES = {
+    "conversation.item.added": "conversation.item.created",
+    "response.output_audio.delta": "response.audio.delta",
+    "response.output_audio.done": "response.audio.done",
+    "response.output_audio_transcript.delta": "response.audio_transcript.delta",
+    "response.output_audio_transcript.done": "response.audio_transcript.done",
+    "response.output_text.delta": "response.text.delta",
+    "response.output_text.done": "response.text.done",
+}
+_GA_ONLY = frozenset({"conversation.item.done"})  # (beta's `created` carries the item whole)
+_PART_NAMES = {"output_audio": "audio", "output_text": "text"}
+
+
+def is_beta(header: str | None, subprotocols: list[str]) -> bool:
+    """The client speaks the beta dialect: its `OpenAI-Beta` header names realtime=v1 (among
+    others, comma-separated), or it offered the browser's beta subprotocol."""
+    named = {part.strip().lower() for part in (header or "").split(",")}
+    return "realtime=v1" in named or BETA_SUBPROTOCOL in subprotocols
+
+
+# ---- client events in ---------------------------------------------------------------------------
+
+
+def to_ga(event: dict[str, Any]) -> dict[str, Any]:
+    """A beta client event as the GA API has it (its other events are the same in both)."""
+    kind = event.get("type")
+    if kind == "session.update" and isinstance(event.get("session"), dict):
+        return {**event, "session": _config(event["session"], input_side=True)}
+    if kind == "response.create" and isinstance(event.get("response"), dict):
+        return {**event, "response": _config(event["response"], input_side=False)}
+    return event
+
+
+def _config(body: dict[str, Any], input_side: bool) -> dict[str, Any]:
+    """A beta session's (or response's) fields where GA has them; a value GA would not read the
+    same is kept as it came, for GA's checks to refuse by name."""
+    out: dict[str, Any] = {}
+    for name, value in body.items():
+        path = _MOVES.get(name)
+        if path is None or (not input_side and path[:2] == ("audio", "input")):
+            out[name] = value  # (a response has no input: GA refuses it there, as beta does)
+            continue
+        if name == "modalities" and isinstance(value, list) and set(value) <= {"audio", "text"} and value:
+            value = ["audio"] if "audio" in value else ["text"]  # (beta's ["text", "audio"]: speech and its transcript)
+        elif name.endswith("_audio_format") and isinstance(value, str) and value in _FORMATS:
+            value = dict(_FORMATS[value]) if name.startswith("input") else {"type": _FORMATS[value]["type"]}
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
+
+
+# ---- server events out --------------------------------------------------------------------------
+
+
+def to_beta(event: dict[str, Any]) -> list[dict[str, Any]]:
+    """A server event as a beta client knows it: none (GA's alone), one, or, after
+    `session.created`, beta's `conversation.created` too."""
+    kind = event["type"]
+    if kind in _GA_ONLY:
+        return []
+    out = {**event, "type": _EVENT_NAMES.get(kind, kind)}
+    if isinstance(out.get("item"), dict):
+        out["item"] = _item(out["item"])
+    if isinstance(out.get("part"), dict):
+        out["part"] = _part(out["part"])
+    if kind in ("session.created", "session.updated"):
+        out["session"] = _session(event["session"])
+    if kind in ("response.created", "response.done"):
+        out["response"] = _response(event["response"])
+    if kind == "session.created":
+        conversation = {"type": "conversation.created",
+                        "conversation": {"id": f"conv_{event['session']['id']}", "object": "realtime.conversation"}}
+        return [out, conversation]
+    return [out]
+
+
+def _part(part: dict[str, Any]) -> dict[str, Any]:
+    return {**part, "type": _PART_NAMES.get(part.get("type"), part.get("type"))}  # type: ignore[arg-type]
+
+
+def _item(item: dict[str, Any]) -> dict[str, Any]:
+    return {**item, "content": [_part(p) for p in item.get("content") or []]}
+
+
+def _modalities(ga: list[str]) -> list[str]:
+    return ["text", "audio"] if "audio" in ga else ["text"]
+
+
+def _format(fmt: dict[str, Any] | None) -> str | None:
+    return None if fmt is None else _FORMAT_NAMES.get(fmt.get("type", ""), fmt.get("type"))
+
+
+def _session(s: dict[str, Any]) -> dict[str, Any]:
+    audio_in, audio_out = s["audio"]["input"], s["audio"]["output"]
+    out = {"id": s["id"], "object": "realtime.session", "model": s["model"],
+           "modalities": _modalities(s["output_modalities"]), "instructions": s["instructions"],
+           "voice": audio_out["voice"], "speed": audio_out["speed"],
+           "input_audio_format": _format(audio_in["format"]), "output_audio_format": _format(audio_out["format"]),
+           "input_audio_transcription": audio_in["transcription"], "turn_detection": audio_in["turn_detection"],
+           "input_audio_noise_reduction": audio_in["noise_reduction"], "tools": s["tools"],
+           "tool_choice": s["tool_choice"], "max_response_output_tokens": s["max_output_tokens"],
+           "tracing": s["tracing"]}  # fmt: skip
+    if "temperature" in s:
+        out["temperature"] = s["temperature"]
+    return out
+
+
+def _response(r: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in r.items() if k not in ("output_modalities", "audio")}
+    audio_out = r["audio"]["output"]
+    out.update(modalities=_modalities(r["output_modalities"]), voice=audio_out["voice"],
+               output_audio_format=_format(audio_out["format"]), output=[_item(i) for i in r["output"]])  # fmt: skip
+    return out
