@@ -10,8 +10,10 @@ it, never ignored; the session goes on):
   transcript, the default) or ["text"], `max_output_tokens` (1 to 4096, or "inf"),
   `temperature` (the API's beta field: 0 makes text and speech greedy, as chat's temperature 0),
   `audio.output.voice` (the checkpoint's speakers, or one of OpenAI's names for its default) and
-  `.speed` (0.25 to 1.5), `audio.input.format` / `audio.output.format` `audio/pcm`: 16-bit mono
-  little-endian (input at any rate from 8 to 192 kHz, output at the model's, 24 kHz).
+  `.speed` (0.25 to 1.5), `audio.input.format` / `audio.output.format`: `audio/pcm`, 16-bit mono
+  little-endian (input at any rate from 8 to 192 kHz, 24 kHz unless `rate` says; output at the
+  model's, 24 kHz), or G.711 `audio/pcmu` / `audio/pcma` at 8 kHz (gateway/g711.py: a phone
+  bridge's; the reply resampled and encoded as it streams).
   `turn_detection`: null (the default here: the client commits its audio, then asks for a
   response: push-to-talk) or `server_vad` (gateway/realtime_vad.py: on the audio's level; its
   `threshold`, `prefix_padding_ms`, `silence_duration_ms`, `create_response`,
@@ -66,13 +68,12 @@ from urllib.parse import urlsplit
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from gateway.g711 import LAWS, G711Encoder
 from gateway.http_api import from_gateway_error, lone_surrogate, served_voices, stt_usage, unknown_model
 from gateway.http_error import HttpError
 from gateway.realtime_beta import is_beta, to_beta, to_ga
 from gateway.realtime_turns import (
-    MAX_INPUT_RATE,
     MAX_ITEMS,
-    MIN_INPUT_RATE,
     AudioConfig,
     Item,
     MessageItem,
@@ -81,6 +82,8 @@ from gateway.realtime_turns import (
     SessionBody,
     Settings,
     b64,
+    input_format,
+    input_pcm16,
     input_transcription,
     parse,
     pcm_part,
@@ -277,16 +280,13 @@ class RealtimeSession:
         session_only(s)
         audio = s.audio or AudioConfig()
         settings = self.settings.merged(s, self.voices, "session", audio.output, self.service.sample_rate)
-        if audio.input is not None and audio.input.format is not None and audio.input.format.rate is not None:
-            rate = audio.input.format.rate
-            if not MIN_INPUT_RATE <= rate <= MAX_INPUT_RATE:
-                raise RealtimeError(f"session.audio.input.format.rate: {rate} Hz is not within {MIN_INPUT_RATE} to "
-                                    f"{MAX_INPUT_RATE}", "session.audio.input.format.rate")  # fmt: skip
+        if audio.input is not None and audio.input.format is not None:
+            fmt, rate = input_format(audio.input.format, "session.audio.input.format")
             if self.buffer and rate != settings.input_rate:
-                raise RealtimeError("session.audio.input.format.rate: the input audio buffer holds audio at "
+                raise RealtimeError("session.audio.input.format: the input audio buffer holds audio at "
                                     f"{settings.input_rate} Hz; clear it (input_audio_buffer.clear) first",
-                                    "session.audio.input.format.rate")  # fmt: skip
-            settings.input_rate = rate
+                                    "session.audio.input.format")  # fmt: skip
+            settings.input_format, settings.input_rate = fmt, rate
         if audio.input is not None:
             settings.vad = turn_detection(audio.input, settings.vad)
             settings.transcription = input_transcription(audio.input, settings.transcription,
@@ -305,9 +305,7 @@ class RealtimeSession:
         audio = body.get("audio")
         if set(body) != {"audio"} or not isinstance(audio, str):
             raise RealtimeError("input_audio_buffer.append takes `audio`, base64 PCM", "audio")
-        pcm = b64(audio, "audio")
-        if len(pcm) % 2:
-            raise RealtimeError("audio: audio/pcm needs whole 16-bit samples", "audio")
+        pcm = input_pcm16(b64(audio, "audio"), self.settings.input_format, "audio")
         self._room(2 * len(pcm), "audio")  # (float32 once committed)
         self.buffer += pcm
         self.held += 2 * len(pcm)
@@ -485,7 +483,7 @@ class RealtimeSession:
         previous = body.get("previous_item_id")
         if previous is not None and not isinstance(previous, str):
             raise RealtimeError("previous_item_id: a string", "previous_item_id")
-        item = to_item(parsed, parsed.id or _new_id("item"), self.settings.input_rate)
+        item = to_item(parsed, parsed.id or _new_id("item"), self.settings)
         self._room(item.nbytes, "item", items=1)
         await self._added(item, self.insert(item, previous))
 
@@ -588,6 +586,9 @@ class Response:
         self.req.request_id = self.id
         self.item = Item(_new_id("item"), "assistant", status="in_progress")
         self.audio = settings.modality == "audio"
+        # G.711 out: the model's 16-bit PCM resampled and encoded as it comes
+        rate = session.service.sample_rate
+        self.g711 = G711Encoder(settings.output_format, rate) if self.audio and settings.output_format in LAWS else None
         self.text: list[str] = []
         self.ids = {"response_id": self.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
         self.cancelled = False
@@ -613,7 +614,7 @@ class Response:
                 "output": [self.item.event()] if status != "in_progress" else [],
                 "conversation_id": self.session.id, "output_modalities": [self.settings.modality],
                 "max_output_tokens": self.settings.max_output_tokens or "inf",
-                "audio": {"output": {"format": {"type": "audio/pcm", "rate": self.session.service.sample_rate},
+                "audio": {"output": {"format": self.settings.output_format_event(self.session.service.sample_rate),
                                      "voice": self.settings.voice or None}},
                 "usage": usage, "metadata": self.metadata}  # fmt: skip
 
@@ -668,14 +669,18 @@ class Response:
                     data = held + resp.audio.data
                     cut = len(data) - len(data) % 2
                     held = data[cut:]
-                    if cut:
+                    piece = data[:cut] if self.g711 is None else self.g711.push(data[:cut])
+                    if piece:
                         await send({"type": "response.output_audio.delta", **self.ids,
-                                    "delta": base64.b64encode(data[:cut]).decode()})  # fmt: skip
+                                    "delta": base64.b64encode(piece).decode()})  # fmt: skip
                 elif kind == "final":
                     self.finished = True  # (a cancel now would cut the request's own ending, not its reply)
                     if resp.final.finish_reason == "length":
                         status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
                     usage = _usage(resp.final.usage)
+            if self.g711 is not None and (tail := self.g711.finish()):  # what its resampler held back
+                await send({"type": "response.output_audio.delta", **self.ids,
+                            "delta": base64.b64encode(tail).decode()})  # fmt: skip
         except GatewayError as e:
             error = from_gateway_error(e)
             log.warning("realtime response %s failed: %s", self.id, error.message)

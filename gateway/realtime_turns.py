@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from gateway.g711 import G711_RATE, LAWS, g711_to_pcm16
 from gateway.http_api import apply_temperature, data_url, decode_b64, pcm16_part, voice_speaker
 from gateway.http_error import HttpError
 from gateway.realtime_vad import VadSettings
@@ -27,6 +28,8 @@ __all__ = [
     "SessionBody",
     "Settings",
     "b64",
+    "input_format",
+    "input_pcm16",
     "input_transcription",
     "parse",
     "pcm_part",
@@ -60,8 +63,8 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class PcmFormat(_Strict):
-    type: Literal["audio/pcm"]
+class FormatBody(_Strict):
+    type: Literal["audio/pcm", "audio/pcmu", "audio/pcma"]  # 16-bit PCM; G.711 mu-law, A-law (8 kHz)
     rate: int | None = None
 
 
@@ -83,7 +86,7 @@ class TranscriptionConfig(_Strict):
 
 
 class InputAudioConfig(_Strict):
-    format: PcmFormat | None = None
+    format: FormatBody | None = None
     transcription: TranscriptionConfig | None = None
     noise_reduction: Any = None
     turn_detection: ServerVad | None = None
@@ -145,7 +148,7 @@ def turn_detection(audio_in: InputAudioConfig, now: VadSettings | None) -> VadSe
 
 
 class OutputAudioConfig(_Strict):
-    format: PcmFormat | None = None
+    format: FormatBody | None = None
     voice: str | None = None
     speed: float | None = None
 
@@ -277,7 +280,9 @@ class Settings:
     voice: str = ""  # as the client named it ("": the checkpoint's default speaker)
     speaker: str = ""
     speed: float = 1.0
+    input_format: str = "audio/pcm"  # what appended audio is (the buffer holds it as 16-bit PCM)
     input_rate: int = 24_000
+    output_format: str = "audio/pcm"  # audio/pcm: the model's rate; G.711: 8 kHz
     temperature: float | None = None  # None: the checkpoint's sampling
     vad: VadSettings | None = None  # server_vad turn detection; None: the client commits
     transcription: dict[str, Any] | None = None  # input audio transcribed: {model, language, prompt}
@@ -300,9 +305,12 @@ class Settings:
             out.temperature = body.temperature
         if output is not None:
             where = f"{prefix}.audio.output"
-            if output.format is not None and output.format.rate not in (None, sample_rate):
-                raise RealtimeError(f"{where}.format.rate: this model speaks at {sample_rate} Hz",
-                                    f"{where}.format.rate")  # fmt: skip
+            if output.format is not None:
+                rate = G711_RATE if output.format.type in LAWS else sample_rate
+                if output.format.rate not in (None, rate):
+                    raise RealtimeError(f"{where}.format.rate: {output.format.type} from this model is at {rate} Hz",
+                                        f"{where}.format.rate")  # fmt: skip
+                out.output_format = output.format.type
             if output.voice is not None:
                 try:
                     out.speaker = voice_speaker(output.voice, voices, f"{where}.voice")
@@ -321,13 +329,44 @@ class Settings:
             "instructions": self.instructions, "output_modalities": [self.modality],
             "max_output_tokens": "inf" if self.max_output_tokens is None else self.max_output_tokens,
             "audio": {
-                "input": {"format": {"type": "audio/pcm", "rate": self.input_rate},
+                "input": {"format": _format(self.input_format, self.input_rate),
                           "transcription": self.transcription,
                           "noise_reduction": None, "turn_detection": self.vad.event() if self.vad else None},
-                "output": {"format": {"type": "audio/pcm", "rate": sample_rate}, "voice": self.voice or None,
+                "output": {"format": self.output_format_event(sample_rate), "voice": self.voice or None,
                            "speed": self.speed},
             },
         }  # fmt: skip
+
+
+    def output_format_event(self, sample_rate: int) -> dict[str, Any]:
+        return _format(self.output_format, sample_rate)
+
+
+def _format(fmt: str, rate: int) -> dict[str, Any]:
+    return {"type": fmt} if fmt in LAWS else {"type": fmt, "rate": rate}
+
+
+def input_format(given: FormatBody, where: str) -> tuple[str, int]:
+    """An input format as (type, rate): audio/pcm at its rate (OpenAI's 24 kHz unless it says),
+    G.711 at 8 kHz."""
+    if given.type in LAWS:
+        if given.rate not in (None, G711_RATE):
+            raise RealtimeError(f"{where}.rate: {given.type} is at {G711_RATE} Hz", f"{where}.rate")
+        return given.type, G711_RATE
+    rate = 24_000 if given.rate is None else given.rate
+    if not MIN_INPUT_RATE <= rate <= MAX_INPUT_RATE:
+        raise RealtimeError(f"{where}.rate: {rate} Hz is not within {MIN_INPUT_RATE} to {MAX_INPUT_RATE}",
+                            f"{where}.rate")  # fmt: skip
+    return given.type, rate
+
+
+def input_pcm16(data: bytes, fmt: str, where: str) -> bytes:
+    """Input audio in the session's format as 16-bit PCM (at its rate)."""
+    if fmt in LAWS:
+        return g711_to_pcm16(data, fmt)
+    if len(data) % 2:
+        raise RealtimeError(f"{where}: audio/pcm needs whole 16-bit samples", where)
+    return data
 
 
 def _unsupported(body: _Common, prefix: str) -> None:
@@ -399,7 +438,7 @@ def _image_part(url: str, where: str) -> gateway_pb2.ContentPart:
     return gateway_pb2.ContentPart(image=gateway_pb2.ImagePart(file=_realtime(lambda: data_url(url, where))))
 
 
-def to_item(body: MessageItem, item_id: str, input_rate: int, prefix: str = "item") -> Item:
+def to_item(body: MessageItem, item_id: str, settings: Settings, prefix: str = "item") -> Item:
     """A client's message item as a conversation item (RealtimeError naming a part it cannot be)."""
     item = Item(item_id, body.role)
     words: list[str] = []
@@ -412,7 +451,8 @@ def to_item(body: MessageItem, item_id: str, input_rate: int, prefix: str = "ite
             item.parts.append(gateway_pb2.ContentPart(text=part.text))
             item.content.append({"type": "input_text", "text": part.text})
         elif isinstance(part, InputAudioPart):
-            item.parts.append(pcm_part(b64(part.audio, f"{where}.audio"), input_rate, f"{where}.audio"))
+            pcm = input_pcm16(b64(part.audio, f"{where}.audio"), settings.input_format, f"{where}.audio")
+            item.parts.append(pcm_part(pcm, settings.input_rate, f"{where}.audio"))
             item.content.append({"type": "input_audio", "transcript": part.transcript})
         elif isinstance(part, InputImagePart):
             item.parts.append(_image_part(part.image_url, f"{where}.image_url"))

@@ -246,8 +246,12 @@ BAD_EVENTS = [
      "session.audio.input.transcription.model", None),
     ({"type": "session.update", "session": {"audio": {"input": {"transcription": {"language": "not a code"}}}}},
      "session.audio.input.transcription.language", None),
-    ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcmu"}}}}},
+    ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/opus"}}}}},
      "session.audio.input.format.type", None),
+    ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcmu", "rate": 16000}}}}},
+     "session.audio.input.format.rate", None),
+    ({"type": "session.update", "session": {"audio": {"output": {"format": {"type": "audio/pcma", "rate": 24000}}}}},
+     "session.audio.output.format.rate", None),
     ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": 4000}}}}},
      "session.audio.input.format.rate", None),
     ({"type": "session.update", "session": {"audio": {"output": {"format": {"type": "audio/pcm", "rate": 16000}}}}},
@@ -872,3 +876,48 @@ def test_a_browser_sends_its_key_and_dialect_as_subprotocols(connect: Callable[.
             service, subprotocols=["realtime", "openai-insecure-api-key.wrong"]):
         pass
     assert denied.value.status_code == 401
+
+
+def test_g711_in_and_out(connect: Callable[..., Any]) -> None:
+    """audio/pcmu in (a phone bridge's 8 kHz mu-law): the turn the gateway gets is its samples at
+    8 kHz; audio/pcma out: the model's 24 kHz speech as A-law at 8 kHz, as it streams. Beta's
+    names (g711_ulaw, g711_alaw) are the same formats."""
+    from gateway.g711 import G711Encoder, g711_to_pcm16
+
+    tone = _pcm16(24_000)  # 1 s at 24 kHz, in two pieces
+    service = ScriptedService([_text("Hi"), _audio(tone[:30_000]), _audio(tone[30_000:]), _final()])
+    mulaw = G711Encoder("audio/pcmu", 24_000)
+    spoken = mulaw.push(_pcm16(12_000)) + mulaw.finish()  # 0.5 s at 8 kHz
+    with connect(service) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "session.update", "session": {"audio": {
+            "input": {"format": {"type": "audio/pcmu"}}, "output": {"format": {"type": "audio/pcma"}}}}})  # fmt: skip
+        audio = _until(ws, "session.updated")[-1]["session"]["audio"]
+        assert (audio["input"]["format"], audio["output"]["format"]) == ({"type": "audio/pcmu"}, {"type": "audio/pcma"})
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(spoken[:1001]).decode()})
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(spoken[1001:]).decode()})
+        ws.send_json({"type": "input_audio_buffer.commit"})
+        _until(ws, "conversation.item.done")
+        ws.send_json({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+            {"type": "input_audio", "audio": base64.b64encode(spoken).decode()}]}})  # fmt: skip
+        _until(ws, "conversation.item.done")
+        ws.send_json({"type": "response.create"})
+        events = _until(ws, "response.done")
+    heard = np.frombuffer(g711_to_pcm16(spoken, "audio/pcmu"), "<i2").astype(np.float32) / 32768
+    for message in service.requests[0].messages:  # the committed turn, and the item with the same bytes
+        raw = message.parts[0].audio.pcm
+        assert raw.sample_rate == 8_000 and np.array_equal(np.frombuffer(raw.f32le, "<f4"), heard)
+    alaw = b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta")
+    reference = G711Encoder("audio/pcma", 24_000)
+    assert alaw == reference.push(tone) + reference.finish() and len(alaw) == 8_000
+    assert sum(e["type"] == "response.output_audio.delta" for e in events) > 1  # as it streams
+    assert events[-1]["response"]["audio"]["output"]["format"] == {"type": "audio/pcma"}
+    # beta's names for the same formats; back to 16-bit PCM, at OpenAI's 24 kHz
+    with connect(ScriptedService(), headers=BETA) as ws:
+        _until(ws, "conversation.created")
+        ws.send_json({"type": "session.update", "session": {"input_audio_format": "g711_ulaw",
+                                                            "output_audio_format": "g711_alaw"}})  # fmt: skip
+        session = _until(ws, "session.updated")[-1]["session"]
+        assert (session["input_audio_format"], session["output_audio_format"]) == ("g711_ulaw", "g711_alaw")
+        ws.send_json({"type": "session.update", "session": {"input_audio_format": "pcm16"}})
+        assert _until(ws, "session.updated")[-1]["session"]["input_audio_format"] == "pcm16"

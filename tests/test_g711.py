@@ -1,0 +1,53 @@
+"""G.711 (gateway/g711.py): FFmpeg's codecs against Python's own audioop (the reference
+implementation, in the standard library until 3.13), and the 24 kHz -> 8 kHz stream."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from gateway.g711 import G711_RATE, G711Encoder, g711_to_pcm16
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    audioop = pytest.importorskip("audioop", reason="audioop, the reference, left the standard library in 3.13")
+
+LAWS = {"audio/pcmu": (audioop.lin2ulaw, audioop.ulaw2lin), "audio/pcma": (audioop.lin2alaw, audioop.alaw2lin)}
+
+
+@pytest.mark.parametrize("fmt", sorted(LAWS))
+def test_decoding_is_the_reference_tables(fmt: str) -> None:
+    every_code = bytes(range(256))
+    assert g711_to_pcm16(every_code, fmt) == LAWS[fmt][1](every_code, 2)
+    assert g711_to_pcm16(b"", fmt) == b""
+
+
+@pytest.mark.parametrize("fmt", sorted(LAWS))
+def test_encoding_at_8_khz_is_as_close_as_the_reference(fmt: str) -> None:
+    encode, decode = LAWS[fmt]
+    x = (np.random.default_rng(3).standard_normal(8000) * 6000).clip(-32768, 32767).astype("<i2")
+    enc = G711Encoder(fmt, G711_RATE)
+    got = enc.push(x.tobytes()) + enc.finish()
+    assert len(got) == x.size  # one byte a sample, nothing lost or added at the same rate
+    mine = np.frombuffer(g711_to_pcm16(got, fmt), "<i2").astype(np.int64)
+    ref = np.frombuffer(decode(encode(x.tobytes(), 2), 2), "<i2").astype(np.int64)
+    assert np.abs(mine - x).max() <= np.abs(ref - x).max()
+    assert np.mean(np.abs(mine - x)) <= np.mean(np.abs(ref - x)) * 1.01
+
+
+def test_the_model_s_audio_streams_down_to_8_khz_in_any_pieces() -> None:
+    rate = 24_000
+    t = np.arange(2 * rate) / rate
+    x = (0.3 * np.sin(2 * np.pi * 440 * t) * 32767).astype("<i2")
+    whole = G711Encoder("audio/pcmu", rate)
+    at_once = whole.push(x.tobytes()) + whole.finish()
+    pieces = G711Encoder("audio/pcmu", rate)
+    streamed = b"".join(pieces.push(x[i:i + 997].tobytes()) for i in range(0, x.size, 997)) + pieces.finish()
+    assert streamed == at_once and len(at_once) == x.size * G711_RATE // rate
+    heard = np.frombuffer(g711_to_pcm16(at_once, "audio/pcmu"), "<i2").astype(np.float64)
+    want = 0.3 * np.sin(2 * np.pi * 440 * np.arange(heard.size) / G711_RATE) * 32767
+    inner = slice(100, -100)  # (the resampler's filter at the ends)
+    assert np.corrcoef(heard[inner], want[inner])[0, 1] > 0.999  # the same tone, in time
+    assert np.abs(heard[inner] - want[inner]).max() < 0.02 * 32767
