@@ -28,7 +28,9 @@ it, never ignored; the session goes on):
 * `input_audio_buffer.append` (base64 PCM), `.commit` (the buffer becomes a user item), `.clear`.
 * `conversation.item.create` (a message: user `input_text`, `input_audio`, `input_image`;
   system `input_text`; assistant `output_text` or `output_audio` by its `transcript`), with
-  `previous_item_id` ("root" or an item's id), `.delete`, `.retrieve`.
+  `previous_item_id` ("root" or an item's id), `.delete`, `.retrieve`, `.truncate` (a spoken
+  reply cut where the client's playback stopped: its words leave the conversation, as OpenAI's
+  API drops them; a finished reply played to its end keeps them).
 * `response.create` (`instructions`, `output_modalities`, `max_output_tokens`, `temperature`,
   `audio.output.voice`, `metadata`), `response.cancel`. One response at a time.
 
@@ -39,7 +41,7 @@ takes no event for output_stall_timeout_s fails its response and loses its socke
 hang-up cancels the response being made down the chain.
 
 Server events sent: `session.created` / `.updated`, `input_audio_buffer.committed` / `.cleared`,
-`conversation.item.added` / `.done` / `.deleted` / `.retrieved`, `response.created`,
+`conversation.item.added` / `.done` / `.deleted` / `.retrieved` / `.truncated`, `response.created`,
 `response.output_item.added`, `response.content_part.added`, then as each piece exists
 `response.output_audio_transcript.delta` and `response.output_audio.delta` (or
 `response.output_text.delta`), their `.done`s, `response.content_part.done`,
@@ -496,6 +498,34 @@ class RealtimeSession:
             task.cancel()
         await self.send({"type": "conversation.item.deleted", "item_id": item_id})
 
+    async def item_truncate(self, body: dict[str, Any]) -> None:
+        """An assistant reply cut where the client's playback stopped (the user spoke over it): its
+        words go, as OpenAI's API drops them, since no one can say which of them were heard; a
+        finished reply played to its end keeps them."""
+        if set(body) != {"item_id", "content_index", "audio_end_ms"}:
+            raise RealtimeError("conversation.item.truncate takes `item_id`, `content_index` and `audio_end_ms`",
+                                "item_id")  # fmt: skip
+        item_id, index, end_ms = body["item_id"], body["content_index"], body["audio_end_ms"]
+        item = self.items.get(item_id) if isinstance(item_id, str) else None
+        if item is None:
+            raise RealtimeError(f"item_id: no item {str(item_id)[:64]!r}", "item_id", "item_not_found")
+        if item.role != "assistant" or not item.audio_rate:
+            raise RealtimeError("item_id: only an assistant reply this session spoke has audio to truncate", "item_id")
+        if index != 0 or isinstance(index, bool):
+            raise RealtimeError("content_index: a reply here has one part, 0", "content_index")
+        duration_ms = -(-item.audio_samples * 1000 // item.audio_rate)
+        if not isinstance(end_ms, int) or isinstance(end_ms, bool) or not 0 <= end_ms <= duration_ms:
+            raise RealtimeError(f"audio_end_ms: an integer from 0 to the audio's {duration_ms} ms", "audio_end_ms")
+        if item.status == "in_progress":
+            item.truncated = True  # (the reply being made drops its words as it settles)
+        elif end_ms < duration_ms:  # (one played to its end was heard whole)
+            self.held -= len(item.text.encode())
+            item.nbytes -= len(item.text.encode())
+            item.text = ""
+            item.content = [{**part, "transcript": ""} for part in item.content]
+        await self.send({"type": "conversation.item.truncated", "item_id": item.id, "content_index": 0,
+                         "audio_end_ms": end_ms})  # fmt: skip
+
     async def item_retrieve(self, body: dict[str, Any]) -> None:
         await self.send({"type": "conversation.item.retrieved", "item": self.items[self._item_id(body)].event()})
 
@@ -571,6 +601,7 @@ _HANDLERS: dict[str, Callable[[RealtimeSession, dict[str, Any]], Awaitable[None]
     "conversation.item.create": RealtimeSession.item_create,
     "conversation.item.delete": RealtimeSession.item_delete,
     "conversation.item.retrieve": RealtimeSession.item_retrieve,
+    "conversation.item.truncate": RealtimeSession.item_truncate,
     "response.create": RealtimeSession.response_create,
     "response.cancel": RealtimeSession.response_cancel,
 }
@@ -584,7 +615,8 @@ class Response:
         self.session, self.req, self.settings, self.metadata = session, req, settings, metadata
         self.id = _new_id("resp")
         self.req.request_id = self.id
-        self.item = Item(_new_id("item"), "assistant", status="in_progress")
+        self.item = Item(_new_id("item"), "assistant", status="in_progress",
+                         audio_rate=session.service.sample_rate if settings.modality == "audio" else 0)
         self.audio = settings.modality == "audio"
         # G.711 out: the model's 16-bit PCM resampled and encoded as it comes
         rate = session.service.sample_rate
@@ -605,7 +637,7 @@ class Response:
             self.generating.cancel()
 
     def part(self) -> dict[str, Any]:
-        words = "".join(self.text)
+        words = "" if self.item.truncated else "".join(self.text)
         return {"type": "audio", "transcript": words} if self.audio else {"type": "text", "text": words}
 
     def response(self, status: str, details: dict[str, Any] | None = None,
@@ -669,6 +701,7 @@ class Response:
                     data = held + resp.audio.data
                     cut = len(data) - len(data) % 2
                     held = data[cut:]
+                    self.item.audio_samples += cut // 2
                     piece = data[:cut] if self.g711 is None else self.g711.push(data[:cut])
                     if piece:
                         await send({"type": "response.output_audio.delta", **self.ids,
@@ -698,7 +731,7 @@ class Response:
 
     def settle(self, status: str) -> None:
         """The assistant item as the response left it: its words so far, the next turns' context."""
-        words = "".join(self.text)
+        words = "" if self.item.truncated else "".join(self.text)
         self.item.text = words
         self.item.status = "completed" if status == "completed" else "incomplete"
         self.item.content = [{"type": "output_audio", "transcript": words} if self.audio

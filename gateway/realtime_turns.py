@@ -407,6 +407,9 @@ class Item:
     content: list[dict[str, Any]] = field(default_factory=list)  # as events show it (no audio data)
     status: str = "completed"
     nbytes: int = 0  # what it counts towards the conversation's bound (media.max_request_bytes)
+    audio_samples: int = 0  # an assistant reply's speech sent, at audio_rate
+    audio_rate: int = 0
+    truncated: bool = False  # conversation.item.truncate: the words the client did not hear are gone
 
     def event(self) -> dict[str, Any]:
         return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role,
@@ -491,7 +494,8 @@ def to_generate_request(items: list[Item], settings: Settings) -> gateway_pb2.Ge
             req.speed = settings.speed
     if settings.instructions:
         req.messages.append(gateway_pb2.ChatMessage(role="system", content=settings.instructions))
-    req.messages.extend(i.message() for i in items)
+    # (an assistant turn with no words: cancelled before any, or truncated: nothing heard of it)
+    req.messages.extend(i.message() for i in items if i.role != "assistant" or i.text)
     thinker = stage_pb2.SamplingParams()
     if settings.max_output_tokens is not None:
         thinker.max_tokens = settings.max_output_tokens

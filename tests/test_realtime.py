@@ -921,3 +921,61 @@ def test_g711_in_and_out(connect: Callable[..., Any]) -> None:
         assert (session["input_audio_format"], session["output_audio_format"]) == ("g711_ulaw", "g711_alaw")
         ws.send_json({"type": "session.update", "session": {"input_audio_format": "pcm16"}})
         assert _until(ws, "session.updated")[-1]["session"]["input_audio_format"] == "pcm16"
+
+
+def test_a_reply_truncated_where_playback_stopped_loses_its_words(connect: Callable[..., Any]) -> None:
+    """conversation.item.truncate (a client whose user spoke over the reply): the reply's words go
+    from the conversation (the next request has no such assistant turn), as OpenAI's API drops
+    them; one played to its end keeps them. Bad truncations are refused by name."""
+    speech = _audio(_pcm16(2400))  # 100 ms at 24 kHz
+    service = ScriptedService([_text("One two"), speech, _final()])
+    with connect(service) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Count."}]}})
+        user = _until(ws, "conversation.item.done")[-1]["item"]["id"]
+        ws.send_json({"type": "response.create"})
+        first = _until(ws, "response.done")[-1]["response"]["output"][0]["id"]
+        ws.send_json({"type": "response.create"})
+        second = _until(ws, "response.done")[-1]["response"]["output"][0]["id"]
+        for body, param in [({"item_id": first, "content_index": 0, "audio_end_ms": 101}, "audio_end_ms"),
+                            ({"item_id": first, "content_index": 0, "audio_end_ms": -1}, "audio_end_ms"),
+                            ({"item_id": first, "content_index": 1, "audio_end_ms": 5}, "content_index"),
+                            ({"item_id": first, "content_index": 0}, "item_id"),
+                            ({"item_id": user, "content_index": 0, "audio_end_ms": 0}, "item_id"),
+                            ({"item_id": "nope", "content_index": 0, "audio_end_ms": 0}, "item_id")]:
+            ws.send_json({"type": "conversation.item.truncate", **body})
+            got = ws.receive_json()
+            assert got["type"] == "error" and got["error"]["param"] == param, (body, got)
+        ws.send_json({"type": "conversation.item.truncate", "item_id": first, "content_index": 0, "audio_end_ms": 40})
+        truncated = ws.receive_json()
+        assert {k: v for k, v in truncated.items() if k != "event_id"} == {
+            "type": "conversation.item.truncated", "item_id": first, "content_index": 0, "audio_end_ms": 40}
+        ws.send_json({"type": "conversation.item.truncate", "item_id": second, "content_index": 0,
+                      "audio_end_ms": 100})  # played to its end
+        assert ws.receive_json()["type"] == "conversation.item.truncated"
+        ws.send_json({"type": "conversation.item.retrieve", "item_id": first})
+        assert ws.receive_json()["item"]["content"] == [{"type": "output_audio", "transcript": ""}]
+        ws.send_json({"type": "response.create"})
+        _until(ws, "response.done")
+    # the first reply is gone from the turns; the second, heard whole, is there
+    assert [(m.role, m.content) for m in service.requests[2].messages] == [("user", ""), ("assistant", "One two")]
+    assert service.requests[2].messages[0].parts[0].text == "Count."
+
+
+def test_a_reply_truncated_while_it_is_made_settles_without_its_words(connect: Callable[..., Any]) -> None:
+    service = ScriptedService([_text("One"), _audio(_pcm16(2400)), GATE, _text(" two"), _final()])
+    with connect(service) as ws:
+        ws.receive_json()
+        _say(ws, "Count.")
+        ws.send_json({"type": "response.create"})
+        first_audio = _until(ws, "response.output_audio.delta")[-1]
+        ws.send_json({"type": "conversation.item.truncate", "item_id": first_audio["item_id"], "content_index": 0,
+                      "audio_end_ms": 60})  # fmt: skip
+        assert ws.receive_json()["type"] == "conversation.item.truncated"
+        service.gate.set()
+        done = _until(ws, "response.done")
+        assert done[-1]["response"]["output"][0]["content"] == [{"type": "output_audio", "transcript": ""}]
+        ws.send_json({"type": "response.create"})
+        _until(ws, "response.done")
+    assert [m.role for m in service.requests[1].messages] == ["user"]
