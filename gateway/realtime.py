@@ -73,7 +73,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from gateway.g711 import LAWS, G711Encoder
 from gateway.http_api import from_gateway_error, lone_surrogate, served_voices, stt_usage, unknown_model
 from gateway.http_error import HttpError
-from gateway.realtime_beta import is_beta, to_beta, to_ga
+from gateway.realtime_beta import GaFieldError, beta_error, is_beta, to_beta, to_ga
 from gateway.realtime_turns import (
     MAX_ITEMS,
     AudioConfig,
@@ -162,8 +162,10 @@ class RealtimeSession:
             raise _Gone from e
 
     async def error(self, e: RealtimeError, event_id: str | None) -> None:
+        translate = self.beta and not isinstance(e, GaFieldError)
+        param, message = beta_error(e.param, e.message) if translate else (e.param, e.message)
         await self.send({"type": "error", "error": {"type": "invalid_request_error", "code": e.code,
-                                                    "message": e.message, "param": e.param,
+                                                    "message": message, "param": param,
                                                     "event_id": event_id}})  # fmt: skip
 
     async def hang_up(self, code: int, reason: str) -> None:
@@ -780,6 +782,10 @@ def realtime_route(service: GatewayService) -> WebSocketRoute:
                                 "authentication_error", code="invalid_api_key")  # fmt: skip
         elif (model := ws.query_params.get("model")) is not None and model != service.model_name:
             refusal = unknown_model(model, service.model_name)
+        elif offered and _SUBPROTOCOL not in offered:  # (a browser drops a socket that selects none it offered)
+            refusal = HttpError(400, f"subprotocols {', '.join(offered)[:200]!r}: offer `{_SUBPROTOCOL}` (with "
+                                "`openai-insecure-api-key.<key>` and `openai-beta.realtime-v1` as needed)",
+                                param="subprotocols")  # fmt: skip
         elif origin is not None and not _origin_allowed(origin, ws.headers.get("host"), allowed):
             # a browser page's socket: CORS does not cover WebSockets, so a page on any site could
             # drive a stack on this machine (with no API key) were its origin not checked here
@@ -792,9 +798,8 @@ def realtime_route(service: GatewayService) -> WebSocketRoute:
             else:
                 await ws.close(1008, refusal.message[:120])
             return
-        # (a browser, which cannot set headers, offers `realtime` and its key and dialect as
-        # subprotocols; it drops a socket whose server selects none of those it offered)
-        await ws.accept(subprotocol=_SUBPROTOCOL if _SUBPROTOCOL in offered else None)
+        # (a browser, which cannot set headers, offers `realtime` and its key and dialect as subprotocols)
+        await ws.accept(subprotocol=_SUBPROTOCOL if offered else None)
         session = RealtimeSession(service, ws, voices, beta=is_beta(ws.headers.get("openai-beta"), offered))
         await session.run()
         await session.hang_up(1000, "")
@@ -802,7 +807,7 @@ def realtime_route(service: GatewayService) -> WebSocketRoute:
     return WebSocketRoute("/v1/realtime", endpoint)
 
 
-_REFUSALS = {401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND"}
+_REFUSALS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND"}
 _SUBPROTOCOL = "realtime"
 _KEY_SUBPROTOCOL = "openai-insecure-api-key."  # OpenAI's way for a browser to send its key
 

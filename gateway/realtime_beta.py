@@ -5,13 +5,16 @@ before the API's GA release speak (`OpenAI-Beta: realtime=v1`, or a browser's
 for `response.output_audio.delta`, `conversation.item.created` for `.added`, content parts
 `audio` / `text` for `output_audio` / `output_text`. gateway/realtime.py serves the GA API alone;
 a beta client's events are translated at the socket's edge: `to_ga` on the way in, `to_beta` on
-the way out. What the GA form refuses a beta client is refused too, its `param` the GA field's."""
+the way out. What the GA form refuses a beta client is refused too, named as beta names it
+(`beta_error`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["BETA_SUBPROTOCOL", "is_beta", "to_beta", "to_ga"]
+from gateway.realtime_turns import RealtimeError
+
+__all__ = ["BETA_SUBPROTOCOL", "GaFieldError", "beta_error", "is_beta", "to_beta", "to_ga"]
 
 BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
 
@@ -33,6 +36,8 @@ _MOVES: dict[str, tuple[str, ...]] = {
     "input_audio_noise_reduction": ("audio", "input", "noise_reduction"),
 }
 
+_GA_FIELDS = frozenset({"audio", "output_modalities", "max_output_tokens"})  # (GA's names for beta's moved ones)
+
 _EVENT_NAMES = {
     "conversation.item.added": "conversation.item.created",
     "response.output_audio.delta": "response.audio.delta",
@@ -44,6 +49,10 @@ _EVENT_NAMES = {
 }
 _GA_ONLY = frozenset({"conversation.item.done"})  # (beta's `created` carries the item whole)
 _PART_NAMES = {"output_audio": "audio", "output_text": "text"}
+
+
+class GaFieldError(RealtimeError):
+    """A GA field sent in the beta dialect: its refusal names it as sent (beta_error leaves it)."""
 
 
 def is_beta(header: str | None, subprotocols: list[str]) -> bool:
@@ -68,8 +77,13 @@ def to_ga(event: dict[str, Any]) -> dict[str, Any]:
 
 def _config(body: dict[str, Any], input_side: bool) -> dict[str, Any]:
     """A beta session's (or response's) fields where GA has them; a value GA would not read the
-    same is kept as it came, for GA's checks to refuse by name."""
+    same is kept as it came, for GA's checks to refuse by name. GA's own names for the fields
+    beta moves are refused: two names for one field could only disagree."""
+    where = "session" if input_side else "response"
     out: dict[str, Any] = {}
+    for name in _GA_FIELDS & set(body):
+        beta = ", ".join(k for k, v in _MOVES.items() if v[0] == name)
+        raise GaFieldError(f"{where}.{name}: the GA API's; this beta session names it {beta}", f"{where}.{name}")
     for name, value in body.items():
         path = _MOVES.get(name)
         if path is None or (not input_side and path[:2] == ("audio", "input")):
@@ -78,7 +92,7 @@ def _config(body: dict[str, Any], input_side: bool) -> dict[str, Any]:
         if name == "modalities" and isinstance(value, list) and set(value) <= {"audio", "text"} and value:
             value = ["audio"] if "audio" in value else ["text"]  # (beta's ["text", "audio"]: speech and its transcript)
         elif name.endswith("_audio_format") and isinstance(value, str) and value in _FORMATS:
-            value = dict(_FORMATS[value]) if name.startswith("input") else {"type": _FORMATS[value]["type"]}
+            value = dict(_FORMATS[value])
         node = out
         for key in path[:-1]:
             node = node.setdefault(key, {})
@@ -106,9 +120,25 @@ def to_beta(event: dict[str, Any]) -> list[dict[str, Any]]:
         out["response"] = _response(event["response"])
     if kind == "session.created":
         conversation = {"type": "conversation.created",
-                        "conversation": {"id": f"conv_{event['session']['id']}", "object": "realtime.conversation"}}
+                        "conversation": {"id": event["session"]["id"], "object": "realtime.conversation"}}
         return [out, conversation]
     return [out]
+
+
+def beta_error(param: str | None, message: str) -> tuple[str | None, str]:
+    """A refusal's field path (and the message it begins) as beta names the field:
+    `session.audio.output.voice` is `session.voice`; a format's parts are its name's."""
+    if param is None:
+        return param, message
+    for where in ("session", "response"):
+        for name, path in _MOVES.items():
+            ga = ".".join((where, *path))
+            if param == ga or (param[len(ga):][:1] in (".", "[") and param.startswith(ga)):
+                # (a part of a value beta spells otherwise: the field as a whole)
+                rest = "" if name.endswith("_format") or name == "modalities" else param[len(ga):]
+                beta = f"{where}.{name}{rest}"
+                return beta, beta + message[len(param):] if message.startswith(param) else message
+    return param, message
 
 
 def _part(part: dict[str, Any]) -> dict[str, Any]:

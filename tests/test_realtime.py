@@ -844,8 +844,20 @@ def test_beta_text_replies_and_refusals(connect: Callable[..., Any]) -> None:
         error = ws.receive_json()
         assert error["type"] == "error" and error["error"]["param"] == "session.client_secret"
         assert error["error"]["event_id"] == "u1"
-        ws.send_json({"type": "session.update", "session": {"modalities": ["video"]}})
-        assert ws.receive_json()["error"]["param"].startswith("session.output_modalities")
+        # refusals name beta's fields, not GA's
+        for session, param in [({"modalities": ["video"]}, "session.modalities"),
+                               ({"voice": "nobody"}, "session.voice"),
+                               ({"max_response_output_tokens": 99_999}, "session.max_response_output_tokens"),
+                               ({"turn_detection": {"type": "semantic_vad"}}, "session.turn_detection.type"),
+                               # GA's names for the fields beta moves: two names for one field
+                               ({"voice": "ethan", "audio": None}, "session.audio"),
+                               ({"modalities": ["text"], "output_modalities": ["audio"]}, "session.output_modalities"),
+                               ({"max_output_tokens": 5}, "session.max_output_tokens")]:
+            ws.send_json({"type": "session.update", "session": session})
+            error = ws.receive_json()["error"]
+            assert error["param"] == param and error["message"].startswith(param), (session, error)
+        ws.send_json({"type": "response.create", "response": {"audio": 1, "voice": "ethan"}})
+        assert ws.receive_json()["error"]["param"] == "response.audio"
         ws.send_json({"type": "session.update", "session": {"modalities": ["text"], "turn_detection": {
             "type": "server_vad", "silence_duration_ms": 300}}})  # fmt: skip
         session = _until(ws, "session.updated")[-1]["session"]
@@ -876,6 +888,10 @@ def test_a_browser_sends_its_key_and_dialect_as_subprotocols(connect: Callable[.
             service, subprotocols=["realtime", "openai-insecure-api-key.wrong"]):
         pass
     assert denied.value.status_code == 401
+    # one a browser would drop (no `realtime` selected): refused with why, not opened
+    with pytest.raises(WebSocketDenialResponse) as denied, connect(service, subprotocols=offered[1:]):
+        pass
+    assert denied.value.status_code == 400 and denied.value.json()["error"]["param"] == "subprotocols"
 
 
 def test_g711_in_and_out(connect: Callable[..., Any]) -> None:
@@ -979,3 +995,29 @@ def test_a_reply_truncated_while_it_is_made_settles_without_its_words(connect: C
         ws.send_json({"type": "response.create"})
         _until(ws, "response.done")
     assert [m.role for m in service.requests[1].messages] == ["user"]
+
+
+def test_server_vad_hears_a_g711_turn_at_8_khz(connect: Callable[..., Any]) -> None:
+    """A phone bridge's mu-law stream: the turn heard at the same times as in 16-bit PCM (the VAD
+    runs on the decoded 8 kHz samples), its decoded samples committed."""
+    from gateway.g711 import G711Encoder, g711_to_pcm16
+
+    service = ScriptedService()
+    encoder = G711Encoder("audio/pcmu", 8_000)
+    mulaw = encoder.push(_speech(rate=8_000)) + encoder.finish()
+    with connect(service) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "session.update", "session": {"audio": {"input": {
+            "format": {"type": "audio/pcmu"},
+            "turn_detection": {"type": "server_vad", "prefix_padding_ms": 100, "silence_duration_ms": 300}}}}})
+        _until(ws, "session.updated")
+        for i in range(0, len(mulaw), 160):  # 20 ms pieces, as a phone bridge sends them
+            ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(mulaw[i:i + 160]).decode()})
+        events = _until(ws, "response.done")
+    started, stopped = events[0], events[1]
+    assert (started["type"], started["audio_start_ms"]) == ("input_audio_buffer.speech_started", 500)
+    assert (stopped["type"], stopped["audio_end_ms"]) == ("input_audio_buffer.speech_stopped", 1_300)
+    got = service.requests[0].messages[0].parts[0].audio.pcm
+    first, end = (500 - 100) * 8, (1_300 + 300) * 8
+    want = np.frombuffer(g711_to_pcm16(mulaw, "audio/pcmu"), "<i2")[first:end].astype(np.float32) / 32768
+    assert got.sample_rate == 8_000 and np.array_equal(np.frombuffer(got.f32le, "<f4"), want)
