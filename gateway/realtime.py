@@ -25,6 +25,9 @@ it, never ignored; the session goes on):
   the model as /v1/audio/transcriptions asks it, beside its response, and its words come as
   `conversation.item.input_audio_transcription.delta`s, then `.completed` (or `.failed`). No
   semantic_vad, noise reduction, tools or prompts.
+  `type: transcription` (or connecting with `?intent=transcription`; beta's
+  `transcription_session.update`): live captions. Each committed turn (by the client or heard by
+  server_vad) is transcribed, on by default; no response is made and no turn is kept.
 * `input_audio_buffer.append` (base64 PCM), `.commit` (the buffer becomes a user item), `.clear`.
 * `conversation.item.create` (a message: user `input_text`, `input_audio`, `input_image`;
   system `input_text`; assistant `output_text` or `output_audio` by its `transcript`), with
@@ -76,6 +79,7 @@ from gateway.http_error import HttpError
 from gateway.realtime_beta import GaFieldError, beta_error, is_beta, to_beta, to_ga
 from gateway.realtime_turns import (
     MAX_ITEMS,
+    TRANSCRIBING,
     AudioConfig,
     Item,
     MessageItem,
@@ -92,6 +96,7 @@ from gateway.realtime_turns import (
     session_only,
     to_generate_request,
     to_item,
+    transcription_only,
     transcription_request,
     turn_detection,
 )
@@ -121,11 +126,14 @@ class _Gone(Exception):
 class RealtimeSession:
     """One WebSocket's conversation: its settings, input audio buffer and items; one response at a time."""
 
-    def __init__(self, service: GatewayService, ws: WebSocket, voices: list[str], beta: bool = False) -> None:
+    def __init__(self, service: GatewayService, ws: WebSocket, voices: list[str], beta: bool = False,
+                 transcription: bool = False) -> None:  # fmt: skip
         self.service, self.ws, self.voices = service, ws, voices
         self.beta = beta  # the client speaks the beta dialect (gateway/realtime_beta.py)
         self.id = _new_id("sess")
         self.settings = Settings(modality="audio" if voices else "text")
+        if transcription:  # (?intent=transcription)
+            self.settings.kind, self.settings.transcription = "transcription", dict(TRANSCRIBING)
         self.buffer = bytearray()
         self.buffer_start = 0  # where the buffer's first sample is in all the input audio appended
         self.vad: EnergyVad | None = None  # server_vad (settings.vad) on the input audio
@@ -177,9 +185,14 @@ class RealtimeSession:
                 await self.ws.close(code, reason)
 
     def session_event(self, kind: str) -> dict[str, Any]:
+        fields = self.settings.session_fields(self.service.sample_rate)
+        if self.settings.kind == "transcription":
+            return {"type": kind, "session": {"type": "transcription", "object": "realtime.transcription_session",
+                                              "id": self.id, "audio": {"input": fields["audio"]["input"]},
+                                              "include": None}}  # fmt: skip
         session = {"type": "realtime", "object": "realtime.session", "id": self.id, "model": self.service.model_name,
-                   **self.settings.session_fields(self.service.sample_rate), "tools": [], "tool_choice": "auto",
-                   "tracing": None, "truncation": "disabled", "prompt": None, "include": None}  # fmt: skip
+                   **fields, "tools": [], "tool_choice": "auto", "tracing": None, "truncation": "disabled",
+                   "prompt": None, "include": None}  # fmt: skip
         return {"type": kind, "session": session}
 
     # -- the connection
@@ -282,8 +295,15 @@ class RealtimeSession:
             raise RealtimeError(f"session.model: {unknown_model(s.model, self.service.model_name).message}",
                                 "session.model", "model_not_found")  # fmt: skip
         session_only(s)
+        kind = s.type or self.settings.kind
+        if kind == "transcription":
+            transcription_only(s)
+        if kind != self.settings.kind and self.active is not None:
+            raise RealtimeError("session.type: a response is being made; cancel it or wait for response.done first",
+                                "session.type")  # fmt: skip
         audio = s.audio or AudioConfig()
         settings = self.settings.merged(s, self.voices, "session", audio.output, self.service.sample_rate)
+        settings.kind = kind
         if audio.input is not None and audio.input.format is not None:
             fmt, rate = input_format(audio.input.format, "session.audio.input.format")
             if self.buffer and rate != settings.input_rate:
@@ -295,6 +315,11 @@ class RealtimeSession:
             settings.vad = turn_detection(audio.input, settings.vad)
             settings.transcription = input_transcription(audio.input, settings.transcription,
                                                          self.service.model_name)  # fmt: skip
+        if kind == "transcription" and settings.transcription is None:
+            if audio.input is not None and "transcription" in audio.input.model_fields_set:
+                raise RealtimeError("session.audio.input.transcription: a transcription session transcribes "
+                                    "(not null)", "session.audio.input.transcription")  # fmt: skip
+            settings.transcription = dict(TRANSCRIBING)
         if settings.input_rate != self.settings.input_rate:  # (the buffer is empty)
             self.ms_base, self.rate_start = self._ms(self.buffer_start), self.buffer_start
         if _hearing(settings) != _hearing(self.settings):  # (create_response and the like: read as they act)
@@ -370,7 +395,7 @@ class RealtimeSession:
         await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": self._ms(event.sample),
                          "item_id": item_id})  # fmt: skip
         await self._commit(turn, item_id)  # (refused: the next turn's start, or the silence, drops its audio)
-        if not vad.create_response:
+        if not vad.create_response or self.settings.kind == "transcription":
             return
         if self.active is not None:  # (being cut, or not interrupted): answered once it is done
             self.respond_next = True
@@ -388,14 +413,17 @@ class RealtimeSession:
         await self._commit(len(self.buffer) // 2, item_id)
 
     async def _commit(self, samples: int, item_id: str) -> None:
-        """The buffer's first `samples` as a user item (the rest stays)."""
-        self._room(0, "input_audio_buffer", items=1)
+        """The buffer's first `samples` as a user item (the rest stays). A transcription session
+        keeps none: each turn is transcribed and let go (a live caption runs for hours)."""
+        keep = self.settings.kind == "realtime"
+        if keep:
+            self._room(0, "input_audio_buffer", items=1)
         pcm = bytes(self.buffer[:2 * samples])
         item = Item(item_id, "user", [pcm_part(pcm, self.settings.input_rate, "audio")],
                     content=[{"type": "input_audio", "transcript": None}])  # fmt: skip
         self._drop_buffer(samples)
         item.nbytes = 2 * len(pcm)
-        previous = self.insert(item, None)
+        previous = self.insert(item, None) if keep else None
         await self.send({"type": "input_audio_buffer.committed", "previous_item_id": previous, "item_id": item.id})
         await self._added(item, previous)
         if self.settings.transcription is not None:  # (beside the turn's response: their steps are shared)
@@ -540,6 +568,9 @@ class RealtimeSession:
         return item_id
 
     async def response_create(self, body: dict[str, Any]) -> None:
+        if self.settings.kind == "transcription":
+            raise RealtimeError("a transcription session makes no responses (session.type: realtime does)",
+                                code="transcription_session")  # fmt: skip
         if set(body) - {"response"}:
             raise RealtimeError("response.create takes `response` alone", "response")
         r = parse(ResponseBody, body.get("response") or {}, "response")
@@ -777,11 +808,15 @@ def realtime_route(service: GatewayService) -> WebSocketRoute:
         refusal: HttpError | None = None
         origin = ws.headers.get("origin")
         offered: list[str] = list(ws.scope.get("subprotocols") or [])
+        intent = ws.query_params.get("intent")
         if not service.check_api_key(ws.headers.get("authorization") or _subprotocol_key(offered)):
             refusal = HttpError(401, "missing or wrong API key (header Authorization: Bearer <key>)",
                                 "authentication_error", code="invalid_api_key")  # fmt: skip
         elif (model := ws.query_params.get("model")) is not None and model != service.model_name:
             refusal = unknown_model(model, service.model_name)
+        elif intent not in (None, "transcription"):
+            refusal = HttpError(400, f"intent: {intent[:64]!r}: transcription, or none (a conversation)",
+                                param="intent")  # fmt: skip
         elif offered and _SUBPROTOCOL not in offered:  # (a browser drops a socket that selects none it offered)
             refusal = HttpError(400, f"subprotocols {', '.join(offered)[:200]!r}: offer `{_SUBPROTOCOL}` (with "
                                 "`openai-insecure-api-key.<key>` and `openai-beta.realtime-v1` as needed)",
@@ -800,7 +835,8 @@ def realtime_route(service: GatewayService) -> WebSocketRoute:
             return
         # (a browser, which cannot set headers, offers `realtime` and its key and dialect as subprotocols)
         await ws.accept(subprotocol=_SUBPROTOCOL if offered else None)
-        session = RealtimeSession(service, ws, voices, beta=is_beta(ws.headers.get("openai-beta"), offered))
+        session = RealtimeSession(service, ws, voices, beta=is_beta(ws.headers.get("openai-beta"), offered),
+                                  transcription=intent == "transcription")  # fmt: skip
         await session.run()
         await session.hang_up(1000, "")
 

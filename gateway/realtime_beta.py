@@ -70,6 +70,11 @@ def to_ga(event: dict[str, Any]) -> dict[str, Any]:
     kind = event.get("type")
     if kind == "session.update" and isinstance(event.get("session"), dict):
         return {**event, "session": _config(event["session"], input_side=True)}
+    if kind == "transcription_session.update" and isinstance(event.get("session"), dict):
+        session = dict(event["session"])
+        if session.get("modalities") == ["text"]:  # (what a transcription gives: nothing to set)
+            del session["modalities"]
+        return {**event, "type": "session.update", "session": {"type": "transcription", **_config(session, True)}}
     if kind == "response.create" and isinstance(event.get("response"), dict):
         return {**event, "response": _config(event["response"], input_side=False)}
     return event
@@ -114,7 +119,11 @@ def to_beta(event: dict[str, Any]) -> list[dict[str, Any]]:
         out["item"] = _item(out["item"])
     if isinstance(out.get("part"), dict):
         out["part"] = _part(out["part"])
-    if kind in ("session.created", "session.updated"):
+    if kind in ("session.created", "session.updated") and event["session"]["type"] == "transcription":
+        out["session"] = _transcription_session(event["session"])
+        if kind == "session.updated":
+            out["type"] = "transcription_session.updated"
+    elif kind in ("session.created", "session.updated"):
         out["session"] = _session(event["session"])
     if kind in ("response.created", "response.done"):
         out["response"] = _response(event["response"])
@@ -170,6 +179,14 @@ def _session(s: dict[str, Any]) -> dict[str, Any]:
     if "temperature" in s:
         out["temperature"] = s["temperature"]
     return out
+
+
+def _transcription_session(s: dict[str, Any]) -> dict[str, Any]:
+    audio_in = s["audio"]["input"]
+    return {"id": s["id"], "object": "realtime.transcription_session", "modalities": ["text"],
+            "input_audio_format": _format(audio_in["format"]), "input_audio_transcription": audio_in["transcription"],
+            "turn_detection": audio_in["turn_detection"], "input_audio_noise_reduction": audio_in["noise_reduction"],
+            "include": s["include"]}  # fmt: skip
 
 
 def _response(r: dict[str, Any]) -> dict[str, Any]:

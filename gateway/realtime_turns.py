@@ -19,6 +19,7 @@ from omnistage.v1 import gateway_pb2, stage_pb2
 
 __all__ = [
     "MAX_ITEMS",
+    "TRANSCRIBING",
     "AudioConfig",
     "Item",
     "MessageItem",
@@ -37,6 +38,7 @@ __all__ = [
     "to_generate_request",
     "to_item",
     "transcription_instruction",
+    "transcription_only",
     "transcription_request",
     "turn_detection",
 ]
@@ -179,7 +181,7 @@ class _Common(_Strict):
 
 
 class SessionBody(_Common):
-    type: Literal["realtime"] | None = None  # ("transcription" sessions: no)
+    type: Literal["realtime", "transcription"] | None = None  # (None: the session's kind as it is)
     model: str | None = None
     audio: AudioConfig | None = None
     include: list[Any] | None = None
@@ -274,6 +276,7 @@ def parse(model: type[ModelT], data: Any, prefix: str) -> ModelT:
 class Settings:
     """What a response is made with: the session's settings, or one response's own."""
 
+    kind: str = "realtime"  # "transcription": committed turns are transcribed; no responses
     instructions: str = ""
     modality: str = "audio"  # "audio": speech and its transcript; "text"
     max_output_tokens: int | None = None  # None: "inf", the model's own limit
@@ -376,6 +379,20 @@ def _unsupported(body: _Common, prefix: str) -> None:
         raise RealtimeError(f"{prefix}.tool_choice: this server calls no tools (auto or none)", f"{prefix}.tool_choice")
     if body.prompt is not None:
         raise RealtimeError(f"{prefix}.prompt: no stored prompts here; send the instructions", f"{prefix}.prompt")
+
+
+TRANSCRIBING = {"model": None, "language": None, "prompt": None}  # a transcription session's default
+_TRANSCRIPTION_FIELDS = frozenset({"type", "audio", "include"})
+
+
+def transcription_only(body: SessionBody) -> None:
+    """A transcription session's update: its input audio alone (it makes no responses)."""
+    extra = sorted(body.model_fields_set - _TRANSCRIPTION_FIELDS)
+    if body.audio is not None and body.audio.output is not None:  # (named by its field: beta names it so)
+        extra.insert(0, ".".join(["audio.output", *sorted(body.audio.output.model_fields_set)[:1]]))
+    if extra:
+        raise RealtimeError(f"session.{extra[0]}: a transcription session makes no responses; it takes "
+                            "audio.input (and include)", f"session.{extra[0]}")  # fmt: skip
 
 
 def session_only(body: SessionBody) -> None:

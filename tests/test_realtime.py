@@ -1021,3 +1021,69 @@ def test_server_vad_hears_a_g711_turn_at_8_khz(connect: Callable[..., Any]) -> N
     first, end = (500 - 100) * 8, (1_300 + 300) * 8
     want = np.frombuffer(g711_to_pcm16(mulaw, "audio/pcmu"), "<i2")[first:end].astype(np.float32) / 32768
     assert got.sample_rate == 8_000 and np.array_equal(np.frombuffer(got.f32le, "<f4"), want)
+
+
+def test_a_transcription_session_transcribes_turns_and_makes_no_responses(connect: Callable[..., Any]) -> None:
+    """?intent=transcription (or session.type transcription): live captions. Each committed turn
+    (by the client, or heard by server_vad) is transcribed; no response is made, and no turn is
+    kept (a caption runs for hours); the session can turn into a conversation."""
+    service = ScriptedService([_text("I said"), _text(" hi"), _final()])
+    with connect(service, "/v1/realtime?intent=transcription") as ws:
+        session = ws.receive_json()["session"]
+        assert session["type"] == "transcription" and session["object"] == "realtime.transcription_session"
+        assert session["audio"]["input"]["transcription"] == {"model": None, "language": None, "prompt": None}
+        assert "output_modalities" not in session and "audio" in session and "output" not in session["audio"]
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm16(2400)).decode()})
+        ws.send_json({"type": "input_audio_buffer.commit"})
+        events = _until(ws, "conversation.item.input_audio_transcription.completed")
+        assert events[-1]["transcript"] == "I said hi" and events[0]["previous_item_id"] is None
+        ws.send_json({"type": "conversation.item.retrieve", "item_id": events[0]["item_id"]})
+        assert ws.receive_json()["error"]["code"] == "item_not_found"  # (let go once transcribed)
+        ws.send_json({"type": "response.create"})
+        assert ws.receive_json()["error"]["code"] == "transcription_session"
+        for session, param in [({"type": "transcription", "instructions": "x"}, "session.instructions"),
+                               ({"audio": {"output": {"voice": "ethan"}}}, "session.audio.output.voice"),
+                               ({"type": "transcription", "audio": {"input": {"transcription": None}}},
+                                "session.audio.input.transcription")]:
+            ws.send_json({"type": "session.update", "session": session})
+            assert ws.receive_json()["error"]["param"] == param, session
+        # server_vad: heard, committed, transcribed, never answered
+        ws.send_json({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+            "transcription": {"language": "de"},
+            "turn_detection": {"type": "server_vad", "silence_duration_ms": 300}}}}})  # fmt: skip
+        assert ws.receive_json()["session"]["audio"]["input"]["turn_detection"]["type"] == "server_vad"
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(_speech()).decode()})
+        heard = _until(ws, "conversation.item.input_audio_transcription.completed")
+        assert [e["type"] for e in heard][:3] == ["input_audio_buffer.speech_started",
+                                                 "input_audio_buffer.speech_stopped", "input_audio_buffer.committed"]
+        assert not any(e["type"].startswith("response.") for e in heard)
+        # into a conversation: it has no turns yet (none were kept)
+        ws.send_json({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+            "turn_detection": None, "transcription": None}}}})  # fmt: skip
+        assert ws.receive_json()["session"]["type"] == "realtime"
+        ws.send_json({"type": "response.create"})
+        assert ws.receive_json()["error"]["code"] == "empty_conversation"
+    assert len(service.requests) == 2 and all(not r.want_audio and len(r.messages) == 1 for r in service.requests)
+    with pytest.raises(WebSocketDenialResponse) as denied, connect(service, "/v1/realtime?intent=chat"):
+        pass
+    assert denied.value.status_code == 400 and denied.value.json()["error"]["param"] == "intent"
+
+
+def test_a_beta_transcription_session(connect: Callable[..., Any]) -> None:
+    service = ScriptedService([_text("Hallo"), _final()])
+    with connect(service, headers=BETA) as ws:
+        _until(ws, "conversation.created")
+        ws.send_json({"type": "transcription_session.update", "session": {
+            "input_audio_format": "g711_ulaw", "modalities": ["text"],
+            "input_audio_transcription": {"model": "gpt-4o-transcribe", "language": "de"}, "turn_detection": None}})
+        updated = ws.receive_json()
+        assert updated["type"] == "transcription_session.updated", updated
+        assert updated["session"]["input_audio_format"] == "g711_ulaw"
+        assert updated["session"]["input_audio_transcription"]["language"] == "de"
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(bytes(800)).decode()})
+        ws.send_json({"type": "input_audio_buffer.commit"})
+        done = _until(ws, "conversation.item.input_audio_transcription.completed")
+        assert done[-1]["transcript"] == "Hallo" and "conversation.item.created" in [e["type"] for e in done]
+        ws.send_json({"type": "transcription_session.update", "session": {"voice": "ethan"}})
+        assert ws.receive_json()["error"]["param"] == "session.voice"
+    assert service.requests[0].messages[0].parts[0].audio.pcm.sample_rate == 8_000

@@ -449,8 +449,25 @@ def test_realtime_input_transcription_is_the_transcription_endpoints(http_stack:
         w.setsampwidth(2)
         w.setframerate(RATE)
         w.writeframes(spoken.tobytes())
+    async def caption() -> str:
+        """The same turn in a transcription session (live captions: no responses)."""
+        aclient = openai.AsyncOpenAI(base_url=f"http://{http_stack.http_address}/v1", api_key="unused", max_retries=0)
+        async with aclient.realtime.connect(model=model) as conn, asyncio.timeout(120):
+            await conn.recv()
+            await conn.session.update(session={"type": "transcription", "audio": {"input": {"transcription": {
+                "model": "gpt-4o-transcribe", "language": "en"}}}})  # fmt: skip
+            assert (await conn.recv()).session.type == "transcription"
+            await conn.input_audio_buffer.append(audio=base64.b64encode(spoken.tobytes()).decode())
+            await conn.input_audio_buffer.commit()
+            async for event in conn:
+                assert not event.type.startswith("response."), event
+                if event.type == "conversation.item.input_audio_transcription.completed":
+                    return event.transcript
+        raise AssertionError("no transcript")
+
     expected = client.audio.transcriptions.create(model=model, file=("turn.wav", wav.getvalue()), language="en").text
     assert run(transcribe()) == expected and expected
+    assert run(caption()) == expected
 
 
 def test_the_bench_drives_the_realtime_socket_against_grpc(http_stack: Stack) -> None:
