@@ -168,7 +168,9 @@ def _format(fmt: dict[str, Any] | None) -> str | None:
 
 def _session(s: dict[str, Any]) -> dict[str, Any]:
     audio_in, audio_out = s["audio"]["input"], s["audio"]["output"]
-    out = {"id": s["id"], "object": "realtime.session", "model": s["model"],
+    # (no `model`: beta's schema allows only OpenAI's names there, so a client that checks it
+    # would refuse the served model's; /v1/models has it)
+    out = {"id": s["id"], "object": "realtime.session",
            "modalities": _modalities(s["output_modalities"]), "instructions": s["instructions"],
            "voice": audio_out["voice"], "speed": audio_out["speed"],
            "input_audio_format": _format(audio_in["format"]), "output_audio_format": _format(audio_out["format"]),

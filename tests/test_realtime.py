@@ -1087,3 +1087,90 @@ def test_a_beta_transcription_session(connect: Callable[..., Any]) -> None:
         ws.send_json({"type": "transcription_session.update", "session": {"voice": "ethan"}})
         assert ws.receive_json()["error"]["param"] == "session.voice"
     assert service.requests[0].messages[0].parts[0].audio.pcm.sample_rate == 8_000
+
+
+def _tour(ws: Any, service: ScriptedService, beta: bool) -> list[dict[str, Any]]:
+    """A session that makes every kind of server event; all of them, as received."""
+    seen: list[dict[str, Any]] = []
+
+    def until(kind: str) -> None:
+        seen.extend(_until(ws, kind))
+
+    def send(event: dict[str, Any], reply: str) -> None:
+        ws.send_json(event)
+        until(reply)
+
+    added = "conversation.item.created" if beta else "conversation.item.done"
+    until("conversation.created" if beta else "session.created")
+    vad = {"type": "server_vad", "silence_duration_ms": 300}
+    send({"type": "session.update", "session": {"turn_detection": vad, "input_audio_transcription": {}} if beta
+          else {"audio": {"input": {"turn_detection": vad, "transcription": {}}}}}, "session.updated")  # fmt: skip
+    service.script = [_text("Hi"), _audio(_pcm16(2400)), _final()]
+    ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(_speech()).decode()})
+    wanted = {"response.done", "conversation.item.input_audio_transcription.completed"}  # (in either order)
+    while wanted:
+        seen.append(ws.receive_json())
+        wanted.discard(seen[-1]["type"])
+    send({"type": "session.update", "session": {"turn_detection": None, "input_audio_transcription": None} if beta
+          else {"audio": {"input": {"turn_detection": None, "transcription": None}}}}, "session.updated")  # fmt: skip
+    send({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "More."}]}}, added)  # fmt: skip
+    send({"type": "response.create", "response": {"modalities": ["text"]} if beta else {"output_modalities": ["text"]}},
+         "response.done")  # fmt: skip
+    service.script = [_text("Par"), HANG, _final()]
+    ws.send_json({"type": "response.create"})
+    until("response.output_audio_transcript.delta" if not beta else "response.audio_transcript.delta")
+    send({"type": "response.cancel"}, "response.done")
+    spoken = next(e["item"]["id"] for e in seen if e["type"] == "response.output_item.done")
+    send({"type": "conversation.item.truncate", "item_id": spoken, "content_index": 0, "audio_end_ms": 50},
+         "conversation.item.truncated")  # fmt: skip
+    send({"type": "conversation.item.retrieve", "item_id": spoken}, "conversation.item.retrieved")
+    send({"type": "conversation.item.delete", "item_id": spoken}, "conversation.item.deleted")
+    ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm16(240)).decode()})
+    send({"type": "input_audio_buffer.clear"}, "input_audio_buffer.cleared")
+    send({"type": "no.such.event"}, "error")
+    service.script = [GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, "thinker: out of memory")]
+    send({"type": "response.create"}, "response.done")
+    send({"type": "session.update", "session": {"input_audio_transcription": {}} if beta
+          else {"audio": {"input": {"transcription": {}}}}}, "session.updated")  # fmt: skip
+    ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm16(2400)).decode()})
+    send({"type": "input_audio_buffer.commit"}, "conversation.item.input_audio_transcription.failed")
+    return seen
+
+
+@pytest.mark.parametrize("beta", [False, True], ids=["ga", "beta"])
+def test_every_event_sent_is_one_the_sdk_s_types_accept(connect: Callable[..., Any], beta: bool) -> None:
+    """Each server event of a session that makes all of them validates against the official
+    SDK's types for its dialect (clients generated from OpenAI's spec check them so)."""
+    from openai.types.beta.realtime.realtime_server_event import RealtimeServerEvent as BetaEvent
+    from openai.types.realtime.realtime_server_event import RealtimeServerEvent as GaEvent
+    from pydantic import TypeAdapter, ValidationError
+
+    types = TypeAdapter(BetaEvent if beta else GaEvent)
+    service = ScriptedService()
+    with connect(service, headers=BETA if beta else {}) as ws:
+        events = _tour(ws, service, beta)
+    made = {"session.created", "session.updated", "input_audio_buffer.speech_started",
+            "input_audio_buffer.speech_stopped", "input_audio_buffer.committed", "input_audio_buffer.cleared",
+            "conversation.item.added", "conversation.item.done", "conversation.item.deleted",
+            "conversation.item.retrieved", "conversation.item.truncated",
+            "conversation.item.input_audio_transcription.delta",
+            "conversation.item.input_audio_transcription.completed",
+            "conversation.item.input_audio_transcription.failed", "response.created", "response.output_item.added",
+            "response.content_part.added", "response.output_audio_transcript.delta", "response.output_audio.delta",
+            "response.output_audio.done", "response.output_audio_transcript.done", "response.output_text.delta",
+            "response.output_text.done", "response.content_part.done", "response.output_item.done", "response.done",
+            "error"}  # fmt: skip
+    if beta:
+        made = {BETA_NAMES.get(k, k) for k in made - {"conversation.item.done"}} | {"conversation.created"}
+    assert {e["type"] for e in events} == made
+    bad = []
+    for event in events:
+        try:
+            parsed = types.validate_python(event)
+        except ValidationError as e:
+            bad.append((event["type"], str(e).splitlines()[:3]))
+            continue
+        if getattr(parsed, "type", None) != event["type"]:
+            bad.append((event["type"], f"read as {type(parsed).__name__}"))
+    assert not bad, bad
