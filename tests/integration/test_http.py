@@ -1005,3 +1005,48 @@ def test_playground_streams_text_and_audio_in_a_browser(http_stack: Stack) -> No
     rms = (state["sumSquares"] / state["samples"]) ** 0.5
     assert state["peak"] > 0.01 and rms > 0.001, state  # not silence
     assert state["firstAudioMs"] is not None and player_shown
+
+
+def test_every_reply_validates_against_the_sdk_s_types(http_stack: Stack, client: openai.OpenAI) -> None:
+    """The HTTP door's bodies and stream events, read as raw JSON, validate against the official
+    SDK's types (the SDK itself reads them unchecked; clients generated from OpenAI's spec check)."""
+    from openai.types import Model
+    from openai.types.audio import Transcription, TranscriptionTextDeltaEvent, TranscriptionTextDoneEvent
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    from openai.types.shared import ErrorObject
+
+    base = f"http://{http_stack.http_address}/v1"
+    model = client.models.list().data[0].id
+    turn = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"}}
+    with httpx.Client(timeout=120) as http:
+        for m in http.get(f"{base}/models").json()["data"]:
+            Model.model_validate(m)
+        reply = ChatCompletion.model_validate(http.post(f"{base}/chat/completions", json=turn).json())
+        assert reply.choices[0].message.audio is not None and reply.usage is not None
+        with http.stream("POST", f"{base}/chat/completions",
+                         json={**turn, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            lines = [line[5:] for line in r.iter_lines() if line.startswith("data:")]
+        assert lines[-1].strip() == "[DONE]"
+        events = [json.loads(line) for line in lines[:-1]]
+        chunks = [ChatCompletionChunk.model_validate(e) for e in events]
+        assert chunks[-1].usage is not None and any(c.choices and c.choices[0].delta.content for c in chunks)
+        wav = io.BytesIO()
+        with wave.open(wav, "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(RATE)
+            w.writeframes(_pcm16(media.tone(0.5, RATE, seed=3)).tobytes())
+        files = {"file": ("a.wav", wav.getvalue())}
+        Transcription.model_validate(http.post(f"{base}/audio/transcriptions", data={"model": model},
+                                               files=files).json())  # fmt: skip
+        with http.stream("POST", f"{base}/audio/transcriptions", data={"model": model, "stream": "true"},
+                         files=files) as r:  # fmt: skip
+            streamed = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+        assert streamed and streamed[-1]["type"] == "transcript.text.done"
+        for e in streamed:
+            (TranscriptionTextDoneEvent if e["type"] == "transcript.text.done" else TranscriptionTextDeltaEvent
+             ).model_validate(e)  # fmt: skip
+        bad = http.post(f"{base}/chat/completions", json={**turn, "temperature": 9})
+        assert bad.status_code == 400
+        ErrorObject.model_validate(bad.json()["error"])
