@@ -142,6 +142,7 @@ class RealtimeSession:
         self.respond_next = False  # a turn ended over a response: answer it after that one
         self.event_id: str | None = None  # the client's id of the event being handled
         self.transcribing: dict[str, asyncio.Task[None]] = {}  # committed turns' input transcriptions, by item
+        self.last_transcription: asyncio.Task[None] | None = None  # the next one starts after it
         self.ms_base, self.rate_start = 0, 0  # `_ms`: input audio before the rate's last change
         self.items: dict[str, Item] = {}
         self.order: list[str] = []  # the items' ids in conversation order
@@ -315,11 +316,12 @@ class RealtimeSession:
             settings.vad = turn_detection(audio.input, settings.vad)
             settings.transcription = input_transcription(audio.input, settings.transcription,
                                                          self.service.model_name)  # fmt: skip
+        given = audio.input is not None and "transcription" in audio.input.model_fields_set
+        if kind != self.settings.kind and not given:  # a new kind of session: its default (on for captions)
+            settings.transcription = dict(TRANSCRIBING) if kind == "transcription" else None
         if kind == "transcription" and settings.transcription is None:
-            if audio.input is not None and "transcription" in audio.input.model_fields_set:
-                raise RealtimeError("session.audio.input.transcription: a transcription session transcribes "
-                                    "(not null)", "session.audio.input.transcription")  # fmt: skip
-            settings.transcription = dict(TRANSCRIBING)
+            raise RealtimeError("session.audio.input.transcription: a transcription session transcribes "
+                                "(not null)", "session.audio.input.transcription")  # fmt: skip
         if settings.input_rate != self.settings.input_rate:  # (the buffer is empty)
             self.ms_base, self.rate_start = self._ms(self.buffer_start), self.buffer_start
         if _hearing(settings) != _hearing(self.settings):  # (create_response and the like: read as they act)
@@ -424,21 +426,32 @@ class RealtimeSession:
         self._drop_buffer(samples)
         item.nbytes = 2 * len(pcm)
         previous = self.insert(item, None) if keep else None
+        if not keep:  # (its audio counts towards the session's bound until it is transcribed)
+            self.held += item.nbytes
         await self.send({"type": "input_audio_buffer.committed", "previous_item_id": previous, "item_id": item.id})
         await self._added(item, previous)
         if self.settings.transcription is not None:  # (beside the turn's response: their steps are shared)
-            task = asyncio.create_task(self._transcribe(item, self.settings.transcription))
-            self.transcribing[item.id] = task
+            # one turn's after another's, so that a client's captions come in order
+            after = self.last_transcription
+            task = asyncio.create_task(self._transcribe(item, self.settings.transcription, after))
+            self.transcribing[item.id] = self.last_transcription = task
 
-            def forget(done: asyncio.Task[None], item_id: str = item.id) -> None:
+            def forget(done: asyncio.Task[None], item_id: str = item.id, nbytes: int = 0 if keep else item.nbytes
+                       ) -> None:  # fmt: skip
                 if self.transcribing.get(item_id) is done:
                     del self.transcribing[item_id]
+                self.held -= nbytes
 
             task.add_done_callback(forget)
+        elif not keep:
+            self.held -= item.nbytes
 
-    async def _transcribe(self, item: Item, config: dict[str, Any]) -> None:
+    async def _transcribe(self, item: Item, config: dict[str, Any], after: asyncio.Task[None] | None) -> None:
         """A committed turn's words, as `/v1/audio/transcriptions` would give them: sent as
-        `conversation.item.input_audio_transcription.delta`s, then `.completed` (or `.failed`)."""
+        `conversation.item.input_audio_transcription.delta`s, then `.completed` (or `.failed`),
+        once the turn before it (`after`) is done."""
+        if after is not None:
+            await asyncio.wait({after})  # (its end, however it ended: not its cancellation)
         req = transcription_request(item, config)
         req.request_id = _new_id("transcription")
         ids = {"item_id": item.id, "content_index": 0}
@@ -502,6 +515,9 @@ class RealtimeSession:
         await self.send({"type": "input_audio_buffer.cleared"})
 
     async def item_create(self, body: dict[str, Any]) -> None:
+        if self.settings.kind == "transcription":
+            raise RealtimeError("a transcription session keeps no conversation (session.type: realtime does)",
+                                code="transcription_session")  # fmt: skip
         unknown = set(body) - {"item", "previous_item_id"}
         if unknown or "item" not in body:
             raise RealtimeError("conversation.item.create takes `item` and `previous_item_id`", "item")
@@ -531,7 +547,7 @@ class RealtimeSession:
     async def item_truncate(self, body: dict[str, Any]) -> None:
         """An assistant reply cut where the client's playback stopped (the user spoke over it): its
         words go, as OpenAI's API drops them, since no one can say which of them were heard; a
-        finished reply played to its end keeps them."""
+        completed reply played to its end keeps them (one being made is judged as it settles)."""
         if set(body) != {"item_id", "content_index", "audio_end_ms"}:
             raise RealtimeError("conversation.item.truncate takes `item_id`, `content_index` and `audio_end_ms`",
                                 "item_id")  # fmt: skip
@@ -543,12 +559,11 @@ class RealtimeSession:
             raise RealtimeError("item_id: only an assistant reply this session spoke has audio to truncate", "item_id")
         if index != 0 or isinstance(index, bool):
             raise RealtimeError("content_index: a reply here has one part, 0", "content_index")
-        duration_ms = -(-item.audio_samples * 1000 // item.audio_rate)
+        duration_ms = item.audio_ms()
         if not isinstance(end_ms, int) or isinstance(end_ms, bool) or not 0 <= end_ms <= duration_ms:
             raise RealtimeError(f"audio_end_ms: an integer from 0 to the audio's {duration_ms} ms", "audio_end_ms")
-        if item.status == "in_progress":
-            item.truncated = True  # (the reply being made drops its words as it settles)
-        elif end_ms < duration_ms:  # (one played to its end was heard whole)
+        item.truncated_at = end_ms
+        if item.status != "in_progress" and not item.heard_whole(item.status):  # (else judged as it settles)
             self.held -= len(item.text.encode())
             item.nbytes -= len(item.text.encode())
             item.text = ""
@@ -670,7 +685,7 @@ class Response:
             self.generating.cancel()
 
     def part(self) -> dict[str, Any]:
-        words = "" if self.item.truncated else "".join(self.text)
+        words = "".join(self.text) if self.item.status == "in_progress" else self.item.text
         return {"type": "audio", "transcript": words} if self.audio else {"type": "text", "text": words}
 
     def response(self, status: str, details: dict[str, Any] | None = None,
@@ -764,7 +779,7 @@ class Response:
 
     def settle(self, status: str) -> None:
         """The assistant item as the response left it: its words so far, the next turns' context."""
-        words = "" if self.item.truncated else "".join(self.text)
+        words = "".join(self.text) if self.item.heard_whole(status) else ""
         self.item.text = words
         self.item.status = "completed" if status == "completed" else "incomplete"
         self.item.content = [{"type": "output_audio", "transcript": words} if self.audio

@@ -391,8 +391,8 @@ def transcription_only(body: SessionBody) -> None:
     if body.audio is not None and body.audio.output is not None:  # (named by its field: beta names it so)
         extra.insert(0, ".".join(["audio.output", *sorted(body.audio.output.model_fields_set)[:1]]))
     if extra:
-        raise RealtimeError(f"session.{extra[0]}: a transcription session makes no responses; it takes "
-                            "audio.input (and include)", f"session.{extra[0]}")  # fmt: skip
+        raise RealtimeError(f"session.{extra[0]}: a transcription session makes no responses; it takes its "
+                            "input audio's settings alone", f"session.{extra[0]}")  # fmt: skip
 
 
 def session_only(body: SessionBody) -> None:
@@ -426,7 +426,15 @@ class Item:
     nbytes: int = 0  # what it counts towards the conversation's bound (media.max_request_bytes)
     audio_samples: int = 0  # an assistant reply's speech sent, at audio_rate
     audio_rate: int = 0
-    truncated: bool = False  # conversation.item.truncate: the words the client did not hear are gone
+    truncated_at: int | None = None  # conversation.item.truncate's audio_end_ms (ms), once truncated
+
+    def audio_ms(self) -> int:
+        return -(-self.audio_samples * 1000 // self.audio_rate) if self.audio_rate else 0
+
+    def heard_whole(self, status: str) -> bool:
+        """Truncated (if at all) where a reply that completed ends: its words were all heard. (A
+        cut reply's words run ahead of its speech: some were never spoken.)"""
+        return self.truncated_at is None or (status == "completed" and self.truncated_at >= self.audio_ms())
 
     def event(self) -> dict[str, Any]:
         return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role,

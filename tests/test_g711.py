@@ -22,6 +22,14 @@ def _reference(fmt: str) -> tuple[Any, Any]:
     return {"audio/pcmu": (audioop.lin2ulaw, audioop.ulaw2lin), "audio/pcma": (audioop.lin2alaw, audioop.alaw2lin)}[fmt]
 
 
+def test_decoding_gives_g711_s_values() -> None:
+    """A few codes' values from ITU-T G.711's tables (mu-law 0x00 and 0x80 the extremes, 0xFF
+    zero; A-law's even bits inverted: 0xD5 and 0x55 the smallest steps), without audioop."""
+    mu = np.frombuffer(g711_to_pcm16(bytes([0x00, 0x80, 0xFF, 0x7F]), "audio/pcmu"), "<i2").tolist()
+    a = np.frombuffer(g711_to_pcm16(bytes([0xD5, 0x55, 0x2A, 0xAA]), "audio/pcma"), "<i2").tolist()
+    assert mu == [-32124, 32124, 0, 0] and a == [8, -8, -32256, 32256]
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_decoding_is_the_reference_tables(fmt: str) -> None:
     every_code = bytes(range(256))

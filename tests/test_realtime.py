@@ -1174,3 +1174,65 @@ def test_every_event_sent_is_one_the_sdk_s_types_accept(connect: Callable[..., A
         if getattr(parsed, "type", None) != event["type"]:
             bad.append((event["type"], f"read as {type(parsed).__name__}"))
     assert not bad, bad
+
+
+@pytest.mark.parametrize("wait", [True, False], ids=["truncate-after-done", "truncate-at-once"])
+def test_a_reply_cancelled_then_truncated_loses_its_words(connect: Callable[..., Any], wait: bool) -> None:
+    """A voice client's interruption (OpenAI's agents SDK): response.cancel, then truncate where
+    playback stopped, even at all the audio it got. A cut reply's words run ahead of its speech,
+    so they go, whether the truncate comes before or after the reply settles."""
+    service = ScriptedService([_text("One two three four"), _audio(_pcm16(2400)), HANG, _final()])
+    with connect(service) as ws:
+        ws.receive_json()
+        _say(ws, "Count.")
+        ws.send_json({"type": "response.create"})
+        delta = _until(ws, "response.output_audio.delta")[-1]
+        ws.send_json({"type": "response.cancel"})
+        if wait:
+            assert _until(ws, "response.done")[-1]["response"]["status"] == "cancelled"
+        ws.send_json({"type": "conversation.item.truncate", "item_id": delta["item_id"], "content_index": 0,
+                      "audio_end_ms": 100})  # all it got  # fmt: skip
+        wanted = {"conversation.item.truncated", "response.done"} - ({"response.done"} if wait else set())
+        while wanted:  # (in either order: the reply may settle before or after the truncate is read)
+            event = ws.receive_json()
+            wanted.discard(event["type"])
+            if event["type"] == "response.done" and "conversation.item.truncated" not in wanted:  # settled after
+                assert event["response"]["output"][0]["content"] == [{"type": "output_audio", "transcript": ""}]
+        service.script = REPLY
+        ws.send_json({"type": "response.create"})
+        _until(ws, "response.done")
+    assert [m.role for m in service.requests[1].messages] == ["user"]
+
+
+def test_a_transcription_session_captions_in_order_within_its_bound(connect: Callable[..., Any]) -> None:
+    """Turns committed faster than they are transcribed: transcribed one after another (captions
+    in order), their audio counted towards media.max_request_bytes until done (a client cannot
+    run the gateway's every seat); switching kinds resets transcription to the kind's default."""
+    service = ScriptedService([GATE, _text("words"), _final()], max_request_bytes=65_536)
+    pcm = _pcm16(8000)  # 16 KB, 32 KB as float32: two such turns waiting leave no room for a third
+    with connect(service, "/v1/realtime?intent=transcription") as ws:
+        ws.receive_json()
+        ids = []
+        for _ in range(2):
+            ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
+            ws.send_json({"type": "input_audio_buffer.commit"})
+            ids.append(_until(ws, "conversation.item.done")[0]["item_id"])
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
+        assert ws.receive_json()["error"]["code"] == "conversation_too_large"  # two turns' audio wait
+        time.sleep(0.2)
+        assert len(service.requests) == 1  # the second waits for the first
+        service.gate.set()
+        done = [e for e in _until(ws, "conversation.item.input_audio_transcription.completed") +
+                _until(ws, "conversation.item.input_audio_transcription.completed")
+                if e["type"].endswith(".completed")]  # fmt: skip
+        assert [e["item_id"] for e in done] == ids
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
+        ws.send_json({"type": "input_audio_buffer.clear"})
+        assert ws.receive_json()["type"] == "input_audio_buffer.cleared"  # (room again: nothing waits)
+        ws.send_json({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "x"}]}})  # fmt: skip
+        assert ws.receive_json()["error"]["code"] == "transcription_session"
+        ws.send_json({"type": "session.update", "session": {"type": "realtime"}})
+        assert ws.receive_json()["session"]["audio"]["input"]["transcription"] is None
+        ws.send_json({"type": "session.update", "session": {"type": "transcription"}})
+        assert ws.receive_json()["session"]["audio"]["input"]["transcription"] is not None
