@@ -35,7 +35,10 @@ it, never ignored; the session goes on):
   reply cut where the client's playback stopped: its words leave the conversation, as OpenAI's
   API drops them; a finished reply played to its end keeps them).
 * `response.create` (`instructions`, `output_modalities`, `max_output_tokens`, `temperature`,
-  `audio.output.voice`, `metadata`), `response.cancel`. One response at a time.
+  `audio.output.voice`, `metadata`; `conversation: none`: out of band, its item joining no
+  conversation, at most MAX_OUT_OF_BAND at once beside the conversation's; `input`: the items it
+  answers in place of the conversation, given whole or as `item_reference`s), `response.cancel`
+  (the conversation's response, or the one `response_id` names). One conversation response at a time.
 
 Bounds: a conversation holds at most MAX_ITEMS items and media.max_request_bytes of text and
 media (every item goes into each request). A browser page's socket must come from the server's
@@ -110,6 +113,7 @@ log = logging.getLogger(__name__)
 
 Replies = AsyncGenerator[gateway_pb2.GenerateResponse, None]
 CLOSE_WAIT_S = 1.0  # a close frame's wait for a client that stopped reading (uvicorn's pings end it later)
+MAX_OUT_OF_BAND = 4  # out-of-band responses of one session at once (each a request: a seat of the gateway's)
 
 
 def _new_id(kind: str) -> str:
@@ -149,6 +153,7 @@ class RealtimeSession:
         self.held = 0  # what the buffer and the items count towards max_bytes
         self.active: Response | None = None  # the response being made, and its task
         self.task: asyncio.Task[None] | None = None
+        self.side: dict[str, tuple[Response, asyncio.Task[None]]] = {}  # out-of-band responses, by id
         self.lock = asyncio.Lock()  # one event on the wire at a time
         self.events = itertools.count()
         self.gone = False
@@ -221,7 +226,8 @@ class RealtimeSession:
             await self.hang_up(1011, "internal error")
         finally:
             self.gone = True
-            tasks = {*self.transcribing.values(), *([self.task] if self.task is not None else [])}
+            tasks = {*self.transcribing.values(), *([self.task] if self.task is not None else []),
+                     *(task for _, task in self.side.values())}  # fmt: skip
             for task in tasks:  # the client is gone: its requests are cancelled down the chain
                 task.cancel()
             if tasks:
@@ -299,7 +305,7 @@ class RealtimeSession:
         kind = s.type or self.settings.kind
         if kind == "transcription":
             transcription_only(s)
-        if kind != self.settings.kind and self.active is not None:
+        if kind != self.settings.kind and (self.active is not None or self.side):
             raise RealtimeError("session.type: a response is being made; cancel it or wait for response.done first",
                                 "session.type")  # fmt: skip
         audio = s.audio or AudioConfig()
@@ -589,26 +595,69 @@ class RealtimeSession:
         if set(body) - {"response"}:
             raise RealtimeError("response.create takes `response` alone", "response")
         r = parse(ResponseBody, body.get("response") or {}, "response")
-        if r.conversation not in (None, "auto"):
-            raise RealtimeError("response.conversation: responses here join the conversation (auto)",
-                                "response.conversation")  # fmt: skip
-        if r.input is not None:
-            raise RealtimeError("response.input: a response here answers the conversation; create items instead",
-                                "response.input")  # fmt: skip
+        if r.conversation not in (None, "auto", "none"):
+            raise RealtimeError("response.conversation: auto (the response joins the conversation) or none "
+                                "(out of band)", "response.conversation")  # fmt: skip
+        in_band = r.conversation != "none"
         settings = self.settings.merged(r, self.voices, "response", r.audio.output if r.audio else None,
                                         self.service.sample_rate)  # fmt: skip
-        if self.active is not None:
+        if in_band and self.active is not None:
             raise RealtimeError("a response is being made; cancel it or wait for response.done",
                                 code="conversation_already_has_active_response")  # fmt: skip
-        self._room(0, "response", items=1)  # (its item)
-        req = to_generate_request([self.items[i] for i in self.order], settings)
-        self.active = Response(self, req, settings, r.metadata)
-        self.task = asyncio.create_task(self._respond(self.active))
+        if not in_band and len(self.side) >= MAX_OUT_OF_BAND:
+            raise RealtimeError(f"response.conversation: at most {MAX_OUT_OF_BAND} out-of-band responses at once",
+                                "response.conversation", "too_many_responses")  # fmt: skip
+        context = self._context(r.input) if r.input is not None else [self.items[i] for i in self.order]
+        if in_band:
+            self._room(0, "response", items=1)  # (its item)
+        req = to_generate_request(context, settings)
+        response = Response(self, req, settings, r.metadata, in_band)
+        task = asyncio.create_task(self._respond(response))
+        if in_band:
+            self.active, self.task = response, task
+        else:
+            self.side[response.id] = (response, task)
+
+    def _context(self, given: Any) -> list[Item]:
+        """response.input: the turns a response answers in place of the conversation: items given
+        whole, or the conversation's by reference ({"type": "item_reference", "id"})."""
+        if not isinstance(given, list):
+            raise RealtimeError("response.input: a list of items", "response.input")
+        if len(given) > MAX_ITEMS:
+            raise RealtimeError(f"response.input: at most {MAX_ITEMS} items", "response.input")
+        items = []
+        for i, raw in enumerate(given):
+            where = f"response.input[{i}]"
+            if isinstance(raw, dict) and raw.get("type") == "item_reference":
+                ref = raw.get("id")
+                if set(raw) != {"type", "id"} or not isinstance(ref, str):
+                    raise RealtimeError(f"{where}: an item_reference takes `id`", f"{where}.id")
+                if ref not in self.items:
+                    raise RealtimeError(f"{where}.id: no item {ref[:64]!r}", f"{where}.id", "item_not_found")
+                items.append(self.items[ref])
+                continue
+            if isinstance(raw, dict) and raw.get("type", "message") != "message":
+                raise RealtimeError(f"{where}.type: message items or item_reference (no tools)", f"{where}.type")
+            items.append(to_item(parse(MessageItem, raw, where), _new_id("item"), self.settings, where))
+        if sum(i.nbytes for i in items) > self.max_bytes:
+            raise RealtimeError(f"response.input: more than media.max_request_bytes ({self.max_bytes}) of text and "
+                                "media", "response.input", "conversation_too_large")  # fmt: skip
+        return items
 
     async def response_cancel(self, body: dict[str, Any]) -> None:
-        if self.active is None:
-            raise RealtimeError("no response is being made", code="response_cancel_not_active")
-        self.active.cancel()
+        """The response being made in the conversation, or the one `response_id` names."""
+        if set(body) - {"response_id"}:
+            raise RealtimeError("response.cancel takes `response_id` alone", "response_id")
+        response_id = body.get("response_id")
+        response = self.active
+        if response_id is not None and (response is None or response.id != response_id):
+            response = self.side[response_id][0] if isinstance(response_id, str) and response_id in self.side else None
+        if response is None:
+            if response_id is None:
+                raise RealtimeError("no response is being made", code="response_cancel_not_active")
+            raise RealtimeError(f"response_id: no response {str(response_id)[:64]!r} is being made", "response_id",
+                                "response_cancel_not_active")  # fmt: skip
+        response.cancel()
 
     # -- a response
     async def _respond(self, response: Response) -> None:
@@ -620,8 +669,11 @@ class RealtimeSession:
             log.exception("realtime response %s", response.id)
             await self.hang_up(1011, "internal error")
         finally:
-            self.active = None
-            self.task = None
+            if response is self.active:
+                self.active, self.task = None, None
+            self.side.pop(response.id, None)
+        if not response.in_band:
+            return
         vad, pending, self.respond_next = self.settings.vad, self.respond_next, False
         if pending and not self.gone and vad is not None and vad.create_response:
             # a turn server_vad heard end while this response was made: answered now
@@ -659,8 +711,9 @@ class Response:
     """One response: its assistant item joins the conversation, its pieces go out as they exist."""
 
     def __init__(self, session: RealtimeSession, req: gateway_pb2.GenerateRequest, settings: Settings,
-                 metadata: dict[str, str] | None) -> None:  # fmt: skip
+                 metadata: dict[str, str] | None, in_band: bool = True) -> None:  # fmt: skip
         self.session, self.req, self.settings, self.metadata = session, req, settings, metadata
+        self.in_band = in_band  # False: out of band (conversation: none), its item joins no conversation
         self.id = _new_id("resp")
         self.req.request_id = self.id
         self.item = Item(_new_id("item"), "assistant", status="in_progress",
@@ -692,7 +745,8 @@ class Response:
                  usage: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
         return {"object": "realtime.response", "id": self.id, "status": status, "status_details": details,
                 "output": [self.item.event()] if status != "in_progress" else [],
-                "conversation_id": self.session.id, "output_modalities": [self.settings.modality],
+                "conversation_id": self.session.id if self.in_band else None,
+                "output_modalities": [self.settings.modality],
                 "max_output_tokens": self.settings.max_output_tokens or "inf",
                 "audio": {"output": {"format": self.settings.output_format_event(self.session.service.sample_rate),
                                      "voice": self.settings.voice or None}},
@@ -701,13 +755,14 @@ class Response:
     async def run(self) -> None:
         s = self.session
         await s.send({"type": "response.created", "response": self.response("in_progress")})
-        previous = s.insert(self.item, None)
+        previous = s.insert(self.item, None) if self.in_band else None
         status = "incomplete"
         try:
             await s.send({"type": "response.output_item.added", "response_id": self.id, "output_index": 0,
                           "item": self.item.event()})  # fmt: skip
-            await s.send({"type": "conversation.item.added", "previous_item_id": previous,
-                          "item": self.item.event()})  # fmt: skip
+            if self.in_band:
+                await s.send({"type": "conversation.item.added", "previous_item_id": previous,
+                              "item": self.item.event()})  # fmt: skip
             await s.send({"type": "response.content_part.added", **self.ids, "part": self.part()})
             outcome = ("cancelled", _CANCELLED, None) if self.cancelled else await self._outcome()
             status = outcome[0]
@@ -799,7 +854,8 @@ class Response:
         await s.send({"type": "response.content_part.done", **ids, "part": self.part()})
         await s.send({"type": "response.output_item.done", "response_id": self.id, "output_index": 0,
                       "item": self.item.event()})  # fmt: skip
-        await s.send({"type": "conversation.item.done", "item": self.item.event()})
+        if self.in_band:
+            await s.send({"type": "conversation.item.done", "item": self.item.event()})
         await s.send({"type": "response.done", "response": self.response(status, details, usage)})
 
 

@@ -286,7 +286,13 @@ BAD_EVENTS = [
      "previous_item_id", "item_not_found"),
     ({"type": "conversation.item.delete", "item_id": "nope"}, "item_id", "item_not_found"),
     ({"type": "response.create"}, None, "empty_conversation"),
-    ({"type": "response.create", "response": {"conversation": "none"}}, "response.conversation", None),
+    ({"type": "response.create", "response": {"conversation": "conv_other"}}, "response.conversation", None),
+    ({"type": "response.create", "response": {"input": [{"type": "item_reference", "id": "nope"}]}},
+     "response.input[0].id", "item_not_found"),
+    ({"type": "response.create", "response": {"input": [{"type": "function_call_output", "output": "x"}]}},
+     "response.input[0].type", None),
+    ({"type": "response.create", "response": {"input": {"type": "message"}}}, "response.input", None),
+    ({"type": "response.cancel", "response_id": "resp_nope"}, "response_id", "response_cancel_not_active"),
     ({"type": "response.cancel"}, None, "response_cancel_not_active"),
     ({"type": "transcription_session.update"}, "type", "invalid_event"),
     ({"kind": "session.update"}, "type", "invalid_event"),
@@ -1117,6 +1123,9 @@ def _tour(ws: Any, service: ScriptedService, beta: bool) -> list[dict[str, Any]]
         {"type": "input_text", "text": "More."}]}}, added)  # fmt: skip
     send({"type": "response.create", "response": {"modalities": ["text"]} if beta else {"output_modalities": ["text"]}},
          "response.done")  # fmt: skip
+    send({"type": "response.create", "response": {"conversation": "none", "metadata": {"k": "v"}, "input": [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Mood?"}]}]}},
+        "response.done")  # out of band  # fmt: skip
     service.script = [_text("Par"), HANG, _final()]
     ws.send_json({"type": "response.create"})
     until("response.output_audio_transcript.delta" if not beta else "response.audio_transcript.delta")
@@ -1236,3 +1245,46 @@ def test_a_transcription_session_captions_in_order_within_its_bound(connect: Cal
         assert ws.receive_json()["session"]["audio"]["input"]["transcription"] is None
         ws.send_json({"type": "session.update", "session": {"type": "transcription"}})
         assert ws.receive_json()["session"]["audio"]["input"]["transcription"] is not None
+
+
+def test_out_of_band_responses_answer_beside_the_conversation(connect: Callable[..., Any]) -> None:
+    """response.conversation: none: a response beside the conversation's (a classifier, a
+    summary), at the same time as it; its context the conversation or `input` (items given
+    whole or by reference); its item joins no conversation. response.cancel names one."""
+    service = ScriptedService([_text("Par"), HANG, _final()])
+    with connect(service) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]}})
+        hello = _until(ws, "conversation.item.done")[-1]["item"]["id"]
+        ws.send_json({"type": "response.create"})  # the conversation's, hanging
+        in_band = _until(ws, "response.output_audio_transcript.delta")[0]["response"]["id"]
+        service.script = [_text("positive"), _final()]
+        ws.send_json({"type": "response.create", "response": {
+            "conversation": "none", "output_modalities": ["text"], "metadata": {"task": "sentiment"},
+            "input": [{"type": "item_reference", "id": hello},
+                      {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Mood?"}]}]}})
+        events = _until(ws, "response.done")
+        done = events[-1]["response"]
+        assert done["id"] != in_band and done["status"] == "completed" and done["conversation_id"] is None
+        assert done["metadata"] == {"task": "sentiment"} and done["output"][0]["content"][0]["text"] == "positive"
+        assert not any(e["type"].startswith("conversation.item.") for e in events)  # (no conversation's item)
+        oob = service.requests[1]
+        assert [(m.role, m.parts[0].text) for m in oob.messages] == [("user", "Hello"), ("user", "Mood?")]
+        # one out of band without input reads the conversation; cancelled by its id
+        service.script = [_text("x"), HANG, _final()]
+        ws.send_json({"type": "response.create", "response": {"conversation": "none"}})
+        side = _until(ws, "response.created")[-1]["response"]["id"]
+        ws.send_json({"type": "response.cancel", "response_id": side})
+        cancelled = _until(ws, "response.done")[-1]["response"]
+        assert (cancelled["id"], cancelled["status"]) == (side, "cancelled")  # (the conversation's goes on)
+        ws.send_json({"type": "response.cancel"})  # the conversation's own
+        cut = _until(ws, "response.done")[-1]["response"]
+        assert cut["id"] == in_band and cut["status"] == "cancelled" and cut["conversation_id"] is not None
+        service.script = REPLY
+        ws.send_json({"type": "response.create"})
+        _until(ws, "response.done")
+    # the conversation has its own reply alone (the out-of-band ones joined it not)
+    assert [m.role for m in service.requests[-1].messages] == ["user", "assistant"]
+    assert [m.role for m in service.requests[2].messages] == ["user"]  # the conversation then (its reply: no words yet)
+    assert service.requests[-1].messages[1].content == "Par"
