@@ -14,12 +14,13 @@ it, never ignored; the session goes on):
   little-endian (input at any rate from 8 to 192 kHz, 24 kHz unless `rate` says; output at the
   model's, 24 kHz), or G.711 `audio/pcmu` / `audio/pcma` at 8 kHz (gateway/g711.py: a phone
   bridge's; the reply resampled and encoded as it streams).
-  `turn_detection`: null (the default here: the client commits its audio, then asks for a
-  response: push-to-talk) or `server_vad` (gateway/realtime_vad.py: on the audio's level; its
+  `turn_detection`: `server_vad` (the default, as OpenAI's API has it; gateway/realtime_vad.py:
+  on the audio's level; its
   `threshold`, `prefix_padding_ms`, `silence_duration_ms`, `create_response`,
   `interrupt_response`): the server hears a turn start (`input_audio_buffer.speech_started`; a
   response being made is cancelled) and end (`.speech_stopped`), commits it from its prefix
-  padding to where its end was known, and answers it; while no one speaks, only the padding's
+  padding to where its end was known, and answers it; or null: the client commits its audio,
+  then asks for a response (push-to-talk); while no one speaks, only the padding's
   worth of audio is kept. `transcription` ({model, language, prompt}; the model the served one,
   or one of OpenAI's transcription models standing for it): each committed turn is also asked of
   the model as /v1/audio/transcriptions asks it, beside its response, and its words come as
@@ -159,6 +160,8 @@ class RealtimeSession:
         self.gone = False
         # every item goes into each request of the conversation: they are bounded as one request is
         self.max_bytes = service.cfg.media.max_request_bytes
+        if self.settings.vad is not None:
+            self.vad = EnergyVad(self.settings.vad, self.settings.input_rate, self._max_turn(self.settings))
 
     # -- sending
     async def send(self, event: dict[str, Any]) -> None:

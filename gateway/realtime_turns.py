@@ -287,7 +287,9 @@ class Settings:
     input_rate: int = 24_000
     output_format: str = "audio/pcm"  # audio/pcm: the model's rate; G.711: 8 kHz
     temperature: float | None = None  # None: the checkpoint's sampling
-    vad: VadSettings | None = None  # server_vad turn detection; None: the client commits
+    # server_vad turn detection, on by default as OpenAI's API has it (a client written for it
+    # streams its microphone and waits); None: the client commits (push-to-talk)
+    vad: VadSettings | None = field(default_factory=VadSettings)
     transcription: dict[str, Any] | None = None  # input audio transcribed: {model, language, prompt}
 
     def merged(self, body: _Common, voices: list[str], prefix: str, output: OutputAudioConfig | None,

@@ -127,6 +127,17 @@ def _say(ws: Any, text: str) -> None:
     _until(ws, "conversation.item.done")
 
 
+# OpenAI's server_vad defaults: a session's turn detection until the client says otherwise
+DEFAULT_VAD = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 500,
+               "create_response": True, "interrupt_response": True, "idle_timeout_ms": None}
+
+
+def _push_to_talk(ws: Any) -> None:
+    """turn_detection null: the client commits its turns."""
+    ws.send_json({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+    _until(ws, "session.updated")
+
+
 def _pcm16(n: int, rate: int = 24_000) -> bytes:
     t = np.arange(n) / rate
     return (0.25 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2").tobytes()
@@ -140,7 +151,7 @@ def test_a_spoken_and_a_typed_turn_are_answered_with_speech_and_its_transcript(c
         session = created["session"]
         assert session["model"] == "tiny" and session["output_modalities"] == ["audio"]
         assert session["audio"]["output"]["format"] == {"type": "audio/pcm", "rate": 24_000}
-        assert session["audio"]["input"]["turn_detection"] is None
+        assert session["audio"]["input"]["turn_detection"] == DEFAULT_VAD
         ws.send_json({"type": "session.update", "session": {
             "type": "realtime", "instructions": "Be brief.", "max_output_tokens": 9, "temperature": 0,
             "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24_000}, "turn_detection": None},
@@ -321,7 +332,7 @@ def test_a_refused_event_is_an_error_naming_it_and_the_session_goes_on(connect: 
         # nothing refused changed the session
         ws.send_json({"type": "session.update", "session": {}})
         session = ws.receive_json()["session"]
-        assert session["audio"]["input"]["turn_detection"] is None and session["audio"]["output"]["speed"] == 1.0
+        assert session["audio"]["input"]["turn_detection"] == DEFAULT_VAD and session["audio"]["output"]["speed"] == 1.0
         assert session["audio"]["output"]["voice"] is None and session["max_output_tokens"] == "inf"
     assert service.requests == []
 
@@ -436,6 +447,7 @@ def test_media_past_the_request_limit_is_refused(connect: Callable[..., Any]) ->
     service = ScriptedService(max_request_bytes=64 * 1024)
     with connect(service) as ws:
         ws.receive_json()
+        _push_to_talk(ws)
         piece = base64.b64encode(_pcm16(8000)).decode()  # 16 KB, held as 32 KB once committed
         ws.send_json({"type": "input_audio_buffer.append", "audio": piece})
         ws.send_json({"type": "input_audio_buffer.append", "audio": piece})
@@ -1039,6 +1051,8 @@ def test_a_transcription_session_transcribes_turns_and_makes_no_responses(connec
         assert session["type"] == "transcription" and session["object"] == "realtime.transcription_session"
         assert session["audio"]["input"]["transcription"] == {"model": None, "language": None, "prompt": None}
         assert "output_modalities" not in session and "audio" in session and "output" not in session["audio"]
+        assert session["audio"]["input"]["turn_detection"] == DEFAULT_VAD
+        _push_to_talk(ws)
         ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm16(2400)).decode()})
         ws.send_json({"type": "input_audio_buffer.commit"})
         events = _until(ws, "conversation.item.input_audio_transcription.completed")
@@ -1221,6 +1235,7 @@ def test_a_transcription_session_captions_in_order_within_its_bound(connect: Cal
     pcm = _pcm16(8000)  # 16 KB, 32 KB as float32: two such turns waiting leave no room for a third
     with connect(service, "/v1/realtime?intent=transcription") as ws:
         ws.receive_json()
+        _push_to_talk(ws)
         ids = []
         for _ in range(2):
             ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
@@ -1288,3 +1303,18 @@ def test_out_of_band_responses_answer_beside_the_conversation(connect: Callable[
     assert [m.role for m in service.requests[-1].messages] == ["user", "assistant"]
     assert [m.role for m in service.requests[2].messages] == ["user"]  # the conversation then (its reply: no words yet)
     assert service.requests[-1].messages[1].content == "Par"
+
+
+def test_a_client_that_only_streams_is_answered(connect: Callable[..., Any]) -> None:
+    """server_vad is on by default, as in OpenAI's API: a client written for it streams its
+    microphone and waits; its turn is heard, committed and answered."""
+    service = ScriptedService()
+    with connect(service) as ws:
+        assert ws.receive_json()["session"]["audio"]["input"]["turn_detection"] == DEFAULT_VAD
+        pcm = _speech()
+        for i in range(0, len(pcm), 960):  # 20 ms pieces
+            ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[i:i + 960]).decode()})
+        events = _until(ws, "response.done")
+    assert [e["type"] for e in events][:3] == ["input_audio_buffer.speech_started",
+                                               "input_audio_buffer.speech_stopped", "input_audio_buffer.committed"]
+    assert events[-1]["response"]["status"] == "completed" and len(service.requests) == 1

@@ -314,7 +314,8 @@ def test_realtime_turns_are_the_chat_turns_they_stand_for(http_stack: Stack, cli
         async with aclient.realtime.connect(model=model) as conn:
             assert (await conn.recv()).type == "session.created"
             await conn.session.update(session={"type": "realtime", "temperature": 0, "max_output_tokens": MAX_TOKENS,
-                                               "audio": {"output": {"voice": "ethan"}}})  # type: ignore[typeddict-unknown-key]  # fmt: skip
+                                               "audio": {"input": {"turn_detection": None},  # push-to-talk
+                                                         "output": {"voice": "ethan"}}})  # type: ignore[typeddict-unknown-key]  # fmt: skip
             assert (await conn.recv()).type == "session.updated"
             for i in range(0, len(spoken), 4800):
                 await conn.input_audio_buffer.append(audio=base64.b64encode(spoken[i:i + 4800]).decode())
@@ -432,8 +433,8 @@ def test_realtime_input_transcription_is_the_transcription_endpoints(http_stack:
         aclient = openai.AsyncOpenAI(base_url=f"http://{http_stack.http_address}/v1", api_key="unused", max_retries=0)
         async with aclient.realtime.connect(model=model) as conn, asyncio.timeout(120):
             await conn.recv()
-            await conn.session.update(session={"type": "realtime", "audio": {"input": {"transcription": {
-                "model": "whisper-1", "language": "en"}}}})  # fmt: skip
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None,
+                "transcription": {"model": "whisper-1", "language": "en"}}}})  # fmt: skip
             await conn.recv()
             await conn.input_audio_buffer.append(audio=base64.b64encode(spoken.tobytes()).decode())
             await conn.input_audio_buffer.commit()
@@ -454,8 +455,8 @@ def test_realtime_input_transcription_is_the_transcription_endpoints(http_stack:
         aclient = openai.AsyncOpenAI(base_url=f"http://{http_stack.http_address}/v1", api_key="unused", max_retries=0)
         async with aclient.realtime.connect(model=model) as conn, asyncio.timeout(120):
             await conn.recv()
-            await conn.session.update(session={"type": "transcription", "audio": {"input": {"transcription": {
-                "model": "gpt-4o-transcribe", "language": "en"}}}})  # fmt: skip
+            await conn.session.update(session={"type": "transcription", "audio": {"input": {"turn_detection": None,
+                "transcription": {"model": "gpt-4o-transcribe", "language": "en"}}}})  # fmt: skip
             assert (await conn.recv()).session.type == "transcription"
             await conn.input_audio_buffer.append(audio=base64.b64encode(spoken.tobytes()).decode())
             await conn.input_audio_buffer.commit()
