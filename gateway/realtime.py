@@ -19,9 +19,10 @@ it, never ignored; the session goes on):
   `threshold`, `prefix_padding_ms`, `silence_duration_ms`, `create_response`,
   `interrupt_response`): the server hears a turn start (`input_audio_buffer.speech_started`; a
   response being made is cancelled) and end (`.speech_stopped`), commits it from its prefix
-  padding to where its end was known, and answers it; or null: the client commits its audio,
-  then asks for a response (push-to-talk); while no one speaks, only the padding's
-  worth of audio is kept. `transcription` ({model, language, prompt}; the model the served one,
+  padding to where its end was known, and answers it (what it never heard as speech is kept
+  until the session's bound, then all but the padding's worth goes; a client's commit after it
+  committed a turn itself is refused, as a turn of silence); or null: the client commits its
+  audio, then asks for a response (push-to-talk). `transcription` ({model, language, prompt}; the model the served one,
   or one of OpenAI's transcription models standing for it): each committed turn is also asked of
   the model as /v1/audio/transcriptions asks it, beside its response, and its words come as
   `conversation.item.input_audio_transcription.delta`s, then `.completed` (or `.failed`). No
@@ -37,7 +38,8 @@ it, never ignored; the session goes on):
   API drops them; a finished reply played to its end keeps them).
 * `response.create` (`instructions`, `output_modalities`, `max_output_tokens`, `temperature`,
   `audio.output.voice`, `metadata`; `conversation: none`: out of band, its item joining no
-  conversation, at most MAX_OUT_OF_BAND at once beside the conversation's; `input`: the items it
+  conversation, at most MAX_OUT_OF_BAND at once beside the conversation's, its context counted
+  towards the session's bound while it runs; `input`: the items it
   answers in place of the conversation, given whole or as `item_reference`s), `response.cancel`
   (the conversation's response, or the one `response_id` names). One conversation response at a time.
 
@@ -114,7 +116,7 @@ log = logging.getLogger(__name__)
 
 Replies = AsyncGenerator[gateway_pb2.GenerateResponse, None]
 CLOSE_WAIT_S = 1.0  # a close frame's wait for a client that stopped reading (uvicorn's pings end it later)
-MAX_OUT_OF_BAND = 4  # out-of-band responses of one session at once (each a request: a seat of the gateway's)
+MAX_OUT_OF_BAND = 2  # out-of-band responses of one session at once (each a request: a seat of the gateway's)
 
 
 def _new_id(kind: str) -> str:
@@ -143,6 +145,7 @@ class RealtimeSession:
         self.buffer_start = 0  # where the buffer's first sample is in all the input audio appended
         self.vad: EnergyVad | None = None  # server_vad (settings.vad) on the input audio
         self.vad_item = ""  # the id the turn being spoken will have
+        self.vad_committed = False  # server_vad committed a turn and has heard no speech since
         self.turn_start = 0  # where it started in all the input audio
         self.respond_next = False  # a turn ended over a response: answer it after that one
         self.event_id: str | None = None  # the client's id of the event being handled
@@ -346,6 +349,14 @@ class RealtimeSession:
         if set(body) != {"audio"} or not isinstance(audio, str):
             raise RealtimeError("input_audio_buffer.append takes `audio`, base64 PCM", "audio")
         pcm = input_pcm16(b64(audio, "audio"), self.settings.input_format, "audio")
+        if self.vad is not None and self.held + 2 * len(pcm) > self.max_bytes:
+            # at the bound, what server_vad heard as no turn goes: all before the turn being spoken
+            # (and its padding), or, between turns, all but what a turn's start would take (until
+            # then a client that commits gets all it sent)
+            assert self.settings.vad is not None
+            padding = self.settings.vad.prefix_padding_ms * self.settings.input_rate // 1000
+            self._drop_buffer(self.turn_start - padding - self.buffer_start if self.vad.speaking
+                              else len(self.buffer) // 2 - self._lead())  # fmt: skip
         self._room(2 * len(pcm), "audio")  # (float32 once committed)
         self.buffer += pcm
         self.held += 2 * len(pcm)
@@ -356,8 +367,6 @@ class RealtimeSession:
                 await self._turn(event)
             except RealtimeError as e:  # a turn refused (its error now): the next ones are still heard
                 await self.error(e, self.event_id)
-        if not self.vad.speaking:  # silence: only what a turn's start would take is kept
-            self._drop_buffer(len(self.buffer) // 2 - self._lead())
 
     def _max_turn(self, settings: Settings) -> int:
         """A turn's most samples: server_vad ends one there (steady noise could hold it open for
@@ -393,6 +402,7 @@ class RealtimeSession:
         vad = self.settings.vad
         if event.kind == "started":
             self.vad_item, self.turn_start = _new_id("item"), event.sample
+            self.vad_committed = False
             if vad.interrupt_response and self.active is not None:
                 self.active.cancel()
             await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": self._ms(event.sample),
@@ -405,6 +415,7 @@ class RealtimeSession:
         turn = event.at - self.buffer_start
         await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": self._ms(event.sample),
                          "item_id": item_id})  # fmt: skip
+        self.vad_committed = True
         await self._commit(turn, item_id)  # (refused: the next turn's start, or the silence, drops its audio)
         if not vad.create_response or self.settings.kind == "transcription":
             return
@@ -418,6 +429,12 @@ class RealtimeSession:
             raise RealtimeError(f"input_audio_buffer.commit takes no fields (got {sorted(body)[:4]})")
         if not self.buffer:
             raise RealtimeError("the input audio buffer is empty: append audio first",
+                                code="input_audio_buffer_commit_empty")  # fmt: skip
+        if self.vad is not None and self.vad_committed and not self.vad.speaking:
+            # (a client that appends a clip and commits it, with server_vad on: the turn was
+            # committed and answered already; what is left would be a turn of silence)
+            raise RealtimeError("server_vad committed the turn already (input_audio_buffer.committed) and has "
+                                "heard no speech since; turn_detection: null lets the client commit its turns",
                                 code="input_audio_buffer_commit_empty")  # fmt: skip
         item_id = self.vad_item or _new_id("item")  # (a turn server_vad heard start ends here)
         self._reset_turn()
@@ -514,7 +531,7 @@ class RealtimeSession:
             raise _Gone from e
 
     def _reset_turn(self) -> None:
-        self.vad_item = ""
+        self.vad_item, self.vad_committed = "", False
         if self.vad is not None:
             self.vad.reset()
 
@@ -611,10 +628,17 @@ class RealtimeSession:
             raise RealtimeError(f"response.conversation: at most {MAX_OUT_OF_BAND} out-of-band responses at once",
                                 "response.conversation", "too_many_responses")  # fmt: skip
         context = self._context(r.input) if r.input is not None else [self.items[i] for i in self.order]
-        if in_band:
-            self._room(0, "response", items=1)  # (its item)
+        if r.input is not None and not context and not settings.instructions:
+            raise RealtimeError("response.input: no items (and no instructions): nothing to answer", "response.input",
+                                "empty_conversation")  # fmt: skip
+        # an out-of-band response's context is a copy beside the conversation: it counts as its
+        # items do until it is done
+        charge = 0 if in_band else sum(i.nbytes for i in context)
+        self._room(charge, "response.input" if r.input is not None else "response", items=1 if in_band else 0)
         req = to_generate_request(context, settings)
         response = Response(self, req, settings, r.metadata, in_band)
+        response.charge = charge
+        self.held += charge
         task = asyncio.create_task(self._respond(response))
         if in_band:
             self.active, self.task = response, task
@@ -633,7 +657,7 @@ class RealtimeSession:
             where = f"response.input[{i}]"
             if isinstance(raw, dict) and raw.get("type") == "item_reference":
                 ref = raw.get("id")
-                if set(raw) != {"type", "id"} or not isinstance(ref, str):
+                if not set(raw) <= {"type", "id", "object", "status"} or not isinstance(ref, str):
                     raise RealtimeError(f"{where}: an item_reference takes `id`", f"{where}.id")
                 if ref not in self.items:
                     raise RealtimeError(f"{where}.id: no item {ref[:64]!r}", f"{where}.id", "item_not_found")
@@ -675,6 +699,7 @@ class RealtimeSession:
             if response is self.active:
                 self.active, self.task = None, None
             self.side.pop(response.id, None)
+            self.held -= response.charge
         if not response.in_band:
             return
         vad, pending, self.respond_next = self.settings.vad, self.respond_next, False
@@ -717,6 +742,7 @@ class Response:
                  metadata: dict[str, str] | None, in_band: bool = True) -> None:  # fmt: skip
         self.session, self.req, self.settings, self.metadata = session, req, settings, metadata
         self.in_band = in_band  # False: out of band (conversation: none), its item joins no conversation
+        self.charge = 0  # what its context counts towards the session's bound while it runs
         self.id = _new_id("resp")
         self.req.request_id = self.id
         self.item = Item(_new_id("item"), "assistant", status="in_progress",

@@ -195,7 +195,8 @@ class ResponseBody(_Common):
     conversation: str | None = None
     input: Any = None
     audio: ResponseAudioConfig | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                        Field(max_length=16)] | None = None  # (OpenAI's bounds)
 
 
 class InputTextPart(_Strict):

@@ -569,9 +569,9 @@ def test_energy_vad_finds_a_turn_alike_in_any_pieces() -> None:
 
 def test_server_vad_commits_a_turn_and_answers_it(connect: Callable[..., Any]) -> None:
     """server_vad: the turn's start and end as events, its audio (from its prefix padding to where
-    its end was known) committed and answered; silence before it is not kept (the buffer is
-    bounded by the padding, not by how long the client streams); a second turn over a response
-    being made interrupts it."""
+    its end was known) committed and answered; silence before it is not kept (at the session's
+    bound, all but the padding's worth goes, however long the client streams); a second turn
+    over a response being made interrupts it."""
     service = ScriptedService(max_request_bytes=512 * 1024)  # (the 10 s of silence would be 960 KB, held)
     rate = 24_000
     with connect(service) as ws:
@@ -713,6 +713,7 @@ def test_committed_turns_are_transcribed_beside_their_response(connect: Callable
     service = ScriptedService([_text("I said"), _audio(b"\x00\x00"), _text(" hi"), _final()])
     with connect(service) as ws:
         ws.receive_json()
+        _push_to_talk(ws)
         ws.send_json({"type": "session.update", "session": {"audio": {"input": {"transcription": {
             "model": "gpt-4o-transcribe", "language": "de"}}}}})
         shown = ws.receive_json()["session"]["audio"]["input"]["transcription"]
@@ -763,6 +764,7 @@ def test_a_transcription_ends_with_its_item_or_its_session(connect: Callable[...
 
     with connect(service) as ws:
         ws.receive_json()
+        _push_to_talk(ws)
         ws.send_json({"type": "session.update", "session": {"audio": {"input": {"transcription": {}}}}})
         ws.receive_json()
         ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm16(2400)).decode()})
@@ -924,6 +926,7 @@ def test_g711_in_and_out(connect: Callable[..., Any]) -> None:
     spoken = mulaw.push(_pcm16(12_000)) + mulaw.finish()  # 0.5 s at 8 kHz
     with connect(service) as ws:
         ws.receive_json()
+        _push_to_talk(ws)
         ws.send_json({"type": "session.update", "session": {"audio": {
             "input": {"format": {"type": "audio/pcmu"}}, "output": {"format": {"type": "audio/pcma"}}}}})  # fmt: skip
         audio = _until(ws, "session.updated")[-1]["session"]["audio"]
@@ -1318,3 +1321,66 @@ def test_a_client_that_only_streams_is_answered(connect: Callable[..., Any]) -> 
     assert [e["type"] for e in events][:3] == ["input_audio_buffer.speech_started",
                                                "input_audio_buffer.speech_stopped", "input_audio_buffer.committed"]
     assert events[-1]["response"]["status"] == "completed" and len(service.requests) == 1
+
+
+def test_with_server_vad_on_a_client_that_commits_gets_what_it_sent(connect: Callable[..., Any]) -> None:
+    """server_vad is on unless the client says otherwise: a clip too quiet for it, committed by the
+    client, is all there (nothing was cut as silence); a clip whose turn it heard end and answered
+    leaves silence, whose commit is refused rather than made a turn of its own."""
+    service = ScriptedService()
+    quiet = _speech(speech_dbfs=-50.0)  # under the default threshold (-40 dBFS)
+    with connect(service) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(quiet).decode()})
+        ws.send_json({"type": "input_audio_buffer.commit"})
+        assert _until(ws, "conversation.item.done")[0]["type"] == "input_audio_buffer.committed"
+        loud = _speech()
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(loud).decode()})
+        _until(ws, "response.done")  # heard, committed, answered
+        ws.send_json({"type": "input_audio_buffer.commit"})
+        refused = ws.receive_json()
+        assert refused["type"] == "error" and refused["error"]["code"] == "input_audio_buffer_commit_empty"
+    got = np.frombuffer(service.requests[0].messages[0].parts[0].audio.pcm.f32le, "<f4")
+    assert np.array_equal(got, np.frombuffer(quiet, "<i2").astype(np.float32) / 32768)
+    assert [m.role for m in service.requests[0].messages] == ["user", "user"] and len(service.requests) == 1
+
+
+def test_out_of_band_responses_are_bounded_and_end_with_the_session(connect: Callable[..., Any]) -> None:
+    """At most MAX_OUT_OF_BAND at once; a server_vad interrupt cuts only the conversation's
+    response; a session's type holds while one runs; spoken ones too; a hang-up closes their
+    requests; their inputs count towards the session's bound while they run."""
+    from gateway.realtime import MAX_OUT_OF_BAND
+
+    service = ScriptedService([_text("Par"), _audio(_pcm16(480)), HANG, _final()], max_request_bytes=1 << 20)
+    side = {"conversation": "none", "metadata": {"task": "x"},
+            "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Mood?"}]}]}
+    with connect(service) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "response.create", "response": {"conversation": "none", "input": []}})
+        assert ws.receive_json()["error"]["param"] == "response.input"
+        ws.send_json({"type": "response.create", "response": {**side, "metadata": {"k": "v" * 513}}})
+        assert ws.receive_json()["error"]["param"].startswith("response.metadata")
+        big = base64.b64encode(_pcm16(300_000)).decode()  # 1.2 MB as float32: past the bound
+        ws.send_json({"type": "response.create", "response": {**side, "input": [{"type": "message", "role": "user",
+                      "content": [{"type": "input_audio", "audio": big}]}]}})  # fmt: skip
+        assert ws.receive_json()["error"]["code"] == "conversation_too_large"
+        ids = []
+        for _ in range(MAX_OUT_OF_BAND):  # spoken (the session's default), hanging
+            ws.send_json({"type": "response.create", "response": side})
+            ids.append(_until(ws, "response.output_audio.delta")[0]["response"]["id"])
+        ws.send_json({"type": "response.create", "response": side})
+        assert ws.receive_json()["error"]["code"] == "too_many_responses"
+        ws.send_json({"type": "session.update", "session": {"type": "transcription"}})
+        assert ws.receive_json()["error"]["param"] == "session.type"
+        # a turn heard over them: the conversation's own answer only is what it would cut
+        turn = _speech(lead_s=0.2, speech_s=0.4, tail_s=0.6)
+        for i in range(0, len(turn), 960):  # 20 ms pieces
+            ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(turn[i:i + 960]).decode()})
+        events = _until(ws, "response.output_audio.delta")
+        assert "input_audio_buffer.committed" in [e["type"] for e in events]
+        assert not any(e["type"] in ("response.done", "error") for e in events)  # (no out-of-band one cut)
+    for _ in range(500):  # (the hang-up's cancels run on the app's loop)
+        if len(service.closed) == MAX_OUT_OF_BAND + 1:
+            break
+        time.sleep(0.01)
+    assert set(ids) <= set(service.closed) and len(service.closed) == MAX_OUT_OF_BAND + 1  # the hang-up closed all
