@@ -120,11 +120,11 @@ def _until(ws: Any, kind: str, limit: int = 200) -> list[dict[str, Any]]:
     raise AssertionError(f"no {kind} in {[e['type'] for e in events]}")
 
 
-def _say(ws: Any, text: str) -> None:
-    """A typed user turn, added."""
+def _say(ws: Any, text: str) -> str:
+    """A typed user turn, added: its id."""
     ws.send_json({"type": "conversation.item.create", "item": {
         "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}})
-    _until(ws, "conversation.item.done")
+    return str(_until(ws, "conversation.item.done")[-1]["item"]["id"])
 
 
 # OpenAI's server_vad defaults: a session's turn detection until the client says otherwise
@@ -968,9 +968,7 @@ def test_a_reply_truncated_where_playback_stopped_loses_its_words(connect: Calla
     service = ScriptedService([_text("One two"), speech, _final()])
     with connect(service) as ws:
         ws.receive_json()
-        ws.send_json({"type": "conversation.item.create", "item": {
-            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Count."}]}})
-        user = _until(ws, "conversation.item.done")[-1]["item"]["id"]
+        user = _say(ws, "Count.")
         ws.send_json({"type": "response.create"})
         first = _until(ws, "response.done")[-1]["response"]["output"][0]["id"]
         ws.send_json({"type": "response.create"})
@@ -1272,9 +1270,7 @@ def test_out_of_band_responses_answer_beside_the_conversation(connect: Callable[
     service = ScriptedService([_text("Par"), HANG, _final()])
     with connect(service) as ws:
         ws.receive_json()
-        ws.send_json({"type": "conversation.item.create", "item": {
-            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]}})
-        hello = _until(ws, "conversation.item.done")[-1]["item"]["id"]
+        hello = _say(ws, "Hello")
         ws.send_json({"type": "response.create"})  # the conversation's, hanging
         in_band = _until(ws, "response.output_audio_transcript.delta")[0]["response"]["id"]
         service.script = [_text("positive"), _final()]

@@ -429,16 +429,19 @@ def test_realtime_input_transcription_is_the_transcription_endpoints(http_stack:
     spoken = _pcm16(media.tone(1.2, RATE, seed=7))
     model = client.models.list().data[0].id
 
-    async def transcribe() -> str:
+    async def transcribe(kind: str) -> str:
+        """The turn's words in a conversation (`realtime`: audio.input.transcription beside its
+        responses) or a `transcription` session (live captions: no responses)."""
         aclient = openai.AsyncOpenAI(base_url=f"http://{http_stack.http_address}/v1", api_key="unused", max_retries=0)
         async with aclient.realtime.connect(model=model) as conn, asyncio.timeout(120):
             await conn.recv()
-            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": None,
+            await conn.session.update(session={"type": kind, "audio": {"input": {"turn_detection": None,  # type: ignore[misc, arg-type]
                 "transcription": {"model": "whisper-1", "language": "en"}}}})  # fmt: skip
-            await conn.recv()
+            assert (await conn.recv()).session.type == kind
             await conn.input_audio_buffer.append(audio=base64.b64encode(spoken.tobytes()).decode())
             await conn.input_audio_buffer.commit()
             async for event in conn:
+                assert not event.type.startswith("response."), event  # (nothing asked a response)
                 if event.type == "conversation.item.input_audio_transcription.completed":
                     return event.transcript
                 assert event.type != "conversation.item.input_audio_transcription.failed", event
@@ -450,25 +453,9 @@ def test_realtime_input_transcription_is_the_transcription_endpoints(http_stack:
         w.setsampwidth(2)
         w.setframerate(RATE)
         w.writeframes(spoken.tobytes())
-    async def caption() -> str:
-        """The same turn in a transcription session (live captions: no responses)."""
-        aclient = openai.AsyncOpenAI(base_url=f"http://{http_stack.http_address}/v1", api_key="unused", max_retries=0)
-        async with aclient.realtime.connect(model=model) as conn, asyncio.timeout(120):
-            await conn.recv()
-            await conn.session.update(session={"type": "transcription", "audio": {"input": {"turn_detection": None,
-                "transcription": {"model": "gpt-4o-transcribe", "language": "en"}}}})  # fmt: skip
-            assert (await conn.recv()).session.type == "transcription"
-            await conn.input_audio_buffer.append(audio=base64.b64encode(spoken.tobytes()).decode())
-            await conn.input_audio_buffer.commit()
-            async for event in conn:
-                assert not event.type.startswith("response."), event
-                if event.type == "conversation.item.input_audio_transcription.completed":
-                    return event.transcript
-        raise AssertionError("no transcript")
-
     expected = client.audio.transcriptions.create(model=model, file=("turn.wav", wav.getvalue()), language="en").text
-    assert run(transcribe()) == expected and expected
-    assert run(caption()) == expected
+    assert run(transcribe("realtime")) == expected and expected
+    assert run(transcribe("transcription")) == expected
 
 
 def test_the_bench_drives_the_realtime_socket_against_grpc(http_stack: Stack) -> None:
