@@ -49,8 +49,10 @@ own origin or one in gateway.cors_allow_origins (CORS does not cover WebSockets)
 takes no event for output_stall_timeout_s fails its response and loses its socket (1008); a
 hang-up cancels the response being made down the chain.
 
-Server events sent: `session.created` / `.updated`, `input_audio_buffer.committed` / `.cleared`,
-`conversation.item.added` / `.done` / `.deleted` / `.retrieved` / `.truncated`, `response.created`,
+Server events sent: `session.created` / `.updated`, `input_audio_buffer.speech_started` /
+`.speech_stopped` / `.committed` / `.cleared`, `conversation.item.added` / `.done` / `.deleted` /
+`.retrieved` / `.truncated`, `conversation.item.input_audio_transcription.delta` / `.completed` /
+`.failed`, `response.created`,
 `response.output_item.added`, `response.content_part.added`, then as each piece exists
 `response.output_audio_transcript.delta` and `response.output_audio.delta` (or
 `response.output_text.delta`), their `.done`s, `response.content_part.done`,
@@ -131,7 +133,8 @@ class _Gone(Exception):
 
 
 class RealtimeSession:
-    """One WebSocket's conversation: its settings, input audio buffer and items; one response at a time."""
+    """One WebSocket's conversation: its settings, input audio buffer and items; one response of
+    the conversation at a time (and up to MAX_OUT_OF_BAND beside it)."""
 
     def __init__(self, service: GatewayService, ws: WebSocket, voices: list[str], beta: bool = False,
                  transcription: bool = False) -> None:  # fmt: skip
@@ -145,7 +148,7 @@ class RealtimeSession:
         self.buffer_start = 0  # where the buffer's first sample is in all the input audio appended
         self.vad: EnergyVad | None = None  # server_vad (settings.vad) on the input audio
         self.vad_item = ""  # the id the turn being spoken will have
-        self.vad_committed = False  # server_vad committed a turn and has heard no speech since
+        self.vad_committed = False  # server_vad committed a turn in the last append: what is left is its silence
         self.turn_start = 0  # where it started in all the input audio
         self.respond_next = False  # a turn ended over a response: answer it after that one
         self.event_id: str | None = None  # the client's id of the event being handled
@@ -349,6 +352,7 @@ class RealtimeSession:
         if set(body) != {"audio"} or not isinstance(audio, str):
             raise RealtimeError("input_audio_buffer.append takes `audio`, base64 PCM", "audio")
         pcm = input_pcm16(b64(audio, "audio"), self.settings.input_format, "audio")
+        self.vad_committed = False  # (new audio: the client's commit takes it, whatever server_vad made of it)
         if self.vad is not None and self.held + 2 * len(pcm) > self.max_bytes:
             # at the bound, what server_vad heard as no turn goes: all before the turn being spoken
             # (and its padding), or, between turns, all but what a turn's start would take (until
@@ -433,8 +437,8 @@ class RealtimeSession:
         if self.vad is not None and self.vad_committed and not self.vad.speaking:
             # (a client that appends a clip and commits it, with server_vad on: the turn was
             # committed and answered already; what is left would be a turn of silence)
-            raise RealtimeError("server_vad committed the turn already (input_audio_buffer.committed) and has "
-                                "heard no speech since; turn_detection: null lets the client commit its turns",
+            raise RealtimeError("server_vad committed the turn of the last audio appended already "
+                                "(input_audio_buffer.committed); turn_detection: null lets the client commit its turns",
                                 code="input_audio_buffer_commit_empty")  # fmt: skip
         item_id = self.vad_item or _new_id("item")  # (a turn server_vad heard start ends here)
         self._reset_turn()
@@ -583,7 +587,7 @@ class RealtimeSession:
             raise RealtimeError(f"item_id: no item {str(item_id)[:64]!r}", "item_id", "item_not_found")
         if item.role != "assistant" or not item.audio_rate:
             raise RealtimeError("item_id: only an assistant reply this session spoke has audio to truncate", "item_id")
-        if index != 0 or isinstance(index, bool):
+        if type(index) is not int or index != 0:
             raise RealtimeError("content_index: a reply here has one part, 0", "content_index")
         duration_ms = item.audio_ms()
         if not isinstance(end_ms, int) or isinstance(end_ms, bool) or not 0 <= end_ms <= duration_ms:
@@ -614,7 +618,7 @@ class RealtimeSession:
                                 code="transcription_session")  # fmt: skip
         if set(body) - {"response"}:
             raise RealtimeError("response.create takes `response` alone", "response")
-        r = parse(ResponseBody, body.get("response") or {}, "response")
+        r = parse(ResponseBody, {} if body.get("response") is None else body["response"], "response")
         if r.conversation not in (None, "auto", "none"):
             raise RealtimeError("response.conversation: auto (the response joins the conversation) or none "
                                 "(out of band)", "response.conversation")  # fmt: skip
@@ -736,7 +740,8 @@ _HANDLERS: dict[str, Callable[[RealtimeSession, dict[str, Any]], Awaitable[None]
 
 
 class Response:
-    """One response: its assistant item joins the conversation, its pieces go out as they exist."""
+    """One response: its assistant item joins the conversation (unless out of band), its pieces
+    go out as they exist."""
 
     def __init__(self, session: RealtimeSession, req: gateway_pb2.GenerateRequest, settings: Settings,
                  metadata: dict[str, str] | None, in_band: bool = True) -> None:  # fmt: skip

@@ -21,7 +21,7 @@ BETA_SUBPROTOCOL = "openai-beta.realtime-v1"
 # beta audio format names <-> GA's (beta's pcm16 is 24 kHz, as GA's audio/pcm by default)
 _FORMATS = {"pcm16": {"type": "audio/pcm", "rate": 24_000}, "g711_ulaw": {"type": "audio/pcmu"},
             "g711_alaw": {"type": "audio/pcma"}}  # fmt: skip
-_FORMAT_NAMES = {"audio/pcm": "pcm16", "audio/pcmu": "g711_ulaw", "audio/pcma": "g711_alaw"}
+_FORMAT_NAMES = {fmt["type"]: name for name, fmt in _FORMATS.items()}
 
 # a beta session's (or response's) field -> where GA has it
 _MOVES: dict[str, tuple[str, ...]] = {
@@ -36,7 +36,7 @@ _MOVES: dict[str, tuple[str, ...]] = {
     "input_audio_noise_reduction": ("audio", "input", "noise_reduction"),
 }
 
-_GA_FIELDS = frozenset({"audio", "output_modalities", "max_output_tokens"})  # (GA's names for beta's moved ones)
+_GA_FIELDS = frozenset(path[0] for path in _MOVES.values())  # (GA's names for the fields beta moves)
 
 _EVENT_NAMES = {
     "conversation.item.added": "conversation.item.created",
@@ -70,11 +70,12 @@ def to_ga(event: dict[str, Any]) -> dict[str, Any]:
     kind = event.get("type")
     if kind == "session.update" and isinstance(event.get("session"), dict):
         return {**event, "session": _config(event["session"], input_side=True)}
-    if kind == "transcription_session.update" and isinstance(event.get("session"), dict):
-        session = dict(event["session"])
-        if session.get("modalities") == ["text"]:  # (what a transcription gives: nothing to set)
-            del session["modalities"]
-        return {**event, "type": "session.update", "session": {"type": "transcription", **_config(session, True)}}
+    if kind == "transcription_session.update":
+        session = event.get("session")
+        if not isinstance(session, dict):
+            return {**event, "type": "session.update"}  # (GA's checks refuse it by name)
+        session = {k: v for k, v in session.items() if k != "modalities" or v != ["text"]}  # (all it gives)
+        return {**event, "type": "session.update", "session": {**_config(session, True), "type": "transcription"}}
     if kind == "response.create" and isinstance(event.get("response"), dict):
         return {**event, "response": _config(event["response"], input_side=False)}
     return event
@@ -94,7 +95,8 @@ def _config(body: dict[str, Any], input_side: bool) -> dict[str, Any]:
         if path is None or (not input_side and path[:2] == ("audio", "input")):
             out[name] = value  # (a response has no input: GA refuses it there, as beta does)
             continue
-        if name == "modalities" and isinstance(value, list) and set(value) <= {"audio", "text"} and value:
+        if name == "modalities" and isinstance(value, list) and value and all(isinstance(v, str) for v in value) \
+                and set(value) <= {"audio", "text"}:  # fmt: skip
             value = ["audio"] if "audio" in value else ["text"]  # (beta's ["text", "audio"]: speech and its transcript)
         elif name.endswith("_audio_format") and isinstance(value, str) and value in _FORMATS:
             value = dict(_FORMATS[value])

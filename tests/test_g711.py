@@ -31,6 +31,20 @@ def test_decoding_gives_g711_s_values() -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_each_sample_is_encoded_as_a_level_beside_it(fmt: str) -> None:
+    """Encoding picks one of the two G.711 levels around each sample (the levels: the decoder's,
+    pinned above), without audioop."""
+    x = (np.random.default_rng(5).standard_normal(20_000) * 8000).clip(-32768, 32767).astype("<i2")
+    encoder = G711Encoder(fmt, G711_RATE)
+    codes = encoder.push(x.tobytes()) + encoder.finish()
+    got = np.frombuffer(g711_to_pcm16(codes, fmt), "<i2").astype(np.int64)
+    levels = np.unique(np.frombuffer(g711_to_pcm16(bytes(range(256)), fmt), "<i2").astype(np.int64))
+    at = np.searchsorted(levels, x.astype(np.int64))  # levels[at - 1] < x <= levels[at]
+    below, above = levels[np.clip(at - 1, 0, levels.size - 1)], levels[np.clip(at, 0, levels.size - 1)]
+    assert got.size == x.size and np.all((got == below) | (got == above))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_decoding_is_the_reference_tables(fmt: str) -> None:
     every_code = bytes(range(256))
     assert g711_to_pcm16(every_code, fmt) == _reference(fmt)[1](every_code, 2)

@@ -58,6 +58,7 @@ class ScriptedService:
         self.ckpt = SimpleNamespace(spec=SimpleNamespace(speakers=["ethan", "chelsie"], default_speaker="ethan"))
         self.requests: list[gateway_pb2.GenerateRequest] = []
         self.closed: list[str] = []
+        self.log: list[tuple[str, str]] = []  # ("start" | "end", request id), in order
         self.refusals: list[tuple[str, str]] = []
         self.stall_after: int | None = None  # deliver's sends before the client stops taking them
         self.gate = threading.Event()
@@ -72,6 +73,7 @@ class ScriptedService:
                     api: str) -> AsyncIterator[gateway_pb2.GenerateResponse]:  # fmt: skip
         assert api == "realtime"
         self.requests.append(req)
+        self.log.append(("start", req.request_id))
         try:
             for step in self.script:
                 if step == HANG:
@@ -85,6 +87,7 @@ class ScriptedService:
                     yield step
         finally:
             self.closed.append(req.request_id)
+            self.log.append(("end", req.request_id))
 
     async def deliver(self, write: Any, replies: Any, request_id: str) -> None:
         if self.stall_after is not None and self.stall_after <= 0:  # as GatewayService.deliver at its stall timeout
@@ -884,6 +887,16 @@ def test_beta_text_replies_and_refusals(connect: Callable[..., Any]) -> None:
         assert session["modalities"] == ["text"] and session["turn_detection"]["silence_duration_ms"] == 300
         ws.send_json({"type": "response.create", "response": {"turn_detection": None}})  # a session's field
         assert ws.receive_json()["type"] == "error"
+        # odd values are refused by name, never a crash of the session
+        for event, param in [({"type": "session.update", "session": {"modalities": [{"a": 1}]}}, "session.modalities"),
+                             ({"type": "response.create", "response": {"modalities": [["x"]]}}, "response.modalities"),
+                             ({"type": "transcription_session.update", "session": {"modalities": [{}]}},
+                              "session.modalities"),
+                             ({"type": "transcription_session.update", "session": "x"}, "session"),
+                             ({"type": "response.create", "response": []}, "response")]:
+            ws.send_json(event)
+            error = ws.receive_json()
+            assert error["type"] == "error" and error["error"]["param"] == param, (event, error)
         ws.send_json({"type": "conversation.item.create", "item": {
             "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]}})
         assert ws.receive_json()["type"] == "conversation.item.created"
@@ -976,6 +989,7 @@ def test_a_reply_truncated_where_playback_stopped_loses_its_words(connect: Calla
         for body, param in [({"item_id": first, "content_index": 0, "audio_end_ms": 101}, "audio_end_ms"),
                             ({"item_id": first, "content_index": 0, "audio_end_ms": -1}, "audio_end_ms"),
                             ({"item_id": first, "content_index": 1, "audio_end_ms": 5}, "content_index"),
+                            ({"item_id": first, "content_index": 0.0, "audio_end_ms": 5}, "content_index"),
                             ({"item_id": first, "content_index": 0}, "item_id"),
                             ({"item_id": user, "content_index": 0, "audio_end_ms": 0}, "item_id"),
                             ({"item_id": "nope", "content_index": 0, "audio_end_ms": 0}, "item_id")]:
@@ -1244,13 +1258,13 @@ def test_a_transcription_session_captions_in_order_within_its_bound(connect: Cal
             ids.append(_until(ws, "conversation.item.done")[0]["item_id"])
         ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
         assert ws.receive_json()["error"]["code"] == "conversation_too_large"  # two turns' audio wait
-        time.sleep(0.2)
-        assert len(service.requests) == 1  # the second waits for the first
         service.gate.set()
         done = [e for e in _until(ws, "conversation.item.input_audio_transcription.completed") +
                 _until(ws, "conversation.item.input_audio_transcription.completed")
                 if e["type"].endswith(".completed")]  # fmt: skip
         assert [e["item_id"] for e in done] == ids
+        first, second = (r.request_id for r in service.requests)
+        assert service.log == [("start", first), ("end", first), ("start", second), ("end", second)]  # one by one
         ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm).decode()})
         ws.send_json({"type": "input_audio_buffer.clear"})
         assert ws.receive_json()["type"] == "input_audio_buffer.cleared"  # (room again: nothing waits)
@@ -1336,6 +1350,10 @@ def test_with_server_vad_on_a_client_that_commits_gets_what_it_sent(connect: Cal
         ws.send_json({"type": "input_audio_buffer.commit"})
         refused = ws.receive_json()
         assert refused["type"] == "error" and refused["error"]["code"] == "input_audio_buffer_commit_empty"
+        # new audio after it: the client's commit takes it, quiet as it is
+        ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(quiet).decode()})
+        ws.send_json({"type": "input_audio_buffer.commit"})
+        assert _until(ws, "conversation.item.done")[0]["type"] == "input_audio_buffer.committed"
     got = np.frombuffer(service.requests[0].messages[0].parts[0].audio.pcm.f32le, "<f4")
     assert np.array_equal(got, np.frombuffer(quiet, "<i2").astype(np.float32) / 32768)
     assert [m.role for m in service.requests[0].messages] == ["user", "user"] and len(service.requests) == 1
