@@ -21,8 +21,9 @@ it, never ignored; the session goes on):
   response being made is cancelled) and end (`.speech_stopped`), commits it from its prefix
   padding to where its end was known, and answers it (what it never heard as speech is kept
   until the session's bound, then all but the padding's worth goes; a client's commit after it
-  committed a turn itself is refused, as a turn of silence); or null: the client commits its
-  audio, then asks for a response (push-to-talk). `transcription` ({model, language, prompt}; the model the served one,
+  committed a turn in the same append is refused, as a turn of silence); or null: the client
+  commits its audio, then asks for a response (push-to-talk). `transcription` ({model,
+  language, prompt}; the model the served one,
   or one of OpenAI's transcription models standing for it): each committed turn is also asked of
   the model as /v1/audio/transcriptions asks it, beside its response, and its words come as
   `conversation.item.input_audio_transcription.delta`s, then `.completed` (or `.failed`). No
@@ -35,7 +36,7 @@ it, never ignored; the session goes on):
   system `input_text`; assistant `output_text` or `output_audio` by its `transcript`), with
   `previous_item_id` ("root" or an item's id), `.delete`, `.retrieve`, `.truncate` (a spoken
   reply cut where the client's playback stopped: its words leave the conversation, as OpenAI's
-  API drops them; a finished reply played to its end keeps them).
+  API drops them; a completed reply played to its end keeps them).
 * `response.create` (`instructions`, `output_modalities`, `max_output_tokens`, `temperature`,
   `audio.output.voice`, `metadata`; `conversation: none`: out of band, its item joining no
   conversation, at most MAX_OUT_OF_BAND at once beside the conversation's, its context counted
