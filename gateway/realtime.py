@@ -17,7 +17,9 @@ it, never ignored; the session goes on):
   `turn_detection`: `server_vad` (the default, as OpenAI's API has it; gateway/realtime_vad.py:
   on the audio's level; its
   `threshold`, `prefix_padding_ms`, `silence_duration_ms`, `create_response`,
-  `interrupt_response`): the server hears a turn start (`input_audio_buffer.speech_started`; a
+  `interrupt_response`, `idle_timeout_ms`: a silence that long after a reply's speech has played,
+  counted in the audio streamed, is committed as a turn and answered, announced by
+  `input_audio_buffer.timeout_triggered`): the server hears a turn start (`input_audio_buffer.speech_started`; a
   response being made is cancelled) and end (`.speech_stopped`), commits it from its prefix
   padding to where its end was known, and answers it (what it never heard as speech is kept
   until the session's bound, then all but the padding's worth goes; a client's commit after it
@@ -150,6 +152,7 @@ class RealtimeSession:
         self.vad: EnergyVad | None = None  # server_vad (settings.vad) on the input audio
         self.vad_item = ""  # the id the turn being spoken will have
         self.vad_committed = False  # server_vad committed a turn in the last append: what is left is its silence
+        self.idle_from, self.idle_at = 0, None  # idle_timeout_ms: the silence since a reply, and its end
         self.turn_start = 0  # where it started in all the input audio
         self.respond_next = False  # a turn ended over a response: answer it after that one
         self.event_id: str | None = None  # the client's id of the event being handled
@@ -342,7 +345,7 @@ class RealtimeSession:
             self.ms_base, self.rate_start = self._ms(self.buffer_start), self.buffer_start
         if _hearing(settings) != _hearing(self.settings):  # (create_response and the like: read as they act)
             self.vad = EnergyVad(settings.vad, settings.input_rate, self._max_turn(settings)) if settings.vad else None
-            self.vad_item = ""
+            self.vad_item, self.idle_at = "", None
             if self.vad is not None:
                 self.vad.fed = self.buffer_start + len(self.buffer) // 2  # (it hears what comes next)
         self.settings = settings
@@ -372,6 +375,38 @@ class RealtimeSession:
                 await self._turn(event)
             except RealtimeError as e:  # a turn refused (its error now): the next ones are still heard
                 await self.error(e, self.event_id)
+        if self.idle_at is not None:
+            try:
+                await self._idle()
+            except RealtimeError as e:  # (its response refused: the error now, the session goes on)
+                await self.error(e, self.event_id)
+
+    def _arm_idle(self, response: Response) -> None:
+        """server_vad's idle_timeout_ms, counted in the audio the client streams: from where the
+        reply's speech ends playing (response.done, then its duration), as OpenAI's API counts it."""
+        vad = self.settings.vad
+        if vad is None or vad.idle_timeout_ms is None or self.settings.kind != "realtime" \
+                or response.status not in ("completed", "incomplete"):  # fmt: skip
+            return
+        rate, item = self.settings.input_rate, response.item
+        playing = item.audio_samples * rate // item.audio_rate if item.audio_rate else 0
+        self.idle_from = self.buffer_start + len(self.buffer) // 2 + playing
+        self.idle_at = self.idle_from + vad.idle_timeout_ms * rate // 1000
+
+    async def _idle(self) -> None:
+        """The idle timeout reached: the silence since the reply becomes a user turn, answered."""
+        now = self.buffer_start + len(self.buffer) // 2
+        if self.idle_at is None or now < self.idle_at or self.active is not None or self.vad is None \
+                or self.vad.speaking:  # fmt: skip
+            return
+        self.idle_at = None
+        item_id = _new_id("item")
+        await self.send({"type": "input_audio_buffer.timeout_triggered", "audio_start_ms": self._ms(self.idle_from),
+                         "audio_end_ms": self._ms(now), "item_id": item_id})  # fmt: skip
+        self._drop_buffer(self.idle_from - self.buffer_start)
+        if self.buffer:
+            await self._commit(len(self.buffer) // 2, item_id)
+        await self.response_create({})
 
     def _max_turn(self, settings: Settings) -> int:
         """A turn's most samples: server_vad ends one there (steady noise could hold it open for
@@ -407,7 +442,7 @@ class RealtimeSession:
         vad = self.settings.vad
         if event.kind == "started":
             self.vad_item, self.turn_start = _new_id("item"), event.sample
-            self.vad_committed = False
+            self.vad_committed, self.idle_at = False, None
             if vad.interrupt_response and self.active is not None:
                 self.active.cancel()
             await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": self._ms(event.sample),
@@ -536,7 +571,7 @@ class RealtimeSession:
             raise _Gone from e
 
     def _reset_turn(self) -> None:
-        self.vad_item, self.vad_committed = "", False
+        self.vad_item, self.vad_committed, self.idle_at = "", False, None
         if self.vad is not None:
             self.vad.reset()
 
@@ -707,6 +742,7 @@ class RealtimeSession:
             self.held -= response.charge
         if not response.in_band:
             return
+        self._arm_idle(response)
         vad, pending, self.respond_next = self.settings.vad, self.respond_next, False
         if pending and not self.gone and vad is not None and vad.create_response:
             # a turn server_vad heard end while this response was made: answered now
@@ -749,6 +785,7 @@ class Response:
         self.session, self.req, self.settings, self.metadata = session, req, settings, metadata
         self.in_band = in_band  # False: out of band (conversation: none), its item joins no conversation
         self.charge = 0  # what its context counts towards the session's bound while it runs
+        self.status = ""  # as response.done said it
         self.id = _new_id("resp")
         self.req.request_id = self.id
         self.item = Item(_new_id("item"), "assistant", status="in_progress",
@@ -880,6 +917,7 @@ class Response:
             self.item.nbytes += len(words.encode())
 
     async def done(self, status: str, details: dict[str, Any] | None, usage: dict[str, Any] | None) -> None:
+        self.status = status
         s, ids, words = self.session, self.ids, self.item.text
         if self.audio:
             await s.send({"type": "response.output_audio.done", **ids})

@@ -47,7 +47,8 @@ _EVENT_NAMES = {
     "response.output_text.delta": "response.text.delta",
     "response.output_text.done": "response.text.done",
 }
-_GA_ONLY = frozenset({"conversation.item.done"})  # (beta's `created` carries the item whole)
+# (beta's `created` carries the item whole; beta has no idle timeout: its response comes unannounced)
+_GA_ONLY = frozenset({"conversation.item.done", "input_audio_buffer.timeout_triggered"})
 _PART_NAMES = {"output_audio": "audio", "output_text": "text"}
 
 

@@ -77,7 +77,7 @@ class ServerVad(_Strict):
     silence_duration_ms: int | None = Field(None, ge=10, le=10_000)
     create_response: bool | None = None
     interrupt_response: bool | None = None
-    idle_timeout_ms: int | None = None
+    idle_timeout_ms: int | None = Field(None, ge=1000, le=600_000)
     eagerness: str | None = None  # (semantic_vad's)
 
 
@@ -138,12 +138,11 @@ def turn_detection(audio_in: InputAudioConfig, now: VadSettings | None) -> VadSe
     if given.type == "semantic_vad":
         raise RealtimeError(f"{where}.type: no semantic_vad here (no model of it): server_vad, on the audio's "
                             "level, or null", f"{where}.type", "unsupported_turn_detection")  # fmt: skip
-    if given.idle_timeout_ms is not None:
-        raise RealtimeError(f"{where}.idle_timeout_ms: not here (null)", f"{where}.idle_timeout_ms")
     if given.eagerness is not None:
         raise RealtimeError(f"{where}.eagerness: semantic_vad's; server_vad takes none", f"{where}.eagerness")
     out = VadSettings()
-    for name in ("threshold", "prefix_padding_ms", "silence_duration_ms", "create_response", "interrupt_response"):
+    for name in ("threshold", "prefix_padding_ms", "silence_duration_ms", "create_response", "interrupt_response",
+                 "idle_timeout_ms"):
         if (value := getattr(given, name)) is not None:
             setattr(out, name, value)
     return out

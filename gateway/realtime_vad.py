@@ -30,11 +30,12 @@ class VadSettings:
     silence_duration_ms: int = 500
     create_response: bool = True
     interrupt_response: bool = True
+    idle_timeout_ms: int | None = None  # a reply heard this long ago with no turn since: one more
 
     def event(self) -> dict[str, object]:
         return {"type": "server_vad", "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,
                 "silence_duration_ms": self.silence_duration_ms, "create_response": self.create_response,
-                "interrupt_response": self.interrupt_response, "idle_timeout_ms": None}  # fmt: skip
+                "interrupt_response": self.interrupt_response, "idle_timeout_ms": self.idle_timeout_ms}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -253,7 +253,7 @@ BAD_EVENTS = [
     ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}},
      "session.audio.input.turn_detection.type", "unsupported_turn_detection"),
     ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
-        "type": "server_vad", "idle_timeout_ms": 5000}}}}}, "session.audio.input.turn_detection.idle_timeout_ms", None),
+        "type": "server_vad", "idle_timeout_ms": 500}}}}}, "session.audio.input.turn_detection.idle_timeout_ms", None),
     ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
         "type": "server_vad", "threshold": 2}}}}}, "session.audio.input.turn_detection.threshold", None),
     ({"type": "session.update", "session": {"audio": {"input": {"transcription": {"model": "other-asr"}}}}},
@@ -1398,3 +1398,42 @@ def test_out_of_band_responses_are_bounded_and_end_with_the_session(connect: Cal
             break
         time.sleep(0.01)
     assert set(ids) <= set(service.closed) and len(service.closed) == MAX_OUT_OF_BAND + 1  # the hang-up closed all
+
+
+def test_server_vad_s_idle_timeout_answers_a_silence(connect: Callable[..., Any]) -> None:
+    """idle_timeout_ms (a phone call's "are you still there?"): counted in the audio the client
+    streams, from where the reply's speech ends playing; its silence becomes a user turn and is
+    answered. A turn spoken before it disarms it."""
+    from openai.types.realtime.input_audio_buffer_timeout_triggered import InputAudioBufferTimeoutTriggered
+
+    rate = 24_000
+    service = ScriptedService([_text("Hi"), _audio(_pcm16(4800)), _final()])  # 200 ms of speech
+    quiet = _speech(lead_s=2.0, speech_s=0.0, tail_s=0.0)
+
+    def stream(pcm: bytes) -> None:
+        for i in range(0, len(pcm), 960):  # 20 ms pieces
+            ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[i:i + 960]).decode()})
+
+    with connect(service) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
+            "type": "server_vad", "silence_duration_ms": 300, "idle_timeout_ms": 1000}}}}})  # fmt: skip
+        assert _until(ws, "session.updated")[-1]["session"]["audio"]["input"]["turn_detection"]["idle_timeout_ms"] \
+            == 1000  # fmt: skip
+        stream(_speech(lead_s=0.2, speech_s=0.5, tail_s=0.4))  # a turn, answered
+        answered = _until(ws, "response.done")
+        stopped = next(e for e in answered if e["type"] == "input_audio_buffer.speech_stopped")
+        stream(_speech(lead_s=0.6, speech_s=0.5, tail_s=0.4))  # another before the timeout: no prompt
+        second = _until(ws, "response.done")
+        assert "input_audio_buffer.timeout_triggered" not in [e["type"] for e in second]
+        stream(quiet)  # then silence: past the timeout, a prompt
+        events = _until(ws, "response.done")
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["input_audio_buffer.timeout_triggered", "input_audio_buffer.committed"], kinds
+    fired = InputAudioBufferTimeoutTriggered.model_validate(events[0])
+    # from the end of the reply's playback (200 ms after its response.done) to 1 s on, in 20 ms pieces
+    assert 1000 <= fired.audio_end_ms - fired.audio_start_ms < 1020 and fired.item_id == events[1]["item_id"]
+    assert stopped["audio_end_ms"] < fired.audio_start_ms
+    assert len(service.requests) == 3 and service.requests[2].messages[-1].role == "user"
+    silence = service.requests[2].messages[-1].parts[0].audio.pcm
+    assert abs(len(silence.f32le) // 4 - rate * (fired.audio_end_ms - fired.audio_start_ms) // 1000) <= rate // 100
