@@ -152,7 +152,7 @@ class RealtimeSession:
         self.vad: EnergyVad | None = None  # server_vad (settings.vad) on the input audio
         self.vad_item = ""  # the id the turn being spoken will have
         self.vad_committed = False  # server_vad committed a turn in the last append: what is left is its silence
-        self.idle_from, self.idle_at = 0, None  # idle_timeout_ms: the silence since a reply, and its end
+        self.idle_from: int | None = None  # idle_timeout_ms: where the silence since the last reply starts
         self.turn_start = 0  # where it started in all the input audio
         self.respond_next = False  # a turn ended over a response: answer it after that one
         self.event_id: str | None = None  # the client's id of the event being handled
@@ -345,7 +345,7 @@ class RealtimeSession:
             self.ms_base, self.rate_start = self._ms(self.buffer_start), self.buffer_start
         if _hearing(settings) != _hearing(self.settings):  # (create_response and the like: read as they act)
             self.vad = EnergyVad(settings.vad, settings.input_rate, self._max_turn(settings)) if settings.vad else None
-            self.vad_item, self.idle_at = "", None
+            self.vad_item, self.idle_from = "", None
             if self.vad is not None:
                 self.vad.fed = self.buffer_start + len(self.buffer) // 2  # (it hears what comes next)
         self.settings = settings
@@ -375,7 +375,7 @@ class RealtimeSession:
                 await self._turn(event)
             except RealtimeError as e:  # a turn refused (its error now): the next ones are still heard
                 await self.error(e, self.event_id)
-        if self.idle_at is not None:
+        if self.idle_from is not None:
             try:
                 await self._idle()
             except RealtimeError as e:  # (its response refused: the error now, the session goes on)
@@ -383,29 +383,30 @@ class RealtimeSession:
 
     def _arm_idle(self, response: Response) -> None:
         """server_vad's idle_timeout_ms, counted in the audio the client streams: from where the
-        reply's speech ends playing (response.done, then its duration), as OpenAI's API counts it."""
-        vad = self.settings.vad
-        if vad is None or vad.idle_timeout_ms is None or self.settings.kind != "realtime" \
-                or response.status not in ("completed", "incomplete"):  # fmt: skip
+        conversation's last reply ends playing (response.done, then its speech's duration), as
+        OpenAI's API counts it; not while the user speaks (their turn answers or ends it)."""
+        if self.vad is None or self.vad.speaking:
             return
         rate, item = self.settings.input_rate, response.item
         playing = item.audio_samples * rate // item.audio_rate if item.audio_rate else 0
         self.idle_from = self.buffer_start + len(self.buffer) // 2 + playing
-        self.idle_at = self.idle_from + vad.idle_timeout_ms * rate // 1000
 
     async def _idle(self) -> None:
-        """The idle timeout reached: the silence since the reply becomes a user turn, answered."""
-        now = self.buffer_start + len(self.buffer) // 2
-        if self.idle_at is None or now < self.idle_at or self.active is not None or self.vad is None \
-                or self.vad.speaking:  # fmt: skip
+        """The idle timeout reached (as the settings say it now): the silence since the reply
+        becomes a user turn, answered."""
+        vad, now = self.settings.vad, self.buffer_start + len(self.buffer) // 2
+        if self.idle_from is None or vad is None or vad.idle_timeout_ms is None or self.settings.kind != "realtime" \
+                or self.active is not None or self.vad is None or self.vad.speaking \
+                or now < self.idle_from + vad.idle_timeout_ms * self.settings.input_rate // 1000:  # fmt: skip
             return
-        self.idle_at = None
+        start, self.idle_from = self.idle_from, None
+        self._drop_buffer(start - self.buffer_start)
+        if not self.buffer:
+            return
         item_id = _new_id("item")
-        await self.send({"type": "input_audio_buffer.timeout_triggered", "audio_start_ms": self._ms(self.idle_from),
+        await self.send({"type": "input_audio_buffer.timeout_triggered", "audio_start_ms": self._ms(start),
                          "audio_end_ms": self._ms(now), "item_id": item_id})  # fmt: skip
-        self._drop_buffer(self.idle_from - self.buffer_start)
-        if self.buffer:
-            await self._commit(len(self.buffer) // 2, item_id)
+        await self._commit(len(self.buffer) // 2, item_id)
         await self.response_create({})
 
     def _max_turn(self, settings: Settings) -> int:
@@ -442,14 +443,14 @@ class RealtimeSession:
         vad = self.settings.vad
         if event.kind == "started":
             self.vad_item, self.turn_start = _new_id("item"), event.sample
-            self.vad_committed, self.idle_at = False, None
+            self.vad_committed, self.idle_from = False, None
             if vad.interrupt_response and self.active is not None:
                 self.active.cancel()
             await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": self._ms(event.sample),
                              "item_id": self.vad_item})  # fmt: skip
             return
         item_id = self.vad_item or _new_id("item")
-        self.vad_item = ""
+        self.vad_item, self.idle_from = "", None  # (a turn was spoken: its reply, if any, arms it again)
         padding = vad.prefix_padding_ms * self.settings.input_rate // 1000
         self._drop_buffer(self.turn_start - padding - self.buffer_start)
         turn = event.at - self.buffer_start
@@ -478,6 +479,7 @@ class RealtimeSession:
                                 code="input_audio_buffer_commit_empty")  # fmt: skip
         item_id = self.vad_item or _new_id("item")  # (a turn server_vad heard start ends here)
         self._reset_turn()
+        self.idle_from = None  # (the user's turn)
         await self._commit(len(self.buffer) // 2, item_id)
 
     async def _commit(self, samples: int, item_id: str) -> None:
@@ -571,7 +573,7 @@ class RealtimeSession:
             raise _Gone from e
 
     def _reset_turn(self) -> None:
-        self.vad_item, self.vad_committed, self.idle_at = "", False, None
+        self.vad_item, self.vad_committed = "", False
         if self.vad is not None:
             self.vad.reset()
 
@@ -681,7 +683,7 @@ class RealtimeSession:
         self.held += charge
         task = asyncio.create_task(self._respond(response))
         if in_band:
-            self.active, self.task = response, task
+            self.active, self.task, self.idle_from = response, task, None  # (its end arms the idle timeout)
         else:
             self.side[response.id] = (response, task)
 

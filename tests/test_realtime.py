@@ -1402,38 +1402,48 @@ def test_out_of_band_responses_are_bounded_and_end_with_the_session(connect: Cal
 
 def test_server_vad_s_idle_timeout_answers_a_silence(connect: Callable[..., Any]) -> None:
     """idle_timeout_ms (a phone call's "are you still there?"): counted in the audio the client
-    streams, from where the reply's speech ends playing; its silence becomes a user turn and is
-    answered. A turn spoken before it disarms it."""
+    streams (here mu-law at 8 kHz, the reply at 24 kHz), from where the reply's speech ends
+    playing; that silence becomes a user turn and is answered. Off again, it waits no more."""
     from openai.types.realtime.input_audio_buffer_timeout_triggered import InputAudioBufferTimeoutTriggered
 
-    rate = 24_000
-    service = ScriptedService([_text("Hi"), _audio(_pcm16(4800)), _final()])  # 200 ms of speech
-    quiet = _speech(lead_s=2.0, speech_s=0.0, tail_s=0.0)
+    from gateway.g711 import G711Encoder
 
-    def stream(pcm: bytes) -> None:
-        for i in range(0, len(pcm), 960):  # 20 ms pieces
-            ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[i:i + 960]).decode()})
+    service = ScriptedService([GATE, _text("Hi"), _audio(_pcm16(4800)), _final()])  # its speech: 200 ms
 
+    def mulaw(pcm16: bytes) -> bytes:
+        encoder = G711Encoder("audio/pcmu", 8_000)
+        return encoder.push(pcm16) + encoder.finish()
+
+    def stream(data: bytes) -> None:
+        for i in range(0, len(data), 160):  # 20 ms pieces, as a phone bridge sends them
+            ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(data[i:i + 160]).decode()})
+
+    vad = {"type": "server_vad", "silence_duration_ms": 300}
+    silence = mulaw(bytes(2 * 16_000))  # 2 s
     with connect(service) as ws:
         ws.receive_json()
-        ws.send_json({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
-            "type": "server_vad", "silence_duration_ms": 300, "idle_timeout_ms": 1000}}}}})  # fmt: skip
+        ws.send_json({"type": "session.update", "session": {"audio": {"input": {
+            "format": {"type": "audio/pcmu"}, "turn_detection": {**vad, "idle_timeout_ms": 1000}}}}})  # fmt: skip
         assert _until(ws, "session.updated")[-1]["session"]["audio"]["input"]["turn_detection"]["idle_timeout_ms"] \
             == 1000  # fmt: skip
-        stream(_speech(lead_s=0.2, speech_s=0.5, tail_s=0.4))  # a turn, answered
-        answered = _until(ws, "response.done")
-        stopped = next(e for e in answered if e["type"] == "input_audio_buffer.speech_stopped")
-        stream(_speech(lead_s=0.6, speech_s=0.5, tail_s=0.4))  # another before the timeout: no prompt
-        second = _until(ws, "response.done")
-        assert "input_audio_buffer.timeout_triggered" not in [e["type"] for e in second]
-        stream(quiet)  # then silence: past the timeout, a prompt
+        stream(mulaw(_speech(rate=8_000, lead_s=0.2, speech_s=0.5, tail_s=0.4)))  # 1.1 s: a turn
+        _until(ws, "response.created")
+        service.gate.set()  # (the reply ends once all 1.1 s are in: its speech plays from there)
+        _until(ws, "response.done")
+        stream(silence)
         events = _until(ws, "response.done")
+        # turned off, a pending one waits no more (a clear's answer ends what was sent)
+        ws.send_json({"type": "session.update", "session": {"audio": {"input": {"turn_detection": vad}}}})
+        _until(ws, "session.updated")
+        stream(silence)
+        ws.send_json({"type": "input_audio_buffer.clear"})
+        after = _until(ws, "input_audio_buffer.cleared")
     kinds = [e["type"] for e in events]
     assert kinds[:2] == ["input_audio_buffer.timeout_triggered", "input_audio_buffer.committed"], kinds
     fired = InputAudioBufferTimeoutTriggered.model_validate(events[0])
-    # from the end of the reply's playback (200 ms after its response.done) to 1 s on, in 20 ms pieces
-    assert 1000 <= fired.audio_end_ms - fired.audio_start_ms < 1020 and fired.item_id == events[1]["item_id"]
-    assert stopped["audio_end_ms"] < fired.audio_start_ms
-    assert len(service.requests) == 3 and service.requests[2].messages[-1].role == "user"
-    silence = service.requests[2].messages[-1].parts[0].audio.pcm
-    assert abs(len(silence.f32le) // 4 - rate * (fired.audio_end_ms - fired.audio_start_ms) // 1000) <= rate // 100
+    # from 1.1 s (the reply's end) + 0.2 s (its speech played) to 1 s on
+    assert (fired.audio_start_ms, fired.audio_end_ms) == (1300, 2300) and fired.item_id == events[1]["item_id"]
+    assert events[-1]["response"]["status"] == "completed" and len(service.requests) == 2
+    silent_turn = service.requests[1].messages[-1].parts[0].audio.pcm
+    assert silent_turn.sample_rate == 8_000 and len(silent_turn.f32le) // 4 == 8_000  # its 1 s
+    assert [e["type"] for e in after] == ["input_audio_buffer.cleared"]
