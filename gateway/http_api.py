@@ -96,7 +96,8 @@ from omnistage.topology import STAGES
 from omnistage.v1 import gateway_pb2, stage_pb2
 
 __all__ = ["ChatCompletions", "apply_temperature", "data_url", "decode_b64", "from_gateway_error", "lone_surrogate",
-           "pcm16_part", "served_voices", "stt_usage", "to_generate_request", "unknown_model", "voice_speaker"]
+           "pcm16_part", "served_voices", "stt_usage", "to_generate_request", "unknown_model", "voice_speaker",
+           "whole_samples"]
 
 log = logging.getLogger(__name__)
 
@@ -419,11 +420,17 @@ def data_url(url: Url | str, where: str) -> bytes:
     return decode_b64(data, where)
 
 
+def whole_samples(data: bytes, where: str, name: str) -> bytes:
+    """`data`, raw 16-bit samples (`name`: the format's, for the error of a half sample)."""
+    if len(data) % 2:
+        raise HttpError(400, f"{where}: {name} needs whole 16-bit samples", param=where)
+    return data
+
+
 def pcm16_part(data: bytes, rate: int, where: str, name: str) -> gateway_pb2.ContentPart:
     """Raw 16-bit little-endian mono samples at `rate` as an audio part (`name`: the format's, for
     the error of a half sample)."""
-    if len(data) % 2:
-        raise HttpError(400, f"{where}: {name} needs whole 16-bit samples", param=where)
+    whole_samples(data, where, name)
     f32 = (np.frombuffer(data, "<i2").astype(np.float32) / 32768).astype("<f4").tobytes()
     return gateway_pb2.ContentPart(audio=gateway_pb2.AudioPart(pcm=gateway_pb2.RawAudio(f32le=f32, sample_rate=rate)))
 

@@ -361,9 +361,7 @@ class RealtimeSession:
             # at the bound, what server_vad heard as no turn goes: all before the turn being spoken
             # (and its padding), or, between turns, all but what a turn's start would take (until
             # then a client that commits gets all it sent)
-            assert self.settings.vad is not None
-            padding = self.settings.vad.prefix_padding_ms * self.settings.input_rate // 1000
-            self._drop_buffer(self.turn_start - padding - self.buffer_start if self.vad.speaking
+            self._drop_buffer(self.turn_start - self._padding() - self.buffer_start if self.vad.speaking
                               else len(self.buffer) // 2 - self._lead())  # fmt: skip
         self._room(2 * len(pcm), "audio")  # (float32 once committed)
         self.buffer += pcm
@@ -418,6 +416,11 @@ class RealtimeSession:
         lead = (settings.vad.prefix_padding_ms + MIN_VOICED_MS + 2 * FRAME_MS) / 1000
         return max(settings.input_rate // 10, int((seconds - lead) * settings.input_rate))
 
+    def _padding(self) -> int:
+        """server_vad's prefix_padding_ms, in samples: what a turn keeps from before its start."""
+        assert self.settings.vad is not None
+        return self.settings.vad.prefix_padding_ms * self.settings.input_rate // 1000
+
     def _lead(self) -> int:
         """Samples kept before a turn's first voiced frame: its prefix padding, and the frames that
         start it (the turn is known only after them) and the one being filled."""
@@ -451,8 +454,7 @@ class RealtimeSession:
             return
         item_id = self.vad_item or _new_id("item")
         self.vad_item, self.idle_from = "", None  # (a turn was spoken: its reply, if any, arms it again)
-        padding = vad.prefix_padding_ms * self.settings.input_rate // 1000
-        self._drop_buffer(self.turn_start - padding - self.buffer_start)
+        self._drop_buffer(self.turn_start - self._padding() - self.buffer_start)
         turn = event.at - self.buffer_start
         await self.send({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": self._ms(event.sample),
                          "item_id": item_id})  # fmt: skip
@@ -494,8 +496,6 @@ class RealtimeSession:
         self._drop_buffer(samples)
         item.nbytes = 2 * len(pcm)
         previous = self.insert(item, None) if keep else None
-        if not keep:  # (its audio counts towards the session's bound until it is transcribed)
-            self.held += item.nbytes
         await self.send({"type": "input_audio_buffer.committed", "previous_item_id": previous, "item_id": item.id})
         await self._added(item, previous)
         if self.settings.transcription is not None:  # (beside the turn's response: their steps are shared)
@@ -503,16 +503,15 @@ class RealtimeSession:
             after = self.last_transcription
             task = asyncio.create_task(self._transcribe(item, self.settings.transcription, after))
             self.transcribing[item.id] = self.last_transcription = task
+            waiting = 0 if keep else item.nbytes  # (a turn not kept counts towards the bound until transcribed)
+            self.held += waiting
 
-            def forget(done: asyncio.Task[None], item_id: str = item.id, nbytes: int = 0 if keep else item.nbytes
-                       ) -> None:  # fmt: skip
+            def forget(done: asyncio.Task[None], item_id: str = item.id) -> None:
                 if self.transcribing.get(item_id) is done:
                     del self.transcribing[item_id]
-                self.held -= nbytes
+                self.held -= waiting
 
             task.add_done_callback(forget)
-        elif not keep:
-            self.held -= item.nbytes
 
     async def _transcribe(self, item: Item, config: dict[str, Any], after: asyncio.Task[None] | None) -> None:
         """A committed turn's words, as `/v1/audio/transcriptions` would give them: sent as

@@ -4,6 +4,7 @@ is a RealtimeError naming it, never ignored."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
@@ -11,7 +12,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.g711 import G711_RATE, LAWS, g711_to_pcm16
-from gateway.http_api import apply_temperature, data_url, decode_b64, pcm16_part, voice_speaker
+from gateway.http_api import apply_temperature, data_url, decode_b64, pcm16_part, voice_speaker, whole_samples
 from gateway.http_error import HttpError
 from gateway.realtime_vad import VadSettings
 from gateway.transcription import instruction, transcription_turn
@@ -140,12 +141,8 @@ def turn_detection(audio_in: InputAudioConfig, now: VadSettings | None) -> VadSe
                             "level, or null", f"{where}.type", "unsupported_turn_detection")  # fmt: skip
     if given.eagerness is not None:
         raise RealtimeError(f"{where}.eagerness: semantic_vad's; server_vad takes none", f"{where}.eagerness")
-    out = VadSettings()
-    for name in ("threshold", "prefix_padding_ms", "silence_duration_ms", "create_response", "interrupt_response",
-                 "idle_timeout_ms"):
-        if (value := getattr(given, name)) is not None:
-            setattr(out, name, value)
-    return out
+    return VadSettings(**{f.name: value for f in dataclasses.fields(VadSettings)
+                          if (value := getattr(given, f.name)) is not None})  # (unset: the default)
 
 
 class OutputAudioConfig(_Strict):
@@ -342,7 +339,6 @@ class Settings:
             },
         }  # fmt: skip
 
-
     def output_format_event(self, sample_rate: int) -> dict[str, Any]:
         return _format(self.output_format, sample_rate)
 
@@ -369,9 +365,7 @@ def input_pcm16(data: bytes, fmt: str, where: str) -> bytes:
     """Input audio in the session's format as 16-bit PCM (at its rate)."""
     if fmt in LAWS:
         return g711_to_pcm16(data, fmt)
-    if len(data) % 2:
-        raise RealtimeError(f"{where}: audio/pcm needs whole 16-bit samples", where)
-    return data
+    return _realtime(lambda: whole_samples(data, where, "audio/pcm"))
 
 
 def _unsupported(body: _Common, prefix: str) -> None:
