@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from gateway.media_cache import DecodedCache
 from omnistage.config import MediaConfig as Limits
 from omnistage.quoting import quoted
 from omnistage.v1 import gateway_pb2
@@ -368,11 +369,29 @@ def _decode_part(part: gateway_pb2.ContentPart, limits: Limits, audio_rate: int,
     raise MediaError("empty part: set one of text, audio, image or video")
 
 
+def _decode_or_reuse(part: gateway_pb2.ContentPart, limits: Limits, audio_rate: int, with_sound: bool,
+                     budget: Budget, cache: DecodedCache | None) -> dict[str, Any]:  # fmt: skip
+    """`_decode_part`, or what it gave for the same part before (charged to the budget alike)."""
+    if cache is None or part.WhichOneof("kind") in (None, "text"):
+        return _decode_part(part, limits, audio_rate, with_sound, budget)
+    key = cache.key(part.SerializeToString(deterministic=True), audio_rate, with_sound, limits)
+    found = cache.get(key)
+    if found is not None:
+        entry, nbytes = found
+        budget.take(nbytes)
+        return entry
+    entry = _decode_part(part, limits, audio_rate, with_sound, budget)
+    cache.put(key, entry)
+    return entry
+
+
 def decode_messages(request: gateway_pb2.GenerateRequest, limits: Limits, audio_rate: int,
-                    cancelled: threading.Event | None = None) -> tuple[list[dict[str, Any]], bool]:  # fmt: skip
+                    cancelled: threading.Event | None = None, cache: DecodedCache | None = None
+                    ) -> tuple[list[dict[str, Any]], bool]:  # fmt: skip
     """The request's chat messages with their media decoded, and whether any part is media.
     Raises MediaError naming the message and part (also once `cancelled` is set: it runs in a
-    worker thread, which a client's hang-up cannot stop otherwise)."""
+    worker thread, which a client's hang-up cannot stop otherwise). `cache`: decoded parts kept
+    across requests (media_cache.py)."""
     messages: list[dict[str, Any]] = []
     media = 0
     videos = 0
@@ -390,7 +409,7 @@ def decode_messages(request: gateway_pb2.GenerateRequest, limits: Limits, audio_
             if kind not in (None, "text") and m.role != "user":
                 raise MediaError(f"{where}: only user messages take audio, images and video")
             try:
-                parts.append(_decode_part(part, limits, audio_rate, request.use_audio_in_video, budget))
+                parts.append(_decode_or_reuse(part, limits, audio_rate, request.use_audio_in_video, budget, cache))
             except MediaError as e:
                 raise MediaError(f"{where}: {e}") from None
             media += kind not in (None, "text")

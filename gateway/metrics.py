@@ -11,6 +11,8 @@ metrics port and at `/metrics` on its HTTP port:
   omnistage_gateway_audio_chunk_gap_seconds           histogram: between audio chunks of a request
   omnistage_gateway_prompt_tokens_total, _completion_tokens_total (text), _audio_seconds_total
   omnistage_gateway_replays_total                     thinker calls made again after a replica was lost
+  omnistage_gateway_media_cache_lookups_total{result} decoded media reused (hit) or decoded (miss)
+  omnistage_gateway_media_cache_bytes                 what the decoded media kept take (media_cache.py)
   omnistage_thread_cpu_seconds_total{thread}, omnistage_thread_context_switches_total{thread, switch}
                                                       by kind of thread (omnistage/server/thread_cpu.py)
 """
@@ -75,6 +77,13 @@ class GatewayMetrics:
         self.audio_seconds = Counter("omnistage_gateway_audio_seconds", "Audio generated", registry=r)
         self.replays = Counter("omnistage_gateway_replays", "Thinker calls made again after a replica was lost",
                                registry=r)  # fmt: skip
+        self.media_cache = Counter("omnistage_gateway_media_cache_lookups", "Media parts looked up among the "
+                                   "decoded ones kept, by result (hit, miss)", ["result"], registry=r)  # fmt: skip
+        self.media_cache_bytes = Gauge("omnistage_gateway_media_cache_bytes", "Bytes of decoded media kept",
+                                       registry=r)  # fmt: skip
+
+    def media_lookup(self, hit: bool) -> None:
+        self.media_cache.labels("hit" if hit else "miss").inc()
 
     def observe(self, o: Outcome, e2e: float, sample_rate: int) -> None:
         self.requests.labels(o.api, o.status).inc()

@@ -34,6 +34,7 @@ from gateway.audio_out import MAX_SPEED, MIN_SPEED, AudioEncoder, Tempo
 from gateway.chat_template import FIELD as CHAT_TEMPLATE_KWARGS
 from gateway.chat_template import template_kwargs, template_names
 from gateway.media import decode_messages
+from gateway.media_cache import DecodedCache
 from gateway.metrics import GatewayMetrics, Outcome
 from omnistage.config import DeployConfig
 from omnistage.engine import OutChunk
@@ -164,6 +165,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                              cfg.timeouts.keepalive_s)  # fmt: skip
         self.channel = self.router.shared
         self.metrics = GatewayMetrics()
+        self.media_cache: DecodedCache | None = None  # decoded media parts reused across requests
+        if cfg.media.decoded_cache_bytes:
+            cache = self.media_cache = DecodedCache(cfg.media.decoded_cache_bytes, self.metrics.media_lookup)
+            self.metrics.media_cache_bytes.set_function(lambda: cache.bytes)
         self.active = 0
         self.draining = False
         self.api_key = api_key.strip()  # (the CLI's options.api_key refuses one that is not a token)
@@ -183,7 +188,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             raise ValueError(f"prompt: {chars} characters of text cannot fit in {self.max_prompt_tokens} tokens")
         kwargs = template_kwargs(request.chat_template_kwargs, self.template_names)
         if request.messages:
-            messages, has_media = decode_messages(request, self.media_limits, self._audio_rate(), cancelled)
+            messages, has_media = decode_messages(request, self.media_limits, self._audio_rate(), cancelled,
+                                                  self.media_cache)
             # (media come in user messages only; without media every content is text)
             if not has_media and not any(m["content"].strip() for m in messages if m["role"] == "user"):
                 raise ValueError("messages: no user message with content")

@@ -207,6 +207,10 @@ class MediaConfig(_Strict):
                                    description="all media of one request once decoded (RGB pixels at 3 bytes, "
                                    "audio at 4 bytes a sample), checked before each image or frame is "
                                    "converted")  # fmt: skip
+    decoded_cache_bytes: int = Field(256 * 1024 * 1024, ge=0, le=1 << 36,
+                                     description="decoded media kept for requests that send the same part again "
+                                     "(a chat client sends its whole conversation every turn), least recently used "
+                                     "out first; 0: off")  # fmt: skip
 
 
 class MetricsConfig(_Strict):
