@@ -778,7 +778,8 @@ def lone_surrogate(raw: bytes, data: Any) -> str | None:
     """The path of a string (or key) in the parsed body that is not Unicode text, else None.
     JSON lets a string hold half of a UTF-16 pair; Python keeps it, and protobuf, which takes
     only UTF-8, would fail on it far from the field."""
-    if not _SURROGATE.search(raw):
+    # (the regex scans a megabyte of base64 media in 3 ms; a byte search rules most bodies out in 1)
+    if (b"\\u" not in raw and b"\xed" not in raw) or not _SURROGATE.search(raw):
         return None
     stack: list[tuple[tuple[str | int, ...], Any]] = [((), data)]
     while stack:
