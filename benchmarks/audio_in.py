@@ -9,7 +9,9 @@ monolithic baseline gets exactly the model inputs the gateway builds (its decodi
 checkpoint's processor, timed as part of the request as they are in the stack), runs greedy
 `generate(return_audio=True)` one request at a time, and its first text token is timed with a
 `thinker_streamer` (it returns audio only at the end, so its TTFA is its end-to-end time).
-Every served reply's ids are checked against the baseline's.
+Every served reply's ids are checked against the baseline's. The stack it starts keeps no
+decoded media (`media.decoded_cache_bytes: 0`): every request sends the same clip, and each is
+to be decoded as a new one is (a stack given with `--target` should be started so too).
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ def _start_stack(model: Path | None, log: Any) -> Any:
     cfg = load_config(None)
     sizes = [cfg.gateway.replicas, *(cfg.stage(s).replicas for s in STAGES)]
     bases = free_port_blocks(sizes, cfg.host, metrics_offset=cfg.metrics.port_offset)
-    overrides: dict[str, Any] = {"gateway.port": bases[0]}
+    # every request sends the same clip: each decodes it, as a conversation's new turn does
+    overrides: dict[str, Any] = {"gateway.port": bases[0], "media.decoded_cache_bytes": 0}
     overrides.update({f"{s}.base_port": b for s, b in zip(STAGES, bases[1:], strict=True)})
     if model is not None:
         overrides["model"] = str(model)

@@ -82,11 +82,17 @@ def test_what_a_part_decodes_to_besides_its_bytes_is_in_its_key(monkeypatch: pyt
     decode_messages(gateway_pb2.GenerateRequest(messages=[_turn(pcm_part(tone, 8000))]), other_limits, RATE,
                     cache=cache)  # fmt: skip
     assert len(calls) == 4
+    decode_messages(gateway_pb2.GenerateRequest(messages=[_turn(pcm_part(tone, 12_000))]), LIMITS, RATE, cache=cache)
+    assert len(calls) == 4, "the same part, decoded alike, is reused"
     mp4 = media.encode_video(media.video(4, 32, 32, seed=7), 2, sound=media.tone(2.0, RATE, 500.0, seed=8))
     silent, _ = decode_messages(gateway_pb2.GenerateRequest(messages=[_turn(video_part(mp4))]), LIMITS, RATE,
                                 cache=cache)  # fmt: skip
     voiced, _ = decode_messages(gateway_pb2.GenerateRequest(messages=[_turn(video_part(mp4))], use_audio_in_video=True),
                                 LIMITS, RATE, cache=cache)  # fmt: skip
+    assert len(calls) == 6
+    # an audio part's decode does not depend on use_audio_in_video: one entry serves both
+    decode_messages(gateway_pb2.GenerateRequest(messages=[_turn(pcm_part(tone, 8000)), _turn(video_part(mp4))],
+                                                use_audio_in_video=True), LIMITS, RATE, cache=cache)  # fmt: skip
     assert len(calls) == 6
     assert silent[0]["content"][0]["audio"] is None and voiced[0]["content"][0]["audio"] is not None
 
