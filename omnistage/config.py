@@ -94,6 +94,11 @@ class ThinkerConfig(StageConfig):
     are not used."""
 
     disaggregated: bool = Field(False, description="run the thinker as a prefill and a decode role")
+    prefix_cache_tokens: int = Field(
+        0, ge=0, le=1 << 30, description="positions of ended requests' KV cache kept for prompts that start with "
+        "the same tokens and media (a conversation's next turn, a shared system prompt), which then prefill only "
+        "the rest; on top of cache_capacity_tokens. A hit changes the last bits of what follows it (exact mode's "
+        "parity with generate() is for prompts prefilled whole); 0: off")  # fmt: skip
     prefill: StageConfig = StageConfig(base_port=7101, cache_capacity_tokens=65536)
     decode: StageConfig = StageConfig(base_port=7151, cache_capacity_tokens=65536)
 
@@ -390,6 +395,9 @@ class DeployConfig(_StagesConfig):  # type: ignore[misc,valid-type]
         t = self.thinker
         if not t.disaggregated:
             return self
+        if t.prefix_cache_tokens:
+            raise ValueError("thinker.prefix_cache_tokens: a split thinker keeps no prefixes (its prefill role sends "
+                             "each cache to a decode role); set it to 0 or thinker.disaggregated to false")  # fmt: skip
         defaults = {name: f.default for name, f in StageConfig.model_fields.items()} | stage_def("thinker").defaults
         for name in StageConfig.model_fields:
             value = getattr(t, name)

@@ -219,6 +219,9 @@ class Engine:
             "step_requests_total": int(stats["total_scheduled_requests"]),
             "step_seconds_total": self.step_seconds_total,
             "kv_pool_tokens": self.worker.kv_pool_tokens(),
+            "prefix_cache_tokens": self.worker.prefix_cache_tokens(),
+            "prefill_tokens_total": int(stats["total_prefill_tokens"]),
+            "cached_tokens_total": int(stats["total_cached_tokens"]),
         }
 
     def stop(self) -> None:

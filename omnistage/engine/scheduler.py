@@ -104,7 +104,7 @@ class Scheduler:
         self._held: dict[str, int] = {}  # ended requests' reservations kept until `release`
         self._totals: dict[str, int] = dict.fromkeys(
             ("added", "rejected", "admitted", "finished", "aborted", "failed",
-             "steps", "scheduled_requests", "scheduled_tokens", "prefill_tokens", "decode_tokens"),
+             "steps", "scheduled_requests", "scheduled_tokens", "prefill_tokens", "decode_tokens", "cached_tokens"),
             0,
         )  # fmt: skip
 
@@ -138,6 +138,7 @@ class Scheduler:
             req.queued = True
             self._waiting[req.request_id] = req
             self._totals["added"] += 1
+            self._totals["cached_tokens"] += num_cached_tokens
             self._refresh(req)
 
     def _check_fits(self, request_id: str, prompt: int, max_new: int, cached: int = 0) -> int:

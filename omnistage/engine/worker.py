@@ -144,3 +144,7 @@ class StageWorker(ABC):
         """Positions per layer fast batching's pooled KV buffers hold now (0 when idle; read from
         other threads, so approximate while a step runs)."""
         return 0
+
+    def prefix_cache_tokens(self) -> int:
+        """Positions its prefix cache keeps of ended requests (the thinker's; 0 without one)."""
+        return 0

@@ -21,6 +21,11 @@ A stage's metrics, each labelled with `stage`:
                                               wait to be sent (a prefill role's KV)
   omnistage_stage_kv_pool_tokens              positions per layer fast batching's pooled KV buffers
                                               hold (a pool's memory, reservations aside; 0 when idle)
+  omnistage_stage_prefix_cache_tokens         positions the thinker's prefix cache keeps of ended
+                                              requests (thinker.prefix_cache_tokens)
+  omnistage_stage_prompt_tokens_total{source} prompt tokens of the requests admitted: prefilled in
+                                              a step, or cached (a prefix cache's hit, a decode
+                                              role's handed-off prompt)
   omnistage_stage_open_streams                Stage.Stream calls now open (a request's call stays open
                                               until its output is all sent and its caller has closed)
   omnistage_stage_shm_segments                shared-memory segments this process holds
@@ -88,12 +93,15 @@ class StageMetrics:
                      "wait to be sent", labels, registry=registry)  # fmt: skip
         pooled = Gauge("omnistage_stage_kv_pool_tokens", "Positions per layer the pooled KV buffers of fast "
                        "batching hold", labels, registry=registry)  # fmt: skip
+        prefixes = Gauge("omnistage_stage_prefix_cache_tokens", "Positions the prefix cache keeps of ended "
+                         "requests", labels, registry=registry)  # fmt: skip
         shm = Gauge("omnistage_stage_shm_segments", "Shared-memory segments held", labels, registry=registry)
         streams = Gauge("omnistage_stage_open_streams", "Stage.Stream calls now open", labels, registry=registry)
         replay = Gauge("omnistage_stage_replay_bytes", "Bytes requests keep of what they sent downstream, for "
                        "failover replay", labels, registry=registry)  # fmt: skip
         registry.register(_CounterOnScrape("omnistage_stage_requests_opened", "Requests opened", stage,
                                            requests_total))  # fmt: skip
+        registry.register(_PromptTokens(stage, load))
         for way, read in (("sent", messages_sent), ("received", messages_received)):
             registry.register(_CounterOnScrape(f"omnistage_stage_messages_{way}", f"gRPC messages {way}, every hop",
                                                stage, read))  # fmt: skip
@@ -125,6 +133,7 @@ class StageMetrics:
         cache.labels(stage).set_function(lambda: float(load()["cache_usage"]))
         held.labels(stage).set_function(lambda: float(load()["held_tokens"]))
         pooled.labels(stage).set_function(lambda: float(load()["kv_pool_tokens"]))
+        prefixes.labels(stage).set_function(lambda: float(load()["prefix_cache_tokens"]))
         shm.labels(stage).set_function(lambda: float(shm_segments()))
         streams.labels(stage).set_function(lambda: float(open_streams()))
         replay.labels(stage).set_function(lambda: float(replay_bytes()))
@@ -138,6 +147,21 @@ class StageMetrics:
 
     def on_finished(self, outcome: str) -> None:
         self._finished.labels(self._stage, outcome).inc()
+
+
+class _PromptTokens(Collector):
+    """Prompt tokens prefilled and cached, read from the engine's totals on each scrape."""
+
+    def __init__(self, stage: str, load: Callable[[], dict[str, float]]) -> None:
+        self.stage, self.load = stage, load
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("omnistage_stage_prompt_tokens", "Prompt tokens of the requests admitted, "
+                                     "prefilled in a step or cached", labels=["stage", "source"])  # fmt: skip
+        counts = self.load()
+        family.add_metric([self.stage, "prefilled"], float(counts["prefill_tokens_total"]))
+        family.add_metric([self.stage, "cached"], float(counts["cached_tokens_total"]))
+        yield family
 
 
 class _CounterOnScrape(Collector):

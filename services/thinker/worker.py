@@ -66,7 +66,8 @@ class ThinkerWorker(StageWorker):
         if not state.prompt_ids:
             return None
         n = len(state.prompt_ids)
-        return Demand(n, self.reply_reservation(n, state.sampling.max_tokens, state.max_len))
+        # (a prompt that starts with a cached prefix is prefilled from its end: models/prefix_cache.py)
+        return Demand(n, self.reply_reservation(n, state.sampling.max_tokens, state.max_len), state.cached)
 
     def reply_reservation(self, prompt_tokens: int, max_tokens: int, max_len: int) -> int:
         """The cache a request reserves for its reply, past its prompt (`demand`)."""
@@ -83,6 +84,10 @@ class ThinkerWorker(StageWorker):
 
     def kv_pool_tokens(self) -> int:
         return int(self.thinker.batching.pooled_tokens())
+
+    def prefix_cache_tokens(self) -> int:
+        prefixes = self.thinker.prefixes
+        return 0 if prefixes is None else int(prefixes.tokens)
 
     def execute(self, batch: Sequence[ScheduledItem]) -> list[StepOutput | Exception]:
         """One packed forward: prefill chunks of the tokens the scheduler gave, and decodes. A
@@ -155,6 +160,8 @@ class ThinkerWorker(StageWorker):
         stage = cfg.stage(cls.name)
         thinker = ckpt.family.thinker(ckpt, stage.dtype, stage.device, stage.batching)
         thinker.set_kv_budget(stage.cache_capacity_tokens)
+        if cls.name == "thinker":  # the whole thinker (a split one's roles keep no prefixes)
+            thinker.keep_prefixes(cfg.thinker.prefix_cache_tokens)
         worker = cls(thinker, ckpt.family.thinker_defaults(ckpt), cfg.max_model_len, cfg.audio_output,
                      load_tokenizer(ckpt))  # fmt: skip
         worker.warn_if_defaults_do_not_fit(stage.cache_capacity_tokens, stage.max_num_seqs)

@@ -17,7 +17,7 @@ def _exported() -> set[str]:
     """Every sample name the gateway and each stage expose."""
     registries = [GatewayMetrics().registry]
     load = {"waiting": 0, "waiting_for_input": 0, "running": 0, "cache_usage": 0.0, "held_tokens": 0,
-            "kv_pool_tokens": 0}
+            "kv_pool_tokens": 0, "prefix_cache_tokens": 0, "prefill_tokens_total": 0, "cached_tokens_total": 0}
     for s in PIPELINE:
         registries.append(StageMetrics(s.name, s.output_unit, lambda: load, lambda: 0, lambda: 0).registry)
     names: set[str] = set()

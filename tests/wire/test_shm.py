@@ -334,7 +334,7 @@ def test_a_stages_metrics_count_the_pools_inline_fallbacks() -> None:
 
     with ShmPool(threshold_bytes=1, segment_bytes=1 << 20, max_total_bytes=1 << 20, enabled=True) as p:
         load = {"waiting": 0, "waiting_for_input": 0, "running": 0, "cache_usage": 0.0, "held_tokens": 0,
-                "kv_pool_tokens": 0}
+                "kv_pool_tokens": 0, "prefix_cache_tokens": 0, "prefill_tokens_total": 0, "cached_tokens_total": 0}
         metrics = StageMetrics("thinker", "tokens", lambda: load, lambda: p.num_segments, lambda: 0,
                                lambda: p.inline_fallbacks)  # fmt: skip
         for i in range(3):

@@ -17,14 +17,18 @@ when the request has audio or any image or video grid (`generate()` gives it no
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
+from omnistage.models.prefix_cache import MediaItem
+
 __all__ = ["AudioRows", "MultimodalInputs", "PromptInputs", "RopeInputs", "encode_prompt", "feature_output_lengths",
-           "talker_positions"]  # fmt: skip
+           "media_items", "talker_positions"]  # fmt: skip
 
 
 def feature_output_lengths(lengths: torch.Tensor, n_window: int) -> torch.Tensor:
@@ -181,6 +185,62 @@ class _Checker:
         return int(grid.shape[0]), rows
 
 
+def media_items(ids: torch.Tensor, mm: MultimodalInputs, config: Any, audio_rows: AudioRows | None = None
+                ) -> list[MediaItem]:  # fmt: skip
+    """Where each audio, image and video of a checked prompt lies (from its start token to its
+    last placeholder; a video with its sound track interleaved spans that too) and a digest of its
+    inputs (the prefix cache's key: models/prefix_cache.py), by start."""
+    ids = ids.view(-1).cpu()
+    where = torch.arange(ids.numel())
+    flag = bytes([mm.use_audio_in_video])
+
+    def digest(*parts: torch.Tensor) -> bytes:
+        h = hashlib.blake2b(flag, digest_size=32)
+        for t in parts:
+            t = t.detach().cpu().contiguous()
+            h.update(f"{t.dtype}{list(t.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return h.digest()
+
+    def spans(starts: torch.Tensor, token_id: int, rows: list[int]) -> list[tuple[int, int]]:
+        pads = where[ids == token_id].tolist()
+        out, used = [], 0
+        for start, n in zip(starts.tolist(), rows, strict=True):
+            out.append((int(start), pads[used + n - 1] + 1))
+            used += n
+        return out
+
+    items: list[MediaItem] = []
+    audio_end: dict[int, int] = {}  # an audio's start -> its end (a video's sound track is inside the video)
+    if mm.input_features is not None and mm.feature_attention_mask is not None:
+        lengths = mm.feature_attention_mask.sum(-1)
+        rows = (audio_rows or qwen3_audio_rows)(lengths, config.audio_config).tolist()
+        for k, (start, end) in enumerate(spans(where[ids == config.audio_start_token_id], config.audio_token_id,
+                                               rows)):  # fmt: skip
+            n = int(lengths[k])
+            items.append(MediaItem("audio", start, end, digest(mm.input_features[k, :, :n], lengths[k : k + 1])))
+            audio_end[start] = end
+    after = torch.cat([ids[1:], ids.new_full((1,), -1)])
+    starts = ids == config.vision_start_token_id
+    merge = int(config.vision_config.spatial_merge_size)
+    for kind, pixels, grid, token_id, nexts in (
+        ("image", mm.pixel_values, mm.image_grid_thw, config.image_token_id, (config.image_token_id,)),
+        ("video", mm.pixel_values_videos, mm.video_grid_thw, config.video_token_id,
+         (config.video_token_id, config.audio_start_token_id) if mm.use_audio_in_video else (config.video_token_id,)),
+    ):  # fmt: skip
+        if pixels is None or grid is None:
+            continue
+        patches = grid.prod(-1).tolist()
+        first = where[starts & torch.isin(after, torch.tensor(nexts))]
+        offsets = [0, *itertools.accumulate(patches)]
+        for k, (start, end) in enumerate(spans(first, token_id, [p // merge**2 for p in patches])):
+            end = max(end, audio_end.get(start + 1, 0))  # its interleaved sound track
+            seconds = mm.video_second_per_grid
+            extra = () if kind == "image" or seconds is None else (seconds[k : k + 1],)
+            items.append(MediaItem(kind, start, end, digest(pixels[offsets[k] : offsets[k + 1]], grid[k], *extra)))
+    return sorted(items, key=lambda item: item.start)
+
+
 @dataclass
 class PromptInputs:
     """One multimodal prompt, ready for the text model."""
@@ -192,26 +252,35 @@ class PromptInputs:
 
 
 @torch.no_grad()
-def encode_prompt(thinker: Any, ids: torch.Tensor, mm: MultimodalInputs) -> PromptInputs:
+def encode_prompt(thinker: Any, ids: torch.Tensor, mm: MultimodalInputs, start: int = 0,
+                  skip: Mapping[str, int] | None = None) -> PromptInputs:  # fmt: skip
     """Run the encoders over one request's items and place their rows in its prompt; `thinker`
-    is a `Qwen3OmniMoeThinkerForConditionalGeneration`, `ids` `[L]`."""
+    is a `Qwen3OmniMoeThinkerForConditionalGeneration`, `ids` `[L]`. With `start` (a cached
+    prefix: models/prefix_cache.py), only the rows from there are wanted: the first `skip[kind]`
+    items of each kind ("audio", "image", "video"), which lie before it, are not encoded, and
+    the rows before it are the token embeddings."""
     model, cfg = thinker.model, thinker.config
     device = ids.device
     ids = ids.view(1, -1)
+    skip = skip or {}
     embeds = thinker.get_input_embeddings()(ids)
-    if mm.input_features is not None:
-        audio = model.get_audio_features(mm.input_features.to(device), mm.feature_attention_mask.to(device),
+    wanted = torch.arange(ids.shape[1], device=device).view(1, -1) >= start
+    features, mask = mm.input_features, mm.feature_attention_mask
+    if features is not None and mask is not None and (first := skip.get("audio", 0)) < features.shape[0]:
+        audio = model.get_audio_features(features[first:].to(device), mask[first:].to(device),
                                          return_dict=True).last_hidden_state  # fmt: skip
-        embeds = embeds.masked_scatter((ids == cfg.audio_token_id).unsqueeze(-1), audio.to(embeds.dtype))
+        embeds = embeds.masked_scatter(((ids == cfg.audio_token_id) & wanted).unsqueeze(-1), audio.to(embeds.dtype))
     visual: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (mask [1, L], deepstack rows per layer)
-    for pixels, grid, token_id, encode in (
-        (mm.pixel_values, mm.image_grid_thw, cfg.image_token_id, model.get_image_features),
-        (mm.pixel_values_videos, mm.video_grid_thw, cfg.video_token_id, model.get_video_features),
+    for kind, pixels, grid, token_id, encode in (
+        ("image", mm.pixel_values, mm.image_grid_thw, cfg.image_token_id, model.get_image_features),
+        ("video", mm.pixel_values_videos, mm.video_grid_thw, cfg.video_token_id, model.get_video_features),
     ):
-        if pixels is None:
+        if pixels is None or grid is None or (first := skip.get(kind, 0)) >= grid.shape[0]:
             continue
+        if first:
+            pixels, grid = pixels[int(grid[:first].prod(-1).sum()) :], grid[first:]
         out = encode(pixels.to(device), grid.to(device), return_dict=True)
-        mask = ids == token_id
+        mask = (ids == token_id) & wanted
         embeds = embeds.masked_scatter(mask.unsqueeze(-1), torch.cat(out.pooler_output).to(embeds.dtype))
         deep = getattr(out, "deepstack_features", None)  # Qwen2.5-Omni's vision tower has none
         if deep is not None:

@@ -14,6 +14,7 @@ completes, the embeddings and accept-layer hidden states of every prompt positio
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,15 @@ import torch
 
 from omnistage.models.batching import PackedBatching, PackedCache
 from omnistage.models.kv_caches import SlotCache, layer_kv
-from omnistage.models.qwen3_omni.multimodal import AudioRows, MultimodalInputs, PromptInputs, RopeInputs, encode_prompt
+from omnistage.models.prefix_cache import MediaItem, Prefix, PrefixCache
+from omnistage.models.qwen3_omni.multimodal import (
+    AudioRows,
+    MultimodalInputs,
+    PromptInputs,
+    RopeInputs,
+    encode_prompt,
+    media_items,
+)
 from omnistage.models.qwen3_omni.prompt import text_positions
 from omnistage.models.qwen3_omni.spec import FamilySpec
 from omnistage.models.sampling import SamplingParams, TokenChooser, choose_rows, forced_token
@@ -72,6 +81,13 @@ class ThinkerState:
     # the generated tokens its cache will hold when fewer than max_tokens (a prefill role's: its first)
     cache_new_tokens: int | None = None
     text: Any = None  # its reply's text, where it has stop texts (services/thinker: a TextStream)
+    # with a prefix cache (models/prefix_cache.py): the prompt's media, the cached prefix it starts
+    # with and its length (prefilled from there), and what it keeps for the cache when it ends
+    media: list[MediaItem] = field(default_factory=list)
+    prefix: Prefix | None = None
+    cached: int = 0
+    prompt_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # its prompt's (embeds, hidden)
+    fed_hidden: list[torch.Tensor] = field(default_factory=list)  # accept-layer rows of the tokens fed since
 
     @property
     def generated(self) -> int:
@@ -99,6 +115,12 @@ class Thinker:
         # fast mode keeps the requests' caches in one pool (`PackedBatching.new_cache`); a role
         # whose cache is read after its request ends turns it off (services/thinker/prefill.py)
         self.pool_kv = True
+        self.prefixes: PrefixCache | None = None  # `keep_prefixes`
+
+    def keep_prefixes(self, max_tokens: int) -> None:
+        """Keep what ended requests computed, up to `max_tokens` positions, for prompts that start
+        alike (models/prefix_cache.py); 0: keep none."""
+        self.prefixes = PrefixCache(max_tokens) if max_tokens else None
 
     def validate_prompt(self, prompt_ids: Sequence[int], max_len: int | None = None) -> None:
         """Refuse a prompt before any model work: empty, too long, or out of vocabulary."""
@@ -143,6 +165,10 @@ class Thinker:
         if not mm.empty:
             state.multimodal = mm
             state.rope = mm.rope()
+        if self.prefixes is not None:
+            ids = torch.tensor(state.prompt_ids)
+            state.media = [] if mm.empty else media_items(ids, mm, self.model.config, self.audio_rows)
+            state.cached, state.prefix = self.prefixes.match(ids, state.media)
 
     @torch.no_grad()
     def encode(self, state: ThinkerState) -> None:
@@ -151,7 +177,8 @@ class Thinker:
         if state.multimodal is not None:
             ids = torch.tensor(state.prompt_ids, device=self.device)
             mm, state.multimodal = state.multimodal, None
-            state.prompt_inputs = encode_prompt(self.model, ids, mm)
+            skip = collections.Counter(item.kind for item in state.media if item.end <= state.cached)  # cached ones
+            state.prompt_inputs = encode_prompt(self.model, ids, mm, state.cached, skip)
 
     def _prompt_rows(self, state: ThinkerState, pos: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Input embeddings `[n, H]` and positions `[4, 1, n]` of prompt chunk [pos, pos + n)."""
@@ -230,6 +257,8 @@ class Thinker:
             if state.cache is None:
                 state.cache = self._new_cache(state)
                 state.history = list(state.prompt_ids)
+                if state.cached:
+                    self._take_prefix(state, pos)
             if pos < len(state.prompt_ids):
                 if n < 1 or pos + n > len(state.prompt_ids):
                     raise ValueError(f"prefill chunk [{pos}, {pos + n}) outside a prompt of {len(state.prompt_ids)}")
@@ -293,12 +322,16 @@ class Thinker:
                         rope=state.rope,
                     )
                     state.prompt_parts = []
+                    if self.prefixes is not None:
+                        state.prompt_rows = (result.prompt.embeds, result.prompt.hidden)
                     state.prompt_inputs = None
                     emits.append((result, state, last))
                     emit_rows.append(row)
             else:
                 emits.append((result, state, last))
                 emit_rows.append(row)
+                if self.prefixes is not None:  # the fed token's (a view would hold the step's states)
+                    state.fed_hidden.append(last.clone())
             results.append(result)
             start = end
         if emits:
@@ -379,9 +412,44 @@ class Thinker:
         unbounded): fast mode's pool of request caches grows no further while they fit in it."""
         self.batching.kv_budget = tokens
 
+    def _take_prefix(self, state: ThinkerState, pos: int) -> None:
+        """A new cache's first `state.cached` positions, and the prompt rows it sends the talker,
+        from the cached prefix its prompt starts with."""
+        prefix, n = state.prefix, state.cached
+        if prefix is None or pos != n:
+            raise ValueError(f"a prompt whose first {n} positions are cached prefilled from {pos}")
+        for i, (k, v) in enumerate(prefix.kv):
+            state.cache.update(k[:, :, :n], v[:, :, :n], i)
+        state.prompt_parts.append((prefix.embeds[:n], prefix.hidden[:n]))
+        state.prefix = None  # (the entry may go from the cache now: nothing more is read of it)
+
+    def _keep_prefix(self, state: ThinkerState) -> None:
+        """An ended request's positions, for prompts that start with them: every one it fed (its
+        prompt, and its reply but the last token)."""
+        assert self.prefixes is not None and state.prompt_rows is not None
+        n = int(state.cache.get_seq_length())
+        prompt = len(state.prompt_ids)
+        if n - prompt != len(state.fed_hidden):  # (a step that failed after writing its rows)
+            return
+        embeds, hidden = state.prompt_rows
+        if n > prompt:
+            fed = torch.tensor(state.history[prompt:n], device=self.device)
+            embeds = torch.cat([embeds, self.embedding(fed)])
+            hidden = torch.cat([hidden, torch.stack(state.fed_hidden)])
+        kv = [(k.clone(), v.clone()) for k, v in self.kv_rows(state, 0, n)]
+        if any(k.shape[2] != n for k, _ in kv):  # a sliding-window layer keeps only its window
+            return
+        self.prefixes.add(Prefix(torch.tensor(state.history[:n]), tuple(state.media), kv, embeds, hidden))
+
     def release(self, state: ThinkerState) -> None:
+        """Free the request's cache (kept for later prompts first, with a prefix cache, when it
+        ended by itself: stopped or at its length, not cancelled or failed)."""
+        if self.prefixes is not None and state.finished and state.cache is not None and state.prompt_rows is not None:
+            self._keep_prefix(state)
         self.batching.free_cache(state.cache)
         state.cache = None
         state.prompt_parts = []
         state.multimodal = state.prompt_inputs = None
+        state.prefix = state.prompt_rows = None
+        state.fed_hidden = []
         state.finished = True
