@@ -150,6 +150,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         if self.no_media_reason:
             log.warning("%s", self.no_media_reason)
         self.media_limits = cfg.media
+        self.keeps_prefixes = bool(cfg.thinker.prefix_cache_tokens)  # the thinker's prefix cache
         if self.inputs is not None:  # never more audio than the feature extractor takes whole
             seconds = min(cfg.media.max_audio_seconds, self.inputs.max_audio_seconds)
             self.media_limits = cfg.media.model_copy(update={"max_audio_seconds": seconds})
@@ -207,7 +208,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             except (ValueError, TypeError, KeyError, IndexError, RuntimeError, TemplateError) as e:  # the processor's
                 field = CHAT_TEMPLATE_KWARGS if kwargs and isinstance(e, TemplateError) else "messages"
                 raise ValueError(f"{field}: cannot build the model inputs: {type(e).__name__}: {e}") from None
-            prompt = edges.Prompt(ids, tensors, request.use_audio_in_video)
+            # the thinker tells a cached prefix's media apart by these (made here, off its engine thread)
+            digests = self.inputs.digests(tensors, request.use_audio_in_video) if self.keeps_prefixes else None
+            prompt = edges.Prompt(ids, tensors, request.use_audio_in_video, digests)
         else:
             try:
                 prompt = edges.Prompt(self.ckpt.family.prompt_ids(self.tokenizer, messages, kwargs))
@@ -414,7 +417,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             most = self.max_prompt_tokens + 1
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"gateway: prompt: {len(prompt.ids)} tokens and a "
                                f"given reply of {given} exceed the model maximum of {most}")  # fmt: skip
-        chunk = edges.prompt_chunk(prompt.ids, prompt.multimodal, prompt.use_audio_in_video)
+        chunk = edges.prompt_chunk(prompt.ids, prompt.multimodal, prompt.use_audio_in_video, prompt.digests)
         del prompt  # the media tensors are in `chunk` now
 
         async def messages() -> AsyncIterator[stage_pb2.StageRequest]:

@@ -64,6 +64,8 @@ AUDIO = "audio"
 # the processor's model inputs besides the ids (transformers' names, shared by the omni families)
 MULTIMODAL = ("input_features", "feature_attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
               "video_grid_thw", "video_second_per_grid")  # fmt: skip
+# a digest of each of their items [items, 32] uint8, beside them where the thinker keeps prefixes
+MEDIA_DIGESTS = "media_digests"
 # the large float tensors among them, which only the thinker's encoders read (on its device)
 MEDIA_FEATURES = frozenset({"input_features", "pixel_values", "pixel_values_videos"})
 ROPE = ("audio_lengths", "image_grid_thw", "video_grid_thw", "video_second_per_grid")
@@ -140,25 +142,31 @@ class Prompt:
     ids: list[int]
     multimodal: dict[str, torch.Tensor] = field(default_factory=dict)  # MULTIMODAL names (checked by the model)
     use_audio_in_video: bool = False
+    digests: torch.Tensor | None = None  # its media items' (the thinker's prefix cache: models/prefix_cache.py)
 
 
 def prompt_chunk(ids: list[int], multimodal: Mapping[str, torch.Tensor] | None = None,
-                 use_audio_in_video: bool = False) -> OutChunk:  # fmt: skip
+                 use_audio_in_video: bool = False, digests: torch.Tensor | None = None) -> OutChunk:  # fmt: skip
     tensors = {IDS: torch.tensor(ids, dtype=torch.long), **(multimodal or {})}
     unknown = set(tensors) - {IDS, *MULTIMODAL}
     if unknown:
         raise ValueError(f"prompt: unknown model input(s) {sorted(unknown)}")
+    if digests is not None:
+        tensors[MEDIA_DIGESTS] = digests
     meta = {USE_AUDIO_IN_VIDEO: True} if use_audio_in_video else {}
     return OutChunk(tensors, offset=0, length=len(ids), finished=True, meta=meta)
 
 
 def read_prompt(stage: str, chunk: DecodedChunk) -> Prompt:
-    check_names(stage, chunk, {IDS}, set(MULTIMODAL))
+    check_names(stage, chunk, {IDS}, {*MULTIMODAL, MEDIA_DIGESTS})
     ids = tensor(stage, chunk, IDS, INT_DTYPES, (None,))
     _check_length(stage, chunk, int(ids.shape[0]), "prompt ids")
     flag = meta_flag(stage, chunk, USE_AUDIO_IN_VIDEO)
-    mm = {k: v.clone() for k, v in chunk.tensors.items() if k != IDS}  # out of the received bytes
-    return Prompt([int(i) for i in ids.tolist()], mm, flag)
+    digests = None
+    if MEDIA_DIGESTS in chunk.tensors:  # (their number is checked against the items by the model)
+        digests = tensor(stage, chunk, MEDIA_DIGESTS, (torch.uint8,), (None, 32)).clone()
+    mm = {k: v.clone() for k, v in chunk.tensors.items() if k not in (IDS, MEDIA_DIGESTS)}  # out of the received bytes
+    return Prompt([int(i) for i in ids.tolist()], mm, flag, digests)
 
 
 # ---- thinker -> caller, thinker -> talker --------------------------------------------------------

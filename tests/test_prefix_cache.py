@@ -4,6 +4,7 @@ and gives what prefilling it whole gives (the same tokens; its numbers to the la
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +23,11 @@ RATE = 16_000
 
 
 def _run(thinker: Any, ids: list[int], mm: dict[str, Any] | None = None, max_tokens: int = 8,
-         finish: bool = True) -> tuple[list[int], Any, int]:  # fmt: skip
+         finish: bool = True, in_video: bool = False) -> tuple[list[int], Any, int]:  # fmt: skip
     """(reply ids, the prompt's output, positions taken from the cache) of one greedy request,
     stepped as the engine steps it: its prefill from the cached positions, then its decodes."""
     state = thinker.new_state(SamplingParams(max_tokens=max_tokens))
-    thinker.set_prompt(state, ids, mm)
+    thinker.set_prompt(state, ids, mm, in_video)
     cached = state.cached
     (step,) = thinker.step([(state, cached, len(ids) - cached)])
     out, prompt = [step.token.token_id], step.prompt
@@ -60,7 +61,7 @@ class Model:
     def build(self, messages: list[dict[str, Any]], kind: str) -> tuple[list[int], dict[str, Any]]:
         if kind == "text":
             return self.family.prompt_ids(self.tokenizer, messages), {}
-        return self.builder.build(messages)  # type: ignore[no-any-return]
+        return self.builder.build(messages, use_audio_in_video=kind == "audio-in-video")  # type: ignore[no-any-return]
 
 
 def _turns(kind: str) -> list[list[dict[str, Any]]]:
@@ -68,9 +69,13 @@ def _turns(kind: str) -> list[list[dict[str, Any]]]:
     if kind == "text":
         first: list[Any] | str = "Tell me about the sea."
         second: list[Any] | str = "And about the sky?"
-    else:
-        first = [{"type": "audio", "audio": media.tone(1.5, RATE, 300.0, seed=1)},
-                 {"type": "image", "image": media.image(40, 56, seed=2)}, {"type": "text", "text": "What is it?"}]
+    else:  # the first turn's media, then a new clip (shorter: the first's features stay as they were)
+        tone, image, video = media.tone(1.5, RATE, 300.0, seed=1), media.image(40, 56, seed=2), media.video(4, 32, 48)
+        first = {"audio+image": [{"type": "audio", "audio": tone}, {"type": "image", "image": image}],
+                 "image+video": [{"type": "image", "image": image},
+                                 {"type": "video", "video": video, "fps": 2.0, "audio": None}],
+                 "audio-in-video": [{"type": "video", "video": video, "fps": 2.0, "audio": tone}]}[kind]
+        first = [*first, {"type": "text", "text": "What is it?"}]
         second = [{"type": "audio", "audio": media.tone(1.0, RATE, 500.0, seed=3)}]
     system = {"role": "system", "content": "Answer briefly."}
     return [[system, {"role": "user", "content": first}], [{"role": "user", "content": second}]]
@@ -81,7 +86,7 @@ def _conversation(model: Model, kind: str) -> tuple[Any, Any, Any, Any]:
     thinker, its reply in the second turn's messages."""
     first, second = _turns(kind)
     ids1, mm1 = model.build(first, kind)
-    reply, _, _ = _run(model.thinker, ids1, mm1)
+    reply, _, _ = _run(model.thinker, ids1, mm1, in_video=kind == "audio-in-video")
     messages = [*first, {"role": "assistant", "content": model.tokenizer.decode(reply, skip_special_tokens=True)},
                 *second]  # fmt: skip
     ids2, mm2 = model.build(messages, kind)
@@ -103,9 +108,11 @@ def models(tiny_dir: Path, tiny_variant_dir: Path, q25_dir: Path) -> Any:
     return get
 
 
-@pytest.mark.parametrize("kind", ["text", "audio+image"])
-@pytest.mark.parametrize(("checkpoint", "batching"), [("qwen3", "exact"), ("qwen3", "fast"),
-                                                      ("qwen3-variant", "exact"), ("qwen2_5", "exact")])  # fmt: skip
+@pytest.mark.parametrize(("checkpoint", "batching", "kind"), [
+    *((c, b, k) for c, b in (("qwen3", "exact"), ("qwen3", "fast"), ("qwen3-variant", "exact"), ("qwen2_5", "exact"),
+                             ("qwen2_5", "fast")) for k in ("text", "audio+image")),
+    ("qwen3", "exact", "image+video"), ("qwen3", "exact", "audio-in-video"), ("qwen2_5", "exact", "image+video"),
+])  # fmt: skip
 def test_the_next_turn_prefills_only_what_is_new(models: Any, checkpoint: str, batching: str, kind: str,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The second turn takes the first turn's prompt (and reply, as far as its ids are the same)
@@ -118,7 +125,7 @@ def test_the_next_turn_prefills_only_what_is_new(models: Any, checkpoint: str, b
     encoded: list[int] = []
     tower = model.thinker.model.model if hasattr(model.thinker.model.model, "get_audio_features") else \
         model.thinker.model  # fmt: skip
-    for name in ("get_audio_features", "get_image_features"):
+    for name in ("get_audio_features", "get_image_features", "get_video_features"):
         real = getattr(tower, name)
 
         def counted(x: torch.Tensor, *args: Any, real: Any = real, **kwargs: Any) -> Any:
@@ -126,12 +133,13 @@ def test_the_next_turn_prefills_only_what_is_new(models: Any, checkpoint: str, b
             return real(x, *args, **kwargs)
 
         monkeypatch.setattr(tower, name, counted)
-    reply, prompt, cached = _run(model.thinker, ids2, mm2)
+    in_video = kind == "audio-in-video"
+    reply, prompt, cached = _run(model.thinker, ids2, mm2, in_video=in_video)
     assert len(ids1) <= cached < len(ids2)
     if kind != "text":
-        assert encoded == [1], f"only the new turn's audio is encoded, not the first turn's audio and image: {encoded}"
+        assert encoded == [1], f"only the new turn's audio is encoded, not the first turn's media: {encoded}"
     monkeypatch.undo()
-    want, whole, none = _run(model.plain, ids2, mm2)
+    want, whole, none = _run(model.plain, ids2, mm2, in_video=in_video)
     assert none == 0 and model.plain.prefixes is None
     assert reply == want
     if kind == "text":
@@ -226,3 +234,80 @@ def test_a_split_thinker_keeps_no_prefixes() -> None:
     with pytest.raises(ValueError, match=r"thinker\.prefix_cache_tokens: a split thinker keeps no prefixes"):
         parse_config({"thinker": {"disaggregated": True, "prefix_cache_tokens": 1024}})
     assert DeployConfig().thinker.prefix_cache_tokens == 0
+
+
+def test_an_extended_entry_replaces_one_only_with_the_same_media() -> None:
+    audio = MediaItem("audio", 1, 3, b"a")
+    cache = PrefixCache(100)
+    cache.add(_entry([1, 2, 2, 3], (audio,)))
+    cache.add(_entry([1, 2, 2, 3, 4], (MediaItem("audio", 1, 3, b"b"),)))  # another clip there: both kept
+    assert len(cache) == 2
+    cache.add(_entry([1, 2, 2, 3, 4, 5], (audio,)))  # the first, a turn on: it goes
+    assert len(cache) == 2 and cache.tokens == 11
+    assert cache.match(torch.tensor([1, 2, 2, 3, 4, 5, 6]), [audio])[0] == 6
+
+
+def test_the_gateways_digests_are_the_thinkers_and_a_wrong_number_is_refused(models: Any, tiny_dir: Path) -> None:
+    """The gateway sends each item's digest with the prompt (made in its worker thread, not on
+    the thinker's engine thread): the same as the thinker's own; digests that do not fit the
+    prompt's items are refused naming them."""
+    from gateway.client import build_request
+    from gateway.server import GatewayService
+    from omnistage.models.qwen3_omni.multimodal import MultimodalInputs, media_digests
+
+    wav = media.encode_audio(media.tone(1.0, RATE, 300.0, seed=4), RATE)
+    png = media.encode_image(media.image(32, 32, seed=5))
+    request = build_request("what is it", audio=[wav], images=[png])
+    service = GatewayService(parse_config({"thinker": {"prefix_cache_tokens": 1024}}), open_checkpoint(tiny_dir),
+                             "ipv4:127.0.0.1:1")  # fmt: skip
+    prompt = service._prompt(request)
+    assert prompt.digests is not None and prompt.digests.shape == (2, 32) and prompt.digests.dtype == torch.uint8
+    assert torch.equal(prompt.digests, media_digests(MultimodalInputs.from_mapping(prompt.multimodal)))
+    plain = GatewayService(parse_config({}), open_checkpoint(tiny_dir), "ipv4:127.0.0.1:1")._prompt(request)
+    assert plain.digests is None, "a thinker with no prefix cache is sent none"
+    thinker = models("qwen3").thinker
+    state = thinker.new_state(SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match=r"media digests of shape \[1, 32\]; the prompt has 2 items"):
+        thinker.set_prompt(state, prompt.ids, prompt.multimodal, False, prompt.digests[:1])
+    state = thinker.new_state(SamplingParams(max_tokens=1))
+    thinker.set_prompt(state, prompt.ids, prompt.multimodal, False, prompt.digests)
+    assert [item.kind for item in state.media] == ["audio", "image"]
+    thinker.release(state)
+
+
+def test_placeholders_before_their_start_token_are_never_taken_from_the_cache(models: Any) -> None:
+    """A prompt the checks let through with an audio's placeholders before its start token: the
+    item spans from its first placeholder, so another clip there is not taken from the cache."""
+    model = models("qwen3")
+    config = model.thinker.model.config
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hear this"},
+                                             {"type": "audio", "audio": media.tone(1.0, RATE, 300.0, seed=6)}]}]
+    ids, mm = model.build(messages, "audio")
+    start = ids.index(config.audio_start_token_id)
+    pads = [i for i, t in enumerate(ids) if t == config.audio_token_id]
+    crafted = ids[:start] + ids[pads[0] : pads[-1] + 1] + [ids[start]] + ids[pads[-1] + 1 :]
+    other = dict(mm, input_features=mm["input_features"] + 0.25)  # another clip of the same length
+    _run(model.thinker, crafted, mm)
+    state = model.thinker.new_state(SamplingParams(max_tokens=1))
+    model.thinker.set_prompt(state, crafted, other)
+    assert state.cached <= start, (state.cached, start)
+    model.thinker.release(state)
+    state = model.thinker.new_state(SamplingParams(max_tokens=1))
+    model.thinker.set_prompt(state, crafted, mm)
+    assert state.cached == len(crafted) - 1, "the same clip: all of it"
+    model.thinker.release(state)
+
+
+@pytest.mark.parametrize(("digests", "said"), [(torch.zeros(2, 32), "dtype torch.float32"),
+                                               (torch.zeros(2, 16, dtype=torch.uint8), "shape [2, 16]")])  # fmt: skip
+def test_malformed_digests_in_a_prompt_chunk_are_refused_naming_them(digests: torch.Tensor, said: str) -> None:
+    from omnistage.wire import StageError
+    from services import edges
+    from services.pipeline import received
+
+    chunk = received(edges.prompt_chunk([1, 2, 3], digests=digests))
+    with pytest.raises(StageError, match=rf"thinker: tensor 'media_digests' has {re.escape(said)}"):
+        edges.read_prompt("thinker", chunk)
+    ok = edges.read_prompt("thinker", received(edges.prompt_chunk([1, 2, 3], digests=torch.zeros(2, 32,
+                                                                                                 dtype=torch.uint8))))
+    assert ok.digests is not None and ok.digests.shape == (2, 32) and "media_digests" not in ok.multimodal

@@ -138,7 +138,6 @@ class Scheduler:
             req.queued = True
             self._waiting[req.request_id] = req
             self._totals["added"] += 1
-            self._totals["cached_tokens"] += num_cached_tokens
             self._refresh(req)
 
     def _check_fits(self, request_id: str, prompt: int, max_new: int, cached: int = 0) -> int:
@@ -257,6 +256,7 @@ class Scheduler:
                     req.reserved_tokens = reservation
                     self._reserved += reservation
                     self._totals["admitted"] += 1
+                    self._totals["cached_tokens"] += req.num_computed_tokens  # (in its cache before any step)
                     self._refresh(req)
             if out:
                 tokens = cfg.max_num_batched_tokens - budget

@@ -23,9 +23,9 @@ A stage's metrics, each labelled with `stage`:
                                               hold (a pool's memory, reservations aside; 0 when idle)
   omnistage_stage_prefix_cache_tokens         positions the thinker's prefix cache keeps of ended
                                               requests (thinker.prefix_cache_tokens)
-  omnistage_stage_prompt_tokens_total{source} prompt tokens of the requests admitted: prefilled in
-                                              a step, or cached (a prefix cache's hit, a decode
-                                              role's handed-off prompt)
+  omnistage_stage_prompt_tokens_total{source} prompt tokens: prefilled (run through a step), or
+                                              cached (in a request's cache when it was admitted: a
+                                              prefix cache's hit, a decode role's handed-off prompt)
   omnistage_stage_open_streams                Stage.Stream calls now open (a request's call stays open
                                               until its output is all sent and its caller has closed)
   omnistage_stage_shm_segments                shared-memory segments this process holds
@@ -156,8 +156,9 @@ class _PromptTokens(Collector):
         self.stage, self.load = stage, load
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily("omnistage_stage_prompt_tokens", "Prompt tokens of the requests admitted, "
-                                     "prefilled in a step or cached", labels=["stage", "source"])  # fmt: skip
+        family = CounterMetricFamily("omnistage_stage_prompt_tokens", "Prompt tokens prefilled (run through a "
+                                     "step) or cached (in a request's cache when admitted)",
+                                     labels=["stage", "source"])  # fmt: skip
         counts = self.load()
         family.add_metric([self.stage, "prefilled"], float(counts["prefill_tokens_total"]))
         family.add_metric([self.stage, "cached"], float(counts["cached_tokens_total"]))

@@ -57,7 +57,8 @@ class ThinkerWorker(StageWorker):
     def feed(self, req: Request, chunk: DecodedChunk) -> None:
         prompt = edges.read_prompt(self.name, chunk)
         try:
-            self.thinker.set_prompt(req.state, prompt.ids, prompt.multimodal, prompt.use_audio_in_video)
+            self.thinker.set_prompt(req.state, prompt.ids, prompt.multimodal, prompt.use_audio_in_video,
+                                    prompt.digests)
         except ValueError as e:
             raise invalid(f"thinker: {e}") from None
 

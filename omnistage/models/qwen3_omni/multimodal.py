@@ -27,8 +27,10 @@ import torch
 
 from omnistage.models.prefix_cache import MediaItem
 
-__all__ = ["AudioRows", "MultimodalInputs", "PromptInputs", "RopeInputs", "encode_prompt", "feature_output_lengths",
-           "media_items", "talker_positions"]  # fmt: skip
+__all__ = ["DIGEST_BYTES", "AudioRows", "MultimodalInputs", "PromptInputs", "RopeInputs", "encode_prompt",
+           "feature_output_lengths", "media_digests", "media_items", "talker_positions"]  # fmt: skip
+
+DIGEST_BYTES = 32  # a media item's digest (blake2b)
 
 
 def feature_output_lengths(lengths: torch.Tensor, n_window: int) -> torch.Tensor:
@@ -185,59 +187,85 @@ class _Checker:
         return int(grid.shape[0]), rows
 
 
-def media_items(ids: torch.Tensor, mm: MultimodalInputs, config: Any, audio_rows: AudioRows | None = None
-                ) -> list[MediaItem]:  # fmt: skip
-    """Where each audio, image and video of a checked prompt lies (from its start token to its
-    last placeholder; a video with its sound track interleaved spans that too) and a digest of its
-    inputs (the prefix cache's key: models/prefix_cache.py), by start."""
+def _digest(flag: bool, *parts: torch.Tensor) -> bytes:
+    h = hashlib.blake2b(bytes([flag]), digest_size=DIGEST_BYTES)
+    for t in parts:
+        t = t.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{list(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.digest()
+
+
+def media_digests(mm: MultimodalInputs) -> torch.Tensor:
+    """A digest of each item's model inputs `[items, DIGEST_BYTES]` uint8, audios first, then
+    images, then videos, each in prompt order: the prefix cache's key of an item (models/
+    prefix_cache.py). An audio's covers its features up to its last frame and its mask there;
+    a video's its seconds per patch too; each the `use_audio_in_video` flag (it moves positions).
+    The gateway makes them (off the thinker's engine thread) and sends them with the prompt."""
+    out: list[bytes] = []
+    flag = mm.use_audio_in_video
+    features, mask = mm.input_features, mm.feature_attention_mask
+    if features is not None and mask is not None:
+        for k in range(features.shape[0]):
+            frames = mask[k].nonzero()
+            last = int(frames[-1]) + 1 if frames.numel() else 0
+            out.append(_digest(flag, features[k, :, :last], mask[k, :last]))
+    for pixels, grid, seconds in ((mm.pixel_values, mm.image_grid_thw, None),
+                                  (mm.pixel_values_videos, mm.video_grid_thw, mm.video_second_per_grid)):  # fmt: skip
+        if pixels is None or grid is None:
+            continue
+        offsets = [0, *itertools.accumulate(grid.prod(-1).tolist())]
+        for k in range(grid.shape[0]):
+            extra = () if seconds is None else (seconds[k : k + 1],)
+            out.append(_digest(flag, pixels[offsets[k] : offsets[k + 1]], grid[k], *extra))
+    return torch.tensor([list(d) for d in out], dtype=torch.uint8).view(len(out), DIGEST_BYTES)
+
+
+def media_items(ids: torch.Tensor, mm: MultimodalInputs, config: Any, digests: torch.Tensor,
+                audio_rows: AudioRows | None = None) -> list[MediaItem]:  # fmt: skip
+    """Where each audio, image and video of a checked prompt lies, with its digest (`digests`:
+    `media_digests`' rows), by start: from its start token, or its first placeholder where one
+    comes before it, to its last placeholder (a video with its sound track interleaved spans that
+    too), so that no placeholder of an item lies outside its span."""
     ids = ids.view(-1).cpu()
     where = torch.arange(ids.numel())
-    flag = bytes([mm.use_audio_in_video])
-
-    def digest(*parts: torch.Tensor) -> bytes:
-        h = hashlib.blake2b(flag, digest_size=32)
-        for t in parts:
-            t = t.detach().cpu().contiguous()
-            h.update(f"{t.dtype}{list(t.shape)}".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        return h.digest()
 
     def spans(starts: torch.Tensor, token_id: int, rows: list[int]) -> list[tuple[int, int]]:
         pads = where[ids == token_id].tolist()
         out, used = [], 0
         for start, n in zip(starts.tolist(), rows, strict=True):
-            out.append((int(start), pads[used + n - 1] + 1))
+            out.append((min(int(start), pads[used]), max(int(start) + 1, pads[used + n - 1] + 1)))
             used += n
         return out
 
-    items: list[MediaItem] = []
-    audio_end: dict[int, int] = {}  # an audio's start -> its end (a video's sound track is inside the video)
+    found: list[tuple[str, int, int]] = []  # (kind, start, end), audios, images, videos in order
+    audio_span: dict[int, tuple[int, int]] = {}  # an audio's start token -> its span (a video's sound track)
     if mm.input_features is not None and mm.feature_attention_mask is not None:
-        lengths = mm.feature_attention_mask.sum(-1)
-        rows = (audio_rows or qwen3_audio_rows)(lengths, config.audio_config).tolist()
-        for k, (start, end) in enumerate(spans(where[ids == config.audio_start_token_id], config.audio_token_id,
-                                               rows)):  # fmt: skip
-            n = int(lengths[k])
-            items.append(MediaItem("audio", start, end, digest(mm.input_features[k, :, :n], lengths[k : k + 1])))
-            audio_end[start] = end
+        rows = (audio_rows or qwen3_audio_rows)(mm.feature_attention_mask.sum(-1), config.audio_config).tolist()
+        starts = where[ids == config.audio_start_token_id]
+        for token, span in zip(starts.tolist(), spans(starts, config.audio_token_id, rows), strict=True):
+            found.append(("audio", *span))
+            audio_span[token] = span
     after = torch.cat([ids[1:], ids.new_full((1,), -1)])
-    starts = ids == config.vision_start_token_id
+    vision = ids == config.vision_start_token_id
     merge = int(config.vision_config.spatial_merge_size)
-    for kind, pixels, grid, token_id, nexts in (
-        ("image", mm.pixel_values, mm.image_grid_thw, config.image_token_id, (config.image_token_id,)),
-        ("video", mm.pixel_values_videos, mm.video_grid_thw, config.video_token_id,
+    for kind, grid, token_id, nexts in (
+        ("image", mm.image_grid_thw, config.image_token_id, (config.image_token_id,)),
+        ("video", mm.video_grid_thw, config.video_token_id,
          (config.video_token_id, config.audio_start_token_id) if mm.use_audio_in_video else (config.video_token_id,)),
     ):  # fmt: skip
-        if pixels is None or grid is None:
+        if grid is None:
             continue
-        patches = grid.prod(-1).tolist()
-        first = where[starts & torch.isin(after, torch.tensor(nexts))]
-        offsets = [0, *itertools.accumulate(patches)]
-        for k, (start, end) in enumerate(spans(first, token_id, [p // merge**2 for p in patches])):
-            end = max(end, audio_end.get(start + 1, 0))  # its interleaved sound track
-            seconds = mm.video_second_per_grid
-            extra = () if kind == "image" or seconds is None else (seconds[k : k + 1],)
-            items.append(MediaItem(kind, start, end, digest(pixels[offsets[k] : offsets[k + 1]], grid[k], *extra)))
+        starts = where[vision & torch.isin(after, torch.tensor(nexts))]
+        for token, (start, end) in zip(starts.tolist(), spans(starts, token_id, (grid.prod(-1) // merge**2).tolist()),
+                                       strict=True):  # fmt: skip
+            sound = audio_span.get(token + 1, (start, end))  # its interleaved sound track
+            found.append((kind, min(start, sound[0]), max(end, sound[1])))
+    if digests.shape != (len(found), DIGEST_BYTES):
+        raise ValueError(f"media digests of shape {list(digests.shape)}; the prompt has {len(found)} items "
+                         f"([{len(found)}, {DIGEST_BYTES}] expected)")  # fmt: skip
+    rows = [bytes(row) for row in digests.cpu().tolist()]
+    items = [MediaItem(kind, start, end, row) for (kind, start, end), row in zip(found, rows, strict=True)]
     return sorted(items, key=lambda item: item.start)
 
 

@@ -220,6 +220,14 @@ class InputBuilder:
         # it) needs more than that
         self.min_audio_samples = int(getattr(fe, "n_fft", 400)) // 2 + 1
 
+    @staticmethod
+    def digests(inputs: Mapping[str, Any], use_audio_in_video: bool = False) -> torch.Tensor:
+        """A digest of each media item of `build`'s inputs (`multimodal.media_digests`): what the
+        thinker's prefix cache tells items apart by, made here off its engine thread."""
+        from omnistage.models.qwen3_omni.multimodal import MultimodalInputs, media_digests
+
+        return media_digests(MultimodalInputs.from_mapping(inputs, use_audio_in_video))
+
     def options(self) -> dict[str, Any]:
         """The processor call's settings from this checkpoint's config."""
         return {"n_window": self.n_window, "position_id_per_seconds": self.position_id_per_seconds}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ from omnistage.models.qwen3_omni.multimodal import (
     PromptInputs,
     RopeInputs,
     encode_prompt,
+    media_digests,
     media_items,
 )
 from omnistage.models.qwen3_omni.prompt import text_positions
@@ -38,6 +40,8 @@ from omnistage.models.qwen3_omni.spec import FamilySpec
 from omnistage.models.sampling import SamplingParams, TokenChooser, choose_rows, forced_token
 
 __all__ = ["PromptOutput", "Thinker", "ThinkerState", "ThinkerStep", "TokenOutput"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -153,8 +157,10 @@ class Thinker:
         prompt_ids: Sequence[int],
         multimodal: Mapping[str, torch.Tensor] | None = None,
         use_audio_in_video: bool = False,
+        digests: torch.Tensor | None = None,
     ) -> None:
-        """`multimodal`: the processor's audio/image/video tensors (transformers' names)."""
+        """`multimodal`: the processor's audio/image/video tensors (transformers' names);
+        `digests`: its items' (`media_digests`), for the prefix cache (else made here)."""
         if state.prompt_ids:
             raise ValueError("the prompt was already received")
         self.validate_prompt(prompt_ids, state.max_len)
@@ -167,7 +173,9 @@ class Thinker:
             state.rope = mm.rope()
         if self.prefixes is not None:
             ids = torch.tensor(state.prompt_ids)
-            state.media = [] if mm.empty else media_items(ids, mm, self.model.config, self.audio_rows)
+            if not mm.empty:  # (digests made here when the caller sent none: the in-process pipeline's)
+                given = media_digests(mm) if digests is None else digests
+                state.media = media_items(ids, mm, self.model.config, given, self.audio_rows)
             state.cached, state.prefix = self.prefixes.match(ids, state.media)
 
     @torch.no_grad()
@@ -429,7 +437,7 @@ class Thinker:
         assert self.prefixes is not None and state.prompt_rows is not None
         n = int(state.cache.get_seq_length())
         prompt = len(state.prompt_ids)
-        if n - prompt != len(state.fed_hidden):  # (a step that failed after writing its rows)
+        if n - prompt != len(state.fed_hidden) or n > self.prefixes.max_tokens:  # (a step failed after writing)
             return
         embeds, hidden = state.prompt_rows
         if n > prompt:
@@ -445,7 +453,10 @@ class Thinker:
         """Free the request's cache (kept for later prompts first, with a prefix cache, when it
         ended by itself: stopped or at its length, not cancelled or failed)."""
         if self.prefixes is not None and state.finished and state.cache is not None and state.prompt_rows is not None:
-            self._keep_prefix(state)
+            try:
+                self._keep_prefix(state)
+            except Exception:  # out of memory copying it: not kept, and the request's cache freed all the same
+                log.warning("thinker: an ended request's prefix could not be kept", exc_info=True)
         self.batching.free_cache(state.cache)
         state.cache = None
         state.prompt_parts = []
