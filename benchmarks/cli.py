@@ -308,6 +308,25 @@ def bench_audio_in(
          thinker_max_tokens, talker_max_tokens, json_out)  # fmt: skip
 
 
+@bench_app.command("conversation")
+def bench_conversation(
+    model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: built-in tiny).")] = None,
+    conversations: Annotated[int, typer.Option("--conversations", min=1, max=100,
+                                               help="Conversations per stack.")] = 5,
+    turns: Annotated[int, typer.Option("--turns", min=1, max=50, help="Spoken turns per conversation.")] = 8,
+    clip_seconds: Annotated[float, typer.Option("--clip-seconds", min=0.1, max=30.0,
+                                                help="Seconds of each turn's clip.")] = 3.0,
+    thinker_max_tokens: Annotated[int, typer.Option("--thinker-max-tokens", min=1, max=512)] = 16,
+    talker_max_tokens: Annotated[int, typer.Option("--talker-max-tokens", min=1, max=2048)] = 32,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
+) -> None:
+    """Each turn's TTFT and TTFA as a spoken conversation grows: nothing kept across requests,
+    decoded media kept, and media and the thinker's prefixes kept (three stacks, alternating)."""
+    from benchmarks.conversation import main
+
+    main(model, conversations, turns, clip_seconds, thinker_max_tokens, talker_max_tokens, json_out)
+
+
 @bench_app.command("faults")
 def bench_faults(
     model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: built-in tiny).")] = None,
