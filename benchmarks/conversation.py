@@ -7,7 +7,10 @@ again. Three stacks of the same checkpoint serve the same conversations, one tur
   * `nothing kept`: `media.decoded_cache_bytes: 0`, `thinker.prefix_cache_tokens: 0`;
   * `decoded media kept`: the gateway's default (`media.decoded_cache_bytes`);
   * `media and prefixes kept`: that and `thinker.prefix_cache_tokens`.
-Each conversation's clips are new (a tone of its own), each turn's user message one clip. The
+Each conversation's clips are new (a tone of its own), each turn's user message one clip, of
+`clip_seconds` or, with `clip_spread`, drawn around it (seeded): the feature extractor pads a
+request's clips to its longest, so a clip longer than every earlier one changes the earlier
+longest's last frame and ends a cached prefix there (README, the thinker's prefix cache). The
 replies are greedy; how many of the later arms' replies are the first arm's, id for id, is
 reported (a prefix-cache hit changes the last bits of what follows it).
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,7 +71,7 @@ async def _turn(target: str, history: list[Any], wav: bytes, kw: dict[str, Any])
 
 
 def main(model: Path | None, conversations: int, turns: int, clip_seconds: float, thinker_max_tokens: int,
-         talker_max_tokens: int, json_out: Path | None) -> dict[str, Any]:  # fmt: skip
+         talker_max_tokens: int, json_out: Path | None, clip_spread: float = 0.0) -> dict[str, Any]:  # fmt: skip
     from gateway.client import user_message
     from omnistage.v1 import gateway_pb2
 
@@ -86,7 +90,8 @@ def main(model: Path | None, conversations: int, turns: int, clip_seconds: float
             log(f"conversation {c + 1} of {conversations} ...")
             histories: dict[str, list[Any]] = {arm: [] for arm in ARMS}
             for t in range(1, turns + 1):
-                clip = media.tone(clip_seconds, 16_000, 200.0 + 37 * t, seed=1000 * c + t)
+                seconds = clip_seconds * (1 + clip_spread * (2 * random.Random(1000 * c + t).random() - 1))
+                clip = media.tone(seconds, 16_000, 200.0 + 37 * t, seed=1000 * c + t)
                 wav = media.encode_audio(clip, 16_000)
                 first: list[int] | None = None
                 for arm, stack in stacks.items():
@@ -112,7 +117,8 @@ def main(model: Path | None, conversations: int, turns: int, clip_seconds: float
                 row[f"{key}_ratio"] = None if mine is None or not base else mine / base
             rows.append(row)
     result = {"machine": machine_info(), "conversations": conversations, "turns": turns, "clip_s": clip_seconds,
-              **kw, "rows": rows, "replies_equal_first_arm": {a: f"{s[0]}/{s[1]}" for a, s in same.items()}}
+              "clip_spread": clip_spread, **kw, "rows": rows,
+              "replies_equal_first_arm": {a: f"{s[0]}/{s[1]}" for a, s in same.items()}}
     _print(result)
     write_json(json_out, result)
     return result
