@@ -1,6 +1,7 @@
-"""The stack served in fast batching (deploy/examples/fast.yaml's modes): requests sharing every
-stage's steps, the talkers' KV in one pool (models/batching.py `KVPool`), and a cancelled
-request giving everything back."""
+"""The stack served in fast batching (deploy/examples/fast.yaml's modes, and its prefix cache):
+requests sharing every stage's steps, the talkers' KV in one pool (models/batching.py `KVPool`),
+a cancelled request giving everything back, and a spoken conversation's next turn prefilled from
+what its previous one computed."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ FAST = {"batching": "fast"}
 
 @pytest.fixture(scope="module")
 def fast_stack(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    cfg = stack_config(thinker=FAST, talker={**FAST, "replicas": 1}, code2wav=FAST)
+    cfg = stack_config(thinker={**FAST, "prefix_cache_tokens": 65536}, talker={**FAST, "replicas": 1}, code2wav=FAST)
     with start_stack(cfg, model=str(tiny_dir), log_dir=tmp_path_factory.mktemp("fast-stack-logs")) as s:
         yield s
 
@@ -71,6 +72,39 @@ def test_a_cancelled_fast_request_frees_every_stage(fast_stack: Stack, pipeline:
                          talker_max_tokens=40, timeout=120))  # fmt: skip
     assert again.token_ids == replies[1].token_ids
     assert again.pcm.shape == replies[1].pcm.shape and np.allclose(again.pcm, replies[1].pcm, atol=1e-4, rtol=0)
+
+
+def test_a_conversations_next_turn_is_prefilled_from_its_last(fast_stack: Stack, pipeline: Any) -> None:
+    """Two spoken turns through the gateway (which sends the media's digests with the prompt):
+    the second is admitted with the first turn's prompt in its cache, and its reply is what the
+    in-process pipeline (exact, no cache) gives the same messages."""
+    from benchmarks import media
+    from gateway.client import user_message
+    from gateway.media import decode_messages
+    from omnistage.models.sampling import SamplingParams
+    from omnistage.v1 import gateway_pb2
+    from services.pipeline import DoneEvent, PipelineRequest
+    from tests.integration.conftest import metric
+
+    thinker = fast_stack.addresses("thinker")[0]
+    clips = [media.encode_audio(media.tone(seconds, 16_000, hz, seed=i), 16_000)
+             for i, (seconds, hz) in enumerate(((1.5, 300.0), (1.0, 450.0)))]  # fmt: skip
+    first = run(generate(fast_stack.gateway_address, "", audio=[clips[0]], system="Answer briefly.",
+                         thinker_max_tokens=8, talker_max_tokens=16, timeout=120))  # fmt: skip
+    history = [user_message("", audio=[clips[0]]), gateway_pb2.ChatMessage(role="assistant", content=first.text)]
+    before = metric(thinker, "omnistage_stage_prompt_tokens_total", source="cached")
+    second = run(generate(fast_stack.gateway_address, "", audio=[clips[1]], messages=history, system="Answer briefly.",
+                          thinker_max_tokens=8, talker_max_tokens=16, timeout=120))  # fmt: skip
+    cached = metric(thinker, "omnistage_stage_prompt_tokens_total", source="cached") - before
+    assert first.usage["prompt_tokens"] <= cached < second.usage["prompt_tokens"]
+    request = gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role="system", content="Answer briefly."),
+                                                    *history, user_message("", audio=[clips[1]])])  # fmt: skip
+    messages, _ = decode_messages(request, stack_config().media, 16_000)
+    ids, inputs = pipeline.family.input_builder(pipeline.checkpoint, pipeline.tokenizer).build(messages)
+    assert len(ids) == second.usage["prompt_tokens"]
+    want = [e for e in pipeline.run(PipelineRequest(ids, SamplingParams(max_tokens=8), SamplingParams(max_tokens=16),
+                                                    multimodal=inputs)) if isinstance(e, DoneEvent)]  # fmt: skip
+    assert second.token_ids == want[0].token_ids
 
 
 def _talker_mean_batch(stack: Stack) -> float:
