@@ -314,16 +314,17 @@ def bench_conversation(
     conversations: Annotated[int, typer.Option("--conversations", min=1, max=100,
                                                help="Conversations per stack.")] = 5,
     turns: Annotated[int, typer.Option("--turns", min=1, max=50, help="Spoken turns per conversation.")] = 8,
-    clip_seconds: Annotated[float, typer.Option("--clip-seconds", min=0.1, max=30.0,
+    clip_seconds: Annotated[float, typer.Option("--clip-seconds", min=0.5, max=30.0,
                                                 help="Seconds of each turn's clip.")] = 3.0,
-    clip_spread: Annotated[float, typer.Option("--clip-spread", min=0.0, max=0.9,
+    clip_spread: Annotated[float, typer.Option("--clip-spread", min=0.0, max=0.8,
                                                help="Each clip's length drawn from seconds x (1 +- spread).")] = 0.0,
     thinker_max_tokens: Annotated[int, typer.Option("--thinker-max-tokens", min=1, max=512)] = 16,
     talker_max_tokens: Annotated[int, typer.Option("--talker-max-tokens", min=1, max=2048)] = 32,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
 ) -> None:
     """Each turn's TTFT and TTFA as a spoken conversation grows: nothing kept across requests,
-    decoded media kept, and media and the thinker's prefixes kept (three stacks, alternating)."""
+    decoded media kept, and media and the thinker's prefixes kept (three stacks of a small
+    checkpoint, alternating)."""
     from benchmarks.conversation import main
 
     main(model, conversations, turns, clip_seconds, thinker_max_tokens, talker_max_tokens, json_out, clip_spread)

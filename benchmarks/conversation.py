@@ -12,7 +12,10 @@ Each conversation's clips are new (a tone of its own), each turn's user message 
 request's clips to its longest, so a clip longer than every earlier one changes the earlier
 longest's last frame and ends a cached prefix there (README, the thinker's prefix cache). The
 replies are greedy; how many of the later arms' replies are the first arm's, id for id, is
-reported (a prefix-cache hit changes the last bits of what follows it).
+reported (a prefix-cache hit changes the last bits of what follows it); every arm's history
+holds the first arm's replies, so the three serve the same prompts. A turn that fails (past the
+model's length, ...) ends its conversation and is listed. Three stacks of the checkpoint are
+loaded at once (on the CPU, as the default deploy file): a bench for small checkpoints.
 """
 
 from __future__ import annotations
@@ -64,48 +67,71 @@ def _start_stacks(model: Path | None, log: Any) -> dict[str, Any]:
     return stacks
 
 
-async def _turn(target: str, history: list[Any], wav: bytes, kw: dict[str, Any]) -> Any:
-    from gateway.client import generate
+async def _conversations(stacks: dict[str, Any], conversations: int, turns: int, clip_seconds: float,
+                         clip_spread: float, kw: dict[str, Any], log: Any) -> dict[str, Any]:  # fmt: skip
+    """Each conversation's turns on every stack, the arms in a rotating order; every arm's history
+    holds the first arm's replies, so all three serve the same prompts."""
+    from gateway.client import gateway_channel, generate, user_message
+    from omnistage.v1 import gateway_pb2
 
-    return await generate(target, "", audio=[wav], messages=list(history), system=SYSTEM, timeout=600, **kw)
+    arms = list(stacks)
+    channels = {arm: gateway_channel(stack.gateway_address) for arm, stack in stacks.items()}  # one each: no
+    times = {arm: {t: {"ttft": [], "ttfa": []} for t in range(1, turns + 1)} for arm in arms}  # dial in a TTFT
+    same = {arm: [0, 0] for arm in arms[1:]}  # replies equal to the first arm's, replies
+    failed: list[str] = []
+
+    async def turn(arm: str, history: list[Any], wav: bytes) -> Any:
+        return await generate(stacks[arm].gateway_address, "", audio=[wav], messages=list(history), system=SYSTEM,
+                              timeout=600, channel=channels[arm], **kw)  # fmt: skip
+
+    try:
+        warm = [media.encode_audio(media.tone(1.0, 16_000, 300.0 + 50 * i, seed=900 + i), 16_000) for i in range(2)]
+        for arm in arms:  # warm-up: a two-turn conversation each (its second turn hits what each keeps)
+            first = await turn(arm, [], warm[0])
+            await turn(arm, [user_message("", audio=[warm[0]]),
+                             gateway_pb2.ChatMessage(role="assistant", content=first.text)], warm[1])  # fmt: skip
+        for c in range(conversations):
+            log(f"conversation {c + 1} of {conversations} ...")
+            history: list[Any] = []
+            for t in range(1, turns + 1):
+                seconds = clip_seconds * (1 + clip_spread * (2 * random.Random(1000 * c + t).random() - 1))
+                wav = media.encode_audio(media.tone(seconds, 16_000, 200.0 + 37 * t, seed=1000 * c + t), 16_000)
+                replies: dict[str, Any] = {}
+                for k in range(len(arms)):  # (rotated: no arm always runs right after another)
+                    arm = arms[(c + t + k) % len(arms)]
+                    try:
+                        replies[arm] = await turn(arm, history, wav)
+                    except Exception as e:  # a turn past the model's length, ...: the conversation ends here
+                        failed.append(f"conversation {c + 1}, turn {t}, {arm}: {type(e).__name__}: {e}")
+                if len(replies) < len(arms):
+                    break
+                for arm, reply in replies.items():
+                    times[arm][t]["ttft"].append(reply.ttft_s)
+                    times[arm][t]["ttfa"].append(reply.ttfa_s)
+                    if arm in same:
+                        same[arm][0] += reply.token_ids == replies[arms[0]].token_ids
+                        same[arm][1] += 1
+                history += [user_message("", audio=[wav]),
+                            gateway_pb2.ChatMessage(role="assistant", content=replies[arms[0]].text)]  # fmt: skip
+    finally:
+        for channel in channels.values():
+            await channel.close()
+    return {"times": times, "same": same, "failed": failed}
 
 
 def main(model: Path | None, conversations: int, turns: int, clip_seconds: float, thinker_max_tokens: int,
          talker_max_tokens: int, json_out: Path | None, clip_spread: float = 0.0) -> dict[str, Any]:  # fmt: skip
-    from gateway.client import user_message
-    from omnistage.v1 import gateway_pb2
-
     def log(msg: str) -> None:
         print(msg, flush=True)
 
     kw = {"thinker_max_tokens": thinker_max_tokens, "talker_max_tokens": talker_max_tokens}
     stacks = _start_stacks(model, log)
-    times: dict[str, dict[int, dict[str, list[float | None]]]] = {
-        arm: {t: {"ttft": [], "ttfa": []} for t in range(1, turns + 1)} for arm in ARMS}
-    same = {arm: [0, 0] for arm in ARMS}  # replies equal to the first arm's, replies
     try:
-        for stack in stacks.values():  # warm-up: one short turn each
-            asyncio.run(_turn(stack.gateway_address, [], media.encode_audio(media.tone(1.0, seed=999), 16_000), kw))
-        for c in range(conversations):
-            log(f"conversation {c + 1} of {conversations} ...")
-            histories: dict[str, list[Any]] = {arm: [] for arm in ARMS}
-            for t in range(1, turns + 1):
-                seconds = clip_seconds * (1 + clip_spread * (2 * random.Random(1000 * c + t).random() - 1))
-                clip = media.tone(seconds, 16_000, 200.0 + 37 * t, seed=1000 * c + t)
-                wav = media.encode_audio(clip, 16_000)
-                first: list[int] | None = None
-                for arm, stack in stacks.items():
-                    reply = asyncio.run(_turn(stack.gateway_address, histories[arm], wav, kw))
-                    times[arm][t]["ttft"].append(reply.ttft_s)
-                    times[arm][t]["ttfa"].append(reply.ttfa_s)
-                    first = reply.token_ids if first is None else first
-                    same[arm][0] += reply.token_ids == first
-                    same[arm][1] += 1
-                    histories[arm] += [user_message("", audio=[wav]),
-                                       gateway_pb2.ChatMessage(role="assistant", content=reply.text)]  # fmt: skip
+        ran = asyncio.run(_conversations(stacks, conversations, turns, clip_seconds, clip_spread, kw, log))
     finally:
         for stack in stacks.values():
             stack.stop()
+    times, same = ran["times"], ran["same"]
     rows = []
     for arm in ARMS:
         for t in range(1, turns + 1):
@@ -117,7 +143,7 @@ def main(model: Path | None, conversations: int, turns: int, clip_seconds: float
                 row[f"{key}_ratio"] = None if mine is None or not base else mine / base
             rows.append(row)
     result = {"machine": machine_info(), "conversations": conversations, "turns": turns, "clip_s": clip_seconds,
-              "clip_spread": clip_spread, **kw, "rows": rows,
+              "clip_spread": clip_spread, **kw, "rows": rows, "failed": ran["failed"],
               "replies_equal_first_arm": {a: f"{s[0]}/{s[1]}" for a, s in same.items()}}
     _print(result)
     write_json(json_out, result)
@@ -144,3 +170,5 @@ def _print(result: dict[str, Any]) -> None:
         rows = [r for r in result["rows"] if r["arm"] == a]
         print(f"  {a}: " + ", ".join(_ms(r["ttfa"]["median"]) for r in rows))
     print("\nreplies equal the first arm's:", json.dumps(result["replies_equal_first_arm"]))
+    for line in result["failed"]:
+        print("failed:", line)

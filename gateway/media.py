@@ -374,8 +374,9 @@ def _decode_or_reuse(part: gateway_pb2.ContentPart, limits: Limits, audio_rate: 
     """`_decode_part`, or what it gave for the same part before (charged to the budget alike)."""
     if cache is None or part.WhichOneof("kind") in (None, "text"):
         return _decode_part(part, limits, audio_rate, with_sound, budget)
-    # (the sound track is asked of video files only: an audio or image part's entry serves both)
-    sound = with_sound and part.WhichOneof("kind") == "video" and part.video.WhichOneof("source") == "file"
+    # (a sound track is asked of videos only: an audio or image part's entry serves both; a video's
+    # decode with it differs, or is refused: frames have none)
+    sound = with_sound and part.WhichOneof("kind") == "video"
     key = cache.key(part.SerializeToString(deterministic=True), audio_rate, sound, limits)
     found = cache.get(key)
     if found is not None:

@@ -46,6 +46,7 @@ import torch
 
 from omnistage.engine import OutChunk
 from omnistage.models import SamplingParams
+from omnistage.models.prefix_cache import DIGEST_BYTES
 from omnistage.models.sampling import greedy_temperature
 from omnistage.models.text_stream import check_stop_texts
 from omnistage.topology import STAGES
@@ -164,7 +165,7 @@ def read_prompt(stage: str, chunk: DecodedChunk) -> Prompt:
     flag = meta_flag(stage, chunk, USE_AUDIO_IN_VIDEO)
     digests = None
     if MEDIA_DIGESTS in chunk.tensors:  # (their number is checked against the items by the model)
-        digests = tensor(stage, chunk, MEDIA_DIGESTS, (torch.uint8,), (None, 32)).clone()
+        digests = tensor(stage, chunk, MEDIA_DIGESTS, (torch.uint8,), (None, DIGEST_BYTES)).clone()
     mm = {k: v.clone() for k, v in chunk.tensors.items() if k not in (IDS, MEDIA_DIGESTS)}  # out of the received bytes
     return Prompt([int(i) for i in ids.tolist()], mm, flag, digests)
 

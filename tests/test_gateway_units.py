@@ -373,6 +373,11 @@ def test_a_body_is_refused_where_its_json_is_not_what_the_field_takes() -> None:
                         "messages[0].content")):  # fmt: skip
         e = refused(raw)
         assert e.param == where and "surrogate" in e.message, (where, e.message)
+    # UTF-16 or UTF-32 (json.loads alone would take them, and their escapes slip past the check)
+    lone = '{"messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    for encoding in ("utf-16", "utf-32", "utf-16-le"):
+        assert refused(lone.encode(encoding)).message.startswith("body: not"), encoding
+    assert _parse_body(b"\xef\xbb\xbf{" + hi.encode() + b"}", ChatRequest).messages  # a UTF-8 BOM is still UTF-8
     for field, value in (("stream", '"true"'), ("max_tokens", "true"), ("max_tokens", "5.0"),
                          ("temperature", '"0.5"'), ("seed", '"3"'), ("modalities", '"audio"')):  # fmt: skip
         e = refused(f"{{{hi}, {json.dumps(field)}: {value}}}".encode())

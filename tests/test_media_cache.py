@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks import media
 from gateway import media as media_module
-from gateway.client import audio_part, build_request, image_part, pcm_part, text_part, video_part
+from gateway.client import audio_part, build_request, frames_part, image_part, pcm_part, text_part, video_part
 from gateway.media import MediaError, decode_messages
 from gateway.media_cache import DecodedCache
 from omnistage.config import MediaConfig
@@ -95,6 +95,17 @@ def test_what_a_part_decodes_to_besides_its_bytes_is_in_its_key(monkeypatch: pyt
                                                 use_audio_in_video=True), LIMITS, RATE, cache=cache)  # fmt: skip
     assert len(calls) == 6
     assert silent[0]["content"][0]["audio"] is None and voiced[0]["content"][0]["audio"] is not None
+
+
+def test_a_video_kept_without_its_sound_is_not_reused_where_its_sound_is_asked_for() -> None:
+    """Frames have no sound track: kept from a request without use_audio_in_video, they are still
+    refused, naming why, in a request with it."""
+    cache = DecodedCache(64 << 20)
+    frames = frames_part([media.encode_image(f) for f in media.video(2, 16, 16, seed=9)], 2.0)
+    decode_messages(gateway_pb2.GenerateRequest(messages=[_turn(frames)]), LIMITS, RATE, cache=cache)
+    with pytest.raises(MediaError, match="use_audio_in_video needs each video to be a file with a sound track"):
+        decode_messages(gateway_pb2.GenerateRequest(messages=[_turn(frames)], use_audio_in_video=True), LIMITS, RATE,
+                        cache=cache)  # fmt: skip
 
 
 def test_a_kept_part_is_charged_to_the_request_that_reuses_it() -> None:

@@ -269,6 +269,21 @@ def test_the_gateways_digests_are_the_thinkers_and_a_wrong_number_is_refused(mod
     state = thinker.new_state(SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match=r"media digests of shape \[1, 32\]; the prompt has 2 items"):
         thinker.set_prompt(state, prompt.ids, prompt.multimodal, False, prompt.digests[:1])
+    # through the stage's worker: the request fails INVALID_ARGUMENT, naming them
+    from omnistage.engine import Request
+    from omnistage.v1 import stage_pb2
+    from omnistage.wire import Code, StageError
+    from services import edges
+    from services.pipeline import received
+    from services.thinker.worker import ThinkerWorker
+
+    worker = ThinkerWorker(thinker, SamplingParams(max_tokens=4))
+    request = Request("bad-digests", stage_pb2.Start(request_id="bad-digests"))
+    worker.open(request)
+    bad = received(edges.prompt_chunk(prompt.ids, prompt.multimodal, digests=prompt.digests[:1]))
+    with pytest.raises(StageError, match="thinker: media digests of shape") as refused:
+        worker.feed(request, bad)
+    assert refused.value.code == Code.INVALID_ARGUMENT
     state = thinker.new_state(SamplingParams(max_tokens=1))
     thinker.set_prompt(state, prompt.ids, prompt.multimodal, False, prompt.digests)
     assert [item.kind for item in state.media] == ["audio", "image"]

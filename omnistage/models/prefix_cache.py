@@ -22,7 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MediaItem", "Prefix", "PrefixCache"]
+__all__ = ["DIGEST_BYTES", "MediaItem", "Prefix", "PrefixCache"]
+
+DIGEST_BYTES = 32  # a media item's digest (blake2b of its model inputs: models/<family>/multimodal.py)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from tests.integration.conftest import free_port_block
         (["handoff", "--batches", "0"], "--batches"),
         (["audio-in", "--clips", "-1"], "--clips"),
         (["conversation", "--turns", "0"], "--turns"),
-        (["conversation", "--clip-seconds", "0"], "--clip-seconds"),
+        (["conversation", "--clip-seconds", "0.2"], "--clip-seconds"),
+        (["conversation", "--clip-spread", "0.9"], "--clip-spread"),
         (["routing", "--long-share", "2"], "--long-share"),
         (["pd", "--long-every", "0"], "--long-every"),  # a ZeroDivisionError once both stacks had started
         (["batching", "--batch", "0"], "--batch"),

@@ -25,12 +25,10 @@ from typing import Any
 
 import torch
 
-from omnistage.models.prefix_cache import MediaItem
+from omnistage.models.prefix_cache import DIGEST_BYTES, MediaItem
 
-__all__ = ["DIGEST_BYTES", "AudioRows", "MultimodalInputs", "PromptInputs", "RopeInputs", "encode_prompt",
-           "feature_output_lengths", "media_digests", "media_items", "talker_positions"]  # fmt: skip
-
-DIGEST_BYTES = 32  # a media item's digest (blake2b)
+__all__ = ["AudioRows", "MultimodalInputs", "PromptInputs", "RopeInputs", "encode_prompt", "feature_output_lengths",
+           "media_digests", "media_items", "talker_positions"]  # fmt: skip
 
 
 def feature_output_lengths(lengths: torch.Tensor, n_window: int) -> torch.Tensor:
@@ -192,7 +190,7 @@ def _digest(flag: bool, *parts: torch.Tensor) -> bytes:
     for t in parts:
         t = t.detach().cpu().contiguous()
         h.update(f"{t.dtype}{list(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.view(torch.uint8).numpy() if t.numel() else b"")  # (its buffer, not a copy)
     return h.digest()
 
 
@@ -249,11 +247,13 @@ def media_items(ids: torch.Tensor, mm: MultimodalInputs, config: Any, digests: t
     after = torch.cat([ids[1:], ids.new_full((1,), -1)])
     vision = ids == config.vision_start_token_id
     merge = int(config.vision_config.spatial_merge_size)
+    # a run opens with a vision start and its token, a video's with its sound track's start when that
+    # is interleaved: as `MultimodalInputs.check` counts them
+    video_next = config.audio_start_token_id if mm.use_audio_in_video else config.video_token_id
     for kind, grid, token_id, nexts in (
         ("image", mm.image_grid_thw, config.image_token_id, (config.image_token_id,)),
-        ("video", mm.video_grid_thw, config.video_token_id,
-         (config.video_token_id, config.audio_start_token_id) if mm.use_audio_in_video else (config.video_token_id,)),
-    ):  # fmt: skip
+        ("video", mm.video_grid_thw, config.video_token_id, (video_next,)),
+    ):
         if grid is None:
             continue
         starts = where[vision & torch.isin(after, torch.tensor(nexts))]

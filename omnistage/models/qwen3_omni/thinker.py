@@ -431,6 +431,7 @@ class Thinker:
         state.prompt_parts.append((prefix.embeds[:n], prefix.hidden[:n]))
         state.prefix = None  # (the entry may go from the cache now: nothing more is read of it)
 
+    @torch.no_grad()  # (called from `release`, outside the steps: no graph on what is kept)
     def _keep_prefix(self, state: ThinkerState) -> None:
         """An ended request's positions, for prompts that start with them: every one it fed (its
         prompt, and its reply but the last token)."""
