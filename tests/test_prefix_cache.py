@@ -176,6 +176,9 @@ def test_a_request_that_did_not_end_by_itself_is_not_kept(models: Any) -> None:
     assert len(thinker.prefixes) == 0
     _run(thinker, ids)
     assert len(thinker.prefixes) == 1
+    (entry,) = thinker.prefixes._entries.values()
+    kept = [entry.embeds, entry.hidden, *(t for kv in entry.kv for t in kv)]
+    assert not any(t.requires_grad for t in kept), "kept outside the steps: no autograd graph held with it"
     assert _run(thinker, ids)[2] == len(ids) - 1  # the same prompt again: all but its last token
 
 
