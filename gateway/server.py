@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
@@ -432,7 +433,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         tempo = Tempo(speed, self.sample_rate) if encoder is not None and speed != 1.0 else None
         timings: dict[str, gateway_pb2.StageTiming] = {}
         frames = 0
-        outputs = self._outputs(messages, time.monotonic() + timeout, request.request_id, start.request_id)
+        outputs = self._outputs(messages, time.monotonic() + timeout, request.request_id, start.request_id,
+                                self._conversation(request))
         speech_cut = False  # the talker reached its max_tokens before the reply's end
         try:
             async for stage, got in outputs:
@@ -498,19 +500,31 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                                                                   total_s=time.perf_counter() - t0))  # fmt: skip
         yield gateway_pb2.GenerateResponse(final=final)
 
+    def _conversation(self, request: gateway_pb2.GenerateRequest) -> bytes | None:
+        """Where the thinker keeps prefixes: the key its replica is chosen by (routing.py), the
+        same for every turn of a conversation: its messages up to its first user message."""
+        if not self.keeps_prefixes:
+            return None
+        first = next((i for i, m in enumerate(request.messages) if m.role == "user"), None)
+        if first is None:
+            return None
+        opening = gateway_pb2.GenerateRequest(messages=request.messages[: first + 1])
+        return hashlib.blake2b(opening.SerializeToString(deterministic=True), digest_size=16).digest()
+
     async def _outputs(self, messages: Callable[[], AsyncIterator[stage_pb2.StageRequest]], deadline: float,
-                       request_id: str, stage_id: str) -> AsyncIterator[tuple[str, DecodedChunk]]:  # fmt: skip
+                       request_id: str, stage_id: str, key: bytes | None = None
+                       ) -> AsyncIterator[tuple[str, DecodedChunk]]:  # fmt: skip
         """(producing stage, chunk) of the thinker call, in order. When the thinker replica is
         lost mid-request the call is made again (another replica) and only what this reply
         does not have yet comes through (wire/resume.py); GatewayError when it cannot. A stage's
         error names the request by `stage_id`; the client gets its own `request_id` there (the
-        access log pairs the two)."""
+        access log pairs the two). `key`: the request's conversation (`_conversation`)."""
         resume = Resume()
         attempt = 0
         wait_ended = ""  # how a replay's last wait for a thinker replica ended (Router.wait_after_loss)
         ever_served = False  # a thinker replica served one of its calls when opened
         while True:
-            channel, done = self.router.pick()
+            channel, done = self.router.pick(key)
             was_serving = self.router.serving(channel)  # (a loss then starts the wait)
             ever_served |= was_serving
             # Stage.Stream; responses parsed without copying tensors

@@ -348,7 +348,8 @@ class DeployConfig(_StagesConfig):  # type: ignore[misc,valid-type]
     failover: FailoverConfig = FailoverConfig()
     tls: TlsConfig = TlsConfig()
     routing: Literal["round_robin", "least_outstanding"] = Field(
-        "round_robin", description="which replica of the next stage gets a request (omnistage/server/routing.py)")
+        "round_robin", description="which replica of the next stage gets a request (omnistage/server/routing.py; "
+        "least_outstanding also keeps a conversation's turns on one thinker replica where it keeps prefixes)")
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024, le=1024 * 1024 * 1024)
     shm: bool = Field(True, description="same-host shared-memory path for large tensors")
     metrics: MetricsConfig = MetricsConfig()

@@ -257,6 +257,7 @@ def test_the_gateways_digests_are_the_thinkers_and_a_wrong_number_is_refused(mod
     from gateway.client import build_request
     from gateway.server import GatewayService
     from omnistage.models.qwen3_omni.multimodal import MultimodalInputs, media_digests
+    from omnistage.v1 import gateway_pb2
 
     wav = media.encode_audio(media.tone(1.0, RATE, 300.0, seed=4), RATE)
     png = media.encode_image(media.image(32, 32, seed=5))
@@ -266,8 +267,16 @@ def test_the_gateways_digests_are_the_thinkers_and_a_wrong_number_is_refused(mod
     prompt = service._prompt(request)
     assert prompt.digests is not None and prompt.digests.shape == (2, 32) and prompt.digests.dtype == torch.uint8
     assert torch.equal(prompt.digests, media_digests(MultimodalInputs.from_mapping(prompt.multimodal)))
-    plain = GatewayService(parse_config({}), open_checkpoint(tiny_dir), "ipv4:127.0.0.1:1")._prompt(request)
+    plain_service = GatewayService(parse_config({}), open_checkpoint(tiny_dir), "ipv4:127.0.0.1:1")
+    plain = plain_service._prompt(request)
     assert plain.digests is None, "a thinker with no prefix cache is sent none"
+    # a conversation's turns carry one routing key (its replica keeps its prefixes), another's another
+    later = build_request("and then?", messages=[*request.messages, gateway_pb2.ChatMessage(role="assistant",
+                                                                                            content="a reply")])
+    other = build_request("what is it", audio=[wav])
+    key = service._conversation(request)
+    assert key is not None and service._conversation(later) == key != service._conversation(other)
+    assert plain_service._conversation(request) is None
     thinker = models("qwen3").thinker
     state = thinker.new_state(SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match=r"media digests of shape \[1, 32\]; the prompt has 2 items"):

@@ -50,6 +50,38 @@ def test_least_outstanding_spreads_open_calls_and_refills_the_freed_replica() ->
     asyncio.run(go())
 
 
+def test_a_keyed_call_goes_where_its_key_prefers_within_its_share_of_the_load() -> None:
+    """A conversation's calls (the gateway keys them where the thinker keeps prefixes) meet on one
+    replica, conversations spread over all, and a replica takes no more than 1.25 times the mean of
+    the open calls: a burst of one conversation's calls overflows to the next it prefers."""
+
+    async def go() -> None:
+        async with _replicas("a", "b", "c") as (target, _):
+            router = Router(target, "least_outstanding", 1 << 20)
+            try:
+                for _, ch in router.replicas:
+                    await asyncio.wait_for(ch.channel_ready(), 10)
+
+                def home(key: bytes) -> int:
+                    channel, done = router.pick(key)
+                    done(None)
+                    return next(i for i, (_, ch) in enumerate(router.replicas) if ch is channel)
+
+                assert len({home(b"conversation-1") for _ in range(10)}) == 1
+                homes = [home(f"conversation-{k}".encode()) for k in range(60)]
+                assert set(homes) == {0, 1, 2}, homes
+                assert router.outstanding == [0, 0, 0]
+                held = [router.pick(b"conversation-1") for _ in range(9)]  # none ends: the load bound decides
+                assert max(router.outstanding) <= 4 and sum(router.outstanding) == 9, router.outstanding
+                assert router.outstanding[home(b"conversation-1")] == max(router.outstanding)
+                for _, done in held:
+                    done(None)
+            finally:
+                await router.close()
+
+    asyncio.run(go())
+
+
 def test_round_robin_and_unsplittable_targets_use_one_shared_channel() -> None:
     async def go() -> None:
         for target, policy in (("ipv4:127.0.0.1:9,127.0.0.1:10", "round_robin"), ("dns:///x:1", "least_outstanding")):

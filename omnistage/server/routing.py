@@ -8,11 +8,17 @@
   replica list in the target (`ipv4:host:port,...`, what `serve` passes); a DNS target (compose,
   a Kubernetes headless Service) cannot be split here and keeps round_robin (`deploy render`
   refuses it).
+  A call with a key (the gateway's: a conversation's, where the thinker keeps prefixes) goes to
+  the replica its key prefers (rendezvous hashing), unless that one has more than its share of
+  the open calls (consistent hashing with bounded loads: at most `AFFINITY_LOAD` times the mean,
+  rounded up), when the next it prefers takes it: a conversation's turns meet the prefixes its
+  earlier turns left on one replica, and no replica takes much more than its share.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
 import math
@@ -28,6 +34,7 @@ from omnistage.server.tls import aio_channel
 log = logging.getLogger(__name__)
 
 POLICIES = ("round_robin", "least_outstanding")
+AFFINITY_LOAD = 1.25  # a keyed call's replica may hold this many times the mean of open calls (rounded up)
 
 
 def replica_addresses(target: str) -> list[str] | None:
@@ -66,17 +73,24 @@ class Router:
         self._turn = itertools.count()
         self.lost_at = -math.inf  # when a call on a serving replica was last lost (lost_replica)
 
-    def pick(self) -> tuple[grpc.aio.Channel, Callable[[Any], None]]:
-        """A channel for one call, and what to call when that call is done."""
+    def pick(self, key: bytes | None = None) -> tuple[grpc.aio.Channel, Callable[[Any], None]]:
+        """A channel for one call, and what to call when that call is done. `key`: the call's
+        affinity (least_outstanding: the replica it prefers, within its share of the load)."""
         if self.policy == "round_robin":
             return self.shared, _nothing
         states = [ch.get_state(try_to_connect=True) for _, ch in self.replicas]
         ready = [i for i, s in enumerate(states) if s == grpc.ChannelConnectivity.READY]
         candidates = ready or [i for i, s in enumerate(states) if s != grpc.ChannelConnectivity.TRANSIENT_FAILURE]
         candidates = candidates or list(range(len(self.replicas)))
-        turn = next(self._turn)
-        n = len(self.replicas)
-        best = min(candidates, key=lambda i: (self.outstanding[i], (i - turn) % n))
+        if key is not None:
+            share = math.ceil(AFFINITY_LOAD * (sum(self.outstanding) + 1) / len(candidates))
+            preferred = sorted(candidates, key=lambda i: hashlib.blake2b(key + self.replicas[i][0].encode(),
+                                                                         digest_size=8).digest(), reverse=True)
+            best = next(i for i in preferred if self.outstanding[i] + 1 <= share)
+        else:
+            turn = next(self._turn)
+            n = len(self.replicas)
+            best = min(candidates, key=lambda i: (self.outstanding[i], (i - turn) % n))
         self.outstanding[best] += 1
 
         def done(_: Any) -> None:
