@@ -4,6 +4,7 @@ and gives what prefilling it whole gives (the same tokens; its numbers to the la
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 from typing import Any
@@ -262,12 +263,16 @@ def test_the_gateways_digests_are_the_thinkers_and_a_wrong_number_is_refused(mod
     wav = media.encode_audio(media.tone(1.0, RATE, 300.0, seed=4), RATE)
     png = media.encode_image(media.image(32, 32, seed=5))
     request = build_request("what is it", audio=[wav], images=[png])
-    service = GatewayService(parse_config({"thinker": {"prefix_cache_tokens": 1024}}), open_checkpoint(tiny_dir),
-                             "ipv4:127.0.0.1:1")  # fmt: skip
+
+    async def services() -> tuple[GatewayService, GatewayService]:  # (a gateway's channels need a loop)
+        ckpt = open_checkpoint(tiny_dir)
+        return (GatewayService(parse_config({"thinker": {"prefix_cache_tokens": 1024}}), ckpt, "ipv4:127.0.0.1:1"),
+                GatewayService(parse_config({}), ckpt, "ipv4:127.0.0.1:1"))  # fmt: skip
+
+    service, plain_service = asyncio.run(services())
     prompt = service._prompt(request)
     assert prompt.digests is not None and prompt.digests.shape == (2, 32) and prompt.digests.dtype == torch.uint8
     assert torch.equal(prompt.digests, media_digests(MultimodalInputs.from_mapping(prompt.multimodal)))
-    plain_service = GatewayService(parse_config({}), open_checkpoint(tiny_dir), "ipv4:127.0.0.1:1")
     plain = plain_service._prompt(request)
     assert plain.digests is None, "a thinker with no prefix cache is sent none"
     # a conversation's turns carry one routing key (its replica keeps its prefixes), another's another
