@@ -117,3 +117,18 @@ def _talker_mean_batch(stack: Stack) -> float:
         families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
     samples = {s.name: s.value for s in families["omnistage_stage_batch_size"].samples}
     return samples["omnistage_stage_batch_size_sum"] / samples["omnistage_stage_batch_size_count"]
+
+
+def test_the_conversation_bench_runs_every_arm_on_every_turn(fast_stack: Stack) -> None:
+    """`omnistage bench conversation`'s loop, its three arms pointed at this one stack: every turn
+    of every arm timed, each later arm's replies compared with the first's, nothing failed."""
+    from benchmarks.conversation import ARMS, _conversations
+
+    stacks = dict.fromkeys(ARMS, fast_stack)
+    ran = asyncio.run(_conversations(stacks, 1, 2, 1.0, 0.0, {"thinker_max_tokens": 4, "talker_max_tokens": 8},
+                                     lambda _: None))  # fmt: skip
+    assert ran["failed"] == []
+    for arm in ARMS:
+        for turn in (1, 2):
+            assert len(ran["times"][arm][turn]["ttft"]) == 1 and ran["times"][arm][turn]["ttft"][0] > 0
+    assert set(ran["same"]) == set(list(ARMS)[1:]) and all(total == 2 for _, total in ran["same"].values())
