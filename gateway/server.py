@@ -433,8 +433,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         tempo = Tempo(speed, self.sample_rate) if encoder is not None and speed != 1.0 else None
         timings: dict[str, gateway_pb2.StageTiming] = {}
         frames = 0
-        outputs = self._outputs(messages, time.monotonic() + timeout, request.request_id, start.request_id,
-                                self._conversation(request))
+        # (hashed off the event loop: its first user message may hold megabytes of media)
+        key = await asyncio.to_thread(self._conversation, request) if self.keeps_prefixes else None
+        outputs = self._outputs(messages, time.monotonic() + timeout, request.request_id, start.request_id, key)
         speech_cut = False  # the talker reached its max_tokens before the reply's end
         try:
             async for stage, got in outputs:

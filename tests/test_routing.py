@@ -82,6 +82,35 @@ def test_a_keyed_call_goes_where_its_key_prefers_within_its_share_of_the_load() 
     asyncio.run(go())
 
 
+def test_a_draining_replicas_calls_raise_no_ones_share() -> None:
+    """The load bound of keyed calls counts the replicas they may go to: a draining replica still
+    finishing 20 long calls does not let one key pile all its calls on one serving replica."""
+
+    async def go() -> None:
+        async with _replicas("a", "b", "c") as (target, healths):
+            router = Router(target, "least_outstanding", 1 << 20)
+            try:
+                for _, ch in router.replicas:
+                    await asyncio.wait_for(ch.channel_ready(), 10)
+                await healths[2].set(False)  # c drains: its channel leaves READY
+                for _ in range(100):
+                    if router.replicas[2][1].get_state() != grpc.ChannelConnectivity.READY:
+                        break
+                    await asyncio.sleep(0.1)
+                else:
+                    raise AssertionError("the draining replica's channel stayed READY")
+                router.outstanding[2] = 20  # its long calls, still open
+                held = [router.pick(b"conversation-1") for _ in range(12)]
+                assert router.outstanding[2] == 20, "nothing new for the draining replica"
+                assert max(router.outstanding[:2]) <= 8 and min(router.outstanding[:2]) >= 4, router.outstanding
+                for _, done in held:
+                    done(None)
+            finally:
+                await router.close()
+
+    asyncio.run(go())
+
+
 def test_round_robin_and_unsplittable_targets_use_one_shared_channel() -> None:
     async def go() -> None:
         for target, policy in (("ipv4:127.0.0.1:9,127.0.0.1:10", "round_robin"), ("dns:///x:1", "least_outstanding")):

@@ -9,10 +9,11 @@
   a Kubernetes headless Service) cannot be split here and keeps round_robin (`deploy render`
   refuses it).
   A call with a key (the gateway's: a conversation's, where the thinker keeps prefixes) goes to
-  the replica its key prefers (rendezvous hashing), unless that one has more than its share of
-  the open calls (consistent hashing with bounded loads: at most `AFFINITY_LOAD` times the mean,
-  rounded up), when the next it prefers takes it: a conversation's turns meet the prefixes its
-  earlier turns left on one replica, and no replica takes much more than its share.
+  the replica its key prefers (rendezvous hashing), unless that one would hold more than its
+  share of the open calls (consistent hashing with bounded loads: `AFFINITY_LOAD` times the mean
+  over the replicas it may go to, counting this call, rounded up), when the next it prefers takes
+  it: a conversation's turns meet the prefixes its earlier turns left on one replica, and no
+  replica takes much more than its share.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class Router:
         candidates = ready or [i for i, s in enumerate(states) if s != grpc.ChannelConnectivity.TRANSIENT_FAILURE]
         candidates = candidates or list(range(len(self.replicas)))
         if key is not None:
-            share = math.ceil(AFFINITY_LOAD * (sum(self.outstanding) + 1) / len(candidates))
+            # (the calls on the candidates only: a draining replica's long calls raise no one's share)
+            share = math.ceil(AFFINITY_LOAD * (sum(self.outstanding[i] for i in candidates) + 1) / len(candidates))
             preferred = sorted(candidates, key=lambda i: hashlib.blake2b(key + self.replicas[i][0].encode(),
                                                                          digest_size=8).digest(), reverse=True)
             best = next(i for i in preferred if self.outstanding[i] + 1 <= share)
