@@ -86,6 +86,11 @@ class MultimodalInputs:
     def empty(self) -> bool:
         return not self.tensors()
 
+    def video_opening(self, config: Any) -> int:
+        """The token after a video's vision start: its sound track's start where that is
+        interleaved (`use_audio_in_video`), else its own."""
+        return int(config.audio_start_token_id if self.use_audio_in_video else config.video_token_id)
+
     def rope(self) -> RopeInputs:
         mask = self.feature_attention_mask
         return RopeInputs(
@@ -136,8 +141,7 @@ class _Checker:
                 raise ValueError(f"video_second_per_grid must be {n} finite seconds >= 0 (one per video)")
         elif mm.video_second_per_grid is not None:
             raise ValueError("video_second_per_grid without videos")
-        video_next = cfg.audio_start_token_id if mm.use_audio_in_video else cfg.video_token_id
-        _check_placeholders(self.ids, cfg, given, (video_next,),
+        _check_placeholders(self.ids, cfg, given, (mm.video_opening(cfg),),
                             {kind: (has, f"the {kind} inputs give") for kind, has in
                              (("image", "image_grid_thw has"), ("video", "video_grid_thw has"),
                               ("audio", "input_features has"))})  # fmt: skip
@@ -238,25 +242,19 @@ def media_items(ids: torch.Tensor, mm: MultimodalInputs, config: Any, digests: t
 
     found: list[tuple[str, int, int]] = []  # (kind, start, end), audios, images, videos in order
     audio_span: dict[int, tuple[int, int]] = {}  # an audio's start token -> its span (a video's sound track)
+    opens = _item_starts(ids, config, (mm.video_opening(config),))  # as `MultimodalInputs.check` counts items
     if mm.input_features is not None and mm.feature_attention_mask is not None:
         rows = (audio_rows or qwen3_audio_rows)(mm.feature_attention_mask.sum(-1), config.audio_config).tolist()
-        starts = where[ids == config.audio_start_token_id]
+        starts = opens["audio"]
         for token, span in zip(starts.tolist(), spans(starts, config.audio_token_id, rows), strict=True):
             found.append(("audio", *span))
             audio_span[token] = span
-    after = torch.cat([ids[1:], ids.new_full((1,), -1)])
-    vision = ids == config.vision_start_token_id
     merge = int(config.vision_config.spatial_merge_size)
-    # a run opens with a vision start and its token, a video's with its sound track's start when that
-    # is interleaved: as `MultimodalInputs.check` counts them
-    video_next = config.audio_start_token_id if mm.use_audio_in_video else config.video_token_id
-    for kind, grid, token_id, nexts in (
-        ("image", mm.image_grid_thw, config.image_token_id, (config.image_token_id,)),
-        ("video", mm.video_grid_thw, config.video_token_id, (video_next,)),
-    ):
+    for kind, grid, token_id in (("image", mm.image_grid_thw, config.image_token_id),
+                                 ("video", mm.video_grid_thw, config.video_token_id)):  # fmt: skip
         if grid is None:
             continue
-        starts = where[vision & torch.isin(after, torch.tensor(nexts))]
+        starts = opens[kind]
         for token, (start, end) in zip(starts.tolist(), spans(starts, token_id, (grid.prod(-1) // merge**2).tolist()),
                                        strict=True):  # fmt: skip
             sound = audio_span.get(token + 1, (start, end))  # its interleaved sound track
@@ -369,6 +367,19 @@ def _grid_rows(name: str, grid: torch.Tensor, merge: int) -> int:
     return int((grid.prod(-1) // merge**2).sum())
 
 
+def _item_starts(ids: torch.Tensor, config: Any, video_next: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """Where each kind's items open in a prompt `[L]`, in order: an audio at its start token, an
+    image at a vision start followed by its token, a video at one followed by one of
+    `video_next` (`MultimodalInputs.video_opening`; the talker's check takes either)."""
+    ids = ids.view(-1)
+    where = torch.arange(ids.numel(), device=ids.device)
+    after = torch.cat([ids[1:], ids.new_full((1,), -1)])
+    vision = ids == config.vision_start_token_id
+    return {"audio": where[ids == config.audio_start_token_id],
+            "image": where[vision & (after == config.image_token_id)],
+            "video": where[vision & torch.isin(after, torch.tensor(video_next, device=ids.device))]}
+
+
 def _check_placeholders(ids: torch.Tensor, config: Any, given: Mapping[str, tuple[int, int]],
                         video_next: tuple[int, ...], source: Mapping[str, tuple[str, str]]) -> None:  # fmt: skip
     """The prompt's placeholders against what the inputs give, per kind (image, video, audio):
@@ -379,13 +390,9 @@ def _check_placeholders(ids: torch.Tensor, config: Any, given: Mapping[str, tupl
     def count(token_id: int) -> int:
         return int((ids == token_id).sum())
 
-    def runs(*next_ids: int) -> int:
-        starts = ids[:-1] == config.vision_start_token_id
-        return sum(int((starts & (ids[1:] == n)).sum()) for n in next_ids)
-
-    found = {"image": (runs(config.image_token_id), count(config.image_token_id)),
-             "video": (runs(*video_next), count(config.video_token_id)),
-             "audio": (count(config.audio_start_token_id), count(config.audio_token_id))}  # fmt: skip
+    opens = _item_starts(ids, config, video_next)
+    found = {kind: (int(opens[kind].numel()), count(token_id)) for kind, token_id in (
+        ("image", config.image_token_id), ("video", config.video_token_id), ("audio", config.audio_token_id))}
     for kind in ("image", "video", "audio"):
         (runs_found, rows_found), (items, rows) = found[kind], given[kind]
         has, gives = source[kind]
