@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +28,7 @@ import numpy as np
 
 from benchmarks import media
 from benchmarks.common import machine_info, write_json
+from benchmarks.harness import start_stacks
 
 QUESTION = "What do you hear?"
 
@@ -95,26 +95,6 @@ def _monolithic(model: Any, prepare: Any, eos: int, kw: dict[str, Any], n: int
     return runs, generated
 
 
-def _start_stack(model: Path | None, log: Any) -> Any:
-    from benchmarks.harness import free_port_blocks
-    from omnistage.cli.serve import start_stack
-    from omnistage.config import apply_overrides, load_config
-    from omnistage.topology import STAGES
-
-    cfg = load_config(None)
-    sizes = [cfg.gateway.replicas, *(cfg.stage(s).replicas for s in STAGES)]
-    bases = free_port_blocks(sizes, cfg.host, metrics_offset=cfg.metrics.port_offset)
-    # every request sends the same clip: each decodes it, as a conversation's new turn does
-    overrides: dict[str, Any] = {"gateway.port": bases[0], "media.decoded_cache_bytes": 0}
-    overrides.update({f"{s}.base_port": b for s, b in zip(STAGES, bases[1:], strict=True)})
-    if model is not None:
-        overrides["model"] = str(model)
-    cfg = apply_overrides(cfg, overrides)
-    log_dir = Path(tempfile.mkdtemp(prefix="omnistage-bench-audio-in-"))
-    log(f"starting stack (gateway port {cfg.gateway.port}, logs in {log_dir}) ...")
-    return start_stack(cfg, log_dir=log_dir)
-
-
 def main(
     target: str | None, model: Path | None, clips: Sequence[float], requests: int, concurrency: Sequence[int],
     baseline_requests: int, thinker_max_tokens: int, talker_max_tokens: int, json_out: Path | None,
@@ -140,7 +120,9 @@ def main(
     log(f"monolithic baseline: loading {ckpt.path} ...")
     mono = Qwen3OmniMoeForConditionalGeneration.from_pretrained(ckpt.path, dtype=torch.float32).eval()
     kw = {"thinker_max_tokens": thinker_max_tokens, "talker_max_tokens": talker_max_tokens}
-    stack = None if target else _start_stack(model, log)
+    # every request sends the same clip: each decodes it, as a conversation's new turn does
+    stack = None if target else start_stacks({"audio-in": {"media.decoded_cache_bytes": 0}}, model, log,
+                                             "audio-in")["audio-in"]  # fmt: skip
     address = target or stack.gateway_address
     rows: list[dict[str, Any]] = []
     checks: list[dict[str, Any]] = []

@@ -23,13 +23,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from benchmarks import media
 from benchmarks.common import machine_info, write_json
+from benchmarks.harness import start_stacks
 from benchmarks.stats import summarize
 
 ARMS: dict[str, dict[str, Any]] = {
@@ -38,33 +38,6 @@ ARMS: dict[str, dict[str, Any]] = {
     "media and prefixes kept": {"thinker.prefix_cache_tokens": 65536},
 }
 SYSTEM = "You are a helpful voice assistant. Answer briefly."
-
-
-def _start_stacks(model: Path | None, log: Any) -> dict[str, Any]:
-    from benchmarks.harness import free_port_blocks
-    from omnistage.cli.serve import start_stack
-    from omnistage.config import apply_overrides, load_config
-    from omnistage.topology import STAGES
-
-    cfg = load_config(None)
-    sizes = [cfg.gateway.replicas, *(cfg.stage(s).replicas for s in STAGES)]
-    bases = free_port_blocks(sizes * len(ARMS), cfg.host, metrics_offset=cfg.metrics.port_offset)
-    stacks: dict[str, Any] = {}
-    try:
-        for i, (arm, settings) in enumerate(ARMS.items()):
-            mine = bases[i * len(sizes) : (i + 1) * len(sizes)]
-            overrides: dict[str, Any] = {"gateway.port": mine[0], "gateway.http_port": None, **settings}
-            overrides.update({f"{s}.base_port": b for s, b in zip(STAGES, mine[1:], strict=True)})
-            if model is not None:
-                overrides["model"] = str(model)
-            log_dir = Path(tempfile.mkdtemp(prefix="omnistage-bench-conversation-"))
-            log(f"starting the '{arm}' stack (gateway port {mine[0]}, logs in {log_dir}) ...")
-            stacks[arm] = start_stack(apply_overrides(cfg, overrides), log_dir=log_dir)
-    except BaseException:
-        for stack in stacks.values():
-            stack.stop()
-        raise
-    return stacks
 
 
 async def _conversations(stacks: dict[str, Any], conversations: int, turns: int, clip_seconds: float,
@@ -125,7 +98,7 @@ def main(model: Path | None, conversations: int, turns: int, clip_seconds: float
         print(msg, flush=True)
 
     kw = {"thinker_max_tokens": thinker_max_tokens, "talker_max_tokens": talker_max_tokens}
-    stacks = _start_stacks(model, log)
+    stacks = start_stacks(ARMS, model, log, "conversation")
     try:
         ran = asyncio.run(_conversations(stacks, conversations, turns, clip_seconds, clip_spread, kw, log))
     finally:

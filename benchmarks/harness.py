@@ -231,6 +231,36 @@ def free_port_blocks(sizes: Sequence[int], host: str = "127.0.0.1", metrics_offs
     return bases
 
 
+def start_stacks(settings: dict[str, dict[str, Any]], model: Path | None, log: Callable[[str], None],
+                 prefix: str) -> dict[str, Any]:  # fmt: skip
+    """One stack of the default deploy file per entry of `settings` (its overrides), named by
+    its key: gRPC only, on free loopback ports drawn for all of them at once (so no two collide);
+    the ones started are stopped again when a later one fails to start."""
+    from omnistage.cli.serve import start_stack
+    from omnistage.config import apply_overrides, load_config
+    from omnistage.topology import STAGES
+
+    cfg = load_config(None)
+    sizes = [cfg.gateway.replicas, *(cfg.stage(s).replicas for s in STAGES)]
+    bases = free_port_blocks(sizes * len(settings), cfg.host, metrics_offset=cfg.metrics.port_offset)
+    stacks: dict[str, Any] = {}
+    try:
+        for i, (name, overrides) in enumerate(settings.items()):
+            mine = bases[i * len(sizes) : (i + 1) * len(sizes)]
+            ports: dict[str, Any] = {"gateway.port": mine[0], "gateway.http_port": None}
+            ports.update({f"{s}.base_port": b for s, b in zip(STAGES, mine[1:], strict=True)})
+            if model is not None:
+                ports["model"] = str(model)
+            log_dir = Path(tempfile.mkdtemp(prefix=f"omnistage-bench-{prefix}-"))
+            log(f"starting the '{name}' stack (gateway port {mine[0]}, logs in {log_dir}) ...")
+            stacks[name] = start_stack(apply_overrides(cfg, {**ports, **overrides}), log_dir=log_dir)
+    except BaseException:
+        for stack in stacks.values():
+            stack.stop()
+        raise
+    return stacks
+
+
 def stack_config(opts: BenchOptions) -> Any:
     from omnistage.config import (
         ConfigError,
