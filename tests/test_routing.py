@@ -32,20 +32,15 @@ def test_replica_addresses_of_each_target_form() -> None:
 
 def test_least_outstanding_spreads_open_calls_and_refills_the_freed_replica() -> None:
     async def go() -> None:
-        async with _replicas("a", "b", "c") as (target, _):
-            router = Router(target, "least_outstanding", 1 << 20)
-            try:
-                for _, ch in router.replicas:  # every replica READY: the counts alone decide
-                    await asyncio.wait_for(ch.channel_ready(), 10)
-                picks = [router.pick() for _ in range(3)]
-                assert router.outstanding == [1, 1, 1]  # one open call on each replica
-                assert len({id(ch) for ch, _ in picks}) == 3
-                picks[1][1](None)  # the call on the second replica ends
-                assert router.outstanding == [1, 0, 1]
-                channel, _ = router.pick()
-                assert channel is picks[1][0]  # the freed replica gets the next call
-            finally:
-                await router.close()
+        async with _replicas("a", "b", "c") as (target, _), _ready_router(target) as router:
+            # every replica READY: the counts alone decide
+            picks = [router.pick() for _ in range(3)]
+            assert router.outstanding == [1, 1, 1]  # one open call on each replica
+            assert len({id(ch) for ch, _ in picks}) == 3
+            picks[1][1](None)  # the call on the second replica ends
+            assert router.outstanding == [1, 0, 1]
+            channel, _ = router.pick()
+            assert channel is picks[1][0]  # the freed replica gets the next call
 
     asyncio.run(go())
 
@@ -56,28 +51,22 @@ def test_a_keyed_call_goes_where_its_key_prefers_within_its_share_of_the_load() 
     the open calls: a burst of one conversation's calls overflows to the next it prefers."""
 
     async def go() -> None:
-        async with _replicas("a", "b", "c") as (target, _):
-            router = Router(target, "least_outstanding", 1 << 20)
-            try:
-                for _, ch in router.replicas:
-                    await asyncio.wait_for(ch.channel_ready(), 10)
+        async with _replicas("a", "b", "c") as (target, _), _ready_router(target) as router:
 
-                def home(key: bytes) -> int:
-                    channel, done = router.pick(key)
-                    done(None)
-                    return next(i for i, (_, ch) in enumerate(router.replicas) if ch is channel)
+            def home(key: bytes) -> int:
+                channel, done = router.pick(key)
+                done(None)
+                return next(i for i, (_, ch) in enumerate(router.replicas) if ch is channel)
 
-                assert len({home(b"conversation-1") for _ in range(10)}) == 1
-                homes = [home(f"conversation-{k}".encode()) for k in range(60)]
-                assert set(homes) == {0, 1, 2}, homes
-                assert router.outstanding == [0, 0, 0]
-                held = [router.pick(b"conversation-1") for _ in range(9)]  # none ends: the load bound decides
-                assert max(router.outstanding) <= 4 and sum(router.outstanding) == 9, router.outstanding
-                assert router.outstanding[home(b"conversation-1")] == max(router.outstanding)
-                for _, done in held:
-                    done(None)
-            finally:
-                await router.close()
+            assert len({home(b"conversation-1") for _ in range(10)}) == 1
+            homes = [home(f"conversation-{k}".encode()) for k in range(60)]
+            assert set(homes) == {0, 1, 2}, homes
+            assert router.outstanding == [0, 0, 0]
+            held = [router.pick(b"conversation-1") for _ in range(9)]  # none ends: the load bound decides
+            assert max(router.outstanding) <= 4 and sum(router.outstanding) == 9, router.outstanding
+            assert router.outstanding[home(b"conversation-1")] == max(router.outstanding)
+            for _, done in held:
+                done(None)
 
     asyncio.run(go())
 
@@ -87,26 +76,20 @@ def test_a_draining_replicas_calls_raise_no_ones_share() -> None:
     finishing 20 long calls does not let one key pile all its calls on one serving replica."""
 
     async def go() -> None:
-        async with _replicas("a", "b", "c") as (target, healths):
-            router = Router(target, "least_outstanding", 1 << 20)
-            try:
-                for _, ch in router.replicas:
-                    await asyncio.wait_for(ch.channel_ready(), 10)
-                await healths[2].set(False)  # c drains: its channel leaves READY
-                for _ in range(100):
-                    if router.replicas[2][1].get_state() != grpc.ChannelConnectivity.READY:
-                        break
-                    await asyncio.sleep(0.1)
-                else:
-                    raise AssertionError("the draining replica's channel stayed READY")
-                router.outstanding[2] = 20  # its long calls, still open
-                held = [router.pick(b"conversation-1") for _ in range(12)]
-                assert router.outstanding[2] == 20, "nothing new for the draining replica"
-                assert max(router.outstanding[:2]) <= 8 and min(router.outstanding[:2]) >= 4, router.outstanding
-                for _, done in held:
-                    done(None)
-            finally:
-                await router.close()
+        async with _replicas("a", "b", "c") as (target, healths), _ready_router(target) as router:
+            await healths[2].set(False)  # c drains: its channel leaves READY
+            for _ in range(100):
+                if router.replicas[2][1].get_state() != grpc.ChannelConnectivity.READY:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("the draining replica's channel stayed READY")
+            router.outstanding[2] = 20  # its long calls, still open
+            held = [router.pick(b"conversation-1") for _ in range(12)]
+            assert router.outstanding[2] == 20, "nothing new for the draining replica"
+            assert max(router.outstanding[:2]) <= 8 and min(router.outstanding[:2]) >= 4, router.outstanding
+            for _, done in held:
+                done(None)
 
     asyncio.run(go())
 
@@ -303,6 +286,18 @@ class _Named:
 
     async def Stream(self, request_iterator: object, context: object) -> object:  # unused here
         raise NotImplementedError
+
+
+@contextlib.asynccontextmanager
+async def _ready_router(target: str) -> AsyncIterator[Router]:
+    """A least_outstanding router over `target` once every replica's channel is READY; closed after."""
+    router = Router(target, "least_outstanding", 1 << 20)
+    try:
+        for _, ch in router.replicas:
+            await asyncio.wait_for(ch.channel_ready(), 10)
+        yield router
+    finally:
+        await router.close()
 
 
 @contextlib.asynccontextmanager
