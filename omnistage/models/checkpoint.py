@@ -280,11 +280,17 @@ _AT_LEAST_ONE = ("num_hidden_layers", "num_attention_heads", "num_key_value_head
 _ALL_AT_LEAST_ONE = ("upsample_rates", "upsampling_ratios", "upsample_kernel_sizes")  # lists of them
 
 
+# Qwen3-Omni's text stacks interleave their M-RoPE sections (transformers' recomposition_frequencies
+# reads the height's and width's counts and takes every third frequency up to them, the time's the
+# rest): sections that do not fill the head still make a model. Qwen2.5-Omni's split the head by them.
+_INTERLEAVED_MROPE = frozenset({"qwen3_omni_moe_text", "qwen3_omni_moe_talker_text"})
+
+
 def _config_problems(config: Any, prefix: str = "") -> list[str]:
     """What no model of these families can have, in the config or any of its sub-configs, by
     name (transformers builds the model anyway, and it fails on every request or at load):
-    `_AT_LEAST_ONE` sizes below 1, rope sections that do not fill the head, more experts per
-    token than experts."""
+    `_AT_LEAST_ONE` sizes below 1, rope sections that do not fill the head (where the model splits
+    it by them), more experts per token than experts."""
     from transformers import PretrainedConfig
 
     def whole(v: Any) -> bool:
@@ -310,9 +316,12 @@ def _config_problems(config: Any, prefix: str = "") -> list[str]:
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // heads if whole(heads) and heads > 0 and whole(getattr(config, "hidden_size", None))
             else None)  # fmt: skip
-        if section is not None and whole(head_dim) and not (
-            isinstance(section, list) and all(whole(v) and v >= 0 for v in section) and 2 * sum(section) == head_dim
-        ):
+        sections = isinstance(section, list) and all(whole(v) and v >= 0 for v in section)
+        if getattr(config, "model_type", "") in _INTERLEAVED_MROPE:
+            if section is not None and not (sections and len(section) >= 3):
+                out.append(f"{prefix}rope_parameters.mrope_section is {section!r}; it must be three or more "
+                           "whole numbers of at least 0")  # fmt: skip
+        elif section is not None and whole(head_dim) and not (sections and 2 * sum(section) == head_dim):
             out.append(f"{prefix}rope_parameters.mrope_section is {section!r}; its sections must add up to half "
                        f"the head width ({head_dim} / 2)")  # fmt: skip
     per_token, experts = getattr(config, "num_experts_per_tok", None), getattr(config, "num_experts", None)

@@ -72,6 +72,9 @@ class TinyShape:
     upsample_rates: tuple[int, ...] = (8, 5, 4, 3)
     upsampling_ratios: tuple[int, ...] = (2, 2)
     speakers: tuple[str, ...] = ("chelsie", "ethan", "aiden")
+    # the thinker's and talker's M-RoPE sections: Qwen3-Omni interleaves them, so they need not
+    # fill the head (the published [24, 20, 20] fills a head of 128; transformers' default)
+    mrope_section: tuple[int, ...] = (2, 3, 3)
 
     def special_id(self, name: str) -> int:
         return self.first_special_id + (SPECIAL_TOKENS + ROLE_WORDS).index(name)
@@ -87,9 +90,10 @@ class TinyShape:
 
 DEFAULT = TinyShape()
 # Another valid checkpoint of the family: other special ids, widths, code groups, codebook,
-# samples per frame and voices.
+# samples per frame, voices, and the published M-RoPE sections over a smaller head.
 VARIANT = TinyShape(first_special_id=300, thinker_vocab=560, hidden=48, talker_hidden=32, codebook=96,
-                    num_code_groups=8, upsample_rates=(8, 5, 3), upsampling_ratios=(2,), speakers=("vivian", "ryan"))
+                    num_code_groups=8, upsample_rates=(8, 5, 3), upsampling_ratios=(2,), speakers=("vivian", "ryan"),
+                    mrope_section=(24, 20, 20))
 
 
 def thinker_eos_id(shape: TinyShape = DEFAULT) -> int:
@@ -117,7 +121,8 @@ VISION_PREPROCESSOR = {
 }
 
 
-def _moe_text_config(vocab: int, hidden: int, max_positions: int, **extra: Any) -> dict[str, Any]:
+def _moe_text_config(vocab: int, hidden: int, max_positions: int, mrope_section: tuple[int, ...],
+                     **extra: Any) -> dict[str, Any]:  # fmt: skip
     """The thinker's and the talker's MoE text stacks share these small sizes."""
     return {
         "vocab_size": vocab,
@@ -131,7 +136,7 @@ def _moe_text_config(vocab: int, hidden: int, max_positions: int, **extra: Any) 
         "num_experts": 4,
         "num_experts_per_tok": 2,
         "max_position_embeddings": max_positions,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": list(mrope_section)},
         **extra,
     }
 
@@ -145,7 +150,7 @@ def tiny_config_dict(shape: TinyShape = DEFAULT, overrides: dict[str, Any] | Non
     video_token = sid("<|video_pad|>")
     vision_start = sid("<|vision_start|>")
     audio_start = sid("<|audio_start|>")
-    text = _moe_text_config(shape.thinker_vocab, shape.hidden, max_positions=2048)
+    text = _moe_text_config(shape.thinker_vocab, shape.hidden, max_positions=2048, mrope_section=shape.mrope_section)
     thinker = {
         "text_config": text,
         "audio_config": {
@@ -178,7 +183,8 @@ def tiny_config_dict(shape: TinyShape = DEFAULT, overrides: dict[str, Any] | Non
     cid = shape.codec_id
     talker = {
         "text_config": _moe_text_config(
-            shape.talker_vocab, shape.talker_hidden, max_positions=4096, shared_expert_intermediate_size=64
+            shape.talker_vocab, shape.talker_hidden, max_positions=4096, mrope_section=shape.mrope_section,
+            shared_expert_intermediate_size=64,
         ),
         "code_predictor_config": {
             "vocab_size": shape.codebook,
