@@ -419,12 +419,15 @@ def test_a_processor_that_disagrees_with_the_towers_turns_media_off_saying_why(
     ("q25_dir", lambda c: c["thinker_config"]["text_config"]["rope_parameters"].update(mrope_section=[2, 3, 4]),
      "mrope_section is [2, 3, 4]; its sections must add up to half the head width (16 / 2)"),
     ("q25_dir", lambda c: c["talker_config"].update(head_dim=32), "talker_config.rope_parameters.mrope_section"),
+    # Qwen3-Omni interleaves them (the variant checkpoint's do not fill its head): only their form
+    ("tiny_dir", lambda c: c["talker_config"]["text_config"]["rope_parameters"].update(mrope_section=[24, -1, 20]),
+     "talker_config.text_config.rope_parameters.mrope_section is [24, -1, 20]; it must be three or more"),
     # fields of the wrong type: transformers' own check, and one it does not make (the voice ids)
     ("tiny_dir", lambda c: c["thinker_config"]["text_config"].update(num_hidden_layers="two"),
      "Field 'num_hidden_layers' expected int, got str"),
     ("tiny_dir", lambda c: c["talker_config"].update(speaker_id={"chelsie": "x"}), "invalid literal for int()"),
 ], ids=["layers", "heads", "positions", "upsample-rates", "experts-per-token", "rope-theta", "mrope", "mrope-head-dim",
-        "typed-field", "untyped-field"])  # fmt: skip
+        "mrope-interleaved", "typed-field", "untyped-field"])  # fmt: skip
 def test_a_config_no_model_can_have_is_refused_by_name(request: pytest.FixtureRequest, tmp_path: Path, family: str,
                                                        edit: Any, needle: str) -> None:  # fmt: skip
     """transformers builds these models anyway: a talker of -1 layers (it has none, and the stack
@@ -436,6 +439,24 @@ def test_a_config_no_model_can_have_is_refused_by_name(request: pytest.FixtureRe
     with pytest.raises(CheckpointError, match=r"config\.json: not a valid .* config") as err:
         open_checkpoint(bad)
     assert needle in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_qwen2_5_windowed_attention_within_reach_is_refused(q25_dir: Path, tmp_path: Path) -> None:
+    """transformers masks Qwen2.5-Omni's `sliding_attention` layers to the window; omnistage's steps
+    attend over every position, so a window a request can outgrow is refused by name (one as long
+    as the positions never binds, as the published configs' 32768, and is served)."""
+    for part, edit in (("thinker_config.text_config", lambda c: c["thinker_config"]["text_config"]),
+                       ("talker_config", lambda c: c["talker_config"])):  # fmt: skip
+        bad = _copy(q25_dir, tmp_path / part)
+        _edit_config(bad, lambda c, e=edit: e(c).update(use_sliding_window=True, sliding_window=64,
+                                                        max_window_layers=1, layer_types=None))  # fmt: skip
+        said = rf"{re.escape(part)}: sliding-window attention \({re.escape(part)}\.sliding_window=64 below "
+        with pytest.raises(CheckpointError, match=said + r"max_position_embeddings=\d+, on layers 1\.\.1\)"):
+            open_checkpoint(bad)
+        wide = _copy(q25_dir, tmp_path / f"{part}-wide")
+        _edit_config(wide, lambda c, e=edit: e(c).update(use_sliding_window=True, sliding_window=1 << 20,
+                                                         max_window_layers=1, layer_types=None))  # fmt: skip
+        assert open_checkpoint(wide).speaks
 
 
 def test_a_weight_of_no_part_is_refused_at_open(tiny_dir: Path, tmp_path: Path) -> None:

@@ -154,6 +154,18 @@ def check_config(config: Any) -> list[str]:
     return problems
 
 
+def window_problems(text: Any, name: str) -> list[str]:
+    """A text stack (`name`: where its config is) whose attention is windowed within the positions
+    it can reach (`use_sliding_window`): transformers masks those layers to the window; omnistage's
+    steps attend over every position of a request, so it would answer otherwise, without a word."""
+    window = getattr(text, "sliding_window", None)
+    layers = [i for i, kind in enumerate(getattr(text, "layer_types", None) or []) if kind == "sliding_attention"]
+    if not layers or window is None or window >= text.max_position_embeddings:
+        return []
+    return [f"{name}: sliding-window attention ({name}.sliding_window={window} below max_position_embeddings="
+            f"{text.max_position_embeddings}, on layers {layers[0]}..{layers[-1]}) is not supported"]
+
+
 def check_voices(voices: dict[str, Voice], config: Any) -> list[str]:
     """Where `spk_dict.pt` disagrees with the config."""
     dit = config.token2wav_config.dit_config
