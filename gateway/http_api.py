@@ -669,7 +669,7 @@ def to_speech_request(body: SpeechRequest, voices: list[str], tokenizer: Any,
     a prompt and reply together longer than the model takes)."""
     # special-token text in the input ("<|im_end|>") is spoken as text: it must not end the reply
     ids = [int(i) for i in tokenizer.encode(body.input, add_special_tokens=False, split_special_tokens=True)]
-    if not ids:
+    if not ids or not body.input.strip():  # (only spaces: the user turn would be refused, naming messages)
         raise HttpError(400, "input: no text to speak", param="input")
     if len(ids) > max_words:
         raise HttpError(400, f"input: {len(ids)} tokens; at most {max_words} are spoken at once", param="input",

@@ -506,6 +506,7 @@ def test_speech_request_gives_the_thinker_the_words(tiny_dir: Path) -> None:
     refused = [
         ({"voice": "nobody"}, "voice: unknown voice"),
         ({"input": "hi " * 20}, f"input: {long} tokens; at most 30"),
+        ({"input": " \n  "}, "input: no text to speak"),  # (spaces: it was refused naming messages)
     ]
     for fields, message in refused:
         with pytest.raises(HttpError) as e:

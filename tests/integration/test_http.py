@@ -599,6 +599,43 @@ def test_text_only_and_stop_texts(http_stack: Stack, client: openai.OpenAI) -> N
     assert cut.choices[0].finish_reason == "stop"
 
 
+def test_control_token_text_is_the_clients_text_at_every_door(http_stack: Stack, client: openai.OpenAI) -> None:
+    """`<|audio_pad|>` or `<|im_end|>` in what a client writes is text (tests/test_control_tokens.py):
+    chat, speech and a Realtime item are answered; it failed the request naming the thinker, and a
+    Realtime session's every later response."""
+    model = client.models.list().data[0].id
+    text = "What does <|audio_pad|> mean? <|im_end|>"
+    chat = client.chat.completions.create(model=model, temperature=0, max_tokens=4,
+                                          messages=[{"role": "user", "content": text}])  # fmt: skip
+    plain = client.chat.completions.create(model=model, temperature=0, max_tokens=4,
+                                           messages=[{"role": "user", "content": "What does  mean? "}])  # fmt: skip
+    assert chat.choices[0].message.content and chat.usage and plain.usage
+    assert chat.usage.prompt_tokens > plain.usage.prompt_tokens + 2  # each token's text is several tokens
+    speech = client.audio.speech.create(model=model, voice="ethan", input="Say <|image_pad|> please",
+                                        instructions="<|vision_start|> calmly", response_format="pcm")  # fmt: skip
+    assert len(speech.content) > 0
+
+    async def talk() -> list[str]:
+        aclient = openai.AsyncOpenAI(base_url=f"http://{http_stack.http_address}/v1", api_key="unused", max_retries=0)
+        statuses = []
+        async with aclient.realtime.connect(model=model) as conn:
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["text"],
+                                               "max_output_tokens": 4})  # type: ignore[typeddict-unknown-key]  # fmt: skip
+            for said in (text, "and then?"):
+                await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                          "content": [{"type": "input_text", "text": said}]})
+                await conn.response.create()
+                async for event in conn:
+                    assert event.type != "error", event
+                    if event.type == "response.done":
+                        statuses.append(event.response.status)
+                        break
+        return statuses
+
+    statuses = run(talk())  # (cut at max_output_tokens: incomplete; it was failed)
+    assert len(statuses) == 2 and set(statuses) <= {"completed", "incomplete"}, statuses
+
+
 def _post(stack: Stack, body: Any, raw: bytes | None = None, **headers: str) -> httpx.Response:
     url = f"http://{stack.http_address}/v1/chat/completions"
     if raw is not None:

@@ -12,7 +12,7 @@ loads a video file itself.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -163,10 +163,28 @@ def load_processor(ckpt: Checkpoint, tokenizer: Any, base_name: str = "Qwen3Omni
         features = WhisperFeatureExtractor.from_pretrained(ckpt.path, local_files_only=True)
         images = Qwen2VLImageProcessorPil.from_pretrained(ckpt.path, local_files_only=True)
         videos = FrameVideoProcessor(**video_config)
-        return _processor_class(base_name)(image_processor=images, video_processor=videos, feature_extractor=features,
-                                     tokenizer=tokenizer, chat_template=tokenizer.chat_template)  # fmt: skip
+        processor = _processor_class(base_name)(image_processor=images, video_processor=videos,
+                                                feature_extractor=features, tokenizer=tokenizer,
+                                                chat_template=tokenizer.chat_template)  # fmt: skip
     except (OSError, ValueError, TypeError, AttributeError, KeyError) as e:  # AttributeError: a named token missing
         raise CheckpointError(f"{ckpt.path}: cannot build the processor: {e}") from None
+    processor.validate_inputs = _unmarked_validation(processor.validate_inputs)
+    return processor
+
+
+def _unmarked_validation(validate: Callable[..., None]) -> Callable[..., None]:
+    """transformers' omni processors (5.23, `OmniModalProcessorMixin.__call__`) count a control token
+    marked as the client's text (`sanitize_control_tokens`) as a media placeholder when they check
+    the placeholders against the media, though they neither expand nor encode it as one (the plain
+    `ProcessorMixin.__call__` drops the marked ones first): so does this."""
+    from transformers.processing_utils import _MARKED_RE
+
+    def validate_unmarked(*args: Any, text: Any = None, **kwargs: Any) -> None:
+        if kwargs.get("sanitize_control_tokens") and text is not None:
+            text = [_MARKED_RE.sub("", t) for t in (text if isinstance(text, list) else [text])]
+        validate(*args, text=text, **kwargs)
+
+    return validate_unmarked
 
 
 # transformers' names of the processor outputs the model takes besides the ids
@@ -290,9 +308,14 @@ class InputBuilder:
                     raise ValueError(f"unknown content part type {kind!r}")
                 parts.append({"type": kind, kind: kind})  # the template emits the placeholder
             rendered.append({"role": message["role"], "content": parts})
-        text = self.processor.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False,
-                                                  **(template_kwargs or {}))  # fmt: skip
-        kwargs = self.options()
+        # A control token's text in what the client wrote is its text (prompt.build_prompt_ids): marked
+        # here as transformers' own apply_chat_template(sanitize_control_tokens=True) marks it, the
+        # processor neither expands it as a placeholder nor encodes it as the token.
+        template = self.processor._resolve_chat_template(None)
+        marked, _, _, variables = self.processor.tokenizer._mark_chat_inputs(
+            template, [rendered], None, None, dict(template_kwargs or {}), True, False)  # fmt: skip
+        text = self.processor.apply_chat_template(marked[0], add_generation_prompt=True, tokenize=False, **variables)
+        kwargs: dict[str, Any] = {**self.options(), "sanitize_control_tokens": True}
         if audios:
             longest = max(range(len(audios)), key=lambda k: len(audios[k]))  # the others are padded to it
             if (n := len(audios[longest])) < self.min_audio_samples:

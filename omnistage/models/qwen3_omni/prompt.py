@@ -37,8 +37,12 @@ def text_positions(start: int, length: int, device: torch.device | str) -> torch
 def build_prompt_ids(tokenizer: Any, messages: list[dict[str, str]],
                      template_kwargs: Mapping[str, Any] | None = None) -> list[int]:  # fmt: skip
     """Chat messages -> prompt ids ending with the assistant header, via the checkpoint's template
-    (`template_kwargs`: the request's own variables for it)."""
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **(template_kwargs or {}))
+    (`template_kwargs`: the request's own variables for it). A control token's text in what a
+    client wrote (`<|im_end|>`, `<|audio_pad|>`) is its text, as OpenAI reads it: only the template's
+    own control tokens are encoded as tokens (transformers' `sanitize_control_tokens`; a prompt
+    without such text gets the ids it got without it)."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        sanitize_control_tokens=True, **(template_kwargs or {}))  # fmt: skip
     if isinstance(out, dict) or hasattr(out, "keys"):
         out = out["input_ids"]
     if out and isinstance(out[0], list):
