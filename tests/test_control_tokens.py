@@ -26,10 +26,8 @@ def _builders(model_dir: Path) -> tuple[Any, Any, Any]:
 
 
 def _template_tokens(tokenizer: Any) -> list[str]:
-    """The tokenizer's control tokens: its special tokens and the added tokens its template writes."""
-    template = tokenizer.chat_template
-    return sorted({t.content for t in tokenizer.added_tokens_decoder.values()
-                   if t.special or (t.content in template and not t.content.isspace())})  # fmt: skip
+    """The tokenizer's control tokens: its special tokens."""
+    return sorted(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
 
 
 def _clip() -> np.ndarray:
@@ -70,15 +68,17 @@ def test_a_prompt_without_control_token_text_keeps_its_ids(request: pytest.Fixtu
     """The template's own rendering tokenized whole, as transformers tokenizes it unsanitized."""
     ckpt, tokenizer, builder = _builders(request.getfixturevalue(family))
     for text in BENIGN:
-        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
+        # (the tiny tokenizers add the role words as tokens: a role or a word of them stays one)
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi, assistant"},
+                    {"role": "assistant", "content": "hi, user"}, {"role": "user", "content": text}]
         plain = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         plain = plain["input_ids"] if hasattr(plain, "keys") else plain
         assert ckpt.family.prompt_ids(tokenizer, messages) == list(plain), text
-        parts = [{"role": "user", "content": [{"type": "audio", "audio": _clip()}, {"type": "text", "text": text}]}]
-        ids, inputs = builder.build(parts)
-        rendered = builder.processor.apply_chat_template(
-            [{"role": "user", "content": [{"type": "audio", "audio": "audio"}, {"type": "text", "text": text}]}],
-            add_generation_prompt=True, tokenize=False)  # fmt: skip
+        ids, inputs = builder.build([*messages[:-1], {"role": "user", "content": [
+            {"type": "audio", "audio": _clip()}, {"type": "text", "text": text}]}])  # fmt: skip
+        rendered = builder.processor.apply_chat_template([*messages[:-1], {"role": "user", "content": [
+            {"type": "audio", "audio": "audio"}, {"type": "text", "text": text}]}], add_generation_prompt=True,
+            tokenize=False)  # fmt: skip
         whole = builder.processor(text=[rendered], audio=[_clip()], return_tensors="pt", **builder.options())
         assert ids == whole["input_ids"][0].tolist(), text
         assert bool((inputs["input_features"] == whole["input_features"]).all())

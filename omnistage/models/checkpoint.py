@@ -452,6 +452,13 @@ def load_tokenizer(ckpt: Checkpoint) -> Any:
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"{ckpt.path}: cannot load the tokenizer ({e})") from None
     tok.chat_template = ckpt.chat_template
+    # What a client writes is sanitized of the special tokens alone (prompt.build_prompt_ids):
+    # transformers would add the other added tokens its template's text holds, such as a role word
+    # that a tokenizer adds as a token of its own (the tiny ones' "assistant", marked in a message's
+    # role too: an earlier reply's turn would open with its letters, and a "user" word so read is
+    # no user turn to the talker), and Qwen3's <think>, which a client's text may hold as the model
+    # reads it.
+    tok.chat_control_tokens = []
     # The gateway checks a prompt's length against the model's and refuses it by name; transformers'
     # own warning of a long sequence ("... will result in indexing errors") would be logged besides,
     # with no request id, for a prompt that is then refused or served. Marked as given already.
