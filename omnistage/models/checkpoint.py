@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import re
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -459,6 +460,7 @@ def load_tokenizer(ckpt: Checkpoint) -> Any:
     # no user turn to the talker), and Qwen3's <think>, which a client's text may hold as the model
     # reads it.
     tok.chat_control_tokens = []
+    _encode_one_at_a_time(tok)
     # The gateway checks a prompt's length against the model's and refuses it by name; transformers'
     # own warning of a long sequence ("... will result in indexing errors") would be logged besides,
     # with no request id, for a prompt that is then refused or served. Marked as given already.
@@ -467,6 +469,24 @@ def load_tokenizer(ckpt: Checkpoint) -> Any:
     if problems:
         raise CheckpointError(f"{ckpt.path}: tokenizer disagrees with config: " + "; ".join(problems))
     return tok
+
+
+def _encode_one_at_a_time(tok: Any) -> None:
+    """transformers' fast tokenizer sets its one Rust tokenizer's options (split_special_tokens,
+    truncation, padding) before each encode: two threads encoding at once (the gateway builds
+    prompts in worker threads) could each encode with the other's, a sanitized prompt's special
+    token text (split) beside a plain prompt whose own tokens then came out as text. Its encodes
+    go one at a time (reentrant: a sanitized encode encodes its pieces within)."""
+    encode = getattr(tok, "_encode_plus", None)
+    if encode is None:
+        return
+    lock = threading.RLock()
+
+    def encode_locked(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return encode(*args, **kwargs)
+
+    tok._encode_plus = encode_locked
 
 
 def media_inputs(ckpt: Checkpoint, tokenizer: Any) -> tuple[Any, str]:

@@ -605,12 +605,16 @@ def test_control_token_text_is_the_clients_text_at_every_door(http_stack: Stack,
     Realtime session's every later response."""
     model = client.models.list().data[0].id
     text = "What does <|audio_pad|> mean? <|im_end|>"
-    chat = client.chat.completions.create(model=model, temperature=0, max_tokens=4,
-                                          messages=[{"role": "user", "content": text}])  # fmt: skip
-    plain = client.chat.completions.create(model=model, temperature=0, max_tokens=4,
-                                           messages=[{"role": "user", "content": "What does  mean? "}])  # fmt: skip
-    assert chat.choices[0].message.content and chat.usage and plain.usage
-    assert chat.usage.prompt_tokens > plain.usage.prompt_tokens + 2  # each token's text is several tokens
+
+    def prompt_tokens(content: str) -> int:
+        chat = client.chat.completions.create(model=model, temperature=0, max_tokens=4,
+                                              messages=[{"role": "user", "content": content}])  # fmt: skip
+        assert chat.choices[0].message.content and chat.usage
+        return chat.usage.prompt_tokens
+
+    plain = prompt_tokens("What does  mean? ")
+    for token in ("<|audio_pad|>", "<|im_end|>"):  # each token's text is several tokens (as a token: 1)
+        assert prompt_tokens(f"What does {token} mean? ") > plain + 2, token
     speech = client.audio.speech.create(model=model, voice="ethan", input="Say <|image_pad|> please",
                                         instructions="<|vision_start|> calmly", response_format="pcm")  # fmt: skip
     assert len(speech.content) > 0

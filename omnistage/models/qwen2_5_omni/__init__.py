@@ -74,9 +74,11 @@ class Qwen25Omni(Family):
         return Qwen2_5OmniConfig.from_pretrained(path, local_files_only=True)
 
     def spec(self, config: Any, path: Path | None = None, speech: bool = True) -> spec.FamilySpec:
-        windows = spec.window_problems(config.thinker_config.text_config, "thinker_config.text_config")
-        if speech:
-            windows += spec.window_problems(config.talker_config, "talker_config")
+        text = config.thinker_config.text_config
+        windows = spec.window_problems(text, "thinker_config.text_config", text.max_position_embeddings)
+        if speech:  # the talker's requests: a thinker prompt, then the frames it makes for it
+            reach = text.max_position_embeddings + config.talker_config.max_position_embeddings
+            windows += spec.window_problems(config.talker_config, "talker_config", reach)
         if windows:
             raise CheckpointError(f"{path / 'config.json' if path else 'config.json'}: " + "; ".join(windows))
         voices = load_voices(path) if path is not None else {}

@@ -154,16 +154,21 @@ def check_config(config: Any) -> list[str]:
     return problems
 
 
-def window_problems(text: Any, name: str) -> list[str]:
-    """A text stack (`name`: where its config is) whose attention is windowed within the positions
-    it can reach (`use_sliding_window`): transformers masks those layers to the window; omnistage's
-    steps attend over every position of a request, so it would answer otherwise, without a word."""
+def window_problems(text: Any, name: str, reach: int) -> list[str]:
+    """A text stack (`name`: where its config is) with sliding-window layers whose window the
+    `reach` positions its requests can see outgrow (`use_sliding_window`): transformers masks
+    those layers to the window; omnistage's steps attend over every position, so it would answer
+    otherwise, without a word. (Sliding layers with no window fail in transformers too.)"""
     window = getattr(text, "sliding_window", None)
-    layers = [i for i, kind in enumerate(getattr(text, "layer_types", None) or []) if kind == "sliding_attention"]
-    if not layers or window is None or window >= text.max_position_embeddings:
+    kinds = list(getattr(text, "layer_types", None) or [])
+    layers = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
+    if not layers or (window is not None and window >= reach):
         return []
-    return [f"{name}: sliding-window attention ({name}.sliding_window={window} below max_position_embeddings="
-            f"{text.max_position_embeddings}, on layers {layers[0]}..{layers[-1]}) is not supported"]
+    where = f"{len(layers)} of its {len(kinds)} layers"
+    if window is None:
+        return [f"{name}: {where} are sliding_attention with no sliding_window"]
+    return [f"{name}: sliding-window attention ({name}.sliding_window={window}, below the {reach} positions its "
+            f"requests can reach, on {where}) is not supported"]
 
 
 def check_voices(voices: dict[str, Voice], config: Any) -> list[str]:

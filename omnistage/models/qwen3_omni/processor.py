@@ -21,6 +21,7 @@ import torch
 
 from omnistage.models.checkpoint import Checkpoint, CheckpointError
 from omnistage.models.family import PartRefused
+from omnistage.models.qwen3_omni.prompt import holds_special_text
 
 __all__ = ["MODEL_INPUTS", "FrameVideoProcessor", "InputBuilder", "load_processor"]
 
@@ -283,8 +284,11 @@ class InputBuilder:
             parts = []
             for j, part in enumerate(content):
                 kind = part["type"]
-                if kind == "text":
-                    parts.append({"type": "text", "text": part["text"]})
+                if kind == "text":  # adjacent ones as one: the template writes them with nothing between
+                    if parts and parts[-1]["type"] == "text":  # (so a special token split over two is seen)
+                        parts[-1] = {"type": "text", "text": parts[-1]["text"] + part["text"]}
+                    else:
+                        parts.append({"type": "text", "text": part["text"]})
                     continue
                 at = f"messages[{i}].parts[{j}] ({kind})"
                 if kind == "audio":
@@ -308,14 +312,18 @@ class InputBuilder:
                     raise ValueError(f"unknown content part type {kind!r}")
                 parts.append({"type": kind, kind: kind})  # the template emits the placeholder
             rendered.append({"role": message["role"], "content": parts})
-        # A control token's text in what the client wrote is its text (prompt.build_prompt_ids): marked
+        # A special token's text in what the client wrote is its text (prompt.build_prompt_ids): marked
         # here as transformers' own apply_chat_template(sanitize_control_tokens=True) marks it, the
         # processor neither expands it as a placeholder nor encodes it as the token.
-        template = self.processor._resolve_chat_template(None)
-        marked, _, _, variables = self.processor.tokenizer._mark_chat_inputs(
-            template, [rendered], None, None, dict(template_kwargs or {}), True, False)  # fmt: skip
-        text = self.processor.apply_chat_template(marked[0], add_generation_prompt=True, tokenize=False, **variables)
-        kwargs: dict[str, Any] = {**self.options(), "sanitize_control_tokens": True}
+        variables = dict(template_kwargs or {})
+        sanitize = holds_special_text(self.processor.tokenizer, rendered, variables)
+        if sanitize:
+            template = self.processor._resolve_chat_template(None)
+            marked, _, _, variables = self.processor.tokenizer._mark_chat_inputs(
+                template, [rendered], None, None, variables, True, False)  # fmt: skip
+            rendered = marked[0]
+        text = self.processor.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False, **variables)
+        kwargs: dict[str, Any] = {**self.options(), "sanitize_control_tokens": sanitize}
         if audios:
             longest = max(range(len(audios)), key=lambda k: len(audios[k]))  # the others are padded to it
             if (n := len(audios[longest])) < self.min_audio_samples:

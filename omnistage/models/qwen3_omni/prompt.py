@@ -14,6 +14,8 @@ Talker prompt (mirrors `Qwen3OmniMoeForConditionalGeneration.generate`):
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,17 +39,44 @@ def text_positions(start: int, length: int, device: torch.device | str) -> torch
 def build_prompt_ids(tokenizer: Any, messages: list[dict[str, str]],
                      template_kwargs: Mapping[str, Any] | None = None) -> list[int]:  # fmt: skip
     """Chat messages -> prompt ids ending with the assistant header, via the checkpoint's template
-    (`template_kwargs`: the request's own variables for it). A control token's text in what a
+    (`template_kwargs`: the request's own variables for it). A special token's text in what a
     client wrote (`<|im_end|>`, `<|audio_pad|>`) is its text, as OpenAI reads it: only the template's
-    own control tokens are encoded as tokens (transformers' `sanitize_control_tokens`; a prompt
-    without such text gets the ids it got without it)."""
+    own are encoded as tokens (transformers' `sanitize_control_tokens`, for the prompts that hold
+    such text: the others are rendered and encoded as transformers does without it)."""
+    variables = dict(template_kwargs or {})
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        sanitize_control_tokens=True, **(template_kwargs or {}))  # fmt: skip
+                                        sanitize_control_tokens=holds_special_text(tokenizer, messages, variables),
+                                        **variables)  # fmt: skip
     if isinstance(out, dict) or hasattr(out, "keys"):
         out = out["input_ids"]
     if out and isinstance(out[0], list):
         out = out[0]
     return [int(i) for i in out]
+
+
+@functools.lru_cache(maxsize=8)
+def _specials_pattern(tokens: tuple[str, ...]) -> re.Pattern[str]:
+    return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
+
+
+def holds_special_text(tokenizer: Any, *values: Any) -> bool:
+    """Whether a string in `values` (messages, template variables: strings, lists and dict values,
+    as transformers marks them) holds the text of one of the tokenizer's special tokens: what
+    must be sanitized. Looking first keeps the other prompts as transformers encodes them
+    unsanitized (its sanitizing also drops the two private-use characters it marks with, U+F0000
+    and U+F0001, from everything the client wrote)."""
+    pattern = _specials_pattern(tuple(t.content for t in tokenizer.added_tokens_decoder.values() if t.special))
+
+    def holds(obj: Any) -> bool:
+        if isinstance(obj, str):
+            return pattern.search(obj) is not None
+        if isinstance(obj, Mapping):
+            return any(holds(v) for v in obj.values())
+        if isinstance(obj, list | tuple):
+            return any(holds(v) for v in obj)
+        return False
+
+    return any(holds(v) for v in values)
 
 
 def messages_from_prompt(prompt: str, system: str | None = None) -> list[dict[str, str]]:
