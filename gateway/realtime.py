@@ -10,7 +10,10 @@ it, never ignored; the session goes on):
   transcript, the default) or ["text"], `max_output_tokens` (1 to 4096, or "inf"),
   `temperature` (the API's beta field: 0 makes text and speech greedy, as chat's temperature 0),
   `audio.output.voice` (the checkpoint's speakers, or one of OpenAI's names for its default) and
-  `.speed` (0.25 to 1.5), `audio.input.format` / `audio.output.format`: `audio/pcm`, 16-bit mono
+  `.speed` (0.25 to 1.5), `truncation` ("auto", the default: a conversation over the model's
+  length less the output tokens leaves out its oldest turns, as few as it takes; a
+  `retention_ratio`: down to that share of it; "disabled": its response fails; gateway/prompt_fit.py),
+  `audio.input.format` / `audio.output.format`: `audio/pcm`, 16-bit mono
   little-endian (input at any rate from 8 to 192 kHz, 24 kHz unless `rate` says; output at the
   model's, 24 kHz), or G.711 `audio/pcmu` / `audio/pcma` at 8 kHz (gateway/g711.py: a phone
   bridge's; the reply resampled and encoded as it streams).
@@ -87,6 +90,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from gateway.g711 import LAWS, G711Encoder
 from gateway.http_api import from_gateway_error, lone_surrogate, served_voices, stt_usage, unknown_model
 from gateway.http_error import HttpError
+from gateway.prompt_fit import PromptFit
 from gateway.realtime_beta import GaFieldError, beta_error, is_beta, to_beta, to_ga
 from gateway.realtime_turns import (
     MAX_ITEMS,
@@ -161,6 +165,7 @@ class RealtimeSession:
         self.ms_base, self.rate_start = 0, 0  # `_ms`: input audio before the rate's last change
         self.items: dict[str, Item] = {}
         self.order: list[str] = []  # the items' ids in conversation order
+        self.left_out: set[str] = set()  # items truncation has left out of the responses' context
         self.held = 0  # what the buffer and the items count towards max_bytes
         self.active: Response | None = None  # the response being made, and its task
         self.task: asyncio.Task[None] | None = None
@@ -210,7 +215,8 @@ class RealtimeSession:
                                               "id": self.id, "audio": {"input": fields["audio"]["input"]},
                                               "include": None}}  # fmt: skip
         session = {"type": "realtime", "object": "realtime.session", "id": self.id, "model": self.service.model_name,
-                   **fields, "tools": [], "tool_choice": "auto", "tracing": None, "truncation": "disabled",
+                   **fields, "tools": [], "tool_choice": "auto", "tracing": None,
+                   "truncation": self.settings.truncation_event(),
                    "prompt": None, "include": None}  # fmt: skip
         return {"type": kind, "session": session}
 
@@ -300,6 +306,7 @@ class RealtimeSession:
 
     def remove(self, item_id: str) -> None:
         self.order.remove(item_id)
+        self.left_out.discard(item_id)
         self.held -= self.items.pop(item_id).nbytes
 
     async def _added(self, item: Item, previous: str | None) -> None:
@@ -324,6 +331,8 @@ class RealtimeSession:
         audio = s.audio or AudioConfig()
         settings = self.settings.merged(s, self.voices, "session", audio.output, self.service.sample_rate)
         settings.kind = kind
+        if s.truncation is not None:
+            settings.truncation = s.truncation
         if audio.input is not None and audio.input.format is not None:
             fmt, rate = input_format(audio.input.format, "session.audio.input.format")
             if self.buffer and rate != settings.input_rate:
@@ -668,7 +677,10 @@ class RealtimeSession:
         if not in_band and len(self.side) >= MAX_OUT_OF_BAND:
             raise RealtimeError(f"response.conversation: at most {MAX_OUT_OF_BAND} out-of-band responses at once",
                                 "response.conversation", "too_many_responses")  # fmt: skip
-        context = self._context(r.input) if r.input is not None else [self.items[i] for i in self.order]
+        # (truncation disabled: the whole conversation, the turns it had left out too)
+        out = self.left_out if settings.truncation != "disabled" else set()
+        context = self._context(r.input) if r.input is not None else [self.items[i] for i in self.order
+                                                                       if i not in out]  # fmt: skip
         if r.input is not None and not context and not settings.instructions:
             raise RealtimeError("response.input: no items (and no instructions): nothing to answer", "response.input",
                                 "empty_conversation")  # fmt: skip
@@ -677,7 +689,9 @@ class RealtimeSession:
         charge = 0 if in_band else sum(i.nbytes for i in context)
         self._room(charge, "response.input" if r.input is not None else "response", items=1 if in_band else 0)
         req = to_generate_request(context, settings)
-        response = Response(self, req, settings, r.metadata, in_band)
+        fit = settings.fit(self.service.max_prompt_tokens, self._tokens)
+        turns = [i for i in context if i.turn] if in_band and r.input is None else []  # (as the request's messages)
+        response = Response(self, req, settings, r.metadata, in_band, fit, turns)
         response.charge = charge
         self.held += charge
         task = asyncio.create_task(self._respond(response))
@@ -685,6 +699,9 @@ class RealtimeSession:
             self.active, self.task, self.idle_from = response, task, None  # (its end arms the idle timeout)
         else:
             self.side[response.id] = (response, task)
+
+    def _tokens(self, text: str) -> int:
+        return len(self.service.tokenizer.encode(text, add_special_tokens=False))
 
     def _context(self, given: Any) -> list[Item]:
         """response.input: the turns a response answers in place of the conversation: items given
@@ -782,8 +799,12 @@ class Response:
     go out as they exist."""
 
     def __init__(self, session: RealtimeSession, req: gateway_pb2.GenerateRequest, settings: Settings,
-                 metadata: dict[str, str] | None, in_band: bool = True) -> None:  # fmt: skip
+                 metadata: dict[str, str] | None, in_band: bool = True, fit: PromptFit | None = None,
+                 conversation: list[Item] | None = None) -> None:  # fmt: skip
         self.session, self.req, self.settings, self.metadata = session, req, settings, metadata
+        # truncation: the conversation's turns its prompt leaves out (the first `fit.dropped` of
+        # `conversation`, its turns in the request's order) are left out of the next responses' too
+        self.fit, self.conversation = fit, conversation or []
         self.in_band = in_band  # False: out of band (conversation: none), its item joins no conversation
         self.charge = 0  # what its context counts towards the session's bound while it runs
         self.status = ""  # as response.done said it
@@ -841,11 +862,13 @@ class Response:
             status = outcome[0]
         finally:  # (the client gone too: the conversation keeps what was made)
             self.settle(status)
+            if self.fit is not None and self.fit.dropped:  # (read once its prompt was made)
+                s.left_out.update(i.id for i in self.conversation[: self.fit.dropped])
         await self.done(*outcome)
 
     async def _outcome(self) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
         """The request run, its pieces sent as they come: the response's status, its details and usage."""
-        replies = self.session.service.serve(self.req, None, "realtime")
+        replies = self.session.service.serve(self.req, None, "realtime", self.fit)
         generating = self.generating = asyncio.ensure_future(self._generate(replies))
         try:
             await asyncio.wait({generating})  # (not `await`: its cancellation is not this task's)

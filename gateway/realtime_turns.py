@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from gateway.g711 import G711_RATE, LAWS, g711_to_pcm16
 from gateway.http_api import apply_temperature, data_url, decode_b64, pcm16_part, voice_speaker, whole_samples
 from gateway.http_error import HttpError
+from gateway.prompt_fit import PromptFit
 from gateway.realtime_vad import VadSettings
 from gateway.transcription import instruction, transcription_turn
 from omnistage.v1 import gateway_pb2, stage_pb2
@@ -176,13 +177,30 @@ class _Common(_Strict):
     prompt: Any = None
 
 
+class TokenLimits(_Strict):
+    post_instructions: int | None = Field(None, ge=1)
+
+
+class RetentionRatio(_Strict):
+    """`truncation`: when a conversation is over its limit, its oldest turns are left out until
+    it is at this share of the limit (`token_limits.post_instructions`: a lower limit for the
+    conversation after the instructions)."""
+
+    type: Literal["retention_ratio"]
+    retention_ratio: float = Field(ge=0, le=1)
+    token_limits: TokenLimits | None = None
+
+
+Truncation = Literal["auto", "disabled"] | RetentionRatio
+
+
 class SessionBody(_Common):
     type: Literal["realtime", "transcription"] | None = None  # (None: the session's kind as it is)
     model: str | None = None
     audio: AudioConfig | None = None
     include: list[Any] | None = None
     tracing: Any = None  # (OpenAI's dashboard: nothing is traced here)
-    truncation: Any = None
+    truncation: Truncation | None = None
     parallel_tool_calls: bool | None = None
     reasoning: Any = None
 
@@ -252,6 +270,8 @@ def _where(loc: tuple[Any, ...], prefix: str) -> str:
             out += f"[{item}]"
         elif i and isinstance(loc[i - 1], int) and item in _PART_TYPES:
             continue  # a content part's tag
+        elif isinstance(item, str) and item[:1].isupper():
+            continue  # a union's branch, by its model's name (truncation's RetentionRatio)
         elif str(item).isidentifier() and item not in ("str", "int", "list"):
             out += f".{item}"
     return out
@@ -288,6 +308,9 @@ class Settings:
     # streams its microphone and waits); None: the client commits (push-to-talk)
     vad: VadSettings | None = field(default_factory=VadSettings)
     transcription: dict[str, Any] | None = None  # input audio transcribed: {model, language, prompt}
+    # a conversation over the model's length: its oldest turns left out ("auto", OpenAI's default:
+    # as few as it takes; RetentionRatio), or its response fails ("disabled")
+    truncation: Truncation = "auto"
 
     def merged(self, body: _Common, voices: list[str], prefix: str, output: OutputAudioConfig | None,
                sample_rate: int) -> Settings:  # fmt: skip
@@ -338,6 +361,28 @@ class Settings:
                            "speed": self.speed},
             },
         }  # fmt: skip
+
+    def truncation_event(self) -> Any:
+        return self.truncation if isinstance(self.truncation, str) else self.truncation.model_dump()
+
+    def fit(self, max_prompt_tokens: int, count: Callable[[str], int]) -> PromptFit | None:
+        """How a response's prompt is kept within the model's length (None: truncation disabled),
+        as OpenAI's API keeps it: the model's length less the response's output tokens (at most
+        half of it: "inf" keeps MAX_OUTPUT_TOKENS), or `post_instructions` past the instructions
+        (`count`: a text's tokens)."""
+        if self.truncation == "disabled":
+            return None
+        length = max_prompt_tokens + 1
+        limit = length - min(self.max_output_tokens or MAX_OUTPUT_TOKENS, length // 2)
+        ratio, instruction_tokens = 1.0, 0
+        if isinstance(self.truncation, RetentionRatio):
+            ratio = self.truncation.retention_ratio
+            instruction_tokens = count(self.instructions) if self.instructions else 0
+            given = self.truncation.token_limits.post_instructions if self.truncation.token_limits else None
+            if given is not None:
+                limit = min(limit, instruction_tokens + given)
+        target = instruction_tokens + int(ratio * max(0, limit - instruction_tokens))  # (of what follows them)
+        return PromptFit(limit=limit, target=min(target, limit), fixed=1 if self.instructions else 0)
 
     def output_format_event(self, sample_rate: int) -> dict[str, Any]:
         return _format(self.output_format, sample_rate)
@@ -401,10 +446,6 @@ def session_only(body: SessionBody) -> None:
                                 f"{where}.noise_reduction")  # fmt: skip
     if body.include:
         raise RealtimeError("session.include: no input transcription logprobs here", "session.include")
-    if body.truncation not in (None, "disabled"):
-        raise RealtimeError("session.truncation: a conversation is never truncated here (disabled): one over "
-                            "the model's length fails its response; delete items instead",
-                            "session.truncation")  # fmt: skip
     if body.reasoning is not None:
         raise RealtimeError("session.reasoning: not configurable here", "session.reasoning")
 
@@ -435,6 +476,12 @@ class Item:
     def event(self) -> dict[str, Any]:
         return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role,
                 "status": self.status, "content": self.content}  # fmt: skip
+
+    @property
+    def turn(self) -> bool:
+        """It is a turn of a request (an assistant turn with no words, cancelled before any or
+        truncated, is nothing heard of it)."""
+        return self.role != "assistant" or bool(self.text)
 
     def message(self) -> gateway_pb2.ChatMessage:
         if self.role == "assistant":
@@ -515,8 +562,7 @@ def to_generate_request(items: list[Item], settings: Settings) -> gateway_pb2.Ge
             req.speed = settings.speed
     if settings.instructions:
         req.messages.append(gateway_pb2.ChatMessage(role="system", content=settings.instructions))
-    # (an assistant turn with no words: cancelled before any, or truncated: nothing heard of it)
-    req.messages.extend(i.message() for i in items if i.role != "assistant" or i.text)
+    req.messages.extend(i.message() for i in items if i.turn)
     thinker = stage_pb2.SamplingParams()
     if settings.max_output_tokens is not None:
         thinker.max_tokens = settings.max_output_tokens

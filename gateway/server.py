@@ -37,6 +37,7 @@ from gateway.chat_template import template_kwargs, template_names
 from gateway.media import decode_messages
 from gateway.media_cache import DecodedCache
 from gateway.metrics import GatewayMetrics, Outcome
+from gateway.prompt_fit import PromptFit, fitted
 from omnistage.config import DeployConfig
 from omnistage.engine import OutChunk
 from omnistage.models import Checkpoint, PartRefused, load_tokenizer, media_inputs
@@ -179,15 +180,28 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.thinker_roles = frozenset(s for s in self.stages if stage_def(s).stream == "thinker")
         self.watcher = ChainWatcher(self.channel, self.stages[0], thinker_target, HEALTH_POLL_S)
 
-    def _prompt(self, request: gateway_pb2.GenerateRequest, cancelled: threading.Event | None = None
-                ) -> edges.Prompt:  # fmt: skip
+    def _prompt(self, request: gateway_pb2.GenerateRequest, cancelled: threading.Event | None = None,
+                fit: PromptFit | None = None) -> edges.Prompt:  # fmt: skip
         """The request as the thinker's prompt: ids, and the model inputs of its media (run in a
         worker thread: decoding and the processor take a while; `cancelled` stops the decoding).
-        ValueError names the field."""
-        given = sum(len(m.content) + sum(len(p.text) for p in m.parts) for m in request.messages)
-        chars = given if request.messages else len(request.prompt)  # `prompt` is ignored with messages
-        if chars > MAX_CHARS_PER_TOKEN * self.max_prompt_tokens:  # before tokenizing: it could never fit
-            raise ValueError(f"prompt: {chars} characters of text cannot fit in {self.max_prompt_tokens} tokens")
+        `fit`: its oldest turns left out as far as it takes to fit (prompt_fit.py). ValueError
+        names the field."""
+        if fit is None:
+            given = sum(len(m.content) + sum(len(p.text) for p in m.parts) for m in request.messages)
+            chars = given if request.messages else len(request.prompt)  # `prompt` is ignored with messages
+            if chars > MAX_CHARS_PER_TOKEN * self.max_prompt_tokens:  # before tokenizing: it could never fit
+                raise ValueError(f"prompt: {chars} characters of text cannot fit in {self.max_prompt_tokens} tokens")
+            prompt = self._built(request, cancelled)
+        else:  # (a conversation: within media.max_request_bytes, what the realtime socket holds)
+            prompt = fitted(request, fit, lambda r: self._built(r, cancelled), lambda p: len(p.ids))
+        limit = self.max_prompt_tokens
+        if len(prompt.ids) > limit:
+            raise ValueError(f"prompt: {len(prompt.ids)} tokens exceeds the model maximum of {limit} (the model "
+                             f"length, {limit + 1}, keeps one for the reply)")
+        return prompt
+
+    def _built(self, request: gateway_pb2.GenerateRequest, cancelled: threading.Event | None) -> edges.Prompt:
+        """`_prompt`'s build, whatever its length."""
         kwargs = template_kwargs(request.chat_template_kwargs, self.template_names)
         if request.messages:
             messages, has_media = decode_messages(request, self.media_limits, self._audio_rate(), cancelled,
@@ -218,10 +232,6 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             except (ValueError, TypeError, KeyError, IndexError, TemplateError) as e:  # the template's refusals
                 field = CHAT_TEMPLATE_KWARGS if kwargs else "messages"  # (rendering is all it does)
                 raise ValueError(f"{field}: cannot render the chat template: {type(e).__name__}: {e}") from None
-        limit = self.max_prompt_tokens
-        if len(prompt.ids) > limit:
-            raise ValueError(f"prompt: {len(prompt.ids)} tokens exceeds the model maximum of {limit} (the model "
-                             f"length, {limit + 1}, keeps one for the reply)")
         return prompt
 
     def _audio_rate(self) -> int:
@@ -295,16 +305,18 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         # (an auth scheme is case-insensitive, RFC 9110; the key is compared in constant time)
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
-    async def serve(self, request: gateway_pb2.GenerateRequest, timeout: float | None, api: str
-                    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:  # fmt: skip
+    async def serve(self, request: gateway_pb2.GenerateRequest, timeout: float | None, api: str,
+                    fit: PromptFit | None = None) -> AsyncIterator[gateway_pb2.GenerateResponse]:  # fmt: skip
         """One request, front-door independent: its responses, or GatewayError. Counts it,
-        observes its metrics and writes its access-log line whatever happens."""
+        observes its metrics and writes its access-log line whatever happens. `fit`: a
+        conversation's oldest turns are left out as far as it takes to fit (the Realtime API's
+        truncation; `fit.dropped` says how many, once its prompt is built)."""
         if not request.request_id:
             request.request_id = uuid.uuid4().hex
         outcome = Outcome(request.request_id, time.perf_counter(), api=api)
         self.active += 1
         self.metrics.in_flight.inc()
-        replies = self._generate(request, outcome, timeout)
+        replies = self._generate(request, outcome, timeout, fit)
         try:
             if self.active > self.cfg.gateway.max_in_flight:  # shed at once: queued, it would wait to its deadline
                 outcome.shed = True
@@ -397,8 +409,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             raise bad(e.message.removeprefix("gateway: ")) from None
         return start
 
-    async def _generate(self, request: gateway_pb2.GenerateRequest, outcome: Outcome, timeout: float | None
-                        ) -> AsyncIterator[gateway_pb2.GenerateResponse]:  # fmt: skip
+    async def _generate(self, request: gateway_pb2.GenerateRequest, outcome: Outcome, timeout: float | None,
+                        fit: PromptFit | None = None) -> AsyncIterator[gateway_pb2.GenerateResponse]:  # fmt: skip
         if self.draining:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, "gateway: draining, not accepting new requests")
         timeout = self._timeout(timeout)
@@ -406,7 +418,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         outcome.stage_request_id = start.request_id
         cancelled = threading.Event()
         try:
-            prompt = await asyncio.to_thread(self._prompt, request, cancelled)
+            prompt = await asyncio.to_thread(self._prompt, request, cancelled, fit)
         except ValueError as e:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, f"gateway: {e}") from None
         except asyncio.CancelledError:  # the client hung up: its worker thread stops at its next frame

@@ -20,6 +20,7 @@ from starlette.applications import Starlette
 from starlette.testclient import TestClient, WebSocketDenialResponse
 from starlette.websockets import WebSocketDisconnect
 
+from gateway.prompt_fit import PromptFit
 from gateway.realtime import realtime_route
 from gateway.server import GatewayError
 from omnistage.config import parse_config
@@ -62,6 +63,10 @@ class ScriptedService:
         self.refusals: list[tuple[str, str]] = []
         self.stall_after: int | None = None  # deliver's sends before the client stops taking them
         self.gate = threading.Event()
+        self.max_prompt_tokens = 1023
+        self.tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens=False: text.split())
+        self.fits: list[PromptFit | None] = []  # each request's truncation
+        self.drop: list[int] = []  # the turns each request's prompt leaves out, in turn (none once empty)
 
     def check_api_key(self, authorization: str | None) -> bool:
         return not self.api_key or authorization == f"Bearer {self.api_key}"
@@ -69,10 +74,13 @@ class ScriptedService:
     def refused(self, api: str, outcome: str, message: str, seconds: float = 0.0, request_id: str = "") -> None:
         self.refusals.append((api, outcome))
 
-    async def serve(self, req: gateway_pb2.GenerateRequest, timeout: float | None,
-                    api: str) -> AsyncIterator[gateway_pb2.GenerateResponse]:  # fmt: skip
+    async def serve(self, req: gateway_pb2.GenerateRequest, timeout: float | None, api: str,
+                    fit: PromptFit | None = None) -> AsyncIterator[gateway_pb2.GenerateResponse]:  # fmt: skip
         assert api == "realtime"
         self.requests.append(req)
+        self.fits.append(fit)
+        if fit is not None and self.drop:  # as the gateway's prompt build leaves turns out
+            fit.dropped = self.drop.pop(0)
         self.log.append(("start", req.request_id))
         try:
             for step in self.script:
@@ -274,7 +282,9 @@ BAD_EVENTS = [
      "session.audio.output.voice", None),
     ({"type": "session.update", "session": {"audio": {"output": {"speed": 3.0}}}}, "session.audio.output.speed", None),
     ({"type": "session.update", "session": {"tools": [{"type": "function", "name": "f"}]}}, "session.tools", None),
-    ({"type": "session.update", "session": {"truncation": "auto"}}, "session.truncation", None),
+    ({"type": "session.update", "session": {"truncation": "sometimes"}}, "session.truncation", None),
+    ({"type": "session.update", "session": {"truncation": {"type": "retention_ratio", "retention_ratio": 1.5}}},
+     "session.truncation.retention_ratio", None),
     ({"type": "session.update", "session": {"max_output_tokens": 5000}}, "session.max_output_tokens", None),
     ({"type": "session.update", "session": {"output_modalities": ["text", "audio"]}},
      "session.output_modalities", None),
@@ -1447,3 +1457,40 @@ def test_server_vad_s_idle_timeout_answers_a_silence(connect: Callable[..., Any]
     silent_turn = service.requests[1].messages[-1].parts[0].audio.pcm
     assert silent_turn.sample_rate == 8_000 and len(silent_turn.f32le) // 4 == 8_000  # its 1 s
     assert [e["type"] for e in after] == ["input_audio_buffer.cleared"]
+
+
+def test_truncation_leaves_the_oldest_turns_out_of_later_responses(connect: Callable[..., Any]) -> None:
+    """OpenAI's default, "auto": a conversation over the model's length less the output tokens
+    leaves out its oldest turns (the gateway's prompt build finds how many: prompt_fit.py); the
+    responses after it leave them out too, and the items stay in the conversation. "disabled":
+    the response fails instead; `retention_ratio` comes down further, within `post_instructions`."""
+    service = ScriptedService()
+    service.drop = [2]
+    with connect(service) as ws:
+        assert ws.receive_json()["session"]["truncation"] == "auto"
+        ws.send_json({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+        _until(ws, "session.updated")
+        first = [_say(ws, f"turn {i}") for i in range(3)]
+        ws.send_json({"type": "response.create"})
+        _until(ws, "response.done")
+        fit = service.fits[0]
+        assert fit is not None and (fit.limit, fit.target, fit.fixed) == (512, 512, 0)  # 1024 less half (inf)
+        _say(ws, "turn 3")
+        ws.send_json({"type": "response.create", "response": {"max_output_tokens": 100}})
+        _until(ws, "response.done")
+        texts = [m.parts[0].text if m.parts else m.content for m in service.requests[1].messages]
+        assert texts == ["turn 2", "Hello", "turn 3"] and service.fits[1].limit == 924  # type: ignore[union-attr]
+        ws.send_json({"type": "conversation.item.retrieve", "item_id": first[0]})  # (still there)
+        assert _until(ws, "conversation.item.retrieved")[-1]["item"]["id"] == first[0]
+        ratio = {"type": "retention_ratio", "retention_ratio": 0.5, "token_limits": {"post_instructions": 200}}
+        ws.send_json({"type": "session.update", "session": {"truncation": ratio, "instructions": "be brief please"}})
+        assert _until(ws, "session.updated")[-1]["session"]["truncation"] == ratio
+        ws.send_json({"type": "response.create"})
+        _until(ws, "response.done")
+        fit = service.fits[2]
+        assert fit is not None and (fit.limit, fit.target, fit.fixed) == (203, 103, 1)
+        ws.send_json({"type": "session.update", "session": {"truncation": "disabled"}})
+        assert _until(ws, "session.updated")[-1]["session"]["truncation"] == "disabled"
+        ws.send_json({"type": "response.create"})
+        _until(ws, "response.done")
+        assert service.fits[3] is None
