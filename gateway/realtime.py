@@ -304,6 +304,16 @@ class RealtimeSession:
         self.held += item.nbytes
         return self.order[at - 1] if at else None
 
+    def leave_out(self, items: list[Item]) -> None:
+        """Truncation left these turns out of a response's prompt: they stay out of every later one
+        (whatever the setting then), in the conversation without their media, which no longer
+        count towards its bound (a long spoken session would reach it however it is truncated)."""
+        for item in items:
+            if item.id not in self.left_out:
+                self.left_out.add(item.id)
+                self.held -= item.nbytes
+                item.nbytes, item.parts = 0, []
+
     def remove(self, item_id: str) -> None:
         self.order.remove(item_id)
         self.left_out.discard(item_id)
@@ -510,7 +520,9 @@ class RealtimeSession:
         if self.settings.transcription is not None:  # (beside the turn's response: their steps are shared)
             # one turn's after another's, so that a client's captions come in order
             after = self.last_transcription
-            task = asyncio.create_task(self._transcribe(item, self.settings.transcription, after))
+            # (its request made now: truncation may free the item's audio before its turn comes)
+            req = transcription_request(item, self.settings.transcription)
+            task = asyncio.create_task(self._transcribe(item, req, after))
             self.transcribing[item.id] = self.last_transcription = task
             waiting = 0 if keep else item.nbytes  # (a turn not kept counts towards the bound until transcribed)
             self.held += waiting
@@ -522,13 +534,13 @@ class RealtimeSession:
 
             task.add_done_callback(forget)
 
-    async def _transcribe(self, item: Item, config: dict[str, Any], after: asyncio.Task[None] | None) -> None:
+    async def _transcribe(self, item: Item, req: gateway_pb2.GenerateRequest, after: asyncio.Task[None] | None
+                          ) -> None:  # fmt: skip
         """A committed turn's words, as `/v1/audio/transcriptions` would give them: sent as
         `conversation.item.input_audio_transcription.delta`s, then `.completed` (or `.failed`),
         once the turn before it (`after`) is done."""
         if after is not None:
             await asyncio.wait({after})  # (its end, however it ended: not its cancellation)
-        req = transcription_request(item, config)
         req.request_id = _new_id("transcription")
         ids = {"item_id": item.id, "content_index": 0}
         replies = self.service.serve(req, None, "realtime")
@@ -677,10 +689,8 @@ class RealtimeSession:
         if not in_band and len(self.side) >= MAX_OUT_OF_BAND:
             raise RealtimeError(f"response.conversation: at most {MAX_OUT_OF_BAND} out-of-band responses at once",
                                 "response.conversation", "too_many_responses")  # fmt: skip
-        # (truncation disabled: the whole conversation, the turns it had left out too)
-        out = self.left_out if settings.truncation != "disabled" else set()
-        context = self._context(r.input) if r.input is not None else [self.items[i] for i in self.order
-                                                                       if i not in out]  # fmt: skip
+        context = self._context(r.input) if r.input is not None else \
+            [self.items[i] for i in self.order if i not in self.left_out]  # fmt: skip
         if r.input is not None and not context and not settings.instructions:
             raise RealtimeError("response.input: no items (and no instructions): nothing to answer", "response.input",
                                 "empty_conversation")  # fmt: skip
@@ -689,7 +699,8 @@ class RealtimeSession:
         charge = 0 if in_band else sum(i.nbytes for i in context)
         self._room(charge, "response.input" if r.input is not None else "response", items=1 if in_band else 0)
         req = to_generate_request(context, settings)
-        fit = settings.fit(self.service.max_prompt_tokens, self._tokens)
+        # (its instructions counted off the event loop, where a retention ratio's token limit needs them)
+        fit = await asyncio.to_thread(settings.fit, self.service.max_prompt_tokens, self._tokens)
         turns = [i for i in context if i.turn] if in_band and r.input is None else []  # (as the request's messages)
         response = Response(self, req, settings, r.metadata, in_band, fit, turns)
         response.charge = charge
@@ -863,7 +874,7 @@ class Response:
         finally:  # (the client gone too: the conversation keeps what was made)
             self.settle(status)
             if self.fit is not None and self.fit.dropped:  # (read once its prompt was made)
-                s.left_out.update(i.id for i in self.conversation[: self.fit.dropped])
+                s.leave_out([i for i in self.conversation[: self.fit.dropped] if s.items.get(i.id) is i])
         await self.done(*outcome)
 
     async def _outcome(self) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:

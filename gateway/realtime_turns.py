@@ -261,6 +261,9 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 T = TypeVar("T")
 
 
+_BRANCHES = frozenset({"RetentionRatio"})  # (truncation's)
+
+
 def _where(loc: tuple[Any, ...], prefix: str) -> str:
     """A pydantic error location as the event's field path, without the tags pydantic adds for
     a union's branch (`content[0].input_text.text` is `content[0].text`)."""
@@ -270,8 +273,8 @@ def _where(loc: tuple[Any, ...], prefix: str) -> str:
             out += f"[{item}]"
         elif i and isinstance(loc[i - 1], int) and item in _PART_TYPES:
             continue  # a content part's tag
-        elif isinstance(item, str) and item[:1].isupper():
-            continue  # a union's branch, by its model's name (truncation's RetentionRatio)
+        elif item in _BRANCHES:
+            continue  # a union's branch, by its model's name
         elif str(item).isidentifier() and item not in ("str", "int", "list"):
             out += f".{item}"
     return out

@@ -37,7 +37,7 @@ from gateway.chat_template import template_kwargs, template_names
 from gateway.media import decode_messages
 from gateway.media_cache import DecodedCache
 from gateway.metrics import GatewayMetrics, Outcome
-from gateway.prompt_fit import PromptFit, fitted
+from gateway.prompt_fit import PromptFit, fitted, without
 from omnistage.config import DeployConfig
 from omnistage.engine import OutChunk
 from omnistage.models import Checkpoint, PartRefused, load_tokenizer, media_inputs
@@ -194,6 +194,12 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             prompt = self._built(request, cancelled)
         else:  # (a conversation: within media.max_request_bytes, what the realtime socket holds)
             prompt = fitted(request, fit, lambda r: self._built(r, cancelled), lambda p: len(p.ids))
+            if fit.dropped:
+                log.info("request %s: truncation left out its %d oldest messages (%d prompt tokens; %d builds)",
+                         request.request_id, fit.dropped, len(prompt.ids), fit.builds)  # fmt: skip
+        if self.keeps_prefixes and prompt.multimodal:  # (only the prompt kept: not every build `fit` tried)
+            # the thinker tells a cached prefix's media apart by these (made here, off its engine thread)
+            prompt.digests = self.inputs.digests(prompt.multimodal, prompt.use_audio_in_video)  # type: ignore[union-attr]
         limit = self.max_prompt_tokens
         if len(prompt.ids) > limit:
             raise ValueError(f"prompt: {len(prompt.ids)} tokens exceeds the model maximum of {limit} (the model "
@@ -223,9 +229,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             except (ValueError, TypeError, KeyError, IndexError, RuntimeError, TemplateError) as e:  # the processor's
                 field = CHAT_TEMPLATE_KWARGS if kwargs and isinstance(e, TemplateError) else "messages"
                 raise ValueError(f"{field}: cannot build the model inputs: {type(e).__name__}: {e}") from None
-            # the thinker tells a cached prefix's media apart by these (made here, off its engine thread)
-            digests = self.inputs.digests(tensors, request.use_audio_in_video) if self.keeps_prefixes else None
-            prompt = edges.Prompt(ids, tensors, request.use_audio_in_video, digests)
+            prompt = edges.Prompt(ids, tensors, request.use_audio_in_video)
         else:
             try:
                 prompt = edges.Prompt(self.ckpt.family.prompt_ids(self.tokenizer, messages, kwargs))
@@ -446,6 +450,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         timings: dict[str, gateway_pb2.StageTiming] = {}
         frames = 0
         # (hashed off the event loop: its first user message may hold megabytes of media)
+        if fit is not None and fit.dropped:  # (keyed by the turns it kept: where the next ones go)
+            request = without(request, fit.fixed, fit.dropped)
         key = await asyncio.to_thread(self._conversation, request) if self.keeps_prefixes else None
         outputs = self._outputs(messages, time.monotonic() + timeout, request.request_id, start.request_id, key)
         speech_cut = False  # the talker reached its max_tokens before the reply's end

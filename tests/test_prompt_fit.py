@@ -3,8 +3,6 @@ truncation), counted by the prompt build itself; here a build that counts each m
 
 from __future__ import annotations
 
-import pytest
-
 from gateway.prompt_fit import PromptFit, fitted
 from omnistage.v1 import gateway_pb2
 
@@ -51,11 +49,26 @@ def test_a_retention_target_leaves_out_more_and_the_last_user_turn_stays() -> No
     fit = PromptFit(limit=45, target=5, fixed=0)
     out, _ = _fit(req, fit)
     assert fit.dropped == 4 and out.messages[0].role == "user"
-    with pytest.raises(ValueError, match="prompt: 13 tokens with only the last turn kept exceeds the conversation's "
-                                         "limit of 12"):  # fmt: skip
-        _fit(req, PromptFit(limit=12, target=12, fixed=0))
+    # over the limit even so: the last user turn on is what is left (the gateway refuses it past the
+    # model's own length; within it, it is served with less room for the reply)
+    fit = PromptFit(limit=12, target=12, fixed=0)
+    out, _ = _fit(req, fit)
+    assert fit.dropped == 4 and [m.role for m in out.messages] == ["user", "assistant"]
 
 
-def test_a_single_turn_over_the_limit_is_refused() -> None:
-    with pytest.raises(ValueError, match="prompt: 50 tokens with only the last turn kept"):
-        _fit(_request(("system", 10), ("user", 40)), PromptFit(limit=30, target=30, fixed=1))
+def test_a_single_turn_over_the_limit_is_left_as_it_is() -> None:
+    req = _request(("system", 10), ("user", 40))
+    fit = PromptFit(limit=30, target=30, fixed=1)
+    out, built = _fit(req, fit)
+    assert out == req and fit.dropped == 0 and built == [2]
+
+
+def test_a_conversation_just_over_takes_few_builds() -> None:
+    """What its last truncation left, then a turn or two: the count tried doubles from one."""
+    req = _request(*[("user" if i % 2 == 0 else "assistant", 10) for i in range(41)])
+    fit = PromptFit(limit=400, target=400, fixed=0)  # 410: one turn goes
+    out, built = _fit(req, fit)
+    assert fit.dropped == 1 and fit.builds == len(built) == 2 and len(out.messages) == 40
+    fit = PromptFit(limit=400, target=300, fixed=0)  # 11 turns go: 1, 2, 4, 8, 16, then 12, 10, 11
+    _fit(req, fit)
+    assert fit.dropped == 11 and fit.builds == 9

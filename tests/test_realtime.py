@@ -1494,3 +1494,74 @@ def test_truncation_leaves_the_oldest_turns_out_of_later_responses(connect: Call
         ws.send_json({"type": "response.create"})
         _until(ws, "response.done")
         assert service.fits[3] is None
+
+
+def test_truncation_leaves_out_turns_not_wordless_replies_and_not_a_deleted_items_new_namesake(
+        connect: Callable[..., Any]) -> None:  # fmt: skip
+    """The turns a prompt left out are the request's messages, so a reply with no words (not one)
+    is not counted among them; an item deleted while its response ran is not left out once it
+    is gone (a new item of its id is a turn of the next prompt, as a review found); what is left
+    out no longer counts towards the session's bound; it stays out after truncation is disabled."""
+    service = ScriptedService([_text("Par"), GATE, _final()])
+    service.drop = [1]
+
+    def item(role: str, text: str, **extra: Any) -> dict[str, Any]:
+        kind = "input_text" if role == "user" else "output_text"
+        return {"type": "message", "role": role, "content": [{"type": kind, "text": text}], **extra}
+
+    with connect(service) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+        _until(ws, "session.updated")
+        for raw in (item("assistant", ""), item("user", "a", id="a"), item("user", "b", id="b")):
+            ws.send_json({"type": "conversation.item.create", "item": raw})
+            _until(ws, "conversation.item.done")
+        ws.send_json({"type": "response.create"})
+        _until(ws, "response.created")
+        ws.send_json({"type": "conversation.item.delete", "item_id": "a"})  # (the turn its prompt leaves out)
+        _until(ws, "conversation.item.deleted")
+        service.gate.set()
+        _until(ws, "response.done")
+        service.gate.clear()
+        ws.send_json({"type": "conversation.item.create", "item": item("user", "a again", id="a")})
+        _until(ws, "conversation.item.done")
+        service.script = REPLY
+        ws.send_json({"type": "response.create"})
+        _until(ws, "response.done")
+        texts = [m.parts[0].text if m.parts else m.content for m in service.requests[1].messages]
+        assert texts == ["b", "Par", "a again"], texts
+        ws.send_json({"type": "conversation.item.create", "previous_item_id": "root", "item": item("assistant", "")})
+        _until(ws, "conversation.item.done")
+        service.drop = [2]  # "b" and the reply "Par" go (not the replies with no words before them)
+        ws.send_json({"type": "response.create"})
+        _until(ws, "response.done")
+        ws.send_json({"type": "session.update", "session": {"truncation": "disabled"}})
+        _until(ws, "session.updated")
+        ws.send_json({"type": "response.create"})
+        _until(ws, "response.done")
+        texts = [m.parts[0].text if m.parts else m.content for m in service.requests[3].messages]
+        assert texts == ["a again", "Hello", "Hello"], texts
+        ws.send_json({"type": "conversation.item.retrieve", "item_id": "b"})  # (still in the conversation)
+        assert _until(ws, "conversation.item.retrieved")[-1]["item"]["content"][0]["text"] == "b"
+
+
+def test_turns_truncation_left_out_no_longer_fill_the_sessions_bound(connect: Callable[..., Any]) -> None:
+    """A long spoken session reaches media.max_request_bytes however it is truncated unless what
+    is left out stops counting: its media go (the items stay, as events show them)."""
+    service = ScriptedService(max_request_bytes=64 * 1024)
+    service.drop = [2]
+    words = "x" * 20_000
+    with connect(service) as ws:
+        ws.receive_json()
+        ws.send_json({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}},
+                                                            "output_modalities": ["text"]}})  # fmt: skip
+        _until(ws, "session.updated")
+        for _ in range(3):
+            _say(ws, words)
+        ws.send_json({"type": "response.create"})  # (its prompt leaves the first two turns out)
+        _until(ws, "response.done")
+        _say(ws, words)  # 3 x 20 KB more than the bound held before: room again
+        _say(ws, words)
+        ws.send_json({"type": "response.create"})
+        assert _until(ws, "response.done")[-1]["response"]["status"] == "completed"
+        assert [m.parts[0].text for m in service.requests[1].messages if m.parts] == [words] * 3

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import itertools
 import json
 import math
 import os
@@ -644,38 +643,39 @@ def test_control_token_text_is_the_clients_text_at_every_door(http_stack: Stack,
 def test_a_realtime_conversation_past_the_model_length_leaves_out_its_oldest_turns(
         http_stack: Stack, client: openai.OpenAI) -> None:  # fmt: skip
     """Truncation "auto" (the default) through the real prompt build: each response's prompt stays
-    within the model's length less its output tokens, the turns left out stay out (the prompt
-    then grows again from the new start), and "disabled" fails the response by its length."""
+    within the model's length less its output tokens, as few turns left out as it takes (those
+    left out stay out: the prompt grows again from the new start); "disabled" fails the response
+    over the length instead."""
     model = client.models.list().data[0].id
     words = " ".join(f"word{i % 37}" for i in range(60))  # a few hundred tokens a turn
     limit = MAX_MODEL_LEN - 8  # (max_output_tokens: 8)
 
-    async def talk() -> tuple[list[tuple[str, int]], Any]:
+    async def talk(truncation: str) -> list[tuple[str, int, Any]]:
         aclient = openai.AsyncOpenAI(base_url=f"http://{http_stack.http_address}/v1", api_key="unused", max_retries=0)
-        seen: list[tuple[str, int]] = []
+        seen: list[tuple[str, int, Any]] = []
         async with aclient.realtime.connect(model=model) as conn:
             await conn.session.update(session={"type": "realtime", "output_modalities": ["text"],
-                                               "max_output_tokens": 8})  # type: ignore[typeddict-unknown-key]  # fmt: skip
-            for turn in range(7):
-                if turn == 6:
-                    await conn.session.update(session={"type": "realtime", "truncation": "disabled"})
+                                               "max_output_tokens": 8, "truncation": truncation})  # type: ignore[typeddict-unknown-key]  # fmt: skip
+            for turn in range(6):
                 await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
                     {"type": "input_text", "text": f"turn {turn}: {words}"}]})  # fmt: skip
                 await conn.response.create()
                 async for event in conn:
                     if event.type == "response.done":
                         usage = event.response.usage
-                        seen.append((event.response.status or "", usage.input_tokens if usage else 0))
-                        failed = event.response.status_details
+                        seen.append((event.response.status or "", usage.input_tokens if usage else 0,
+                                     event.response.status_details))  # fmt: skip
                         break
-        return seen, failed
+        return seen
 
-    seen, failed = run(talk())
-    statuses, tokens = [s for s, _ in seen[:6]], [t for _, t in seen[:6]]
+    seen = run(talk("auto"))
+    statuses, tokens = [s for s, _, _ in seen], [t for _, t, _ in seen]
     assert set(statuses) <= {"completed", "incomplete"} and all(0 < t <= limit for t in tokens), seen
-    assert 6 * tokens[0] > limit, seen  # the sixth prompt whole would hold six turns (turns were left out)
-    assert all(b >= a - tokens[0] for a, b in itertools.pairwise(tokens)), seen  # (as few as it takes)
-    assert seen[6][0] == "failed" and "exceeds" in str(failed), (seen, failed)
+    assert 6 * tokens[0] > limit, seen  # the sixth prompt whole would hold six turns: turns were left out
+    assert tokens[-1] > limit - 2 * tokens[0], seen  # as few as it takes (a turn and its reply at most)
+    refused = run(talk("disabled"))
+    assert [s for s, _, _ in refused][:3] == statuses[:3] and refused[-1][0] == "failed", refused
+    assert "exceeds the model maximum" in str(refused[-1][2]), refused
 
 
 def _post(stack: Stack, body: Any, raw: bytes | None = None, **headers: str) -> httpx.Response:
