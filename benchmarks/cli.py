@@ -330,6 +330,24 @@ def bench_conversation(
     main(model, conversations, turns, clip_seconds, thinker_max_tokens, talker_max_tokens, json_out, clip_spread)
 
 
+@bench_app.command("truncation")
+def bench_truncation(
+    model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: built-in tiny).")] = None,
+    sessions: Annotated[int, typer.Option("--sessions", min=1, max=20, help="Sessions per setting.")] = 2,
+    turns: Annotated[int, typer.Option("--turns", min=2, max=100, help="Typed turns per session.")] = 24,
+    words: Annotated[int, typer.Option("--words", min=1, max=500, help="Words in each turn.")] = 30,
+    max_model_len: Annotated[int, typer.Option("--max-model-len", min=64,
+                                               help="The stack's max_model_len (what the sessions pass).")] = 1024,
+    ratio: Annotated[float, typer.Option("--ratio", min=0.0, max=1.0, help="The retention_ratio compared.")] = 0.5,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the figures here.")] = None,
+) -> None:
+    """A Realtime session past the model's length: TTFT and the prefix cache's share of the prompts
+    with truncation "auto" and with a retention_ratio (one stack, sessions alternating)."""
+    from benchmarks.truncation import main
+
+    main(model, sessions, turns, words, max_model_len, ratio, json_out)
+
+
 @bench_app.command("faults")
 def bench_faults(
     model: Annotated[Path | None, typer.Option("--model", help="Checkpoint (default: built-in tiny).")] = None,

@@ -31,6 +31,8 @@ from tests.integration.conftest import free_port_block
         (["conversation", "--turns", "0"], "--turns"),
         (["conversation", "--clip-seconds", "0.2"], "--clip-seconds"),
         (["conversation", "--clip-spread", "0.9"], "--clip-spread"),
+        (["truncation", "--turns", "1"], "--turns"),
+        (["truncation", "--ratio", "1.5"], "--ratio"),
         (["routing", "--long-share", "2"], "--long-share"),
         (["pd", "--long-every", "0"], "--long-every"),  # a ZeroDivisionError once both stacks had started
         (["batching", "--batch", "0"], "--batch"),

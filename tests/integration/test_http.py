@@ -678,6 +678,23 @@ def test_a_realtime_conversation_past_the_model_length_leaves_out_its_oldest_tur
     assert "exceeds the model maximum" in str(refused[-1][2]), refused
 
 
+def test_the_truncation_bench_sorts_its_turns(http_stack: Stack) -> None:
+    """`omnistage bench truncation`'s session loop on this stack: a retention ratio's session comes
+    down at once and grows again; its summary counts those turns as truncating, the rest by side."""
+    from benchmarks.truncation import _arm_summary, _session
+
+    ratio = {"type": "retention_ratio", "retention_ratio": 0.5}
+    rows = run(_session(f"ws://{http_stack.http_address}/v1/realtime", ratio, "t", 7, 60))
+    tokens = [r["prompt_tokens"] for r in rows]
+    assert len(rows) == 7 and all(r["status"] != "failed" and r["ttft"] > 0 for r in rows), rows
+    cuts = [i for i in range(1, 7) if tokens[i] < tokens[i - 1]]
+    assert cuts and max(tokens) <= MAX_MODEL_LEN - 8, tokens
+    summary = _arm_summary([rows], {"cached": 1.0, "prefilled": 3.0})
+    assert summary["ttft_truncating_turns"]["n"] == len(cuts) and summary["cached_share"] == 0.25
+    counted = sum(summary[k]["n"] for k in ("ttft_below_limit", "ttft_truncating_turns", "ttft_other_turns_past_limit"))
+    assert counted == 7 and summary["ttft_below_limit"]["n"] == cuts[0]
+
+
 def _post(stack: Stack, body: Any, raw: bytes | None = None, **headers: str) -> httpx.Response:
     url = f"http://{stack.http_address}/v1/chat/completions"
     if raw is not None:
