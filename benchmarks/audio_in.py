@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import media
-from benchmarks.common import machine_info, write_json
+from benchmarks.common import machine_info, ms, write_json
 from benchmarks.harness import start_stacks
 
 QUESTION = "What do you hear?"
@@ -169,10 +169,6 @@ def _reply_stats(replies: Sequence[Any]) -> dict[str, Any]:
             "e2e": _stats([r.e2e_s for r in replies])}  # fmt: skip
 
 
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{1000 * x:.0f}"
-
-
 def _print(result: dict[str, Any]) -> None:
     print("\n| clip | driver | c | TTFT p50 / p99 ms | TTFA p50 / p99 ms | e2e p50 ms | TTFT, TTFA vs monolithic |")
     print("|---|---|---|---|---|---|---|")
@@ -181,7 +177,7 @@ def _print(result: dict[str, Any]) -> None:
         if "ttft_vs_monolithic" in r:
             keys = ("ttft_vs_monolithic", "ttfa_vs_monolithic")
             ratio = " / ".join("-" if r[k] is None else f"{r[k]:.2f}" for k in keys)
-        print(f"| {r['clip_s']:g} s | {r['driver']} | {r['concurrency']} | {_ms(r['ttft']['median'])} / "
-              f"{_ms(r['ttft']['p99'])} | {_ms(r['ttfa']['median'])} / {_ms(r['ttfa']['p99'])} | "
-              f"{_ms(r['e2e']['median'])} | {ratio} |")  # fmt: skip
+        print(f"| {r['clip_s']:g} s | {r['driver']} | {r['concurrency']} | {ms(r['ttft']['median'], 0)} / "
+              f"{ms(r['ttft']['p99'], 0)} | {ms(r['ttfa']['median'], 0)} / {ms(r['ttfa']['p99'], 0)} | "
+              f"{ms(r['e2e']['median'], 0)} | {ratio} |")  # fmt: skip
     print("\nids equal monolithic generate():", json.dumps(result["checks"]))

@@ -73,6 +73,11 @@ def timed_median(fn: Callable[[], T], reps: int, warmup: int = 1) -> tuple[float
     return statistics.median(times), times, result
 
 
+def ms(x: float | None, digits: int = 1) -> str:
+    """Seconds as milliseconds for a table ("-": none)."""
+    return "-" if x is None else f"{1000 * x:.{digits}f}"
+
+
 def write_json(path: Path | None, result: dict[str, Any]) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import media
-from benchmarks.common import machine_info, write_json
+from benchmarks.common import machine_info, ms, write_json
 from benchmarks.harness import start_stacks
 from benchmarks.stats import summarize
 
@@ -123,10 +123,6 @@ def main(model: Path | None, conversations: int, turns: int, clip_seconds: float
     return result
 
 
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{1000 * x:.1f}"
-
-
 def _print(result: dict[str, Any]) -> None:
     arms: Sequence[str] = list(ARMS)
     print("\n| turn | " + " | ".join(f"{a}: TTFT p50 / p99 ms (ratio)" for a in arms) + " |")
@@ -136,12 +132,12 @@ def _print(result: dict[str, Any]) -> None:
         for a in arms:
             r = next(r for r in result["rows"] if r["arm"] == a and r["turn"] == t)
             ratio = "" if r["ttft_ratio"] is None else f" ({r['ttft_ratio']:.2f})"
-            cells.append(f"{_ms(r['ttft']['median'])} / {_ms(r['ttft']['p99'])}{ratio}")
+            cells.append(f"{ms(r['ttft']['median'])} / {ms(r['ttft']['p99'])}{ratio}")
         print(f"| {t} | " + " | ".join(cells) + " |")
     print("\nTTFA p50 ms per turn:")
     for a in arms:
         rows = [r for r in result["rows"] if r["arm"] == a]
-        print(f"  {a}: " + ", ".join(_ms(r["ttfa"]["median"]) for r in rows))
+        print(f"  {a}: " + ", ".join(ms(r["ttfa"]["median"]) for r in rows))
     print("\nreplies equal the first arm's:", json.dumps(result["replies_equal_first_arm"]))
     for line in result["failed"]:
         print("failed:", line)

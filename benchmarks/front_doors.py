@@ -19,7 +19,7 @@ import os
 import time
 from typing import Any
 
-from benchmarks.common import machine_info
+from benchmarks.common import machine_info, ms
 from benchmarks.drivers import BenchRequest, GrpcDriver, HttpDriver, RealtimeDriver
 from benchmarks.harness import (
     BenchOptions,
@@ -119,10 +119,6 @@ def _same_audio(run: Run) -> bool:
     return all(len(v) == 1 for v in by_prompt.values())
 
 
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{1000 * x:.0f}"
-
-
 def _table(result: dict[str, Any]) -> str:
     door = result["door"]
     lines = ["", f"| c | median TTFT {door} / grpc ms (ratio) | median TTFA {door} / grpc ms (ratio) | "
@@ -132,7 +128,7 @@ def _table(result: dict[str, Any]) -> str:
         for key in ("ttft", "ttfa", "e2e"):
             v = row[key]
             ratio = "-" if v[f"{door}_over_grpc"] is None else f"{v[f'{door}_over_grpc']:.3f}"
-            cells.append(f"{_ms(v[f'{door}_median_s'])} / {_ms(v['grpc_median_s'])} ({ratio})")
+            cells.append(f"{ms(v[f'{door}_median_s'], 0)} / {ms(v['grpc_median_s'], 0)} ({ratio})")
         lines.append(f"| {row['concurrency']} | " + " | ".join(cells) + " |")
     lines += ["", f"failed requests: {result['failed']}; same audio on both front doors: "
               f"{result['audio_samples_equal']}", ""]  # fmt: skip

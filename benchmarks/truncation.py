@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import machine_info, write_json
+from benchmarks.common import machine_info, ms, write_json
 from benchmarks.harness import free_port_blocks, start_stacks
 from benchmarks.stats import summarize
 
@@ -141,16 +141,12 @@ def main(model: Path | None, sessions: int, turns: int, words: int, max_model_le
     return result
 
 
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{1000 * x:.1f}"
-
-
 def _print(result: dict[str, Any]) -> None:
     print("\n| truncation | TTFT p50 / p99 ms below the limit | truncating turns | other turns past it | "
           "prompt tokens cached |")  # fmt: skip
     print("|---|---|---|---|---|")
     for arm, r in result["arms"].items():
-        cells = [f"{_ms(r[k]['median'])} / {_ms(r[k]['p99'])} (n={r[k]['n']})"
+        cells = [f"{ms(r[k]['median'])} / {ms(r[k]['p99'])} (n={r[k]['n']})"
                  for k in ("ttft_below_limit", "ttft_truncating_turns", "ttft_other_turns_past_limit")]  # fmt: skip
         share = "-" if r["cached_share"] is None else f"{100 * r['cached_share']:.1f} %"
         print(f"| {arm} | " + " | ".join(cells) + f" | {share} |")
