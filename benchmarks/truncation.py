@@ -8,9 +8,9 @@ that a session of typed turns passes it in a few turns), its Realtime WebSocket;
 two settings alternate (the machine's noise falls on both), each turn a typed user message of
 `words` words answered in text (`max_output_tokens` 8, temperature 0), each session's words its
 own (no session hits another's prefixes), after one untimed warm-up session. A turn whose
-prompt grew by less than half the session's first growth (a turn and its reply) is a truncating
-one. The cached share is the thinker's `prompt_tokens_total{source=cached}` over
-all prompt tokens, read around each session.
+prompt grew by less than half the session's first prompt (about a turn and its reply) is a
+truncating one; a failed turn (no prompt counted) is counted apart. The cached share is the
+thinker's `prompt_tokens_total{source=cached}` over all prompt tokens, read around each session.
 """
 
 from __future__ import annotations
@@ -86,11 +86,12 @@ async def _session(url: str, truncation: Any, tag: str, turns: int, words: int) 
 
 def _arm_summary(sessions: list[list[dict[str, Any]]], tokens: dict[str, float]) -> dict[str, Any]:
     below, truncating, after = [], [], []
-    for rows in sessions:
+    for all_rows in sessions:
+        rows = [r for r in all_rows if r["prompt_tokens"]]  # (a failed turn has none)
         past = False
-        growth = rows[1]["prompt_tokens"] - rows[0]["prompt_tokens"] if len(rows) > 1 else 0
+        step = rows[0]["prompt_tokens"] / 2 if rows else 0
         for prev, row in zip([None, *rows], rows, strict=False):
-            cut = prev is not None and row["prompt_tokens"] < prev["prompt_tokens"] + growth / 2
+            cut = prev is not None and row["prompt_tokens"] < prev["prompt_tokens"] + step
             past = past or cut
             (truncating if cut else after if past else below).append(row["ttft"])
     total = tokens.get("cached", 0.0) + tokens.get("prefilled", 0.0)

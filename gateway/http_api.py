@@ -964,8 +964,10 @@ class ChatCompletions:
             headers_checked()
             if not self.service.cfg.audio_output:
                 raise HttpError(400, "this stack serves text only (no talker): it cannot speak", code="text_only")
-            # the reply and its stop id within the thinker's limit, the prompt not counted yet
-            return body, to_speech_request(body, self.voices, self.service.tokenizer, self.service.max_prompt_tokens)
+            # the reply and its stop id within the thinker's limit, the prompt not counted yet (off the
+            # event loop: the tokenizer encodes one call at a time, a long prompt's build may hold it)
+            return body, await asyncio.to_thread(to_speech_request, body, self.voices, self.service.tokenizer,
+                                                 self.service.max_prompt_tokens)  # fmt: skip
 
         admitted = await self._admit(request, make)
         if isinstance(admitted, Response):

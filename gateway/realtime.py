@@ -93,6 +93,7 @@ from gateway.http_error import HttpError
 from gateway.prompt_fit import PromptFit
 from gateway.realtime_beta import GaFieldError, beta_error, is_beta, to_beta, to_ga
 from gateway.realtime_turns import (
+    ITEM_BYTES,
     MAX_ITEMS,
     TRANSCRIBING,
     AudioConfig,
@@ -306,13 +307,16 @@ class RealtimeSession:
 
     def leave_out(self, items: list[Item]) -> None:
         """Truncation left these turns out of a response's prompt: they stay out of every later one
-        (whatever the setting then), in the conversation without their media, which no longer
-        count towards its bound (a long spoken session would reach it however it is truncated)."""
+        (whatever the setting then), in the conversation without their media (their words kept),
+        which no longer count towards its bound (a long spoken session would reach it however it
+        is truncated)."""
         for item in items:
             if item.id not in self.left_out:
                 self.left_out.add(item.id)
-                self.held -= item.nbytes
-                item.nbytes, item.parts = 0, []
+                item.parts = [p for p in item.parts if p.WhichOneof("kind") == "text"]
+                kept = ITEM_BYTES + len(item.text.encode()) + sum(len(p.text.encode()) for p in item.parts)
+                self.held -= item.nbytes - kept
+                item.nbytes = kept
 
     def remove(self, item_id: str) -> None:
         self.order.remove(item_id)
@@ -699,8 +703,7 @@ class RealtimeSession:
         charge = 0 if in_band else sum(i.nbytes for i in context)
         self._room(charge, "response.input" if r.input is not None else "response", items=1 if in_band else 0)
         req = to_generate_request(context, settings)
-        # (its instructions counted off the event loop, where a retention ratio's token limit needs them)
-        fit = await asyncio.to_thread(settings.fit, self.service.max_prompt_tokens, self._tokens)
+        fit = settings.fit(self.service.max_prompt_tokens)
         turns = [i for i in context if i.turn] if in_band and r.input is None else []  # (as the request's messages)
         response = Response(self, req, settings, r.metadata, in_band, fit, turns)
         response.charge = charge
@@ -710,9 +713,6 @@ class RealtimeSession:
             self.active, self.task, self.idle_from = response, task, None  # (its end arms the idle timeout)
         else:
             self.side[response.id] = (response, task)
-
-    def _tokens(self, text: str) -> int:
-        return len(self.service.tokenizer.encode(text, add_special_tokens=False))
 
     def _context(self, given: Any) -> list[Item]:
         """response.input: the turns a response answers in place of the conversation: items given

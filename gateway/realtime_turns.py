@@ -368,24 +368,21 @@ class Settings:
     def truncation_event(self) -> Any:
         return self.truncation if isinstance(self.truncation, str) else self.truncation.model_dump()
 
-    def fit(self, max_prompt_tokens: int, count: Callable[[str], int]) -> PromptFit | None:
+    def fit(self, max_prompt_tokens: int) -> PromptFit | None:
         """How a response's prompt is kept within the model's length (None: truncation disabled),
         as OpenAI's API keeps it: the model's length less the response's output tokens (at most
         half of it: "inf" keeps MAX_OUTPUT_TOKENS), or `post_instructions` past the instructions
-        (`count`: a text's tokens)."""
+        (counted where the prompt is built: prompt_fit.PromptFit.resolve)."""
         if self.truncation == "disabled":
             return None
         length = max_prompt_tokens + 1
-        limit = length - min(self.max_output_tokens or MAX_OUTPUT_TOKENS, length // 2)
-        ratio, instruction_tokens = 1.0, 0
+        fit = PromptFit(limit=length - min(self.max_output_tokens or MAX_OUTPUT_TOKENS, length // 2),
+                        fixed=1 if self.instructions else 0, instructions=self.instructions)  # fmt: skip
         if isinstance(self.truncation, RetentionRatio):
-            ratio = self.truncation.retention_ratio
-            instruction_tokens = count(self.instructions) if self.instructions else 0
-            given = self.truncation.token_limits.post_instructions if self.truncation.token_limits else None
-            if given is not None:
-                limit = min(limit, instruction_tokens + given)
-        target = instruction_tokens + int(ratio * max(0, limit - instruction_tokens))  # (of what follows them)
-        return PromptFit(limit=limit, target=min(target, limit), fixed=1 if self.instructions else 0)
+            fit.ratio = self.truncation.retention_ratio
+            limits = self.truncation.token_limits
+            fit.post_instructions = limits.post_instructions if limits is not None else None
+        return fit
 
     def output_format_event(self, sample_rate: int) -> dict[str, Any]:
         return _format(self.output_format, sample_rate)

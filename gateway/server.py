@@ -192,8 +192,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             if chars > MAX_CHARS_PER_TOKEN * self.max_prompt_tokens:  # before tokenizing: it could never fit
                 raise ValueError(f"prompt: {chars} characters of text cannot fit in {self.max_prompt_tokens} tokens")
             prompt = self._built(request, cancelled)
-        else:  # (a conversation: within media.max_request_bytes, what the realtime socket holds)
-            prompt = fitted(request, fit, lambda r: self._built(r, cancelled), lambda p: len(p.ids))
+        else:  # a conversation (the realtime socket's): its oldest turns left out as far as it takes
+            prompt = fitted(request, fit, lambda r: self._built(r, cancelled), lambda p: len(p.ids),
+                            lambda text: len(self.tokenizer.encode(text, add_special_tokens=False)),
+                            MAX_CHARS_PER_TOKEN * self.max_prompt_tokens)  # fmt: skip
             if fit.dropped:
                 log.info("request %s: truncation left out its %d oldest messages (%d prompt tokens; %d builds)",
                          request.request_id, fit.dropped, len(prompt.ids), fit.builds)  # fmt: skip
@@ -202,6 +204,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             prompt.digests = self.inputs.digests(prompt.multimodal, prompt.use_audio_in_video)  # type: ignore[union-attr]
         limit = self.max_prompt_tokens
         if len(prompt.ids) > limit:
+            if fit is not None:  # (refused: it left nothing out of the conversation)
+                fit.dropped = 0
             raise ValueError(f"prompt: {len(prompt.ids)} tokens exceeds the model maximum of {limit} (the model "
                              f"length, {limit + 1}, keeps one for the reply)")
         return prompt
@@ -450,9 +454,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         timings: dict[str, gateway_pb2.StageTiming] = {}
         frames = 0
         # (hashed off the event loop: its first user message may hold megabytes of media)
-        if fit is not None and fit.dropped:  # (keyed by the turns it kept: where the next ones go)
-            request = without(request, fit.fixed, fit.dropped)
-        key = await asyncio.to_thread(self._conversation, request) if self.keeps_prefixes else None
+        key = await asyncio.to_thread(self._conversation, request, fit) if self.keeps_prefixes else None
         outputs = self._outputs(messages, time.monotonic() + timeout, request.request_id, start.request_id, key)
         speech_cut = False  # the talker reached its max_tokens before the reply's end
         try:
@@ -519,11 +521,14 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                                                                   total_s=time.perf_counter() - t0))  # fmt: skip
         yield gateway_pb2.GenerateResponse(final=final)
 
-    def _conversation(self, request: gateway_pb2.GenerateRequest) -> bytes | None:
+    def _conversation(self, request: gateway_pb2.GenerateRequest, fit: PromptFit | None = None) -> bytes | None:
         """Where the thinker keeps prefixes: the key its replica is chosen by (routing.py), the
-        same for every turn of a conversation: its messages up to its first user message."""
+        same for every turn of a conversation: its messages up to its first user message (of
+        those `fit` kept: where its next turns go)."""
         if not self.keeps_prefixes:
             return None
+        if fit is not None and fit.dropped:
+            request = without(request, fit.fixed, fit.dropped)
         first = next((i for i, m in enumerate(request.messages) if m.role == "user"), None)
         if first is None:
             return None

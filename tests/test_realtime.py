@@ -64,7 +64,6 @@ class ScriptedService:
         self.stall_after: int | None = None  # deliver's sends before the client stops taking them
         self.gate = threading.Event()
         self.max_prompt_tokens = 1023
-        self.tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens=False: text.split())
         self.fits: list[PromptFit | None] = []  # each request's truncation
         self.drop: list[int] = []  # the turns each request's prompt leaves out, in turn (none once empty)
 
@@ -1474,7 +1473,7 @@ def test_truncation_leaves_the_oldest_turns_out_of_later_responses(connect: Call
         ws.send_json({"type": "response.create"})
         _until(ws, "response.done")
         fit = service.fits[0]
-        assert fit is not None and (fit.limit, fit.target, fit.fixed) == (512, 512, 0)  # 1024 less half (inf)
+        assert fit is not None and (fit.limit, fit.ratio, fit.fixed) == (512, 1.0, 0)  # 1024 less half (inf)
         _say(ws, "turn 3")
         ws.send_json({"type": "response.create", "response": {"max_output_tokens": 100}})
         _until(ws, "response.done")
@@ -1488,7 +1487,8 @@ def test_truncation_leaves_the_oldest_turns_out_of_later_responses(connect: Call
         ws.send_json({"type": "response.create"})
         _until(ws, "response.done")
         fit = service.fits[2]
-        assert fit is not None and (fit.limit, fit.target, fit.fixed) == (203, 103, 1)
+        assert fit is not None and (fit.limit, fit.ratio, fit.fixed, fit.instructions, fit.post_instructions) == (
+            1024 - 512, 0.5, 1, "be brief please", 200)  # (the instructions counted where the prompt is built)
         ws.send_json({"type": "session.update", "session": {"truncation": "disabled"}})
         assert _until(ws, "session.updated")[-1]["session"]["truncation"] == "disabled"
         ws.send_json({"type": "response.create"})
@@ -1547,21 +1547,34 @@ def test_truncation_leaves_out_turns_not_wordless_replies_and_not_a_deleted_item
 
 def test_turns_truncation_left_out_no_longer_fill_the_sessions_bound(connect: Callable[..., Any]) -> None:
     """A long spoken session reaches media.max_request_bytes however it is truncated unless what
-    is left out stops counting: its media go (the items stay, as events show them)."""
+    is left out stops counting: its media go (the items stay, their words kept, as events show
+    them); a reference to one in response.input is its words alone."""
     service = ScriptedService(max_request_bytes=64 * 1024)
-    service.drop = [2]
-    words = "x" * 20_000
+    service.drop = [3]
+    audio = base64.b64encode(_pcm16(4000)).decode()  # 16 KB as float samples
+
+    def spoken(item_id: str) -> None:
+        ws.send_json({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "id": item_id,
+                      "content": [{"type": "input_audio", "audio": audio}, {"type": "input_text", "text": "hm"}]}})
+        _until(ws, "conversation.item.done")
+
     with connect(service) as ws:
         ws.receive_json()
         ws.send_json({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}},
                                                             "output_modalities": ["text"]}})  # fmt: skip
         _until(ws, "session.updated")
-        for _ in range(3):
-            _say(ws, words)
-        ws.send_json({"type": "response.create"})  # (its prompt leaves the first two turns out)
+        for i in range(3):
+            spoken(f"a{i}")
+        ws.send_json({"type": "response.create"})  # (its prompt leaves the three turns out)
         _until(ws, "response.done")
-        _say(ws, words)  # 3 x 20 KB more than the bound held before: room again
-        _say(ws, words)
+        for i in range(3):  # 48 KB more: room again (96 KB in all)
+            spoken(f"b{i}")
         ws.send_json({"type": "response.create"})
         assert _until(ws, "response.done")[-1]["response"]["status"] == "completed"
-        assert [m.parts[0].text for m in service.requests[1].messages if m.parts] == [words] * 3
+        ws.send_json({"type": "response.create", "response": {"conversation": "none", "input": [
+            {"type": "item_reference", "id": "a0"}]}})  # fmt: skip
+        _until(ws, "response.done")
+    kinds = [[p.WhichOneof("kind") for p in m.parts] for m in service.requests[1].messages if m.role == "user"]
+    assert kinds == [["audio", "text"]] * 3, kinds
+    (left,) = service.requests[2].messages
+    assert [p.text for p in left.parts] == ["hm"]
