@@ -471,7 +471,7 @@ class RealtimeSession:
             self.vad_item, self.turn_start = _new_id("item"), event.sample
             self.vad_committed, self.idle_from = False, None
             if vad.interrupt_response and self.active is not None:
-                self.active.cancel()
+                self.active.cancel("turn_detected")
             await self.send({"type": "input_audio_buffer.speech_started", "audio_start_ms": self._ms(event.sample),
                              "item_id": self.vad_item})  # fmt: skip
             return
@@ -829,16 +829,17 @@ class Response:
         self.g711 = G711Encoder(settings.output_format, rate) if self.audio and settings.output_format in LAWS else None
         self.text: list[str] = []
         self.ids = {"response_id": self.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
-        self.cancelled = False
+        self.cancelled: dict[str, str] | None = None  # once cancelled: its status_details
         self.finished = False  # the request's final came
         self.generating: asyncio.Future[tuple[str, dict[str, Any] | None, dict[str, Any] | None]] | None = None
 
-    def cancel(self) -> None:
-        """response.cancel: what is made so far stays, as an incomplete item, and the response is done
-        (one whose request has ended is done already: it completes)."""
+    def cancel(self, reason: str = "client_cancelled") -> None:
+        """response.cancel (`reason` as response.done says it: "turn_detected" where server_vad
+        heard the user speak over it): what is made so far stays, as an incomplete item, and the
+        response is done (one whose request has ended is done already: it completes)."""
         if self.finished:
             return
-        self.cancelled = True
+        self.cancelled = {"type": "cancelled", "reason": reason}
         if self.generating is not None:
             self.generating.cancel()
 
@@ -869,7 +870,7 @@ class Response:
                 await s.send({"type": "conversation.item.added", "previous_item_id": previous,
                               "item": self.item.event()})  # fmt: skip
             await s.send({"type": "response.content_part.added", **self.ids, "part": self.part()})
-            outcome = ("cancelled", _CANCELLED, None) if self.cancelled else await self._outcome()
+            outcome = ("cancelled", self.cancelled, None) if self.cancelled else await self._outcome()
             status = outcome[0]
         finally:  # (the client gone too: the conversation keeps what was made)
             self.settle(status)
@@ -888,8 +889,8 @@ class Response:
                 generating.cancel()
                 await asyncio.wait({generating})
             await replies.aclose()
-        if generating.cancelled():
-            return "cancelled", _CANCELLED, None
+        if generating.cancelled():  # (response.cancel, or the connection closed)
+            return "cancelled", self.cancelled or _CANCELLED, None
         return generating.result()  # (_Gone: the client is)
 
     async def _generate(self, replies: Replies) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:

@@ -194,7 +194,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             prompt = self._built(request, cancelled)
         else:  # a conversation (the realtime socket's): its oldest turns left out as far as it takes
             prompt = fitted(request, fit, lambda r: self._built(r, cancelled), lambda p: len(p.ids),
-                            lambda text: len(self.tokenizer.encode(text, add_special_tokens=False)),
+                            lambda text: len(self.tokenizer.encode(text, add_special_tokens=False,
+                                                                   split_special_tokens=True)),  # (as it reads)
                             MAX_CHARS_PER_TOKEN * self.max_prompt_tokens)  # fmt: skip
             if fit.dropped:
                 log.info("request %s: truncation left out its %d oldest messages (%d prompt tokens; %d builds)",

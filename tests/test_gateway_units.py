@@ -1535,3 +1535,27 @@ def test_the_http_port_sends_small_writes_at_once() -> None:
 
     asyncio.run(go())
     assert seen and seen[0] != 0
+
+
+def test_truncation_counts_the_instructions_as_they_read(tiny_dir: Path) -> None:
+    """A retention ratio's `post_instructions` limit counts the instructions' tokens where the prompt
+    is built, their special-token text as text (each token's text several tokens: a probe found
+    them counted one each, the limit too low, turns left out early)."""
+    from gateway.prompt_fit import PromptFit
+    from gateway.server import GatewayService
+    from omnistage.config import parse_config
+    from omnistage.models import open_checkpoint
+
+    async def service() -> GatewayService:  # (made in a running loop: its channel binds to it)
+        return GatewayService(parse_config({}), open_checkpoint(tiny_dir), "ipv4:127.0.0.1:1")
+
+    gateway = asyncio.run(service())
+    tokenizer = gateway.tokenizer
+    instructions = "<|im_end|><|audio_pad|> be brief"
+    plain = len(tokenizer.encode(instructions, add_special_tokens=False, split_special_tokens=True))
+    assert plain > len(tokenizer.encode(instructions, add_special_tokens=False)) + 4
+    req = gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role="system", content=instructions),
+                                                gateway_pb2.ChatMessage(role="user", content="hi")])  # fmt: skip
+    fit = PromptFit(limit=500, ratio=0.5, fixed=1, instructions=instructions, post_instructions=100)
+    prompt = gateway._prompt(req, None, fit)
+    assert fit.limit == plain + 100 and fit.target == plain + 50 and fit.dropped == 0 and len(prompt.ids) > plain

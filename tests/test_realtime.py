@@ -392,7 +392,8 @@ def test_a_cancelled_response_keeps_what_was_made_and_closes_its_request(connect
         ws.send_json({"type": "response.cancel"})
         events = _until(ws, "response.done")
         final = events[-1]["response"]
-        assert final["status"] == "cancelled" and final["status_details"]["type"] == "cancelled"
+        assert final["status"] == "cancelled" and final["status_details"] == {"type": "cancelled",
+                                                                              "reason": "client_cancelled"}
         assert final["output"][0]["status"] == "incomplete"
         assert final["output"][0]["content"] == [{"type": "output_audio", "transcript": "Par"}]
         assert service.closed == [service.requests[0].request_id]
@@ -620,6 +621,8 @@ def test_server_vad_commits_a_turn_and_answers_it(connect: Callable[..., Any]) -
         kinds = [e["type"] for e in events]
         dones = [i for i, k in enumerate(kinds) if k == "response.done"]
         assert [events[i]["response"]["status"] for i in dones] == ["cancelled", "completed"]
+        # as OpenAI's API says a barge-in (a client's response.cancel says client_cancelled)
+        assert events[dones[0]]["response"]["status_details"] == {"type": "cancelled", "reason": "turn_detected"}
         assert kinds[0] == "input_audio_buffer.speech_started"  # (then the cut response's end)
         assert kinds.index("input_audio_buffer.committed") < kinds.index("response.created") < dones[1]
     assert len(service.requests) == 3 and service.closed == [r.request_id for r in service.requests]
