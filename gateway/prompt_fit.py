@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from omnistage.v1 import gateway_pb2
 
-__all__ = ["PromptFit", "fitted"]
+__all__ = ["PromptFit", "fitted", "text_chars", "without"]
 
 P = TypeVar("P")
 
@@ -59,7 +59,8 @@ def without(request: gateway_pb2.GenerateRequest, fixed: int, count: int) -> gat
     return out
 
 
-def _chars(message: gateway_pb2.ChatMessage) -> int:
+def text_chars(message: gateway_pb2.ChatMessage) -> int:
+    """The characters of a message's text (what bounds its tokens before it is tokenized)."""
     return len(message.content) + sum(len(p.text) for p in message.parts)
 
 
@@ -77,10 +78,10 @@ def fitted(request: gateway_pb2.GenerateRequest, fit: PromptFit, build: Callable
     fit.resolve(count)
     users = [i for i, m in enumerate(request.messages) if i >= fit.fixed and m.role == "user"]
     most = users[-1] - fit.fixed if users else 0  # (no user turn: nothing to keep it for)
-    chars = sum(_chars(m) for m in request.messages)
+    chars = sum(text_chars(m) for m in request.messages)
     floor = 0  # turns that cannot fit whatever follows: their text alone is past the bound
     while floor < most and chars > max_chars:
-        chars -= _chars(request.messages[fit.fixed + floor])
+        chars -= text_chars(request.messages[fit.fixed + floor])
         floor += 1
     if chars > max_chars:
         raise ValueError(f"prompt: {chars} characters of text from its last user turn on cannot fit in the model's "
@@ -89,10 +90,13 @@ def fitted(request: gateway_pb2.GenerateRequest, fit: PromptFit, build: Callable
     lengths: dict[int, int] = {}
     kept: dict[int, P] = {}  # the first build's prompt, and the fewest count's found within the target
 
+    def made(n: int) -> P:  # the prompt with the first `n` turns after `fixed` left out
+        fit.builds += 1
+        return build(without(request, fit.fixed, n) if n else request)
+
     def over(n: int) -> bool:
         if n not in lengths:
-            prompt = build(without(request, fit.fixed, n) if n else request)
-            fit.builds += 1
+            prompt = made(n)
             lengths[n] = length(prompt)
             best = min((k for k in kept if k != floor), default=None)
             if n == floor or (lengths[n] <= fit.target and (best is None or n < best)):
@@ -114,7 +118,6 @@ def fitted(request: gateway_pb2.GenerateRequest, fit: PromptFit, build: Callable
         mid = (low + high) // 2
         low, high = (mid, high) if over(mid) else (low, mid)
     if high not in kept:  # (the fallback, not within the target: built again)
-        kept[high] = build(without(request, fit.fixed, high) if high else request)
-        fit.builds += 1
+        kept[high] = made(high)
     fit.dropped = high
     return kept[high]

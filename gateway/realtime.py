@@ -93,7 +93,6 @@ from gateway.http_error import HttpError
 from gateway.prompt_fit import PromptFit
 from gateway.realtime_beta import GaFieldError, beta_error, is_beta, to_beta, to_ga
 from gateway.realtime_turns import (
-    ITEM_BYTES,
     MAX_ITEMS,
     TRANSCRIBING,
     AudioConfig,
@@ -314,9 +313,8 @@ class RealtimeSession:
             if item.id not in self.left_out:
                 self.left_out.add(item.id)
                 item.parts = [p for p in item.parts if p.WhichOneof("kind") == "text"]
-                kept = ITEM_BYTES + len(item.text.encode()) + sum(len(p.text.encode()) for p in item.parts)
-                self.held -= item.nbytes - kept
-                item.nbytes = kept
+                self.held -= item.nbytes - item.size()
+                item.nbytes = item.size()
 
     def remove(self, item_id: str) -> None:
         self.order.remove(item_id)

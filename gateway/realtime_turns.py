@@ -477,6 +477,11 @@ class Item:
         return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role,
                 "status": self.status, "content": self.content}  # fmt: skip
 
+    def size(self) -> int:
+        """What it counts towards the conversation's bound: its words, text, audio and images."""
+        return ITEM_BYTES + len(self.text.encode()) + sum(
+            len(p.text.encode()) + len(p.audio.pcm.f32le) + len(p.image.file) for p in self.parts)
+
     @property
     def turn(self) -> bool:
         """It is a turn of a request (an assistant turn with no words, cancelled before any or
@@ -535,8 +540,7 @@ def to_item(body: MessageItem, item_id: str, settings: Settings, prefix: str = "
             words.append(part.transcript)
             item.content.append({"type": "output_audio", "transcript": part.transcript})
     item.text = "".join(words)
-    item.nbytes = ITEM_BYTES + len(item.text.encode()) + sum(
-        len(p.text.encode()) + len(p.audio.pcm.f32le) + len(p.image.file) for p in item.parts)
+    item.nbytes = item.size()
     return item
 
 

@@ -37,7 +37,7 @@ from gateway.chat_template import template_kwargs, template_names
 from gateway.media import decode_messages
 from gateway.media_cache import DecodedCache
 from gateway.metrics import GatewayMetrics, Outcome
-from gateway.prompt_fit import PromptFit, fitted, without
+from gateway.prompt_fit import PromptFit, fitted, text_chars, without
 from omnistage.config import DeployConfig
 from omnistage.engine import OutChunk
 from omnistage.models import Checkpoint, PartRefused, load_tokenizer, media_inputs
@@ -187,7 +187,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         `fit`: its oldest turns left out as far as it takes to fit (prompt_fit.py). ValueError
         names the field."""
         if fit is None:
-            given = sum(len(m.content) + sum(len(p.text) for p in m.parts) for m in request.messages)
+            given = sum(text_chars(m) for m in request.messages)
             chars = given if request.messages else len(request.prompt)  # `prompt` is ignored with messages
             if chars > MAX_CHARS_PER_TOKEN * self.max_prompt_tokens:  # before tokenizing: it could never fit
                 raise ValueError(f"prompt: {chars} characters of text cannot fit in {self.max_prompt_tokens} tokens")

@@ -440,14 +440,15 @@ class Thinker:
         prompt = len(state.prompt_ids)
         if n - prompt != len(state.fed_hidden) or n > self.prefixes.max_tokens:  # (a step failed after writing)
             return
+        rows = self.kv_rows(state, 0, n)
+        if any(k.shape[2] != n for k, _ in rows):  # a sliding-window layer keeps only its window
+            return
         embeds, hidden = state.prompt_rows
         if n > prompt:
             fed = torch.tensor(state.history[prompt:n], device=self.device)
             embeds = torch.cat([embeds, self.embedding(fed)])
             hidden = torch.cat([hidden, torch.stack(state.fed_hidden)])
-        kv = [(k.clone(), v.clone()) for k, v in self.kv_rows(state, 0, n)]
-        if any(k.shape[2] != n for k, _ in kv):  # a sliding-window layer keeps only its window
-            return
+        kv = [(k.clone(), v.clone()) for k, v in rows]
         self.prefixes.add(Prefix(torch.tensor(state.history[:n]), tuple(state.media), kv, embeds, hidden))
 
     def release(self, state: ThinkerState) -> None:
