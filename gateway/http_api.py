@@ -33,9 +33,12 @@ Chat completions (OpenAI's shapes; what differs is said here):
   sent as null is unset.
   `tools` (but with `tool_choice: none`, which calls none: then they go unread), likewise the
   legacy `functions` (with `function_call: none`), a `tool_choice` or `function_call` other than
-  none/auto, a non-text `response_format`, `logprobs` and
-  `top_logprobs` are refused (400), not ignored; so are a field of the wrong JSON type (as OpenAI:
+  none/auto and a non-text `response_format` are refused (400), not ignored; so are a field of
+  the wrong JSON type (as OpenAI:
   `"stream": "true"`, `"max_tokens": 5.0`) and a string with a lone UTF-16 surrogate.
+* `logprobs` (and `top_logprobs`, 0 to 20): each token's log-probability under the model (of its
+  raw logits, before penalties and warpers, as vLLM gives them) in `choices[].logprobs.content`,
+  streamed with the text that shows the token (gateway/logprobs.py).
 * vLLM-Omni's `sampling_params_list`: each stage's own sampling, in stage order (`StageSampling`).
 * Streamed: `chat.completion.chunk` events with `delta.content`, and `delta.audio {id, data,
   transcript}` (the id in the first alone) as soon as each piece exists (wav and flac come whole
@@ -59,13 +62,14 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import functools
 import json
 import logging
 import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
 import grpc
@@ -80,6 +84,7 @@ from starlette.types import Send
 from gateway.audio_out import FORMAT_NAMES, MIME
 from gateway.chat_template import FIELD as CHAT_TEMPLATE_KWARGS
 from gateway.http_error import HttpError
+from gateway.logprobs import TokenPieces
 from gateway.server import (
     MAX_REQUEST_ID_CHARS,
     REQUEST_ID_KEY,
@@ -499,10 +504,8 @@ def _unsupported(body: ChatRequest) -> None:
                         param="tool_choice")  # fmt: skip
     if body.response_format is not None and body.response_format.get("type", "text") != "text":
         raise HttpError(400, 'response_format: only {"type": "text"} is supported', param="response_format")
-    if body.logprobs:
-        raise HttpError(400, "logprobs: not supported by this server", param="logprobs")
-    if body.top_logprobs:
-        raise HttpError(400, "top_logprobs: not supported by this server (it needs logprobs)", param="top_logprobs")
+    if body.top_logprobs and not body.logprobs:  # as OpenAI: the alternatives come with the tokens' own
+        raise HttpError(400, "top_logprobs: logprobs must be true to use top_logprobs", param="top_logprobs")
     if body.functions and body.function_call != "none":  # as tools with tool_choice: none
         raise HttpError(400, "functions: function calling is not supported by this server (only with "
                         "function_call: none, which calls none)", param="functions")  # fmt: skip
@@ -654,6 +657,8 @@ def to_generate_request(
         thinker.seed = body.seed
         if want_audio:  # the same seed gives the same speech too
             _seed_speech(req, body.seed)
+    if body.logprobs:
+        thinker.logprobs = body.top_logprobs or 0
     if body.stop_token_ids:  # besides the thinker's own stop ids, as in vLLM
         thinker.stop_ids.extend(dict.fromkeys([*(stop_ids or {}).get("thinker", ()), *body.stop_token_ids]))
     req.sampling["thinker"].CopyFrom(thinker)
@@ -895,6 +900,11 @@ class ChatCompletions:
             self.stop_ids["talker"] = service.ckpt.spec.talker_stop_ids()
         self.transcripts = Transcripts()
 
+    @functools.cached_property
+    def pieces(self) -> TokenPieces:
+        """Each token's text and bytes, for `logprobs`."""
+        return TokenPieces(self.service.tokenizer)
+
     async def read(self, request: Request, limit: int, check: Callable[[], Any] | None = None) -> bytes:
         """The body of a request with the right key (if one is set), within `limit` bytes;
         `check()` runs first, before the body is read."""
@@ -1101,10 +1111,19 @@ class ChatCompletions:
         return pieces
 
     async def _whole(self, req: gateway_pb2.GenerateRequest, responses: Replies) -> Response:
-        return await _whole_of(responses, lambda text, audio, final: self._whole_reply(req, text, audio, final))
+        scored: list[gateway_pb2.TokenLogprob] = []
+        return await _whole_of(responses, lambda text, audio, final: self._whole_reply(req, text, audio, final, scored),
+                               scored)  # fmt: skip
+
+    def _logprobs(self, req: gateway_pb2.GenerateRequest, scored: Iterable[gateway_pb2.TokenLogprob]) -> Any:
+        """A choice's `logprobs`: null unless the request asked for them."""
+        if not req.sampling["thinker"].HasField("logprobs"):
+            return None
+        return {"content": self.pieces.entries(scored), "refusal": None}
 
     def _whole_reply(self, req: gateway_pb2.GenerateRequest, content: str, audio: list[bytes],
-                     final: gateway_pb2.Final) -> Response:  # fmt: skip
+                     final: gateway_pb2.Final,
+                     scored: Iterable[gateway_pb2.TokenLogprob] = ()) -> Response:  # fmt: skip
         created = int(time.time())
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if req.want_audio:
@@ -1115,7 +1134,8 @@ class ChatCompletions:
         return JSONResponse({
             "id": f"chatcmpl-{req.request_id}", "object": "chat.completion", "created": created,
             "model": self.service.model_name,
-            "choices": [{"index": 0, "message": message, "finish_reason": final.finish_reason or "stop"}],
+            "choices": [{"index": 0, "message": message, "logprobs": self._logprobs(req, scored),
+                         "finish_reason": final.finish_reason or "stop"}],
             "usage": _usage(final.usage),
         })  # fmt: skip
 
@@ -1125,10 +1145,12 @@ class ChatCompletions:
         rid = req.request_id
         audio_id = _audio_id()
 
-        def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+        scores = req.sampling["thinker"].HasField("logprobs")
+
+        def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None, **extra: Any) -> str:
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             event = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
-                     "model": self.service.model_name,
-                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}  # fmt: skip
+                     "model": self.service.model_name, "choices": [choice], **extra}  # fmt: skip
             return _sse(event)
 
         named = False  # OpenAI's SDK joins a string a delta repeats: the audio's id is in the first delta alone
@@ -1146,15 +1168,21 @@ class ChatCompletions:
         async def pieces() -> AsyncGenerator[str, None]:
             text: list[str] = []
             held = b""  # audio bytes past the last whole AUDIO_ALIGN
+            # tokens whose text is not out yet (held for a stop text, or part of a character):
+            # their entries go with the text that shows them
+            scored: list[dict[str, Any]] = []
             yield chunk({"role": "assistant", "content": ""})
             async for resp in _chain(first, responses):
                 kind = resp.WhichOneof("kind")
+                if kind == "text" and scores:
+                    scored.extend(self.pieces.entries(resp.text.logprobs))
                 if kind == "text" and resp.text.text:
                     text.append(resp.text.text)
                     delta: dict[str, Any] = {"content": resp.text.text}
                     if req.want_audio:
                         delta["audio"] = audio(transcript=resp.text.text)
-                    yield chunk(delta)
+                    yield chunk(delta, logprobs={"content": scored, "refusal": None} if scores else None)
+                    scored = []
                 elif kind == "audio":
                     data = held + resp.audio.data
                     cut = len(data) - len(data) % AUDIO_ALIGN
@@ -1169,7 +1197,9 @@ class ChatCompletions:
                         self.transcripts.put(audio_id, "".join(text))
                         # the last audio update holds only when its id expires (OpenAI's ChoiceDeltaAudio)
                         yield chunk({"audio": audio(expires_at=created + AUDIO_TTL_S)})
-                    yield chunk({}, resp.final.finish_reason or "stop")
+                    # (tokens whose text never showed: the part of a stop text held back, say)
+                    rest = {"content": scored, "refusal": None} if scores and scored else None
+                    yield chunk({}, resp.final.finish_reason or "stop", rest)
                     if body.stream_options is not None and body.stream_options.include_usage:
                         event = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
                                  "model": self.service.model_name, "choices": [],
@@ -1289,9 +1319,11 @@ def _of_file(e: HttpError) -> HttpError:
     return e
 
 
-async def _whole_of(responses: Replies, reply: Callable[[str, list[bytes], gateway_pb2.Final], Response]) -> Response:
+async def _whole_of(responses: Replies, reply: Callable[[str, list[bytes], gateway_pb2.Final], Response],
+                    scored: list[gateway_pb2.TokenLogprob] | None = None) -> Response:  # fmt: skip
     """A whole reply: `reply(text, audio pieces, final)`, made while `responses` waits at its
-    final, so that a bug in making it fails the request INTERNAL (once it ended it counts OK)."""
+    final, so that a bug in making it fails the request INTERNAL (once it ended it counts OK).
+    `scored` gets the tokens' log-probabilities, where the reply has them."""
     text: list[str] = []
     audio: list[bytes] = []
     made: Response | None = None
@@ -1300,6 +1332,8 @@ async def _whole_of(responses: Replies, reply: Callable[[str, list[bytes], gatew
             kind = resp.WhichOneof("kind")
             if kind == "text":
                 text.append(resp.text.text)
+                if scored is not None:
+                    scored.extend(resp.text.logprobs)
             elif kind == "audio":
                 audio.append(resp.audio.data)
             else:

@@ -41,6 +41,7 @@ from gateway.prompt_fit import PromptFit, fitted, text_chars, without
 from omnistage.config import DeployConfig
 from omnistage.engine import OutChunk
 from omnistage.models import Checkpoint, PartRefused, load_tokenizer, media_inputs
+from omnistage.models.sampling import TokenLogprobs
 from omnistage.models.text_stream import TextStream, check_stop_texts
 from omnistage.quoting import quoted
 from omnistage.server.grpc_common import (
@@ -74,6 +75,12 @@ _BAD_ID = (f"gateway: request_id must be at most {MAX_REQUEST_ID_CHARS} printabl
 _NO_KEY = "gateway: missing or wrong API key (metadata authorization: Bearer <key>)"
 HEALTH_POLL_S = 1.0
 ABORT_WAIT_S = 5.0  # the longest a failed call's status may take to go out before its handler ends
+
+
+def _logprob_messages(ids: list[int], logprobs: list[TokenLogprobs]) -> list[gateway_pb2.TokenLogprob]:
+    return [gateway_pb2.TokenLogprob(token_id=i, logprob=lp.logprob,
+                                     top=[gateway_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+            for i, lp in zip(ids, logprobs, strict=True)]  # fmt: skip
 
 
 def client_ids(detail: str, stage_id: str, request_id: str) -> str:
@@ -472,7 +479,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     reason = edges.meta_str(got.meta, edges.FINISH_REASON)
                     if reason:
                         outcome.finish_reason = FINISH_REASONS.get(reason, reason)
-                    yield gateway_pb2.GenerateResponse(text=gateway_pb2.TextDelta(text=text.push(ids), token_ids=ids))
+                    delta = gateway_pb2.TextDelta(text=text.push(ids), token_ids=ids)
+                    if logprobs := edges.read_logprobs("thinker", got):
+                        delta.logprobs.extend(_logprob_messages(ids, logprobs))
+                    yield gateway_pb2.GenerateResponse(text=delta)
                     if text.stopped:  # a stop text: the thinker ended there too; its speech comes on to its end
                         outcome.finish_reason = "stop"
                         if not reason:  # a thinker that reads on (stop_texts unknown to it): end it here

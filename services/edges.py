@@ -47,7 +47,7 @@ import torch
 from omnistage.engine import OutChunk
 from omnistage.models import SamplingParams
 from omnistage.models.prefix_cache import DIGEST_BYTES
-from omnistage.models.sampling import greedy_temperature
+from omnistage.models.sampling import TokenLogprobs, greedy_temperature
 from omnistage.models.text_stream import check_stop_texts
 from omnistage.topology import STAGES
 from omnistage.v1 import stage_pb2
@@ -62,6 +62,11 @@ PROMPT_EMBED = "prompt_embed"
 PROMPT_HIDDEN = "prompt_hidden"
 CODES = "codes"
 AUDIO = "audio"
+# beside a text chunk's ids, where the request asks for them: each token's log-probability [n],
+# and the most likely ids at its position [n, k] with theirs [n, k]
+LOGPROB = "logprob"
+TOP_IDS = "top_ids"
+TOP_LOGPROBS = "top_logprobs"
 # the processor's model inputs besides the ids (transformers' names, shared by the omni families)
 MULTIMODAL = ("input_features", "feature_attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
               "video_grid_thw", "video_second_per_grid")  # fmt: skip
@@ -173,9 +178,26 @@ def read_prompt(stage: str, chunk: DecodedChunk) -> Prompt:
 # ---- thinker -> caller, thinker -> talker --------------------------------------------------------
 
 
-def text_chunk(offset: int, token_id: int, finish_reason: str | None) -> OutChunk:
+def text_chunk(offset: int, token_id: int, finish_reason: str | None,
+               logprobs: TokenLogprobs | None = None) -> OutChunk:  # fmt: skip
     meta = {FINISH_REASON: finish_reason} if finish_reason else {}
-    return OutChunk({IDS: torch.tensor([token_id])}, offset=offset, length=1, finished=bool(finish_reason), meta=meta)
+    tensors = {IDS: torch.tensor([token_id])}
+    if logprobs is not None:
+        tensors[LOGPROB] = torch.tensor([logprobs.logprob], dtype=torch.float32)
+        tensors[TOP_IDS] = torch.tensor([[i for i, _ in logprobs.top]], dtype=torch.long).view(1, -1)
+        tensors[TOP_LOGPROBS] = torch.tensor([[lp for _, lp in logprobs.top]], dtype=torch.float32).view(1, -1)
+    return OutChunk(tensors, offset=offset, length=1, finished=bool(finish_reason), meta=meta)
+
+
+def read_logprobs(stage: str, chunk: DecodedChunk) -> list[TokenLogprobs] | None:
+    """A text chunk's tokens' log-probabilities, one per id (None: it carries none)."""
+    if LOGPROB not in chunk.tensors:
+        return None
+    n = int(chunk.tensors[IDS].shape[0])
+    lp = tensor(stage, chunk, LOGPROB, FLOAT_DTYPES, (n,)).float().tolist()
+    top_ids = tensor(stage, chunk, TOP_IDS, INT_DTYPES, (n, None)).tolist()
+    top_lp = tensor(stage, chunk, TOP_LOGPROBS, FLOAT_DTYPES, (n, len(top_ids[0]) if n else None)).float().tolist()
+    return [TokenLogprobs(lp[i], tuple(zip(top_ids[i], top_lp[i], strict=True))) for i in range(n)]
 
 
 def thinker_prompt_chunk(ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None,
@@ -362,7 +384,8 @@ def audio_chunk(offset: int, pcm: torch.Tensor, sample_rate: int) -> OutChunk:
 
 # ---- the Start message -------------------------------------------------------------------------------
 
-_SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "max_tokens")
+_SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "max_tokens",
+                    "logprobs")  # fmt: skip
 
 
 def check_start(stage: str, start: stage_pb2.Start) -> None:
@@ -385,6 +408,10 @@ def check_start(stage: str, start: stage_pb2.Start) -> None:
     texts = sorted(name for name, params in start.sampling.items() if params.stop_texts and name != "thinker")
     if texts:
         raise invalid(f"{stage}: sampling: stop_texts are for the thinker only, not {texts}")
+    scored = sorted(name for name, params in start.sampling.items()
+                    if params.HasField("logprobs") and name != "thinker")  # fmt: skip
+    if scored:
+        raise invalid(f"{stage}: sampling: logprobs are for the thinker only, not {scored}")
 
 
 def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,

@@ -20,6 +20,7 @@ import torch
 from omnistage.config import DeployConfig
 from omnistage.engine import Engine, OutChunk, Request, StepOutput
 from omnistage.models import SamplingParams, load_tokenizer, open_checkpoint
+from omnistage.models.sampling import TokenLogprobs
 from omnistage.v1 import stage_pb2
 from omnistage.wire import DecodedChunk, StageError
 from omnistage.wire.tensor_blob import LENGTH_KEY
@@ -31,6 +32,7 @@ class TextEvent:
     token_id: int
     text: str
     t: float  # seconds since the request started
+    logprobs: TokenLogprobs | None = None  # where the thinker's sampling asks for them
 
 
 @dataclass
@@ -148,9 +150,11 @@ class _Run:
         out.wait()  # the chunks' copies to the host (from a CUDA stage) are complete
         for c in out.up:
             if edges.IDS in c.tensors:
-                for token in c.tensors[edges.IDS].tolist():
+                logprobs = edges.read_logprobs(name, received(c))
+                for i, token in enumerate(c.tensors[edges.IDS].tolist()):
                     self.tokens.append(int(token))
-                    self.pending.append(TextEvent(int(token), self.pipe.tokenizer.decode([int(token)]), t))
+                    self.pending.append(TextEvent(int(token), self.pipe.tokenizer.decode([int(token)]), t,
+                                                  None if logprobs is None else logprobs[i]))  # fmt: skip
             elif edges.CODES in c.tensors:
                 self.frames.extend(c.tensors[edges.CODES].unbind(1))
             elif edges.AUDIO in c.tensors and c.tensors[edges.AUDIO].numel():

@@ -125,7 +125,7 @@ def test_openai_request_errors_name_the_field() -> None:
         (_chat(modalities=["text", "audio"], audio={"voice": {"id": "nobody"}}), "audio.voice: unknown voice"),
         (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools: tool calling is not supported"),
         (_chat(response_format={"type": "json_object"}), "response_format: only"),
-        (_chat(logprobs=True), "logprobs: not supported"),
+        (_chat(top_logprobs=2), "top_logprobs: logprobs must be true"),
         (_chat(functions=[{"name": "f"}]), "functions: function calling is not supported"),
         (_chat(presence_penalty=0.5), "presence_penalty: not supported"),
         (_chat(frequency_penalty=-1), "frequency_penalty: not supported"),
@@ -417,6 +417,19 @@ def test_fields_that_ask_for_what_this_server_lacks_are_refused_and_harmless_one
                    {"functions": [{"name": "f"}], "function_call": "none"}, {"function_call": "auto"},
                    {"web_search_options": None}):
         assert to_generate_request(_chat(**fields), ["ethan"]).messages[0].content == "hi"
+
+
+def test_logprobs_ask_the_thinker_for_them() -> None:
+    from gateway.http_api import to_generate_request
+
+    def asked(**fields: Any) -> int | None:
+        thinker = to_generate_request(_chat(**fields), ["ethan"]).sampling["thinker"]
+        return thinker.logprobs if thinker.HasField("logprobs") else None
+
+    assert asked() is None and asked(logprobs=False) is None and asked(logprobs=False, top_logprobs=0) is None
+    assert asked(logprobs=True) == 0 and asked(logprobs=True, top_logprobs=7) == 7
+    # vLLM-Omni's per-stage entry for the thinker keeps them (it merges over the body's fields)
+    assert asked(logprobs=True, top_logprobs=2, sampling_params_list=[{"temperature": 0.5}]) == 2
 
 
 def test_vllm_url_strings_unpadded_base64_and_an_empty_spoken_turn() -> None:

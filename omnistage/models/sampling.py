@@ -22,6 +22,8 @@ from transformers.generation.logits_process import (
 # Below it, sampled logits overflow float32: a stage refuses it with sampling on; the HTTP API,
 # as vLLM does, takes it as greedy.
 MIN_TEMPERATURE = 1e-5
+# The most alternatives a token's log-probability comes with (OpenAI's `top_logprobs` limit).
+MAX_TOP_LOGPROBS = 20
 
 
 def greedy_temperature(temperature: float) -> bool:
@@ -45,6 +47,9 @@ class SamplingParams:
     stop_ids: tuple[int, ...] = field(default_factory=tuple)
     forced_ids: tuple[int, ...] = field(default_factory=tuple)  # a given reply (thinker): see `forced_token`
     stop_texts: tuple[str, ...] = field(default_factory=tuple)  # (thinker) the reply ends where one appears
+    # (thinker) each generated token's log-probability and that many most likely ids with theirs
+    # (`token_logprobs`); None: none
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Written so that NaN fails every check (any comparison with NaN is False).
@@ -62,6 +67,8 @@ class SamplingParams:
                              f"got {self.repetition_penalty}")  # fmt: skip
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {self.logprobs}")
         if self.forced_ids and not self.stop_ids:
             raise ValueError("forced_ids need a stop id to end the given reply")
 
@@ -196,6 +203,28 @@ def in_vocabulary(picks: torch.Tensor, vocab: int, check: bool) -> torch.Tensor:
             raise RuntimeError("sampling: a row's probabilities are not a distribution (NaN or infinite logits)")
         return picks
     return picks.clamp_(max=vocab - 1)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability under the model (the log-softmax of its raw logits,
+    before any penalty or warper, as vLLM reports them) and the `top` most likely ids with theirs,
+    most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, ids: Sequence[int], tops: Sequence[int]) -> list[TokenLogprobs]:
+    """Row i's `TokenLogprobs` of `ids[i]` with `tops[i]` alternatives, from `logits` (`[n, V]`),
+    the rows together (one host copy)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(list(ids), device=logp.device).view(-1, 1)).view(-1).tolist()
+    k = max(tops, default=0)
+    top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    return [TokenLogprobs(lp, tuple(zip(top_ids[i][:n], top_lp[i][:n], strict=True)))
+            for i, (lp, n) in enumerate(zip(chosen, tops, strict=True))]  # fmt: skip
 
 
 def forced_token(params: SamplingParams, generated: int) -> int | None:

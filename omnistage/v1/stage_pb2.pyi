@@ -17,7 +17,7 @@ ASYNC_CHUNK: EdgeMode
 FULL_PAYLOAD: EdgeMode
 
 class SamplingParams(_message.Message):
-    __slots__ = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "max_tokens", "stop_ids", "forced_ids", "stop_texts")
+    __slots__ = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "max_tokens", "stop_ids", "forced_ids", "stop_texts", "logprobs")
     DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class SamplingParams(_message.Message):
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
     FORCED_IDS_FIELD_NUMBER: _ClassVar[int]
     STOP_TEXTS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     do_sample: bool
     temperature: float
     top_k: int
@@ -38,7 +39,8 @@ class SamplingParams(_message.Message):
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
     forced_ids: _containers.RepeatedScalarFieldContainer[int]
     stop_texts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., forced_ids: _Optional[_Iterable[int]] = ..., stop_texts: _Optional[_Iterable[str]] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., forced_ids: _Optional[_Iterable[int]] = ..., stop_texts: _Optional[_Iterable[str]] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class Start(_message.Message):
     __slots__ = ("request_id", "sampling", "want_audio", "mode", "speaker", "deadline_unix_s", "omit_codes")

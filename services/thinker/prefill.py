@@ -67,7 +67,7 @@ class PrefillWorker(ThinkerWorker):
         talker_prompt = self.talker_prompt(step.prompt) if start.want_audio else None
         out.down.append(edges.handoff_chunk(len(state.prompt_ids), state.prompt_ids, tok.token_id, tok.embed,
                                             tok.stopped_on, last_position, generator_state, talker_prompt))  # fmt: skip
-        out.up.append(edges.text_chunk(tok.index, tok.token_id, tok.stopped_on))
+        out.up.append(edges.text_chunk(tok.index, tok.token_id, tok.stopped_on, tok.logprobs))
         # its part is done either way: the decode role goes on (or only forwards, after a last token)
         out.finished = FinishReason.LENGTH if tok.stopped_on == "max_tokens" else FinishReason.STOP
         out.detail = tok.stopped_on or "handed_off"

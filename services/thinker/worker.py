@@ -143,7 +143,7 @@ class ThinkerWorker(StageWorker):
             out.down.append(self.talker_prompt(prompt))
         if tok is None:  # a prefill chunk that is not the last
             return out
-        out.up.append(edges.text_chunk(tok.index, tok.token_id, tok.stopped_on))
+        out.up.append(edges.text_chunk(tok.index, tok.token_id, tok.stopped_on, tok.logprobs))
         if start.want_audio:
             hidden = tok.hidden if self.talker_needs_hidden else None
             out.down.append(edges.token_chunk(tok.index, tok.token_id, tok.embed, tok.is_last, hidden))

@@ -599,6 +599,49 @@ def test_text_only_and_stop_texts(http_stack: Stack, client: openai.OpenAI) -> N
     assert cut.choices[0].finish_reason == "stop"
 
 
+def test_logprobs_come_with_their_tokens_streamed_or_not(http_stack: Stack, client: openai.OpenAI) -> None:
+    model = client.models.list().data[0].id
+    ask: dict[str, Any] = {"model": model, "temperature": 0, "max_tokens": 24,
+                           "messages": [{"role": "user", "content": QUESTION}]}  # fmt: skip
+    plain = client.chat.completions.create(**ask)
+    assert plain.choices[0].logprobs is None
+    whole = client.chat.completions.create(**ask, logprobs=True, top_logprobs=3)
+    text = whole.choices[0].message.content
+    assert text == plain.choices[0].message.content
+    content = whole.choices[0].logprobs.content
+    # the reply's tokens, the end aside (the tiny model's bytes need not be UTF-8: decoded as its text is)
+    assert content and b"".join(bytes(e.bytes) for e in content).decode(errors="replace") == text
+    for e in content:  # greedy: each token is its position's most likely, the alternatives best first
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token
+        assert e.logprob == e.top_logprobs[0].logprob < 0
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob >= e.top_logprobs[2].logprob
+    streamed, pieces = [], []
+    for chunk in client.chat.completions.create(**ask, logprobs=True, top_logprobs=3, stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                streamed.extend(choice.logprobs.content)
+            pieces.append(choice.delta.content or "")
+    assert "".join(pieces) == text
+    assert [(e.token, e.logprob, e.bytes) for e in streamed] == [(e.token, e.logprob, e.bytes) for e in content]
+    # the gRPC door: one per token id, in order (the end token's too)
+    request = build_request(QUESTION, greedy=True, thinker_max_tokens=24, want_audio=False)
+    request.sampling["thinker"].logprobs = 2
+
+    async def go() -> list[Any]:
+        async with grpc.aio.insecure_channel(http_stack.gateway_address) as ch:
+            return [r async for r in gateway_pb2_grpc.GatewayStub(ch).Generate(request, timeout=120)
+                    if r.WhichOneof("kind") == "text" and r.text.token_ids]  # fmt: skip
+
+    deltas = run(go())
+    assert all([lp.token_id for lp in d.text.logprobs] == list(d.text.token_ids) for d in deltas)
+    scored = [lp for d in deltas for lp in d.text.logprobs]
+    assert [lp.logprob for lp in scored][: len(content)] == pytest.approx([e.logprob for e in content])
+    request.sampling["thinker"].logprobs = 21
+    with pytest.raises(grpc.RpcError) as e:
+        run(go())
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs must be from 0 to 20" in e.value.details()
+
+
 def test_control_token_text_is_the_clients_text_at_every_door(http_stack: Stack, client: openai.OpenAI) -> None:
     """`<|audio_pad|>` or `<|im_end|>` in what a client writes is text (tests/test_control_tokens.py):
     chat, speech and a Realtime item are answered; it failed the request naming the thinker, and a

@@ -37,7 +37,14 @@ from omnistage.models.qwen3_omni.multimodal import (
 )
 from omnistage.models.qwen3_omni.prompt import text_positions
 from omnistage.models.qwen3_omni.spec import FamilySpec
-from omnistage.models.sampling import SamplingParams, TokenChooser, choose_rows, forced_token
+from omnistage.models.sampling import (
+    SamplingParams,
+    TokenChooser,
+    TokenLogprobs,
+    choose_rows,
+    forced_token,
+    token_logprobs,
+)
 
 __all__ = ["PromptOutput", "Thinker", "ThinkerState", "ThinkerStep", "TokenOutput"]
 
@@ -59,6 +66,7 @@ class TokenOutput:
     embed: torch.Tensor  # [H] layer-0 embedding of token_id
     hidden: torch.Tensor  # [H] accept-layer hidden state of the position that produced token_id
     stopped_on: str | None = None  # "stop_id" | "max_tokens" (| "stop_text": services/thinker) when the last
+    logprobs: TokenLogprobs | None = None  # when its request's sampling asks for them
 
     @property
     def is_last(self) -> bool:
@@ -238,7 +246,15 @@ class Thinker:
                 tokens[i] = token
         ids = [token if isinstance(token, int) else 0 for token in tokens]
         embeds = self.embedding(torch.tensor(ids, device=self.device))
-        for (result, state, hidden_row), token, embed in zip(emits, tokens, embeds, strict=True):
+        logprobs: list[TokenLogprobs | None] = [None] * len(emits)
+        want = [i for i, (_, state, _) in enumerate(emits)
+                if state.sampling.logprobs is not None and isinstance(tokens[i], int)]  # fmt: skip
+        if want:
+            rows = logits if len(want) == len(emits) else logits[want]
+            tops = [emits[i][1].sampling.logprobs or 0 for i in want]
+            for i, lp in zip(want, token_logprobs(rows, [ids[i] for i in want], tops), strict=True):
+                logprobs[i] = lp
+        for (result, state, hidden_row), token, embed, lp in zip(emits, tokens, embeds, logprobs, strict=True):
             if not isinstance(token, int):
                 result.error = ValueError(f"no token could be chosen from this request's logits: {token}")
                 continue
@@ -249,7 +265,7 @@ class Thinker:
             elif state.generated >= state.sampling.max_tokens or len(state.history) >= state.max_len:
                 stopped_on = "max_tokens"
             state.finished = stopped_on is not None
-            result.token = TokenOutput(state.generated - 1, token, embed, hidden_row, stopped_on)
+            result.token = TokenOutput(state.generated - 1, token, embed, hidden_row, stopped_on, lp)
 
     @torch.no_grad()
     def step(self, items: Sequence[tuple[ThinkerState, int, int]]) -> list[ThinkerStep]:

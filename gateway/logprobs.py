@@ -1,0 +1,61 @@
+"""OpenAI's chat `logprobs`: each generated token's text, bytes and log-probability, with the
+most likely alternatives at its position (`choices[].logprobs.content`), from what the thinker
+sends with each token (`TextDelta.logprobs`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from omnistage.v1 import gateway_pb2
+
+# What OpenAI reports for a token the model gives no probability at all (its log is -inf, which
+# JSON cannot hold).
+FLOOR = -9999.0
+
+
+class TokenPieces:
+    """A token id's text and UTF-8 bytes, as OpenAI's `token` and `bytes` give them: a byte-level
+    BPE token (Qwen's) is its bytes, which may be part of a character (its text then has U+FFFD
+    where the part is, as vLLM shows it); another tokenizer's token is the text it decodes to.
+    Looked up once per id."""
+
+    _BYTES: ClassVar[dict[str, int]] = {c: b for b, c in bytes_to_unicode().items()}
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.special = frozenset(int(i) for i in tokenizer.all_special_ids)
+        self._pieces: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = self._piece(token_id)
+        return piece
+
+    def _piece(self, token_id: int) -> tuple[str, list[int]]:
+        token = self.tokenizer.convert_ids_to_tokens(token_id)
+        if token is None:  # an id past the tokenizer's (a checkpoint whose embedding has spare rows)
+            return "", []
+        if token_id not in self.special and all(c in self._BYTES for c in token):
+            raw = bytes(self._BYTES[c] for c in token)
+            return raw.decode("utf-8", errors="replace"), list(raw)
+        text = self.tokenizer.convert_tokens_to_string([token])
+        return text, list(text.encode("utf-8"))
+
+    def entries(self, logprobs: Iterable[gateway_pb2.TokenLogprob]) -> list[dict[str, Any]]:
+        """OpenAI's `logprobs.content` entries of these tokens. A special token (the reply's end)
+        is none: the content shows no text of it."""
+        out = []
+        for lp in logprobs:
+            if lp.token_id in self.special:
+                continue
+            out.append({**self._entry(lp.token_id, lp.logprob),
+                        "top_logprobs": [self._entry(t.token_id, t.logprob) for t in lp.top]})  # fmt: skip
+        return out
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text, raw = self(token_id)
+        return {"token": text, "logprob": max(logprob, FLOOR), "bytes": raw}
