@@ -18,7 +18,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.http_api import ChatCompletions, unknown_model
-from gateway.http_error import HttpError
+from gateway.http_error import HttpError, unauthorized
 from gateway.realtime import realtime_route
 from gateway.server import REQUEST_ID_KEY, GatewayService
 
@@ -38,7 +38,7 @@ def build_app(service: GatewayService) -> Starlette:
 
     async def models(request: Request) -> Response:
         if not service.check_api_key(request.headers.get("authorization")):
-            return HttpError(401, "missing or wrong API key", "authentication_error", code="invalid_api_key").response()
+            return unauthorized().response()
         name = request.path_params.get("model")
         if name is None:
             return JSONResponse({"object": "list", "data": [model_card()]})
@@ -83,7 +83,7 @@ def build_app(service: GatewayService) -> Starlette:
     origins = service.cfg.gateway.cors_allow_origins
     middleware = [Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"], allow_headers=["*"],
                              expose_headers=[REQUEST_ID_KEY])] if origins else []  # fmt: skip
-    return Starlette(routes=[
+    app = Starlette(routes=[
         Route("/v1/chat/completions", chat.handle, methods=["POST"]),
         Route("/v1/audio/speech", chat.speech, methods=["POST"]),
         Route("/v1/audio/transcriptions", chat.transcriptions, methods=["POST"]),
@@ -95,3 +95,7 @@ def build_app(service: GatewayService) -> Starlette:
         *([Route("/metrics", metrics, methods=["GET"])] if service.cfg.metrics.enabled else []),  # (off: none)
         Route("/", playground, methods=["GET"]),
     ], middleware=middleware, exception_handlers={HTTPException: http_error, Exception: internal_error})  # fmt: skip
+    # a path with a trailing slash is an unknown one (404, an OpenAI error): Starlette's own answer
+    # was a bare redirect for a POST
+    app.router.redirect_slashes = False
+    return app

@@ -83,7 +83,7 @@ from starlette.types import Send
 
 from gateway.audio_out import FORMAT_NAMES, MIME
 from gateway.chat_template import FIELD as CHAT_TEMPLATE_KWARGS
-from gateway.http_error import HttpError
+from gateway.http_error import HttpError, unauthorized
 from gateway.logprobs import TokenPieces
 from gateway.server import (
     MAX_REQUEST_ID_CHARS,
@@ -159,6 +159,11 @@ class InputAudio(_Body):
     format: str | None = None  # None: wav
 
 
+class RefusalPart(_Body):  # an earlier reply's refusal, sent back in its assistant turn
+    type: Literal["refusal"]
+    refusal: str
+
+
 class AudioPart(_Body):
     type: Literal["input_audio"]
     input_audio: InputAudio
@@ -184,7 +189,7 @@ class VideoPart(_Body):
     video_url: Url | str
 
 
-Part = Annotated[TextPart | AudioPart | AudioUrlPart | ImagePart | VideoPart, Field(discriminator="type")]
+Part = Annotated[TextPart | RefusalPart | AudioPart | AudioUrlPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class AudioRef(_Body):
@@ -374,6 +379,7 @@ async def _entry_named(call: Awaitable[ResultT], body: ChatRequest) -> ResultT:
             e.param = f"sampling_params_list[{STAGES.index('thinker')}].{name}"
         elif e.param == "max_tokens" and body.max_completion_tokens is not None:  # the name the client used
             e.param = "max_completion_tokens"
+            e.message = re.sub(r"\bmax_tokens\b", "max_completion_tokens", e.message)
         raise
 
 
@@ -440,9 +446,13 @@ def pcm16_part(data: bytes, rate: int, where: str, name: str) -> gateway_pb2.Con
     return gateway_pb2.ContentPart(audio=gateway_pb2.AudioPart(pcm=gateway_pb2.RawAudio(f32le=f32, sample_rate=rate)))
 
 
-def _part(part: Any, where: str) -> gateway_pb2.ContentPart:
+def _part(part: Any, where: str, role: str) -> gateway_pb2.ContentPart:
     if isinstance(part, TextPart):
         return gateway_pb2.ContentPart(text=part.text)
+    if isinstance(part, RefusalPart):  # as OpenAI: an assistant's (what it said is its text)
+        if role != "assistant":
+            raise HttpError(400, f"{where}: a refusal part is for assistant messages only", param=where)
+        return gateway_pb2.ContentPart(text=part.refusal)
     if isinstance(part, AudioUrlPart):
         data = data_url(part.audio_url, f"{where}.audio_url")
         return gateway_pb2.ContentPart(audio=gateway_pb2.AudioPart(file=data))
@@ -631,7 +641,7 @@ def to_generate_request(
                                 param=where)  # fmt: skip
             req.messages.append(gateway_pb2.ChatMessage(role=role, content=text))
         elif isinstance(m.content, list):
-            parts = [_part(p, f"messages[{i}].content[{j}]") for j, p in enumerate(m.content)]
+            parts = [_part(p, f"messages[{i}].content[{j}]", role) for j, p in enumerate(m.content)]
             req.messages.append(gateway_pb2.ChatMessage(role=role, parts=parts))
         else:
             req.messages.append(gateway_pb2.ChatMessage(role=role, content=m.content or ""))
@@ -909,10 +919,13 @@ class ChatCompletions:
         """The body of a request with the right key (if one is set), within `limit` bytes;
         `check()` runs first, before the body is read."""
         if not self.service.check_api_key(request.headers.get("authorization")):
-            raise HttpError(401, "missing or wrong API key (header Authorization: Bearer <key>)",
-                            "authentication_error", code="invalid_api_key")  # fmt: skip
+            raise unauthorized()
         if check is not None:
             check()
+        encoding = request.headers.get("content-encoding", "").strip().lower()
+        if encoding not in ("", "identity"):  # (read as JSON or a form, a gzip body failed as "not UTF-8")
+            raise HttpError(415, f"content-encoding {quoted(encoding)}: not supported; send the body uncompressed",
+                            param="content-encoding")  # fmt: skip
         return await _read_body(request, limit, self.service.cfg.timeouts.input_wait_timeout_s)
 
     def check_model(self, name: str | None) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-__all__ = ["UNREAD_BODY", "HttpError"]
+__all__ = ["UNREAD_BODY", "HttpError", "unauthorized"]
 
 # answered before the body was read: the connection closes after (a client still sending it would
 # keep it open with no keep-alive timer: uvicorn restarts that timer only when a response ends)
@@ -30,4 +30,12 @@ class HttpError(Exception):
             headers["x-should-retry"] = "false"
         if self.status in UNREAD_BODY:
             headers["connection"] = "close"
+        if self.status == 401:  # (RFC 9110: a 401 names the scheme it takes)
+            headers["www-authenticate"] = "Bearer"
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def unauthorized() -> HttpError:
+    """A request without the server's API key, at every door."""
+    return HttpError(401, "missing or wrong API key (header Authorization: Bearer <key>)", "authentication_error",
+                     code="invalid_api_key")  # fmt: skip

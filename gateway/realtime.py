@@ -89,7 +89,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from gateway.g711 import LAWS, G711Encoder
 from gateway.http_api import from_gateway_error, lone_surrogate, served_voices, stt_usage, unknown_model
-from gateway.http_error import HttpError
+from gateway.http_error import HttpError, unauthorized
 from gateway.prompt_fit import PromptFit
 from gateway.realtime_beta import GaFieldError, beta_error, is_beta, to_beta, to_ga
 from gateway.realtime_turns import (
@@ -988,8 +988,7 @@ def realtime_route(service: GatewayService) -> WebSocketRoute:
         offered: list[str] = list(ws.scope.get("subprotocols") or [])
         intent = ws.query_params.get("intent")
         if not service.check_api_key(ws.headers.get("authorization") or _subprotocol_key(offered)):
-            refusal = HttpError(401, "missing or wrong API key (header Authorization: Bearer <key>)",
-                                "authentication_error", code="invalid_api_key")  # fmt: skip
+            refusal = unauthorized()
         elif (model := ws.query_params.get("model")) is not None and model != service.model_name:
             refusal = unknown_model(model, service.model_name)
         elif intent not in (None, "transcription"):

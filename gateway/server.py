@@ -222,11 +222,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         """`_prompt`'s build, whatever its length."""
         kwargs = template_kwargs(request.chat_template_kwargs, self.template_names)
         if request.messages:
+            # A conversation with no user text is served as OpenAI serves it (a system prompt alone, a
+            # user turn left empty): the template renders it and the model answers it.
             messages, has_media = decode_messages(request, self.media_limits, self._audio_rate(), cancelled,
                                                   self.media_cache)
-            # (media come in user messages only; without media every content is text)
-            if not has_media and not any(m["content"].strip() for m in messages if m["role"] == "user"):
-                raise ValueError("messages: no user message with content")
         else:
             if not request.prompt.strip():
                 raise ValueError("prompt: empty prompt")

@@ -75,6 +75,29 @@ def test_staged_pipeline_matches_generate(checkpoints: Any, case: Case, checkpoi
     assert_same_wave(streamed, ref_wav, "streamed", cpu_atol=1e-5)
 
 
+def _chat_ids(pipeline: Any, messages: list[dict[str, str]]) -> list[int]:
+    rendered = pipeline.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(rendered["input_ids"])
+
+
+@pytest.mark.parametrize("audio", [True, False])
+def test_a_conversation_with_no_user_text_matches_generate(pipeline: Any, reference: Any, audio: bool) -> None:
+    """As OpenAI serves them (the gateway refused them): a user turn left empty after a system
+    prompt; and, text only, a system prompt alone (with speech, transformers 5.23's generate()
+    fails on a prompt with no user turn: no reference)."""
+    eos = pipeline.spec.im_end_id
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": ""}] if audio else [
+        {"role": "system", "content": "You are a poet. Write about the sea."}]
+    ids = _chat_ids(pipeline, turns)
+    ref_ids, ref_codes, _ = reference.generate(ids, 20, 40, eos, audio)
+    req = PipelineRequest(prompt_ids=ids, thinker=pipeline.thinker_defaults().with_overrides(max_tokens=20),
+                          talker=SamplingParams(max_tokens=40), want_audio=audio)  # fmt: skip
+    done = list(pipeline.run(req))[-1]
+    assert done.token_ids == ref_ids and len(ref_ids) > 3
+    if audio:
+        assert ref_codes is not None and ref_codes.shape[1] > 3 and torch.equal(done.codes, ref_codes)
+
+
 def test_text_only_request_does_no_talker_work(pipeline: Any, reference: Any, no_talker_calls: list[str]) -> None:
     case = CASES[0]
     prompt_ids = pipeline.prompt_ids(case.prompt)

@@ -83,6 +83,16 @@ def test_staged_pipeline_matches_generate(q25_checkpoints: Any, checkpoint: str,
     assert done.talker_stopped_on == ("max_tokens" if ref[1].shape[1] == case.talker_max else "stop_id")
 
 
+def test_a_system_prompt_alone_matches_generate(q25_checkpoints: Any) -> None:
+    """A conversation with no user turn (the gateway refused it; OpenAI serves it), spoken."""
+    pipeline, reference = q25_checkpoints("published")
+    turns = [{"role": "system", "content": "You are a poet. Write about the sea."}]
+    ids = list(pipeline.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)["input_ids"])
+    case = Case("", 20, 40)
+    ref = reference.generate(ids, case.thinker_max, case.talker_max, pipeline.spec.im_end_id, seed=SEED)
+    _check_parity(pipeline, _run(pipeline, ids, case), ref)
+
+
 def test_cases_cover_every_stop(q25_checkpoints: Any) -> None:
     """The cases above reach each stop of each part on the published checkpoint (reference side)."""
     pipeline, reference = q25_checkpoints("published")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import io
 import json
 import math
@@ -642,6 +643,27 @@ def test_logprobs_come_with_their_tokens_streamed_or_not(http_stack: Stack, clie
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs must be from 0 to 20" in e.value.details()
 
 
+def test_a_conversation_without_user_text_is_answered(http_stack: Stack, client: openai.OpenAI) -> None:
+    """As OpenAI answers them (each was a 400 "no user message with content"): a system prompt
+    alone, a user turn left empty, and an assistant turn holding a refusal part."""
+    model = client.models.list().data[0].id
+    for messages in ([{"role": "system", "content": "You are a poet. Write about the sea."}],
+                     [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": ""}],
+                     [{"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
+                      {"role": "user", "content": "why"}]):  # fmt: skip
+        reply = client.chat.completions.create(model=model, temperature=0, max_tokens=8, messages=messages,
+                                               modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"})
+        assert reply.choices[0].message.content and reply.choices[0].message.audio.data, messages
+    # the refusal reads as that turn's text
+    text = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "I cannot."},
+            {"role": "user", "content": "why"}]
+    a = client.chat.completions.create(model=model, temperature=0, max_tokens=8, messages=text)
+    b = client.chat.completions.create(model=model, temperature=0, max_tokens=8, messages=messages)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+
+
 def test_control_token_text_is_the_clients_text_at_every_door(http_stack: Stack, client: openai.OpenAI) -> None:
     """`<|audio_pad|>` or `<|im_end|>` in what a client writes is text (tests/test_control_tokens.py):
     chat, speech and a Realtime item are answered; it failed the request naming the thinker, and a
@@ -782,6 +804,9 @@ def test_bad_requests_get_the_documented_status_and_shape(http_stack: Stack) -> 
         ({"messages": hi, "temperature": "0.5"}, None, 400, "temperature"),
         ({"messages": hi, "tool_choice": "required"}, None, 400, "tool_choice"),
         ({"messages": hi, "top_logprobs": 3}, None, 400, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]}, None, 400,
+         "messages[0].content[0]"),  # (an assistant's part)
+        ({"messages": hi, "max_completion_tokens": 1 << 20}, None, 400, "max_completion_tokens"),
     ]  # fmt: skip
     # streamed or not, the same status: nothing is sent before the reply's first piece exists
     for stream in (False, True):
@@ -795,6 +820,14 @@ def test_bad_requests_get_the_documented_status_and_shape(http_stack: Stack) -> 
             error = r.json()["error"]
             assert set(error) == {"message", "type", "param", "code"}
             assert error["message"].startswith(field) or error["param"] == field, (field, error)
+            if field == "max_completion_tokens":  # the name the client used, in the message too
+                assert "max_tokens" not in error["message"].replace("max_completion_tokens", ""), error
+    # a compressed body: refused by its encoding, not read as JSON ("not UTF-8")
+    r = _post(http_stack, None, gzip.compress(json.dumps({"messages": hi}).encode()), **{"content-encoding": "gzip"})
+    assert r.status_code == 415 and r.json()["error"]["param"] == "content-encoding", r.text
+    # a trailing slash: an unknown path, an OpenAI error (was a bare redirect)
+    r = httpx.post(f"http://{http_stack.http_address}/v1/chat/completions/", json={"messages": hi}, timeout=60)
+    assert r.status_code == 404 and "error" in r.json(), r.text
     # a deadline no reply can meet (a whole greedy reply with speech takes several times longer here;
     # streamed, not even its first piece): 504
     for stream, seconds in ((False, "0.05"), (True, "0.001")):
@@ -1023,6 +1056,7 @@ def test_api_key_is_required_on_both_front_doors(http_stack: Stack, tmp_path: Pa
         url = f"http://{http_addr}/v1/chat/completions"
         r = httpx.post(url, json=body, timeout=60)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert r.headers["www-authenticate"] == "Bearer"
         assert httpx.post(url, json=body, headers={"authorization": "Bearer wrong"}, timeout=60).status_code == 401
         ok = httpx.post(url, json=body, headers={"authorization": "Bearer s3cret"}, timeout=60)
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
