@@ -200,6 +200,7 @@ class Message(_Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[Part] | None = None
     audio: AudioRef | None = None  # an earlier reply's audio, by id (assistant messages)
+    refusal: str | None = None  # an earlier reply's refusal (assistant messages): its text where content is empty
 
 
 class AudioOut(_Body):
@@ -640,6 +641,8 @@ def to_generate_request(
                                      "reply's transcript for an hour; send its text as content instead)",
                                 param=where)  # fmt: skip
             req.messages.append(gateway_pb2.ChatMessage(role=role, content=text))
+        elif not m.content and m.refusal and role == "assistant":
+            req.messages.append(gateway_pb2.ChatMessage(role=role, content=m.refusal))
         elif isinstance(m.content, list):
             parts = [_part(p, f"messages[{i}].content[{j}]", role) for j, p in enumerate(m.content)]
             req.messages.append(gateway_pb2.ChatMessage(role=role, parts=parts))

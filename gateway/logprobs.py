@@ -26,7 +26,11 @@ class TokenPieces:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.special = frozenset(int(i) for i in tokenizer.all_special_ids)
+        # what the reply's text leaves out (TextStream decodes with skip_special_tokens): the
+        # tokenizer's special tokens and every added token marked special (<|im_start|>, <tts_pad>, ...)
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        self.special = frozenset([*(int(i) for i in tokenizer.all_special_ids),
+                                  *(int(i) for i, t in added.items() if getattr(t, "special", False))])  # fmt: skip
         self._pieces: dict[int, tuple[str, list[int]]] = {}
 
     def __call__(self, token_id: int) -> tuple[str, list[int]]:
@@ -47,7 +51,7 @@ class TokenPieces:
 
     def entries(self, logprobs: Iterable[gateway_pb2.TokenLogprob]) -> list[dict[str, Any]]:
         """OpenAI's `logprobs.content` entries of these tokens. A special token (the reply's end)
-        is none: the content shows no text of it."""
+        is none: the content shows no text of it. (Alternatives are the model's, special or not.)"""
         out = []
         for lp in logprobs:
             if lp.token_id in self.special:
@@ -58,4 +62,5 @@ class TokenPieces:
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text, raw = self(token_id)
-        return {"token": text, "logprob": max(logprob, FLOOR), "bytes": raw}
+        # (NaN fails the comparison too: JSON has no NaN, and a greedy pick from NaN logits has one)
+        return {"token": text, "logprob": logprob if logprob >= FLOOR else FLOOR, "bytes": raw}

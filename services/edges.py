@@ -63,7 +63,8 @@ PROMPT_HIDDEN = "prompt_hidden"
 CODES = "codes"
 AUDIO = "audio"
 # beside a text chunk's ids, where the request asks for them: each token's log-probability [n],
-# and the most likely ids at its position [n, k] with theirs [n, k]
+# and the most likely ids at its position [k, n] with theirs [k, n] (positions on the last axis, as
+# wire/resume.py cuts a replayed chunk)
 LOGPROB = "logprob"
 TOP_IDS = "top_ids"
 TOP_LOGPROBS = "top_logprobs"
@@ -184,8 +185,8 @@ def text_chunk(offset: int, token_id: int, finish_reason: str | None,
     tensors = {IDS: torch.tensor([token_id])}
     if logprobs is not None:
         tensors[LOGPROB] = torch.tensor([logprobs.logprob], dtype=torch.float32)
-        tensors[TOP_IDS] = torch.tensor([[i for i, _ in logprobs.top]], dtype=torch.long).view(1, -1)
-        tensors[TOP_LOGPROBS] = torch.tensor([[lp for _, lp in logprobs.top]], dtype=torch.float32).view(1, -1)
+        tensors[TOP_IDS] = torch.tensor([i for i, _ in logprobs.top], dtype=torch.long).view(-1, 1)
+        tensors[TOP_LOGPROBS] = torch.tensor([lp for _, lp in logprobs.top], dtype=torch.float32).view(-1, 1)
     return OutChunk(tensors, offset=offset, length=1, finished=bool(finish_reason), meta=meta)
 
 
@@ -195,9 +196,11 @@ def read_logprobs(stage: str, chunk: DecodedChunk) -> list[TokenLogprobs] | None
         return None
     n = int(chunk.tensors[IDS].shape[0])
     lp = tensor(stage, chunk, LOGPROB, FLOAT_DTYPES, (n,)).float().tolist()
-    top_ids = tensor(stage, chunk, TOP_IDS, INT_DTYPES, (n, None)).tolist()
-    top_lp = tensor(stage, chunk, TOP_LOGPROBS, FLOAT_DTYPES, (n, len(top_ids[0]) if n else None)).float().tolist()
-    return [TokenLogprobs(lp[i], tuple(zip(top_ids[i], top_lp[i], strict=True))) for i in range(n)]
+    top_ids = tensor(stage, chunk, TOP_IDS, INT_DTYPES, (None, n))
+    k = int(top_ids.shape[0])
+    ids = top_ids.t().tolist()
+    top_lp = tensor(stage, chunk, TOP_LOGPROBS, FLOAT_DTYPES, (k, n)).float().t().tolist()
+    return [TokenLogprobs(lp[i], tuple(zip(ids[i], top_lp[i], strict=True))) for i in range(n)]
 
 
 def thinker_prompt_chunk(ids: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor | None,

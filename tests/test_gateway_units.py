@@ -419,6 +419,15 @@ def test_fields_that_ask_for_what_this_server_lacks_are_refused_and_harmless_one
         assert to_generate_request(_chat(**fields), ["ethan"]).messages[0].content == "hi"
 
 
+def test_an_assistant_refusal_reads_as_its_text() -> None:
+    from gateway.http_api import to_generate_request
+
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "refusal": "I cannot."},
+             {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}]  # fmt: skip
+    req = to_generate_request(_chat(messages=turns), ["ethan"])
+    assert req.messages[1].content == "I cannot." and req.messages[2].parts[0].text == "No."
+
+
 def test_logprobs_ask_the_thinker_for_them() -> None:
     from gateway.http_api import to_generate_request
 

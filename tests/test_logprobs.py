@@ -15,6 +15,7 @@ from omnistage.models import load_tokenizer, open_checkpoint
 from omnistage.models.sampling import SamplingParams, TokenLogprobs, token_logprobs
 from omnistage.v1 import gateway_pb2, stage_pb2
 from omnistage.wire import StageError
+from omnistage.wire.resume import Resume, Seen
 from services import edges
 from services.pipeline import PipelineRequest, TextEvent, received
 
@@ -109,6 +110,13 @@ def test_logprobs_cross_the_wire() -> None:
         assert edges.read_logprobs("thinker", received(chunk)) == [
             TokenLogprobs(pytest.approx(row.logprob), tuple((i, pytest.approx(v)) for i, v in row.top))]  # type: ignore[arg-type]
     assert edges.read_logprobs("thinker", received(edges.text_chunk(0, 5, "stop_id"))) is None
+    # a replay's chunk over positions the caller has: cut to what is new (here nothing), still read
+    for top in ((), ((5, -1.0),), ((5, -1.0), (6, -2.0), (7, -3.0))):
+        resume = Resume()
+        resume.delivered("thinker", 0, 1, False)
+        chunk = received(edges.text_chunk(0, 5, "stop_id", TokenLogprobs(-1.0, top)))
+        assert resume.classify("thinker", 0, 1, True) == Seen.OVERLAP
+        assert edges.read_logprobs("thinker", resume.tail("thinker", chunk)) == []
     bad = received(edges.text_chunk(0, 5, None, TokenLogprobs(-1.0, ((5, -1.0),))))
     bad.tensors[edges.TOP_LOGPROBS] = torch.zeros(1, 3)
     with pytest.raises(StageError, match="top_logprobs"):
@@ -132,14 +140,19 @@ def test_token_pieces_are_the_tokens_bytes(tiny_dir: Path) -> None:
     assert partial, "the text should hold a character split over tokens"
     end = int(tok.convert_tokens_to_ids("<|im_end|>"))
     assert pieces(end) == ("<|im_end|>", list(b"<|im_end|>"))
+    # every token the reply's text leaves out has no entry (the end; <|im_start|>, <tts_pad>, ...)
+    hidden = {i for i in range(len(tok)) if tok.decode([i], skip_special_tokens=True) == ""}
+    assert hidden == pieces.special and int(tok.convert_tokens_to_ids("<|im_start|>")) in hidden
     entries = pieces.entries([
         gateway_pb2.TokenLogprob(token_id=ids[0], logprob=float("-inf"),
-                                 top=[gateway_pb2.TopLogprob(token_id=end, logprob=-0.5)]),
-        gateway_pb2.TokenLogprob(token_id=end, logprob=-0.1),
+                                 top=[gateway_pb2.TopLogprob(token_id=end, logprob=-0.5),
+                                      gateway_pb2.TopLogprob(token_id=ids[1], logprob=float("nan"))]),
+        *(gateway_pb2.TokenLogprob(token_id=i, logprob=-0.1) for i in sorted(hidden)),
     ])  # fmt: skip
-    assert len(entries) == 1  # the reply's end token shows no text: no entry
+    assert len(entries) == 1
     assert entries[0]["logprob"] == FLOOR and entries[0]["bytes"] == pieces(ids[0])[1]
-    assert entries[0]["top_logprobs"] == [{"token": "<|im_end|>", "logprob": -0.5, "bytes": list(b"<|im_end|>")}]
+    assert entries[0]["top_logprobs"] == [{"token": "<|im_end|>", "logprob": -0.5, "bytes": list(b"<|im_end|>")},
+                                          {"token": pieces(ids[1])[0], "logprob": FLOOR, "bytes": pieces(ids[1])[1]}]
 
 
 def test_a_split_thinker_gives_the_single_one_s_logprobs(tiny_dir: Path, pipeline: Any) -> None:

@@ -624,6 +624,21 @@ def test_logprobs_come_with_their_tokens_streamed_or_not(http_stack: Stack, clie
             pieces.append(choice.delta.content or "")
     assert "".join(pieces) == text
     assert [(e.token, e.logprob, e.bytes) for e in streamed] == [(e.token, e.logprob, e.bytes) for e in content]
+    # cut by a stop text, with speech: the same entries streamed or not (those of the stop text's
+    # tokens, whose text never shows, come with the finish)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = {**ask, "stop": [stop], "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "pcm16"},
+           "logprobs": True, "top_logprobs": 0}  # fmt: skip
+    whole_cut = client.chat.completions.create(**cut)
+    assert whole_cut.choices[0].message.content == text[: text.index(stop)]
+    entries = whole_cut.choices[0].logprobs.content
+    assert entries and all(e.top_logprobs == [] for e in entries)
+    spoken = b"".join(bytes(e.bytes) for e in entries).decode(errors="replace")  # up to the stop text's end
+    assert spoken.startswith(whole_cut.choices[0].message.content) and stop in spoken
+    streamed = [e for ch in client.chat.completions.create(**cut, stream=True) for c in ch.choices
+                if c.logprobs is not None for e in c.logprobs.content]  # fmt: skip
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+    assert [e.logprob for e in entries] == [e.logprob for e in content[: len(entries)]]
     # the gRPC door: one per token id, in order (the end token's too)
     request = build_request(QUESTION, greedy=True, thinker_max_tokens=24, want_audio=False)
     request.sampling["thinker"].logprobs = 2
