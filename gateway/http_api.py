@@ -28,7 +28,8 @@ Chat completions (OpenAI's shapes; what differs is said here):
   `seed` is set); unset keeps the checkpoint's defaults, but a `top_p` under 1 or a `top_k` above 0
   samples (the stage's rule: services/edges.py `sampling`). `max_tokens` / `max_completion_tokens`,
   `top_p`, `top_k`, `repetition_penalty`, `seed` (it seeds the speech too), `stop`, vLLM's
-  `stop_token_ids`, `chat_template_kwargs` (gateway/chat_template.py); vLLM's fields with no
+  `stop_token_ids`, `chat_template_kwargs` (gateway/chat_template.py), `logit_bias`,
+  `presence_penalty` and `frequency_penalty` (the thinker's; omnistage/models/sampling.py); vLLM's fields with no
   counterpart that would change the reply (`ignore_eos`, `min_tokens`, ...) are refused. A field
   sent as null is unset.
   `tools` (but with `tool_choice: none`, which calls none: then they go unread), likewise the
@@ -313,10 +314,9 @@ class ChatRequest(_Body):
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # OpenAI's sampling knobs this server has no counterpart of: refused unless they change nothing
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
 
 
 class SpeechRequest(_Body):
@@ -523,12 +523,6 @@ def _unsupported(body: ChatRequest) -> None:
     if body.function_call not in (None, "none", "auto"):
         raise HttpError(400, "function_call: only allowed with functions, which this server does not support",
                         param="function_call")  # fmt: skip
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise HttpError(400, f"{name}: not supported by this server (0 or unset; repetition_penalty is)",
-                            param=name)  # fmt: skip
-    if body.logit_bias:
-        raise HttpError(400, "logit_bias: not supported by this server", param="logit_bias")
     if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
         # as OpenAI and vLLM refuse it (options of a stream, with none); null or {} passes
         raise HttpError(400, "stream_options: only allowed when stream is true", param="stream_options")
@@ -597,6 +591,22 @@ def _apply_sampling_list(req: gateway_pb2.GenerateRequest, entries: Sequence[Sta
         if entry.stop_token_ids:  # replaces the body's (MergeFrom would add to them)
             req.sampling[stage].ClearField("stop_ids")
         req.sampling[stage].MergeFrom(_stage_sampling(entry, stop_ids.get(stage, ())))
+
+
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+def _logit_bias(bias: Mapping[str, float]) -> dict[int, float]:
+    """OpenAI's `logit_bias` (token ids as JSON keys) as ids; whether each is in the vocabulary
+    is the thinker's check."""
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise HttpError(400, f"logit_bias: {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}", param="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not re.fullmatch(r"\d{1,18}", key.strip()):
+            raise HttpError(400, f"logit_bias: key {quoted(key)} is not a token id", param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def apply_temperature(req: gateway_pb2.GenerateRequest, thinker: stage_pb2.SamplingParams, temperature: float,
@@ -672,6 +682,10 @@ def to_generate_request(
             _seed_speech(req, body.seed)
     if body.logprobs:
         thinker.logprobs = body.top_logprobs or 0
+    for name in ("presence_penalty", "frequency_penalty"):  # (0 changes nothing: left unset)
+        if getattr(body, name):
+            setattr(thinker, name, getattr(body, name))
+    thinker.logit_bias.update(_logit_bias(body.logit_bias or {}))
     if body.stop_token_ids:  # besides the thinker's own stop ids, as in vLLM
         thinker.stop_ids.extend(dict.fromkeys([*(stop_ids or {}).get("thinker", ()), *body.stop_token_ids]))
     req.sampling["thinker"].CopyFrom(thinker)

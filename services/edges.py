@@ -388,7 +388,20 @@ def audio_chunk(offset: int, pcm: torch.Tensor, sample_rate: int) -> OutChunk:
 # ---- the Start message -------------------------------------------------------------------------------
 
 _SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "max_tokens",
-                    "logprobs")  # fmt: skip
+                    "logprobs", "presence_penalty", "frequency_penalty")  # fmt: skip
+
+
+# fields that only the thinker's sampling reads
+_THINKER_ONLY = ("logprobs", "logit_bias", "presence_penalty", "frequency_penalty")
+
+
+def _asks(params: stage_pb2.SamplingParams, name: str) -> bool:
+    """Whether `params` sets `name` to anything but what changes nothing (a penalty of 0)."""
+    if name == "logit_bias":
+        return bool(params.logit_bias)
+    if name == "logprobs":
+        return params.HasField(name)
+    return bool(getattr(params, name))
 
 
 def check_start(stage: str, start: stage_pb2.Start) -> None:
@@ -411,10 +424,11 @@ def check_start(stage: str, start: stage_pb2.Start) -> None:
     texts = sorted(name for name, params in start.sampling.items() if params.stop_texts and name != "thinker")
     if texts:
         raise invalid(f"{stage}: sampling: stop_texts are for the thinker only, not {texts}")
-    scored = sorted(name for name, params in start.sampling.items()
-                    if params.HasField("logprobs") and name != "thinker")  # fmt: skip
-    if scored:
-        raise invalid(f"{stage}: sampling: logprobs are for the thinker only, not {scored}")
+    for field_name in _THINKER_ONLY:
+        others = sorted(name for name, params in start.sampling.items()
+                        if name != "thinker" and _asks(params, field_name))  # fmt: skip
+        if others:
+            raise invalid(f"{stage}: sampling: {field_name} is for the thinker only, not {others}")
 
 
 def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,
@@ -456,6 +470,10 @@ def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,
         overrides["stop_ids"] = stops
     if msg.forced_ids:
         overrides["forced_ids"] = tuple(int(i) for i in msg.forced_ids)
+    if msg.logit_bias:
+        if vocab is not None and (bad := sorted(i for i in msg.logit_bias if not 0 <= i < vocab)):
+            raise invalid(f"{stage}: sampling: logit_bias ids outside the vocabulary (0..{vocab - 1}): {bad[:8]}")
+        overrides["logit_bias"] = dict(msg.logit_bias)
     if msg.stop_texts:
         try:
             overrides["stop_texts"] = tuple(check_stop_texts(list(msg.stop_texts)))
@@ -494,9 +512,9 @@ def meta_str(meta: Mapping[str, Any], key: str) -> str:
 def sampling_proto(params: SamplingParams) -> stage_pb2.SamplingParams:
     """`SamplingParams` as the proto message a Start carries (every field set)."""
     msg = stage_pb2.SamplingParams(stop_ids=list(params.stop_ids), forced_ids=list(params.forced_ids),
-                                   stop_texts=list(params.stop_texts))  # fmt: skip
+                                   stop_texts=list(params.stop_texts), logit_bias=dict(params.logit_bias))  # fmt: skip
     for f in _SAMPLING_FIELDS:
         value = getattr(params, f)
-        if value is not None:
+        if value is not None and (value or f not in ("presence_penalty", "frequency_penalty")):  # (0: unset)
             setattr(msg, f, value)
     return msg

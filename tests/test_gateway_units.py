@@ -127,9 +127,8 @@ def test_openai_request_errors_name_the_field() -> None:
         (_chat(response_format={"type": "json_object"}), "response_format: only"),
         (_chat(top_logprobs=2), "top_logprobs: logprobs must be true"),
         (_chat(functions=[{"name": "f"}]), "functions: function calling is not supported"),
-        (_chat(presence_penalty=0.5), "presence_penalty: not supported"),
-        (_chat(frequency_penalty=-1), "frequency_penalty: not supported"),
-        (_chat(logit_bias={"42": 5}), "logit_bias: not supported"),
+        (_chat(logit_bias={"x1": 5}), "logit_bias: key 'x1' is not a token id"),
+        (_chat(logit_bias={str(i): 1 for i in range(1025)}), "logit_bias: 1025 entries; at most 1024"),
         (_chat(stream_options={"include_usage": True}), "stream_options: only allowed when stream is true"),
         (_chat(stream_options={"include_usage": False}), "stream_options: only allowed when stream is true"),
         (_chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "audio": {"id": "audio_x"}}]),
@@ -426,6 +425,27 @@ def test_an_assistant_refusal_reads_as_its_text() -> None:
              {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}]  # fmt: skip
     req = to_generate_request(_chat(messages=turns), ["ethan"])
     assert req.messages[1].content == "I cannot." and req.messages[2].parts[0].text == "No."
+
+
+def test_openai_bias_and_penalties_reach_the_thinker() -> None:
+    from gateway.http_api import to_generate_request
+    from omnistage.models import SamplingParams
+    from omnistage.v1 import stage_pb2
+    from omnistage.wire import StageError
+    from services.edges import sampling
+
+    req = to_generate_request(_chat(logit_bias={"42": 5, " 7": -100}, presence_penalty=0.5, frequency_penalty=-1),
+                              ["ethan"])  # fmt: skip
+    start = stage_pb2.Start(request_id="r")
+    start.sampling["thinker"].CopyFrom(req.sampling["thinker"])
+    got = sampling("thinker", start, SamplingParams(), vocab=100)
+    assert got.logit_bias == ((7, -100.0), (42, 5.0))
+    assert (got.presence_penalty, got.frequency_penalty) == (0.5, -1.0)
+    plain = to_generate_request(_chat(presence_penalty=0, frequency_penalty=0, logit_bias={}), ["ethan"])
+    assert plain.sampling["thinker"] == stage_pb2.SamplingParams()  # nothing that changes nothing
+    start.sampling["thinker"].logit_bias[100] = 1.0
+    with pytest.raises(StageError, match=r"logit_bias ids outside the vocabulary \(0..99\): \[100\]"):
+        sampling("thinker", start, SamplingParams(), vocab=100)
 
 
 def test_logprobs_ask_the_thinker_for_them() -> None:

@@ -91,7 +91,7 @@ def test_sampling_refuses_a_count_out_of_range() -> None:
             SamplingParams(logprobs=bad)
     start = stage_pb2.Start(request_id="r")
     start.sampling["talker"].logprobs = 2
-    with pytest.raises(StageError, match="logprobs are for the thinker only"):
+    with pytest.raises(StageError, match="logprobs is for the thinker only"):
         edges.check_start("thinker", start)
     start = stage_pb2.Start(request_id="r")
     start.sampling["thinker"].logprobs = 21

@@ -11,8 +11,10 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers.generation.logits_process import (
+    LogitsProcessor,
     LogitsProcessorList,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -24,6 +26,9 @@ from transformers.generation.logits_process import (
 MIN_TEMPERATURE = 1e-5
 # The most alternatives a token's log-probability comes with (OpenAI's `top_logprobs` limit).
 MAX_TOP_LOGPROBS = 20
+# OpenAI's bounds: a logit bias, and the presence and frequency penalties.
+MAX_LOGIT_BIAS = 100.0
+MAX_PENALTY = 2.0
 
 
 def greedy_temperature(temperature: float) -> bool:
@@ -50,6 +55,11 @@ class SamplingParams:
     # (thinker) each generated token's log-probability and that many most likely ids with theirs
     # (`token_logprobs`); None: none
     logprobs: int | None = None
+    # (thinker) OpenAI's: added to a token's logit ((id, bias) pairs, in id order), and taken off
+    # per time a token was generated (frequency) and once for having been (presence)
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         # Written so that NaN fails every check (any comparison with NaN is False).
@@ -67,6 +77,13 @@ class SamplingParams:
                              f"got {self.repetition_penalty}")  # fmt: skip
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias):
+            raise ValueError(f"logit_bias values must be from {-MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}")
+        if any(i < 0 for i, _ in self.logit_bias):
+            raise ValueError("logit_bias ids must be >= 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be from {-MAX_PENALTY:g} to {MAX_PENALTY:g}, got {getattr(self, name)}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be from 0 to {MAX_TOP_LOGPROBS}, got {self.logprobs}")
         if self.forced_ids and not self.stop_ids:
@@ -79,6 +96,10 @@ class SamplingParams:
                 clean[name] = tuple(int(i) for i in clean[name])
         if "stop_texts" in clean:
             clean["stop_texts"] = tuple(str(s) for s in clean["stop_texts"])
+        if "logit_bias" in clean:
+            bias = clean["logit_bias"]
+            clean["logit_bias"] = tuple(sorted((int(i), float(b)) for i, b in (bias.items() if isinstance(bias, dict)
+                                                                               else bias)))  # fmt: skip
         return replace(self, **clean)
 
 
@@ -90,15 +111,39 @@ CODE_PREDICTOR_SAMPLED = SamplingParams(do_sample=True, top_k=50, top_p=0.8, max
 GREEDY = SamplingParams()
 
 
+class OutputPenalty(LogitsProcessor):
+    """OpenAI's presence and frequency penalties (as vLLM applies them): a token's logit less
+    `frequency` per time the reply generated it and `presence` once if it did. Its `input_ids`
+    are the reply's ids alone (`RowChoice`), padded with ids past the vocabulary."""
+
+    def __init__(self, presence: float, frequency: float) -> None:
+        self.presence, self.frequency = presence, frequency
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        vocab = scores.shape[-1]
+        counts = torch.zeros((scores.shape[0], vocab + 1), dtype=scores.dtype, device=scores.device)
+        counts.scatter_add_(1, input_ids.clamp(max=vocab), torch.ones_like(input_ids, dtype=scores.dtype))
+        counts = counts[:, :vocab]
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)  # type: ignore[return-value]
+
+
 class TokenChooser:
-    """Applies one request's processors to a logits row and picks the next id."""
+    """Applies one request's processors to a logits row and picks the next id. `prompt_len`:
+    how many of a history's ids are its prompt (the rest are the reply, which the presence and
+    frequency penalties count); set by the stage once the prompt is known."""
 
     def __init__(self, params: SamplingParams, suppress_ids: list[int] | None = None, device: str = "cpu") -> None:
         self.params = params
         self.suppress_ids = tuple(suppress_ids or ())
+        self.prompt_len = 0
         procs: list[Any] = []
+        # in generate()'s order: the bias (its sequence_bias), the repetition penalty, ..., the warpers
+        if params.logit_bias:
+            procs.append(SequenceBiasLogitsProcessor({(i,): b for i, b in params.logit_bias}))
         if params.repetition_penalty != 1.0:
             procs.append(RepetitionPenaltyLogitsProcessor(penalty=params.repetition_penalty))
+        if params.presence_penalty or params.frequency_penalty:
+            procs.append(OutputPenalty(params.presence_penalty, params.frequency_penalty))
         if suppress_ids:
             procs.append(SuppressTokensLogitsProcessor(suppress_ids, device=device))
         if params.do_sample:
@@ -147,9 +192,23 @@ class TokenChooser:
         return not self.params.do_sample and not self.processors
 
     def choose(self, logits: torch.Tensor, history: torch.Tensor) -> int:
-        """`logits`: `[V]` (float); `history`: `[T]` ids seen so far (for the repetition penalty)."""
-        scores = self.processors(history.view(1, -1).to(logits.device), logits.view(1, -1).float())
+        """`logits`: `[V]` (float); `history`: `[T]` ids seen so far (for the penalties)."""
+        ids = history.view(1, -1).to(logits.device)
+        scores = self.process(ids, ids[:, self.prompt_len :], logits.view(1, -1).float())
         return int(self.pick(scores, [self.generator], check=True))
+
+    def process(self, ids: torch.Tensor, reply_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """The processors over `scores` (`[n, V]`): the presence and frequency penalties read
+        `reply_ids`, the others `ids` (the whole histories)."""
+        for proc in self.processors:
+            scores = proc(reply_ids if isinstance(proc, OutputPenalty) else ids, scores)
+        return scores
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether a processor reads the ids seen so far (else none are gathered)."""
+        p = self.params
+        return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
 
     def pick(self, scores: torch.Tensor, generators: Sequence[torch.Generator | None], check: bool,
              uniforms: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
@@ -273,7 +332,8 @@ def alike(chooser: TokenChooser) -> tuple[Any, ...]:
     """What a chooser's processors and pick depend on, its generator aside (greedy: no warpers)."""
     p = chooser.params
     warpers = (p.temperature, p.top_k, p.top_p) if p.do_sample else ()
-    return p.do_sample, *warpers, p.repetition_penalty, chooser.suppress_ids
+    return (p.do_sample, *warpers, p.repetition_penalty, chooser.suppress_ids, p.logit_bias, p.presence_penalty,
+            p.frequency_penalty)  # fmt: skip
 
 
 class RowChoice:
@@ -310,12 +370,13 @@ class RowChoice:
                                                              device=logits.device)  # fmt: skip
         for rows, index in zip(self.groups, self.index, strict=True):
             lead = self.choosers[rows[0]]
-            if histories is None or lead.params.repetition_penalty == 1.0:  # the one processor that reads them
-                ids = torch.empty((len(rows), 0), dtype=torch.long, device=logits.device)
-            else:
-                ids = pad_sequence([self.choosers[i].history_ids(histories[i]) for i in rows], batch_first=True,
-                                   padding_value=vocab).to(logits.device)  # fmt: skip
-            scores = lead.processors(ids, (logits if index is None else logits.index_select(0, index)).float())
+            ids = replies = torch.empty((len(rows), 0), dtype=torch.long, device=logits.device)
+            if histories is not None and lead.reads_history:  # (the penalties: the only processors that read them)
+                seen = [self.choosers[i].history_ids(histories[i]) for i in rows]
+                ids = pad_sequence(seen, batch_first=True, padding_value=vocab).to(logits.device)
+                replies = pad_sequence([s[self.choosers[i].prompt_len :] for s, i in zip(seen, rows, strict=True)],
+                                       batch_first=True, padding_value=vocab).to(logits.device)  # fmt: skip
+            scores = lead.process(ids, replies, (logits if index is None else logits.index_select(0, index)).float())
             drawn = None if uniforms is None else uniforms if index is None else uniforms.index_select(0, index)
             picks = lead.pick(scores, [self.choosers[i].generator for i in rows], self.check, drawn)
             if out is None:

@@ -281,6 +281,7 @@ class Thinker:
             if state.cache is None:
                 state.cache = self._new_cache(state)
                 state.history = list(state.prompt_ids)
+                state.chooser.prompt_len = len(state.prompt_ids)
                 if state.cached:
                     self._take_prefix(state, pos)
             if pos < len(state.prompt_ids):
@@ -417,6 +418,7 @@ class Thinker:
         for i, (k, v) in enumerate(kv):
             state.cache.update(k.to(self.device), v.to(self.device), i)
         state.history = [*state.prompt_ids, token_id]
+        state.chooser.prompt_len = len(state.prompt_ids)
         state.last_position = last_position.to(self.device)
         state.finished = stopped_on is not None
 
