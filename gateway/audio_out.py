@@ -233,8 +233,9 @@ def _flac(samples: np.ndarray, rate: int) -> bytes:
         stream.format = "s16"
         frame = av.AudioFrame.from_ndarray(np.frombuffer(_pcm16(samples), "<i2")[None], format="s16", layout="mono")
         frame.sample_rate = rate
-        for packet in stream.encode(frame if samples.size else None):
-            container.mux(packet)
+        if samples.size:  # (no audio: the header alone; a second flush of the encoder raised EOFError)
+            for packet in stream.encode(frame):
+                container.mux(packet)
         for packet in stream.encode(None):
             container.mux(packet)
     return buf.getvalue()

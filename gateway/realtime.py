@@ -886,6 +886,8 @@ class Response:
             if not generating.done():  # this task was cancelled: the connection closed
                 generating.cancel()
                 await asyncio.wait({generating})
+            if not generating.cancelled():  # read here too: a caller cancelled as it ended never reads it
+                generating.exception()  # (asyncio logged "Task exception was never retrieved" for its _Gone)
             await replies.aclose()
         if generating.cancelled():  # (response.cancel, or the connection closed)
             return "cancelled", self.cancelled or _CANCELLED, None

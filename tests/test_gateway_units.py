@@ -70,6 +70,25 @@ def test_the_same_audio_is_the_same_bytes(fmt: str) -> None:
     assert b"".join(_encode(fmt, samples)) == b"".join(_encode(fmt, samples))
 
 
+@pytest.mark.parametrize("fmt", list(FORMAT_NAMES))
+def test_a_reply_with_no_audio_encodes(fmt: str) -> None:
+    """A spoken reply whose talker made no frame (flac raised EOFError: the streamed reply was cut
+    with no [DONE]); the whole-file formats are files of no samples."""
+    import av
+
+    enc = AudioEncoder(format_from_name(fmt), RATE)
+    data = enc.push(np.zeros(0, np.float32)) + enc.finish()
+    if fmt == "wav":
+        with wave.open(io.BytesIO(data)) as w:
+            assert w.getnframes() == 0 and w.getframerate() == RATE
+    elif fmt == "flac":
+        with av.open(io.BytesIO(data)) as container:
+            assert container.streams.audio[0].sample_rate == RATE
+            assert sum(f.samples for f in container.decode(audio=0)) == 0
+    else:
+        assert data == b""
+
+
 def test_unknown_format_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown audio format 'aiff'"):
         format_from_name("aiff")
