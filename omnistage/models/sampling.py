@@ -206,9 +206,13 @@ class TokenChooser:
 
     @property
     def reads_history(self) -> bool:
-        """Whether a processor reads the ids seen so far (else none are gathered)."""
-        p = self.params
-        return p.repetition_penalty != 1.0 or bool(p.presence_penalty or p.frequency_penalty)
+        """Whether the repetition penalty reads the ids seen so far (else none are gathered)."""
+        return self.params.repetition_penalty != 1.0
+
+    @property
+    def reads_reply(self) -> bool:
+        """Whether the presence and frequency penalties read the reply's ids."""
+        return bool(self.params.presence_penalty or self.params.frequency_penalty)
 
     def pick(self, scores: torch.Tensor, generators: Sequence[torch.Generator | None], check: bool,
              uniforms: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
@@ -371,11 +375,13 @@ class RowChoice:
         for rows, index in zip(self.groups, self.index, strict=True):
             lead = self.choosers[rows[0]]
             ids = replies = torch.empty((len(rows), 0), dtype=torch.long, device=logits.device)
-            if histories is not None and lead.reads_history:  # (the penalties: the only processors that read them)
+            if histories is not None and (lead.reads_history or lead.reads_reply):  # (the penalties alone read them)
                 seen = [self.choosers[i].history_ids(histories[i]) for i in rows]
-                ids = pad_sequence(seen, batch_first=True, padding_value=vocab).to(logits.device)
-                replies = pad_sequence([s[self.choosers[i].prompt_len :] for s, i in zip(seen, rows, strict=True)],
-                                       batch_first=True, padding_value=vocab).to(logits.device)  # fmt: skip
+                if lead.reads_history:
+                    ids = pad_sequence(seen, batch_first=True, padding_value=vocab).to(logits.device)
+                if lead.reads_reply:
+                    replies = pad_sequence([s[self.choosers[i].prompt_len :] for s, i in zip(seen, rows, strict=True)],
+                                           batch_first=True, padding_value=vocab).to(logits.device)  # fmt: skip
             scores = lead.process(ids, replies, (logits if index is None else logits.index_select(0, index)).float())
             drawn = None if uniforms is None else uniforms if index is None else uniforms.index_select(0, index)
             picks = lead.pick(scores, [self.choosers[i].generator for i in rows], self.check, drawn)
