@@ -24,6 +24,10 @@ def sampling_proto(params: dict[str, Any]) -> stage_pb2.SamplingParams:
             continue
         if key in ("stop_ids", "forced_ids"):
             getattr(msg, key).extend(int(i) for i in value)
+        elif key == "stop_texts":
+            msg.stop_texts.extend(str(t) for t in value)
+        elif key == "logit_bias":
+            msg.logit_bias.update({int(i): float(b) for i, b in value.items()})
         else:
             setattr(msg, key, value)
     return msg

@@ -96,7 +96,7 @@ from gateway.server import (
     internal_failure,
 )
 from gateway.transcription import check_form_type, read_form, to_transcription_request
-from omnistage.models.sampling import greedy_temperature
+from omnistage.models.sampling import MAX_LOGIT_BIAS_ENTRIES, greedy_temperature
 from omnistage.quoting import quoted
 from omnistage.topology import STAGES
 from omnistage.v1 import gateway_pb2, stage_pb2
@@ -227,6 +227,10 @@ _NO_COUNTERPART: dict[str, Any] = {
 }  # fmt: skip
 
 
+# of those, the thinker's own (OpenAI's): a thinker entry's are taken (`_stage_sampling`)
+_THINKER_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias")
+
+
 # vLLM's extra chat-completion fields with no counterpart here, sent at the body's top level (its
 # own fields above are OpenAI's), with the value that changes nothing: any other value is refused
 # (they were ignored, so `"ignore_eos": true` gave an ordinary reply).
@@ -261,9 +265,11 @@ class StageSampling(_Body):
     repetition_penalty: float | None = Field(None, gt=0, le=10)
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
     stop_token_ids: list[Annotated[int, Field(ge=0, lt=1 << 62)]] | None = Field(None, max_length=1024)
-    # the fields of `_NO_COUNTERPART`, taken as sent to be refused unless they change nothing
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
+    # the thinker's (OpenAI's; a talker entry's are refused unless they change nothing)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    # the other fields of `_NO_COUNTERPART`, taken as sent to be refused unless they change nothing
     min_p: Any = None
     min_tokens: Any = None
     ignore_eos: Any = None
@@ -272,7 +278,6 @@ class StageSampling(_Body):
     logprobs: Any = None
     prompt_logprobs: Any = None
     stop: Any = None
-    logit_bias: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
@@ -544,10 +549,17 @@ def _seed_speech(req: gateway_pb2.GenerateRequest, seed: int) -> None:
         req.sampling[stage].seed = (seed + offset + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
-def _stage_sampling(entry: StageSampling, stop_ids: Sequence[int]) -> stage_pb2.SamplingParams:
+def _stage_sampling(entry: StageSampling, stop_ids: Sequence[int],
+                    bias_name: str = "logit_bias") -> stage_pb2.SamplingParams:  # fmt: skip
     """A thinker or talker entry of `sampling_params_list` as that stage's sampling; its
-    `stop_token_ids` stop the stage besides its own stop ids (`stop_ids`), as in vLLM."""
+    `stop_token_ids` stop the stage besides its own stop ids (`stop_ids`), as in vLLM. (A
+    talker's bias and penalties are refused before, unless they change nothing.)"""
     msg = stage_pb2.SamplingParams()
+    if entry.presence_penalty:
+        msg.presence_penalty = entry.presence_penalty
+    if entry.frequency_penalty:
+        msg.frequency_penalty = entry.frequency_penalty
+    msg.logit_bias.update(_logit_bias(entry.logit_bias or {}, bias_name))
     if entry.temperature is not None:
         msg.do_sample = not greedy_temperature(entry.temperature)
         if msg.do_sample:
@@ -579,6 +591,8 @@ def _apply_sampling_list(req: gateway_pb2.GenerateRequest, entries: Sequence[Sta
         where = f"sampling_params_list[{i}]"
         for name, neutral in _NO_COUNTERPART.items():
             value = getattr(entry, name)
+            if stage == "thinker" and name in _THINKER_FIELDS:
+                continue
             # a vocoder samples nothing: vLLM-Omni's examples send it fields that change nothing
             if stage != "code2wav" and not _changes_nothing(value, neutral):
                 raise HttpError(400, f"{where}.{name}: not supported by this server", param=f"{where}.{name}")
@@ -590,21 +604,22 @@ def _apply_sampling_list(req: gateway_pb2.GenerateRequest, entries: Sequence[Sta
             continue
         if entry.stop_token_ids:  # replaces the body's (MergeFrom would add to them)
             req.sampling[stage].ClearField("stop_ids")
-        req.sampling[stage].MergeFrom(_stage_sampling(entry, stop_ids.get(stage, ())))
+        if stage == "thinker" and entry.logit_bias is not None:  # likewise (MergeFrom would merge the maps)
+            req.sampling[stage].ClearField("logit_bias")
+        req.sampling[stage].MergeFrom(_stage_sampling(entry, stop_ids.get(stage, ()), f"{where}.logit_bias"))
 
 
-MAX_LOGIT_BIAS_ENTRIES = 1024
-
-
-def _logit_bias(bias: Mapping[str, float]) -> dict[int, float]:
+def _logit_bias(bias: Mapping[str, float], name: str = "logit_bias") -> dict[int, float]:
     """OpenAI's `logit_bias` (token ids as JSON keys) as ids; whether each is in the vocabulary
     is the thinker's check."""
     if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise HttpError(400, f"logit_bias: {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}", param="logit_bias")
-    out = {}
+        raise HttpError(400, f"{name}: {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}", param=name)
+    out: dict[int, float] = {}
     for key, value in bias.items():
-        if not re.fullmatch(r"\d{1,18}", key.strip()):
-            raise HttpError(400, f"logit_bias: key {quoted(key)} is not a token id", param="logit_bias")
+        if not re.fullmatch(r"[0-9]{1,18}", key.strip()):
+            raise HttpError(400, f"{name}: key {quoted(key)} is not a token id", param=name)
+        if int(key) in out:  # ("7" and "07": which one was meant?)
+            raise HttpError(400, f"{name}: token id {int(key)} is given twice", param=name)
         out[int(key)] = value
     return out
 

@@ -256,13 +256,16 @@ def test_vllm_omni_sampling_params_list_sets_each_stage() -> None:
     skipped = to_generate_request(_chat(modalities=["text", "audio"], temperature=0.5,
                                         sampling_params_list=[None, {"temperature": 0}]), ["ethan"])  # fmt: skip
     assert skipped.sampling["thinker"].do_sample and not skipped.sampling["talker"].do_sample
-    for entry, field in (({"presence_penalty": 0.5}, "presence_penalty"), ({"min_tokens": 2}, "min_tokens"),
-                         ({"ignore_eos": True}, "ignore_eos"), ({"stop": ["x"]}, "stop"), ({"n": 2}, "n"),
-                         ({"logit_bias": {"5": 1}}, "logit_bias"), ({"allowed_token_ids": [1]}, "allowed_token_ids"),
+    for entry, field in (({"min_tokens": 2}, "min_tokens"), ({"ignore_eos": True}, "ignore_eos"),
+                         ({"stop": ["x"]}, "stop"), ({"n": 2}, "n"), ({"allowed_token_ids": [1]}, "allowed_token_ids"),
                          ({"structured_outputs": {"json": {}}}, "structured_outputs")):  # fmt: skip
         with pytest.raises(HttpError) as e:
             to_generate_request(_chat(sampling_params_list=[entry]), ["ethan"])
         assert e.value.status == 400 and e.value.param == f"sampling_params_list[0].{field}", e.value.message
+    for entry, field in (({"presence_penalty": 0.5}, "presence_penalty"), ({"logit_bias": {"5": 1}}, "logit_bias")):
+        with pytest.raises(HttpError) as e:  # the thinker's alone (its entry takes them)
+            to_generate_request(_chat(sampling_params_list=[{}, entry]), ["ethan"])
+        assert e.value.status == 400 and e.value.param == f"sampling_params_list[1].{field}", e.value.message
     with pytest.raises(HttpError) as e:  # checked even where the talker will not run (text only)
         to_generate_request(_chat(sampling_params_list=[{}, {"ignore_eos": True}]), ["ethan"])
     assert e.value.param == "sampling_params_list[1].ignore_eos"
@@ -447,7 +450,7 @@ def test_an_assistant_refusal_reads_as_its_text() -> None:
 
 
 def test_openai_bias_and_penalties_reach_the_thinker() -> None:
-    from gateway.http_api import to_generate_request
+    from gateway.http_api import HttpError, to_generate_request
     from omnistage.models import SamplingParams
     from omnistage.v1 import stage_pb2
     from omnistage.wire import StageError
@@ -465,6 +468,32 @@ def test_openai_bias_and_penalties_reach_the_thinker() -> None:
     start.sampling["thinker"].logit_bias[100] = 1.0
     with pytest.raises(StageError, match=r"logit_bias ids outside the vocabulary \(0..99\): \[100\]"):
         sampling("thinker", start, SamplingParams(), vocab=100)
+    many = stage_pb2.Start(request_id="r")
+    many.sampling["thinker"].logit_bias.update({i: 1.0 for i in range(1025)})
+    with pytest.raises(StageError, match="logit_bias has 1025 entries; at most 1024"):
+        sampling("thinker", many, SamplingParams(), vocab=2000)
+    from services.edges import check_start
+
+    for name, value in (("presence_penalty", 1.0), ("frequency_penalty", -1.0), ("logit_bias", {1: 1.0})):
+        talker = stage_pb2.Start(request_id="r")
+        if name == "logit_bias":
+            talker.sampling["talker"].logit_bias.update(value)  # type: ignore[arg-type]
+        else:
+            setattr(talker.sampling["talker"], name, value)
+        with pytest.raises(StageError, match=f"{name} is for the thinker only"):
+            check_start("talker", talker)
+    # keys as OpenAI writes them: ASCII digits, each id once
+    for bias, message in (({"\u0663": 1}, "is not a token id"), ({"7": 1, "07": 2}, "token id 7 is given twice")):
+        with pytest.raises(HttpError, match=message):
+            to_generate_request(_chat(logit_bias=bias), ["ethan"])
+    # vLLM-Omni's thinker entry takes them too (replacing the body's), a talker entry's are refused
+    entry = to_generate_request(_chat(logit_bias={"5": 1}, modalities=["text", "audio"], sampling_params_list=[
+        {"presence_penalty": 0.5, "logit_bias": {"9": -2}}, {"presence_penalty": 0}]), ["ethan"]).sampling["thinker"]
+    assert entry.presence_penalty == 0.5 and dict(entry.logit_bias) == {9: -2.0}
+    with pytest.raises(HttpError) as e:
+        to_generate_request(_chat(modalities=["text", "audio"], sampling_params_list=[None, {"logit_bias": {"1": 1}}]),
+                            ["ethan"])
+    assert e.value.param == "sampling_params_list[1].logit_bias"
 
 
 def test_logprobs_ask_the_thinker_for_them() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from omnistage.models.sampling import SamplingParams, TokenChooser, choose_rows
 from services.pipeline import PipelineRequest, TextEvent
@@ -76,6 +77,21 @@ def test_penalties_are_openai_s_formula(checkpoints: Any, q25_checkpoints: Any, 
     assert any(changed), "the penalties should change some family's reply"
 
 
+def test_the_penalties_come_after_the_repetition_penalty(checkpoints: Any, q25_checkpoints: Any) -> None:
+    """In vLLM's order: generate()'s repetition penalty, then OpenAI's formula (a processor of
+    generate()'s own list comes before one given as logits_processor)."""
+    for pipeline, reference in _families(checkpoints, q25_checkpoints):
+        ids, eos = pipeline.prompt_ids(PROMPT), pipeline.spec.im_end_id
+        rule = OpenAIPenalties(len(ids), -2.0, -2.0)
+        want = _generate(reference, ids, eos, repetition_penalty=2.0, logits_processor=LogitsProcessorList([rule]))
+        params = pipeline.thinker_defaults().with_overrides(max_tokens=24, repetition_penalty=2.0,
+                                                            presence_penalty=-2.0, frequency_penalty=-2.0)  # fmt: skip
+        assert _ids(pipeline, params) == want
+        # (the order tells: the other one gives another reply here)
+        other = LogitsProcessorList([rule, RepetitionPenaltyLogitsProcessor(2.0)])
+        assert _generate(reference, ids, eos, logits_processor=other) != want
+
+
 def test_a_split_thinker_counts_the_prefill_s_token(tiny_dir: Path, pipeline: Any) -> None:
     """The decode role's penalties count the first token, which the prefill role chose."""
     from tests.test_pd_roles import _pd
@@ -106,6 +122,20 @@ def test_rows_with_other_biases_and_penalties_batch_as_alone() -> None:
     own = [c.choose(logits[i], torch.tensor(histories[i])) for i, c in enumerate(choosers())]
     assert choose_rows(choosers(), logits, histories) == own
     assert own[:3] != top[:3] and own[3] == top[3]  # each row's bias or penalty acted
+    # rows alike but for one field each, beside a plain row of the same logits and history: a row
+    # run through another's processors would choose what the plain one does
+    same = logits[0].expand(4, vocab).clone()
+    best = int(torch.argmax(same[0]))
+    params = [SamplingParams(logit_bias=((best, -100.0),)), SamplingParams(presence_penalty=2.0),
+              SamplingParams(frequency_penalty=2.0), SamplingParams()]  # fmt: skip
+    histories, prompt_lens = [[best]] * 4, [0] * 4
+    assert choose_rows(choosers(), same, histories)[3] == best
+    assert all(i != best for i in choose_rows(choosers(), same, histories)[:3])
+    for order in ([3, 0, 1, 2], [0, 3, 2, 1]):  # whichever row leads a group
+        params, histories = [params[i] for i in order], [histories[i] for i in order]
+        picks = choose_rows(choosers(), same, histories)
+        assert [p == best for p in picks] == [not (pr.logit_bias or pr.presence_penalty or pr.frequency_penalty)
+                                              for pr in params]  # fmt: skip
     # the penalties count the reply alone: the same history all prompt changes nothing
     prompt_only = TokenChooser(SamplingParams(presence_penalty=2.0))
     prompt_only.prompt_len = 3

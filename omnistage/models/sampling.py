@@ -28,6 +28,7 @@ MIN_TEMPERATURE = 1e-5
 MAX_TOP_LOGPROBS = 20
 # OpenAI's bounds: a logit bias, and the presence and frequency penalties.
 MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024  # (a request's bias is part of its rows' batching key, hashed each step)
 MAX_PENALTY = 2.0
 
 
@@ -77,6 +78,8 @@ class SamplingParams:
                              f"got {self.repetition_penalty}")  # fmt: skip
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}")
         if any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias):
             raise ValueError(f"logit_bias values must be from {-MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}")
         if any(i < 0 for i, _ in self.logit_bias):
