@@ -555,9 +555,9 @@ def _stage_sampling(entry: StageSampling, stop_ids: Sequence[int],
     `stop_token_ids` stop the stage besides its own stop ids (`stop_ids`), as in vLLM. (A
     talker's bias and penalties are refused before, unless they change nothing.)"""
     msg = stage_pb2.SamplingParams()
-    if entry.presence_penalty:
+    if entry.presence_penalty is not None:  # (0 too: it replaces the body's)
         msg.presence_penalty = entry.presence_penalty
-    if entry.frequency_penalty:
+    if entry.frequency_penalty is not None:
         msg.frequency_penalty = entry.frequency_penalty
     msg.logit_bias.update(_logit_bias(entry.logit_bias or {}, bias_name))
     if entry.temperature is not None:
@@ -616,7 +616,7 @@ def _logit_bias(bias: Mapping[str, float], name: str = "logit_bias") -> dict[int
         raise HttpError(400, f"{name}: {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES}", param=name)
     out: dict[int, float] = {}
     for key, value in bias.items():
-        if not re.fullmatch(r"[0-9]{1,18}", key.strip()):
+        if not re.fullmatch(r"[0-9]+", key) or int(key) >= 1 << 62:
             raise HttpError(400, f"{name}: key {quoted(key)} is not a token id", param=name)
         if int(key) in out:  # ("7" and "07": which one was meant?)
             raise HttpError(400, f"{name}: token id {int(key)} is given twice", param=name)
@@ -1164,13 +1164,17 @@ class ChatCompletions:
         """A choice's `logprobs`: null unless the request asked for them."""
         if not req.sampling["thinker"].HasField("logprobs"):
             return None
-        return {"content": self.pieces.entries(scored), "refusal": None}
+        return {"content": self.pieces.entries(scored, self._ends(req)), "refusal": None}
+
+    def _ends(self, req: gateway_pb2.GenerateRequest) -> frozenset[int]:
+        """The ids that end the request's reply (its own, else the thinker's)."""
+        return frozenset(req.sampling["thinker"].stop_ids or self.stop_ids["thinker"])
 
     def _whole_reply(self, req: gateway_pb2.GenerateRequest, content: str, audio: list[bytes],
                      final: gateway_pb2.Final,
                      scored: Iterable[gateway_pb2.TokenLogprob] = ()) -> Response:  # fmt: skip
         created = int(time.time())
-        message: dict[str, Any] = {"role": "assistant", "content": content}
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
         if req.want_audio:
             audio_id = _audio_id()
             self.transcripts.put(audio_id, content)
@@ -1191,6 +1195,7 @@ class ChatCompletions:
         audio_id = _audio_id()
 
         scores = req.sampling["thinker"].HasField("logprobs")
+        ends = self._ends(req)
 
         def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None, **extra: Any) -> str:
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -1216,11 +1221,11 @@ class ChatCompletions:
             # tokens whose text is not out yet (held for a stop text, or part of a character):
             # their entries go with the text that shows them
             scored: list[dict[str, Any]] = []
-            yield chunk({"role": "assistant", "content": ""})
+            yield chunk({"role": "assistant", "content": "", "refusal": None})
             async for resp in _chain(first, responses):
                 kind = resp.WhichOneof("kind")
                 if kind == "text" and scores:
-                    scored.extend(self.pieces.entries(resp.text.logprobs))
+                    scored.extend(self.pieces.entries(resp.text.logprobs, ends))
                 if kind == "text" and resp.text.text:
                     text.append(resp.text.text)
                     delta: dict[str, Any] = {"content": resp.text.text}

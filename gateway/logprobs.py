@@ -4,7 +4,7 @@ sends with each token (`TextDelta.logprobs`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any, ClassVar
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -26,8 +26,8 @@ class TokenPieces:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        # what the reply's text leaves out (TextStream decodes with skip_special_tokens): the
-        # tokenizer's special tokens and every added token marked special (<|im_start|>, <tts_pad>, ...)
+        # special tokens (the tokenizer's, and every added token marked special: <|im_start|>,
+        # <tts_pad>, ...) are their text, not bytes of the byte-level table
         added = getattr(tokenizer, "added_tokens_decoder", {})
         self.special = frozenset([*(int(i) for i in tokenizer.all_special_ids),
                                   *(int(i) for i, t in added.items() if getattr(t, "special", False))])  # fmt: skip
@@ -49,12 +49,14 @@ class TokenPieces:
         text = self.tokenizer.convert_tokens_to_string([token])
         return text, list(text.encode("utf-8"))
 
-    def entries(self, logprobs: Iterable[gateway_pb2.TokenLogprob]) -> list[dict[str, Any]]:
-        """OpenAI's `logprobs.content` entries of these tokens. A special token (the reply's end)
-        is none: the content shows no text of it. (Alternatives are the model's, special or not.)"""
+    def entries(self, logprobs: Iterable[gateway_pb2.TokenLogprob], ends: Collection[int] = ()) -> list[dict[str, Any]]:
+        """OpenAI's `logprobs.content` entries of these tokens, one per token (as `usage` counts
+        them) but the one that ended the reply (an id of `ends`, the thinker's stop ids: its last).
+        A special token within the reply has one too, its text the token's (the content, decoded
+        without special tokens, shows nothing of it). Alternatives are the model's, special or not."""
         out = []
         for lp in logprobs:
-            if lp.token_id in self.special:
+            if lp.token_id in ends:  # (a stop id ends the reply: nothing comes after it)
                 continue
             out.append({**self._entry(lp.token_id, lp.logprob),
                         "top_logprobs": [self._entry(t.token_id, t.logprob) for t in lp.top]})  # fmt: skip

@@ -456,7 +456,7 @@ def test_openai_bias_and_penalties_reach_the_thinker() -> None:
     from omnistage.wire import StageError
     from services.edges import sampling
 
-    req = to_generate_request(_chat(logit_bias={"42": 5, " 7": -100}, presence_penalty=0.5, frequency_penalty=-1),
+    req = to_generate_request(_chat(logit_bias={"42": 5, "7": -100}, presence_penalty=0.5, frequency_penalty=-1),
                               ["ethan"])  # fmt: skip
     start = stage_pb2.Start(request_id="r")
     start.sampling["thinker"].CopyFrom(req.sampling["thinker"])
@@ -483,13 +483,20 @@ def test_openai_bias_and_penalties_reach_the_thinker() -> None:
         with pytest.raises(StageError, match=f"{name} is for the thinker only"):
             check_start("talker", talker)
     # keys as OpenAI writes them: ASCII digits, each id once
-    for bias, message in (({"\u0663": 1}, "is not a token id"), ({"7": 1, "07": 2}, "token id 7 is given twice")):
+    for bias, message in (({"\u0663": 1}, "is not a token id"), ({" 7": 1}, "is not a token id"),
+                          ({"7": 1, "07": 2}, "token id 7 is given twice")):
         with pytest.raises(HttpError, match=message):
             to_generate_request(_chat(logit_bias=bias), ["ethan"])
     # vLLM-Omni's thinker entry takes them too (replacing the body's), a talker entry's are refused
     entry = to_generate_request(_chat(logit_bias={"5": 1}, modalities=["text", "audio"], sampling_params_list=[
         {"presence_penalty": 0.5, "logit_bias": {"9": -2}}, {"presence_penalty": 0}]), ["ethan"]).sampling["thinker"]
     assert entry.presence_penalty == 0.5 and dict(entry.logit_bias) == {9: -2.0}
+    # a penalty of 0 in the entry replaces the body's too (vLLM-Omni's clients send every default)
+    off = to_generate_request(_chat(frequency_penalty=2, presence_penalty=1, sampling_params_list=[
+        {"frequency_penalty": 0.0, "presence_penalty": 0}]), ["ethan"]).sampling["thinker"]
+    start.sampling["thinker"].CopyFrom(off)
+    assert sampling("thinker", start, SamplingParams(), vocab=100).frequency_penalty == 0.0
+    assert sampling("thinker", start, SamplingParams(), vocab=100).presence_penalty == 0.0
     with pytest.raises(HttpError) as e:
         to_generate_request(_chat(modalities=["text", "audio"], sampling_params_list=[None, {"logit_bias": {"1": 1}}]),
                             ["ethan"])

@@ -140,16 +140,18 @@ def test_token_pieces_are_the_tokens_bytes(tiny_dir: Path) -> None:
     assert partial, "the text should hold a character split over tokens"
     end = int(tok.convert_tokens_to_ids("<|im_end|>"))
     assert pieces(end) == ("<|im_end|>", list(b"<|im_end|>"))
-    # every token the reply's text leaves out has no entry (the end; <|im_start|>, <tts_pad>, ...)
+    # the special tokens are those the reply's text leaves out (<|im_start|>, <tts_pad>, ...): their text
     hidden = {i for i in range(len(tok)) if tok.decode([i], skip_special_tokens=True) == ""}
     assert hidden == pieces.special and int(tok.convert_tokens_to_ids("<|im_start|>")) in hidden
+    assert all(pieces(i)[0] == tok.convert_ids_to_tokens(i) for i in hidden)
+    # one entry per token, a special one within the reply too, but the reply's end (a stop id)
     entries = pieces.entries([
         gateway_pb2.TokenLogprob(token_id=ids[0], logprob=float("-inf"),
                                  top=[gateway_pb2.TopLogprob(token_id=end, logprob=-0.5),
                                       gateway_pb2.TopLogprob(token_id=ids[1], logprob=float("nan"))]),
         *(gateway_pb2.TokenLogprob(token_id=i, logprob=-0.1) for i in sorted(hidden)),
-    ])  # fmt: skip
-    assert len(entries) == 1
+    ], ends={end})  # fmt: skip
+    assert [e["token"] for e in entries[1:]] == [tok.convert_ids_to_tokens(i) for i in sorted(hidden - {end})]
     assert entries[0]["logprob"] == FLOOR and entries[0]["bytes"] == pieces(ids[0])[1]
     assert entries[0]["top_logprobs"] == [{"token": "<|im_end|>", "logprob": -0.5, "bytes": list(b"<|im_end|>")},
                                           {"token": pieces(ids[1])[0], "logprob": FLOOR, "bytes": pieces(ids[1])[1]}]

@@ -606,6 +606,8 @@ def test_logprobs_come_with_their_tokens_streamed_or_not(http_stack: Stack, clie
                            "messages": [{"role": "user", "content": QUESTION}]}  # fmt: skip
     plain = client.chat.completions.create(**ask)
     assert plain.choices[0].logprobs is None
+    raw = _post(http_stack, ask).json()["choices"][0]  # OpenAI's keys, null where unused
+    assert raw["logprobs"] is None and raw["message"]["refusal"] is None
     whole = client.chat.completions.create(**ask, logprobs=True, top_logprobs=3)
     text = whole.choices[0].message.content
     assert text == plain.choices[0].message.content
