@@ -478,7 +478,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                     reason = edges.meta_str(got.meta, edges.FINISH_REASON)
                     if reason:
                         outcome.finish_reason = FINISH_REASONS.get(reason, reason)
-                    delta = gateway_pb2.TextDelta(text=text.push(ids), token_ids=ids)
+                    # a stop id's own text is no part of the reply (as vLLM leaves it out): an ordinary
+                    # token a client named in stop_token_ids showed in the text
+                    shown = ids[:-1] if reason == "stop_id" else ids
+                    delta = gateway_pb2.TextDelta(text=text.push(shown), token_ids=ids)
                     if logprobs := edges.read_logprobs("thinker", got):
                         delta.logprobs.extend(_logprob_messages(ids, logprobs))
                     yield gateway_pb2.GenerateResponse(text=delta)

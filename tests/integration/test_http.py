@@ -41,6 +41,7 @@ MAX_TOKENS, RATE = 12, 24_000
 APP_ORIGIN = "http://app.example"
 MAX_MODEL_LEN = 1024  # a browser page on another origin the stack lets in
 QUESTION = "Can you explain how streaming works?"
+STORY = "Tell me a short story about a robot who learns to sing."  # (greedy, its reply ends on <|im_end|>)
 STREAM_TOL = 1e-5  # streamed code2wav against its full decode (tests/code2wav/test_streaming_exact.py)
 
 
@@ -654,6 +655,21 @@ def test_logprobs_come_with_their_tokens_streamed_or_not(http_stack: Stack, clie
     assert all([lp.token_id for lp in d.text.logprobs] == list(d.text.token_ids) for d in deltas)
     scored = [lp for d in deltas for lp in d.text.logprobs]
     assert [lp.logprob for lp in scored][: len(content)] == pytest.approx([e.logprob for e in content])
+    # a reply that ends on a stop id: the end token (<|im_end|>) has no entry, and neither has an
+    # ordinary token a client names in stop_token_ids, whose text the content leaves out too
+    story = {**ask, "max_tokens": 40, "messages": [{"role": "user", "content": STORY}], "logprobs": True}
+    ended = client.chat.completions.create(**story)
+    assert ended.choices[0].finish_reason == "stop"
+    assert len(ended.choices[0].logprobs.content) == ended.usage.completion_tokens - 1
+    request = build_request(STORY, greedy=True, thinker_max_tokens=40, want_audio=False)
+    request.sampling["thinker"].logprobs = 0
+    ids = [i for d in run(go()) for i in d.text.token_ids]
+    assert len(ids) == ended.usage.completion_tokens and len(ids) > 5
+    named = client.chat.completions.create(**story, extra_body={"stop_token_ids": [ids[3]]})
+    assert named.choices[0].finish_reason == "stop" and named.usage.completion_tokens == 4
+    entries = named.choices[0].logprobs.content
+    assert [e.logprob for e in entries] == [e.logprob for e in ended.choices[0].logprobs.content[:3]]
+    assert named.choices[0].message.content == b"".join(bytes(e.bytes) for e in entries).decode(errors="replace")
     request.sampling["thinker"].logprobs = 21
     with pytest.raises(grpc.RpcError) as e:
         run(go())
