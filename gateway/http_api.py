@@ -1064,12 +1064,16 @@ class ChatCompletions:
         if isinstance(admitted, Response):
             return admitted
         (stream, text_only), req, timeout = admitted
+        # `include[]=logprobs`: the tokens' entries as OpenAI's transcriptions give them (no alternatives)
+        scores = None if not req.sampling["thinker"].HasField("logprobs") else (
+            lambda scored: [{k: e[k] for k in ("token", "logprob", "bytes")}
+                            for e in self.pieces.entries(scored, self._ends(req))])  # fmt: skip
         if stream:
             rid = req.request_id
             return await self._serve(request, req, timeout, lambda responses: _file_named(self._first(responses)),
-                                     lambda first, responses: _transcript_events(first, responses, rid))  # fmt: skip
+                                     lambda first, rest: _transcript_events(first, rest, rid, scores))  # fmt: skip
         return await self._serve(request, req, timeout,
-                                 lambda responses: _file_named(_transcript(responses, text_only)))  # fmt: skip
+                                 lambda responses: _file_named(_transcript(responses, text_only, scores)))  # fmt: skip
 
     def _crashed(self, t0: float, request_id: str) -> Response:
         log.exception("http: internal error on request %s", request_id)
@@ -1393,32 +1397,49 @@ async def _whole_of(responses: Replies, reply: Callable[[str, list[bytes], gatew
     return made if made is not None else reply("".join(text), audio, gateway_pb2.Final())
 
 
-async def _transcript(responses: Replies, text_only: bool) -> Response:
-    """The whole transcript: OpenAI's `{"text", "usage"}`, or the text alone (`text_only`)."""
+Scores = Callable[[Iterable[gateway_pb2.TokenLogprob]], list[dict[str, Any]]]
+
+
+async def _transcript(responses: Replies, text_only: bool, scores: Scores | None = None) -> Response:
+    """The whole transcript: OpenAI's `{"text", "usage"}` (with `logprobs`, as `scores` writes
+    them, where asked), or the text alone (`text_only`)."""
+    scored: list[gateway_pb2.TokenLogprob] = []
 
     def reply(text: str, _audio: list[bytes], final: gateway_pb2.Final) -> Response:
         if text_only:
             return PlainTextResponse(text)
-        return JSONResponse({"text": text, "usage": stt_usage(final.usage)})
+        logprobs = {"logprobs": scores(scored)} if scores is not None else {}
+        return JSONResponse({"text": text, **logprobs, "usage": stt_usage(final.usage)})
 
-    return await _whole_of(responses, reply)
+    return await _whole_of(responses, reply, scored)
 
 
 def _transcript_events(first: list[gateway_pb2.GenerateResponse], responses: Replies,
-                       request_id: str) -> AsyncIterator[str]:  # fmt: skip
+                       request_id: str, scores: Scores | None = None) -> AsyncIterator[str]:  # fmt: skip
     """OpenAI's transcription events: a `transcript.text.delta` per piece of text as it is made,
-    then `transcript.text.done` (an `error` event after a failure once the stream began)."""
+    then `transcript.text.done` (an `error` event after a failure once the stream began); with
+    `scores`, each carries its tokens' `logprobs` (a token whose text is not out yet, with the
+    next text), the last all of them."""
 
     async def pieces() -> AsyncGenerator[str, None]:
         text: list[str] = []
+        every: list[dict[str, Any]] = []
+        sent = 0  # of `every`, the entries sent with a delta so far
         async for resp in _chain(first, responses):
             kind = resp.WhichOneof("kind")
+            if kind == "text" and scores is not None:
+                every.extend(scores(resp.text.logprobs))
             if kind == "text" and resp.text.text:
                 text.append(resp.text.text)
-                yield _sse({"type": "transcript.text.delta", "delta": resp.text.text})
+                event: dict[str, Any] = {"type": "transcript.text.delta", "delta": resp.text.text}
+                if scores is not None:
+                    event["logprobs"], sent = every[sent:], len(every)
+                yield _sse(event)
             elif kind == "final":
-                yield _sse({"type": "transcript.text.done", "text": "".join(text),
-                            "usage": stt_usage(resp.final.usage)})  # fmt: skip
+                done: dict[str, Any] = {"type": "transcript.text.done", "text": "".join(text)}
+                if scores is not None:
+                    done["logprobs"] = every
+                yield _sse({**done, "usage": stt_usage(resp.final.usage)})
 
     def failed(e: GatewayError) -> str:
         log.warning("transcript ended early: %s", e.message)

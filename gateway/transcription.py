@@ -11,13 +11,16 @@ only, served through the same path as every other request. What the fields do he
 * `prompt` is context the instruction quotes (names, spellings, the text before this part).
 * `response_format`: `json` (default: `{"text", "usage"}`) or `text`. `srt`, `vtt` and
   `verbose_json` need timestamps the model does not give: refused (400), as are
-  `timestamp_granularities[]`, `include[]` (logprobs), any other list field (`keywords[]`,
+  `timestamp_granularities[]`, any other list field (`keywords[]`,
   `known_speaker_names[]`, ...: each would change the text) and a `chunking_strategy` other
   than `auto` (the SDK sends an object as `chunking_strategy[type]`, ...).
 * `temperature`: 0 or unset is greedy (the same file, the same text); above 0 samples, with
   `seed` (not OpenAI's) to repeat a draw.
 * `stream: true` (transcriptions): server-sent `transcript.text.delta` events as the text is
   made, then one `transcript.text.done` with the whole text and the usage.
+* `include[]=logprobs` (transcriptions, json): the text's tokens with their log-probabilities
+  (`logprobs: [{token, logprob, bytes}]`, in the reply and in each streamed event), as OpenAI's
+  gpt-4o-transcribe gives them.
 """
 
 from __future__ import annotations
@@ -170,8 +173,10 @@ def to_transcription_request(upload: Upload, translate: bool) -> gateway_pb2.Gen
     if form.response_format in ("srt", "vtt", "verbose_json"):
         raise HttpError(400, f"response_format: {form.response_format} needs timestamps, which this model does "
                              "not give; use json or text", param="response_format")  # fmt: skip
-    # (every list field would change the text, and none is taken: the model gives text only)
-    for name in [*upload.lists, *(n for n in ("timestamp_granularities", "include") if upload.extra.get(n))]:
+    # (every other list field would change the text, and none is taken: the model gives text only)
+    includes = [*upload.lists.get("include[]", []), *([upload.extra["include"]] if upload.extra.get("include") else [])]
+    others = [n for n in upload.lists if n != "include[]"]
+    for name in [*others, *(["timestamp_granularities"] if upload.extra.get("timestamp_granularities") else [])]:
         field = name.partition("[")[0]
         if field == "chunking_strategy":
             raise HttpError(400, "chunking_strategy: only auto (the file is heard whole)", param=field)
@@ -181,6 +186,13 @@ def to_transcription_request(upload: Upload, translate: bool) -> gateway_pb2.Gen
         raise HttpError(400, "chunking_strategy: only auto (the file is heard whole)", param="chunking_strategy")
     if translate and form.stream:
         raise HttpError(400, "stream: translations are not streamed (as OpenAI's)", param="stream")
+    if includes:
+        if set(includes) != {"logprobs"}:
+            raise HttpError(400, f"include: only logprobs, got {sorted(set(includes) - {'logprobs'})}", param="include")
+        if translate:
+            raise HttpError(400, "include: translations give no logprobs (as OpenAI's)", param="include")
+        if form.response_format == "text":
+            raise HttpError(400, "include: logprobs need response_format json", param="include")
     audio = gateway_pb2.ContentPart(audio=gateway_pb2.AudioPart(file=upload.audio))
     req = transcription_turn(audio, instruction(translate, form.language, form.prompt))
     thinker = req.sampling["thinker"]
@@ -191,4 +203,6 @@ def to_transcription_request(upload: Upload, translate: bool) -> gateway_pb2.Gen
         thinker.temperature = form.temperature
     if form.seed is not None:
         thinker.seed = form.seed
+    if includes:
+        thinker.logprobs = 0  # the tokens' own, no alternatives (OpenAI's transcription logprobs have none)
     return req

@@ -63,13 +63,22 @@ def test_form_strings_are_read_as_their_types() -> None:
     assert not to_transcription_request(_read({"temperature": "0"}), False).sampling["thinker"].do_sample
 
 
+def test_include_logprobs_asks_the_thinker_for_the_tokens_own() -> None:
+    for data in ({"include[]": ["logprobs"]}, {"include": "logprobs"}, {"include[]": ["logprobs"], "stream": "true"}):
+        thinker = to_transcription_request(_read(data), translate=False).sampling["thinker"]
+        assert thinker.HasField("logprobs") and thinker.logprobs == 0
+    assert not to_transcription_request(_read({}), translate=False).sampling["thinker"].HasField("logprobs")
+
+
 def test_a_bad_form_is_refused_naming_its_field() -> None:
     _refused("response_format", {"response_format": "srt"})
     _refused("response_format", {"response_format": "verbose_json"})
     _refused("response_format", {"response_format": "mp3"})
     _refused("timestamp_granularities", {"timestamp_granularities[]": ["word"]})
-    _refused("include", {"include[]": ["logprobs"]})
-    _refused("include", {"include": "logprobs"})  # (hand-written, without the brackets)
+    _refused("include", {"include[]": ["logprobs", "words"]})  # (logprobs alone is taken)
+    _refused("include", {"include": "timestamps"})  # (hand-written, without the brackets)
+    _refused("include", {"include[]": ["logprobs"]}, translate=True)
+    _refused("include", {"include[]": ["logprobs"], "response_format": "text"})
     _refused("known_speaker_names", {"known_speaker_names[]": ["ann"]})  # any list field: each changes the text
     # an object, as the OpenAI SDK sends one: a field per key
     _refused("chunking_strategy", {"chunking_strategy[type]": "server_vad", "chunking_strategy[threshold]": "0.5"})

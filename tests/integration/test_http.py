@@ -255,6 +255,24 @@ def test_transcriptions_and_translations_are_the_chat_turn_they_stand_for(http_s
     deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
     assert len(deltas) > 1 and "".join(deltas) == text  # as it is made, not at the end
     assert events[-1].type == "transcript.text.done" and events[-1].text == text
+    # include[]=logprobs: the tokens' own (OpenAI's {token, logprob, bytes}), whole and streamed alike,
+    # the chat turn's logprobs for the same tokens
+    scored = client.audio.transcriptions.create(model=model, file=("speech.wav", wav), language="de",
+                                                include=["logprobs"])  # fmt: skip
+    assert scored.text == text and scored.logprobs
+    # (the SDK types these bytes as floats)
+    assert b"".join(bytes(int(b) for b in e.bytes) for e in scored.logprobs).decode(errors="replace") == text
+    content = [{"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
+               {"type": "text", "text": "Transcribe the German audio into text."}]  # fmt: skip
+    as_chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],  # type: ignore[list-item]
+                                             temperature=0, logprobs=True)  # fmt: skip
+    assert [(e.token, e.logprob) for e in scored.logprobs] == [(e.token, e.logprob)
+                                                               for e in as_chat.choices[0].logprobs.content]
+    streamed = list(client.audio.transcriptions.create(model=model, file=("speech.wav", wav), language="de",
+                                                       include=["logprobs"], stream=True))  # fmt: skip
+    pieces = [lp for e in streamed if e.type == "transcript.text.delta" for lp in e.logprobs or []]
+    assert [(e.token, e.logprob) for e in pieces] == [(e.token, e.logprob) for e in scored.logprobs]
+    assert [(e.token, e.logprob) for e in streamed[-1].logprobs] == [(e.token, e.logprob) for e in scored.logprobs]
     translated = client.audio.translations.create(model=model, file=("speech.wav", wav))
     assert translated.text == chat("Translate the audio into English text.")
     url = f"http://{http_stack.http_address}/v1/audio/transcriptions"
