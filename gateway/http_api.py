@@ -1419,7 +1419,8 @@ def _transcript_events(first: list[gateway_pb2.GenerateResponse], responses: Rep
     """OpenAI's transcription events: a `transcript.text.delta` per piece of text as it is made,
     then `transcript.text.done` (an `error` event after a failure once the stream began); with
     `scores`, each carries its tokens' `logprobs` (a token whose text is not out yet, with the
-    next text), the last all of them."""
+    next text; one whose text never shows, as a special token before the end, in the last alone),
+    the last all of them."""
 
     async def pieces() -> AsyncGenerator[str, None]:
         text: list[str] = []

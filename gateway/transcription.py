@@ -125,6 +125,8 @@ async def read_form(headers: Headers, raw: bytes) -> Upload:
                 audio = await value.read()
             elif name.endswith("]"):  # `include[]`; an object's keys: `chunking_strategy[type]`
                 lists.setdefault(name, []).append(value)
+            elif name in fields:  # (a form keeps the last: `include=words&include=logprobs` lost one)
+                raise HttpError(400, f"{name}: sent more than once (a list goes as {name}[])", param=name)
             else:
                 fields[name] = value
     finally:
@@ -174,14 +176,17 @@ def to_transcription_request(upload: Upload, translate: bool) -> gateway_pb2.Gen
         raise HttpError(400, f"response_format: {form.response_format} needs timestamps, which this model does "
                              "not give; use json or text", param="response_format")  # fmt: skip
     # (every other list field would change the text, and none is taken: the model gives text only)
-    includes = [*upload.lists.get("include[]", []), *([upload.extra["include"]] if upload.extra.get("include") else [])]
-    others = [n for n in upload.lists if n != "include[]"]
+    # `include[]`, `include[0]`, ... or a hand-written `include`
+    listed = [n for n in upload.lists if n.partition("[")[0] == "include"]
+    includes = [*(v for n in listed for v in upload.lists[n]),
+                *([upload.extra["include"]] if upload.extra.get("include") else [])]  # fmt: skip
+    others = [n for n in upload.lists if n not in listed]
     for name in [*others, *(["timestamp_granularities"] if upload.extra.get("timestamp_granularities") else [])]:
         field = name.partition("[")[0]
         if field == "chunking_strategy":
             raise HttpError(400, "chunking_strategy: only auto (the file is heard whole)", param=field)
-        raise HttpError(400, f"{field}: not supported (the model gives text only: no timestamps, logprobs, "
-                             "keywords or speakers)", param=field)  # fmt: skip
+        raise HttpError(400, f"{field}: not supported (the model gives text only: no timestamps, keywords or "
+                             "speakers)", param=field)  # fmt: skip
     if form.chunking_strategy not in (None, "auto"):
         raise HttpError(400, "chunking_strategy: only auto (the file is heard whole)", param="chunking_strategy")
     if translate and form.stream:

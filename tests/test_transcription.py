@@ -64,7 +64,8 @@ def test_form_strings_are_read_as_their_types() -> None:
 
 
 def test_include_logprobs_asks_the_thinker_for_the_tokens_own() -> None:
-    for data in ({"include[]": ["logprobs"]}, {"include": "logprobs"}, {"include[]": ["logprobs"], "stream": "true"}):
+    for data in ({"include[]": ["logprobs"]}, {"include": "logprobs"}, {"include[]": ["logprobs"], "stream": "true"},
+                 {"include[0]": "logprobs"}):
         thinker = to_transcription_request(_read(data), translate=False).sampling["thinker"]
         assert thinker.HasField("logprobs") and thinker.logprobs == 0
     assert not to_transcription_request(_read({}), translate=False).sampling["thinker"].HasField("logprobs")
@@ -77,6 +78,7 @@ def test_a_bad_form_is_refused_naming_its_field() -> None:
     _refused("timestamp_granularities", {"timestamp_granularities[]": ["word"]})
     _refused("include", {"include[]": ["logprobs", "words"]})  # (logprobs alone is taken)
     _refused("include", {"include": "timestamps"})  # (hand-written, without the brackets)
+    _refused("include", {"include": ["words", "logprobs"]})  # (a field twice: a form would keep the last)
     _refused("include", {"include[]": ["logprobs"]}, translate=True)
     _refused("include", {"include[]": ["logprobs"], "response_format": "text"})
     _refused("known_speaker_names", {"known_speaker_names[]": ["ann"]})  # any list field: each changes the text

@@ -270,6 +270,8 @@ def test_transcriptions_and_translations_are_the_chat_turn_they_stand_for(http_s
                                                                for e in as_chat.choices[0].logprobs.content]
     streamed = list(client.audio.transcriptions.create(model=model, file=("speech.wav", wav), language="de",
                                                        include=["logprobs"], stream=True))  # fmt: skip
+    for e in streamed[:-1]:  # each delta's own tokens
+        assert b"".join(bytes(int(b) for b in lp.bytes) for lp in e.logprobs).decode(errors="replace") == e.delta
     pieces = [lp for e in streamed if e.type == "transcript.text.delta" for lp in e.logprobs or []]
     assert [(e.token, e.logprob) for e in pieces] == [(e.token, e.logprob) for e in scored.logprobs]
     assert [(e.token, e.logprob) for e in streamed[-1].logprobs] == [(e.token, e.logprob) for e in scored.logprobs]
