@@ -63,7 +63,6 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import functools
 import json
 import logging
 import re
@@ -942,10 +941,10 @@ class ChatCompletions:
             self.stop_ids["talker"] = service.ckpt.spec.talker_stop_ids()
         self.transcripts = Transcripts()
 
-    @functools.cached_property
+    @property
     def pieces(self) -> TokenPieces:
         """Each token's text and bytes, for `logprobs`."""
-        return TokenPieces(self.service.tokenizer)
+        return self.service.pieces
 
     async def read(self, request: Request, limit: int, check: Callable[[], Any] | None = None) -> bytes:
         """The body of a request with the right key (if one is set), within `limit` bytes;
@@ -1065,9 +1064,9 @@ class ChatCompletions:
             return admitted
         (stream, text_only), req, timeout = admitted
         # `include[]=logprobs`: the tokens' entries as OpenAI's transcriptions give them (no alternatives)
+        ends = self._ends(req)
         scores = None if not req.sampling["thinker"].HasField("logprobs") else (
-            lambda scored: [{k: e[k] for k in ("token", "logprob", "bytes")}
-                            for e in self.pieces.entries(scored, self._ends(req))])  # fmt: skip
+            lambda scored: self.pieces.plain(scored, ends))  # fmt: skip
         if stream:
             rid = req.request_id
             return await self._serve(request, req, timeout, lambda responses: _file_named(self._first(responses)),

@@ -62,6 +62,10 @@ class TokenPieces:
                         "top_logprobs": [self._entry(t.token_id, t.logprob) for t in lp.top]})  # fmt: skip
         return out
 
+    def plain(self, logprobs: Iterable[gateway_pb2.TokenLogprob], ends: Collection[int] = ()) -> list[dict[str, Any]]:
+        """The entries as OpenAI's transcriptions give them: `{token, logprob, bytes}`, no alternatives."""
+        return [{k: e[k] for k in ("token", "logprob", "bytes")} for e in self.entries(logprobs, ends)]
+
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text, raw = self(token_id)
         # (NaN fails the comparison too: JSON has no NaN, and a greedy pick from NaN logits has one)

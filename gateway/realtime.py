@@ -31,7 +31,8 @@ it, never ignored; the session goes on):
   language, prompt}; the model the served one,
   or one of OpenAI's transcription models standing for it): each committed turn is also asked of
   the model as /v1/audio/transcriptions asks it, beside its response, and its words come as
-  `conversation.item.input_audio_transcription.delta`s, then `.completed` (or `.failed`). No
+  `conversation.item.input_audio_transcription.delta`s, then `.completed` (or `.failed`); with
+  `include: ["item.input_audio_transcription.logprobs"]` they carry the tokens' `logprobs`. No
   semantic_vad, noise reduction, tools or prompts.
   `type: transcription` (or connecting with `?intent=transcription`; beta's
   `transcription_session.update`): live captions. Each committed turn (by the client or heard by
@@ -93,6 +94,7 @@ from gateway.http_error import HttpError, unauthorized
 from gateway.prompt_fit import PromptFit
 from gateway.realtime_beta import GaFieldError, beta_error, is_beta, to_beta, to_ga
 from gateway.realtime_turns import (
+    INCLUDE_LOGPROBS,
     MAX_ITEMS,
     TRANSCRIBING,
     AudioConfig,
@@ -213,11 +215,11 @@ class RealtimeSession:
         if self.settings.kind == "transcription":
             return {"type": kind, "session": {"type": "transcription", "object": "realtime.transcription_session",
                                               "id": self.id, "audio": {"input": fields["audio"]["input"]},
-                                              "include": None}}  # fmt: skip
+                                              "include": list(self.settings.include) or None}}  # fmt: skip
         session = {"type": "realtime", "object": "realtime.session", "id": self.id, "model": self.service.model_name,
                    **fields, "tools": [], "tool_choice": "auto", "tracing": None,
                    "truncation": self.settings.truncation_event(),
-                   "prompt": None, "include": None}  # fmt: skip
+                   "prompt": None, "include": list(self.settings.include) or None}  # fmt: skip
         return {"type": kind, "session": session}
 
     # -- the connection
@@ -345,6 +347,8 @@ class RealtimeSession:
         settings.kind = kind
         if s.truncation is not None:
             settings.truncation = s.truncation
+        if s.include is not None:
+            settings.include = tuple(dict.fromkeys(s.include))
         if audio.input is not None and audio.input.format is not None:
             fmt, rate = input_format(audio.input.format, "session.audio.input.format")
             if self.buffer and rate != settings.input_rate:
@@ -523,7 +527,7 @@ class RealtimeSession:
             # one turn's after another's, so that a client's captions come in order
             after = self.last_transcription
             # (its request made now: truncation may free the item's audio before its turn comes)
-            req = transcription_request(item, self.settings.transcription)
+            req = transcription_request(item, self.settings.transcription, INCLUDE_LOGPROBS in self.settings.include)
             task = asyncio.create_task(self._transcribe(item, req, after))
             self.transcribing[item.id] = self.last_transcription = task
             waiting = 0 if keep else item.nbytes  # (a turn not kept counts towards the bound until transcribed)
@@ -548,14 +552,25 @@ class RealtimeSession:
         replies = self.service.serve(req, None, "realtime")
         words: list[str] = []
         usage: dict[str, Any] | None = None
+        # with `include` INCLUDE_LOGPROBS: each delta's tokens (one whose text is not out yet, with
+        # the next), all of them on .completed
+        scored = req.sampling["thinker"].HasField("logprobs")
+        ends = frozenset(self.service.thinker_defaults.stop_ids) if scored else frozenset()
+        every: list[dict[str, Any]] = []
+        sent = 0
         try:
             try:
                 async for resp in replies:
                     kind = resp.WhichOneof("kind")
+                    if kind == "text" and scored:
+                        every.extend(self.service.pieces.plain(resp.text.logprobs, ends))
                     if kind == "text" and resp.text.text:
                         words.append(resp.text.text)
-                        await self.deliver({"type": "conversation.item.input_audio_transcription.delta", **ids,
-                                            "delta": resp.text.text}, replies, req.request_id)  # fmt: skip
+                        delta: dict[str, Any] = {"type": "conversation.item.input_audio_transcription.delta", **ids,
+                                                 "delta": resp.text.text}  # fmt: skip
+                        if scored:
+                            delta["logprobs"], sent = every[sent:], len(every)
+                        await self.deliver(delta, replies, req.request_id)
                     elif kind == "final":
                         usage = stt_usage(resp.final.usage)
             except GatewayError as e:
@@ -575,7 +590,8 @@ class RealtimeSession:
             item.content[0]["transcript"] = transcript
             with contextlib.suppress(_Gone):
                 await self.send({"type": "conversation.item.input_audio_transcription.completed", **ids,
-                                 "transcript": transcript, "usage": usage})  # fmt: skip
+                                 "transcript": transcript, **({"logprobs": every} if scored else {}),
+                                 "usage": usage})  # fmt: skip
         finally:
             await replies.aclose()
 

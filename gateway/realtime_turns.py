@@ -311,6 +311,7 @@ class Settings:
     # streams its microphone and waits); None: the client commits (push-to-talk)
     vad: VadSettings | None = field(default_factory=VadSettings)
     transcription: dict[str, Any] | None = None  # input audio transcribed: {model, language, prompt}
+    include: tuple[str, ...] = ()  # INCLUDE_LOGPROBS: the transcriptions' tokens with their log-probabilities
     # a conversation over the model's length: its oldest turns left out ("auto", OpenAI's default:
     # as few as it takes; RetentionRatio), or its response fails ("disabled")
     truncation: Truncation = "auto"
@@ -423,6 +424,7 @@ def _unsupported(body: _Common, prefix: str) -> None:
 
 
 TRANSCRIBING = {"model": None, "language": None, "prompt": None}  # a transcription session's default
+INCLUDE_LOGPROBS = "item.input_audio_transcription.logprobs"  # (the one `include` OpenAI's sessions take)
 _TRANSCRIPTION_FIELDS = frozenset({"type", "audio", "include"})
 
 
@@ -444,8 +446,8 @@ def session_only(body: SessionBody) -> None:
         if audio_in.noise_reduction is not None:
             raise RealtimeError(f"{where}.noise_reduction: no noise reduction here (null)",
                                 f"{where}.noise_reduction")  # fmt: skip
-    if body.include:
-        raise RealtimeError("session.include: no input transcription logprobs here", "session.include")
+    if body.include and any(value != INCLUDE_LOGPROBS for value in body.include):
+        raise RealtimeError(f"session.include: only {INCLUDE_LOGPROBS}", "session.include")
     if body.reasoning is not None:
         raise RealtimeError("session.reasoning: not configurable here", "session.reasoning")
 
@@ -544,12 +546,14 @@ def to_item(body: MessageItem, item_id: str, settings: Settings, prefix: str = "
     return item
 
 
-def transcription_request(item: Item, config: dict[str, Any]) -> gateway_pb2.GenerateRequest:
+def transcription_request(item: Item, config: dict[str, Any], logprobs: bool = False) -> gateway_pb2.GenerateRequest:
     """A committed turn's transcription: its audio and the instruction, greedy, text out (as
-    /v1/audio/transcriptions asks it)."""
+    /v1/audio/transcriptions asks it); `logprobs`: its tokens' own (no alternatives)."""
     (audio,) = item.parts
     req = transcription_turn(audio, transcription_instruction(config))
     req.sampling["thinker"].do_sample = False
+    if logprobs:
+        req.sampling["thinker"].logprobs = 0
     return req
 
 

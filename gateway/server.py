@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import json
@@ -34,6 +35,7 @@ from jinja2 import TemplateError
 from gateway.audio_out import MAX_SPEED, MIN_SPEED, AudioEncoder, Tempo
 from gateway.chat_template import FIELD as CHAT_TEMPLATE_KWARGS
 from gateway.chat_template import template_kwargs, template_names
+from gateway.logprobs import TokenPieces
 from gateway.media import decode_messages
 from gateway.media_cache import DecodedCache
 from gateway.metrics import GatewayMetrics, Outcome
@@ -533,6 +535,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         final.timings["gateway"].CopyFrom(gateway_pb2.StageTiming(first_output_s=first,
                                                                   total_s=time.perf_counter() - t0))  # fmt: skip
         yield gateway_pb2.GenerateResponse(final=final)
+
+    @functools.cached_property
+    def pieces(self) -> TokenPieces:
+        """Each token's text and bytes, for the HTTP doors' `logprobs` (built at first use)."""
+        return TokenPieces(self.tokenizer)
 
     def _conversation(self, request: gateway_pb2.GenerateRequest, fit: PromptFit | None = None) -> bytes | None:
         """Where the thinker keeps prefixes: the key its replica is chosen by (routing.py), the

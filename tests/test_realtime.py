@@ -257,6 +257,8 @@ def test_a_text_only_stack_answers_in_text(connect: Callable[..., Any]) -> None:
 
 
 BAD_EVENTS = [
+    ({"type": "session.update", "session": {"include": ["item.input_audio_transcription.logprobs", "reasoning"]}},
+     "session.include", None),
     ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}},
      "session.audio.input.turn_detection.type", "unsupported_turn_detection"),
     ({"type": "session.update", "session": {"audio": {"input": {"turn_detection": {
@@ -344,6 +346,7 @@ def test_a_refused_event_is_an_error_naming_it_and_the_session_goes_on(connect: 
         # nothing refused changed the session
         ws.send_json({"type": "session.update", "session": {}})
         session = ws.receive_json()["session"]
+        assert session["include"] is None  # (the refused include changed nothing either)
         assert session["audio"]["input"]["turn_detection"] == DEFAULT_VAD and session["audio"]["output"]["speed"] == 1.0
         assert session["audio"]["output"]["voice"] is None and session["max_output_tokens"] == "inf"
     assert service.requests == []

@@ -451,21 +451,27 @@ def test_realtime_input_transcription_is_the_transcription_endpoints(http_stack:
     spoken = _pcm16(media.tone(1.2, RATE, seed=7))
     model = client.models.list().data[0].id
 
-    async def transcribe(kind: str) -> str:
+    async def transcribe(kind: str, include: list[str] | None = None) -> Any:
         """The turn's words in a conversation (`realtime`: audio.input.transcription beside its
-        responses) or a `transcription` session (live captions: no responses)."""
+        responses) or a `transcription` session (live captions: no responses); with `include`,
+        the .completed event and the deltas' logprobs."""
         aclient = openai.AsyncOpenAI(base_url=f"http://{http_stack.http_address}/v1", api_key="unused", max_retries=0)
         async with aclient.realtime.connect(model=model) as conn, asyncio.timeout(120):
             await conn.recv()
+            extra = {"include": include} if include else {}
             await conn.session.update(session={"type": kind, "audio": {"input": {"turn_detection": None,  # type: ignore[misc, arg-type]
-                "transcription": {"model": "whisper-1", "language": "en"}}}})  # fmt: skip
-            assert (await conn.recv()).session.type == kind
+                "transcription": {"model": "whisper-1", "language": "en"}}}, **extra})  # fmt: skip
+            updated = await conn.recv()
+            assert updated.session.type == kind and updated.session.include == include
             await conn.input_audio_buffer.append(audio=base64.b64encode(spoken.tobytes()).decode())
             await conn.input_audio_buffer.commit()
+            deltas = []
             async for event in conn:
                 assert not event.type.startswith("response."), event  # (nothing asked a response)
+                if event.type == "conversation.item.input_audio_transcription.delta":
+                    deltas.extend(event.logprobs or [])
                 if event.type == "conversation.item.input_audio_transcription.completed":
-                    return event.transcript
+                    return (event, deltas) if include else event.transcript
                 assert event.type != "conversation.item.input_audio_transcription.failed", event
         raise AssertionError("no transcript")
 
@@ -478,6 +484,15 @@ def test_realtime_input_transcription_is_the_transcription_endpoints(http_stack:
     expected = client.audio.transcriptions.create(model=model, file=("turn.wav", wav.getvalue()), language="en").text
     assert run(transcribe("realtime")) == expected and expected
     assert run(transcribe("transcription")) == expected
+    # include: the transcription's tokens with their log-probabilities, as the endpoint's include[]=logprobs
+    scored = client.audio.transcriptions.create(model=model, file=("turn.wav", wav.getvalue()), language="en",
+                                                include=["logprobs"]).logprobs  # fmt: skip
+    assert scored
+    for kind in ("realtime", "transcription"):
+        completed, deltas = run(transcribe(kind, ["item.input_audio_transcription.logprobs"]))
+        assert completed.transcript == expected
+        want = [(e.token, e.logprob) for e in scored]
+        assert [(e.token, e.logprob) for e in completed.logprobs] == want == [(e.token, e.logprob) for e in deltas]
 
 
 def test_the_bench_drives_the_realtime_socket_against_grpc(http_stack: Stack) -> None:
