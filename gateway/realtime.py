@@ -347,8 +347,8 @@ class RealtimeSession:
         settings.kind = kind
         if s.truncation is not None:
             settings.truncation = s.truncation
-        if s.include is not None:
-            settings.include = tuple(dict.fromkeys(s.include))
+        if "include" in s.model_fields_set:  # (null or [] clears it)
+            settings.include = tuple(dict.fromkeys(s.include or ()))
         if audio.input is not None and audio.input.format is not None:
             fmt, rate = input_format(audio.input.format, "session.audio.input.format")
             if self.buffer and rate != settings.input_rate:
@@ -555,11 +555,13 @@ class RealtimeSession:
         # with `include` INCLUDE_LOGPROBS: each delta's tokens (one whose text is not out yet, with
         # the next), all of them on .completed
         scored = req.sampling["thinker"].HasField("logprobs")
-        ends = frozenset(self.service.thinker_defaults.stop_ids) if scored else frozenset()
+        ends: frozenset[int] = frozenset()
         every: list[dict[str, Any]] = []
         sent = 0
         try:
             try:
+                if scored:  # (the ids that end a reply: the thinker's own, as the endpoint's)
+                    ends = frozenset(self.service.thinker_defaults.stop_ids)
                 async for resp in replies:
                     kind = resp.WhichOneof("kind")
                     if kind == "text" and scored:

@@ -180,7 +180,7 @@ def _session(s: dict[str, Any]) -> dict[str, Any]:
            "input_audio_transcription": audio_in["transcription"], "turn_detection": audio_in["turn_detection"],
            "input_audio_noise_reduction": audio_in["noise_reduction"], "tools": s["tools"],
            "tool_choice": s["tool_choice"], "max_response_output_tokens": s["max_output_tokens"],
-           "tracing": s["tracing"]}  # fmt: skip
+           "tracing": s["tracing"], "include": s["include"]}  # fmt: skip
     if "temperature" in s:
         out["temperature"] = s["temperature"]
     return out

@@ -538,7 +538,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     @functools.cached_property
     def pieces(self) -> TokenPieces:
-        """Each token's text and bytes, for the HTTP doors' `logprobs` (built at first use)."""
+        """Each token's text and bytes, for `logprobs` (HTTP and Realtime; built at first use)."""
         return TokenPieces(self.tokenizer)
 
     def _conversation(self, request: gateway_pb2.GenerateRequest, fit: PromptFit | None = None) -> bytes | None:

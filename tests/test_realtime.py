@@ -1584,3 +1584,12 @@ def test_turns_truncation_left_out_no_longer_fill_the_sessions_bound(connect: Ca
     assert kinds == [["audio", "text"]] * 3, kinds
     (left,) = service.requests[2].messages
     assert [p.text for p in left.parts] == ["hm"]
+
+
+def test_include_asks_for_transcription_logprobs_and_null_clears_it(connect: Callable[..., Any]) -> None:
+    logprobs = "item.input_audio_transcription.logprobs"
+    with connect(ScriptedService()) as ws:
+        ws.receive_json()
+        for include, shown in (([logprobs, logprobs], [logprobs]), (None, None), ([logprobs], [logprobs]), ([], None)):
+            ws.send_json({"type": "session.update", "session": {"include": include}})
+            assert ws.receive_json()["session"]["include"] == shown, include
