@@ -84,7 +84,7 @@ from starlette.types import Send
 from gateway.audio_out import FORMAT_NAMES, MIME
 from gateway.chat_template import FIELD as CHAT_TEMPLATE_KWARGS
 from gateway.http_error import HttpError, unauthorized
-from gateway.logprobs import TokenPieces
+from gateway.logprobs import Held
 from gateway.server import (
     MAX_REQUEST_ID_CHARS,
     REQUEST_ID_KEY,
@@ -941,11 +941,6 @@ class ChatCompletions:
             self.stop_ids["talker"] = service.ckpt.spec.talker_stop_ids()
         self.transcripts = Transcripts()
 
-    @property
-    def pieces(self) -> TokenPieces:
-        """Each token's text and bytes, for `logprobs`."""
-        return self.service.pieces
-
     async def read(self, request: Request, limit: int, check: Callable[[], Any] | None = None) -> bytes:
         """The body of a request with the right key (if one is set), within `limit` bytes;
         `check()` runs first, before the body is read."""
@@ -1064,9 +1059,9 @@ class ChatCompletions:
             return admitted
         (stream, text_only), req, timeout = admitted
         # `include[]=logprobs`: the tokens' entries as OpenAI's transcriptions give them (no alternatives)
-        ends = self._ends(req)
+        ends = self.service.reply_ends(req)
         scores = None if not req.sampling["thinker"].HasField("logprobs") else (
-            lambda scored: self.pieces.plain(scored, ends))  # fmt: skip
+            lambda scored: self.service.pieces.plain(scored, ends))  # fmt: skip
         if stream:
             rid = req.request_id
             return await self._serve(request, req, timeout, lambda responses: _file_named(self._first(responses)),
@@ -1167,11 +1162,7 @@ class ChatCompletions:
         """A choice's `logprobs`: null unless the request asked for them."""
         if not req.sampling["thinker"].HasField("logprobs"):
             return None
-        return {"content": self.pieces.entries(scored, self._ends(req)), "refusal": None}
-
-    def _ends(self, req: gateway_pb2.GenerateRequest) -> frozenset[int]:
-        """The ids that end the request's reply (its own, else the thinker's)."""
-        return frozenset(req.sampling["thinker"].stop_ids or self.stop_ids["thinker"])
+        return {"content": self.service.pieces.entries(scored, self.service.reply_ends(req)), "refusal": None}
 
     def _whole_reply(self, req: gateway_pb2.GenerateRequest, content: str, audio: list[bytes],
                      final: gateway_pb2.Final,
@@ -1198,7 +1189,7 @@ class ChatCompletions:
         audio_id = _audio_id()
 
         scores = req.sampling["thinker"].HasField("logprobs")
-        ends = self._ends(req)
+        ends = self.service.reply_ends(req)
 
         def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None, **extra: Any) -> str:
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -1221,21 +1212,18 @@ class ChatCompletions:
         async def pieces() -> AsyncGenerator[str, None]:
             text: list[str] = []
             held = b""  # audio bytes past the last whole AUDIO_ALIGN
-            # tokens whose text is not out yet (held for a stop text, or part of a character):
-            # their entries go with the text that shows them
-            scored: list[dict[str, Any]] = []
+            scored = Held()
             yield chunk({"role": "assistant", "content": "", "refusal": None})
             async for resp in _chain(first, responses):
                 kind = resp.WhichOneof("kind")
                 if kind == "text" and scores:
-                    scored.extend(self.pieces.entries(resp.text.logprobs, ends))
+                    scored.add(self.service.pieces.entries(resp.text.logprobs, ends))
                 if kind == "text" and resp.text.text:
                     text.append(resp.text.text)
                     delta: dict[str, Any] = {"content": resp.text.text}
                     if req.want_audio:
                         delta["audio"] = audio(transcript=resp.text.text)
-                    yield chunk(delta, logprobs={"content": scored, "refusal": None} if scores else None)
-                    scored = []
+                    yield chunk(delta, logprobs={"content": scored.take(), "refusal": None} if scores else None)
                 elif kind == "audio":
                     data = held + resp.audio.data
                     cut = len(data) - len(data) % AUDIO_ALIGN
@@ -1251,7 +1239,7 @@ class ChatCompletions:
                         # the last audio update holds only when its id expires (OpenAI's ChoiceDeltaAudio)
                         yield chunk({"audio": audio(expires_at=created + AUDIO_TTL_S)})
                     # (tokens whose text never showed: the part of a stop text held back, say)
-                    rest = {"content": scored, "refusal": None} if scores and scored else None
+                    rest = {"content": unsent, "refusal": None} if scores and (unsent := scored.take()) else None
                     yield chunk({}, resp.final.finish_reason or "stop", rest)
                     if body.stream_options is not None and body.stream_options.include_usage:
                         event = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
@@ -1423,22 +1411,21 @@ def _transcript_events(first: list[gateway_pb2.GenerateResponse], responses: Rep
 
     async def pieces() -> AsyncGenerator[str, None]:
         text: list[str] = []
-        every: list[dict[str, Any]] = []
-        sent = 0  # of `every`, the entries sent with a delta so far
+        scored = Held()
         async for resp in _chain(first, responses):
             kind = resp.WhichOneof("kind")
             if kind == "text" and scores is not None:
-                every.extend(scores(resp.text.logprobs))
+                scored.add(scores(resp.text.logprobs))
             if kind == "text" and resp.text.text:
                 text.append(resp.text.text)
                 event: dict[str, Any] = {"type": "transcript.text.delta", "delta": resp.text.text}
                 if scores is not None:
-                    event["logprobs"], sent = every[sent:], len(every)
+                    event["logprobs"] = scored.take()
                 yield _sse(event)
             elif kind == "final":
                 done: dict[str, Any] = {"type": "transcript.text.done", "text": "".join(text)}
                 if scores is not None:
-                    done["logprobs"] = every
+                    done["logprobs"] = scored.every
                 yield _sse({**done, "usage": stt_usage(resp.final.usage)})
 
     def failed(e: GatewayError) -> str:

@@ -70,3 +70,21 @@ class TokenPieces:
         text, raw = self(token_id)
         # (NaN fails the comparison too: JSON has no NaN, and a greedy pick from NaN logits has one)
         return {"token": text, "logprob": logprob if logprob >= FLOOR else FLOOR, "bytes": raw}
+
+
+class Held:
+    """A streamed reply's entries in the order its tokens came: each piece of text takes those not
+    yet sent (a token whose text is not out yet, held for a stop text or part of a character, goes
+    with the text that shows it); `every` has them all."""
+
+    def __init__(self) -> None:
+        self.every: list[dict[str, Any]] = []
+        self._sent = 0
+
+    def add(self, entries: list[dict[str, Any]]) -> None:
+        self.every.extend(entries)
+
+    def take(self) -> list[dict[str, Any]]:
+        """The entries not sent before."""
+        out, self._sent = self.every[self._sent :], len(self.every)
+        return out

@@ -91,6 +91,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from gateway.g711 import LAWS, G711Encoder
 from gateway.http_api import from_gateway_error, lone_surrogate, served_voices, stt_usage, unknown_model
 from gateway.http_error import HttpError, unauthorized
+from gateway.logprobs import Held
 from gateway.prompt_fit import PromptFit
 from gateway.realtime_beta import GaFieldError, beta_error, is_beta, to_beta, to_ga
 from gateway.realtime_turns import (
@@ -555,23 +556,20 @@ class RealtimeSession:
         # with `include` INCLUDE_LOGPROBS: each delta's tokens (one whose text is not out yet, with
         # the next), all of them on .completed
         scored = req.sampling["thinker"].HasField("logprobs")
-        ends: frozenset[int] = frozenset()
-        every: list[dict[str, Any]] = []
-        sent = 0
+        held = Held()
         try:
             try:
-                if scored:  # (the ids that end a reply: the thinker's own, as the endpoint's)
-                    ends = frozenset(self.service.thinker_defaults.stop_ids)
+                ends = self.service.reply_ends(req) if scored else frozenset()
                 async for resp in replies:
                     kind = resp.WhichOneof("kind")
                     if kind == "text" and scored:
-                        every.extend(self.service.pieces.plain(resp.text.logprobs, ends))
+                        held.add(self.service.pieces.plain(resp.text.logprobs, ends))
                     if kind == "text" and resp.text.text:
                         words.append(resp.text.text)
                         delta: dict[str, Any] = {"type": "conversation.item.input_audio_transcription.delta", **ids,
                                                  "delta": resp.text.text}  # fmt: skip
                         if scored:
-                            delta["logprobs"], sent = every[sent:], len(every)
+                            delta["logprobs"] = held.take()
                         await self.deliver(delta, replies, req.request_id)
                     elif kind == "final":
                         usage = stt_usage(resp.final.usage)
@@ -592,7 +590,7 @@ class RealtimeSession:
             item.content[0]["transcript"] = transcript
             with contextlib.suppress(_Gone):
                 await self.send({"type": "conversation.item.input_audio_transcription.completed", **ids,
-                                 "transcript": transcript, **({"logprobs": every} if scored else {}),
+                                 "transcript": transcript, **({"logprobs": held.every} if scored else {}),
                                  "usage": usage})  # fmt: skip
         finally:
             await replies.aclose()

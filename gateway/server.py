@@ -541,6 +541,11 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         """Each token's text and bytes, for `logprobs` (HTTP and Realtime; built at first use)."""
         return TokenPieces(self.tokenizer)
 
+    def reply_ends(self, request: gateway_pb2.GenerateRequest) -> frozenset[int]:
+        """The ids that end a request's reply (its own stop ids, else the thinker's): the one token
+        `logprobs` has no entry for."""
+        return frozenset(request.sampling["thinker"].stop_ids or self.thinker_defaults.stop_ids)
+
     def _conversation(self, request: gateway_pb2.GenerateRequest, fit: PromptFit | None = None) -> bytes | None:
         """Where the thinker keeps prefixes: the key its replica is chosen by (routing.py), the
         same for every turn of a conversation: its messages up to its first user message (of

@@ -392,16 +392,12 @@ _SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "repetition_pe
 
 
 # fields that only the thinker's sampling reads
-_THINKER_ONLY = ("logprobs", "logit_bias", "presence_penalty", "frequency_penalty")
+_THINKER_ONLY = ("forced_ids", "stop_texts", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty")
 
 
 def _asks(params: stage_pb2.SamplingParams, name: str) -> bool:
-    """Whether `params` sets `name` to anything but what changes nothing (a penalty of 0)."""
-    if name == "logit_bias":
-        return bool(params.logit_bias)
-    if name == "logprobs":
-        return params.HasField(name)
-    return bool(getattr(params, name))
+    """Whether `params` sets `name` to anything but what changes nothing (none, empty, a penalty of 0)."""
+    return params.HasField(name) if name == "logprobs" else bool(getattr(params, name))
 
 
 def check_start(stage: str, start: stage_pb2.Start) -> None:
@@ -418,17 +414,12 @@ def check_start(stage: str, start: stage_pb2.Start) -> None:
     unknown = sorted(set(start.sampling) - set(STAGES))
     if unknown:
         raise invalid(f"{stage}: Start.sampling has unknown stage(s) {unknown}; expected {list(STAGES)}")
-    forced = sorted(name for name, params in start.sampling.items() if params.forced_ids and name != "thinker")
-    if forced:
-        raise invalid(f"{stage}: sampling: forced_ids are for the thinker only, not {forced}")
-    texts = sorted(name for name, params in start.sampling.items() if params.stop_texts and name != "thinker")
-    if texts:
-        raise invalid(f"{stage}: sampling: stop_texts are for the thinker only, not {texts}")
     for field_name in _THINKER_ONLY:
         others = sorted(name for name, params in start.sampling.items()
                         if name != "thinker" and _asks(params, field_name))  # fmt: skip
         if others:
-            raise invalid(f"{stage}: sampling: {field_name} is for the thinker only, not {others}")
+            verb = "are" if field_name in ("forced_ids", "stop_texts") else "is"
+            raise invalid(f"{stage}: sampling: {field_name} {verb} for the thinker only, not {others}")
 
 
 def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,
