@@ -32,11 +32,19 @@ Chat completions (OpenAI's shapes; what differs is said here):
   `presence_penalty` and `frequency_penalty` (the thinker's; omnistage/models/sampling.py); vLLM's fields with no
   counterpart that would change the reply (`ignore_eos`, `min_tokens`, ...) are refused. A field
   sent as null is unset.
-  `tools` (but with `tool_choice: none`, which calls none: then they go unread), likewise the
-  legacy `functions` (with `function_call: none`), a `tool_choice` or `function_call` other than
+  The legacy `functions` (but with `function_call: none`), a `function_call` other than
   none/auto and a non-text `response_format` are refused (400), not ignored; so are a field of
   the wrong JSON type (as OpenAI:
   `"stream": "true"`, `"max_tokens": 5.0`) and a string with a lone UTF-16 surrogate.
+* `tools` (functions), where the checkpoint's chat template takes them (Qwen3-Omni's; not
+  Qwen2.5-Omni's: a 400): rendered by the template as the client sent them; the reply's calls
+  (Qwen's `<tool_call>` blocks, gateway/tool_calls.py) come as `message.tool_calls` with
+  `finish_reason: "tool_calls"`, streamed as one `delta.tool_calls` at the end (the text before
+  them streams as content). Earlier turns' `tool_calls` and `tool` messages (`tool_call_id`)
+  are rendered back. `tool_choice` auto (the default) or none (the tools go unread);
+  `parallel_tool_calls: false` gives the first call alone. Text only: with audio asked for,
+  tools are a 400 (the talker would speak the calls); "required" or a named function too (there
+  is no constrained decoding to make the model call one).
 * `logprobs` (and `top_logprobs`, 0 to 20): each token's log-probability under the model (of its
   raw logits, before penalties and warpers, as vLLM gives them) in `choices[].logprobs.content`,
   streamed with the text that shows the token (gateway/logprobs.py).
@@ -94,6 +102,8 @@ from gateway.server import (
     fail_replies,
     internal_failure,
 )
+from gateway.tool_calls import CallStream
+from gateway.tool_calls import parse as parse_calls
 from gateway.transcription import check_form_type, read_form, to_transcription_request
 from omnistage.models.sampling import MAX_LOGIT_BIAS_ENTRIES, greedy_temperature
 from omnistage.quoting import quoted
@@ -196,11 +206,39 @@ class AudioRef(_Body):
     id: str
 
 
+class FunctionCall(_Body):
+    name: str = Field(min_length=1)
+    arguments: str  # a JSON object's text, as the reply gave it
+
+
+class ToolCall(_Body):  # an earlier reply's call (assistant messages)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[Part] | None = None
     audio: AudioRef | None = None  # an earlier reply's audio, by id (assistant messages)
     refusal: str | None = None  # an earlier reply's refusal (assistant messages): its text where content is empty
+    tool_calls: list[ToolCall] | None = None  # an earlier reply's calls (assistant messages)
+    tool_call_id: str | None = None  # the call a tool message gives the result of
+
+
+class FunctionDef(_Body):
+    # OpenAI's rule for a function's name
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    """One of `tools` (each is checked against this, then rendered as the client sent it)."""
+
+    type: Literal["function"]
+    function: FunctionDef
 
 
 class AudioOut(_Body):
@@ -310,11 +348,12 @@ class ChatRequest(_Body):
     mm_processor_kwargs: ProcessorKwargs | None = None
     # vLLM-Omni's per-stage sampling, in stage order (thinker, talker, code2wav): over the fields above
     sampling_params_list: list[StageSampling | None] | None = Field(None, max_length=len(STAGES))
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128)  # each a `Tool`
+    tool_choice: Any = None  # "auto" (the default with tools) or "none"
+    parallel_tool_calls: bool | None = None  # false: at most one call a reply
     # Asked for, these would change the reply's shape; this server has none of them, so it says so.
-    tools: list[Any] | None = None
     functions: list[Any] | None = None  # the legacy form of tools
     function_call: Any = None  # (and of tool_choice)
-    tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -496,6 +535,36 @@ def voice_speaker(voice: str | AudioRef | None, voices: list[str], field: str = 
                     param=field)  # fmt: skip
 
 
+def _tool(tool: dict[str, Any], i: int) -> str:
+    """One of `tools`, checked, as the JSON the template renders (the client's own, as a
+    transformers user gives apply_chat_template its tools)."""
+    try:
+        Tool.model_validate(tool)
+    except ValidationError as e:
+        where, message = _first_error(e)
+        field = f"tools[{i}]" + (f".{where}" if where else "")
+        raise HttpError(400, f"{field}: {message}", param=field) from None
+    return json.dumps(tool, ensure_ascii=False)
+
+
+def _tool_turn(m: Message, i: int, out: gateway_pb2.ChatMessage) -> None:
+    """An assistant's earlier calls or a tool's result, checked, on the gateway's message `out`."""
+    if m.tool_calls and m.role != "assistant":
+        raise HttpError(400, f"messages[{i}].tool_calls: only assistant messages make tool calls",
+                        param=f"messages[{i}].tool_calls")  # fmt: skip
+    if m.role == "tool" and not m.tool_call_id:
+        raise HttpError(400, f"messages[{i}].tool_call_id: a tool message names the call it answers",
+                        param=f"messages[{i}].tool_call_id")  # fmt: skip
+    out.tool_calls.extend(gateway_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                          for c in m.tool_calls or ())  # fmt: skip
+    out.tool_call_id = m.tool_call_id or ""
+
+
+def _most_calls(body: ChatRequest) -> int | None:
+    """How many of a reply's tool calls it gives (`parallel_tool_calls: false`: the first)."""
+    return 1 if body.parallel_tool_calls is False else None
+
+
 def _template_kwargs(body: ChatRequest, req: gateway_pb2.GenerateRequest) -> None:
     """vLLM's `chat_template_kwargs` (Qwen3 clients send `{"enable_thinking": false}`), each value
     as JSON: the gateway renders the template with those it reads (gateway/chat_template.py)."""
@@ -511,12 +580,9 @@ def _template_kwargs(body: ChatRequest, req: gateway_pb2.GenerateRequest) -> Non
 def _unsupported(body: ChatRequest) -> None:
     """Fields that would change the reply's shape, which this server cannot honour: a 400, not
     a reply the client would misread."""
-    if body.tools and body.tool_choice != "none":  # ("none": the client wants no call; the tools go unread)
-        raise HttpError(400, "tools: tool calling is not supported by this server (only with tool_choice: none, "
-                        "which calls none)", param="tools")  # fmt: skip
-    if body.tool_choice not in (None, "none", "auto"):  # without tools only these mean anything
-        raise HttpError(400, "tool_choice: only allowed with tools, which this server does not support",
-                        param="tool_choice")  # fmt: skip
+    if body.tool_choice not in (None, "none", "auto"):
+        raise HttpError(400, "tool_choice: auto or none: this server cannot make the model call a tool (it has no "
+                        "constrained decoding)", param="tool_choice")  # fmt: skip
     if body.response_format is not None and body.response_format.get("type", "text") != "text":
         raise HttpError(400, 'response_format: only {"type": "text"} is supported', param="response_format")
     if body.top_logprobs and not body.logprobs:  # as OpenAI: the alternatives come with the tokens' own
@@ -655,6 +721,8 @@ def to_generate_request(
     req = gateway_pb2.GenerateRequest(want_audio=want_audio, use_audio_in_video=bool(in_video),
                                       audio_format=FORMAT_NAMES[audio.format or "wav"])  # type: ignore[arg-type]  # fmt: skip
     req.speaker = voice_speaker(audio.voice, voices) if want_audio else ""
+    if body.tools and body.tool_choice != "none":  # ("none": the client wants no call; the tools go unread)
+        req.tools.extend(_tool(t, i) for i, t in enumerate(body.tools))
     for i, m in enumerate(body.messages):
         role = "system" if m.role == "developer" else m.role
         if not m.content and m.audio is not None:  # a spoken earlier reply: its words (content null, "" or [])
@@ -672,6 +740,7 @@ def to_generate_request(
             req.messages.append(gateway_pb2.ChatMessage(role=role, parts=parts))
         else:
             req.messages.append(gateway_pb2.ChatMessage(role=role, content=m.content or ""))
+        _tool_turn(m, i, req.messages[-1])
     if body.stop is not None:
         req.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
     _template_kwargs(body, req)
@@ -1001,7 +1070,7 @@ class ChatCompletions:
         body, req, timeout = admitted
         if not body.stream:
             return await self._serve(request, req, timeout,
-                                     lambda responses: _entry_named(self._whole(req, responses), body))
+                                     lambda responses: _entry_named(self._whole(req, body, responses), body))
         return await self._serve(request, req, timeout, lambda responses: _entry_named(self._first(responses), body),
                                  lambda first, responses: self._stream(req, body, first, responses))  # fmt: skip
 
@@ -1153,10 +1222,10 @@ class ChatCompletions:
             raise error from None
         return pieces
 
-    async def _whole(self, req: gateway_pb2.GenerateRequest, responses: Replies) -> Response:
+    async def _whole(self, req: gateway_pb2.GenerateRequest, body: ChatRequest, responses: Replies) -> Response:
         scored: list[gateway_pb2.TokenLogprob] = []
-        return await _whole_of(responses, lambda text, audio, final: self._whole_reply(req, text, audio, final, scored),
-                               scored)  # fmt: skip
+        return await _whole_of(
+            responses, lambda text, audio, final: self._whole_reply(req, body, text, audio, final, scored), scored)
 
     def _logprobs(self, req: gateway_pb2.GenerateRequest, scored: Iterable[gateway_pb2.TokenLogprob]) -> Any:
         """A choice's `logprobs`: null unless the request asked for them."""
@@ -1164,12 +1233,17 @@ class ChatCompletions:
             return None
         return {"content": self.service.pieces.entries(scored, self.service.reply_ends(req)), "refusal": None}
 
-    def _whole_reply(self, req: gateway_pb2.GenerateRequest, content: str, audio: list[bytes],
+    def _whole_reply(self, req: gateway_pb2.GenerateRequest, body: ChatRequest, text: str, audio: list[bytes],
                      final: gateway_pb2.Final,
                      scored: Iterable[gateway_pb2.TokenLogprob] = ()) -> Response:  # fmt: skip
         created = int(time.time())
+        content, calls = parse_calls(text) if req.tools else (text, [])
+        calls = calls[: _most_calls(body)]
+        finish = "tool_calls" if calls else final.finish_reason or "stop"
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
-        if req.want_audio:
+        if calls:
+            message["tool_calls"] = [c.openai() for c in calls]
+        if req.want_audio:  # (no tools: they are text only)
             audio_id = _audio_id()
             self.transcripts.put(audio_id, content)
             message["audio"] = {"id": audio_id, "data": base64.b64encode(b"".join(audio)).decode(),
@@ -1178,7 +1252,7 @@ class ChatCompletions:
             "id": f"chatcmpl-{req.request_id}", "object": "chat.completion", "created": created,
             "model": self.service.model_name,
             "choices": [{"index": 0, "message": message, "logprobs": self._logprobs(req, scored),
-                         "finish_reason": final.finish_reason or "stop"}],
+                         "finish_reason": finish}],
             "usage": _usage(final.usage),
         })  # fmt: skip
 
@@ -1213,16 +1287,18 @@ class ChatCompletions:
             text: list[str] = []
             held = b""  # audio bytes past the last whole AUDIO_ALIGN
             scored = Held()
+            calls = CallStream() if req.tools else None  # the reply's text, read for tool calls
             yield chunk({"role": "assistant", "content": "", "refusal": None})
             async for resp in _chain(first, responses):
                 kind = resp.WhichOneof("kind")
                 if kind == "text" and scores:
                     scored.add(self.service.pieces.entries(resp.text.logprobs, ends))
-                if kind == "text" and resp.text.text:
-                    text.append(resp.text.text)
-                    delta: dict[str, Any] = {"content": resp.text.text}
+                shown = resp.text.text if calls is None or kind != "text" else calls.feed(resp.text.text)
+                if kind == "text" and shown:
+                    text.append(shown)
+                    delta: dict[str, Any] = {"content": shown}
                     if req.want_audio:
-                        delta["audio"] = audio(transcript=resp.text.text)
+                        delta["audio"] = audio(transcript=shown)
                     yield chunk(delta, logprobs={"content": scored.take(), "refusal": None} if scores else None)
                 elif kind == "audio":
                     data = held + resp.audio.data
@@ -1238,9 +1314,18 @@ class ChatCompletions:
                         self.transcripts.put(audio_id, "".join(text))
                         # the last audio update holds only when its id expires (OpenAI's ChoiceDeltaAudio)
                         yield chunk({"audio": audio(expires_at=created + AUDIO_TTL_S)})
-                    # (tokens whose text never showed: the part of a stop text held back, say)
+                    finish = resp.final.finish_reason or "stop"
+                    if calls is not None:  # the content held back, and the calls
+                        content, made = calls.finish()
+                        made = made[: _most_calls(body)]
+                        if content:
+                            yield chunk({"content": content})
+                        if made:
+                            yield chunk({"tool_calls": [c.openai(i) for i, c in enumerate(made)]})
+                            finish = "tool_calls"
+                    # (tokens whose text never showed: the part of a stop text held back, a call, say)
                     rest = {"content": unsent, "refusal": None} if scores and (unsent := scored.take()) else None
-                    yield chunk({}, resp.final.finish_reason or "stop", rest)
+                    yield chunk({}, finish, rest)
                     if body.stream_options is not None and body.stream_options.include_usage:
                         event = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
                                  "model": self.service.model_name, "choices": [],

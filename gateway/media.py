@@ -26,7 +26,7 @@ from omnistage.v1 import gateway_pb2
 __all__ = ["AudioClip", "Budget", "ImageInput", "Limits", "MediaError", "VideoClip", "decode_audio", "decode_image",
            "decode_messages", "decode_video", "decode_video_frames", "pcm_audio"]  # fmt: skip
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")  # ("tool": a tool call's result)
 
 
 class MediaError(ValueError):
@@ -388,6 +388,18 @@ def _decode_or_reuse(part: gateway_pb2.ContentPart, limits: Limits, audio_rate: 
     return entry
 
 
+def _tool_fields(m: gateway_pb2.ChatMessage) -> dict[str, Any]:
+    """A message's tool calls (an assistant's) and the call it answers (a tool's), in the shape
+    chat templates read them (OpenAI's: `tool_calls[].function.{name, arguments}`)."""
+    out: dict[str, Any] = {}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in m.tool_calls]  # fmt: skip
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
 def decode_messages(request: gateway_pb2.GenerateRequest, limits: Limits, audio_rate: int,
                     cancelled: threading.Event | None = None, cache: DecodedCache | None = None
                     ) -> tuple[list[dict[str, Any]], bool]:  # fmt: skip
@@ -402,8 +414,11 @@ def decode_messages(request: gateway_pb2.GenerateRequest, limits: Limits, audio_
     for i, m in enumerate(request.messages):
         if m.role not in ROLES:
             raise MediaError(f"messages[{i}]: unknown role {quoted(m.role)}; expected one of {', '.join(ROLES)}")
+        if m.tool_calls and m.role != "assistant":
+            raise MediaError(f"messages[{i}].tool_calls: only assistant messages make tool calls")
+        extra = _tool_fields(m)
         if not m.parts:
-            messages.append({"role": m.role, "content": m.content})
+            messages.append({"role": m.role, "content": m.content, **extra})
             continue
         parts = []
         for j, part in enumerate(m.parts):
@@ -417,7 +432,7 @@ def decode_messages(request: gateway_pb2.GenerateRequest, limits: Limits, audio_
                 raise MediaError(f"{where}: {e}") from None
             media += kind not in (None, "text")
             videos += kind == "video"
-        messages.append({"role": m.role, "content": parts})
+        messages.append({"role": m.role, "content": parts, **extra})
     if request.use_audio_in_video and not videos:
         raise MediaError("use_audio_in_video: the request has no video")
     if not media:  # text parts only: plain text content

@@ -61,7 +61,8 @@ def without(request: gateway_pb2.GenerateRequest, fixed: int, count: int) -> gat
 
 def text_chars(message: gateway_pb2.ChatMessage) -> int:
     """The characters of a message's text (what bounds its tokens before it is tokenized)."""
-    return len(message.content) + sum(len(p.text) for p in message.parts)
+    calls = sum(len(c.name) + len(c.arguments) for c in message.tool_calls)
+    return len(message.content) + sum(len(p.text) for p in message.parts) + calls
 
 
 def fitted(request: gateway_pb2.GenerateRequest, fit: PromptFit, build: Callable[[gateway_pb2.GenerateRequest], P],

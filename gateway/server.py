@@ -40,6 +40,7 @@ from gateway.media import decode_messages
 from gateway.media_cache import DecodedCache
 from gateway.metrics import GatewayMetrics, Outcome
 from gateway.prompt_fit import PromptFit, fitted, text_chars, without
+from gateway.tool_calls import read_tools, takes_tools
 from omnistage.config import DeployConfig
 from omnistage.engine import OutChunk
 from omnistage.models import Checkpoint, PartRefused, load_tokenizer, media_inputs
@@ -196,7 +197,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         `fit`: its oldest turns left out as far as it takes to fit (prompt_fit.py). ValueError
         names the field."""
         if fit is None:
-            given = sum(text_chars(m) for m in request.messages)
+            given = sum(text_chars(m) for m in request.messages) + sum(len(t) for t in request.tools)
             chars = given if request.messages else len(request.prompt)  # `prompt` is ignored with messages
             if chars > MAX_CHARS_PER_TOKEN * self.max_prompt_tokens:  # before tokenizing: it could never fit
                 raise ValueError(f"prompt: {chars} characters of text cannot fit in {self.max_prompt_tokens} tokens")
@@ -223,6 +224,14 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
     def _built(self, request: gateway_pb2.GenerateRequest, cancelled: threading.Event | None) -> edges.Prompt:
         """`_prompt`'s build, whatever its length."""
         kwargs = template_kwargs(request.chat_template_kwargs, self.template_names)
+        if request.tools:
+            kwargs["tools"] = self._tools(request)
+        elif not takes_tools(self.template_names):  # an earlier turn's calls or their results
+            used = next((f"messages[{i}]" + (".tool_calls" if m.tool_calls else "")
+                         for i, m in enumerate(request.messages) if m.tool_calls or m.role == "tool"),
+                        None)  # fmt: skip
+            if used is not None:
+                raise ValueError(f"{used}: this checkpoint's chat template takes no tools")
         if request.messages:
             # A conversation with no user text is served as OpenAI serves it (a system prompt alone, a
             # user turn left empty): the template renders it and the model answers it.
@@ -250,6 +259,16 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 field = CHAT_TEMPLATE_KWARGS if kwargs else "messages"  # (rendering is all it does)
                 raise ValueError(f"{field}: cannot render the chat template: {type(e).__name__}: {e}") from None
         return prompt
+
+    def _tools(self, request: gateway_pb2.GenerateRequest) -> list[dict[str, Any]]:
+        """The request's tools, as its template renders them (ValueError naming the field)."""
+        if not takes_tools(self.template_names):
+            raise ValueError("tools: this checkpoint's chat template takes no tools")
+        if request.want_audio:  # the talker speaks every token the thinker writes, a call's too
+            raise ValueError("tools: tool calls are text only (the talker would speak them): ask for no audio")
+        if not request.messages:
+            raise ValueError("tools: they go with messages (a plain prompt renders no template)")
+        return read_tools(request.tools)
 
     def _audio_rate(self) -> int:
         # without a processor media are refused after decoding (any rate will do until then)

@@ -142,7 +142,7 @@ def test_openai_request_errors_name_the_field() -> None:
     cases = [
         (_chat(modalities=["text", "audio"], audio={"voice": "nobody"}), "audio.voice: unknown voice 'nobody'"),
         (_chat(modalities=["text", "audio"], audio={"voice": {"id": "nobody"}}), "audio.voice: unknown voice"),
-        (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools: tool calling is not supported"),
+        (_chat(tools=[{"type": "function", "function": {"name": "f b"}}]), "tools[0].function.name: String should"),
         (_chat(response_format={"type": "json_object"}), "response_format: only"),
         (_chat(top_logprobs=2), "top_logprobs: logprobs must be true"),
         (_chat(functions=[{"name": "f"}]), "functions: function calling is not supported"),
@@ -430,9 +430,10 @@ def test_fields_that_ask_for_what_this_server_lacks_are_refused_and_harmless_one
             to_generate_request(_chat(**fields), ["ethan"])
         assert e.value.status == 400 and e.value.param == param, e.value.message
     tools = [{"type": "function", "function": {"name": "f"}}]
-    with pytest.raises(HttpError) as e:  # tools the model may call
-        to_generate_request(_chat(tools=tools, tool_choice="auto"), ["ethan"])
-    assert e.value.param == "tools" and "tool_choice: none" in e.value.message
+    # tools the model may call go to the gateway (tests/test_tool_calls.py); with none, unread
+    offered = to_generate_request(_chat(tools=tools, tool_choice="auto"), ["ethan"]).tools
+    assert [json.loads(t) for t in offered] == tools
+    assert not to_generate_request(_chat(tools=tools, tool_choice="none"), ["ethan"]).tools
     for fields in ({"tool_choice": "none"}, {"tool_choice": "auto"}, {"top_logprobs": 0}, {"tool_choice": None},
                    {"tools": tools, "tool_choice": "none"},  # (an agent's every turn: tools, none to be called)
                    {"functions": [{"name": "f"}], "function_call": "none"}, {"function_call": "auto"},
@@ -1171,7 +1172,7 @@ def test_a_bug_in_the_http_door_counts_internal_not_cancelled(tiny_dir: Path, mo
     from omnistage.config import parse_config
     from omnistage.models import open_checkpoint
 
-    async def broken_whole(self: Any, req: Any, responses: Any) -> Any:
+    async def broken_whole(self: Any, req: Any, body: Any, responses: Any) -> Any:
         async for _ in responses:
             raise RuntimeError("a bug")
 

@@ -127,25 +127,80 @@ AUDIO_PREPROCESSOR = {
 }
 
 
-def chat_template(tokens: Mapping[str, str]) -> str:
+# Qwen's tool-calling section (Qwen3's chat format): the tools as JSON lines in the system turn,
+# the calls an assistant made as <tool_call> blocks, tool results as a user turn's <tool_response>s.
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+    "function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_POSTAMBLE = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\n</tool_call>"
+)
+
+
+def chat_template(tokens: Mapping[str, str], tools: bool = False) -> str:
     """Qwen's chat format: a message's content is a string or a list of parts; audio, image and
     video parts become one placeholder wrapped in their start/end tokens (`tokens`: the
     tokenizer's named tokens, as `extra_special_tokens`), which the processor expands to one
-    placeholder per encoder output row."""
+    placeholder per encoder output row. `tools`: with Qwen3's tool calling (Qwen3-Omni's
+    template has it, Qwen2.5-Omni's not): a prompt without tools, calls or tool results renders
+    as without it."""
     audio = tokens["audio_bos_token"] + tokens["audio_token"] + tokens["audio_eos_token"]
     image = tokens["vision_bos_token"] + tokens["image_token"] + tokens["vision_eos_token"]
     video = tokens["vision_bos_token"] + tokens["video_token"] + tokens["vision_eos_token"]
-    return (
-        "{%- for message in messages %}"
-        "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-        "{%- if message['content'] is string %}{{- message['content'] }}"
-        "{%- else %}{%- for part in message['content'] %}"
+    content = (
+        "{%- macro render(content) %}"
+        "{%- if content is string %}{{- content }}"
+        "{%- else %}{%- for part in content %}"
         "{%- if part['type'] == 'text' %}{{- part['text'] }}"
         f"{{%- elif part['type'] == 'audio' %}}{{{{- '{audio}' }}}}"
         f"{{%- elif part['type'] == 'image' %}}{{{{- '{image}' }}}}"
         f"{{%- elif part['type'] == 'video' %}}{{{{- '{video}' }}}}"
         "{%- endif %}{%- endfor %}{%- endif %}"
+        "{%- endmacro %}"
+    )
+    if not tools:  # (as before tools came: the same template text)
+        return (
+            "{%- for message in messages %}"
+            "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+            "{%- if message['content'] is string %}{{- message['content'] }}"
+            "{%- else %}{%- for part in message['content'] %}"
+            "{%- if part['type'] == 'text' %}{{- part['text'] }}"
+            f"{{%- elif part['type'] == 'audio' %}}{{{{- '{audio}' }}}}"
+            f"{{%- elif part['type'] == 'image' %}}{{{{- '{image}' }}}}"
+            f"{{%- elif part['type'] == 'video' %}}{{{{- '{video}' }}}}"
+            "{%- endif %}{%- endfor %}{%- endif %}"
+            "{{- '<|im_end|>\\n' }}"
+            "{%- endfor %}"
+            "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+        )
+    return (
+        content + "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+        "{%- if messages[0]['role'] == 'system' %}{{- render(messages[0]['content']) + '\\n\\n' }}{%- endif %}"
+        f"{{{{- {TOOLS_PREAMBLE!r} }}}}"
+        "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+        f"{{{{- {TOOLS_POSTAMBLE!r} + '<|im_end|>\\n' }}}}"
+        "{%- endif %}"
+        "{%- for message in messages %}"
+        "{%- if tools and loop.first and message['role'] == 'system' %}"  # (in the tools turn above)
+        "{%- elif message['role'] == 'tool' %}"
+        "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+        "{{- '\\n<tool_response>\\n' }}{{- render(message['content']) }}{{- '\\n</tool_response>' }}"
+        "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+        "{%- else %}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' }}{{- render(message['content']) }}"
+        "{%- for call in message['tool_calls'] or [] %}"
+        "{%- if not loop.first or message['content'] %}{{- '\\n' }}{%- endif %}"
+        "{%- set call = call['function'] if call['function'] is defined else call %}"
+        "{{- '<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+        "{%- if call['arguments'] is string %}{{- call['arguments'] }}{%- else %}{{- call['arguments'] | tojson }}"
+        "{%- endif %}"
+        "{{- '}\\n</tool_call>' }}"
+        "{%- endfor %}"
         "{{- '<|im_end|>\\n' }}"
+        "{%- endif %}"
         "{%- endfor %}"
         "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
     )
@@ -153,7 +208,7 @@ def chat_template(tokens: Mapping[str, str]) -> str:
 
 def processor_files(*, vocab_size: int, first_special_id: int, special_tokens: Sequence[str],
                     role_words: Sequence[str], named_tokens: Mapping[str, str], vision: Mapping[str, Any],
-                    processor_class: str) -> dict[str, str]:  # fmt: skip
+                    processor_class: str, tools: bool = False) -> dict[str, str]:  # fmt: skip
     """The tokenizer and processor files: tokenizer.json and tokenizer_config.json (`named_tokens`
     become the tokenizer's `extra_special_tokens`, so the processor finds its placeholders), the
     chat template in chat_template.json, and the feature extractor's, image and video processors'
@@ -175,7 +230,7 @@ def processor_files(*, vocab_size: int, first_special_id: int, special_tokens: S
     return {
         "tokenizer.json": text + "\n",
         "tokenizer_config.json": _json(tokenizer_config),
-        "chat_template.json": _json({"chat_template": chat_template(named_tokens)}),  # where processors save it
+        "chat_template.json": _json({"chat_template": chat_template(named_tokens, tools)}),  # where processors save it
         "preprocessor_config.json": _json(preprocessor),
         "video_preprocessor_config.json": _json(video),
     }

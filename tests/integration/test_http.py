@@ -1279,3 +1279,29 @@ def test_every_reply_validates_against_the_sdk_s_types(http_stack: Stack, client
         bad = http.post(f"{base}/chat/completions", json={**turn, "temperature": 9})
         assert bad.status_code == 400
         ErrorObject.model_validate(bad.json()["error"])
+
+
+def test_tools_and_earlier_calls_reach_the_model_as_generate_sees_them(
+        http_stack: Stack, client: openai.OpenAI, tiny_dir: Path, reference: Any) -> None:  # fmt: skip
+    """A chat with tools, an earlier call and its result (tests/test_tool_calls.py reads calls
+    out of replies): the thinker's prompt is apply_chat_template's with the tools, and the reply
+    is the monolithic generate()'s on it (greedy), streamed or not."""
+    from omnistage.models import load_tokenizer, open_checkpoint
+    from omnistage.models.checkpoint import chat_template
+    from tests.test_tool_calls import HISTORY, TIME, WEATHER
+
+    model = client.models.list().data[0].id
+    ckpt = open_checkpoint(tiny_dir)
+    tokenizer, eos = load_tokenizer(ckpt), ckpt.spec.im_end_id
+    rendered = tokenizer.apply_chat_template(HISTORY, tools=[WEATHER, TIME], add_generation_prompt=True, tokenize=True,
+                                             chat_template=chat_template(tiny_dir), return_dict=True)  # fmt: skip
+    ids = list(rendered["input_ids"])
+    want, _, _ = reference.generate(ids, MAX_TOKENS, 0, eos, audio=False)
+    text = tokenizer.decode([i for i in want if i != eos], skip_special_tokens=True)
+    reply = client.chat.completions.create(model=model, temperature=0, max_tokens=MAX_TOKENS, messages=HISTORY,
+                                           tools=[WEATHER, TIME])  # type: ignore[arg-type]  # fmt: skip
+    assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == len(want)
+    assert reply.choices[0].message.content == text and text
+    stream = client.chat.completions.create(model=model, temperature=0, max_tokens=MAX_TOKENS, messages=HISTORY,
+                                            tools=[WEATHER, TIME], stream=True)  # type: ignore[arg-type]  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text

@@ -292,7 +292,8 @@ def processor_files(shape: TinyShape = DEFAULT) -> dict[str, str]:
     processor's configs."""
     return tiny_files.processor_files(vocab_size=shape.thinker_vocab, first_special_id=shape.first_special_id,
                                       special_tokens=SPECIAL_TOKENS, role_words=ROLE_WORDS, named_tokens=NAMED_TOKENS,
-                                      vision=VISION_PREPROCESSOR, processor_class="Qwen3OmniMoeProcessor")  # fmt: skip
+                                      vision=VISION_PREPROCESSOR, processor_class="Qwen3OmniMoeProcessor",
+                                      tools=True)  # fmt: skip
 
 
 LAYOUTS = ("published", "fused")

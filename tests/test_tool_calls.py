@@ -1,0 +1,357 @@
+"""Tool calling: the tools and earlier calls rendered as transformers renders them, the calls read
+out of a reply (whole and streamed alike), OpenAI's shapes through its own SDK, the refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import pytest
+import torch
+from openai.lib.streaming.chat import ChatCompletionStreamState
+
+from gateway.server import GatewayError, GatewayService
+from gateway.tool_calls import Call, CallStream, parse, read_tools
+from omnistage.config import parse_config
+from omnistage.models import open_checkpoint
+from omnistage.models.checkpoint import chat_template
+from omnistage.v1 import gateway_pb2
+from services import edges
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CALL2 = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather and time in Paris?"},
+    {"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "noon"},
+]  # fmt: skip
+
+
+# ---- reading a reply ------------------------------------------------------------------------
+
+PARSED: list[tuple[str, str | None, list[Call]]] = [
+    ("Hello there.", "Hello there.", []),
+    ("", "", []),
+    (CALL, None, [Call("get_weather", '{"city": "Paris"}')]),
+    ("Let me check.\n\n" + CALL, "Let me check.", [Call("get_weather", '{"city": "Paris"}')]),
+    (CALL + "\n" + CALL2, None, [Call("get_weather", '{"city": "Paris"}'), Call("get_time", "{}")]),
+    (CALL + "\nDone.", "Done.", [Call("get_weather", '{"city": "Paris"}')]),
+    ("Hi " + CALL + " then " + CALL2 + " end", "Hi\nthen\nend",
+     [Call("get_weather", '{"city": "Paris"}'), Call("get_time", "{}")]),
+    # arguments given as text (an object's), or under Qwen's other key
+    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', None, [Call("f", '{"a": 1}')]),
+    ('<tool_call>{"name": "f", "parameters": {"a": "é"}}</tool_call>', None, [Call("f", '{"a": "é"}')]),
+    ('<tool_call>{"name": "f"}</tool_call>', None, [Call("f", "{}")]),
+    # what reads as no call leaves the whole text as the content
+    ("Look: " + CALL[:-3], "Look: " + CALL[:-3], []),  # unclosed (the reply ran out)
+    ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+     []),
+    ('<tool_call>{"name": "f", "arguments": "1"}</tool_call>', '<tool_call>{"name": "f", "arguments": "1"}</tool_call>',
+     []),
+    (CALL + "<tool_call>[]</tool_call>", CALL + "<tool_call>[]</tool_call>", []),  # one bad block: none
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), PARSED)
+def test_a_reply_reads_as_its_content_and_calls(text: str, content: str | None, calls: list[Call]) -> None:
+    assert parse(text) == (content, calls)
+
+
+@pytest.mark.parametrize("text", [case[0] for case in PARSED] + ["a <tool", "<tool_cal", "x  \n", "a < b <tool_x"])
+def test_a_streamed_reply_reads_as_the_whole_at_every_split(text: str) -> None:
+    """Fed in pieces cut anywhere (two cuts, and one character at a time), the content shown
+    as it streams and at its end is the whole reply's, and no text from a call's start on shows
+    before the end."""
+    content, calls = parse(text)
+    cuts = [(i, j) for i in range(len(text) + 1) for j in range(i, len(text) + 1, 7)]
+    for pieces in [[text[:i], text[i:j], text[j:]] for i, j in cuts] + [list(text)]:
+        stream = CallStream()
+        shown = [stream.feed(p) for p in pieces]
+        if "<tool_call>" in text:
+            assert "<" not in "".join(shown)[text.find("<tool_call>") :], pieces
+        rest, got = stream.finish()
+        assert ("".join(shown) + rest, got) == (content or "", calls), pieces
+
+
+def test_text_that_cannot_start_a_call_shows_at_once() -> None:
+    stream = CallStream()
+    assert stream.feed("It is ") == "It is"  # (the space waits: it could stand before a call)
+    assert stream.feed("sunny <t") == " sunny"
+    assert stream.feed("oo>") == " <too>"
+    assert stream.finish() == ("", [])
+
+
+def test_a_call_in_openai_shape_has_a_fresh_id() -> None:
+    a, b = Call("f", "{}").openai(), Call("f", "{}").openai(2)
+    assert a["id"] != b["id"] and a["id"].startswith("call_") and b["index"] == 2
+    want = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assert {k: v for k, v in a.items() if k != "id"} == want
+
+
+def test_tools_sent_over_grpc_are_checked() -> None:
+    assert read_tools([json.dumps(WEATHER)]) == [WEATHER]
+    for raw, field in [("{", "tools[0]: not JSON"), ('{"type": "function"}', "tools[0]: expected"),
+                       ('{"type": "x", "function": {"name": "f"}}', "tools[0]: expected"),
+                       ('{"type": "function", "function": {"name": ""}}', "tools[0].function.name")]:  # fmt: skip
+        with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+            read_tools([raw])
+
+
+# ---- the prompt -----------------------------------------------------------------------------
+
+
+def _service(model_dir: Path) -> GatewayService:
+    """A gateway over the checkpoint (made inside an event loop: its channel takes the running one)."""
+
+    async def made() -> GatewayService:
+        return GatewayService(parse_config({"served_model_name": "m"}), open_checkpoint(model_dir), "ipv4:127.0.0.1:1")
+
+    return asyncio.run(made())
+
+
+def _request(messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] = (),
+             **kw: Any) -> gateway_pb2.GenerateRequest:  # fmt: skip
+    req = gateway_pb2.GenerateRequest(tools=[json.dumps(t) for t in tools], **kw)
+    for m in messages:
+        calls = [gateway_pb2.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+                 for c in m.get("tool_calls", ())]  # fmt: skip
+        req.messages.append(gateway_pb2.ChatMessage(role=m["role"], content=m["content"], tool_calls=calls,
+                                                    tool_call_id=m.get("tool_call_id", "")))  # fmt: skip
+    return req
+
+
+@pytest.mark.parametrize("case", ["tools", "history", "both", "media"])
+def test_the_prompt_is_the_templates_with_tools_as_transformers_renders_it(tiny_dir: Path, case: str) -> None:
+    """The ids the thinker gets are apply_chat_template's for the same messages and tools (what a
+    transformers user gives generate()): the tools in the system turn, the calls and results of
+    earlier turns; with media too (the processor's path)."""
+    service = _service(tiny_dir)
+    tools = [] if case == "history" else [WEATHER, TIME]
+    messages = HISTORY if case in ("history", "both") else HISTORY[:2]
+    req = _request(messages, tools)
+    want = list(service.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                       tokenize=True, chat_template=chat_template(tiny_dir),
+                                                       return_dict=True)["input_ids"])  # fmt: skip
+    if case == "media":  # a picture in the user turn: the processor renders it (its placeholder expands)
+        import io
+
+        from PIL import Image
+
+        png = io.BytesIO()
+        Image.new("RGB", (32, 32), (200, 40, 40)).save(png, format="PNG")
+        image = gateway_pb2.ContentPart(image=gateway_pb2.ImagePart(file=png.getvalue()))
+        req.messages[1].parts.extend([gateway_pb2.ContentPart(text=messages[1]["content"]), image])
+        ids = service._prompt(req).ids
+        text_ids = service._prompt(_request(messages, tools)).ids
+        assert len(ids) > len(text_ids)
+        head = want.index(service.tokenizer.convert_tokens_to_ids("<|im_start|>"), 1)  # the tools' system turn
+        assert ids[:head] == want[:head] and "get_weather" in service.tokenizer.decode(ids)
+        return
+    assert service._prompt(req).ids == want
+    assert "get_weather" in service.tokenizer.decode(want) and ("sunny" in service.tokenizer.decode(want)) == (
+        case != "tools")
+
+
+def test_tools_are_refused_where_they_cannot_be_honoured(tiny_dir: Path, q25_dir: Path) -> None:
+    """A template that takes no tools (Qwen2.5-Omni's) refuses tools and earlier calls and
+    results, naming them; tools with speech asked for, or with a plain prompt, are refused."""
+    q25 = _service(q25_dir)
+    with pytest.raises(ValueError, match=r"^tools: this checkpoint's chat template takes no tools"):
+        q25._prompt(_request(HISTORY[:2], [WEATHER]))
+    with pytest.raises(ValueError, match=r"^messages\[2\]\.tool_calls: this checkpoint's chat template takes no"):
+        q25._prompt(_request(HISTORY))
+    with pytest.raises(ValueError, match=r"^messages\[1\]: this checkpoint's chat template takes no tools"):
+        q25._prompt(_request([HISTORY[1], HISTORY[3]]))
+    q3 = _service(tiny_dir)
+    with pytest.raises(ValueError, match=r"^tools: tool calls are text only"):
+        q3._prompt(_request(HISTORY[:2], [WEATHER], want_audio=True))
+    with pytest.raises(ValueError, match=r"^tools: they go with messages"):
+        q3._prompt(gateway_pb2.GenerateRequest(prompt="hi", tools=[json.dumps(WEATHER)]))
+    with pytest.raises(ValueError, match=r"^tools\[1\]: not JSON"):
+        q3._prompt(gateway_pb2.GenerateRequest(messages=[gateway_pb2.ChatMessage(role="user", content="hi")],
+                                               tools=[json.dumps(WEATHER), "{"]))  # fmt: skip
+
+
+# ---- the HTTP door, through OpenAI's SDK --------------------------------------------------------
+
+
+def _served(tiny_dir: Path, reply: list[str], finish: str = "stop") -> tuple[GatewayService, list[Any]]:
+    """A gateway (made in the running event loop) whose thinker answers every request with the
+    tokens of the text pieces `reply`, a chunk each, then ends it (`finish`: "stop", its stop id;
+    "length", its token count); the requests it renders prompts of are collected."""
+    service = GatewayService(parse_config({"served_model_name": "m"}), open_checkpoint(tiny_dir), "ipv4:127.0.0.1:1")
+    seen: list[Any] = []
+    prompt = service._prompt
+
+    def recorded(req: gateway_pb2.GenerateRequest, *args: Any) -> Any:
+        seen.append(req)
+        return prompt(req, *args)
+
+    chunks = [service.tokenizer.encode(piece, add_special_tokens=False) for piece in reply]
+    if finish == "stop":
+        chunks.append([service.ckpt.spec.im_end_id])
+
+    async def thinker(*args: Any) -> Any:
+        offset = 0
+        for k, ids in enumerate(chunks):
+            last = k == len(chunks) - 1
+            meta = {edges.FINISH_REASON: "stop_id" if finish == "stop" else "max_tokens"} if last else {}
+            yield "thinker", SimpleNamespace(tensors={edges.IDS: torch.tensor(ids)}, meta=meta, offset=offset,
+                                             length=len(ids), finished=last)  # fmt: skip
+            offset += len(ids)
+
+    service._prompt = recorded  # type: ignore[method-assign]
+    service._outputs = thinker  # type: ignore[method-assign]
+    return service, seen
+
+
+def _sdk(tiny_dir: Path, reply: list[str], call: Any, finish: str = "stop") -> tuple[Any, list[Any]]:
+    """`call(client)` with OpenAI's SDK on a gateway that answers `reply` (`_served`)."""
+    from gateway.app import build_app
+
+    async def go() -> tuple[Any, list[Any]]:
+        service, seen = _served(tiny_dir, reply, finish)
+        transport = httpx.ASGITransport(app=build_app(service))
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway/v1") as http:
+            client = openai.AsyncOpenAI(base_url="http://gateway/v1", api_key="x", http_client=http, max_retries=0)
+            return await call(client), seen
+
+    return asyncio.run(go())
+
+
+REPLY = ["Let me ", "check.\n", "\n<tool", "_call>\n", '{"name": "get_weather", ', '"arguments": {"city": ',
+         '"Paris"}}\n</tool_call>\n', CALL2]  # fmt: skip
+
+
+def test_a_reply_that_calls_tools_reaches_the_sdk_as_tool_calls(tiny_dir: Path) -> None:
+    async def call(client: openai.AsyncOpenAI) -> Any:
+        return await client.chat.completions.create(model="m", messages=HISTORY[:2], tools=[WEATHER, TIME])  # type: ignore[arg-type]
+
+    got, seen = _sdk(tiny_dir, REPLY, call)
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert len({c.id for c in choice.message.tool_calls}) == 2
+    assert [json.loads(t) for t in seen[0].tools] == [WEATHER, TIME]
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_a_streamed_reply_that_calls_tools_accumulates_in_the_sdk(tiny_dir: Path, parallel: bool | None) -> None:
+    """The SDK's own stream state joins the chunks to the whole reply's message."""
+    async def call(client: openai.AsyncOpenAI) -> Any:
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        stream = await client.chat.completions.create(model="m", messages=HISTORY[:2], tools=[WEATHER, TIME],  # type: ignore[arg-type]
+                                                      stream=True, **extra)  # fmt: skip
+        state = ChatCompletionStreamState()
+        chunks = [chunk async for chunk in stream]
+        for chunk in chunks:
+            state.handle_chunk(chunk)
+        return chunks, state.get_final_completion()
+
+    (chunks, whole), _ = _sdk(tiny_dir, REPLY, call)
+    message = whole.choices[0].message
+    assert message.content == "Let me check." and whole.choices[0].finish_reason == "tool_calls"
+    names = [c.function.name for c in message.tool_calls]
+    assert names == (["get_weather"] if parallel is False else ["get_weather", "get_time"])
+    assert json.loads(message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    shown = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "<" not in shown
+
+
+def test_a_reply_without_calls_is_plain_content(tiny_dir: Path) -> None:
+    """With tools offered, a reply that calls none (or writes a block that reads as no call) is
+    its text, whole and streamed alike; its finish reason is the thinker's."""
+    text = ["Sunny, ", "I think. <tool_call>", "oops"]
+
+    async def call(client: openai.AsyncOpenAI) -> Any:
+        whole = await client.chat.completions.create(model="m", messages=HISTORY[:2], tools=[WEATHER])  # type: ignore[arg-type]
+        stream = await client.chat.completions.create(model="m", messages=HISTORY[:2], tools=[WEATHER], stream=True)  # type: ignore[arg-type]
+        chunks = [c async for c in stream]
+        return whole, chunks
+
+    (whole, chunks), _ = _sdk(tiny_dir, text, call, finish="length")
+    assert whole.choices[0].message.content == "".join(text) and not whole.choices[0].message.tool_calls
+    assert whole.choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "".join(text)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+
+
+def test_earlier_calls_and_results_reach_the_gateway_request(tiny_dir: Path) -> None:
+    async def call(client: openai.AsyncOpenAI) -> Any:
+        return await client.chat.completions.create(model="m", messages=HISTORY, tools=[WEATHER, TIME])  # type: ignore[arg-type]
+
+    got, seen = _sdk(tiny_dir, ["It is sunny at noon."], call)
+    assert got.choices[0].message.content == "It is sunny at noon." and got.choices[0].finish_reason == "stop"
+    req = seen[0]
+    assert [(c.id, c.name, c.arguments) for c in req.messages[2].tool_calls] == [
+        ("call_1", "get_weather", '{"city": "Paris"}'), ("call_2", "get_time", "{}")]
+    assert [(m.role, m.tool_call_id, m.content) for m in req.messages[3:]] == [("tool", "call_1", "sunny"),
+                                                                              ("tool", "call_2", "noon")]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "modalities": ["text", "audio"]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type"),
+    ({"tools": [WEATHER], "messages": [{"role": "tool", "content": "sunny"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": HISTORY[2]["tool_calls"]}]},
+     "messages[0].tool_calls"),
+    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "c"}, {"role": "user", "content": "hi"}],
+      "tools": [WEATHER], "tool_choice": "none"}, None),  # (taken: tools unread, the result rendered)
+])  # fmt: skip
+def test_what_cannot_be_honoured_is_a_400_naming_the_field(tiny_dir: Path, body: dict[str, Any],
+                                                           param: str | None) -> None:  # fmt: skip
+    async def call(client: openai.AsyncOpenAI) -> Any:
+        try:
+            return await client.chat.completions.create(model="m", **{"messages": HISTORY[:2], **body})
+        except openai.BadRequestError as e:
+            return e
+
+    got, seen = _sdk(tiny_dir, ["ok"], call)
+    if param is None:
+        assert got.choices[0].message.content == "ok" and not seen[0].tools
+        return
+    assert isinstance(got, openai.BadRequestError), got
+    assert got.body["param"] == param, got.body  # type: ignore[index]
+    assert seen == [] or param == "tools", seen  # (refused at the door, or by the gateway's prompt)
+
+
+def test_a_grpc_client_gets_the_raw_reply_and_the_same_refusals(tiny_dir: Path) -> None:
+    """Over gRPC the reply's text is as the model wrote it (the client reads its calls); a
+    request with tools and audio is INVALID_ARGUMENT naming tools."""
+    async def go() -> list[Any]:
+        service, _ = _served(tiny_dir, [CALL])
+        out = []
+        for want_audio in (False, True):
+            try:
+                out.append([r async for r in service.serve(_request(HISTORY[:2], [WEATHER], want_audio=want_audio),
+                                                           None, "grpc")])  # fmt: skip
+            except GatewayError as e:
+                out.append(e)
+        return out
+
+    text_only, with_audio = asyncio.run(go())
+    assert "".join(r.text.text for r in text_only if r.WhichOneof("kind") == "text") == CALL
+    assert isinstance(with_audio, GatewayError) and with_audio.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert with_audio.message.startswith("gateway: tools: tool calls are text only"), with_audio.message
