@@ -4,8 +4,9 @@ Imports only grpc, protobuf and numpy: a client process never loads torch or tra
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +117,7 @@ def build_request(
     audio_format: int = gateway_pb2.PCM_F32LE,
     stop: list[str] | None = None,
     speed: float = 0.0,
+    tools: Sequence[Mapping[str, Any]] = (),
 ) -> gateway_pb2.GenerateRequest:
     """`greedy`: both stages greedy (what parity is checked on), unless `temperature` is set
     (and not under 1e-5, which is greedy): then the thinker samples at that temperature (the
@@ -123,11 +125,13 @@ def build_request(
     its text. `messages`: the conversation so far (earlier turns, any media in them); the prompt
     and media become its last user turn.
     `sampling`: per-stage fields set last (e.g. {"talker": {"do_sample": False}}). `speed`: the
-    speech's playback speed, time-stretched by the gateway (0: 1)."""
+    speech's playback speed, time-stretched by the gateway (0: 1). `tools`: OpenAI tools the model
+    may call (the reply's text holds its calls; the prompt goes as a user message)."""
     req = gateway_pb2.GenerateRequest(want_audio=want_audio, speaker=speaker, request_id=request_id,
                                       use_audio_in_video=use_audio_in_video, audio_format=audio_format,  # type: ignore[arg-type]
-                                      stop=stop or [], speed=speed)  # fmt: skip
-    if system or messages or audio or images or videos:
+                                      stop=stop or [], speed=speed,
+                                      tools=[json.dumps(t) for t in tools])  # fmt: skip
+    if system or messages or audio or images or videos or tools:
         if system:
             req.messages.add(role="system", content=system)
         req.messages.extend(messages or [])

@@ -42,9 +42,11 @@ Chat completions (OpenAI's shapes; what differs is said here):
   `finish_reason: "tool_calls"`, streamed as one `delta.tool_calls` at the end (the text before
   them streams as content). Earlier turns' `tool_calls` and `tool` messages (`tool_call_id`)
   are rendered back. `tool_choice` auto (the default) or none (the tools go unread);
-  `parallel_tool_calls: false` gives the first call alone. Text only: with audio asked for,
-  tools are a 400 (the talker would speak the calls); "required" or a named function too (there
-  is no constrained decoding to make the model call one).
+  `parallel_tool_calls: false` gives the first call alone. With audio asked for, the speech is
+  the text before the first call (the talker's input ends at the call's first token,
+  `<tool_call>`: a checkpoint whose tokenizer has no such token takes tools with text alone);
+  "required" or a named function is a 400 (there is no constrained decoding to make the model
+  call one).
 * `logprobs` (and `top_logprobs`, 0 to 20): each token's log-probability under the model (of its
   raw logits, before penalties and warpers, as vLLM gives them) in `choices[].logprobs.content`,
   streamed with the text that shows the token (gateway/logprobs.py).
@@ -1243,11 +1245,11 @@ class ChatCompletions:
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
         if calls:
             message["tool_calls"] = [c.openai() for c in calls]
-        if req.want_audio:  # (no tools: they are text only)
+        if req.want_audio:  # (with calls, the speech is the content's: its talker input ended at the first)
             audio_id = _audio_id()
-            self.transcripts.put(audio_id, content)
+            self.transcripts.put(audio_id, content or "")
             message["audio"] = {"id": audio_id, "data": base64.b64encode(b"".join(audio)).decode(),
-                                "expires_at": created + AUDIO_TTL_S, "transcript": content}  # fmt: skip
+                                "expires_at": created + AUDIO_TTL_S, "transcript": content or ""}  # fmt: skip
         return JSONResponse({
             "id": f"chatcmpl-{req.request_id}", "object": "chat.completion", "created": created,
             "model": self.service.model_name,

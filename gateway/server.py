@@ -40,7 +40,7 @@ from gateway.media import decode_messages
 from gateway.media_cache import DecodedCache
 from gateway.metrics import GatewayMetrics, Outcome
 from gateway.prompt_fit import PromptFit, fitted, text_chars, without
-from gateway.tool_calls import read_tools, takes_tools
+from gateway.tool_calls import OPEN, call_start_id, read_tools, takes_tools
 from omnistage.config import DeployConfig
 from omnistage.engine import OutChunk
 from omnistage.models import Checkpoint, PartRefused, load_tokenizer, media_inputs
@@ -156,6 +156,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.ckpt = ckpt
         self.tokenizer = load_tokenizer(ckpt)
         self.template_names = template_names(ckpt.chat_template)  # what a request's chat_template_kwargs may set
+        self.call_start = call_start_id(self.tokenizer)  # the token a tool call starts with, if one
         # the family's input builder (the checkpoint's processor); without one, text still works and
         # media requests get the reason
         self.inputs, self.no_media_reason = media_inputs(ckpt, self.tokenizer)
@@ -264,8 +265,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         """The request's tools, as its template renders them (ValueError naming the field)."""
         if not takes_tools(self.template_names):
             raise ValueError("tools: this checkpoint's chat template takes no tools")
-        if request.want_audio:  # the talker speaks every token the thinker writes, a call's too
-            raise ValueError("tools: tool calls are text only (the talker would speak them): ask for no audio")
+        if request.want_audio and self.call_start is None:  # the speech could not end where a call starts
+            raise ValueError(f"tools: with audio, a call must start with one token ({OPEN}), which this checkpoint's "
+                             "tokenizer lacks: ask for text alone")  # fmt: skip
         if not request.messages:
             raise ValueError("tools: they go with messages (a plain prompt renders no template)")
         return read_tools(request.tools)
@@ -425,6 +427,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             if name == "code2wav" and (unused := [f.name for f, _ in params.ListFields() if f.name != "seed"]):
                 raise bad(f"sampling: code2wav samples nothing; it takes only a seed, not {', '.join(unused)}")
             start.sampling[name].CopyFrom(params)
+        if request.tools and request.want_audio and self.call_start is not None:  # the speech ends at a call
+            ends = start.sampling["thinker"].speech_end_ids
+            ends.extend([self.call_start] if self.call_start not in ends else [])
         if request.stop:  # the thinker ends the reply there, and every stage below with it
             texts = start.sampling["thinker"].stop_texts
             texts.extend(dict.fromkeys(s for s in request.stop if s not in texts))

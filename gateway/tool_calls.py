@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CLOSE", "OPEN", "Call", "CallStream", "parse", "read_tools", "takes_tools"]
+__all__ = ["CLOSE", "OPEN", "Call", "CallStream", "call_start_id", "parse", "read_tools", "takes_tools"]
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -38,6 +38,14 @@ def takes_tools(template_names: frozenset[str]) -> bool:
     """Whether a chat template renders tools (it reads a `tools` variable): one that does not
     would leave them, and the calls and results of earlier turns, out of the prompt."""
     return "tools" in template_names
+
+
+def call_start_id(tokenizer: Any) -> int | None:
+    """The token a call starts with (OPEN, one token in Qwen's tokenizers), None where the
+    tokenizer has no such token: with speech the talker's input ends there (the speech is the
+    text before the call; SamplingParams.speech_end_ids)."""
+    ids = tokenizer.encode(OPEN, add_special_tokens=False)
+    return int(ids[0]) if len(ids) == 1 else None
 
 
 def read_tools(raw: Sequence[str]) -> list[dict[str, Any]]:

@@ -392,7 +392,8 @@ _SAMPLING_FIELDS = ("do_sample", "temperature", "top_k", "top_p", "repetition_pe
 
 
 # fields that only the thinker's sampling reads
-_THINKER_ONLY = ("forced_ids", "stop_texts", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty")
+_THINKER_ONLY = ("forced_ids", "stop_texts", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty",
+                 "speech_end_ids")  # fmt: skip
 
 
 def _asks(params: stage_pb2.SamplingParams, name: str) -> bool:
@@ -418,7 +419,7 @@ def check_start(stage: str, start: stage_pb2.Start) -> None:
         others = sorted(name for name, params in start.sampling.items()
                         if name != "thinker" and _asks(params, field_name))  # fmt: skip
         if others:
-            verb = "are" if field_name in ("forced_ids", "stop_texts") else "is"
+            verb = "are" if field_name in ("forced_ids", "stop_texts", "speech_end_ids") else "is"
             raise invalid(f"{stage}: sampling: {field_name} {verb} for the thinker only, not {others}")
 
 
@@ -461,6 +462,10 @@ def sampling(stage: str, start: stage_pb2.Start, defaults: SamplingParams,
         overrides["stop_ids"] = stops
     if msg.forced_ids:
         overrides["forced_ids"] = tuple(int(i) for i in msg.forced_ids)
+    if msg.speech_end_ids:
+        if vocab is not None and (bad := [i for i in msg.speech_end_ids if not 0 <= i < vocab]):
+            raise invalid(f"{stage}: sampling: speech_end_ids outside the vocabulary (0..{vocab - 1}): {bad[:8]}")
+        overrides["speech_end_ids"] = tuple(int(i) for i in msg.speech_end_ids)
     if msg.logit_bias:
         if vocab is not None and (bad := sorted(i for i in msg.logit_bias if not 0 <= i < vocab)):
             raise invalid(f"{stage}: sampling: logit_bias ids outside the vocabulary (0..{vocab - 1}): {bad[:8]}")
@@ -503,7 +508,8 @@ def meta_str(meta: Mapping[str, Any], key: str) -> str:
 def sampling_proto(params: SamplingParams) -> stage_pb2.SamplingParams:
     """`SamplingParams` as the proto message a Start carries (every field set)."""
     msg = stage_pb2.SamplingParams(stop_ids=list(params.stop_ids), forced_ids=list(params.forced_ids),
-                                   stop_texts=list(params.stop_texts), logit_bias=dict(params.logit_bias))  # fmt: skip
+                                   stop_texts=list(params.stop_texts), logit_bias=dict(params.logit_bias),
+                                   speech_end_ids=list(params.speech_end_ids))  # fmt: skip
     for f in _SAMPLING_FIELDS:
         value = getattr(params, f)
         if value is not None and (value or f not in ("presence_penalty", "frequency_penalty")):  # (0: unset)

@@ -10,17 +10,16 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import grpc
 import httpx
 import openai
 import pytest
 import torch
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from gateway.server import GatewayError, GatewayService
+from gateway.server import GatewayService
 from gateway.tool_calls import Call, CallStream, parse, read_tools
 from omnistage.config import parse_config
-from omnistage.models import open_checkpoint
+from omnistage.models import SamplingParams, open_checkpoint
 from omnistage.models.checkpoint import chat_template
 from omnistage.v1 import gateway_pb2
 from services import edges
@@ -171,7 +170,8 @@ def test_the_prompt_is_the_templates_with_tools_as_transformers_renders_it(tiny_
 
 def test_tools_are_refused_where_they_cannot_be_honoured(tiny_dir: Path, q25_dir: Path) -> None:
     """A template that takes no tools (Qwen2.5-Omni's) refuses tools and earlier calls and
-    results, naming them; tools with speech asked for, or with a plain prompt, are refused."""
+    results, naming them; tools with a plain prompt are refused, and with speech where the
+    tokenizer has no token a call starts with (the speech could not end there)."""
     q25 = _service(q25_dir)
     with pytest.raises(ValueError, match=r"^tools: this checkpoint's chat template takes no tools"):
         q25._prompt(_request(HISTORY[:2], [WEATHER]))
@@ -180,8 +180,11 @@ def test_tools_are_refused_where_they_cannot_be_honoured(tiny_dir: Path, q25_dir
     with pytest.raises(ValueError, match=r"^messages\[1\]: this checkpoint's chat template takes no tools"):
         q25._prompt(_request([HISTORY[1], HISTORY[3]]))
     q3 = _service(tiny_dir)
-    with pytest.raises(ValueError, match=r"^tools: tool calls are text only"):
+    q3._prompt(_request(HISTORY[:2], [WEATHER], want_audio=True))
+    q3.call_start = None
+    with pytest.raises(ValueError, match=r"^tools: with audio, a call must start with one token \(<tool_call>\)"):
         q3._prompt(_request(HISTORY[:2], [WEATHER], want_audio=True))
+    q3._prompt(_request(HISTORY[:2], [WEATHER]))
     with pytest.raises(ValueError, match=r"^tools: they go with messages"):
         q3._prompt(gateway_pb2.GenerateRequest(prompt="hi", tools=[json.dumps(WEATHER)]))
     with pytest.raises(ValueError, match=r"^tools\[1\]: not JSON"):
@@ -208,7 +211,10 @@ def _served(tiny_dir: Path, reply: list[str], finish: str = "stop") -> tuple[Gat
     if finish == "stop":
         chunks.append([service.ckpt.spec.im_end_id])
 
-    async def thinker(*args: Any) -> Any:
+    async def thinker(messages: Any, *args: Any) -> Any:
+        async for first in messages():  # the Start
+            service.test_starts.append(first.start)  # type: ignore[attr-defined]
+            break
         offset = 0
         for k, ids in enumerate(chunks):
             last = k == len(chunks) - 1
@@ -217,6 +223,7 @@ def _served(tiny_dir: Path, reply: list[str], finish: str = "stop") -> tuple[Gat
                                              length=len(ids), finished=last)  # fmt: skip
             offset += len(ids)
 
+    service.test_starts = []  # type: ignore[attr-defined]
     service._prompt = recorded  # type: ignore[method-assign]
     service._outputs = thinker  # type: ignore[method-assign]
     return service, seen
@@ -310,7 +317,6 @@ def test_earlier_calls_and_results_reach_the_gateway_request(tiny_dir: Path) -> 
 @pytest.mark.parametrize(("body", "param"), [
     ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
-    ({"tools": [WEATHER], "modalities": ["text", "audio"]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
     ({"tools": [{"type": "function"}]}, "tools[0].function"),
     ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type"),
@@ -337,21 +343,75 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(tiny_dir: Path, body:
     assert seen == [] or param == "tools", seen  # (refused at the door, or by the gateway's prompt)
 
 
-def test_a_grpc_client_gets_the_raw_reply_and_the_same_refusals(tiny_dir: Path) -> None:
-    """Over gRPC the reply's text is as the model wrote it (the client reads its calls); a
-    request with tools and audio is INVALID_ARGUMENT naming tools."""
-    async def go() -> list[Any]:
+def test_a_grpc_client_gets_the_raw_reply_and_speech_that_ends_at_a_call(tiny_dir: Path) -> None:
+    """Over gRPC the reply's text is as the model wrote it (the client reads its calls); with
+    audio, the thinker is told to end the talker's input at a call's first token."""
+    async def go() -> tuple[list[Any], list[Any]]:
         service, _ = _served(tiny_dir, [CALL])
-        out = []
-        for want_audio in (False, True):
-            try:
-                out.append([r async for r in service.serve(_request(HISTORY[:2], [WEATHER], want_audio=want_audio),
-                                                           None, "grpc")])  # fmt: skip
-            except GatewayError as e:
-                out.append(e)
-        return out
+        out = [[r async for r in service.serve(_request(HISTORY[:2], [WEATHER], want_audio=audio), None, "grpc")]
+               for audio in (False, True)]  # fmt: skip
+        out.append([r async for r in service.serve(_request(HISTORY[:2], want_audio=True), None, "grpc")])
+        return out, service.test_starts  # type: ignore[attr-defined]
 
-    text_only, with_audio = asyncio.run(go())
-    assert "".join(r.text.text for r in text_only if r.WhichOneof("kind") == "text") == CALL
-    assert isinstance(with_audio, GatewayError) and with_audio.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert with_audio.message.startswith("gateway: tools: tool calls are text only"), with_audio.message
+    replies, starts = asyncio.run(go())
+    assert all("".join(r.text.text for r in reply if r.WhichOneof("kind") == "text") == CALL for reply in replies)
+    start = _service(tiny_dir).tokenizer.convert_tokens_to_ids("<tool_call>")
+    assert [list(s.sampling["thinker"].speech_end_ids) for s in starts] == [[], [start], []]
+
+
+# ---- speech with tools ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["single", "split"])
+def thinker_kind(request: pytest.FixtureRequest, pipeline: Any, tiny_dir: Path) -> Any:
+    if request.param == "single":
+        return pipeline
+    from services.pipeline import InProcessPipeline
+
+    return InProcessPipeline(tiny_dir, parse_config({"thinker": {"disaggregated": True}}))
+
+
+@pytest.mark.parametrize("lead", ["Let me check the weather.", ""])
+def test_the_speech_ends_where_a_call_starts(thinker_kind: Any, lead: str) -> None:
+    """With `speech_end_ids` (the gateway's, for tools with audio) the talker's input ends at a
+    call's first token: the speech equals that of a reply that ended there (the thinker stopped
+    on it) while the text goes on to the call's end; a reply that only calls says what a reply of
+    that one token says. Through a split thinker too (the decode role forwards the first token)."""
+    from services.pipeline import AudioEvent, PipelineRequest
+
+    pipe = thinker_kind
+    tok, eos = pipe.tokenizer, pipe.spec.im_end_id
+    start = tok.convert_tokens_to_ids("<tool_call>")
+    assert isinstance(start, int) and tok.encode("<tool_call>", add_special_tokens=False) == [start]
+    lead_ids = tok.encode(lead, add_special_tokens=False)
+    call = tok.encode(CALL, add_special_tokens=False)
+    assert call[0] == start and len(call) > 5
+    base = pipe.thinker_defaults().with_overrides(max_tokens=80, do_sample=False)
+
+    def run(**thinker: Any) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        req = PipelineRequest(prompt_ids=pipe.prompt_ids("What is the weather in Paris?"),
+                              thinker=base.with_overrides(forced_ids=lead_ids + call, **thinker),
+                              talker=SamplingParams(max_tokens=200))  # fmt: skip
+        events = list(pipe.run(req))
+        pcm = torch.cat([e.pcm for e in events if isinstance(e, AudioEvent)] or [torch.zeros(0)])
+        return events[-1].token_ids, events[-1].codes, pcm
+
+    gated = run(stop_ids=[eos], speech_end_ids=[start])
+    ended = run(stop_ids=[start, eos])
+    spoken = run(stop_ids=[eos])
+    assert gated[0] == lead_ids + call + [eos] and ended[0] == [*lead_ids, start]
+    assert torch.equal(gated[1], ended[1]) and torch.equal(gated[2], ended[2])
+    # unended, the talker reads the call on (the tiny talker ends where its own stop code falls)
+    assert spoken[1].shape != gated[1].shape or not torch.equal(spoken[1], gated[1])
+
+
+def test_a_spoken_reply_that_calls_a_tool_has_the_text_before_the_call_as_transcript(tiny_dir: Path) -> None:
+    async def call(client: openai.AsyncOpenAI) -> Any:
+        return await client.chat.completions.create(model="m", messages=HISTORY[:2], tools=[WEATHER, TIME],  # type: ignore[arg-type]
+                                                    modalities=["text", "audio"],
+                                                    audio={"voice": "alloy", "format": "wav"})  # fmt: skip
+
+    got, seen = _sdk(tiny_dir, REPLY, call)
+    message = got.choices[0].message
+    assert message.audio.transcript == message.content == "Let me check." and len(message.tool_calls) == 2
+    assert seen[0].want_audio

@@ -61,6 +61,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # (thinker) the talker's input ends at the first of these the reply generates (services/thinker)
+    speech_end_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # Written so that NaN fails every check (any comparison with NaN is False).
@@ -94,7 +96,7 @@ class SamplingParams:
 
     def with_overrides(self, **overrides: Any) -> SamplingParams:
         clean = {k: v for k, v in overrides.items() if v is not None}
-        for name in ("stop_ids", "forced_ids"):
+        for name in ("stop_ids", "forced_ids", "speech_end_ids"):
             if name in clean:
                 clean[name] = tuple(int(i) for i in clean[name])
         if "stop_texts" in clean:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from omnistage.v1 import tensor_pb2 as omnistage_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18omnistage/v1/stage.proto\x12\x0comnistage.v1\x1a\x19omnistage/v1/tensor.proto\"\xd3\x04\n\x0eSamplingParams\x12\x16\n\tdo_sample\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x06\x88\x01\x01\x12\x10\n\x08stop_ids\x18\x08 \x03(\x03\x12\x12\n\nforced_ids\x18\t \x03(\x03\x12\x12\n\nstop_texts\x18\n \x03(\t\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x07\x88\x01\x01\x12?\n\nlogit_bias\x18\x0c \x03(\x0b\x32+.omnistage.v1.SamplingParams.LogitBiasEntry\x12\x1d\n\x10presence_penalty\x18\r \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x01H\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0c\n\n_do_sampleB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"\x97\x02\n\x05Start\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\x08sampling\x18\x02 \x03(\x0b\x32!.omnistage.v1.Start.SamplingEntry\x12\x12\n\nwant_audio\x18\x03 \x01(\x08\x12$\n\x04mode\x18\x04 \x01(\x0e\x32\x16.omnistage.v1.EdgeMode\x12\x0f\n\x07speaker\x18\x05 \x01(\t\x12\x17\n\x0f\x64\x65\x61\x64line_unix_s\x18\x06 \x01(\x01\x12\x12\n\nomit_codes\x18\x07 \x01(\x08\x1aM\n\rSamplingEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.omnistage.v1.SamplingParams:\x02\x38\x01\"\x18\n\x06\x43\x61ncel\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x8a\x01\n\x0cStageRequest\x12$\n\x05start\x18\x01 \x01(\x0b\x32\x13.omnistage.v1.StartH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.omnistage.v1.ChunkH\x00\x12&\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x14.omnistage.v1.CancelH\x00\x42\x06\n\x04kind\"j\n\rStageResponse\x12\r\n\x05stage\x18\x01 \x01(\t\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.omnistage.v1.Chunk\x12&\n\x07\x66\x61ilure\x18\x03 \x01(\x0b\x32\x15.omnistage.v1.Failure\"(\n\x07\x46\x61ilure\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\r\n\x0bInfoRequest\"\x8b\x01\n\x08\x43\x61pacity\x12\x14\n\x0cmax_num_seqs\x18\x01 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x03\x12\x17\n\x0fkv_cache_tokens\x18\x04 \x01(\x03\x12\x19\n\x11max_message_bytes\x18\x05 \x01(\x03\"\x82\x02\n\x04Load\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x19\n\x11waiting_for_input\x18\x03 \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_usage\x18\x04 \x01(\x02\x12\x14\n\x0copen_streams\x18\x05 \x01(\x05\x12\x14\n\x0cshm_segments\x18\x06 \x01(\x05\x12\x16\n\x0erequests_total\x18\x07 \x01(\x03\x12\x13\n\x0bsteps_total\x18\x08 \x01(\x03\x12\x1b\n\x13step_requests_total\x18\t \x01(\x03\x12\x1a\n\x12step_seconds_total\x18\n \x01(\x01\x12\x16\n\x0ekv_pool_tokens\x18\x0b \x01(\x03\"\xdf\x01\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12(\n\x08\x63\x61pacity\x18\x04 \x01(\x0b\x32\x16.omnistage.v1.Capacity\x12 \n\x04load\x18\x05 \x01(\x0b\x32\x12.omnistage.v1.Load\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0f\n\x07serving\x18\x08 \x01(\x08\x12(\n\x05\x63hain\x18\t \x03(\x0b\x32\x19.omnistage.v1.StageHealth\"M\n\x0bStageHealth\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t*-\n\x08\x45\x64geMode\x12\x0f\n\x0b\x41SYNC_CHUNK\x10\x00\x12\x10\n\x0c\x46ULL_PAYLOAD\x10\x01\x32\x8d\x01\n\x05Stage\x12\x45\n\x06Stream\x12\x1a.omnistage.v1.StageRequest\x1a\x1b.omnistage.v1.StageResponse(\x01\x30\x01\x12=\n\x04Info\x12\x19.omnistage.v1.InfoRequest\x1a\x1a.omnistage.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18omnistage/v1/stage.proto\x12\x0comnistage.v1\x1a\x19omnistage/v1/tensor.proto\"\xeb\x04\n\x0eSamplingParams\x12\x16\n\tdo_sample\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x06\x88\x01\x01\x12\x10\n\x08stop_ids\x18\x08 \x03(\x03\x12\x12\n\nforced_ids\x18\t \x03(\x03\x12\x12\n\nstop_texts\x18\n \x03(\t\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x07\x88\x01\x01\x12?\n\nlogit_bias\x18\x0c \x03(\x0b\x32+.omnistage.v1.SamplingParams.LogitBiasEntry\x12\x1d\n\x10presence_penalty\x18\r \x01(\x01H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x01H\t\x88\x01\x01\x12\x16\n\x0espeech_end_ids\x18\x0f \x03(\x03\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0c\n\n_do_sampleB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"\x97\x02\n\x05Start\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\x08sampling\x18\x02 \x03(\x0b\x32!.omnistage.v1.Start.SamplingEntry\x12\x12\n\nwant_audio\x18\x03 \x01(\x08\x12$\n\x04mode\x18\x04 \x01(\x0e\x32\x16.omnistage.v1.EdgeMode\x12\x0f\n\x07speaker\x18\x05 \x01(\t\x12\x17\n\x0f\x64\x65\x61\x64line_unix_s\x18\x06 \x01(\x01\x12\x12\n\nomit_codes\x18\x07 \x01(\x08\x1aM\n\rSamplingEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.omnistage.v1.SamplingParams:\x02\x38\x01\"\x18\n\x06\x43\x61ncel\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x8a\x01\n\x0cStageRequest\x12$\n\x05start\x18\x01 \x01(\x0b\x32\x13.omnistage.v1.StartH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.omnistage.v1.ChunkH\x00\x12&\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x14.omnistage.v1.CancelH\x00\x42\x06\n\x04kind\"j\n\rStageResponse\x12\r\n\x05stage\x18\x01 \x01(\t\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.omnistage.v1.Chunk\x12&\n\x07\x66\x61ilure\x18\x03 \x01(\x0b\x32\x15.omnistage.v1.Failure\"(\n\x07\x46\x61ilure\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\r\n\x0bInfoRequest\"\x8b\x01\n\x08\x43\x61pacity\x12\x14\n\x0cmax_num_seqs\x18\x01 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x03\x12\x17\n\x0fkv_cache_tokens\x18\x04 \x01(\x03\x12\x19\n\x11max_message_bytes\x18\x05 \x01(\x03\"\x82\x02\n\x04Load\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x19\n\x11waiting_for_input\x18\x03 \x01(\x05\x12\x13\n\x0b\x63\x61\x63he_usage\x18\x04 \x01(\x02\x12\x14\n\x0copen_streams\x18\x05 \x01(\x05\x12\x14\n\x0cshm_segments\x18\x06 \x01(\x05\x12\x16\n\x0erequests_total\x18\x07 \x01(\x03\x12\x13\n\x0bsteps_total\x18\x08 \x01(\x03\x12\x1b\n\x13step_requests_total\x18\t \x01(\x03\x12\x1a\n\x12step_seconds_total\x18\n \x01(\x01\x12\x16\n\x0ekv_pool_tokens\x18\x0b \x01(\x03\"\xdf\x01\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12(\n\x08\x63\x61pacity\x18\x04 \x01(\x0b\x32\x16.omnistage.v1.Capacity\x12 \n\x04load\x18\x05 \x01(\x0b\x32\x12.omnistage.v1.Load\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0f\n\x07serving\x18\x08 \x01(\x08\x12(\n\x05\x63hain\x18\t \x03(\x0b\x32\x19.omnistage.v1.StageHealth\"M\n\x0bStageHealth\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t*-\n\x08\x45\x64geMode\x12\x0f\n\x0b\x41SYNC_CHUNK\x10\x00\x12\x10\n\x0c\x46ULL_PAYLOAD\x10\x01\x32\x8d\x01\n\x05Stage\x12\x45\n\x06Stream\x12\x1a.omnistage.v1.StageRequest\x1a\x1b.omnistage.v1.StageResponse(\x01\x30\x01\x12=\n\x04Info\x12\x19.omnistage.v1.InfoRequest\x1a\x1a.omnistage.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,34 +36,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_START_SAMPLINGENTRY']._loaded_options = None
   _globals['_START_SAMPLINGENTRY']._serialized_options = b'8\001'
-  _globals['_EDGEMODE']._serialized_start=1989
-  _globals['_EDGEMODE']._serialized_end=2034
+  _globals['_EDGEMODE']._serialized_start=2013
+  _globals['_EDGEMODE']._serialized_end=2058
   _globals['_SAMPLINGPARAMS']._serialized_start=70
-  _globals['_SAMPLINGPARAMS']._serialized_end=665
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=464
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=512
-  _globals['_START']._serialized_start=668
-  _globals['_START']._serialized_end=947
-  _globals['_START_SAMPLINGENTRY']._serialized_start=870
-  _globals['_START_SAMPLINGENTRY']._serialized_end=947
-  _globals['_CANCEL']._serialized_start=949
-  _globals['_CANCEL']._serialized_end=973
-  _globals['_STAGEREQUEST']._serialized_start=976
-  _globals['_STAGEREQUEST']._serialized_end=1114
-  _globals['_STAGERESPONSE']._serialized_start=1116
-  _globals['_STAGERESPONSE']._serialized_end=1222
-  _globals['_FAILURE']._serialized_start=1224
-  _globals['_FAILURE']._serialized_end=1264
-  _globals['_INFOREQUEST']._serialized_start=1266
-  _globals['_INFOREQUEST']._serialized_end=1279
-  _globals['_CAPACITY']._serialized_start=1282
-  _globals['_CAPACITY']._serialized_end=1421
-  _globals['_LOAD']._serialized_start=1424
-  _globals['_LOAD']._serialized_end=1682
-  _globals['_INFORESPONSE']._serialized_start=1685
-  _globals['_INFORESPONSE']._serialized_end=1908
-  _globals['_STAGEHEALTH']._serialized_start=1910
-  _globals['_STAGEHEALTH']._serialized_end=1987
-  _globals['_STAGE']._serialized_start=2037
-  _globals['_STAGE']._serialized_end=2178
+  _globals['_SAMPLINGPARAMS']._serialized_end=689
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=488
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=536
+  _globals['_START']._serialized_start=692
+  _globals['_START']._serialized_end=971
+  _globals['_START_SAMPLINGENTRY']._serialized_start=894
+  _globals['_START_SAMPLINGENTRY']._serialized_end=971
+  _globals['_CANCEL']._serialized_start=973
+  _globals['_CANCEL']._serialized_end=997
+  _globals['_STAGEREQUEST']._serialized_start=1000
+  _globals['_STAGEREQUEST']._serialized_end=1138
+  _globals['_STAGERESPONSE']._serialized_start=1140
+  _globals['_STAGERESPONSE']._serialized_end=1246
+  _globals['_FAILURE']._serialized_start=1248
+  _globals['_FAILURE']._serialized_end=1288
+  _globals['_INFOREQUEST']._serialized_start=1290
+  _globals['_INFOREQUEST']._serialized_end=1303
+  _globals['_CAPACITY']._serialized_start=1306
+  _globals['_CAPACITY']._serialized_end=1445
+  _globals['_LOAD']._serialized_start=1448
+  _globals['_LOAD']._serialized_end=1706
+  _globals['_INFORESPONSE']._serialized_start=1709
+  _globals['_INFORESPONSE']._serialized_end=1932
+  _globals['_STAGEHEALTH']._serialized_start=1934
+  _globals['_STAGEHEALTH']._serialized_end=2011
+  _globals['_STAGE']._serialized_start=2061
+  _globals['_STAGE']._serialized_end=2202
 # @@protoc_insertion_point(module_scope)

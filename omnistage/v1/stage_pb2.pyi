@@ -17,7 +17,7 @@ ASYNC_CHUNK: EdgeMode
 FULL_PAYLOAD: EdgeMode
 
 class SamplingParams(_message.Message):
-    __slots__ = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "max_tokens", "stop_ids", "forced_ids", "stop_texts", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty")
+    __slots__ = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "max_tokens", "stop_ids", "forced_ids", "stop_texts", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "speech_end_ids")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class SamplingParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    SPEECH_END_IDS_FIELD_NUMBER: _ClassVar[int]
     do_sample: bool
     temperature: float
     top_k: int
@@ -53,7 +54,8 @@ class SamplingParams(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     presence_penalty: float
     frequency_penalty: float
-    def __init__(self, do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., forced_ids: _Optional[_Iterable[int]] = ..., stop_texts: _Optional[_Iterable[str]] = ..., logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ...) -> None: ...
+    speech_end_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., forced_ids: _Optional[_Iterable[int]] = ..., stop_texts: _Optional[_Iterable[str]] = ..., logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., speech_end_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Start(_message.Message):
     __slots__ = ("request_id", "sampling", "want_audio", "mode", "speaker", "deadline_unix_s", "omit_codes")

@@ -97,8 +97,8 @@ class DecodeWorker(ThinkerWorker):
             p = h.talker_prompt
             assert p is not None
             inc.forward = [edges.thinker_prompt_chunk(p.ids, p.embeds, p.hidden, p.rope),
-                           edges.token_chunk(0, h.token_id, h.embed, h.stopped_on is not None,
-                                             _last_row(p.hidden) if self.talker_needs_hidden else None)]  # fmt: skip
+                           *self.spoken(state, 0, h.token_id, h.embed, h.stopped_on is not None,
+                                        _last_row(p.hidden) if self.talker_needs_hidden else None)]  # fmt: skip
         inc.kv = []
 
     def demand(self, req: Request) -> Demand | None:

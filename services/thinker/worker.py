@@ -146,11 +146,21 @@ class ThinkerWorker(StageWorker):
         out.up.append(edges.text_chunk(tok.index, tok.token_id, tok.stopped_on, tok.logprobs))
         if start.want_audio:
             hidden = tok.hidden if self.talker_needs_hidden else None
-            out.down.append(edges.token_chunk(tok.index, tok.token_id, tok.embed, tok.is_last, hidden))
+            out.down.extend(self.spoken(req.state, tok.index, tok.token_id, tok.embed, tok.is_last, hidden))
         if tok.is_last:
             out.finished = FINISH_REASONS[tok.stopped_on]
             out.detail = tok.stopped_on
         return out
+
+    @staticmethod
+    def spoken(state: Any, index: int, token_id: int, embed: Any, is_last: bool, hidden: Any) -> list[OutChunk]:
+        """A generated token's chunk for the talker: none once its input has ended; the first of
+        the request's speech_end_ids (a tool call's first token) goes as the last, which the
+        talker never speaks, so the speech is the reply's up to there while its text goes on."""
+        if state.speech_ended:
+            return []
+        state.speech_ended = is_last = is_last or token_id in state.sampling.speech_end_ids
+        return [edges.token_chunk(index, token_id, embed, is_last, hidden)]
 
     def close(self, req: Request) -> None:
         self.thinker.release(req.state)

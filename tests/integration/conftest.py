@@ -212,3 +212,31 @@ def assert_stop_text_ends_speech(gateway: str, tokenizer: Any, prompt: str, thin
     assert cut.pcm.shape == at_k.pcm.shape and np.array_equal(cut.pcm, at_k.pcm)
     assert cut.usage["audio_frames"] == at_k.usage["audio_frames"]
     return stop
+
+
+def assert_a_call_ends_speech(gateway: str, tokenizer: Any, prompt: str, talker_max: int) -> None:
+    """With tools and audio, a reply (given: forced_ids) that says a few words, then calls a tool:
+    its text is all of it, the call too, and its speech is that of the reply ended at the call's
+    first token (a stop id there), sample for sample; a reply that only calls says nothing, as a
+    reply of one token. Across the real processes: the thinker's stream to the talker ends before
+    the thinker does."""
+    import numpy as np
+
+    from gateway.client import generate
+    from tests.test_tool_calls import CALL, WEATHER
+
+    eos, start = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<tool_call>")
+    call = tokenizer.encode(CALL, add_special_tokens=False)
+    for lead in ("Let me check the weather.", ""):
+        given = tokenizer.encode(lead, add_special_tokens=False) + call
+
+        def reply(stop_ids: list[int], given: list[int] = given) -> Any:
+            sampling = {"thinker": {"forced_ids": given, "stop_ids": stop_ids, "max_tokens": len(given) + 1}}
+            return run(generate(gateway, prompt, tools=[WEATHER], talker_max_tokens=talker_max, timeout=60,
+                                sampling=sampling))  # fmt: skip
+
+        gated, ended = reply([eos]), reply([start, eos])
+        assert gated.text == lead + CALL and gated.token_ids == [*given, eos]
+        assert ended.text == lead and ended.token_ids == given[: len(given) - len(call) + 1]
+        assert gated.pcm.shape == ended.pcm.shape and np.array_equal(gated.pcm, ended.pcm)
+        assert (gated.pcm.size > 0) == bool(lead) and gated.usage["audio_frames"] == ended.usage["audio_frames"]

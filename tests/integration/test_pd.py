@@ -24,6 +24,7 @@ from omnistage.config import apply_overrides
 from omnistage.v1 import gateway_pb2_grpc
 from omnistage.wire.shm import DEFAULT_DIR
 from tests.integration.conftest import (
+    assert_a_call_ends_speech,
     assert_all_idle,
     assert_stop_text_ends_speech,
     call_outputs,
@@ -98,6 +99,12 @@ def test_a_stop_text_ends_the_speech_across_the_split(pd_stack: Stack, pipeline:
     out = run(stage_call(pd_stack.addresses("thinker-prefill")[0], start, [prompt_chunk(pipeline.prompt_ids(PROMPT))]))
     assert [c.meta.get("finish_reason") for c in out["thinker"]][-1] == "stop_text"
     assert out["talker"][-1].finished  # (the talker ended too, not cut off)
+
+
+def test_a_tool_call_ends_the_speech_across_the_split(pd_stack: Stack, pipeline: Any) -> None:
+    """A call's first token ends the talker's input, as the prefill role's first token (a reply
+    that only calls) or as a later one of the decode role's; the text goes on to the call's end."""
+    assert_a_call_ends_speech(pd_stack.gateway_address, pipeline.tokenizer, PROMPT, TALKER_MAX)
 
 
 def test_pd_audio_input_matches_generate(pd_stack: Stack, checkpoints: Any) -> None:

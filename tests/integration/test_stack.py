@@ -20,6 +20,7 @@ from omnistage.v1 import gateway_pb2_grpc, stage_pb2
 from omnistage.wire.tensor_blob import encode_chunk
 from services.pipeline import AudioEvent, PipelineRequest
 from tests.integration.conftest import (
+    assert_a_call_ends_speech,
     assert_all_idle,
     assert_stop_text_ends_speech,
     call_outputs,
@@ -96,6 +97,12 @@ def test_a_stop_text_ends_the_speech_with_the_text(stack: Stack, pipeline: Any) 
     ends with it (the gateway used to end the call at once, and the speech stopped wherever the
     talker was, short or empty)."""
     assert_stop_text_ends_speech(stack.gateway_address, pipeline.tokenizer, PROMPT, THINKER_MAX, TALKER_MAX)
+
+
+def test_a_tool_call_ends_the_speech_not_the_text(stack: Stack, pipeline: Any) -> None:
+    """With tools and audio, the talker's input ends at a call's first token; the thinker's
+    text goes on to the call's end (tests/test_tool_calls.py reads the calls out)."""
+    assert_a_call_ends_speech(stack.gateway_address, pipeline.tokenizer, PROMPT, TALKER_MAX)
 
 
 def test_concurrent_requests_match_their_solo_runs(stack: Stack, pipeline: Any) -> None:

@@ -93,6 +93,7 @@ class ThinkerState:
     # the generated tokens its cache will hold when fewer than max_tokens (a prefill role's: its first)
     cache_new_tokens: int | None = None
     text: Any = None  # its reply's text, where it has stop texts (services/thinker: a TextStream)
+    speech_ended: bool = False  # its talker input ended at one of sampling.speech_end_ids (services/thinker)
     # with a prefix cache (models/prefix_cache.py): the prompt's media, the cached prefix it starts
     # with and its length (prefilled from there), and what it keeps for the cache when it ends
     media: list[MediaItem] = field(default_factory=list)
