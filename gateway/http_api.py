@@ -42,7 +42,8 @@ Chat completions (OpenAI's shapes; what differs is said here):
   `finish_reason: "tool_calls"`, streamed as one `delta.tool_calls` at the end (the text before
   them streams as content). Earlier turns' `tool_calls` and `tool` messages (`tool_call_id`)
   are rendered back. `tool_choice` auto (the default) or none (the tools go unread);
-  `parallel_tool_calls: false` gives the first call alone. With audio asked for, the speech is
+  `parallel_tool_calls: false` gives the first call alone; `strict` is taken, not enforced. With
+  audio asked for, the speech is
   the text before the first call (the talker's input ends at the call's first token,
   `<tool_call>`: a checkpoint whose tokenizer has no such token takes tools with text alone);
   "required" or a named function is a 400 (there is no constrained decoding to make the model
@@ -104,6 +105,7 @@ from gateway.server import (
     fail_replies,
     internal_failure,
 )
+from gateway.tool_calls import NAME as TOOL_NAME
 from gateway.tool_calls import CallStream
 from gateway.tool_calls import parse as parse_calls
 from gateway.transcription import check_form_type, read_form, to_transcription_request
@@ -229,11 +231,10 @@ class Message(_Body):
 
 
 class FunctionDef(_Body):
-    # OpenAI's rule for a function's name
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: bool | None = None  # taken, not enforced: there is no constrained decoding (as vLLM without it)
 
 
 class Tool(_Body):
@@ -723,8 +724,9 @@ def to_generate_request(
     req = gateway_pb2.GenerateRequest(want_audio=want_audio, use_audio_in_video=bool(in_video),
                                       audio_format=FORMAT_NAMES[audio.format or "wav"])  # type: ignore[arg-type]  # fmt: skip
     req.speaker = voice_speaker(audio.voice, voices) if want_audio else ""
-    if body.tools and body.tool_choice != "none":  # ("none": the client wants no call; the tools go unread)
-        req.tools.extend(_tool(t, i) for i, t in enumerate(body.tools))
+    tools = [_tool(t, i) for i, t in enumerate(body.tools or ())]  # (checked whether read or not)
+    if body.tool_choice != "none":  # ("none": the client wants no call; the tools go unread)
+        req.tools.extend(tools)
     for i, m in enumerate(body.messages):
         role = "system" if m.role == "developer" else m.role
         if not m.content and m.audio is not None:  # a spoken earlier reply: its words (content null, "" or [])
@@ -1320,8 +1322,9 @@ class ChatCompletions:
                     if calls is not None:  # the content held back, and the calls
                         content, made = calls.finish()
                         made = made[: _most_calls(body)]
-                        if content:
-                            yield chunk({"content": content})
+                        if content:  # (with the logprobs of the tokens that show it)
+                            yield chunk({"content": content},
+                                        logprobs={"content": scored.take(), "refusal": None} if scores else None)
                         if made:
                             yield chunk({"tool_calls": [c.openai(i) for i, c in enumerate(made)]})
                             finish = "tool_calls"

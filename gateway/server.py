@@ -581,7 +581,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         first = next((i for i, m in enumerate(request.messages) if m.role == "user"), None)
         if first is None:
             return None
-        opening = gateway_pb2.GenerateRequest(messages=request.messages[: first + 1])
+        # (the tools too: the template renders them at the prompt's start)
+        opening = gateway_pb2.GenerateRequest(messages=request.messages[: first + 1], tools=request.tools)
         return hashlib.blake2b(opening.SerializeToString(deterministic=True), digest_size=16).digest()
 
     async def _outputs(self, messages: Callable[[], AsyncIterator[stage_pb2.StageRequest]], deadline: float,

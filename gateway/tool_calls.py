@@ -11,8 +11,9 @@ its content, as vLLM's parser leaves it, so nothing the model wrote is lost.
 from __future__ import annotations
 
 import json
+import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ __all__ = ["CLOSE", "OPEN", "Call", "CallStream", "call_start_id", "parse", "rea
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
+NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 
 
 @dataclass(frozen=True)
@@ -60,31 +62,46 @@ def read_tools(raw: Sequence[str]) -> list[dict[str, Any]]:
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or tool.get("type") != "function":
             raise ValueError(f'{where}: expected {{"type": "function", "function": {{"name": ...}}}}')
-        if not isinstance(function.get("name"), str) or not function["name"]:
-            raise ValueError(f"{where}.function.name: expected the function's name")
+        if not isinstance(function.get("name"), str) or not re.fullmatch(NAME, function["name"]):
+            raise ValueError(f"{where}.function.name: expected the function's name: 1 to 64 of a-z, A-Z, 0-9, _ "
+                             "and -")  # fmt: skip
         tools.append(tool)
     return tools
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")  # (Python's parser takes NaN and Infinity)
+
+
+def _json(text: str) -> Any:
+    """`text` as strict JSON (ValueError where it is not)."""
+    try:
+        return json.loads(text, parse_constant=_not_json)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
 
 
 def _call(block: str) -> Call | None:
     """A block's call (the text between OPEN and CLOSE), None when it reads as none."""
     try:
-        obj = json.loads(block)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    arguments = obj.get("arguments", obj.get("parameters", {}))  # (some Qwen replies say "parameters")
-    if isinstance(arguments, str):  # given as text: it must hold an object too
-        try:
-            if not isinstance(json.loads(arguments), dict):
-                return None
-        except (ValueError, RecursionError):
+        obj = _json(block)
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
             return None
-        return Call(obj["name"], arguments)
-    if not isinstance(arguments, dict):
+        arguments = obj.get("arguments", obj.get("parameters"))  # (some Qwen replies say "parameters")
+        if arguments is None:  # (a function of no arguments)
+            arguments = {}
+        if isinstance(arguments, str):  # given as text: it must hold an object too
+            if not isinstance(_json(arguments), dict):
+                return None
+        elif isinstance(arguments, dict):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        else:
+            return None
+        # an escape of half a UTF-16 pair ("\ud83d") reads as a lone surrogate, which no UTF-8 holds
+        (obj["name"] + arguments).encode()
+    except (ValueError, UnicodeEncodeError):
         return None
-    return Call(obj["name"], json.dumps(arguments, ensure_ascii=False))
+    return Call(obj["name"], arguments)
 
 
 def parse(text: str) -> tuple[str | None, list[Call]]:
@@ -98,17 +115,25 @@ def parse(text: str) -> tuple[str | None, list[Call]]:
     outside = [text[:start].rstrip()]
     rest = text[start:]
     while rest.startswith(OPEN):
-        end = rest.find(CLOSE)
-        call = _call(rest[len(OPEN) : end]) if end >= 0 else None
-        if call is None:
+        # the first CLOSE after which the block reads as a call (an argument's text may hold CLOSE)
+        ends = (end for end in _finds(rest, CLOSE) if _call(rest[len(OPEN) : end]) is not None)
+        end = next(ends, -1)
+        if end < 0:
             return text, []
-        calls.append(call)
+        calls.append(_call(rest[len(OPEN) : end]))  # type: ignore[arg-type]
         rest = rest[end + len(CLOSE) :]
         after = rest.find(OPEN)
         between, rest = (rest, "") if after < 0 else (rest[:after], rest[after:])
         if between.strip():
             outside.append(between.strip())
     return "\n".join(t for t in outside if t) or None, calls
+
+
+def _finds(text: str, sub: str) -> Iterator[int]:
+    at = text.find(sub)
+    while at >= 0:
+        yield at
+        at = text.find(sub, at + 1)
 
 
 class CallStream:
@@ -119,6 +144,7 @@ class CallStream:
 
     def __init__(self) -> None:
         self._text: list[str] = []
+        self._held = ""  # the text after what was given as content (before a call began)
         self._shown = 0  # characters given as content
         self._calling = False  # a call began: nothing more shows before the end
 
@@ -126,21 +152,20 @@ class CallStream:
         self._text.append(piece)
         if self._calling:
             return ""
-        text = "".join(self._text)
-        start = text.find(OPEN, self._shown)
+        held = self._held + piece
+        start = held.find(OPEN)
         if start >= 0:
             self._calling = True
-            safe = len(text[:start].rstrip())
+            safe = len(held[:start].rstrip())
         else:  # hold back a tail that may be the start of OPEN, and trailing whitespace
-            safe = len(text)
-            for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-                if OPEN.startswith(text[-n:]):
-                    safe = len(text) - n
+            safe = len(held)
+            for n in range(min(len(OPEN) - 1, len(held)), 0, -1):
+                if OPEN.startswith(held[-n:]):
+                    safe = len(held) - n
                     break
-            safe = len(text[:safe].rstrip())
-        out = text[self._shown : max(safe, self._shown)]
-        self._shown = max(safe, self._shown)
-        return out
+            safe = len(held[:safe].rstrip())
+        self._held, self._shown = held[safe:], self._shown + safe
+        return held[:safe]
 
     def finish(self) -> tuple[str, list[Call]]:
         """The content not given yet, and the calls."""

@@ -16,7 +16,7 @@ import pytest
 import torch
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from gateway.server import GatewayService
+from gateway.server import MAX_CHARS_PER_TOKEN, GatewayService
 from gateway.tool_calls import Call, CallStream, parse, read_tools
 from omnistage.config import parse_config
 from omnistage.models import SamplingParams, open_checkpoint
@@ -56,6 +56,10 @@ PARSED: list[tuple[str, str | None, list[Call]]] = [
     ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', None, [Call("f", '{"a": 1}')]),
     ('<tool_call>{"name": "f", "parameters": {"a": "é"}}</tool_call>', None, [Call("f", '{"a": "é"}')]),
     ('<tool_call>{"name": "f"}</tool_call>', None, [Call("f", "{}")]),
+    ('<tool_call>{"name": "f", "arguments": null}</tool_call>', None, [Call("f", "{}")]),
+    # an argument's text may hold CLOSE: the block ends where it reads as a call
+    ('<tool_call>{"name": "f", "arguments": {"s": "a</tool_call>b"}}</tool_call> ok', "ok",
+     [Call("f", '{"s": "a</tool_call>b"}')]),
     # what reads as no call leaves the whole text as the content
     ("Look: " + CALL[:-3], "Look: " + CALL[:-3], []),  # unclosed (the reply ran out)
     ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
@@ -65,6 +69,15 @@ PARSED: list[tuple[str, str | None, list[Call]]] = [
     ('<tool_call>{"name": "f", "arguments": "1"}</tool_call>', '<tool_call>{"name": "f", "arguments": "1"}</tool_call>',
      []),
     (CALL + "<tool_call>[]</tool_call>", CALL + "<tool_call>[]</tool_call>", []),  # one bad block: none
+    # not JSON as JSON is (Python's parser takes NaN), or text no UTF-8 holds (half a UTF-16 pair)
+    ('<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>', []),
+    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": Infinity}"}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": "{\\"a\\": Infinity}"}</tool_call>', []),
+    ('<tool_call>{"name": "f", "arguments": {"a": "\\ud83d"}}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {"a": "\\ud83d"}}</tool_call>', []),
+    ('<tool_call>{"name": "\\udc00", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "\\udc00", "arguments": {}}</tool_call>', []),
 ]  # fmt: skip
 
 
@@ -108,7 +121,9 @@ def test_tools_sent_over_grpc_are_checked() -> None:
     assert read_tools([json.dumps(WEATHER)]) == [WEATHER]
     for raw, field in [("{", "tools[0]: not JSON"), ('{"type": "function"}', "tools[0]: expected"),
                        ('{"type": "x", "function": {"name": "f"}}', "tools[0]: expected"),
-                       ('{"type": "function", "function": {"name": ""}}', "tools[0].function.name")]:  # fmt: skip
+                       ('{"type": "function", "function": {"name": ""}}', "tools[0].function.name"),
+                       ('{"type": "function", "function": {"name": "a b"}}', "tools[0].function.name"),
+                       ('{"type": "function", "function": {"name": "f\\n"}}', "tools[0].function.name")]:  # fmt: skip
         with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
             read_tools([raw])
 
@@ -143,7 +158,7 @@ def test_the_prompt_is_the_templates_with_tools_as_transformers_renders_it(tiny_
     earlier turns; with media too (the processor's path)."""
     service = _service(tiny_dir)
     tools = [] if case == "history" else [WEATHER, TIME]
-    messages = HISTORY if case in ("history", "both") else HISTORY[:2]
+    messages = HISTORY if case in ("history", "both", "media") else HISTORY[:2]
     req = _request(messages, tools)
     want = list(service.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
                                                        tokenize=True, chat_template=chat_template(tiny_dir),
@@ -157,11 +172,14 @@ def test_the_prompt_is_the_templates_with_tools_as_transformers_renders_it(tiny_
         Image.new("RGB", (32, 32), (200, 40, 40)).save(png, format="PNG")
         image = gateway_pb2.ContentPart(image=gateway_pb2.ImagePart(file=png.getvalue()))
         req.messages[1].parts.extend([gateway_pb2.ContentPart(text=messages[1]["content"]), image])
+        # the assistant's words as a part (as LangChain sends them): its calls go with them
+        req.messages[2].parts.append(gateway_pb2.ContentPart(text=messages[2]["content"]))
+        req.messages[2].content = ""
         ids = service._prompt(req).ids
-        text_ids = service._prompt(_request(messages, tools)).ids
-        assert len(ids) > len(text_ids)
-        head = want.index(service.tokenizer.convert_tokens_to_ids("<|im_start|>"), 1)  # the tools' system turn
-        assert ids[:head] == want[:head] and "get_weather" in service.tokenizer.decode(ids)
+        assert len(ids) > len(want)
+        turns = [i for i, t in enumerate(want) if t == service.tokenizer.convert_tokens_to_ids("<|im_start|>")]
+        head, tail = turns[1], len(want) - turns[2]  # the tools' system turn; the assistant's turn on
+        assert ids[:head] == want[:head] and ids[-tail:] == want[-tail:]
         return
     assert service._prompt(req).ids == want
     assert "get_weather" in service.tokenizer.decode(want) and ("sunny" in service.tokenizer.decode(want)) == (
@@ -415,3 +433,28 @@ def test_a_spoken_reply_that_calls_a_tool_has_the_text_before_the_call_as_transc
     message = got.choices[0].message
     assert message.audio.transcript == message.content == "Let me check." and len(message.tool_calls) == 2
     assert seen[0].want_audio
+
+
+def test_a_reply_that_only_calls_has_null_content_and_one_call_where_asked(tiny_dir: Path) -> None:
+    async def call(client: openai.AsyncOpenAI) -> Any:
+        asks: list[dict[str, Any]] = [{}, {"parallel_tool_calls": False}]
+        return [await client.chat.completions.create(model="m", messages=HISTORY[:2], tools=[WEATHER, TIME],  # type: ignore[arg-type]
+                                                     **extra) for extra in asks]  # fmt: skip
+
+    (both, first), _ = _sdk(tiny_dir, [CALL, "\n", CALL2], call)
+    assert both.choices[0].message.content is None and first.choices[0].message.content is None
+    assert [c.function.name for c in both.choices[0].message.tool_calls] == ["get_weather", "get_time"]
+    assert [c.function.name for c in first.choices[0].message.tool_calls] == ["get_weather"]
+    assert first.choices[0].finish_reason == "tool_calls"
+
+
+def test_tools_and_calls_count_towards_the_text_bound_before_tokenizing(tiny_dir: Path) -> None:
+    """A prompt whose tools or earlier calls hold more text than could ever fit is refused before
+    the template renders it (as a message's own text is)."""
+    service = _service(tiny_dir)
+    big = "x" * (MAX_CHARS_PER_TOKEN * service.max_prompt_tokens)
+    long_tool = {"type": "function", "function": {"name": "f", "description": big}}
+    long_call = [{**HISTORY[2], "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": big}}]}]
+    for req in (_request(HISTORY[:2], [long_tool]), _request(HISTORY[:2] + long_call)):
+        with pytest.raises(ValueError, match=r"^prompt: \d+ characters of text cannot fit"):
+            service._prompt(req)

@@ -1303,5 +1303,11 @@ def test_tools_and_earlier_calls_reach_the_model_as_generate_sees_them(
     assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == len(want)
     assert reply.choices[0].message.content == text and text
     stream = client.chat.completions.create(model=model, temperature=0, max_tokens=MAX_TOKENS, messages=HISTORY,
-                                            tools=[WEATHER, TIME], stream=True)  # type: ignore[arg-type]  # fmt: skip
-    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+                                            tools=[WEATHER, TIME], stream=True, logprobs=True)  # type: ignore[arg-type]  # fmt: skip
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    # every token's logprobs once, streamed as whole (the text the calls are read from is held back)
+    whole = client.chat.completions.create(model=model, temperature=0, max_tokens=MAX_TOKENS, messages=HISTORY,
+                                           tools=[WEATHER, TIME], logprobs=True)  # type: ignore[arg-type]  # fmt: skip
+    streamed = [e.token for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == [e.token for e in whole.choices[0].logprobs.content] and streamed

@@ -311,7 +311,7 @@ class InputBuilder:
                 else:
                     raise ValueError(f"unknown content part type {kind!r}")
                 parts.append({"type": kind, kind: kind})  # the template emits the placeholder
-            rendered.append({"role": message["role"], "content": parts})
+            rendered.append({**message, "content": parts})  # (its other fields: an assistant's tool calls)
         # A special token's text in what the client wrote is its text (prompt.build_prompt_ids): marked
         # here as transformers' own apply_chat_template(sanitize_control_tokens=True) marks it, the
         # processor neither expands it as a placeholder nor encodes it as the token.
