@@ -28,10 +28,10 @@ class Case:
 CASES = [
     Case("Tell me a short story about a robot who learns to sing.", 40, 80, "eos", "eos"),
     Case("Numbers one two three", 40, 80, "eos", "eos"),
-    Case("Can you explain how streaming works?", 40, 80, "max", "eos"),
+    Case("Can you explain how streaming works?", 6, 80, "max", "eos"),
     Case("Where is the nearest train station from here?", 40, 30, "eos", "max"),
     Case("hi", 12, 20, "max", "max"),
-    Case("What is the weather like?", 40, 40, "eos", "eos", system="You are a helpful voice assistant."),
+    Case("What is the weather like?", 40, 60, "eos", "eos", system="You are a helpful voice assistant."),
 ]
 
 

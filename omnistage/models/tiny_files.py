@@ -79,9 +79,11 @@ def _learn_merges(num_merges: int) -> list[tuple[str, str]]:
 
 
 def tokenizer_json(vocab_size: int, first_special_id: int, special_tokens: Sequence[str],
-                   role_words: Sequence[str]) -> str:  # fmt: skip
+                   role_words: Sequence[str], top_words: Sequence[str] = ()) -> str:  # fmt: skip
     """`tokenizer.json` text: `special_tokens` then `role_words` (ordinary tokens, as in Qwen's
-    vocabulary) take the ids from `first_special_id` on."""
+    vocabulary) take the ids from `first_special_id` on; `top_words` (added tokens, not special:
+    Qwen's tool tags) the vocabulary's last ids, so that adding them leaves every other id and
+    merge as it was but the last few merges."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     byte_map = _bytes_to_unicode()
@@ -90,7 +92,7 @@ def tokenizer_json(vocab_size: int, first_special_id: int, special_tokens: Seque
     merges = _learn_merges(vocab_size - 256 - len(named))
     fresh = (a + b for a, b in merges)
     filler = 0
-    for i in range(256, vocab_size):
+    for i in range(256, vocab_size - len(top_words)):
         if first_special_id <= i < first_special_id + len(named):
             vocab[named[i - first_special_id]] = i
             continue
@@ -98,12 +100,13 @@ def tokenizer_json(vocab_size: int, first_special_id: int, special_tokens: Seque
         if token is None:  # the corpus gave no more merges: fillers, so every model id decodes
             token, filler = f"<|reserved_{filler}|>", filler + 1
         vocab[token] = i
+    vocab.update((word, vocab_size - len(top_words) + k) for k, word in enumerate(top_words))
     merges = [(a, b) for a, b in merges if a + b in vocab]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special_tokens])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in role_words])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in [*role_words, *top_words]])
     reserved = [t for t in vocab if t.startswith("<|reserved_")]
     if reserved:
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in reserved])
@@ -208,12 +211,13 @@ def chat_template(tokens: Mapping[str, str], tools: bool = False) -> str:
 
 def processor_files(*, vocab_size: int, first_special_id: int, special_tokens: Sequence[str],
                     role_words: Sequence[str], named_tokens: Mapping[str, str], vision: Mapping[str, Any],
-                    processor_class: str, tools: bool = False) -> dict[str, str]:  # fmt: skip
+                    processor_class: str, tools: Sequence[str] = ()) -> dict[str, str]:  # fmt: skip
     """The tokenizer and processor files: tokenizer.json and tokenizer_config.json (`named_tokens`
     become the tokenizer's `extra_special_tokens`, so the processor finds its placeholders), the
     chat template in chat_template.json, and the feature extractor's, image and video processors'
-    configs (`vision`: Qwen2-VL-style patch settings) for transformers' `processor_class`."""
-    text = tokenizer_json(vocab_size, first_special_id, special_tokens, role_words)
+    configs (`vision`: Qwen2-VL-style patch settings) for transformers' `processor_class`.
+    `tools`: Qwen's tool tags (`tokenizer_json`'s top words), and a template with tool calling."""
+    text = tokenizer_json(vocab_size, first_special_id, special_tokens, role_words, tools)
     tokenizer_config = {
         "tokenizer_class": "Qwen2Tokenizer",
         "model_max_length": 2048,
@@ -230,7 +234,8 @@ def processor_files(*, vocab_size: int, first_special_id: int, special_tokens: S
     return {
         "tokenizer.json": text + "\n",
         "tokenizer_config.json": _json(tokenizer_config),
-        "chat_template.json": _json({"chat_template": chat_template(named_tokens, tools)}),  # where processors save it
+        # (in chat_template.json, where processors save it)
+        "chat_template.json": _json({"chat_template": chat_template(named_tokens, bool(tools))}),
         "preprocessor_config.json": _json(preprocessor),
         "video_preprocessor_config.json": _json(video),
     }

@@ -57,7 +57,8 @@ SPECIAL_TOKENS = [
 # Role words are single ordinary tokens in Qwen's vocabulary; the config names their ids.
 ROLE_WORDS = ["system", "user", "assistant"]
 # Qwen's tool-calling tags: added tokens, not special ones, as in Qwen3-Omni's tokenizer (a call
-# starts with one token, which ends the talker's input: services/thinker/worker.py)
+# starts with one token, which ends the talker's input: services/thinker/worker.py); the
+# vocabulary's last ids
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 
@@ -294,10 +295,9 @@ def processor_files(shape: TinyShape = DEFAULT) -> dict[str, str]:
     """The tokenizer (special tokens and role words from `shape.first_special_id` on) and the
     processor's configs."""
     return tiny_files.processor_files(vocab_size=shape.thinker_vocab, first_special_id=shape.first_special_id,
-                                      special_tokens=SPECIAL_TOKENS, role_words=ROLE_WORDS + TOOL_TOKENS,
-                                      named_tokens=NAMED_TOKENS,
+                                      special_tokens=SPECIAL_TOKENS, role_words=ROLE_WORDS, named_tokens=NAMED_TOKENS,
                                       vision=VISION_PREPROCESSOR, processor_class="Qwen3OmniMoeProcessor",
-                                      tools=True)  # fmt: skip
+                                      tools=TOOL_TOKENS)  # fmt: skip
 
 
 LAYOUTS = ("published", "fused")
