@@ -746,8 +746,6 @@ async def _run_async(run: Run, model_dir: Path, pipe_box: dict[str, Any], log: C
     mono_cfg = _load_config(opts) if opts.monolithic else None  # (where the stack's thinker runs, and how)
     if opts.target and mono_cfg is not None and first:  # a target that is no gateway fails before anything runs
         await check_gateway(opts.target, access(opts, None), min(30.0, opts.request_timeout))
-    if opts.serve and not opts.target and mono_cfg is not None and first:
-        stack_config(opts)  # a config no bench stack can run is refused (ConfigError) before anything runs
     if mono_cfg is not None and first:
         with run.phase("baseline_before"):
             # the checkpoint the system under test will run: a started stack's config may name it
@@ -838,6 +836,8 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
     ]
     nb = opts.num_requests if opts.baseline_requests is None else max(1, min(opts.baseline_requests, len(requests)))
     run = Run(opts, requests, requests[:nb], notes=skipped)
+    if opts.serve and not opts.target:  # a config no bench stack can run is refused (ConfigError) before
+        stack_config(opts)  # anything runs (the built-in checkpoint's first generation too)
     model_dir = Path(opts.model) if opts.model is not None else default_model_dir()
     box: dict[str, Any] = {"model_dir": model_dir}
     first_stack = len(stacks_run)
