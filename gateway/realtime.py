@@ -32,14 +32,17 @@ it, never ignored; the session goes on):
   or one of OpenAI's transcription models standing for it): each committed turn is also asked of
   the model as /v1/audio/transcriptions asks it, beside its response, and its words come as
   `conversation.item.input_audio_transcription.delta`s, then `.completed` (or `.failed`); with
-  `include: ["item.input_audio_transcription.logprobs"]` they carry the tokens' `logprobs`. No
-  semantic_vad, noise reduction, tools or prompts.
+  `include: ["item.input_audio_transcription.logprobs"]` they carry the tokens' `logprobs`.
+  `tools` (the API's flat functions), `tool_choice` auto or none, `parallel_tool_calls`: as the
+  chat door's (gateway/tool_calls.py); a reply's calls come as function_call items after its
+  message item. No semantic_vad, noise reduction or prompts.
   `type: transcription` (or connecting with `?intent=transcription`; beta's
   `transcription_session.update`): live captions. Each committed turn (by the client or heard by
   server_vad) is transcribed, on by default; no response is made and no turn is kept.
 * `input_audio_buffer.append` (base64 PCM), `.commit` (the buffer becomes a user item), `.clear`.
 * `conversation.item.create` (a message: user `input_text`, `input_audio`, `input_image`;
-  system `input_text`; assistant `output_text` or `output_audio` by its `transcript`), with
+  system `input_text`; assistant `output_text` or `output_audio` by its `transcript`; a
+  `function_call_output` {call_id, output}, or a `function_call` replayed), with
   `previous_item_id` ("root" or an item's id), `.delete`, `.retrieve`, `.truncate` (a spoken
   reply cut where the client's playback stopped: its words leave the conversation, as OpenAI's
   API drops them; a completed reply played to its end keeps them).
@@ -63,7 +66,9 @@ Server events sent: `session.created` / `.updated`, `input_audio_buffer.speech_s
 `response.output_item.added`, `response.content_part.added`, then as each piece exists
 `response.output_audio_transcript.delta` and `response.output_audio.delta` (or
 `response.output_text.delta`), their `.done`s, `response.content_part.done`,
-`response.output_item.done`, and `response.done` with its status (completed; incomplete at
+`response.output_item.done`, for each tool call its function_call item's
+`response.output_item.added`, `response.function_call_arguments.delta` / `.done` and
+`.output_item.done`, and `response.done` with its status (completed; incomplete at
 max_output_tokens; cancelled; failed, with the error) and usage. `error` for a refused event.
 
 The beta dialect (`OpenAI-Beta: realtime=v1`: `client.beta.realtime.connect()` and the clients
@@ -99,6 +104,8 @@ from gateway.realtime_turns import (
     MAX_ITEMS,
     TRANSCRIBING,
     AudioConfig,
+    CallItem,
+    CallOutputItem,
     Item,
     MessageItem,
     RealtimeError,
@@ -112,6 +119,7 @@ from gateway.realtime_turns import (
     parse,
     pcm_part,
     session_only,
+    to_call_item,
     to_generate_request,
     to_item,
     transcription_only,
@@ -120,6 +128,7 @@ from gateway.realtime_turns import (
 )
 from gateway.realtime_vad import FRAME_MS, MIN_VOICED_MS, EnergyVad, VadEvent
 from gateway.server import GatewayError, GatewayService, fail_replies, internal_failure
+from gateway.tool_calls import Call, CallStream
 from omnistage.v1 import gateway_pb2
 
 __all__ = ["realtime_route"]
@@ -218,7 +227,8 @@ class RealtimeSession:
                                               "id": self.id, "audio": {"input": fields["audio"]["input"]},
                                               "include": list(self.settings.include) or None}}  # fmt: skip
         session = {"type": "realtime", "object": "realtime.session", "id": self.id, "model": self.service.model_name,
-                   **fields, "tools": [], "tool_choice": "auto", "tracing": None,
+                   **fields, "tools": list(self.settings.tools), "tool_choice": self.settings.tool_choice,
+                   "tracing": None,
                    "truncation": self.settings.truncation_event(),
                    "prompt": None, "include": list(self.settings.include) or None}  # fmt: skip
         return {"type": kind, "session": session}
@@ -348,6 +358,8 @@ class RealtimeSession:
         settings.kind = kind
         if s.truncation is not None:
             settings.truncation = s.truncation
+        if s.parallel_tool_calls is not None:
+            settings.parallel_tool_calls = s.parallel_tool_calls
         if "include" in s.model_fields_set:  # (null or [] clears it)
             settings.include = tuple(dict.fromkeys(s.include or ()))
         if audio.input is not None and audio.input.format is not None:
@@ -627,17 +639,13 @@ class RealtimeSession:
         unknown = set(body) - {"item", "previous_item_id"}
         if unknown or "item" not in body:
             raise RealtimeError("conversation.item.create takes `item` and `previous_item_id`", "item")
-        raw = body["item"]
-        if isinstance(raw, dict) and raw.get("type", "message") != "message":
-            raise RealtimeError(f"item.type: only message items here (no tools), got {str(raw['type'])[:64]!r}",
-                                "item.type")  # fmt: skip
-        parsed = parse(MessageItem, raw, "item")
+        parsed = _item_body(body["item"], "item")
         if parsed.id is not None and parsed.id in self.items:
             raise RealtimeError(f"item.id: an item {parsed.id!r} is already in the conversation", "item.id")
         previous = body.get("previous_item_id")
         if previous is not None and not isinstance(previous, str):
             raise RealtimeError("previous_item_id: a string", "previous_item_id")
-        item = to_item(parsed, parsed.id or _new_id("item"), self.settings)
+        item = _to_item(parsed, parsed.id or _new_id("item"), self.settings, "item")
         self._room(item.nbytes, "item", items=1)
         await self._added(item, self.insert(item, previous))
 
@@ -746,9 +754,7 @@ class RealtimeSession:
                     raise RealtimeError(f"{where}.id: no item {ref[:64]!r}", f"{where}.id", "item_not_found")
                 items.append(self.items[ref])
                 continue
-            if isinstance(raw, dict) and raw.get("type", "message") != "message":
-                raise RealtimeError(f"{where}.type: message items or item_reference (no tools)", f"{where}.type")
-            items.append(to_item(parse(MessageItem, raw, where), _new_id("item"), self.settings, where))
+            items.append(_to_item(_item_body(raw, where), _new_id("item"), self.settings, where))
         if sum(i.nbytes for i in items) > self.max_bytes:
             raise RealtimeError(f"response.input: more than media.max_request_bytes ({self.max_bytes}) of text and "
                                 "media", "response.input", "conversation_too_large")  # fmt: skip
@@ -799,6 +805,22 @@ class RealtimeSession:
                     await self.hang_up(1011, "internal error")
 
 
+_ITEM_TYPES = {"message": MessageItem, "function_call": CallItem, "function_call_output": CallOutputItem}
+
+
+def _item_body(raw: Any, where: str) -> MessageItem | CallItem | CallOutputItem:
+    """A client's item, checked as its type reads: a message, a function call or a call's output."""
+    kind = raw.get("type", "message") if isinstance(raw, dict) else "message"
+    if kind not in _ITEM_TYPES:
+        raise RealtimeError(f"{where}.type: message, function_call or function_call_output, got {str(kind)[:64]!r}",
+                            f"{where}.type")  # fmt: skip
+    return parse(_ITEM_TYPES[kind], raw, where)
+
+
+def _to_item(body: MessageItem | CallItem | CallOutputItem, item_id: str, settings: Settings, where: str) -> Item:
+    return to_item(body, item_id, settings, where) if isinstance(body, MessageItem) else to_call_item(body, item_id)
+
+
 def _hearing(settings: Settings) -> tuple[object, ...] | None:
     """What server_vad's detector is made from (None: off)."""
     vad = settings.vad
@@ -842,6 +864,8 @@ class Response:
         rate = session.service.sample_rate
         self.g711 = G711Encoder(settings.output_format, rate) if self.audio and settings.output_format in LAWS else None
         self.text: list[str] = []
+        self.reading = CallStream() if req.tools else None  # the reply's text, read for tool calls
+        self.calls: list[Item] = []  # its function_call items (after its message item), once read
         self.ids = {"response_id": self.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
         self.cancelled: dict[str, str] | None = None  # once cancelled: its status_details
         self.finished = False  # the request's final came
@@ -864,7 +888,7 @@ class Response:
     def response(self, status: str, details: dict[str, Any] | None = None,
                  usage: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
         return {"object": "realtime.response", "id": self.id, "status": status, "status_details": details,
-                "output": [self.item.event()] if status != "in_progress" else [],
+                "output": [i.event() for i in (self.item, *self.calls)] if status != "in_progress" else [],
                 "conversation_id": self.session.id if self.in_band else None,
                 "output_modalities": [self.settings.modality],
                 "max_output_tokens": self.settings.max_output_tokens or "inf",
@@ -920,10 +944,8 @@ class Response:
         try:
             async for resp in replies:
                 kind = resp.WhichOneof("kind")
-                if kind == "text" and resp.text.text:
-                    self.text.append(resp.text.text)
-                    name = "response.output_audio_transcript.delta" if self.audio else "response.output_text.delta"
-                    await send({"type": name, **self.ids, "delta": resp.text.text})
+                if kind == "text" and (piece := resp.text.text):
+                    await self._words(send, piece if self.reading is None else self.reading.feed(piece))
                 elif kind == "audio":
                     data = held + resp.audio.data
                     cut = len(data) - len(data) % 2
@@ -935,6 +957,10 @@ class Response:
                                     "delta": base64.b64encode(piece).decode()})  # fmt: skip
                 elif kind == "final":
                     self.finished = True  # (a cancel now would cut the request's own ending, not its reply)
+                    if self.reading is not None:  # the words held back, and the calls
+                        rest, calls = self.reading.finish()
+                        await self._words(send, rest)
+                        self.calls = [self._call(c) for c in calls[: None if self.settings.parallel_tool_calls else 1]]
                     if resp.final.finish_reason == "length":
                         status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
                     usage = _usage(resp.final.usage)
@@ -955,6 +981,19 @@ class Response:
             return "failed", {"type": "failed", "error": {"type": "server_error", "code": "internal",
                                                           "message": failure.message}}, None  # fmt: skip
         return status, details, usage
+
+    async def _words(self, send: Callable[[dict[str, Any]], Awaitable[None]], words: str) -> None:
+        if words:
+            self.text.append(words)
+            name = "response.output_audio_transcript.delta" if self.audio else "response.output_text.delta"
+            await send({"type": name, **self.ids, "delta": words})
+
+    @staticmethod
+    def _call(call: Call) -> Item:
+        item = Item(_new_id("item"), "assistant", type="function_call", name=call.name, arguments=call.arguments,
+                    call_id=call.openai()["id"])  # fmt: skip
+        item.nbytes = item.size()
+        return item
 
     def settle(self, status: str) -> None:
         """The assistant item as the response left it: its words so far, the next turns' context."""
@@ -981,6 +1020,22 @@ class Response:
                       "item": self.item.event()})  # fmt: skip
         if self.in_band:
             await s.send({"type": "conversation.item.done", "item": self.item.event()})
+        previous = self.item.id
+        for index, call in enumerate(self.calls, 1):  # each call an item after the message's
+            at = {"response_id": self.id, "item_id": call.id, "output_index": index, "call_id": call.call_id}
+            await s.send({"type": "response.output_item.added", "response_id": self.id, "output_index": index,
+                          "item": {**call.event(), "status": "in_progress", "arguments": ""}})  # fmt: skip
+            if self.in_band and self.item.id in s.items:  # (it joins the conversation after the reply's words)
+                await s.send({"type": "conversation.item.added", "previous_item_id": s.insert(call, previous),
+                              "item": call.event()})  # fmt: skip
+                previous = call.id
+            await s.send({"type": "response.function_call_arguments.delta", **at, "delta": call.arguments})
+            await s.send({"type": "response.function_call_arguments.done", **at, "name": call.name,
+                          "arguments": call.arguments})  # fmt: skip
+            await s.send({"type": "response.output_item.done", "response_id": self.id, "output_index": index,
+                          "item": call.event()})  # fmt: skip
+            if self.in_band and call.id in s.items:
+                await s.send({"type": "conversation.item.done", "item": call.event()})
         await s.send({"type": "response.done", "response": self.response(status, details, usage)})
 
 

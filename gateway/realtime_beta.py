@@ -158,7 +158,9 @@ def _part(part: dict[str, Any]) -> dict[str, Any]:
 
 
 def _item(item: dict[str, Any]) -> dict[str, Any]:
-    return {**item, "content": [_part(p) for p in item.get("content") or []]}
+    if "content" not in item:  # (a function call or its output)
+        return item
+    return {**item, "content": [_part(p) for p in item["content"] or []]}
 
 
 def _modalities(ga: list[str]) -> list[str]:

@@ -5,6 +5,7 @@ is a RealtimeError naming it, never ignored."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
@@ -16,6 +17,7 @@ from gateway.http_api import apply_temperature, data_url, decode_b64, pcm16_part
 from gateway.http_error import HttpError
 from gateway.prompt_fit import PromptFit
 from gateway.realtime_vad import VadSettings
+from gateway.tool_calls import NAME as TOOL_NAME
 from gateway.transcription import instruction, transcription_turn
 from omnistage.v1 import gateway_pb2, stage_pb2
 
@@ -23,6 +25,8 @@ __all__ = [
     "MAX_ITEMS",
     "TRANSCRIBING",
     "AudioConfig",
+    "CallItem",
+    "CallOutputItem",
     "Item",
     "MessageItem",
     "RealtimeError",
@@ -37,6 +41,7 @@ __all__ = [
     "parse",
     "pcm_part",
     "session_only",
+    "to_call_item",
     "to_generate_request",
     "to_item",
     "transcription_instruction",
@@ -257,6 +262,38 @@ class MessageItem(_Strict):
     content: Annotated[list[Part], Field(min_length=1)]
 
 
+class CallItem(_Strict):
+    """A function call an earlier response made (the client's copy of it)."""
+
+    id: str | None = Field(None, min_length=1, max_length=64)
+    type: Literal["function_call"]
+    object: Literal["realtime.item"] | None = None
+    status: str | None = None
+    call_id: str = Field(min_length=1, max_length=64)
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str
+
+
+class CallOutputItem(_Strict):
+    """A call's result, which the client's code made."""
+
+    id: str | None = Field(None, min_length=1, max_length=64)
+    type: Literal["function_call_output"]
+    object: Literal["realtime.item"] | None = None
+    status: str | None = None
+    call_id: str = Field(min_length=1, max_length=64)
+    output: str
+
+
+class FunctionTool(_Strict):
+    """One of a session's (or response's) `tools`: the Realtime API's flat form of a function."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
 ModelT = TypeVar("ModelT", bound=BaseModel)
 T = TypeVar("T")
 
@@ -315,6 +352,9 @@ class Settings:
     # a conversation over the model's length: its oldest turns left out ("auto", OpenAI's default:
     # as few as it takes; RetentionRatio), or its response fails ("disabled")
     truncation: Truncation = "auto"
+    tools: tuple[dict[str, Any], ...] = ()  # functions the model may call, as the client gave them
+    tool_choice: str = "auto"  # or "none": the tools go unread
+    parallel_tool_calls: bool = True  # False: a response's first call alone
 
     def merged(self, body: _Common, voices: list[str], prefix: str, output: OutputAudioConfig | None,
                sample_rate: int) -> Settings:  # fmt: skip
@@ -332,6 +372,11 @@ class Settings:
             out.max_output_tokens = None if body.max_output_tokens == "inf" else body.max_output_tokens
         if body.temperature is not None:
             out.temperature = body.temperature
+        if body.tools is not None:
+            out.tools = tuple(parse(FunctionTool, t, f"{prefix}.tools[{i}]").model_dump(exclude_none=True)
+                              for i, t in enumerate(body.tools))  # fmt: skip
+        if body.tool_choice is not None:
+            out.tool_choice = body.tool_choice
         if output is not None:
             where = f"{prefix}.audio.output"
             if output.format is not None:
@@ -415,10 +460,9 @@ def input_pcm16(data: bytes, fmt: str, where: str) -> bytes:
 
 
 def _unsupported(body: _Common, prefix: str) -> None:
-    if body.tools:
-        raise RealtimeError(f"{prefix}.tools: this server calls no tools", f"{prefix}.tools")
     if body.tool_choice not in (None, "auto", "none"):
-        raise RealtimeError(f"{prefix}.tool_choice: this server calls no tools (auto or none)", f"{prefix}.tool_choice")
+        raise RealtimeError(f"{prefix}.tool_choice: auto or none: this server cannot make the model call a tool "
+                            "(it has no constrained decoding)", f"{prefix}.tool_choice")  # fmt: skip
     if body.prompt is not None:
         raise RealtimeError(f"{prefix}.prompt: no stored prompts here; send the instructions", f"{prefix}.prompt")
 
@@ -466,6 +510,13 @@ class Item:
     audio_samples: int = 0  # an assistant reply's speech sent, at audio_rate
     audio_rate: int = 0
     truncated_at: int | None = None  # conversation.item.truncate's audio_end_ms (ms), once truncated
+    # "function_call" (role assistant: `call_id`, `name`, `arguments`) or "function_call_output"
+    # (role tool: `call_id`, `output`)
+    type: str = "message"
+    call_id: str = ""
+    name: str = ""
+    arguments: str = ""
+    output: str = ""
 
     def audio_ms(self) -> int:
         return -(-self.audio_samples * 1000 // self.audio_rate) if self.audio_rate else 0
@@ -476,21 +527,31 @@ class Item:
         return self.truncated_at is None or (status == "completed" and self.truncated_at >= self.audio_ms())
 
     def event(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "realtime.item", "type": "message", "role": self.role,
-                "status": self.status, "content": self.content}  # fmt: skip
+        head = {"id": self.id, "object": "realtime.item", "type": self.type, "status": self.status}
+        if self.type == "function_call":
+            return {**head, "call_id": self.call_id, "name": self.name, "arguments": self.arguments}
+        if self.type == "function_call_output":
+            return {**head, "call_id": self.call_id, "output": self.output}
+        return {**head, "role": self.role, "content": self.content}
 
     def size(self) -> int:
         """What it counts towards the conversation's bound: its words, text, audio and images."""
-        return ITEM_BYTES + len(self.text.encode()) + sum(
+        calls = len(self.name.encode()) + len(self.arguments.encode()) + len(self.output.encode())
+        return ITEM_BYTES + len(self.text.encode()) + calls + sum(
             len(p.text.encode()) + len(p.audio.pcm.f32le) + len(p.image.file) for p in self.parts)
 
     @property
     def turn(self) -> bool:
         """It is a turn of a request (an assistant turn with no words, cancelled before any or
         truncated, is nothing heard of it)."""
-        return self.role != "assistant" or bool(self.text)
+        return self.role != "assistant" or bool(self.text) or self.type == "function_call"
 
     def message(self) -> gateway_pb2.ChatMessage:
+        if self.type == "function_call":
+            call = gateway_pb2.ToolCall(id=self.call_id, name=self.name, arguments=self.arguments)
+            return gateway_pb2.ChatMessage(role="assistant", tool_calls=[call])
+        if self.type == "function_call_output":
+            return gateway_pb2.ChatMessage(role="tool", content=self.output, tool_call_id=self.call_id)
         if self.role == "assistant":
             return gateway_pb2.ChatMessage(role="assistant", content=self.text)
         return gateway_pb2.ChatMessage(role=self.role, parts=self.parts)
@@ -546,6 +607,17 @@ def to_item(body: MessageItem, item_id: str, settings: Settings, prefix: str = "
     return item
 
 
+def to_call_item(body: CallItem | CallOutputItem, item_id: str) -> Item:
+    """A client's function_call or function_call_output item as a conversation item."""
+    if isinstance(body, CallItem):
+        item = Item(item_id, "assistant", type="function_call", call_id=body.call_id, name=body.name,
+                    arguments=body.arguments)  # fmt: skip
+    else:
+        item = Item(item_id, "tool", type="function_call_output", call_id=body.call_id, output=body.output)
+    item.nbytes = item.size()
+    return item
+
+
 def transcription_request(item: Item, config: dict[str, Any], logprobs: bool = False) -> gateway_pb2.GenerateRequest:
     """A committed turn's transcription: its audio and the instruction, greedy, text out (as
     /v1/audio/transcriptions asks it); `logprobs`: its tokens' own (no alternatives)."""
@@ -570,7 +642,16 @@ def to_generate_request(items: list[Item], settings: Settings) -> gateway_pb2.Ge
             req.speed = settings.speed
     if settings.instructions:
         req.messages.append(gateway_pb2.ChatMessage(role="system", content=settings.instructions))
-    req.messages.extend(i.message() for i in items if i.turn)
+    for item in (i for i in items if i.turn):
+        message = item.message()
+        last = req.messages[-1] if req.messages else None
+        if item.type == "function_call" and last is not None and last.role == "assistant":
+            last.tool_calls.extend(message.tool_calls)  # a response's calls go with its words, one turn
+        else:
+            req.messages.append(message)
+    if settings.tools and settings.tool_choice != "none":  # (as the chat door takes them)
+        req.tools.extend(json.dumps({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
+                         for t in settings.tools)  # fmt: skip
     thinker = stage_pb2.SamplingParams()
     if settings.max_output_tokens is not None:
         thinker.max_tokens = settings.max_output_tokens

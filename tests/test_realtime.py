@@ -282,7 +282,7 @@ BAD_EVENTS = [
     ({"type": "session.update", "session": {"audio": {"output": {"voice": "nobody"}}}},
      "session.audio.output.voice", None),
     ({"type": "session.update", "session": {"audio": {"output": {"speed": 3.0}}}}, "session.audio.output.speed", None),
-    ({"type": "session.update", "session": {"tools": [{"type": "function", "name": "f"}]}}, "session.tools", None),
+    ({"type": "session.update", "session": {"tools": [{"type": "mcp", "name": "f"}]}}, "session.tools[0].type", None),
     ({"type": "session.update", "session": {"truncation": "sometimes"}}, "session.truncation", None),
     ({"type": "session.update", "session": {"truncation": {"type": "retention_ratio", "retention_ratio": 1.5}}},
      "session.truncation.retention_ratio", None),
@@ -293,7 +293,7 @@ BAD_EVENTS = [
     ({"type": "session.update", "session": {"colour": "blue"}}, "session.colour", None),
     ({"type": "input_audio_buffer.append", "audio": "not base64!"}, "audio", None),
     ({"type": "input_audio_buffer.commit"}, None, "input_audio_buffer_commit_empty"),
-    ({"type": "conversation.item.create", "item": {"type": "function_call", "name": "f"}}, "item.type", None),
+    ({"type": "conversation.item.create", "item": {"type": "function_call", "name": "f"}}, "item.call_id", None),
     ({"type": "conversation.item.create", "item": {"type": "message", "role": "system",
                                                    "content": [{"type": "input_audio", "audio": ""}]}},
      "item.content[0].type", None),
@@ -315,7 +315,8 @@ BAD_EVENTS = [
     ({"type": "response.create", "response": {"input": [{"type": "item_reference", "id": "nope"}]}},
      "response.input[0].id", "item_not_found"),
     ({"type": "response.create", "response": {"input": [{"type": "function_call_output", "output": "x"}]}},
-     "response.input[0].type", None),
+     "response.input[0].call_id", None),
+    ({"type": "response.create", "response": {"input": [{"type": "web_search_call"}]}}, "response.input[0].type", None),
     ({"type": "response.create", "response": {"input": {"type": "message"}}}, "response.input", None),
     ({"type": "response.cancel", "response_id": "resp_nope"}, "response_id", "response_cancel_not_active"),
     ({"type": "response.cancel"}, None, "response_cancel_not_active"),
@@ -1182,6 +1183,13 @@ def _tour(ws: Any, service: ScriptedService, beta: bool) -> list[dict[str, Any]]
     ws.send_json({"type": "input_audio_buffer.append", "audio": base64.b64encode(_pcm16(240)).decode()})
     send({"type": "input_audio_buffer.clear"}, "input_audio_buffer.cleared")
     send({"type": "no.such.event"}, "error")
+    # a tool called, and its output given back
+    send({"type": "session.update", "session": {"tools": [WEATHER_TOOL]}}, "session.updated")
+    service.script = CALLING
+    send({"type": "response.create"}, "response.done")
+    call_id = seen[-1]["response"]["output"][-1]["call_id"]
+    send({"type": "conversation.item.create", "item": {"type": "function_call_output", "call_id": call_id,
+                                                      "output": "sunny"}}, added)  # fmt: skip
     service.script = [GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, "thinker: out of memory")]
     send({"type": "response.create"}, "response.done")
     send({"type": "session.update", "session": {"input_audio_transcription": {}} if beta
@@ -1213,7 +1221,7 @@ def test_every_event_sent_is_one_the_sdk_s_types_accept(connect: Callable[..., A
             "response.content_part.added", "response.output_audio_transcript.delta", "response.output_audio.delta",
             "response.output_audio.done", "response.output_audio_transcript.done", "response.output_text.delta",
             "response.output_text.done", "response.content_part.done", "response.output_item.done", "response.done",
-            "error"}  # fmt: skip
+            "response.function_call_arguments.delta", "response.function_call_arguments.done", "error"}  # fmt: skip
     if beta:
         made = {BETA_NAMES.get(k, k) for k in made - {"conversation.item.done"}} | {"conversation.created"}
     assert {e["type"] for e in events} == made
@@ -1593,3 +1601,76 @@ def test_include_asks_for_transcription_logprobs_and_null_clears_it(connect: Cal
         for include, shown in (([logprobs, logprobs], [logprobs]), (None, None), ([logprobs], [logprobs]), ([], None)):
             ws.send_json({"type": "session.update", "session": {"include": include}})
             assert ws.receive_json()["session"]["include"] == shown, include
+
+
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}  # fmt: skip
+CALLING = [_text("Let me check. <tool_"), _audio(b"\x01\x02"),
+           _text('call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'), _final()]
+
+
+@pytest.mark.parametrize("modality", ["audio", "text"])
+def test_a_response_that_calls_a_tool_makes_function_call_items(connect: Callable[..., Any], modality: str) -> None:
+    """Tools in the session: the request renders them; a reply that calls one streams its words
+    before the call, then a function_call item (its arguments, done); the client's
+    function_call_output and the call go back into the next request as the chat door's turns."""
+    import json
+
+    service = ScriptedService(CALLING)
+    with connect(service) as ws:
+        _until(ws, "session.created")
+        ws.send_json({"type": "session.update", "session": {"tools": [WEATHER_TOOL], "output_modalities": [modality]}})
+        assert _until(ws, "session.updated")[-1]["session"]["tools"] == [WEATHER_TOOL]
+        _say(ws, "Weather in Paris?")
+        ws.send_json({"type": "response.create"})
+        events = _until(ws, "response.done")
+        req = service.requests[-1]
+        assert [json.loads(t) for t in req.tools] == [{"type": "function", "function": {
+            k: v for k, v in WEATHER_TOOL.items() if k != "type"}}]  # fmt: skip
+        words = "".join(e["delta"] for e in events if e["type"].endswith("transcript.delta")
+                        or e["type"] == "response.output_text.delta")  # fmt: skip
+        assert words == "Let me check."
+        calls = [e for e in events if e["type"] == "response.output_item.added" and e["output_index"] == 1]
+        assert len(calls) == 1 and calls[0]["item"]["type"] == "function_call" and calls[0]["item"]["arguments"] == ""
+        done = next(e for e in events if e["type"] == "response.function_call_arguments.done")
+        assert (done["name"], json.loads(done["arguments"])) == ("get_weather", {"city": "Paris"})
+        output = events[-1]["response"]["output"]
+        assert [i["type"] for i in output] == ["message", "function_call"] and events[-1]["response"]["status"] == (
+            "completed")
+        call_id = output[1]["call_id"]
+        assert call_id == done["call_id"] and call_id.startswith("call_")
+        # the client runs it and gives the result; the next response answers with it in view
+        ws.send_json({"type": "conversation.item.create", "item": {"type": "function_call_output",
+                                                                  "call_id": call_id, "output": "sunny"}})  # fmt: skip
+        _until(ws, "conversation.item.done")
+        service.script = [_text("It is sunny."), _final()]
+        ws.send_json({"type": "response.create"})
+        _until(ws, "response.done")
+    turns = [(m.role, m.content, [(c.id, c.name, c.arguments) for c in m.tool_calls], m.tool_call_id)
+             for m in service.requests[-1].messages]  # fmt: skip
+    call = (call_id, "get_weather", '{"city": "Paris"}')
+    assert turns == [("user", "", [], ""), ("assistant", "Let me check.", [call], ""), ("tool", "sunny", [], call_id)]
+    assert service.requests[-1].messages[0].parts[0].text == "Weather in Paris?"
+
+
+def test_tool_items_and_choices_the_session_cannot_honour_are_refused(connect: Callable[..., Any]) -> None:
+    service = ScriptedService()
+    with connect(service) as ws:
+        _until(ws, "session.created")
+        for event, param in [
+            ({"type": "session.update", "session": {"tool_choice": "required"}}, "session.tool_choice"),
+            ({"type": "session.update", "session": {"tools": [{"type": "function", "name": "a b"}]}},
+             "session.tools[0].name"),
+            ({"type": "response.create", "response": {"tool_choice": {"type": "function", "name": "f"}}},
+             "response.tool_choice"),
+            ({"type": "conversation.item.create", "item": {"type": "mcp_call"}}, "item.type"),
+            ({"type": "conversation.item.create", "item": {"type": "function_call_output", "output": "x"}},
+             "item.call_id"),
+        ]:  # fmt: skip
+            ws.send_json(event)
+            error = _until(ws, "error")[-1]["error"]
+            assert error["param"] == param, (event, error)
+        # a call the client replays (as it would from an earlier session) is a turn like any
+        ws.send_json({"type": "conversation.item.create", "item": {"type": "function_call", "call_id": "c1",
+                                                                  "name": "f", "arguments": "{}"}})  # fmt: skip
+        assert _until(ws, "conversation.item.done")[-1]["item"]["name"] == "f"

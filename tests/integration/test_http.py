@@ -1311,3 +1311,42 @@ def test_tools_and_earlier_calls_reach_the_model_as_generate_sees_them(
                                            tools=[WEATHER, TIME], logprobs=True)  # type: ignore[arg-type]  # fmt: skip
     streamed = [e.token for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert streamed == [e.token for e in whole.choices[0].logprobs.content] and streamed
+
+
+def test_realtime_tools_and_calls_are_the_chat_doors(http_stack: Stack, client: openai.OpenAI) -> None:
+    """A Realtime session's tools, a call it replays and the call's output are the chat turns
+    they stand for (the official client): the same prompt, the same greedy reply."""
+    from tests.test_tool_calls import WEATHER
+
+    model = client.models.list().data[0].id
+    tool = {"type": "function", **WEATHER["function"]}  # (the Realtime API's flat form)
+    args = '{"city": "Paris"}'
+    chat = client.chat.completions.create(model=model, temperature=0, max_tokens=MAX_TOKENS, tools=[WEATHER], messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_7", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+        {"role": "tool", "tool_call_id": "call_7", "content": "sunny"}])  # type: ignore[arg-type,list-item]  # fmt: skip
+
+    async def talk() -> Any:
+        aclient = openai.AsyncOpenAI(base_url=f"http://{http_stack.http_address}/v1", api_key="unused", max_retries=0)
+        async with aclient.realtime.connect(model=model) as conn:
+            await conn.session.update(session={"type": "realtime", "temperature": 0, "max_output_tokens": MAX_TOKENS,
+                                               "output_modalities": ["text"], "tools": [tool],
+                                               "audio": {"input": {"turn_detection": None}}})  # type: ignore[typeddict-unknown-key,list-item]  # fmt: skip
+            for item in ({"type": "message", "role": "user", "content": [{"type": "input_text",
+                                                                          "text": "Weather in Paris?"}]},
+                         {"type": "function_call", "call_id": "call_7", "name": "get_weather", "arguments": args},
+                         {"type": "function_call_output", "call_id": "call_7", "output": "sunny"}):  # fmt: skip
+                await conn.conversation.item.create(item=item)  # type: ignore[arg-type]
+            await conn.response.create()
+            async for event in conn:
+                if event.type == "error":
+                    raise AssertionError(event)
+                if event.type == "response.done":
+                    return event.response
+        raise AssertionError("the connection ended before response.done")
+
+    response = run(talk())
+    assert response.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.output[0].content[0].text == chat.choices[0].message.content and chat.choices[0].message.content
