@@ -42,6 +42,7 @@ APP_ORIGIN = "http://app.example"
 MAX_MODEL_LEN = 1024  # a browser page on another origin the stack lets in
 QUESTION = "Can you explain how streaming works?"
 STORY = "Tell me a short story about a robot who learns to sing."  # (greedy, its reply ends on <|im_end|>)
+LONG = "Tell me about the sea."  # (greedy, its reply runs past MAX_TOKENS)
 STREAM_TOL = 1e-5  # streamed code2wav against its full decode (tests/code2wav/test_streaming_exact.py)
 
 
@@ -181,8 +182,8 @@ def test_compressed_formats_decode_to_the_right_length(http_stack: Stack, client
 
 
 def test_streamed_chat_sends_pieces_as_they_exist(http_stack: Stack, client: openai.OpenAI) -> None:
-    text, pcm = _grpc_reply(http_stack)
-    stream = _chat(client, "pcm16", stream=True, stream_options={"include_usage": True})
+    text, pcm = _grpc_reply(http_stack, LONG)
+    stream = _chat(client, "pcm16", LONG, stream=True, stream_options={"include_usage": True})
     content, audio, pieces, finish, usage, audio_events = [], [], [], None, None, 0
     updates: list[Any] = []  # every audio update
     for event in stream:
