@@ -106,7 +106,7 @@ from gateway.server import (
     internal_failure,
 )
 from gateway.tool_calls import NAME as TOOL_NAME
-from gateway.tool_calls import CallStream
+from gateway.tool_calls import CallStream, spoken
 from gateway.tool_calls import parse as parse_calls
 from gateway.transcription import check_form_type, read_form, to_transcription_request
 from omnistage.models.sampling import MAX_LOGIT_BIAS_ENTRIES, greedy_temperature
@@ -1247,11 +1247,12 @@ class ChatCompletions:
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
         if calls:
             message["tool_calls"] = [c.openai() for c in calls]
-        if req.want_audio:  # (with calls, the speech is the content's: its talker input ended at the first)
+        if req.want_audio:  # (with tools, its talker input ended where the first call starts)
             audio_id = _audio_id()
-            self.transcripts.put(audio_id, content or "")
+            said = spoken(text) if req.tools else text
+            self.transcripts.put(audio_id, said)
             message["audio"] = {"id": audio_id, "data": base64.b64encode(b"".join(audio)).decode(),
-                                "expires_at": created + AUDIO_TTL_S, "transcript": content or ""}  # fmt: skip
+                                "expires_at": created + AUDIO_TTL_S, "transcript": said}  # fmt: skip
         return JSONResponse({
             "id": f"chatcmpl-{req.request_id}", "object": "chat.completion", "created": created,
             "model": self.service.model_name,
@@ -1322,15 +1323,18 @@ class ChatCompletions:
                     if calls is not None:  # the content held back, and the calls
                         content, made = calls.finish()
                         made = made[: _most_calls(body)]
-                        if content:  # (with the logprobs of the tokens that show it)
-                            yield chunk({"content": content},
-                                        logprobs={"content": scored.take(), "refusal": None} if scores else None)
+                        rest: dict[str, Any] = {"content": content} if content else {}
+                        if req.want_audio and (said := calls.spoken_rest()):  # (the words after a call: unsaid)
+                            text.append(said)
+                            rest["audio"] = audio(transcript=said)
+                        if rest:  # (with the logprobs of the tokens that show it)
+                            yield chunk(rest, logprobs={"content": scored.take(), "refusal": None} if scores else None)
                         if made:
                             yield chunk({"tool_calls": [c.openai(i) for i, c in enumerate(made)]})
                             finish = "tool_calls"
                     # (tokens whose text never showed: the part of a stop text held back, a call, say)
-                    rest = {"content": unsent, "refusal": None} if scores and (unsent := scored.take()) else None
-                    yield chunk({}, finish, rest)
+                    left = {"content": unsent, "refusal": None} if scores and (unsent := scored.take()) else None
+                    yield chunk({}, finish, left)
                     if body.stream_options is not None and body.stream_options.include_usage:
                         event = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
                                  "model": self.service.model_name, "choices": [],

@@ -89,11 +89,17 @@ def fitted(request: gateway_pb2.GenerateRequest, fit: PromptFit, build: Callable
                          f"length (at most {max_chars})")  # fmt: skip
     fit.builds, fit.dropped = 0, 0
     lengths: dict[int, int] = {}
+
+    def cut(n: int) -> int:  # a cut takes a call's results along (a tool turn never starts the prompt)
+        while n < most and request.messages[fit.fixed + n].role == "tool":
+            n += 1
+        return n
+
     kept: dict[int, P] = {}  # the first build's prompt, and the fewest count's found within the target
 
     def made(n: int) -> P:  # the prompt with the first `n` turns after `fixed` left out
         fit.builds += 1
-        return build(without(request, fit.fixed, n) if n else request)
+        return build(without(request, fit.fixed, cut(n)) if cut(n) else request)
 
     def over(n: int) -> bool:
         if n not in lengths:
@@ -108,7 +114,7 @@ def fitted(request: gateway_pb2.GenerateRequest, fit: PromptFit, build: Callable
 
     over(floor)
     if lengths[floor] <= (fit.limit if floor == 0 else fit.target):  # (it fits as it is: nothing to leave out)
-        fit.dropped = floor
+        fit.dropped = cut(floor)
         return kept[floor]
     low, high = floor, floor + 1  # over at `low`; `high`: the first count tried that is not, or `most`
     while high < most and over(high):
@@ -120,5 +126,5 @@ def fitted(request: gateway_pb2.GenerateRequest, fit: PromptFit, build: Callable
         low, high = (mid, high) if over(mid) else (low, mid)
     if high not in kept:  # (the fallback, not within the target: built again)
         kept[high] = made(high)
-    fit.dropped = high
+    fit.dropped = cut(high)
     return kept[high]

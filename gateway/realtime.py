@@ -125,10 +125,11 @@ from gateway.realtime_turns import (
     transcription_only,
     transcription_request,
     turn_detection,
+    turn_groups,
 )
 from gateway.realtime_vad import FRAME_MS, MIN_VOICED_MS, EnergyVad, VadEvent
 from gateway.server import GatewayError, GatewayService, fail_replies, internal_failure
-from gateway.tool_calls import Call, CallStream
+from gateway.tool_calls import OPEN, Call, CallStream, takes_tools
 from omnistage.v1 import gateway_pb2
 
 __all__ = ["realtime_route"]
@@ -355,6 +356,7 @@ class RealtimeSession:
                                 "session.type")  # fmt: skip
         audio = s.audio or AudioConfig()
         settings = self.settings.merged(s, self.voices, "session", audio.output, self.service.sample_rate)
+        self._check_tools(settings, "session")
         settings.kind = kind
         if s.truncation is not None:
             settings.truncation = s.truncation
@@ -709,6 +711,7 @@ class RealtimeSession:
         in_band = r.conversation != "none"
         settings = self.settings.merged(r, self.voices, "response", r.audio.output if r.audio else None,
                                         self.service.sample_rate)  # fmt: skip
+        self._check_tools(settings, "response")
         if in_band and self.active is not None:
             raise RealtimeError("a response is being made; cancel it or wait for response.done",
                                 code="conversation_already_has_active_response")  # fmt: skip
@@ -726,7 +729,7 @@ class RealtimeSession:
         self._room(charge, "response.input" if r.input is not None else "response", items=1 if in_band else 0)
         req = to_generate_request(context, settings)
         fit = settings.fit(self.service.max_prompt_tokens)
-        turns = [i for i in context if i.turn] if in_band and r.input is None else []  # (as the request's messages)
+        turns = turn_groups(context) if in_band and r.input is None else []  # (as the request's messages)
         response = Response(self, req, settings, r.metadata, in_band, fit, turns)
         response.charge = charge
         self.held += charge
@@ -735,6 +738,18 @@ class RealtimeSession:
             self.active, self.task, self.idle_from = response, task, None  # (its end arms the idle timeout)
         else:
             self.side[response.id] = (response, task)
+
+    def _check_tools(self, settings: Settings, where: str) -> None:
+        """Tools a response could not be made with are refused where they are set (not by every
+        response failing): a template that renders none, or speech that could not end at a call."""
+        if not settings.tools or settings.tool_choice == "none" or settings.kind == "transcription":
+            return
+        if not takes_tools(self.service.template_names):
+            raise RealtimeError(f"{where}.tools: this checkpoint's chat template takes no tools", f"{where}.tools")
+        if settings.modality == "audio" and self.service.call_start is None:
+            raise RealtimeError(f"{where}.tools: with audio, a call must start with one token ({OPEN}), which this "
+                                "checkpoint's tokenizer lacks: ask for output_modalities [\"text\"]",
+                                f"{where}.tools")  # fmt: skip
 
     def _context(self, given: Any) -> list[Item]:
         """response.input: the turns a response answers in place of the conversation: items given
@@ -847,7 +862,7 @@ class Response:
 
     def __init__(self, session: RealtimeSession, req: gateway_pb2.GenerateRequest, settings: Settings,
                  metadata: dict[str, str] | None, in_band: bool = True, fit: PromptFit | None = None,
-                 conversation: list[Item] | None = None) -> None:  # fmt: skip
+                 conversation: list[list[Item]] | None = None) -> None:  # fmt: skip
         self.session, self.req, self.settings, self.metadata = session, req, settings, metadata
         # truncation: the conversation's turns its prompt leaves out (the first `fit.dropped` of
         # `conversation`, its turns in the request's order) are left out of the next responses' too
@@ -913,7 +928,8 @@ class Response:
         finally:  # (the client gone too: the conversation keeps what was made)
             self.settle(status)
             if self.fit is not None and self.fit.dropped:  # (read once its prompt was made)
-                s.leave_out([i for i in self.conversation[: self.fit.dropped] if s.items.get(i.id) is i])
+                left = [i for turn in self.conversation[: self.fit.dropped] for i in turn]
+                s.leave_out([i for i in left if s.items.get(i.id) is i])
         await self.done(*outcome)
 
     async def _outcome(self) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
@@ -959,7 +975,8 @@ class Response:
                     self.finished = True  # (a cancel now would cut the request's own ending, not its reply)
                     if self.reading is not None:  # the words held back, and the calls
                         rest, calls = self.reading.finish()
-                        await self._words(send, rest)
+                        # (spoken, the speech ended where the first call starts: the words after it are unsaid)
+                        await self._words(send, self.reading.spoken_rest() if self.audio else rest)
                         self.calls = [self._call(c) for c in calls[: None if self.settings.parallel_tool_calls else 1]]
                     if resp.final.finish_reason == "length":
                         status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
@@ -1027,7 +1044,7 @@ class Response:
                           "item": {**call.event(), "status": "in_progress", "arguments": ""}})  # fmt: skip
             if self.in_band and self.item.id in s.items:  # (it joins the conversation after the reply's words)
                 await s.send({"type": "conversation.item.added", "previous_item_id": s.insert(call, previous),
-                              "item": call.event()})  # fmt: skip
+                              "item": {**call.event(), "status": "in_progress", "arguments": ""}})  # fmt: skip
                 previous = call.id
             await s.send({"type": "response.function_call_arguments.delta", **at, "delta": call.arguments})
             await s.send({"type": "response.function_call_arguments.done", **at, "name": call.name,

@@ -48,6 +48,7 @@ __all__ = [
     "transcription_only",
     "transcription_request",
     "turn_detection",
+    "turn_groups",
 ]
 
 MIN_INPUT_RATE, MAX_INPUT_RATE = 8_000, 192_000
@@ -179,6 +180,7 @@ class _Common(_Strict):
     temperature: float | None = Field(None, ge=0, le=2)  # (the Realtime API's beta field; 0: deterministic)
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     prompt: Any = None
 
 
@@ -206,7 +208,6 @@ class SessionBody(_Common):
     include: list[Any] | None = None
     tracing: Any = None  # (OpenAI's dashboard: nothing is traced here)
     truncation: Truncation | None = None
-    parallel_tool_calls: bool | None = None
     reasoning: Any = None
 
 
@@ -288,7 +289,7 @@ class CallOutputItem(_Strict):
 class FunctionTool(_Strict):
     """One of a session's (or response's) `tools`: the Realtime API's flat form of a function."""
 
-    type: Literal["function"]
+    type: Literal["function"] = "function"
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -377,6 +378,8 @@ class Settings:
                               for i, t in enumerate(body.tools))  # fmt: skip
         if body.tool_choice is not None:
             out.tool_choice = body.tool_choice
+        if body.parallel_tool_calls is not None:
+            out.parallel_tool_calls = body.parallel_tool_calls
         if output is not None:
             where = f"{prefix}.audio.output"
             if output.format is not None:
@@ -629,6 +632,20 @@ def transcription_request(item: Item, config: dict[str, Any], logprobs: bool = F
     return req
 
 
+def turn_groups(items: list[Item]) -> list[list[Item]]:
+    """The items each chat turn of a request is made of, in order: a turn item alone, or an
+    assistant's words with the calls after them (a response's calls go with its words, one turn;
+    truncation counts turns: `fit.dropped` of these)."""
+    groups: list[list[Item]] = []
+    for item in (i for i in items if i.turn):
+        if item.type == "function_call" and groups and groups[-1][0].role == "assistant" \
+                and groups[-1][0].type in ("message", "function_call"):  # fmt: skip
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+    return groups
+
+
 def to_generate_request(items: list[Item], settings: Settings) -> gateway_pb2.GenerateRequest:
     """One response's request: the conversation's turns, under the settings' instructions."""
     if not any(i.role != "assistant" for i in items) and not settings.instructions:
@@ -642,13 +659,11 @@ def to_generate_request(items: list[Item], settings: Settings) -> gateway_pb2.Ge
             req.speed = settings.speed
     if settings.instructions:
         req.messages.append(gateway_pb2.ChatMessage(role="system", content=settings.instructions))
-    for item in (i for i in items if i.turn):
-        message = item.message()
-        last = req.messages[-1] if req.messages else None
-        if item.type == "function_call" and last is not None and last.role == "assistant":
-            last.tool_calls.extend(message.tool_calls)  # a response's calls go with its words, one turn
-        else:
-            req.messages.append(message)
+    for group in turn_groups(items):
+        message = group[0].message()
+        for call in group[1:]:
+            message.tool_calls.extend(call.message().tool_calls)
+        req.messages.append(message)
     if settings.tools and settings.tool_choice != "none":  # (as the chat door takes them)
         req.tools.extend(json.dumps({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
                          for t in settings.tools)  # fmt: skip

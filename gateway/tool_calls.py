@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CLOSE", "OPEN", "Call", "CallStream", "call_start_id", "parse", "read_tools", "takes_tools"]
+__all__ = ["CLOSE", "OPEN", "Call", "CallStream", "call_start_id", "parse", "read_tools", "spoken", "takes_tools"]
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -104,6 +104,13 @@ def _call(block: str) -> Call | None:
     return Call(obj["name"], arguments)
 
 
+def spoken(text: str) -> str:
+    """What a spoken reply says of its text: the talker's input ends at the first call's start
+    (SamplingParams.speech_end_ids), whether or not the call reads as one."""
+    start = text.find(OPEN)
+    return text if start < 0 else text[:start].rstrip()
+
+
 def parse(text: str) -> tuple[str | None, list[Call]]:
     """A whole reply's content and calls. With calls, the content is the text before the first
     one (its trailing whitespace left out) and any other text outside them, None when that is
@@ -171,3 +178,7 @@ class CallStream:
         """The content not given yet, and the calls."""
         content, calls = parse("".join(self._text))
         return (content or "")[self._shown :], calls
+
+    def spoken_rest(self) -> str:
+        """Of the text spoken (`spoken`), what was not given as content yet (at the end)."""
+        return spoken("".join(self._text))[self._shown :]

@@ -105,3 +105,13 @@ def test_turns_whose_text_cannot_fit_go_before_any_build() -> None:
     assert fit.dropped == 6 and built == [3] and len(out.messages) == 3
     with pytest.raises(ValueError, match="characters of text from its last user turn on cannot fit"):
         _fit(_request(("user", 100)), PromptFit(limit=10_000), max_chars=chars - 1)
+
+
+def test_a_cut_takes_a_calls_results_along() -> None:
+    """Leaving out the oldest turns never starts the prompt at a tool turn whose call went: the
+    results go with it (the template would render them as answering nothing)."""
+    req = _request(("system", 5), ("user", 10), ("assistant", 10), ("tool", 3), ("tool", 3), ("assistant", 10),
+                   ("user", 10))  # fmt: skip
+    fit = PromptFit(limit=35, fixed=1)  # 51 in all: dropping [user, assistant] (31) is enough but for the tools
+    out, _ = _fit(req, fit)
+    assert fit.dropped == 4 and [m.role for m in out.messages] == ["system", "assistant", "user"]

@@ -56,6 +56,7 @@ class ScriptedService:
         self.cfg.audio_output = audio
         self.media_limits = self.cfg.media
         self.model_name, self.sample_rate, self.api_key, self.script = "tiny", 24_000, api_key, script
+        self.template_names, self.call_start = frozenset({"messages", "tools"}), 508  # (a template with tools)
         self.ckpt = SimpleNamespace(spec=SimpleNamespace(speakers=["ethan", "chelsie"], default_speaker="ethan"))
         self.requests: list[gateway_pb2.GenerateRequest] = []
         self.closed: list[str] = []
@@ -1225,6 +1226,8 @@ def test_every_event_sent_is_one_the_sdk_s_types_accept(connect: Callable[..., A
     if beta:
         made = {BETA_NAMES.get(k, k) for k in made - {"conversation.item.done"}} | {"conversation.created"}
     assert {e["type"] for e in events} == made
+    calls = [e["item"] for e in events if isinstance(e.get("item"), dict) and e["item"]["type"] == "function_call"]
+    assert calls and all("content" not in c and "role" not in c for c in calls)  # (beta's message items have them)
     bad = []
     for event in events:
         try:
@@ -1674,3 +1677,84 @@ def test_tool_items_and_choices_the_session_cannot_honour_are_refused(connect: C
         ws.send_json({"type": "conversation.item.create", "item": {"type": "function_call", "call_id": "c1",
                                                                   "name": "f", "arguments": "{}"}})  # fmt: skip
         assert _until(ws, "conversation.item.done")[-1]["item"]["name"] == "f"
+
+
+def test_truncation_leaves_a_call_out_with_its_words(connect: Callable[..., Any]) -> None:
+    """A response's words and its call are one turn of the request: a truncation that leaves that
+    turn out leaves both items out of the next responses (the call came back alone)."""
+    service = ScriptedService(CALLING)
+    with connect(service) as ws:
+        _until(ws, "session.created")
+        ws.send_json({"type": "session.update", "session": {"tools": [WEATHER_TOOL], "output_modalities": ["text"]}})
+        _until(ws, "session.updated")
+        _say(ws, "Weather in Paris?")
+        ws.send_json({"type": "response.create"})
+        call_id = _until(ws, "response.done")[-1]["response"]["output"][1]["call_id"]
+        ws.send_json({"type": "conversation.item.create", "item": {"type": "function_call_output",
+                                                                  "call_id": call_id, "output": "sunny"}})  # fmt: skip
+        _until(ws, "conversation.item.done")
+        service.script = [_text("It is sunny."), _final()]
+        service.drop = [2]  # the first two turns: the question, and the words with the call
+        _say(ws, "And tomorrow?")
+        ws.send_json({"type": "response.create"})
+        _until(ws, "response.done")
+        ws.send_json({"type": "response.create"})
+        _until(ws, "response.done")
+    assert [(m.role, len(m.tool_calls)) for m in service.requests[-1].messages] == [
+        ("tool", 0), ("user", 0), ("assistant", 0)]
+
+
+@pytest.mark.parametrize("fields", [{}, {"parallel_tool_calls": False}, {"tool_choice": "none"}])
+def test_a_responses_own_tool_fields(connect: Callable[..., Any], fields: dict[str, Any]) -> None:
+    """response.create's tool_choice and parallel_tool_calls: two calls come as two items in
+    order (the first alone with parallel_tool_calls false); tool_choice none leaves the tools out
+    of the request (its text is then plain words)."""
+    second = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    service = ScriptedService([*CALLING[:-1], _text(second), _final()])
+    with connect(service) as ws:
+        _until(ws, "session.created")
+        ws.send_json({"type": "session.update", "session": {"tools": [WEATHER_TOOL], "output_modalities": ["text"]}})
+        _until(ws, "session.updated")
+        _say(ws, "Weather and time?")
+        ws.send_json({"type": "response.create", "response": fields})
+        events = _until(ws, "response.done")
+    output = events[-1]["response"]["output"]
+    if fields.get("tool_choice") == "none":
+        assert not service.requests[-1].tools and [i["type"] for i in output] == ["message"]
+        return
+    names = [i["name"] for i in output[1:]]
+    assert names == (["get_weather"] if fields else ["get_weather", "get_time"])
+    added = [e["item"]["id"] for e in events if e["type"] == "conversation.item.added" and e["item"]["type"] ==
+             "function_call"]  # fmt: skip
+    assert added == [i["id"] for i in output[1:]]  # in the conversation in order
+
+
+def test_a_spoken_reply_says_and_transcribes_only_what_comes_before_a_call(connect: Callable[..., Any]) -> None:
+    """Spoken, a reply's speech ends where its first call starts: its transcript is the words
+    before it, also when the call is cut short by max_output_tokens (nothing after it is said)."""
+    service = ScriptedService([_text("Sure "), _text('<tool_call>\n{"name": "get_wea'), _final("length")])
+    with connect(service) as ws:
+        _until(ws, "session.created")
+        ws.send_json({"type": "session.update", "session": {"tools": [WEATHER_TOOL]}})
+        _until(ws, "session.updated")
+        _say(ws, "Weather?")
+        ws.send_json({"type": "response.create"})
+        events = _until(ws, "response.done")
+    done = next(e for e in events if e["type"] == "response.output_audio_transcript.done")
+    assert done["transcript"] == "Sure" and events[-1]["response"]["status"] == "incomplete"
+
+
+def test_tools_a_response_could_not_be_made_with_are_refused_where_set(connect: Callable[..., Any]) -> None:
+    service = ScriptedService()
+    service.call_start = None  # a tokenizer whose calls do not start with one token: no speech with tools
+    with connect(service) as ws:
+        _until(ws, "session.created")
+        ws.send_json({"type": "session.update", "session": {"tools": [WEATHER_TOOL]}})
+        error = _until(ws, "error")[-1]["error"]
+        assert error["param"] == "session.tools" and "one token" in error["message"]
+        ws.send_json({"type": "session.update", "session": {"tools": [WEATHER_TOOL], "output_modalities": ["text"]}})
+        assert _until(ws, "session.updated")[-1]["session"]["tools"] == [WEATHER_TOOL]
+        service.template_names = frozenset({"messages"})  # (a template that renders no tools)
+        ws.send_json({"type": "response.create", "response": {"tools": [WEATHER_TOOL]}})
+        error = _until(ws, "error")[-1]["error"]
+        assert error["param"] == "response.tools" and "takes no tools" in error["message"]

@@ -458,3 +458,27 @@ def test_tools_and_calls_count_towards_the_text_bound_before_tokenizing(tiny_dir
     for req in (_request(HISTORY[:2], [long_tool]), _request(HISTORY[:2] + long_call)):
         with pytest.raises(ValueError, match=r"^prompt: \d+ characters of text cannot fit"):
             service._prompt(req)
+
+
+@pytest.mark.parametrize(("reply", "finish"), [(["Let me check. ", CALL, " Anything else?"], "stop"),
+                                               (["Sure ", '<tool_call>\n{"name": "get_wea'], "length")])  # fmt: skip
+def test_a_spoken_replys_transcript_is_what_it_said(tiny_dir: Path, reply: list[str], finish: str) -> None:
+    """The speech ends where the first call starts (whether or not it reads as one): the
+    transcript is the words before it, streamed or not; the content is the reply's own."""
+    words = reply[0].strip()
+
+    async def call(client: openai.AsyncOpenAI) -> Any:
+        asked: dict[str, Any] = {"model": "m", "messages": HISTORY[:2], "tools": [WEATHER],
+                                 "modalities": ["text", "audio"],
+                                 "audio": {"voice": "alloy", "format": "pcm16"}}  # fmt: skip
+        whole = await client.chat.completions.create(**asked)
+        stream = await client.chat.completions.create(**asked, stream=True)
+        return whole, [c async for c in stream]
+
+    (whole, chunks), _ = _sdk(tiny_dir, reply, call, finish)
+    message = whole.choices[0].message
+    assert message.audio.transcript == words
+    assert message.content == ("".join(reply) if finish == "length" else words + "\nAnything else?")
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    said = "".join(getattr(d.audio, "transcript", None) or "" for d in deltas if d.audio)
+    assert said == words and "".join(d.content or "" for d in deltas) == message.content
