@@ -254,34 +254,33 @@ ROLE_PARTS = {"user": ("input_text", "input_audio", "input_image"), "system": ("
 _PART_TYPES = frozenset(t for types in ROLE_PARTS.values() for t in types)
 
 
-class MessageItem(_Strict):
+class _ItemBody(_Strict):
+    """What every item a client creates may carry besides its own fields."""
+
     id: str | None = Field(None, min_length=1, max_length=64)
-    type: Literal["message"]
     object: Literal["realtime.item"] | None = None
-    role: Literal["user", "system", "assistant"]
     status: str | None = None
+
+
+class MessageItem(_ItemBody):
+    type: Literal["message"]
+    role: Literal["user", "system", "assistant"]
     content: Annotated[list[Part], Field(min_length=1)]
 
 
-class CallItem(_Strict):
+class CallItem(_ItemBody):
     """A function call an earlier response made (the client's copy of it)."""
 
-    id: str | None = Field(None, min_length=1, max_length=64)
     type: Literal["function_call"]
-    object: Literal["realtime.item"] | None = None
-    status: str | None = None
     call_id: str = Field(min_length=1, max_length=64)
     name: str = Field(min_length=1, max_length=64)
     arguments: str
 
 
-class CallOutputItem(_Strict):
+class CallOutputItem(_ItemBody):
     """A call's result, which the client's code made."""
 
-    id: str | None = Field(None, min_length=1, max_length=64)
     type: Literal["function_call_output"]
-    object: Literal["realtime.item"] | None = None
-    status: str | None = None
     call_id: str = Field(min_length=1, max_length=64)
     output: str
 
