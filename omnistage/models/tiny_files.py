@@ -164,18 +164,10 @@ def chat_template(tokens: Mapping[str, str], tools: bool = False) -> str:
         "{%- endif %}{%- endfor %}{%- endif %}"
         "{%- endmacro %}"
     )
-    if not tools:  # (as before tools came: the same template text)
+    if not tools:
         return (
-            "{%- for message in messages %}"
-            "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-            "{%- if message['content'] is string %}{{- message['content'] }}"
-            "{%- else %}{%- for part in message['content'] %}"
-            "{%- if part['type'] == 'text' %}{{- part['text'] }}"
-            f"{{%- elif part['type'] == 'audio' %}}{{{{- '{audio}' }}}}"
-            f"{{%- elif part['type'] == 'image' %}}{{{{- '{image}' }}}}"
-            f"{{%- elif part['type'] == 'video' %}}{{{{- '{video}' }}}}"
-            "{%- endif %}{%- endfor %}{%- endif %}"
-            "{{- '<|im_end|>\\n' }}"
+            content + "{%- for message in messages %}"
+            "{{- '<|im_start|>' + message['role'] + '\\n' }}{{- render(message['content']) }}{{- '<|im_end|>\\n' }}"
             "{%- endfor %}"
             "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
         )
