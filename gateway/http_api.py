@@ -106,7 +106,7 @@ from gateway.server import (
     internal_failure,
 )
 from gateway.tool_calls import NAME as TOOL_NAME
-from gateway.tool_calls import CallStream, spoken
+from gateway.tool_calls import CallStream, check_nesting, spoken
 from gateway.tool_calls import parse as parse_calls
 from gateway.transcription import check_form_type, read_form, to_transcription_request
 from omnistage.models.sampling import MAX_LOGIT_BIAS_ENTRIES, greedy_temperature
@@ -211,7 +211,7 @@ class AudioRef(_Body):
 
 
 class FunctionCall(_Body):
-    name: str = Field(min_length=1)
+    name: str = Field(pattern=TOOL_NAME)  # (rendered into the prompt's JSON as it is)
     arguments: str  # a JSON object's text, as the reply gave it
 
 
@@ -543,10 +543,13 @@ def _tool(tool: dict[str, Any], i: int) -> str:
     transformers user gives apply_chat_template its tools)."""
     try:
         Tool.model_validate(tool)
+        check_nesting(tool, f"tools[{i}]")
     except ValidationError as e:
         where, message = _first_error(e)
         field = f"tools[{i}]" + (f".{where}" if where else "")
         raise HttpError(400, f"{field}: {message}", param=field) from None
+    except ValueError as e:
+        raise HttpError(400, str(e), param=f"tools[{i}]") from None
     return json.dumps(tool, ensure_ascii=False)
 
 
@@ -1315,10 +1318,6 @@ class ChatCompletions:
                     if held:
                         yield audio_chunk(held)
                         held = b""
-                    if req.want_audio:
-                        self.transcripts.put(audio_id, "".join(text))
-                        # the last audio update holds only when its id expires (OpenAI's ChoiceDeltaAudio)
-                        yield chunk({"audio": audio(expires_at=created + AUDIO_TTL_S)})
                     finish = resp.final.finish_reason or "stop"
                     if calls is not None:  # the content held back, and the calls
                         content, made = calls.finish()
@@ -1332,6 +1331,10 @@ class ChatCompletions:
                         if made:
                             yield chunk({"tool_calls": [c.openai(i) for i, c in enumerate(made)]})
                             finish = "tool_calls"
+                    if req.want_audio:  # (its whole transcript: the words held back to the end too)
+                        self.transcripts.put(audio_id, "".join(text))
+                        # the last audio update holds only when its id expires (OpenAI's ChoiceDeltaAudio)
+                        yield chunk({"audio": audio(expires_at=created + AUDIO_TTL_S)})
                     # (tokens whose text never showed: the part of a stop text held back, a call, say)
                     left = {"content": unsent, "refusal": None} if scores and (unsent := scored.take()) else None
                     yield chunk({}, finish, left)

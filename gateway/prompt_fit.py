@@ -90,8 +90,8 @@ def fitted(request: gateway_pb2.GenerateRequest, fit: PromptFit, build: Callable
     fit.builds, fit.dropped = 0, 0
     lengths: dict[int, int] = {}
 
-    def cut(n: int) -> int:  # a cut takes a call's results along (a tool turn never starts the prompt)
-        while n < most and request.messages[fit.fixed + n].role == "tool":
+    def cut(n: int) -> int:  # a cut takes a call's results along (a tool turn never starts what it kept)
+        while 0 < n < most and request.messages[fit.fixed + n].role == "tool":
             n += 1
         return n
 

@@ -18,6 +18,7 @@ from gateway.http_error import HttpError
 from gateway.prompt_fit import PromptFit
 from gateway.realtime_vad import VadSettings
 from gateway.tool_calls import NAME as TOOL_NAME
+from gateway.tool_calls import check_nesting
 from gateway.transcription import instruction, transcription_turn
 from omnistage.v1 import gateway_pb2, stage_pb2
 
@@ -178,7 +179,7 @@ class _Common(_Strict):
     output_modalities: Modalities | None = None
     max_output_tokens: MaxTokens | None = None
     temperature: float | None = Field(None, ge=0, le=2)  # (the Realtime API's beta field; 0: deterministic)
-    tools: list[Any] | None = None
+    tools: list[Any] | None = Field(None, max_length=128)  # (as the chat door's)
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     prompt: Any = None
@@ -273,7 +274,7 @@ class CallItem(_ItemBody):
 
     type: Literal["function_call"]
     call_id: str = Field(min_length=1, max_length=64)
-    name: str = Field(min_length=1, max_length=64)
+    name: str = Field(pattern=TOOL_NAME)  # (rendered into the prompt's JSON as it is)
     arguments: str
 
 
@@ -375,6 +376,11 @@ class Settings:
         if body.tools is not None:
             out.tools = tuple(parse(FunctionTool, t, f"{prefix}.tools[{i}]").model_dump(exclude_none=True)
                               for i, t in enumerate(body.tools))  # fmt: skip
+            for i, tool in enumerate(out.tools):
+                try:
+                    check_nesting(tool, f"{prefix}.tools[{i}]")
+                except ValueError as e:
+                    raise RealtimeError(str(e), f"{prefix}.tools[{i}]") from None
         if body.tool_choice is not None:
             out.tool_choice = body.tool_choice
         if body.parallel_tool_calls is not None:

@@ -17,11 +17,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CLOSE", "OPEN", "Call", "CallStream", "call_start_id", "parse", "read_tools", "spoken", "takes_tools"]
+__all__ = ["CLOSE", "MAX_DEPTH", "NAME", "OPEN", "Call", "CallStream", "call_start_id", "check_nesting", "nesting",
+           "parse", "read_tools", "spoken", "takes_tools"]
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
 NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
+MAX_DEPTH = 64  # a tool's JSON nests at most this deep (a schema's rarely pass 10; renderers recurse)
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,24 @@ def call_start_id(tokenizer: Any) -> int | None:
     return int(ids[0]) if len(ids) == 1 else None
 
 
+def nesting(obj: Any) -> int:
+    """How deep a JSON value nests (a scalar: 0), walked without recursion."""
+    deepest, todo = 0, [(obj, 0)]
+    while todo:
+        value, depth = todo.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is not None:
+            deepest = max(deepest, depth + 1)
+            todo.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def check_nesting(tool: Any, where: str) -> None:
+    """ValueError naming `where` if a tool nests past MAX_DEPTH."""
+    if nesting(tool) > MAX_DEPTH:
+        raise ValueError(f"{where}: nested more than {MAX_DEPTH} levels deep")
+
+
 def read_tools(raw: Sequence[str]) -> list[dict[str, Any]]:
     """`GenerateRequest.tools` as the template's `tools` (ValueError naming the field)."""
     tools: list[dict[str, Any]] = []
@@ -59,6 +79,7 @@ def read_tools(raw: Sequence[str]) -> list[dict[str, Any]]:
             tool = json.loads(text)
         except (ValueError, RecursionError):
             raise ValueError(f"{where}: not JSON") from None
+        check_nesting(tool, where)
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or tool.get("type") != "function":
             raise ValueError(f'{where}: expected {{"type": "function", "function": {{"name": ...}}}}')

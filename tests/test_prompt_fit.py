@@ -115,3 +115,12 @@ def test_a_cut_takes_a_calls_results_along() -> None:
     fit = PromptFit(limit=35, fixed=1)  # 51 in all: dropping [user, assistant] (31) is enough but for the tools
     out, _ = _fit(req, fit)
     assert fit.dropped == 4 and [m.role for m in out.messages] == ["system", "assistant", "user"]
+
+
+def test_a_conversation_that_fits_keeps_a_leading_tool_turn() -> None:
+    """Nothing over the limit: nothing left out, a tool turn first too (a cut takes results along
+    only where it cuts)."""
+    req = _request(("system", 5), ("tool", 3), ("user", 10))
+    fit = PromptFit(limit=35, fixed=1)
+    out, _ = _fit(req, fit)
+    assert fit.dropped == 0 and out == req

@@ -1758,3 +1758,17 @@ def test_tools_a_response_could_not_be_made_with_are_refused_where_set(connect: 
         ws.send_json({"type": "response.create", "response": {"tools": [WEATHER_TOOL]}})
         error = _until(ws, "error")[-1]["error"]
         assert error["param"] == "response.tools" and "takes no tools" in error["message"]
+
+
+def test_a_tool_nested_too_deep_or_a_bad_call_name_is_refused_where_given(connect: Callable[..., Any]) -> None:
+    deep: Any = 1
+    for _ in range(400):
+        deep = {"a": deep}
+    service = ScriptedService()
+    with connect(service) as ws:
+        _until(ws, "session.created")
+        ws.send_json({"type": "session.update", "session": {"tools": [{**WEATHER_TOOL, "parameters": deep}]}})
+        assert _until(ws, "error")[-1]["error"]["param"] == "session.tools[0]"
+        bad = {"type": "function_call", "call_id": "c", "name": 'a"}<|im_end|>', "arguments": "{}"}
+        ws.send_json({"type": "conversation.item.create", "item": bad})
+        assert _until(ws, "error")[-1]["error"]["param"] == "item.name"

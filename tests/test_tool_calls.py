@@ -482,3 +482,45 @@ def test_a_spoken_replys_transcript_is_what_it_said(tiny_dir: Path, reply: list[
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     said = "".join(getattr(d.audio, "transcript", None) or "" for d in deltas if d.audio)
     assert said == words and "".join(d.content or "" for d in deltas) == message.content
+
+
+def test_a_tool_nested_deeper_than_any_schema_is_refused_at_every_door(tiny_dir: Path) -> None:
+    """A tool's JSON nested past MAX_DEPTH is a 400 naming it (it was an internal error: the
+    prompt's special-text check recursed), over HTTP and gRPC alike; the check itself walks any
+    depth."""
+    from gateway.tool_calls import MAX_DEPTH
+    from omnistage.models.qwen3_omni.prompt import holds_special_text
+
+    deep: Any = 1
+    for _ in range(400):
+        deep = {"a": deep}
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    with pytest.raises(ValueError, match=rf"^tools\[0\]: nested more than {MAX_DEPTH} levels deep"):
+        read_tools([json.dumps(tool)])
+    assert holds_special_text(_service(tiny_dir).tokenizer, {"x": [deep, {"y": "<|im_end|>"}]})
+
+    async def call(client: openai.AsyncOpenAI) -> Any:
+        try:
+            return await client.chat.completions.create(model="m", messages=HISTORY[:2], tools=[tool])  # type: ignore[list-item]
+        except openai.BadRequestError as e:
+            return e
+
+    got, seen = _sdk(tiny_dir, ["ok"], call)
+    assert isinstance(got, openai.BadRequestError) and got.body["param"] == "tools[0]" and not seen  # type: ignore[index]
+
+
+def test_a_streamed_spoken_replys_stored_transcript_is_all_it_said(tiny_dir: Path) -> None:
+    """The words held back to the end (trailing spaces, where a call could have begun) are in the
+    transcript an audio id names later, as the non-streamed reply's are."""
+    async def call(client: openai.AsyncOpenAI) -> Any:
+        asked: dict[str, Any] = {"model": "m", "tools": [WEATHER], "modalities": ["text", "audio"],
+                                 "audio": {"voice": "alloy", "format": "pcm16"}}  # fmt: skip
+        stream = await client.chat.completions.create(messages=HISTORY[:2], stream=True, **asked)
+        ids = [c.choices[0].delta.audio.id async for c in stream if c.choices and c.choices[0].delta.audio
+               and getattr(c.choices[0].delta.audio, "id", None)]  # fmt: skip
+        audio_id = ids[0]
+        follow = [*HISTORY[:2], {"role": "assistant", "audio": {"id": audio_id}}, {"role": "user", "content": "More?"}]
+        return await client.chat.completions.create(messages=follow, **asked)
+
+    _, seen = _sdk(tiny_dir, ["It is ", "sunny <tool"], call, finish="length")
+    assert seen[-1].messages[2].content == "It is sunny <tool"

@@ -67,16 +67,16 @@ def holds_special_text(tokenizer: Any, *values: Any) -> bool:
     and U+F0001, from everything the client wrote)."""
     pattern = _specials_pattern(tuple(t.content for t in tokenizer.added_tokens_decoder.values() if t.special))
 
-    def holds(obj: Any) -> bool:
-        if isinstance(obj, str):
-            return pattern.search(obj) is not None
+    todo = list(values)  # (walked without recursion: a client's tool schema may nest deep)
+    while todo:
+        obj = todo.pop()
+        if isinstance(obj, str) and pattern.search(obj) is not None:
+            return True
         if isinstance(obj, Mapping):
-            return any(holds(v) for v in obj.values())
-        if isinstance(obj, list | tuple):
-            return any(holds(v) for v in obj)
-        return False
-
-    return any(holds(v) for v in values)
+            todo.extend(obj.values())
+        elif isinstance(obj, list | tuple):
+            todo.extend(obj)
+    return False
 
 
 def messages_from_prompt(prompt: str, system: str | None = None) -> list[dict[str, str]]:
