@@ -35,7 +35,7 @@ it, never ignored; the session goes on):
   `include: ["item.input_audio_transcription.logprobs"]` they carry the tokens' `logprobs`.
   `tools` (the API's flat functions), `tool_choice` auto or none, `parallel_tool_calls`: as the
   chat door's (gateway/tool_calls.py); a reply's calls come as function_call items after its
-  message item. No semantic_vad, noise reduction or prompts.
+  message item (a reply that only calls has none). No semantic_vad, noise reduction or prompts.
   `type: transcription` (or connecting with `?intent=transcription`; beta's
   `transcription_session.update`): live captions. Each committed turn (by the client or heard by
   server_vad) is transcribed, on by default; no response is made and no turn is kept.
@@ -881,6 +881,9 @@ class Response:
         self.text: list[str] = []
         self.reading = CallStream() if req.tools else None  # the reply's text, read for tool calls
         self.calls: list[Item] = []  # its function_call items (after its message item), once read
+        # its message item was announced: with tools, at its first words or audio (a reply that
+        # only calls has none, as OpenAI's API gives it), else at once
+        self.announced = False
         self.ids = {"response_id": self.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
         self.cancelled: dict[str, str] | None = None  # once cancelled: its status_details
         self.finished = False  # the request's final came
@@ -903,7 +906,7 @@ class Response:
     def response(self, status: str, details: dict[str, Any] | None = None,
                  usage: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
         return {"object": "realtime.response", "id": self.id, "status": status, "status_details": details,
-                "output": [i.event() for i in (self.item, *self.calls)] if status != "in_progress" else [],
+                "output": [i.event() for i in self._output()] if status != "in_progress" else [],
                 "conversation_id": self.session.id if self.in_band else None,
                 "output_modalities": [self.settings.modality],
                 "max_output_tokens": self.settings.max_output_tokens or "inf",
@@ -911,20 +914,33 @@ class Response:
                                      "voice": self.settings.voice or None}},
                 "usage": usage, "metadata": self.metadata}  # fmt: skip
 
+    def _output(self) -> list[Item]:
+        return [self.item, *self.calls] if self.announced else self.calls
+
+    async def _announce(self) -> None:
+        """The message item's start: in the conversation (in band), its output item and content part."""
+        if self.announced:
+            return
+        self.announced = True
+        s = self.session
+        previous = s.insert(self.item, None) if self.in_band else None
+        await s.send({"type": "response.output_item.added", "response_id": self.id, "output_index": 0,
+                      "item": self.item.event()})  # fmt: skip
+        if self.in_band:
+            await s.send({"type": "conversation.item.added", "previous_item_id": previous, "item": self.item.event()})
+        await s.send({"type": "response.content_part.added", **self.ids, "part": self.part()})
+
     async def run(self) -> None:
         s = self.session
         await s.send({"type": "response.created", "response": self.response("in_progress")})
-        previous = s.insert(self.item, None) if self.in_band else None
         status = "incomplete"
         try:
-            await s.send({"type": "response.output_item.added", "response_id": self.id, "output_index": 0,
-                          "item": self.item.event()})  # fmt: skip
-            if self.in_band:
-                await s.send({"type": "conversation.item.added", "previous_item_id": previous,
-                              "item": self.item.event()})  # fmt: skip
-            await s.send({"type": "response.content_part.added", **self.ids, "part": self.part()})
+            if self.reading is None:
+                await self._announce()
             outcome = ("cancelled", self.cancelled, None) if self.cancelled else await self._outcome()
             status = outcome[0]
+            if not self.calls:  # a reply that calls nothing has its message item, words or none
+                await self._announce()
         finally:  # (the client gone too: the conversation keeps what was made)
             self.settle(status)
             if self.fit is not None and self.fit.dropped:  # (read once its prompt was made)
@@ -969,6 +985,7 @@ class Response:
                     self.item.audio_samples += cut // 2
                     piece = data[:cut] if self.g711 is None else self.g711.push(data[:cut])
                     if piece:
+                        await self._announce()
                         await send({"type": "response.output_audio.delta", **self.ids,
                                     "delta": base64.b64encode(piece).decode()})  # fmt: skip
                 elif kind == "final":
@@ -1001,6 +1018,7 @@ class Response:
 
     async def _words(self, send: Callable[[dict[str, Any]], Awaitable[None]], words: str) -> None:
         if words:
+            await self._announce()
             self.text.append(words)
             name = "response.output_audio_transcript.delta" if self.audio else "response.output_text.delta"
             await send({"type": name, **self.ids, "delta": words})
@@ -1027,22 +1045,24 @@ class Response:
     async def done(self, status: str, details: dict[str, Any] | None, usage: dict[str, Any] | None) -> None:
         self.status = status
         s, ids, words = self.session, self.ids, self.item.text
-        if self.audio:
-            await s.send({"type": "response.output_audio.done", **ids})
-            await s.send({"type": "response.output_audio_transcript.done", **ids, "transcript": words})
-        else:
-            await s.send({"type": "response.output_text.done", **ids, "text": words})
-        await s.send({"type": "response.content_part.done", **ids, "part": self.part()})
-        await s.send({"type": "response.output_item.done", "response_id": self.id, "output_index": 0,
-                      "item": self.item.event()})  # fmt: skip
-        if self.in_band:
-            await s.send({"type": "conversation.item.done", "item": self.item.event()})
-        previous = self.item.id
-        for index, call in enumerate(self.calls, 1):  # each call an item after the message's
+        if self.announced:
+            if self.audio:
+                await s.send({"type": "response.output_audio.done", **ids})
+                await s.send({"type": "response.output_audio_transcript.done", **ids, "transcript": words})
+            else:
+                await s.send({"type": "response.output_text.done", **ids, "text": words})
+            await s.send({"type": "response.content_part.done", **ids, "part": self.part()})
+            await s.send({"type": "response.output_item.done", "response_id": self.id, "output_index": 0,
+                          "item": self.item.event()})  # fmt: skip
+            if self.in_band:
+                await s.send({"type": "conversation.item.done", "item": self.item.event()})
+        # the calls join the conversation after the reply's words (or last, where it had none)
+        previous, joins = (self.item.id, self.item.id in s.items) if self.announced else (None, True)
+        for index, call in enumerate(self.calls, 1 if self.announced else 0):
             at = {"response_id": self.id, "item_id": call.id, "output_index": index, "call_id": call.call_id}
             await s.send({"type": "response.output_item.added", "response_id": self.id, "output_index": index,
                           "item": {**call.event(), "status": "in_progress", "arguments": ""}})  # fmt: skip
-            if self.in_band and self.item.id in s.items:  # (it joins the conversation after the reply's words)
+            if self.in_band and joins:
                 await s.send({"type": "conversation.item.added", "previous_item_id": s.insert(call, previous),
                               "item": {**call.event(), "status": "in_progress", "arguments": ""}})  # fmt: skip
                 previous = call.id

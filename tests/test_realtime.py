@@ -1772,3 +1772,32 @@ def test_a_tool_nested_too_deep_or_a_bad_call_name_is_refused_where_given(connec
         bad = {"type": "function_call", "call_id": "c", "name": 'a"}<|im_end|>', "arguments": "{}"}
         ws.send_json({"type": "conversation.item.create", "item": bad})
         assert _until(ws, "error")[-1]["error"]["param"] == "item.name"
+
+
+@pytest.mark.parametrize("modality", ["audio", "text"])
+def test_a_reply_that_only_calls_has_no_message_item(connect: Callable[..., Any], modality: str) -> None:
+    """As OpenAI's API gives it: a reply that only calls a tool is its function_call item alone
+    (output_index 0, no message item, no content part); a reply with words has its message item
+    first, as always; one with neither (an empty reply) still has its message item."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    service = ScriptedService([_text(call), _final()])
+    with connect(service) as ws:
+        _until(ws, "session.created")
+        ws.send_json({"type": "session.update", "session": {"tools": [WEATHER_TOOL], "output_modalities": [modality]}})
+        _until(ws, "session.updated")
+        asked = _say(ws, "Weather?")
+        ws.send_json({"type": "response.create"})
+        events = _until(ws, "response.done")
+        added = [e for e in events if e["type"] == "response.output_item.added"]
+        assert [(e["output_index"], e["item"]["type"]) for e in added] == [(0, "function_call")]
+        assert not [e for e in events if e["type"].startswith("response.content_part")]
+        output = events[-1]["response"]["output"]
+        assert [i["type"] for i in output] == ["function_call"] and events[-1]["response"]["status"] == "completed"
+        joined = next(e for e in events if e["type"] == "conversation.item.added")
+        assert joined["previous_item_id"] == asked and joined["item"]["id"] == output[0]["id"]
+        for script, kinds in (([_text("Sunny."), _final()], ["message"]), ([_final()], ["message"])):
+            service.script = script
+            ws.send_json({"type": "response.create"})
+            assert [i["type"] for i in _until(ws, "response.done")[-1]["response"]["output"]] == kinds
+    first_answer = service.requests[1].messages
+    assert [(m.role, m.content, len(m.tool_calls)) for m in first_answer] == [("user", "", 0), ("assistant", "", 1)]
