@@ -1250,9 +1250,9 @@ class ChatCompletions:
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
         if calls:
             message["tool_calls"] = [c.openai() for c in calls]
-        if req.want_audio:  # (with tools, its talker input ended where the first call starts)
+        said = spoken(text) if req.tools else text
+        if req.want_audio and (said or not calls):  # (with tools, its talker input ended where the first call starts)
             audio_id = _audio_id()
-            said = spoken(text) if req.tools else text
             self.transcripts.put(audio_id, said)
             message["audio"] = {"id": audio_id, "data": base64.b64encode(b"".join(audio)).decode(),
                                 "expires_at": created + AUDIO_TTL_S, "transcript": said}  # fmt: skip
@@ -1296,6 +1296,19 @@ class ChatCompletions:
             held = b""  # audio bytes past the last whole AUDIO_ALIGN
             scored = Held()
             calls = CallStream() if req.tools else None  # the reply's text, read for tool calls
+            # with tools, audio waits until something is said: a reply that only calls has none (its
+            # audio is a whole-file format's empty file at most), as OpenAI gives it
+            speaking = calls is None
+            unsaid: list[bytes] = []
+
+            def audio_out(data: bytes) -> list[str]:
+                if not speaking:
+                    unsaid.append(data)
+                    return []
+                out = [audio_chunk(piece) for piece in [*unsaid, data] if piece]
+                unsaid.clear()
+                return out
+
             yield chunk({"role": "assistant", "content": "", "refusal": None})
             async for resp in _chain(first, responses):
                 kind = resp.WhichOneof("kind")
@@ -1303,6 +1316,9 @@ class ChatCompletions:
                     scored.add(self.service.pieces.entries(resp.text.logprobs, ends))
                 shown = resp.text.text if calls is None or kind != "text" else calls.feed(resp.text.text)
                 if kind == "text" and shown:
+                    speaking = True
+                    for out in audio_out(b""):
+                        yield out
                     text.append(shown)
                     delta: dict[str, Any] = {"content": shown}
                     if req.want_audio:
@@ -1312,18 +1328,19 @@ class ChatCompletions:
                     data = held + resp.audio.data
                     cut = len(data) - len(data) % AUDIO_ALIGN
                     held = data[cut:]
-                    if cut:
-                        yield audio_chunk(data[:cut])
+                    for out in audio_out(data[:cut]):
+                        yield out
                 elif kind == "final":
-                    if held:
-                        yield audio_chunk(held)
-                        held = b""
+                    for out in audio_out(held):
+                        yield out
+                    held = b""
                     finish = resp.final.finish_reason or "stop"
                     if calls is not None:  # the content held back, and the calls
                         content, made = calls.finish()
                         made = made[: _most_calls(body)]
                         rest: dict[str, Any] = {"content": content} if content else {}
                         if req.want_audio and (said := calls.spoken_rest()):  # (the words after a call: unsaid)
+                            speaking = True
                             text.append(said)
                             rest["audio"] = audio(transcript=said)
                         if rest:  # (with the logprobs of the tokens that show it)
@@ -1331,7 +1348,10 @@ class ChatCompletions:
                         if made:
                             yield chunk({"tool_calls": [c.openai(i) for i, c in enumerate(made)]})
                             finish = "tool_calls"
-                    if req.want_audio:  # (its whole transcript: the words held back to the end too)
+                        speaking = speaking or not made  # (a reply that calls nothing keeps its audio, said or not)
+                        for out in audio_out(b""):
+                            yield out
+                    if req.want_audio and speaking:  # (its whole transcript: the words held back to the end too)
                         self.transcripts.put(audio_id, "".join(text))
                         # the last audio update holds only when its id expires (OpenAI's ChoiceDeltaAudio)
                         yield chunk({"audio": audio(expires_at=created + AUDIO_TTL_S)})

@@ -524,3 +524,25 @@ def test_a_streamed_spoken_replys_stored_transcript_is_all_it_said(tiny_dir: Pat
 
     _, seen = _sdk(tiny_dir, ["It is ", "sunny <tool"], call, finish="length")
     assert seen[-1].messages[2].content == "It is sunny <tool"
+
+
+@pytest.mark.parametrize("fmt", ["wav", "pcm16"])
+def test_a_spoken_reply_that_only_calls_has_no_audio(tiny_dir: Path, fmt: str) -> None:
+    """As OpenAI gives it: `audio` null, streamed or not (a whole-file format's empty file was
+    sent); a reply with words keeps its audio, and one that calls nothing too."""
+    async def call(client: openai.AsyncOpenAI) -> Any:
+        asked: dict[str, Any] = {"model": "m", "messages": HISTORY[:2], "tools": [WEATHER],
+                                 "modalities": ["text", "audio"],
+                                 "audio": {"voice": "alloy", "format": fmt}}  # fmt: skip
+        whole = await client.chat.completions.create(**asked)
+        stream = await client.chat.completions.create(**asked, stream=True)
+        return whole, [c async for c in stream]
+
+    for reply, audible in (([CALL], False), (["Let me check. ", CALL], True), (["Sunny."], True)):
+        (whole, chunks), _ = _sdk(tiny_dir, reply, call)
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert (whole.choices[0].message.audio is not None) == audible, reply
+        assert any(d.audio for d in deltas) == audible, reply
+        if fmt == "wav" and audible:  # (the file comes whole at the end)
+            data = [getattr(d.audio, "data", None) for d in deltas if d.audio]
+            assert any(data) and whole.choices[0].message.audio.data
