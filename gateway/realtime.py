@@ -882,8 +882,13 @@ class Response:
         self.reading = CallStream() if req.tools else None  # the reply's text, read for tool calls
         self.calls: list[Item] = []  # its function_call items (after its message item), once read
         # its message item was announced: with tools, at its first words or audio (a reply that
-        # only calls has none, as OpenAI's API gives it), else at once
+        # only calls has none, as OpenAI's API gives it), else at once; the events saying so not
+        # sent yet (a cancel can stop the announcing task between them: run() sends the rest)
         self.announced = False
+        self.announcing: list[dict[str, Any]] = []
+        # where its items join the conversation: after the item last when it started (as they
+        # would have were they there from its start), then each after the one before
+        self.place: str | None = None
         self.ids = {"response_id": self.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
         self.cancelled: dict[str, str] | None = None  # once cancelled: its status_details
         self.finished = False  # the request's final came
@@ -917,21 +922,31 @@ class Response:
     def _output(self) -> list[Item]:
         return [self.item, *self.calls] if self.announced else self.calls
 
+    def _join(self, item: Item) -> str | None:
+        """`item` into the conversation at the response's place (the place gone: last); the id before it."""
+        s = self.session
+        place = self.place if self.place == "root" or self.place in s.items else None
+        previous = s.insert(item, place)
+        self.place = item.id
+        return previous
+
     async def _announce(self) -> None:
         """The message item's start: in the conversation (in band), its output item and content part."""
-        if self.announced:
-            return
-        self.announced = True
-        s = self.session
-        previous = s.insert(self.item, None) if self.in_band else None
-        await s.send({"type": "response.output_item.added", "response_id": self.id, "output_index": 0,
-                      "item": self.item.event()})  # fmt: skip
-        if self.in_band:
-            await s.send({"type": "conversation.item.added", "previous_item_id": previous, "item": self.item.event()})
-        await s.send({"type": "response.content_part.added", **self.ids, "part": self.part()})
+        if not self.announced:
+            self.announced = True
+            self.announcing = [{"type": "response.output_item.added", "response_id": self.id, "output_index": 0,
+                                "item": self.item.event()}]  # fmt: skip
+            if self.in_band:
+                self.announcing.append({"type": "conversation.item.added", "previous_item_id": self._join(self.item),
+                                        "item": self.item.event()})  # fmt: skip
+            self.announcing.append({"type": "response.content_part.added", **self.ids, "part": self.part()})
+        while self.announcing:
+            await self.session.send(self.announcing[0])
+            del self.announcing[0]
 
     async def run(self) -> None:
         s = self.session
+        self.place = s.order[-1] if s.order else "root"
         await s.send({"type": "response.created", "response": self.response("in_progress")})
         status = "incomplete"
         try:
@@ -946,6 +961,8 @@ class Response:
             if self.fit is not None and self.fit.dropped:  # (read once its prompt was made)
                 left = [i for turn in self.conversation[: self.fit.dropped] for i in turn]
                 s.leave_out([i for i in left if s.items.get(i.id) is i])
+        if self.announced:  # (what a cancel cut off of its announcement)
+            await self._announce()
         await self.done(*outcome)
 
     async def _outcome(self) -> tuple[str, dict[str, Any] | None, dict[str, Any] | None]:
@@ -999,6 +1016,7 @@ class Response:
                         status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
                     usage = _usage(resp.final.usage)
             if self.g711 is not None and (tail := self.g711.finish()):  # what its resampler held back
+                await self._announce()
                 await send({"type": "response.output_audio.delta", **self.ids,
                             "delta": base64.b64encode(tail).decode()})  # fmt: skip
         except GatewayError as e:
@@ -1056,16 +1074,13 @@ class Response:
                           "item": self.item.event()})  # fmt: skip
             if self.in_band:
                 await s.send({"type": "conversation.item.done", "item": self.item.event()})
-        # the calls join the conversation after the reply's words (or last, where it had none)
-        previous, joins = (self.item.id, self.item.id in s.items) if self.announced else (None, True)
-        for index, call in enumerate(self.calls, 1 if self.announced else 0):
+        for index, call in enumerate(self.calls, 1 if self.announced else 0):  # (after the reply's words)
             at = {"response_id": self.id, "item_id": call.id, "output_index": index, "call_id": call.call_id}
             await s.send({"type": "response.output_item.added", "response_id": self.id, "output_index": index,
                           "item": {**call.event(), "status": "in_progress", "arguments": ""}})  # fmt: skip
-            if self.in_band and joins:
-                await s.send({"type": "conversation.item.added", "previous_item_id": s.insert(call, previous),
+            if self.in_band:
+                await s.send({"type": "conversation.item.added", "previous_item_id": self._join(call),
                               "item": {**call.event(), "status": "in_progress", "arguments": ""}})  # fmt: skip
-                previous = call.id
             await s.send({"type": "response.function_call_arguments.delta", **at, "delta": call.arguments})
             await s.send({"type": "response.function_call_arguments.done", **at, "name": call.name,
                           "arguments": call.arguments})  # fmt: skip

@@ -1801,3 +1801,139 @@ def test_a_reply_that_only_calls_has_no_message_item(connect: Callable[..., Any]
             assert [i["type"] for i in _until(ws, "response.done")[-1]["response"]["output"]] == kinds
     first_answer = service.requests[1].messages
     assert [(m.role, m.content, len(m.tool_calls)) for m in first_answer] == [("user", "", 0), ("assistant", "", 1)]
+
+
+def _consistency(events: list[dict[str, Any]]) -> list[str]:
+    """What is wrong with one response's events (from a review): every content event of an item
+    after its output_item.added and content part, each item added once and done once, and
+    response.done's output the items done, at output indexes 0, 1, ..."""
+    bad: list[str] = []
+    added: dict[str, int] = {}
+    parts: set[str] = set()
+    done: list[str] = []
+    for n, e in enumerate(events):
+        kind, item_id = e["type"], e.get("item_id")
+        if kind == "response.output_item.added":
+            bad += [f"{n}: {item_id} added twice"] if e["item"]["id"] in added else []
+            added[e["item"]["id"]] = e["output_index"]
+        elif kind == "response.content_part.added":
+            bad += [] if item_id in added else [f"{n}: a content part of an item not added"]
+            parts.add(item_id)
+        elif kind.startswith(("response.output_text", "response.output_audio", "response.content_part.done")):
+            bad += [] if item_id in parts else [f"{n}: {kind} of an item with no content part"]
+        elif kind == "response.output_item.done":
+            bad += [] if e["item"]["id"] in added else [f"{n}: done for an item not added"]
+            done.append(e["item"]["id"])
+        elif kind == "response.done":
+            output = [i["id"] for i in e["response"]["output"]]
+            bad += [] if output == done else [f"output {output}, done {done}"]
+            bad += [] if [added.get(i) for i in output] == list(range(len(output))) else ["output indexes"]
+    return bad
+
+
+_FAILED = GatewayError(grpc.StatusCode.INTERNAL, "boom")
+_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+_PATHS = {
+    "cancel before words": [HANG, _final()],
+    "cancel after words": [_text("Hi"), _audio(b"\x01\x02" * 50), HANG, _final()],
+    "failed before words": [_FAILED],
+    "failed after words": [_text("Hi"), _audio(b"\x01\x02"), _FAILED],
+    "call cut by length": [_text(_CALL), _text('<tool_call>\n{"name"'), _final("length")],
+    "words cut by length": [_text("Hi <tool"), _final("length")],
+    "out of band": [_text(_CALL), _final()],
+    "words then call": [_text("Sure. "), _audio(b"\x01\x02" * 10), _text(_CALL), _final()],
+    "call only": [_text(_CALL), _final()],
+    "malformed call": [_text("<tool_call>\n{bad}\n</tool_call>"), _final()],
+    "empty": [_final()],
+    "two calls": [_text(_CALL + _CALL), _final()],
+}
+
+
+@pytest.mark.parametrize("path", list(_PATHS))
+@pytest.mark.parametrize("modality", ["audio", "text"])
+def test_every_way_a_reply_with_tools_ends_announces_its_items_in_order(connect: Callable[..., Any], path: str,
+                                                                       modality: str) -> None:  # fmt: skip
+    service = ScriptedService(_PATHS[path])
+    with connect(service) as ws:
+        _until(ws, "session.created")
+        ws.send_json({"type": "session.update", "session": {"tools": [WEATHER_TOOL], "output_modalities": [modality],
+                                                            "audio": {"input": {"turn_detection": None}}}})  # fmt: skip
+        _until(ws, "session.updated")
+        _say(ws, "Weather?")
+        ws.send_json({"type": "response.create", "response": {"conversation": "none"} if path == "out of band" else {}})
+        events = _until(ws, "response.created")
+        if path.startswith("cancel"):
+            if path == "cancel after words":
+                events += _until(ws, "response.output_audio.delta" if modality == "audio"
+                                 else "response.output_text.delta")  # fmt: skip
+            ws.send_json({"type": "response.cancel"})
+        events += _until(ws, "response.done")
+    assert not _consistency(events), (_consistency(events), [e["type"] for e in events])
+
+
+def test_a_cancel_while_a_reply_is_announced_still_announces_it(connect: Callable[..., Any],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A slow socket holds the message item's announcement while response.cancel comes: the rest
+    of it still goes out before the item's done events (a review's case)."""
+    from gateway import realtime
+
+    send = realtime.RealtimeSession.send
+
+    async def slow(self: Any, event: dict[str, Any]) -> None:
+        if event.get("type") == "conversation.item.added" and event["item"].get("role") == "assistant":
+            await asyncio.sleep(0.5)  # (the socket's buffer full for a moment)
+        await send(self, event)
+
+    monkeypatch.setattr(realtime.RealtimeSession, "send", slow)
+    service = ScriptedService([_text("Hi"), HANG, _final()])
+    with connect(service) as ws:
+        _until(ws, "session.created")
+        ws.send_json({"type": "session.update", "session": {"tools": [WEATHER_TOOL], "output_modalities": ["text"],
+                                                            "audio": {"input": {"turn_detection": None}}}})  # fmt: skip
+        _until(ws, "session.updated")
+        _say(ws, "Weather?")
+        ws.send_json({"type": "response.create"})
+        events = _until(ws, "response.output_item.added")
+        ws.send_json({"type": "response.cancel"})
+        events += _until(ws, "response.done")
+    kinds = [e["type"] for e in events]
+    assert not _consistency(events) and "conversation.item.added" in kinds, kinds
+
+
+@pytest.mark.parametrize("reply", ["words", "call"])
+def test_a_reply_joins_the_conversation_where_it_started(connect: Callable[..., Any], reply: str) -> None:
+    """A turn added while a reply is made comes after it, as it did when the reply's item joined at
+    once: with tools the item joins at its first words, or its calls at the end (a review's case)."""
+    service = ScriptedService([GATE, _text("Sunny." if reply == "words" else _CALL), _final()])
+    with connect(service) as ws:
+        _until(ws, "session.created")
+        ws.send_json({"type": "session.update", "session": {"tools": [WEATHER_TOOL], "output_modalities": ["text"],
+                                                            "audio": {"input": {"turn_detection": None}}}})  # fmt: skip
+        _until(ws, "session.updated")
+        asked = _say(ws, "Weather?")
+        ws.send_json({"type": "response.create"})
+        _until(ws, "response.created")
+        later = _say(ws, "And a joke?")
+        service.gate.set()
+        events = _until(ws, "response.done")
+        joined = next(e for e in events if e["type"] == "conversation.item.added")
+        service.script = [_final()]
+        ws.send_json({"type": "response.create"})
+        _until(ws, "response.done")
+    assert joined["previous_item_id"] == asked and later
+    assert [m.role for m in service.requests[-1].messages] == ["user", "assistant", "user"]
+
+
+def test_g711_s_tail_goes_with_an_announced_item(connect: Callable[..., Any]) -> None:
+    """The resampler's tail of a reply with no words but a little audio before its call: its
+    item is announced before the tail (a review's case)."""
+    service = ScriptedService([_text("\n"), _audio(b"\x10\x00" * 100), _text(_CALL), _final()])
+    with connect(service) as ws:
+        _until(ws, "session.created")
+        ws.send_json({"type": "session.update", "session": {"tools": [WEATHER_TOOL], "audio": {
+            "input": {"turn_detection": None}, "output": {"format": {"type": "audio/pcmu"}}}}})  # fmt: skip
+        _until(ws, "session.updated")
+        _say(ws, "Weather?")
+        ws.send_json({"type": "response.create"})
+        events = _until(ws, "response.done")
+    assert not _consistency(events), [e["type"] for e in events]
