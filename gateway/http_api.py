@@ -1301,6 +1301,9 @@ class ChatCompletions:
             speaking = calls is None
             unsaid: list[bytes] = []
 
+            def shown_logprobs() -> Any:  # (the entries of the tokens whose text goes out now)
+                return {"content": scored.take(), "refusal": None} if scores else None
+
             def audio_out(data: bytes) -> list[str]:
                 if not speaking:
                     unsaid.append(data)
@@ -1323,7 +1326,7 @@ class ChatCompletions:
                     delta: dict[str, Any] = {"content": shown}
                     if req.want_audio:
                         delta["audio"] = audio(transcript=shown)
-                    yield chunk(delta, logprobs={"content": scored.take(), "refusal": None} if scores else None)
+                    yield chunk(delta, logprobs=shown_logprobs())
                 elif kind == "audio":
                     data = held + resp.audio.data
                     cut = len(data) - len(data) % AUDIO_ALIGN
@@ -1344,7 +1347,7 @@ class ChatCompletions:
                             text.append(said)
                             rest["audio"] = audio(transcript=said)
                         if rest:  # (with the logprobs of the tokens that show it)
-                            yield chunk(rest, logprobs={"content": scored.take(), "refusal": None} if scores else None)
+                            yield chunk(rest, logprobs=shown_logprobs())
                         if made:
                             yield chunk({"tool_calls": [c.openai(i) for i, c in enumerate(made)]})
                             finish = "tool_calls"

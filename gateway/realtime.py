@@ -129,7 +129,7 @@ from gateway.realtime_turns import (
 )
 from gateway.realtime_vad import FRAME_MS, MIN_VOICED_MS, EnergyVad, VadEvent
 from gateway.server import GatewayError, GatewayService, fail_replies, internal_failure
-from gateway.tool_calls import OPEN, Call, CallStream, takes_tools
+from gateway.tool_calls import Call, CallStream, new_call_id, tools_refusal
 from omnistage.v1 import gateway_pb2
 
 __all__ = ["realtime_route"]
@@ -744,12 +744,10 @@ class RealtimeSession:
         response failing): a template that renders none, or speech that could not end at a call."""
         if not settings.tools or settings.tool_choice == "none" or settings.kind == "transcription":
             return
-        if not takes_tools(self.service.template_names):
-            raise RealtimeError(f"{where}.tools: this checkpoint's chat template takes no tools", f"{where}.tools")
-        if settings.modality == "audio" and self.service.call_start is None:
-            raise RealtimeError(f"{where}.tools: with audio, a call must start with one token ({OPEN}), which this "
-                                "checkpoint's tokenizer lacks: ask for output_modalities [\"text\"]",
-                                f"{where}.tools")  # fmt: skip
+        audio = settings.modality == "audio"
+        if why := tools_refusal(self.service.template_names, self.service.call_start, audio,
+                                'ask for output_modalities ["text"]'):
+            raise RealtimeError(f"{where}.tools: {why}", f"{where}.tools")
 
     def _context(self, given: Any) -> list[Item]:
         """response.input: the turns a response answers in place of the conversation: items given
@@ -1044,7 +1042,7 @@ class Response:
     @staticmethod
     def _call(call: Call) -> Item:
         item = Item(_new_id("item"), "assistant", type="function_call", name=call.name, arguments=call.arguments,
-                    call_id=call.openai()["id"])  # fmt: skip
+                    call_id=new_call_id())  # fmt: skip
         item.nbytes = item.size()
         return item
 

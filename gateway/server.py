@@ -40,7 +40,7 @@ from gateway.media import decode_messages
 from gateway.media_cache import DecodedCache
 from gateway.metrics import GatewayMetrics, Outcome
 from gateway.prompt_fit import PromptFit, fitted, text_chars, without
-from gateway.tool_calls import OPEN, call_start_id, read_tools, takes_tools
+from gateway.tool_calls import call_start_id, read_tools, takes_tools, tools_refusal
 from omnistage.config import DeployConfig
 from omnistage.engine import OutChunk
 from omnistage.models import Checkpoint, PartRefused, load_tokenizer, media_inputs
@@ -263,11 +263,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     def _tools(self, request: gateway_pb2.GenerateRequest) -> list[dict[str, Any]]:
         """The request's tools, as its template renders them (ValueError naming the field)."""
-        if not takes_tools(self.template_names):
-            raise ValueError("tools: this checkpoint's chat template takes no tools")
-        if request.want_audio and self.call_start is None:  # the speech could not end where a call starts
-            raise ValueError(f"tools: with audio, a call must start with one token ({OPEN}), which this checkpoint's "
-                             "tokenizer lacks: ask for text alone")  # fmt: skip
+        if why := tools_refusal(self.template_names, self.call_start, request.want_audio, "ask for text alone"):
+            raise ValueError(f"tools: {why}")
         if not request.messages:
             raise ValueError("tools: they go with messages (a plain prompt renders no template)")
         return read_tools(request.tools)

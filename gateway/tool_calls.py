@@ -18,12 +18,16 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["CLOSE", "MAX_DEPTH", "NAME", "OPEN", "Call", "CallStream", "call_start_id", "check_nesting", "nesting",
-           "parse", "read_tools", "spoken", "takes_tools"]
+           "new_call_id", "parse", "read_tools", "spoken", "takes_tools", "tools_refusal"]
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
 NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 MAX_DEPTH = 64  # a tool's JSON nests at most this deep (a schema's rarely pass 10; renderers recurse)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class Call:
 
     def openai(self, index: int | None = None) -> dict[str, Any]:
         """OpenAI's shape of the call (`index`: a streamed delta's), with a fresh id."""
-        out: dict[str, Any] = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+        out: dict[str, Any] = {"id": new_call_id(), "type": "function",
                                "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
         return out if index is None else {"index": index, **out}
 
@@ -42,6 +46,18 @@ def takes_tools(template_names: frozenset[str]) -> bool:
     """Whether a chat template renders tools (it reads a `tools` variable): one that does not
     would leave them, and the calls and results of earlier turns, out of the prompt."""
     return "tools" in template_names
+
+
+def tools_refusal(template_names: frozenset[str], call_start: int | None, audio: bool, remedy: str) -> str | None:
+    """Why a request's tools cannot be honoured (None: they can): a template that renders none,
+    or speech that could not end where a call starts (`call_start`: `call_start_id`'s; `remedy`:
+    how the client asks for text alone)."""
+    if not takes_tools(template_names):
+        return "this checkpoint's chat template takes no tools"
+    if audio and call_start is None:
+        return f"with audio, a call must start with one token ({OPEN}), which this checkpoint's tokenizer " \
+               f"lacks: {remedy}"  # fmt: skip
+    return None
 
 
 def call_start_id(tokenizer: Any) -> int | None:
@@ -76,8 +92,8 @@ def read_tools(raw: Sequence[str]) -> list[dict[str, Any]]:
     for i, text in enumerate(raw):
         where = f"tools[{i}]"
         try:
-            tool = json.loads(text)
-        except (ValueError, RecursionError):
+            tool = _json(text)
+        except ValueError:
             raise ValueError(f"{where}: not JSON") from None
         check_nesting(tool, where)
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -144,11 +160,11 @@ def parse(text: str) -> tuple[str | None, list[Call]]:
     rest = text[start:]
     while rest.startswith(OPEN):
         # the first CLOSE after which the block reads as a call (an argument's text may hold CLOSE)
-        ends = (end for end in _finds(rest, CLOSE) if _call(rest[len(OPEN) : end]) is not None)
-        end = next(ends, -1)
-        if end < 0:
+        read = ((end, _call(rest[len(OPEN) : end])) for end in _finds(rest, CLOSE))
+        end, call = next(((end, call) for end, call in read if call is not None), (-1, None))
+        if call is None:
             return text, []
-        calls.append(_call(rest[len(OPEN) : end]))  # type: ignore[arg-type]
+        calls.append(call)
         rest = rest[end + len(CLOSE) :]
         after = rest.find(OPEN)
         between, rest = (rest, "") if after < 0 else (rest[:after], rest[after:])
