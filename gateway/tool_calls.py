@@ -92,8 +92,8 @@ def read_tools(raw: Sequence[str]) -> list[dict[str, Any]]:
     for i, text in enumerate(raw):
         where = f"tools[{i}]"
         try:
-            tool = _json(text)
-        except ValueError:
+            tool = json.loads(text)
+        except (ValueError, RecursionError):
             raise ValueError(f"{where}: not JSON") from None
         check_nesting(tool, where)
         function = tool.get("function") if isinstance(tool, dict) else None
