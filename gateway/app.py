@@ -20,6 +20,7 @@ from starlette.routing import Route
 from gateway.http_api import ChatCompletions, unknown_model
 from gateway.http_error import HttpError, unauthorized
 from gateway.realtime import realtime_route
+from gateway.responses_api import Responses
 from gateway.server import REQUEST_ID_KEY, GatewayService
 
 __all__ = ["build_app"]
@@ -27,6 +28,7 @@ __all__ = ["build_app"]
 
 def build_app(service: GatewayService) -> Starlette:
     chat = ChatCompletions(service)
+    responses = Responses(chat)
     page = resources.files("gateway").joinpath("static/playground.html").read_text()
     started = int(time.time())  # the model card's `created`
 
@@ -81,10 +83,13 @@ def build_app(service: GatewayService) -> Starlette:
         return response
 
     origins = service.cfg.gateway.cors_allow_origins
-    middleware = [Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"], allow_headers=["*"],
-                             expose_headers=[REQUEST_ID_KEY])] if origins else []  # fmt: skip
+    middleware = [Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "DELETE"],
+                             allow_headers=["*"], expose_headers=[REQUEST_ID_KEY])] if origins else []  # fmt: skip
     app = Starlette(routes=[
         Route("/v1/chat/completions", chat.handle, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.get, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
         Route("/v1/audio/speech", chat.speech, methods=["POST"]),
         Route("/v1/audio/transcriptions", chat.transcriptions, methods=["POST"]),
         Route("/v1/audio/translations", chat.translations, methods=["POST"]),

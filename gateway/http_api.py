@@ -6,6 +6,7 @@
   POST /v1/audio/speech       a given text spoken (the model's reply, given: `forced_ids`)
   POST /v1/audio/transcriptions, /v1/audio/translations
                               the text of an uploaded file (gateway/transcription.py)
+  POST /v1/responses          OpenAI's Responses API, onto this path (gateway/responses_api.py)
   GET  /v1/realtime           OpenAI's Realtime API, a WebSocket (gateway/realtime.py)
   GET  /v1/models[/{id}]      the served model (and its voices)
   GET  /health                200 when every stage serves, else 503 naming the ones that do not
@@ -454,7 +455,7 @@ def unknown_model(name: str, served: str) -> HttpError:
                      param="model", code="model_not_found")  # fmt: skip
 
 
-def _sse(event: dict[str, Any]) -> str:
+def sse_event(event: dict[str, Any]) -> str:
     """One server-sent event of JSON."""
     return f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
 
@@ -545,7 +546,7 @@ def _tool(tool: dict[str, Any], i: int) -> str:
         Tool.model_validate(tool)
         check_nesting(tool, f"tools[{i}]")
     except ValidationError as e:
-        where, message = _first_error(e)
+        where, message = first_error(e)
         field = f"tools[{i}]" + (f".{where}" if where else "")
         raise HttpError(400, f"{field}: {message}", param=field) from None
     except ValueError as e:
@@ -862,7 +863,7 @@ def _field(loc: tuple[Any, ...]) -> str:
     return out or "body"
 
 
-def _first_error(e: ValidationError) -> tuple[str, str]:
+def first_error(e: ValidationError) -> tuple[str, str]:
     """The most useful error: for `content` (a string or parts) the parts' own, not "not a string"."""
     errors = e.errors()
     deep = [err for err in errors if "str" not in err["loc"]] or errors
@@ -920,6 +921,16 @@ def lone_surrogate(raw: bytes, data: Any) -> str | None:
 
 def _parse_body(raw: bytes, model: type[BodyT]) -> BodyT:
     """The body as `model`, or HttpError naming what is wrong."""
+    data = read_json(raw)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        where, msg = first_error(e)
+        raise HttpError(400, f"{where}: {msg}", param=where) from None
+
+
+def read_json(raw: bytes) -> Any:
+    """A JSON body's value, or HttpError saying why it is not JSON text."""
     try:  # JSON between systems is UTF-8 (RFC 8259): json.loads would also take UTF-16 and UTF-32,
         # whose escapes the surrogate check below does not see (a surrogate's own bytes it names)
         text = raw.decode("utf-8-sig", errors="surrogatepass")
@@ -931,11 +942,7 @@ def _parse_body(raw: bytes, model: type[BodyT]) -> BodyT:
         raise HttpError(400, f"body: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if (where := lone_surrogate(raw, data)) is not None:
         raise HttpError(400, f"{where}: not valid Unicode (a lone UTF-16 surrogate)", param=where)
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        where, msg = _first_error(e)
-        raise HttpError(400, f"{where}: {msg}", param=where) from None
+    return data
 
 
 async def _disconnect(request: Request) -> None:
@@ -1040,7 +1047,7 @@ class ChatCompletions:
         self.check_model(getattr(body, "model", None))
         return body
 
-    async def _admit(self, request: Request, make: Make[MadeT]
+    async def admit(self, request: Request, make: Make[MadeT]
                      ) -> tuple[MadeT, gateway_pb2.GenerateRequest, float | None] | Response:  # fmt: skip
         """A request let in: `make(headers_checked)` reads and checks its body (the API key
         first, as over gRPC), calls `headers_checked()` once the body is read (the request-id
@@ -1071,14 +1078,14 @@ class ChatCompletions:
                                 param="modalities")  # fmt: skip
             return body, to_generate_request(body, self.voices, self.transcripts.get, self.stop_ids)
 
-        admitted = await self._admit(request, make)
+        admitted = await self.admit(request, make)
         if isinstance(admitted, Response):
             return admitted
         body, req, timeout = admitted
         if not body.stream:
-            return await self._serve(request, req, timeout,
+            return await self.serve(request, req, timeout,
                                      lambda responses: _entry_named(self._whole(req, body, responses), body))
-        return await self._serve(request, req, timeout, lambda responses: _entry_named(self._first(responses), body),
+        return await self.serve(request, req, timeout, lambda responses: _entry_named(self.first(responses), body),
                                  lambda first, responses: self._stream(req, body, first, responses))  # fmt: skip
 
     async def speech(self, request: Request) -> Response:
@@ -1094,7 +1101,7 @@ class ChatCompletions:
             return body, await asyncio.to_thread(to_speech_request, body, self.voices, self.service.tokenizer,
                                                  self.service.max_prompt_tokens)  # fmt: skip
 
-        admitted = await self._admit(request, make)
+        admitted = await self.admit(request, make)
         if isinstance(admitted, Response):
             return admitted
         body, req, timeout = admitted
@@ -1103,7 +1110,7 @@ class ChatCompletions:
         if req.audio_format == gateway_pb2.AudioFormat.PCM16 and not sse:  # raw samples: their rate is not in them
             media += f";rate={self.service.sample_rate}"
         # the status waits for the first audio: a stage that fails before it gets its own status
-        return await self._serve(request, req, timeout, lambda responses: self._first(responses, audio=True),
+        return await self.serve(request, req, timeout, lambda responses: self.first(responses, audio=True),
                                  lambda first, responses: _speech_stream(first, responses, sse, req.request_id),
                                  media)  # fmt: skip
 
@@ -1130,7 +1137,7 @@ class ChatCompletions:
             shape = (bool(upload.form.stream), upload.form.response_format == "text")  # (not the form: its file)
             return shape, to_transcription_request(upload, translate)
 
-        admitted = await self._admit(request, make)
+        admitted = await self.admit(request, make)
         if isinstance(admitted, Response):
             return admitted
         (stream, text_only), req, timeout = admitted
@@ -1140,9 +1147,9 @@ class ChatCompletions:
             lambda scored: self.service.pieces.plain(scored, ends))  # fmt: skip
         if stream:
             rid = req.request_id
-            return await self._serve(request, req, timeout, lambda responses: _file_named(self._first(responses)),
+            return await self.serve(request, req, timeout, lambda responses: _file_named(self.first(responses)),
                                      lambda first, rest: _transcript_events(first, rest, rid, scores))  # fmt: skip
-        return await self._serve(request, req, timeout,
+        return await self.serve(request, req, timeout,
                                  lambda responses: _file_named(_transcript(responses, text_only, scores)))  # fmt: skip
 
     def _crashed(self, t0: float, request_id: str) -> Response:
@@ -1162,7 +1169,7 @@ class ChatCompletions:
             response.headers[REQUEST_ID_KEY] = request_id
         return response
 
-    async def _serve(self, request: Request, req: gateway_pb2.GenerateRequest, timeout: float | None,
+    async def serve(self, request: Request, req: gateway_pb2.GenerateRequest, timeout: float | None,
                      start: Callable[[Replies], Awaitable[Any]],
                      stream: Callable[[Any, Replies], AsyncIterator[str | bytes]] | None = None,
                      media_type: str = "text/event-stream") -> Response:  # fmt: skip
@@ -1213,7 +1220,7 @@ class ChatCompletions:
         return self.service.serve(req, timeout, "http")
 
     @staticmethod
-    async def _first(responses: Replies, audio: bool = False) -> list[gateway_pb2.GenerateResponse]:
+    async def first(responses: Replies, audio: bool = False) -> list[gateway_pb2.GenerateResponse]:
         """The reply's pieces up to its first (`audio`: up to its first audio or its end); a
         refusal as an HttpError (`audio`: the speech endpoint's, whose text is `input`)."""
         pieces: list[gateway_pb2.GenerateResponse] = []
@@ -1231,7 +1238,7 @@ class ChatCompletions:
 
     async def _whole(self, req: gateway_pb2.GenerateRequest, body: ChatRequest, responses: Replies) -> Response:
         scored: list[gateway_pb2.TokenLogprob] = []
-        return await _whole_of(
+        return await whole_of(
             responses, lambda text, audio, final: self._whole_reply(req, body, text, audio, final, scored), scored)
 
     def _logprobs(self, req: gateway_pb2.GenerateRequest, scored: Iterable[gateway_pb2.TokenLogprob]) -> Any:
@@ -1277,7 +1284,7 @@ class ChatCompletions:
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             event = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
                      "model": self.service.model_name, "choices": [choice], **extra}  # fmt: skip
-            return _sse(event)
+            return sse_event(event)
 
         named = False  # OpenAI's SDK joins a string a delta repeats: the audio's id is in the first delta alone
 
@@ -1313,7 +1320,7 @@ class ChatCompletions:
                 return out
 
             yield chunk({"role": "assistant", "content": "", "refusal": None})
-            async for resp in _chain(first, responses):
+            async for resp in chain(first, responses):
                 kind = resp.WhichOneof("kind")
                 if kind == "text" and scores:
                     scored.add(self.service.pieces.entries(resp.text.logprobs, ends))
@@ -1365,11 +1372,11 @@ class ChatCompletions:
                         event = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
                                  "model": self.service.model_name, "choices": [],
                                  "usage": _usage(resp.final.usage)}  # fmt: skip
-                        yield _sse(event)
+                        yield sse_event(event)
             yield "data: [DONE]\n\n"
 
         # the status line went out already: an error is the stream's last event
-        return _ended_well(pieces(), responses, rid, lambda e: _sse(from_gateway_error(e).body()))
+        return ended_well(pieces(), responses, rid, lambda e: sse_event(from_gateway_error(e).body()))
 
 
 class _Delivered(StreamingResponse):
@@ -1397,7 +1404,7 @@ async def _cancel(task: asyncio.Future[Any], responses: Replies) -> None:
     await responses.aclose()
 
 
-async def _chain(first: list[gateway_pb2.GenerateResponse], rest: Replies) -> Replies:
+async def chain(first: list[gateway_pb2.GenerateResponse], rest: Replies) -> Replies:
     for resp in first:
         yield resp
     async for resp in rest:
@@ -1407,7 +1414,7 @@ async def _chain(first: list[gateway_pb2.GenerateResponse], rest: Replies) -> Re
 PieceT = TypeVar("PieceT", bound=str | bytes)
 
 
-async def _ended_well(pieces: AsyncGenerator[PieceT, None], responses: Replies, request_id: str,
+async def ended_well(pieces: AsyncGenerator[PieceT, None], responses: Replies, request_id: str,
                       failed: Callable[[GatewayError], PieceT | None]) -> AsyncIterator[PieceT]:  # fmt: skip
     """A streamed reply's `pieces`, ended as every stream here ends: a failure once the status
     line is out is the stream's last piece, `failed(e)` (None: the connection is cut instead);
@@ -1437,25 +1444,25 @@ def _speech_stream(first: list[gateway_pb2.GenerateResponse], responses: Replies
     the first audio ends the bytes early (an `error` event with `sse`)."""
 
     async def pieces() -> AsyncGenerator[str | bytes, None]:
-        async for resp in _chain(first, responses):
+        async for resp in chain(first, responses):
             kind = resp.WhichOneof("kind")
             if kind == "audio" and resp.audio.data:
                 if not sse:
                     yield resp.audio.data
                     continue
                 event = {"type": "speech.audio.delta", "audio": base64.b64encode(resp.audio.data).decode()}
-                yield _sse(event)
+                yield sse_event(event)
             elif kind == "final" and sse:
                 u = _usage(resp.final.usage)  # the output counts the speech's frames, as a chat reply's does
                 usage = _io_usage(u["prompt_tokens"], u["completion_tokens"])
-                yield _sse({"type": "speech.audio.done", "usage": usage})
+                yield sse_event({"type": "speech.audio.done", "usage": usage})
 
     def failed(e: GatewayError) -> str | None:
         log.warning("speech ended early: %s", e.message)
         # raw bytes: the connection is cut, not closed as if the audio were whole
-        return _sse({"type": "error", **from_gateway_error(e).body()}) if sse else None
+        return sse_event({"type": "error", **from_gateway_error(e).body()}) if sse else None
 
-    return _ended_well(pieces(), responses, request_id, failed)
+    return ended_well(pieces(), responses, request_id, failed)
 
 
 async def _file_named(call: Awaitable[ResultT]) -> ResultT:
@@ -1480,7 +1487,7 @@ def _of_file(e: HttpError) -> HttpError:
     return e
 
 
-async def _whole_of(responses: Replies, reply: Callable[[str, list[bytes], gateway_pb2.Final], Response],
+async def whole_of(responses: Replies, reply: Callable[[str, list[bytes], gateway_pb2.Final], Response],
                     scored: list[gateway_pb2.TokenLogprob] | None = None) -> Response:  # fmt: skip
     """A whole reply: `reply(text, audio pieces, final)`, made while `responses` waits at its
     final, so that a bug in making it fails the request INTERNAL (once it ended it counts OK).
@@ -1518,7 +1525,7 @@ async def _transcript(responses: Replies, text_only: bool, scores: Scores | None
         logprobs = {"logprobs": scores(scored)} if scores is not None else {}
         return JSONResponse({"text": text, **logprobs, "usage": stt_usage(final.usage)})
 
-    return await _whole_of(responses, reply, scored)
+    return await whole_of(responses, reply, scored)
 
 
 def _transcript_events(first: list[gateway_pb2.GenerateResponse], responses: Replies,
@@ -1532,7 +1539,7 @@ def _transcript_events(first: list[gateway_pb2.GenerateResponse], responses: Rep
     async def pieces() -> AsyncGenerator[str, None]:
         text: list[str] = []
         scored = Held()
-        async for resp in _chain(first, responses):
+        async for resp in chain(first, responses):
             kind = resp.WhichOneof("kind")
             if kind == "text" and scores is not None:
                 scored.add(scores(resp.text.logprobs))
@@ -1541,18 +1548,18 @@ def _transcript_events(first: list[gateway_pb2.GenerateResponse], responses: Rep
                 event: dict[str, Any] = {"type": "transcript.text.delta", "delta": resp.text.text}
                 if scores is not None:
                     event["logprobs"] = scored.take()
-                yield _sse(event)
+                yield sse_event(event)
             elif kind == "final":
                 done: dict[str, Any] = {"type": "transcript.text.done", "text": "".join(text)}
                 if scores is not None:
                     done["logprobs"] = scored.every
-                yield _sse({**done, "usage": stt_usage(resp.final.usage)})
+                yield sse_event({**done, "usage": stt_usage(resp.final.usage)})
 
     def failed(e: GatewayError) -> str:
         log.warning("transcript ended early: %s", e.message)
-        return _sse({"type": "error", **_of_file(from_gateway_error(e)).body()})
+        return sse_event({"type": "error", **_of_file(from_gateway_error(e)).body()})
 
-    return _ended_well(pieces(), responses, request_id, failed)
+    return ended_well(pieces(), responses, request_id, failed)
 
 
 def _io_usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:

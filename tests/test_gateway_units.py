@@ -571,13 +571,13 @@ def test_a_validation_error_names_the_field_a_client_sent() -> None:
     """Not the content part's type tag pydantic puts in its path (`image_url.image_url.url`)."""
     from pydantic import ValidationError
 
-    from gateway.http_api import ChatRequest, _first_error
+    from gateway.http_api import ChatRequest, first_error
 
     for part, where in (({"type": "image_url", "image_url": {}}, "image_url.url"),
                         ({"type": "input_audio", "input_audio": {}}, "input_audio.data")):  # fmt: skip
         with pytest.raises(ValidationError) as err:
             ChatRequest.model_validate({"messages": [{"role": "user", "content": [part]}]})
-        assert _first_error(err.value)[0] == f"messages[0].content[0].{where}"
+        assert first_error(err.value)[0] == f"messages[0].content[0].{where}"
 
 
 def test_speech_request_gives_the_thinker_the_words(tiny_dir: Path) -> None:
@@ -1180,7 +1180,7 @@ def test_a_bug_in_the_http_door_counts_internal_not_cancelled(tiny_dir: Path, mo
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(http_api.ChatCompletions, "_whole", broken_whole)
-    monkeypatch.setattr(http_api, "_sse", broken_sse)
+    monkeypatch.setattr(http_api, "sse_event", broken_sse)
     ckpt = open_checkpoint(tiny_dir)
 
     async def go() -> GatewayService:

@@ -213,7 +213,7 @@ def test_tools_are_refused_where_they_cannot_be_honoured(tiny_dir: Path, q25_dir
 # ---- the HTTP door, through OpenAI's SDK --------------------------------------------------------
 
 
-def _served(tiny_dir: Path, reply: list[str], finish: str = "stop") -> tuple[GatewayService, list[Any]]:
+def served_gateway(tiny_dir: Path, reply: list[str], finish: str = "stop") -> tuple[GatewayService, list[Any]]:
     """A gateway (made in the running event loop) whose thinker answers every request with the
     tokens of the text pieces `reply`, a chunk each, then ends it (`finish`: "stop", its stop id;
     "length", its token count); the requests it renders prompts of are collected."""
@@ -247,12 +247,12 @@ def _served(tiny_dir: Path, reply: list[str], finish: str = "stop") -> tuple[Gat
     return service, seen
 
 
-def _sdk(tiny_dir: Path, reply: list[str], call: Any, finish: str = "stop") -> tuple[Any, list[Any]]:
-    """`call(client)` with OpenAI's SDK on a gateway that answers `reply` (`_served`)."""
+def with_sdk(tiny_dir: Path, reply: list[str], call: Any, finish: str = "stop") -> tuple[Any, list[Any]]:
+    """`call(client)` with OpenAI's SDK on a gateway that answers `reply` (`served_gateway`)."""
     from gateway.app import build_app
 
     async def go() -> tuple[Any, list[Any]]:
-        service, seen = _served(tiny_dir, reply, finish)
+        service, seen = served_gateway(tiny_dir, reply, finish)
         transport = httpx.ASGITransport(app=build_app(service))
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway/v1") as http:
             client = openai.AsyncOpenAI(base_url="http://gateway/v1", api_key="x", http_client=http, max_retries=0)
@@ -269,7 +269,7 @@ def test_a_reply_that_calls_tools_reaches_the_sdk_as_tool_calls(tiny_dir: Path) 
     async def call(client: openai.AsyncOpenAI) -> Any:
         return await client.chat.completions.create(model="m", messages=HISTORY[:2], tools=[WEATHER, TIME])  # type: ignore[arg-type]
 
-    got, seen = _sdk(tiny_dir, REPLY, call)
+    got, seen = with_sdk(tiny_dir, REPLY, call)
     choice = got.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
@@ -291,7 +291,7 @@ def test_a_streamed_reply_that_calls_tools_accumulates_in_the_sdk(tiny_dir: Path
             state.handle_chunk(chunk)
         return chunks, state.get_final_completion()
 
-    (chunks, whole), _ = _sdk(tiny_dir, REPLY, call)
+    (chunks, whole), _ = with_sdk(tiny_dir, REPLY, call)
     message = whole.choices[0].message
     assert message.content == "Let me check." and whole.choices[0].finish_reason == "tool_calls"
     names = [c.function.name for c in message.tool_calls]
@@ -312,7 +312,7 @@ def test_a_reply_without_calls_is_plain_content(tiny_dir: Path) -> None:
         chunks = [c async for c in stream]
         return whole, chunks
 
-    (whole, chunks), _ = _sdk(tiny_dir, text, call, finish="length")
+    (whole, chunks), _ = with_sdk(tiny_dir, text, call, finish="length")
     assert whole.choices[0].message.content == "".join(text) and not whole.choices[0].message.tool_calls
     assert whole.choices[0].finish_reason == "length"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "".join(text)
@@ -323,7 +323,7 @@ def test_earlier_calls_and_results_reach_the_gateway_request(tiny_dir: Path) -> 
     async def call(client: openai.AsyncOpenAI) -> Any:
         return await client.chat.completions.create(model="m", messages=HISTORY, tools=[WEATHER, TIME])  # type: ignore[arg-type]
 
-    got, seen = _sdk(tiny_dir, ["It is sunny at noon."], call)
+    got, seen = with_sdk(tiny_dir, ["It is sunny at noon."], call)
     assert got.choices[0].message.content == "It is sunny at noon." and got.choices[0].finish_reason == "stop"
     req = seen[0]
     assert [(c.id, c.name, c.arguments) for c in req.messages[2].tool_calls] == [
@@ -352,7 +352,7 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(tiny_dir: Path, body:
         except openai.BadRequestError as e:
             return e
 
-    got, seen = _sdk(tiny_dir, ["ok"], call)
+    got, seen = with_sdk(tiny_dir, ["ok"], call)
     if param is None:
         assert got.choices[0].message.content == "ok" and not seen[0].tools
         return
@@ -365,7 +365,7 @@ def test_a_grpc_client_gets_the_raw_reply_and_speech_that_ends_at_a_call(tiny_di
     """Over gRPC the reply's text is as the model wrote it (the client reads its calls); with
     audio, the thinker is told to end the talker's input at a call's first token."""
     async def go() -> tuple[list[Any], list[Any]]:
-        service, _ = _served(tiny_dir, [CALL])
+        service, _ = served_gateway(tiny_dir, [CALL])
         out = [[r async for r in service.serve(_request(HISTORY[:2], [WEATHER], want_audio=audio), None, "grpc")]
                for audio in (False, True)]  # fmt: skip
         out.append([r async for r in service.serve(_request(HISTORY[:2], want_audio=True), None, "grpc")])
@@ -429,7 +429,7 @@ def test_a_spoken_reply_that_calls_a_tool_has_the_text_before_the_call_as_transc
                                                     modalities=["text", "audio"],
                                                     audio={"voice": "alloy", "format": "wav"})  # fmt: skip
 
-    got, seen = _sdk(tiny_dir, REPLY, call)
+    got, seen = with_sdk(tiny_dir, REPLY, call)
     message = got.choices[0].message
     assert message.audio.transcript == message.content == "Let me check." and len(message.tool_calls) == 2
     assert seen[0].want_audio
@@ -441,7 +441,7 @@ def test_a_reply_that_only_calls_has_null_content_and_one_call_where_asked(tiny_
         return [await client.chat.completions.create(model="m", messages=HISTORY[:2], tools=[WEATHER, TIME],  # type: ignore[arg-type]
                                                      **extra) for extra in asks]  # fmt: skip
 
-    (both, first), _ = _sdk(tiny_dir, [CALL, "\n", CALL2], call)
+    (both, first), _ = with_sdk(tiny_dir, [CALL, "\n", CALL2], call)
     assert both.choices[0].message.content is None and first.choices[0].message.content is None
     assert [c.function.name for c in both.choices[0].message.tool_calls] == ["get_weather", "get_time"]
     assert [c.function.name for c in first.choices[0].message.tool_calls] == ["get_weather"]
@@ -475,7 +475,7 @@ def test_a_spoken_replys_transcript_is_what_it_said(tiny_dir: Path, reply: list[
         stream = await client.chat.completions.create(**asked, stream=True)
         return whole, [c async for c in stream]
 
-    (whole, chunks), _ = _sdk(tiny_dir, reply, call, finish)
+    (whole, chunks), _ = with_sdk(tiny_dir, reply, call, finish)
     message = whole.choices[0].message
     assert message.audio.transcript == words
     assert message.content == ("".join(reply) if finish == "length" else words + "\nAnything else?")
@@ -505,7 +505,7 @@ def test_a_tool_nested_deeper_than_any_schema_is_refused_at_every_door(tiny_dir:
         except openai.BadRequestError as e:
             return e
 
-    got, seen = _sdk(tiny_dir, ["ok"], call)
+    got, seen = with_sdk(tiny_dir, ["ok"], call)
     assert isinstance(got, openai.BadRequestError) and got.body["param"] == "tools[0]" and not seen  # type: ignore[index]
 
 
@@ -522,7 +522,7 @@ def test_a_streamed_spoken_replys_stored_transcript_is_all_it_said(tiny_dir: Pat
         follow = [*HISTORY[:2], {"role": "assistant", "audio": {"id": audio_id}}, {"role": "user", "content": "More?"}]
         return await client.chat.completions.create(messages=follow, **asked)
 
-    _, seen = _sdk(tiny_dir, ["It is ", "sunny <tool"], call, finish="length")
+    _, seen = with_sdk(tiny_dir, ["It is ", "sunny <tool"], call, finish="length")
     assert seen[-1].messages[2].content == "It is sunny <tool"
 
 
@@ -539,7 +539,7 @@ def test_a_spoken_reply_that_only_calls_has_no_audio(tiny_dir: Path, fmt: str) -
         return whole, [c async for c in stream]
 
     for reply, audible in (([CALL], False), (["Let me check. ", CALL], True), (["Sunny."], True)):
-        (whole, chunks), _ = _sdk(tiny_dir, reply, call)
+        (whole, chunks), _ = with_sdk(tiny_dir, reply, call)
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         assert (whole.choices[0].message.audio is not None) == audible, reply
         assert any(d.audio for d in deltas) == audible, reply

@@ -1351,3 +1351,47 @@ def test_realtime_tools_and_calls_are_the_chat_doors(http_stack: Stack, client: 
     assert response.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     assert response.output[0].content[0].text == chat.choices[0].message.content and chat.choices[0].message.content
+
+
+def test_the_responses_api_gives_the_chat_doors_reply(
+        http_stack: Stack, client: openai.OpenAI, tiny_dir: Path, reference: Any) -> None:  # fmt: skip
+    """OpenAI's Responses API over the real stack (gateway/responses_api.py), through the official
+    SDK: instructions, tools, an earlier reply's words and calls and the calls' outputs give the
+    chat door's prompt and the monolithic generate()'s greedy reply, streamed or not, with every
+    token's logprob once; a response chained to it (`previous_response_id`) is the chat of the
+    whole conversation."""
+    from omnistage.models import load_tokenizer, open_checkpoint
+    from omnistage.models.checkpoint import chat_template
+    from tests.test_responses_api import FLAT, ITEMS
+    from tests.test_tool_calls import HISTORY, TIME, WEATHER
+
+    model = client.models.list().data[0].id
+    ckpt = open_checkpoint(tiny_dir)
+    tokenizer, eos = load_tokenizer(ckpt), ckpt.spec.im_end_id
+    rendered = tokenizer.apply_chat_template(HISTORY, tools=[WEATHER, TIME], add_generation_prompt=True, tokenize=True,
+                                             chat_template=chat_template(tiny_dir), return_dict=True)  # fmt: skip
+    ids = list(rendered["input_ids"])
+    want, _, _ = reference.generate(ids, MAX_TOKENS, 0, eos, audio=False)
+    text = tokenizer.decode([i for i in want if i != eos], skip_special_tokens=True)
+    kw: dict[str, Any] = {"model": model, "temperature": 0, "max_output_tokens": MAX_TOKENS, "tools": FLAT,
+                          "instructions": "Be brief.", "include": ["message.output_text.logprobs"]}  # fmt: skip
+    whole = client.responses.create(input=ITEMS, **kw)
+    assert whole.usage is not None and (whole.usage.input_tokens, whole.usage.output_tokens) == (len(ids), len(want))
+    assert whole.output_text == text and text and [o.type for o in whole.output] == ["message"]
+    tokens = [e.token for e in whole.output[0].content[0].logprobs]  # type: ignore[union-attr]
+    assert "".join(tokens) == text
+    with client.responses.stream(input=ITEMS, **kw) as stream:  # type: ignore[arg-type]
+        events = list(stream)
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert "".join(e.delta for e in deltas) == text and len(deltas) > 1
+    assert [lp.token for e in deltas for lp in e.logprobs] == tokens
+    assert events[-1].type == ("response.incomplete" if len(want) == MAX_TOKENS and want[-1] != eos
+                               else "response.completed")  # fmt: skip
+    # chained: the stored turns, the reply's words, then the new turn (the instructions again: they
+    # are not carried over, as OpenAI's)
+    more = {"role": "user", "content": "And tomorrow?"}
+    chained = client.responses.create(input=[more], previous_response_id=whole.id, **kw)  # type: ignore[list-item]
+    chat = client.chat.completions.create(model=model, temperature=0, max_tokens=MAX_TOKENS, tools=[WEATHER, TIME],
+                                          messages=[*HISTORY, {"role": "assistant", "content": text}, more])  # type: ignore[arg-type,list-item]  # fmt: skip
+    assert chained.usage is not None and chained.usage.input_tokens == chat.usage.prompt_tokens > len(ids)
+    assert chained.output_text == (chat.choices[0].message.content or "")

@@ -1,0 +1,728 @@
+"""OpenAI's Responses API, the one its current SDKs and agent frameworks call first: a thin
+translation onto the chat completions path (gateway/http_api.py), so a response is made, checked,
+cancelled and limited exactly as a chat completion of the same turns is.
+
+  POST   /v1/responses        a response: text and function calls, from text, image and audio in
+  GET    /v1/responses/{id}   a stored response
+  DELETE /v1/responses/{id}   forget one
+
+What it takes (OpenAI's shapes; what differs is said here):
+* `input`: a string (one user turn), or items: messages (`{role, content}`, `type` "message"
+  or left out; roles user, assistant, system, developer) whose content is a string or parts
+  `input_text`, `input_image {image_url}` (a `data:` URL: nothing is fetched), `input_audio
+  {input_audio: {data, format}}`, and an assistant's `output_text` / `refusal`; `function_call`
+  items (an earlier reply's calls: they join the assistant message before them, as the model wrote
+  them, in one turn) and `function_call_output` items. `instructions` is the system turn first.
+  Other item types (`reasoning`, `item_reference`, ...), `input_file` parts and images by
+  `file_id` are a 400 naming them: this server has no file store.
+* `previous_response_id`: that stored response's turns (its input, without its instructions, and
+  its output) come before `input`, as OpenAI chains them. Responses are stored unless
+  `store: false`, in this gateway process, for an hour (at most `STORE_CAPACITY` of them and
+  `STORE_BYTES` of their turns; the oldest go first): a chain that outlives its link gets a 400
+  saying to send the whole input.
+* `tools`: function tools (the flat form), rendered by the checkpoint's template as chat's are;
+  `tool_choice` auto or none, `parallel_tool_calls`, `max_tool_calls`. Other tool types, a forced
+  call (`required`, a named function), a non-text `text.format`, `reasoning` settings,
+  `truncation: auto`, `background`, `conversation` and `prompt` are a 400: this server cannot
+  honour them, so it says so instead of a reply the client would misread.
+* `max_output_tokens`, `temperature`, `top_p`; `include: ["message.output_text.logprobs"]` with
+  `top_logprobs` gives each token's log-probability (as chat's `logprobs`). `metadata` is echoed.
+* Text out only: OpenAI's Responses API has no speech output (chat completions and Realtime do).
+* Streamed (`stream: true`): `response.created`, `response.in_progress`, then the message item
+  (`response.output_item.added`, `response.content_part.added`, `response.output_text.delta` as
+  each piece exists, `.done` events), then each call's item (`response.function_call_arguments.
+  delta` / `.done`), then `response.completed` (or `response.incomplete` at `max_output_tokens`);
+  a failure once the stream began is `response.failed`. As with chat, nothing is sent before the
+  reply's first piece, so a refused request gets its status streamed or not.
+Errors are chat's (an OpenAI error object with the status), naming this body's fields.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.http_api import (
+    ChatCompletions,
+    ChatRequest,
+    Replies,
+    chain,
+    ended_well,
+    first_error,
+    from_gateway_error,
+    read_json,
+    sse_event,
+    to_generate_request,
+    whole_of,
+)
+from gateway.http_error import HttpError, unauthorized
+from gateway.logprobs import Held
+from gateway.server import GatewayError
+from gateway.tool_calls import NAME as TOOL_NAME
+from gateway.tool_calls import Call, CallStream, new_call_id
+from gateway.tool_calls import parse as parse_calls
+from omnistage.quoting import quoted
+from omnistage.v1 import gateway_pb2
+
+__all__ = ["STORE_BYTES", "STORE_CAPACITY", "STORE_TTL_S", "ResponseStore", "Responses", "ResponsesRequest", "to_chat"]
+
+STORE_TTL_S = 3600
+STORE_CAPACITY = 1024
+STORE_BYTES = 256 << 20  # the stored turns' JSON (media included): a chain's images and audio are kept too
+LOGPROBS = "message.output_text.logprobs"
+# what `include` may name (OpenAI's values); the others add nothing here (no such items or tools)
+INCLUDABLE = frozenset({
+    LOGPROBS, "reasoning.encrypted_content", "message.input_image.image_url", "computer_call_output.output.image_url",
+    "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+    "code_interpreter_call.outputs",
+})  # fmt: skip
+
+
+# ---- the request body -----------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    # as chat's: a JSON type other than the field's is refused, not coerced
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+
+
+class InputText(_Body):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(_Body):  # an earlier reply's text, sent back in its assistant message
+    type: Literal["output_text"]
+    text: str
+
+
+class RefusalPart(_Body):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class InputImage(_Body):
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+
+
+class AudioData(_Body):
+    data: str
+    format: str | None = None
+
+
+class InputAudio(_Body):
+    type: Literal["input_audio"]
+    input_audio: AudioData
+
+
+class InputFile(_Body):  # refused: there is no file store
+    type: Literal["input_file"]
+
+
+Part = Annotated[InputText | OutputText | RefusalPart | InputImage | InputAudio | InputFile,
+                 Field(discriminator="type")]  # fmt: skip
+_PART_TYPES = frozenset({"input_text", "output_text", "refusal", "input_image", "input_audio", "input_file"})
+
+
+class MessageItem(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[Part]
+
+
+class CallItem(_Body):
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(pattern=TOOL_NAME)  # (rendered into the prompt's JSON as it is)
+    arguments: str
+
+
+class CallOutputItem(_Body):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str | list[Part]
+
+
+class OtherItem(_Body):  # any other type: refused, named
+    type: str
+
+
+_ITEM_TYPES = ("message", "function_call", "function_call_output")
+
+
+def _item_kind(value: Any) -> str:
+    kind = value.get("type", "message") if isinstance(value, dict) else "message"
+    return kind if kind in _ITEM_TYPES else "other"
+
+
+Item = Annotated[
+    Annotated[MessageItem, Tag("message")] | Annotated[CallItem, Tag("function_call")]
+    | Annotated[CallOutputItem, Tag("function_call_output")] | Annotated[OtherItem, Tag("other")],
+    Discriminator(_item_kind),
+]  # fmt: skip
+
+
+class FunctionTool(_Body):
+    type: Literal["function"]
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # taken, not enforced (as chat's)
+
+
+class ResponsesRequest(_Body):
+    model: str | None = None
+    input: str | list[Item] = ""
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None  # None: true, as OpenAI's
+    stream: bool | None = False
+    max_output_tokens: int | None = Field(None, ge=1, le=1 << 20)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128)  # each a FunctionTool
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = Field(None, ge=1, le=1 << 20)
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+    user: str | None = None
+
+
+def _where(loc: tuple[Any, ...]) -> str:
+    """A pydantic error location as the body's field path, without the tags pydantic adds for a
+    union's branches (`input[0].message.content[1].input_image.image_url` is
+    `input[0].content[1].image_url`)."""
+    out = ""
+    for i, item in enumerate(loc):
+        if isinstance(item, int):
+            out += f"[{item}]"
+        elif i and isinstance(loc[i - 1], int) and (item in _PART_TYPES or item in (*_ITEM_TYPES, "other")):
+            continue
+        elif str(item).isidentifier() and item not in ("str", "int", "float", "bool"):
+            out += ("." if out else "") + str(item)
+    return out or "body"
+
+
+def parse_body(raw: bytes) -> ResponsesRequest:
+    data = read_json(raw)
+    try:
+        return ResponsesRequest.model_validate(data)
+    except ValidationError as e:
+        errors = e.errors()
+        deep = [err for err in errors if "str" not in err["loc"]] or errors  # (content: the parts' own error)
+        err = max(deep, key=lambda x: len(x["loc"]))
+        where = _where(err["loc"])
+        raise HttpError(400, f"{where}: {err['msg']}", param=where) from None
+
+
+# ---- onto a chat request --------------------------------------------------------------------
+
+
+def _refused(where: str, why: str) -> HttpError:
+    return HttpError(400, f"{where}: {why}", param=where)
+
+
+def _unsupported(body: ResponsesRequest) -> None:
+    """What this server cannot honour: a 400 naming it, not a reply the client would misread."""
+    if body.background:
+        raise _refused("background", "background responses are not supported; stream it, or wait for it")
+    if body.conversation is not None:
+        raise _refused("conversation", "conversations are not stored here; use previous_response_id, or send "
+                                       "the whole input")  # fmt: skip
+    if body.prompt is not None:
+        raise _refused("prompt", "stored prompt templates are not supported; send instructions and input")
+    if body.reasoning and any(v is not None for v in body.reasoning.values()):
+        raise _refused("reasoning", "this model's replies take no reasoning settings")
+    if body.truncation == "auto":
+        raise _refused("truncation", "only disabled: a conversation over the model's length is refused, not cut")
+    fmt = (body.text or {}).get("format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise _refused("text.format", 'only {"type": "text"} is supported (there is no constrained decoding)')
+    for i, name in enumerate(body.include or ()):
+        if name not in INCLUDABLE:
+            raise _refused(f"include[{i}]", f"unknown value {quoted(name)}")
+
+
+def _tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    """A flat function tool as chat's (`{"type": "function", "function": {...}}`), which the
+    template renders as a chat client's."""
+    where = f"tools[{i}]"
+    if tool.get("type") != "function":
+        kind = tool.get("type")
+        raise _refused(f"{where}.type", f"{quoted(str(kind))} tools are not supported; function tools are"
+                       if isinstance(kind, str) else "expected \"function\"")  # fmt: skip
+    try:
+        FunctionTool.model_validate(tool)
+    except ValidationError as e:
+        err = max(e.errors(), key=lambda x: len(x["loc"]))
+        raise _refused(f"{where}.{_where(err['loc'])}" if err["loc"] else where, err["msg"]) from None
+    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+
+
+def _part(part: Any, where: str) -> dict[str, Any]:
+    if isinstance(part, InputText | OutputText):
+        return {"type": "text", "text": part.text}
+    if isinstance(part, RefusalPart):
+        return {"type": "refusal", "refusal": part.refusal}
+    if isinstance(part, InputImage):
+        if part.image_url is None:
+            raise _refused(f"{where}.file_id" if part.file_id is not None else f"{where}.image_url",
+                           "an image by file id is not supported (this server has no file store); send "
+                           "image_url, a data: URL")  # fmt: skip
+        return {"type": "image_url", "image_url": part.image_url}  # (as a string: errors name `image_url`)
+    if isinstance(part, InputAudio):
+        return {"type": "input_audio", "input_audio": part.input_audio.model_dump(exclude_none=True)}
+    raise _refused(f"{where}.type", "input_file parts are not supported (this server has no file store)")
+
+
+def _content(content: str | list[Any], where: str) -> str | list[dict[str, Any]]:
+    return content if isinstance(content, str) else [_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)]
+
+
+@dataclass
+class Chat:
+    """A Responses request as chat's: its `request`, where each of its messages came from
+    (`origins`: the body's field, to name in errors) and its turns as a later response chains
+    them (its messages without the instructions)."""
+
+    request: ChatRequest
+    origins: list[str]
+    turns: list[dict[str, Any]]
+
+
+Lookup = Callable[[str], list[dict[str, Any]] | None]
+
+
+def to_chat(body: ResponsesRequest, earlier: Lookup = lambda _id: None) -> Chat:
+    """The request as chat's (HttpError naming the field); `earlier(id)` is a stored response's
+    turns, None when unknown."""
+    _unsupported(body)
+    messages: list[dict[str, Any]] = []
+    origins: list[str] = []
+    if body.instructions:
+        messages.append({"role": "system", "content": body.instructions})
+        origins.append("instructions")
+    first = len(messages)
+    if body.previous_response_id is not None:
+        turns = earlier(body.previous_response_id)
+        if turns is None:
+            raise HttpError(400, f"previous_response_id: no stored response {quoted(body.previous_response_id)} "
+                                 f"(this server keeps one {STORE_TTL_S // 60} minutes unless store is false, in "
+                                 "the process that made it; send the whole input instead)",
+                            param="previous_response_id", code="previous_response_not_found")  # fmt: skip
+        messages.extend(copy.deepcopy(turns))  # (a call below may join its last message)
+        origins.extend(["previous_response_id"] * len(turns))
+    items: list[Any] = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    for k, item in enumerate(items):
+        where = "input" if isinstance(body.input, str) else f"input[{k}]"
+        if isinstance(item, MessageItem):
+            messages.append({"role": item.role, "content": _content(item.content, where)})
+        elif isinstance(item, CallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
+            last = messages[-1] if len(messages) > first else None
+            if last is not None and last["role"] == "assistant":  # the words it came with: one turn
+                last.setdefault("tool_calls", []).append(call)
+                continue
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif isinstance(item, CallOutputItem):
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _content(item.output, where)})
+        else:
+            raise _refused(f"{where}.type", f"{quoted(item.type)} items are not supported (message, "
+                                            "function_call and function_call_output are)")  # fmt: skip
+        origins.append(where)
+    if len(messages) == first and not (isinstance(body.input, str) and body.input):
+        raise _refused("input", "no turn to respond to")
+    logprobs = LOGPROBS in (body.include or ()) or bool(body.top_logprobs)
+    fields = {
+        "messages": messages, "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature,
+        "top_p": body.top_p, "tools": [_tool(t, i) for i, t in enumerate(body.tools or ())] or None,
+        "tool_choice": body.tool_choice, "parallel_tool_calls": body.parallel_tool_calls,
+        "logprobs": logprobs or None, "top_logprobs": body.top_logprobs if logprobs else None,
+    }  # fmt: skip
+    try:
+        request = ChatRequest.model_validate(fields)
+    except ValidationError as e:  # (what the body's own checks passed: a check of chat's alone)
+        where, message = first_error(e)
+        raise in_body_terms(HttpError(400, f"{where}: {message}", param=where), origins) from None
+    return Chat(request, origins, messages[1 if body.instructions else 0 :])
+
+
+_MESSAGE = re.compile(r"\bmessages\[(\d+)\]")
+_CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens"}
+
+
+def in_body_terms(e: HttpError, origins: list[str]) -> HttpError:
+    """A refusal of the chat request, naming this body's fields instead (`messages[3]` is where
+    that message came from: `input[5]`, `instructions`, `previous_response_id`)."""
+
+    def origin(m: re.Match[str]) -> str:
+        i = int(m[1])
+        return origins[i] if i < len(origins) else "input"
+
+    def rename(text: str) -> str:
+        text = _MESSAGE.sub(origin, text)
+        text = re.sub(r"^(tools\[\d+\])\.function\b", r"\1", text)
+        head, sep, rest = text.partition(":")
+        return _CHAT_NAMES.get(head, head) + sep + rest
+
+    e.message = rename(e.message)
+    if e.param is not None:
+        e.param = rename(e.param)
+    return e
+
+
+ResultT = TypeVar("ResultT")
+
+
+async def _named(call: Awaitable[ResultT], origins: list[str]) -> ResultT:
+    try:
+        return await call
+    except HttpError as e:
+        raise in_body_terms(e, origins) from None
+
+
+# ---- the store ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Stored:
+    expires: float
+    response: dict[str, Any]
+    turns: list[dict[str, Any]]
+    size: int
+
+
+class ResponseStore:
+    """Recent responses by id: each one's object (GET) and its turns (`previous_response_id`).
+    Bounded by count, bytes and age; per gateway process, as chat's audio transcripts are."""
+
+    def __init__(self, ttl_s: float = STORE_TTL_S, capacity: int = STORE_CAPACITY, max_bytes: int = STORE_BYTES,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.ttl_s, self.capacity, self.max_bytes, self.clock = ttl_s, capacity, max_bytes, clock
+        self._items: OrderedDict[str, _Stored] = OrderedDict()
+        self.bytes = 0
+
+    def put(self, response: dict[str, Any], turns: list[dict[str, Any]]) -> None:
+        size = len(json.dumps(turns)) + len(json.dumps(response))
+        if size > self.max_bytes:
+            return  # (it would push out every other)
+        self.delete(response["id"])
+        self._items[response["id"]] = _Stored(self.clock() + self.ttl_s, response, turns, size)
+        self.bytes += size
+        while len(self._items) > self.capacity or self.bytes > self.max_bytes:
+            self.bytes -= self._items.popitem(last=False)[1].size
+
+    def _get(self, response_id: str) -> _Stored | None:
+        item = self._items.get(response_id)
+        if item is not None and item.expires < self.clock():
+            self.delete(response_id)
+            return None
+        return item
+
+    def response(self, response_id: str) -> dict[str, Any] | None:
+        item = self._get(response_id)
+        return None if item is None else item.response
+
+    def turns(self, response_id: str) -> list[dict[str, Any]] | None:
+        item = self._get(response_id)
+        return None if item is None else item.turns
+
+    def delete(self, response_id: str) -> bool:
+        item = self._items.pop(response_id, None)
+        if item is not None:
+            self.bytes -= item.size
+        return item is not None
+
+
+# ---- the response ---------------------------------------------------------------------------
+
+
+def _id(kind: str) -> str:
+    return f"{kind}_{uuid.uuid4().hex}"
+
+
+def usage(u: gateway_pb2.Usage) -> dict[str, Any]:
+    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u.prompt_tokens + u.completion_tokens}  # fmt: skip
+
+
+def _message(item_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": [part]}
+
+
+def _call(item_id: str, call_id: str, call: Call, status: str = "completed") -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "status": status, "call_id": call_id, "name": call.name,
+            "arguments": call.arguments if status == "completed" else ""}  # fmt: skip
+
+
+@dataclass
+class _Made:
+    """One response being made: its fixed fields, and what it has output so far."""
+
+    base: dict[str, Any]
+    most_calls: int | None
+    output: list[dict[str, Any]] = field(default_factory=list)
+
+    def object(self, status: str, final: gateway_pb2.Final | None = None,
+               error: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+        out = {**self.base, "status": status, "output": list(self.output), "error": error,
+               "usage": usage(final.usage) if final is not None else None}  # fmt: skip
+        if status == "incomplete":
+            out["incomplete_details"] = {"reason": "max_output_tokens"}
+        if status in ("completed", "incomplete"):
+            out["completed_at"] = int(time.time())
+        return out
+
+    def calls(self, calls: list[Call]) -> list[Call]:
+        return calls[: self.most_calls]
+
+
+def _status(final: gateway_pb2.Final) -> str:
+    return "incomplete" if final.finish_reason == "length" else "completed"
+
+
+def _assistant_turn(text: str | None, output: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The reply as the next response in its chain renders it: its words and calls, one turn."""
+    calls = [{"id": o["call_id"], "type": "function", "function": {"name": o["name"], "arguments": o["arguments"]}}
+             for o in output if o["type"] == "function_call"]  # fmt: skip
+    turn: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+    if calls:
+        turn["tool_calls"] = calls
+    return turn
+
+
+class Responses:
+    """The Responses endpoints, on the chat door's path (`chat`: its service, checks and
+    streaming) with a store of recent responses."""
+
+    def __init__(self, chat: ChatCompletions) -> None:
+        self.chat = chat
+        self.service = chat.service
+        self.store = ResponseStore()
+
+    async def create(self, request: Request) -> Response:
+        """POST /v1/responses"""
+
+        async def make(headers_checked: Callable[[], object]
+                       ) -> tuple[tuple[ResponsesRequest, Chat], gateway_pb2.GenerateRequest]:  # fmt: skip
+            raw = await self.chat.read(request, self.service.cfg.media.max_request_bytes * 4 // 3 + 4096)
+            body = parse_body(raw)
+            self.chat.check_model(body.model)
+            headers_checked()
+            chat = to_chat(body, self.store.turns)
+            try:
+                req = to_generate_request(chat.request, [], self.chat.transcripts.get, self.chat.stop_ids)
+            except HttpError as e:
+                raise in_body_terms(e, chat.origins) from None
+            return (body, chat), req
+
+        admitted = await self.chat.admit(request, make)
+        if isinstance(admitted, Response):
+            return admitted
+        (body, chat), req, timeout = admitted
+        made = _Made(self._base(body, req), 1 if body.parallel_tool_calls is False else body.max_tool_calls)
+        if not body.stream:
+            return await self.chat.serve(request, req, timeout,
+                                         lambda replies: _named(self._whole(req, body, chat, made, replies),
+                                                                chat.origins))  # fmt: skip
+        return await self.chat.serve(
+            request, req, timeout, lambda replies: _named(self.chat.first(replies), chat.origins),
+            lambda first, replies: self._events(req, body, chat, made, first, replies))
+
+    async def get(self, request: Request) -> Response:
+        """GET /v1/responses/{id}"""
+        response_id = self._checked(request)
+        if isinstance(response_id, Response):
+            return response_id
+        stored = self.store.response(response_id)
+        if stored is None:
+            return _not_found(response_id).response()
+        return JSONResponse(stored)
+
+    async def delete(self, request: Request) -> Response:
+        """DELETE /v1/responses/{id}"""
+        response_id = self._checked(request)
+        if isinstance(response_id, Response):
+            return response_id
+        if not self.store.delete(response_id):
+            return _not_found(response_id).response()
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    def _checked(self, request: Request) -> str | Response:
+        if not self.service.check_api_key(request.headers.get("authorization")):
+            return unauthorized().response()
+        return str(request.path_params["response_id"])
+
+    def _base(self, body: ResponsesRequest, req: gateway_pb2.GenerateRequest) -> dict[str, Any]:
+        """The response object's fields that do not change as it is made (the request's, echoed)."""
+        return {
+            "id": _id("resp"), "object": "response", "created_at": int(time.time()), "model": self.service.model_name,
+            "instructions": body.instructions, "previous_response_id": body.previous_response_id,
+            "max_output_tokens": body.max_output_tokens, "max_tool_calls": body.max_tool_calls,
+            "temperature": body.temperature, "top_p": body.top_p, "top_logprobs": body.top_logprobs,
+            "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
+            "parallel_tool_calls": body.parallel_tool_calls is not False, "store": body.store is not False,
+            "text": {"format": {"type": "text"}}, "truncation": "disabled", "reasoning": None,
+            "metadata": body.metadata or {}, "user": body.user, "background": False, "incomplete_details": None,
+        }  # fmt: skip
+
+    def _scores(self, req: gateway_pb2.GenerateRequest) -> Callable[[Iterable[gateway_pb2.TokenLogprob]], Any] | None:
+        if not req.sampling["thinker"].HasField("logprobs"):
+            return None
+        ends = self.service.reply_ends(req)
+        return lambda scored: self.service.pieces.entries(scored, ends)
+
+    def _kept(self, body: ResponsesRequest, chat: Chat, response: dict[str, Any], text: str | None) -> None:
+        if body.store is not False:
+            self.store.put(response, [*chat.turns, _assistant_turn(text, response["output"])])
+
+    async def _whole(self, req: gateway_pb2.GenerateRequest, body: ResponsesRequest, chat: Chat, made: _Made,
+                     replies: Replies) -> Response:  # fmt: skip
+        scored: list[gateway_pb2.TokenLogprob] = []
+        scores = self._scores(req)
+
+        def reply(text: str, _audio: list[bytes], final: gateway_pb2.Final) -> Response:
+            content, calls = parse_calls(text) if req.tools else (text, [])
+            calls = made.calls(calls)
+            status = _status(final)
+            if content or not calls:
+                made.output.append(_message(_id("msg"), content or "", status,
+                                            scores(scored) if scores is not None else None))  # fmt: skip
+            made.output.extend(_call(_id("fc"), new_call_id(), c) for c in calls)
+            response = made.object(status, final)
+            self._kept(body, chat, response, content)
+            return JSONResponse(response)
+
+        return await whole_of(replies, reply, scored)
+
+    def _events(self, req: gateway_pb2.GenerateRequest, body: ResponsesRequest, chat: Chat, made: _Made,
+                first: list[gateway_pb2.GenerateResponse], replies: Replies) -> AsyncIterator[str]:  # fmt: skip
+        """The response's events as its pieces come."""
+        number = 0
+        scores = self._scores(req)
+
+        def event(kind: str, **fields: Any) -> str:
+            nonlocal number
+            number += 1
+            return sse_event({"type": kind, "sequence_number": number, **fields})
+
+        async def pieces() -> AsyncGenerator[str, None]:
+            calls = CallStream() if req.tools else None
+            scored = Held()
+            text: list[str] = []
+            message: dict[str, Any] | None = None
+
+            def opened() -> list[str]:  # the message item, announced at its first words (a reply
+                nonlocal message  # that only calls has none, as OpenAI's)
+                if message is not None:
+                    return []
+                message = _message(_id("msg"), "", "in_progress", [] if scores is not None else None)
+                made.output.append(message)
+                index = len(made.output) - 1
+                part = message["content"][0]
+                return [event("response.output_item.added", output_index=index, item={**message, "content": []}),
+                        event("response.content_part.added", item_id=message["id"], output_index=index,
+                              content_index=0, part=dict(part))]  # fmt: skip
+
+            def delta(shown: str) -> list[str]:
+                out = opened()
+                assert message is not None
+                text.append(shown)
+                logprobs = scored.take() if scores is not None else []
+                if scores is not None:
+                    message["content"][0]["logprobs"].extend(logprobs)
+                return [*out, event("response.output_text.delta", item_id=message["id"], output_index=0,
+                                    content_index=0, delta=shown, logprobs=logprobs)]  # fmt: skip
+
+            yield event("response.created", response=made.object("in_progress"))
+            yield event("response.in_progress", response=made.object("in_progress"))
+            async for resp in chain(first, replies):
+                kind = resp.WhichOneof("kind")
+                if kind == "text":
+                    if scores is not None:
+                        scored.add(scores(resp.text.logprobs))
+                    shown = resp.text.text if calls is None else calls.feed(resp.text.text)
+                    if shown:
+                        for out in delta(shown):
+                            yield out
+                elif kind == "final":
+                    status = _status(resp.final)
+                    found: list[Call] = []
+                    if calls is not None:
+                        rest, found = calls.finish()
+                        found = made.calls(found)
+                        if rest:
+                            for out in delta(rest):
+                                yield out
+                    if message is None and not found:  # (a reply that says and calls nothing: an empty message)
+                        for out in opened():
+                            yield out
+                    if message is not None:
+                        whole = "".join(text)
+                        part = message["content"][0]
+                        part["text"] = whole
+                        if scores is not None:  # (tokens whose text never showed: a call's, say)
+                            part["logprobs"].extend(scored.take())
+                        message["status"] = status
+                        yield event("response.output_text.done", item_id=message["id"], output_index=0,
+                                    content_index=0, text=whole, logprobs=part.get("logprobs", []))  # fmt: skip
+                        yield event("response.content_part.done", item_id=message["id"], output_index=0,
+                                    content_index=0, part=part)  # fmt: skip
+                        yield event("response.output_item.done", output_index=0, item=message)
+                    for call in found:
+                        item = _call(_id("fc"), new_call_id(), call, "in_progress")
+                        made.output.append(item)
+                        index = len(made.output) - 1
+                        yield event("response.output_item.added", output_index=index, item=dict(item))
+                        yield event("response.function_call_arguments.delta", item_id=item["id"],
+                                    output_index=index, delta=call.arguments)  # fmt: skip
+                        yield event("response.function_call_arguments.done", item_id=item["id"],
+                                    output_index=index, name=call.name, arguments=call.arguments)  # fmt: skip
+                        item.update(status="completed", arguments=call.arguments)
+                        yield event("response.output_item.done", output_index=index, item=item)
+                    response = made.object(status, resp.final)
+                    self._kept(body, chat, response, "".join(text) if message is not None else None)
+                    yield event(f"response.{status}", response=response)
+
+        def failed(e: GatewayError) -> str:
+            error = in_body_terms(from_gateway_error(e), chat.origins)
+            code = _ERROR_CODES.get(error.status, "server_error" if error.status >= 500 else "invalid_prompt")
+            return event("response.failed", response=made.object("failed", error={"code": code,
+                                                                                  "message": error.message}))
+
+        return ended_well(pieces(), replies, req.request_id, failed)
+
+
+_ERROR_CODES = {429: "rate_limit_exceeded"}  # a failed response's `error.code` (OpenAI's few codes) by status
+
+
+def _not_found(response_id: str) -> HttpError:
+    return HttpError(404, f"no stored response {quoted(response_id)} (this server keeps one {STORE_TTL_S // 60} "
+                          "minutes unless store is false)", "not_found_error",
+                     param="response_id", code="response_not_found")  # fmt: skip
