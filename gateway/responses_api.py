@@ -40,7 +40,6 @@ Errors are chat's (an OpenAI error object with the status), naming this body's f
 from __future__ import annotations
 
 import copy
-import json
 import re
 import time
 import uuid
@@ -406,6 +405,25 @@ async def _named(call: Awaitable[ResultT], origins: list[str]) -> ResultT:
 # ---- the store ------------------------------------------------------------------------------
 
 
+def _size(value: Any) -> int:
+    """About the bytes of a JSON value: its strings' lengths, 8 for anything else (walked, not
+    dumped: a turn may hold megabytes of base64 media, and this runs on the event loop)."""
+    total, todo = 0, [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += 8 * len(item)
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+        else:
+            total += 8
+    return total
+
+
 @dataclass
 class _Stored:
     expires: float
@@ -425,7 +443,7 @@ class ResponseStore:
         self.bytes = 0
 
     def put(self, response: dict[str, Any], turns: list[dict[str, Any]]) -> None:
-        size = len(json.dumps(turns)) + len(json.dumps(response))
+        size = _size(turns) + _size(response)
         if size > self.max_bytes:
             return  # (it would push out every other)
         self.delete(response["id"])

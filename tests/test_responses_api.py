@@ -361,3 +361,15 @@ def test_to_chat_merges_a_call_into_the_words_before_it_only() -> None:
     assert [len(m.tool_calls or ()) for m in chained.request.messages] == [0, 1]
     assert stored[1] == {"role": "assistant", "content": "words"}
     assert chained.origins == ["previous_response_id", "previous_response_id"]
+
+
+@pytest.mark.parametrize("limit", [{"parallel_tool_calls": False}, {"max_tool_calls": 1}, {}])
+def test_a_reply_gives_as_many_calls_as_asked(tiny_dir: Path, limit: dict[str, Any]) -> None:
+    """`parallel_tool_calls: false` or `max_tool_calls: 1` give a reply's first call alone,
+    streamed or not; by default every call."""
+    kw = {"input": "hi", "tools": FLAT, **limit}
+    (whole, (events, final)), _ = _run(tiny_dir, [CALL, "\n", CALL2], [_whole(**kw), _stream(**kw)])
+    names = ["get_weather"] if limit else ["get_weather", "get_time"]
+    assert [o.name for o in whole.output] == names  # type: ignore[union-attr]
+    assert _shape(final) == _shape(whole)
+    assert [e.name for e in events if e.type == "response.function_call_arguments.done"] == names
