@@ -11,35 +11,44 @@ What it takes (OpenAI's shapes; what differs is said here):
   or left out; roles user, assistant, system, developer) whose content is a string or parts
   `input_text`, `input_image {image_url}` (a `data:` URL: nothing is fetched), `input_audio
   {input_audio: {data, format}}`, and an assistant's `output_text` / `refusal`; `function_call`
-  items (an earlier reply's calls: they join the assistant message before them, as the model wrote
-  them, in one turn) and `function_call_output` items. `instructions` is the system turn first.
-  Other item types (`reasoning`, `item_reference`, ...), `input_file` parts and images by
+  items (an earlier reply's calls: they join the assistant message before them in the input, as
+  the model wrote them, in one turn; a call_id the conversation has already is a 400) and
+  `function_call_output` items (their call before them; a list `output`'s parts are text, as
+  the gateway takes media in user turns alone); `item_reference` to a stored response's output
+  item (as the Vercel AI SDK sends earlier turns) stands for that item. `instructions` is the
+  system turn first. Other item types (`reasoning`, ...), `input_file` parts and images by
   `file_id` are a 400 naming them: this server has no file store.
-* `previous_response_id`: that stored response's turns (its input, without its instructions, and
-  its output) come before `input`, as OpenAI chains them. Responses are stored unless
-  `store: false`, in this gateway process, for an hour (at most `STORE_CAPACITY` of them and
-  `STORE_BYTES` of their turns; the oldest go first): a chain that outlives its link gets a 400
-  saying to send the whole input.
+* `previous_response_id`: that stored response's turns (its chain's inputs, without their
+  instructions, and outputs) come before `input`, as OpenAI chains them; together they are held to
+  `media.max_request_bytes`, as one body is. Responses are stored unless `store: false`, in this
+  gateway process, each with its own turns and a link to the one it continued, for an hour since
+  last made or continued (at most `STORE_CAPACITY` of them and `STORE_BYTES` of their turns; the
+  least recently used go first): a chain that outlives a link gets a 400 saying to send the whole
+  input. Behind several gateway replicas, a chain needs its client kept on one (session affinity).
 * `tools`: function tools (the flat form), rendered by the checkpoint's template as chat's are;
-  `tool_choice` auto or none, `parallel_tool_calls`, `max_tool_calls`. Other tool types, a forced
+  `tool_choice` auto or none, `parallel_tool_calls` (`max_tool_calls` bounds calls to built-in
+  tools, of which there are none here: taken, echoed). Other tool types, a forced
   call (`required`, a named function), a non-text `text.format`, `reasoning` settings,
   `truncation: auto`, `background`, `conversation` and `prompt` are a 400: this server cannot
   honour them, so it says so instead of a reply the client would misread.
 * `max_output_tokens`, `temperature`, `top_p`; `include: ["message.output_text.logprobs"]` with
-  `top_logprobs` gives each token's log-probability (as chat's `logprobs`). `metadata` is echoed.
+  `top_logprobs` gives the log-probability of each token of the message's text before any call
+  (as chat's `logprobs`). `metadata` is echoed.
 * Text out only: OpenAI's Responses API has no speech output (chat completions and Realtime do).
-* Streamed (`stream: true`): `response.created`, `response.in_progress`, then the message item
+* Streamed (`stream: true`; each event named by its type, numbered from 0): `response.created`,
+  `response.in_progress`, then the message item
   (`response.output_item.added`, `response.content_part.added`, `response.output_text.delta` as
   each piece exists, `.done` events), then each call's item (`response.function_call_arguments.
   delta` / `.done`), then `response.completed` (or `response.incomplete` at `max_output_tokens`);
-  a failure once the stream began is `response.failed`. As with chat, nothing is sent before the
-  reply's first piece, so a refused request gets its status streamed or not.
+  a failure once the stream began is `response.failed`, its response holding what was said (it
+  reads back, and cannot be continued). As with chat, nothing is sent before the reply's first
+  piece, so a refused request gets its status streamed or not. A stored response reads back whole
+  (`GET ...?stream=true` is a 400: its events are not kept); `input_items` is not served.
 Errors are chat's (an OpenAI error object with the status), naming this body's fields.
 """
 
 from __future__ import annotations
 
-import copy
 import re
 import time
 import uuid
@@ -48,7 +57,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -66,10 +75,9 @@ from gateway.http_api import (
     whole_of,
 )
 from gateway.http_error import HttpError, unauthorized
-from gateway.logprobs import Held
 from gateway.server import GatewayError
 from gateway.tool_calls import NAME as TOOL_NAME
-from gateway.tool_calls import Call, CallStream, new_call_id
+from gateway.tool_calls import OPEN, Call, CallStream, new_call_id
 from gateway.tool_calls import parse as parse_calls
 from omnistage.quoting import quoted
 from omnistage.v1 import gateway_pb2
@@ -77,8 +85,8 @@ from omnistage.v1 import gateway_pb2
 __all__ = ["STORE_BYTES", "STORE_CAPACITY", "STORE_TTL_S", "ResponseStore", "Responses", "ResponsesRequest", "to_chat"]
 
 STORE_TTL_S = 3600
-STORE_CAPACITY = 1024
-STORE_BYTES = 256 << 20  # the stored turns' JSON (media included): a chain's images and audio are kept too
+STORE_CAPACITY = 16384
+STORE_BYTES = 256 << 20  # the stored turns (media included: a chain's images and audio are kept too)
 LOGPROBS = "message.output_text.logprobs"
 # what `include` may name (OpenAI's values); the others add nothing here (no such items or tools)
 INCLUDABLE = frozenset({
@@ -155,8 +163,9 @@ class CallOutputItem(_Body):
     output: str | list[Part]
 
 
-class OtherItem(_Body):  # any other type: refused, named
+class OtherItem(_Body):  # any other type: an item_reference, or refused, named
     type: str
+    id: str | None = None
 
 
 _ITEM_TYPES = ("message", "function_call", "function_call_output")
@@ -184,7 +193,7 @@ class FunctionTool(_Body):
 
 class ResponsesRequest(_Body):
     model: str | None = None
-    input: str | list[Item] = ""
+    input: str | list[Item]
     instructions: str | None = None
     previous_response_id: str | None = None
     store: bool | None = None  # None: true, as OpenAI's
@@ -225,6 +234,10 @@ def _where(loc: tuple[Any, ...]) -> str:
 
 def parse_body(raw: bytes) -> ResponsesRequest:
     data = read_json(raw)
+    if not isinstance(data, dict):
+        raise HttpError(400, "body: expected a JSON object")
+    if "input" in data and not isinstance(data["input"], str | list):
+        raise _refused("input", "expected a string or a list of input items")
     try:
         return ResponsesRequest.model_validate(data)
     except ValidationError as e:
@@ -285,73 +298,118 @@ def _part(part: Any, where: str) -> dict[str, Any]:
     if isinstance(part, RefusalPart):
         return {"type": "refusal", "refusal": part.refusal}
     if isinstance(part, InputImage):
-        if part.image_url is None:
-            raise _refused(f"{where}.file_id" if part.file_id is not None else f"{where}.image_url",
-                           "an image by file id is not supported (this server has no file store); send "
-                           "image_url, a data: URL")  # fmt: skip
-        return {"type": "image_url", "image_url": part.image_url}  # (as a string: errors name `image_url`)
+        if part.image_url is not None:
+            return {"type": "image_url", "image_url": part.image_url}  # (as a string: errors name `image_url`)
+        if part.file_id is not None:
+            raise _refused(f"{where}.file_id", "an image by file id is not supported (this server has no file "
+                                               "store); send image_url, a data: URL")  # fmt: skip
+        raise _refused(f"{where}.image_url", "required (a data: URL)")
     if isinstance(part, InputAudio):
         return {"type": "input_audio", "input_audio": part.input_audio.model_dump(exclude_none=True)}
     raise _refused(f"{where}.type", "input_file parts are not supported (this server has no file store)")
 
 
-def _content(content: str | list[Any], where: str) -> str | list[dict[str, Any]]:
-    return content if isinstance(content, str) else [_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)]
+@dataclass(frozen=True)
+class Origin:
+    """Where a chat message came from in the body: `where` (`input[3]`, `instructions`,
+    `previous_response_id`), and the field its parts are in there (`content`, or a call
+    output's `output`; "" for a string, whose errors name the item)."""
+
+    where: str
+    parts: str = ""
+
+    def name(self, content: bool) -> str:
+        return f"{self.where}.{self.parts}" if content and self.parts else self.where
+
+
+def _content(content: str | list[Any], origin: Origin) -> str | list[dict[str, Any]]:
+    if isinstance(content, str):
+        return content
+    return [_part(p, f"{origin.name(True)}[{j}]") for j, p in enumerate(content)]
 
 
 @dataclass
 class Chat:
     """A Responses request as chat's: its `request`, where each of its messages came from
-    (`origins`: the body's field, to name in errors) and its turns as a later response chains
-    them (its messages without the instructions)."""
+    (`origins`, to name the body's fields in errors) and its own turns, as a later response
+    chains them (its input's, without the instructions or the turns it continues)."""
 
     request: ChatRequest
-    origins: list[str]
+    origins: list[Origin]
     turns: list[dict[str, Any]]
+    size: int = 0  # about the bytes of the turns it continues and its own (counted when it continues one)
 
 
-Lookup = Callable[[str], list[dict[str, Any]] | None]
+_ITEMS: TypeAdapter[Any] = TypeAdapter(Item)
 
 
-def to_chat(body: ResponsesRequest, earlier: Lookup = lambda _id: None) -> Chat:
-    """The request as chat's (HttpError naming the field); `earlier(id)` is a stored response's
-    turns, None when unknown."""
+def _referenced(item: OtherItem, where: str, store: ResponseStore) -> Any:
+    """The stored output item an `item_reference` names (a message or call of a stored response,
+    as the Vercel AI SDK sends an earlier turn back when responses are stored)."""
+    if item.type != "item_reference" or item.id is None:
+        raise _refused(f"{where}.type", f"{quoted(item.type)} items are not supported (message, function_call, "
+                                        "function_call_output and item_reference to a stored response's output "
+                                        "are)")  # fmt: skip
+    found = store.item(item.id)
+    if found is None:
+        raise _refused(f"{where}.id", f"no stored item {quoted(item.id)} (an item of a stored response's output, "
+                                      f"kept {STORE_TTL_S // 60} minutes unless store is false; send the item "
+                                      "itself instead)")  # fmt: skip
+    return _ITEMS.validate_python(found)
+
+
+def to_chat(body: ResponsesRequest, store: ResponseStore | None = None) -> Chat:
+    """The request as chat's (HttpError naming the field), with the `store`'s responses it
+    continues or refers to."""
     _unsupported(body)
+    store = store if store is not None else ResponseStore()
     messages: list[dict[str, Any]] = []
-    origins: list[str] = []
+    origins: list[Origin] = []
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
-        origins.append("instructions")
-    first = len(messages)
+        origins.append(Origin("instructions"))
     if body.previous_response_id is not None:
-        turns = earlier(body.previous_response_id)
+        turns = store.turns(body.previous_response_id)
         if turns is None:
             raise HttpError(400, f"previous_response_id: no stored response {quoted(body.previous_response_id)} "
-                                 f"(this server keeps one {STORE_TTL_S // 60} minutes unless store is false, in "
-                                 "the process that made it; send the whole input instead)",
+                                 f"to continue (one is kept {STORE_TTL_S // 60} minutes unless store is false, in "
+                                 "the process that made it, and one that failed cannot be continued; send the "
+                                 "whole input instead)",
                             param="previous_response_id", code="previous_response_not_found")  # fmt: skip
-        messages.extend(copy.deepcopy(turns))  # (a call below may join its last message)
-        origins.extend(["previous_response_id"] * len(turns))
+        messages.extend(turns)  # (never changed below: a call joins this request's own turns alone)
+        origins.extend([Origin("previous_response_id")] * len(turns))
+    own = len(messages)  # this request's own turns from here
+    if isinstance(body.input, str) and not body.input:
+        raise _refused("input", "no turn to respond to (an empty string)")
+    called = {c["id"] for m in messages for c in m.get("tool_calls") or ()}
     items: list[Any] = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     for k, item in enumerate(items):
         where = "input" if isinstance(body.input, str) else f"input[{k}]"
+        if isinstance(item, OtherItem):
+            item = _referenced(item, where, store)
         if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": _content(item.content, where)})
+            origin = Origin(where, "content" if isinstance(item.content, list) else "")
+            messages.append({"role": item.role, "content": _content(item.content, origin)})
         elif isinstance(item, CallItem):
+            if item.call_id in called:
+                raise _refused(f"{where}.call_id", f"call {quoted(item.call_id)} is in the conversation already")
+            called.add(item.call_id)
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}  # fmt: skip
-            last = messages[-1] if len(messages) > first else None
+            last = messages[-1] if len(messages) > own else None
             if last is not None and last["role"] == "assistant":  # the words it came with: one turn
                 last.setdefault("tool_calls", []).append(call)
                 continue
+            origin = Origin(where)
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif isinstance(item, CallOutputItem):
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _content(item.output, where)})
         else:
-            raise _refused(f"{where}.type", f"{quoted(item.type)} items are not supported (message, "
-                                            "function_call and function_call_output are)")  # fmt: skip
-        origins.append(where)
-    if len(messages) == first and not (isinstance(body.input, str) and body.input):
+            if item.call_id not in called:
+                raise _refused(f"{where}.call_id", f"no call {quoted(item.call_id)} before this output in the "
+                                                   "conversation")  # fmt: skip
+            origin = Origin(where, "output" if isinstance(item.output, list) else "")
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _content(item.output, origin)})
+        origins.append(origin)
+    if len(messages) == own:
         raise _refused("input", "no turn to respond to")
     logprobs = LOGPROBS in (body.include or ()) or bool(body.top_logprobs)
     fields = {
@@ -365,20 +423,21 @@ def to_chat(body: ResponsesRequest, earlier: Lookup = lambda _id: None) -> Chat:
     except ValidationError as e:  # (what the body's own checks passed: a check of chat's alone)
         where, message = first_error(e)
         raise in_body_terms(HttpError(400, f"{where}: {message}", param=where), origins) from None
-    return Chat(request, origins, messages[1 if body.instructions else 0 :])
+    return Chat(request, origins, messages[own:], _size(messages) if body.previous_response_id is not None else 0)
 
 
-_MESSAGE = re.compile(r"\bmessages\[(\d+)\]")
+_MESSAGE = re.compile(r"\bmessages\[(\d+)\](\.content\b)?")
 _CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens"}
 
 
-def in_body_terms(e: HttpError, origins: list[str]) -> HttpError:
-    """A refusal of the chat request, naming this body's fields instead (`messages[3]` is where
-    that message came from: `input[5]`, `instructions`, `previous_response_id`)."""
+def in_body_terms(e: HttpError, origins: list[Origin]) -> HttpError:
+    """A refusal of the chat request, naming this body's fields instead (`messages[3].content[1]`
+    is where that message came from: `input[5].content[1]`, a call output's `input[6].output[1]`,
+    `instructions`, `previous_response_id`)."""
 
     def origin(m: re.Match[str]) -> str:
         i = int(m[1])
-        return origins[i] if i < len(origins) else "input"
+        return origins[i].name(bool(m[2])) if i < len(origins) else "input"
 
     def rename(text: str) -> str:
         text = _MESSAGE.sub(origin, text)
@@ -389,13 +448,15 @@ def in_body_terms(e: HttpError, origins: list[str]) -> HttpError:
     e.message = rename(e.message)
     if e.param is not None:
         e.param = rename(e.param)
+    if e.param == "max_output_tokens":  # (the thinker's own refusal says max_tokens)
+        e.message = re.sub(r"\bmax_(?:completion_)?tokens\b", "max_output_tokens", e.message)
     return e
 
 
 ResultT = TypeVar("ResultT")
 
 
-async def _named(call: Awaitable[ResultT], origins: list[str]) -> ResultT:
+async def _named(call: Awaitable[ResultT], origins: list[Origin]) -> ResultT:
     try:
         return await call
     except HttpError as e:
@@ -428,29 +489,35 @@ def _size(value: Any) -> int:
 class _Stored:
     expires: float
     response: dict[str, Any]
-    turns: list[dict[str, Any]]
+    turns: list[dict[str, Any]] | None  # its own: its input's and its reply's (None: it failed)
+    parent: str | None  # the response it continued (`previous_response_id`)
     size: int
 
 
 class ResponseStore:
-    """Recent responses by id: each one's object (GET) and its turns (`previous_response_id`).
-    Bounded by count, bytes and age; per gateway process, as chat's audio transcripts are."""
+    """Recent responses by id: each one's object (GET), its own turns and the response it
+    continued (so a chain's turns are its links' turns, each stored once), and its output items
+    (`item_reference`). Bounded by count and bytes (the least recently used go first) and age
+    (`ttl_s` since a response was made or continued: a chain in use keeps its links); per gateway
+    process, as chat's audio transcripts are."""
 
     def __init__(self, ttl_s: float = STORE_TTL_S, capacity: int = STORE_CAPACITY, max_bytes: int = STORE_BYTES,
                  clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.ttl_s, self.capacity, self.max_bytes, self.clock = ttl_s, capacity, max_bytes, clock
         self._items: OrderedDict[str, _Stored] = OrderedDict()
+        self._owners: dict[str, str] = {}  # an output item's id -> its response's
         self.bytes = 0
 
-    def put(self, response: dict[str, Any], turns: list[dict[str, Any]]) -> None:
+    def put(self, response: dict[str, Any], turns: list[dict[str, Any]] | None, parent: str | None = None) -> None:
         size = _size(turns) + _size(response)
         if size > self.max_bytes:
             return  # (it would push out every other)
         self.delete(response["id"])
-        self._items[response["id"]] = _Stored(self.clock() + self.ttl_s, response, turns, size)
+        self._items[response["id"]] = _Stored(self.clock() + self.ttl_s, response, turns, parent, size)
+        self._owners.update((o["id"], response["id"]) for o in response["output"])
         self.bytes += size
         while len(self._items) > self.capacity or self.bytes > self.max_bytes:
-            self.bytes -= self._items.popitem(last=False)[1].size
+            self.delete(next(iter(self._items)))
 
     def _get(self, response_id: str) -> _Stored | None:
         item = self._items.get(response_id)
@@ -464,14 +531,35 @@ class ResponseStore:
         return None if item is None else item.response
 
     def turns(self, response_id: str) -> list[dict[str, Any]] | None:
-        item = self._get(response_id)
-        return None if item is None else item.turns
+        """The turns of the chain that ends at this response, oldest first; None when it, or a
+        link of its chain, is unknown or failed. Its links count as used now."""
+        links: list[_Stored] = []
+        at: str | None = response_id
+        while at is not None:
+            item = self._get(at)
+            if item is None or item.turns is None:
+                return None
+            links.append(item)
+            at = item.parent
+        expires = self.clock() + self.ttl_s
+        for link in links:
+            link.expires = expires
+            self._items.move_to_end(link.response["id"])
+        return [turn for link in reversed(links) for turn in link.turns or ()]
+
+    def item(self, item_id: str) -> dict[str, Any] | None:
+        """A stored response's output item by its id."""
+        owner = self._get(self._owners.get(item_id, ""))
+        return None if owner is None else next(o for o in owner.response["output"] if o["id"] == item_id)
 
     def delete(self, response_id: str) -> bool:
         item = self._items.pop(response_id, None)
-        if item is not None:
-            self.bytes -= item.size
-        return item is not None
+        if item is None:
+            return False
+        self.bytes -= item.size
+        for o in item.response["output"]:
+            self._owners.pop(o["id"], None)
+        return True
 
 
 # ---- the response ---------------------------------------------------------------------------
@@ -487,10 +575,8 @@ def usage(u: gateway_pb2.Usage) -> dict[str, Any]:
             "total_tokens": u.prompt_tokens + u.completion_tokens}  # fmt: skip
 
 
-def _message(item_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
-    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
-    if logprobs is not None:
-        part["logprobs"] = logprobs
+def _message(item_id: str, text: str, status: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": [part]}
 
 
@@ -499,12 +585,40 @@ def _call(item_id: str, call_id: str, call: Call, status: str = "completed") -> 
             "arguments": call.arguments if status == "completed" else ""}  # fmt: skip
 
 
+class _Scores:
+    """A message's token entries, each given once the text shown so far holds its token's bytes:
+    the message's logprobs are its text's tokens, not those of a call, a stop text held back or
+    text after a call (streamed or not the same: `upto` the text's bytes)."""
+
+    def __init__(self) -> None:
+        self.entries: list[dict[str, Any]] = []
+        self.given = 0
+        self.covered = 0  # bytes of the entries given
+
+    def add(self, entries: list[dict[str, Any]]) -> None:
+        self.entries.extend(entries)
+
+    def upto(self, size: float) -> list[dict[str, Any]]:
+        out = []
+        while self.given < len(self.entries) and self.covered + len(self.entries[self.given]["bytes"]) <= size:
+            out.append(self.entries[self.given])
+            self.covered += len(out[-1]["bytes"])
+            self.given += 1
+        return out
+
+
+def _scored_bytes(text: str, calls: list[Call]) -> float:
+    """How many of a reply's text bytes its message's logprobs cover: those before its first call
+    (as streamed: the whitespace before it is never shown), or all of them."""
+    return len(text[: text.find(OPEN)].rstrip().encode()) if calls else float("inf")
+
+
 @dataclass
 class _Made:
     """One response being made: its fixed fields, and what it has output so far."""
 
     base: dict[str, Any]
-    most_calls: int | None
+    most_calls: int | None  # (`parallel_tool_calls: false`: 1)
     output: list[dict[str, Any]] = field(default_factory=list)
 
     def object(self, status: str, final: gateway_pb2.Final | None = None,
@@ -549,11 +663,16 @@ class Responses:
 
         async def make(headers_checked: Callable[[], object]
                        ) -> tuple[tuple[ResponsesRequest, Chat], gateway_pb2.GenerateRequest]:  # fmt: skip
-            raw = await self.chat.read(request, self.service.cfg.media.max_request_bytes * 4 // 3 + 4096)
+            limit = self.service.cfg.media.max_request_bytes * 4 // 3 + 4096  # (base64: 4/3)
+            raw = await self.chat.read(request, limit)
             body = parse_body(raw)
             self.chat.check_model(body.model)
             headers_checked()
-            chat = to_chat(body, self.store.turns)
+            chat = to_chat(body, self.store)
+            if chat.size > limit:
+                raise _refused("previous_response_id", f"the conversation with its earlier turns is over "
+                                                       f"media.max_request_bytes ({limit} bytes of base64): start "
+                                                       "a new one")  # fmt: skip
             try:
                 req = to_generate_request(chat.request, [], self.chat.transcripts.get, self.chat.stop_ids)
             except HttpError as e:
@@ -564,7 +683,7 @@ class Responses:
         if isinstance(admitted, Response):
             return admitted
         (body, chat), req, timeout = admitted
-        made = _Made(self._base(body, req), 1 if body.parallel_tool_calls is False else body.max_tool_calls)
+        made = _Made(self._base(body, req), 1 if body.parallel_tool_calls is False else None)
         if not body.stream:
             return await self.chat.serve(request, req, timeout,
                                          lambda replies: _named(self._whole(req, body, chat, made, replies),
@@ -578,6 +697,8 @@ class Responses:
         response_id = self._checked(request)
         if isinstance(response_id, Response):
             return response_id
+        if request.query_params.get("stream", "false").lower() != "false":
+            return _refused("stream", "a stored response is read whole; its events are not kept to replay").response()
         stored = self.store.response(response_id)
         if stored is None:
             return _not_found(response_id).response()
@@ -606,7 +727,7 @@ class Responses:
             "temperature": body.temperature, "top_p": body.top_p, "top_logprobs": body.top_logprobs,
             "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
             "parallel_tool_calls": body.parallel_tool_calls is not False, "store": body.store is not False,
-            "text": {"format": {"type": "text"}}, "truncation": "disabled", "reasoning": None,
+            "text": {**(body.text or {}), "format": {"type": "text"}}, "truncation": "disabled", "reasoning": None,
             "metadata": body.metadata or {}, "user": body.user, "background": False, "incomplete_details": None,
         }  # fmt: skip
 
@@ -618,7 +739,8 @@ class Responses:
 
     def _kept(self, body: ResponsesRequest, chat: Chat, response: dict[str, Any], text: str | None) -> None:
         if body.store is not False:
-            self.store.put(response, [*chat.turns, _assistant_turn(text, response["output"])])
+            turns = [*chat.turns, _assistant_turn(text, response["output"])]
+            self.store.put(response, turns, body.previous_response_id)
 
     async def _whole(self, req: gateway_pb2.GenerateRequest, body: ResponsesRequest, chat: Chat, made: _Made,
                      replies: Replies) -> Response:  # fmt: skip
@@ -626,12 +748,14 @@ class Responses:
         scores = self._scores(req)
 
         def reply(text: str, _audio: list[bytes], final: gateway_pb2.Final) -> Response:
-            content, calls = parse_calls(text) if req.tools else (text, [])
-            calls = made.calls(calls)
+            content, found = parse_calls(text) if req.tools else (text, [])
+            calls = made.calls(found)
             status = _status(final)
             if content or not calls:
+                aligned = _Scores()
+                aligned.add(scores(scored) if scores is not None else [])
                 made.output.append(_message(_id("msg"), content or "", status,
-                                            scores(scored) if scores is not None else None))  # fmt: skip
+                                            aligned.upto(_scored_bytes(text, found))))  # fmt: skip
             made.output.extend(_call(_id("fc"), new_call_id(), c) for c in calls)
             response = made.object(status, final)
             self._kept(body, chat, response, content)
@@ -641,26 +765,30 @@ class Responses:
 
     def _events(self, req: gateway_pb2.GenerateRequest, body: ResponsesRequest, chat: Chat, made: _Made,
                 first: list[gateway_pb2.GenerateResponse], replies: Replies) -> AsyncIterator[str]:  # fmt: skip
-        """The response's events as its pieces come."""
-        number = 0
+        """The response's events as its pieces come (each with its type as the SSE event's name, and
+        numbered from 0, as OpenAI's)."""
+        number = -1
         scores = self._scores(req)
+        text: list[str] = []  # the message's text so far
+        message: dict[str, Any] | None = None
 
         def event(kind: str, **fields: Any) -> str:
             nonlocal number
             number += 1
-            return sse_event({"type": kind, "sequence_number": number, **fields})
+            return f"event: {kind}\n" + sse_event({"type": kind, "sequence_number": number, **fields})
 
         async def pieces() -> AsyncGenerator[str, None]:
+            nonlocal message
             calls = CallStream() if req.tools else None
-            scored = Held()
-            text: list[str] = []
-            message: dict[str, Any] | None = None
+            raw: list[str] = []  # the reply's text (calls too)
+            aligned = _Scores()
+            shown_bytes, cap = 0, float("inf")  # (cap: the bytes before the first call, once known)
 
             def opened() -> list[str]:  # the message item, announced at its first words (a reply
                 nonlocal message  # that only calls has none, as OpenAI's)
                 if message is not None:
                     return []
-                message = _message(_id("msg"), "", "in_progress", [] if scores is not None else None)
+                message = _message(_id("msg"), "", "in_progress", [])
                 made.output.append(message)
                 index = len(made.output) - 1
                 part = message["content"][0]
@@ -669,12 +797,13 @@ class Responses:
                               content_index=0, part=dict(part))]  # fmt: skip
 
             def delta(shown: str) -> list[str]:
+                nonlocal shown_bytes
                 out = opened()
                 assert message is not None
                 text.append(shown)
-                logprobs = scored.take() if scores is not None else []
-                if scores is not None:
-                    message["content"][0]["logprobs"].extend(logprobs)
+                shown_bytes += len(shown.encode())
+                logprobs = aligned.upto(min(shown_bytes, cap))
+                message["content"][0]["logprobs"].extend(logprobs)
                 return [*out, event("response.output_text.delta", item_id=message["id"], output_index=0,
                                     content_index=0, delta=shown, logprobs=logprobs)]  # fmt: skip
 
@@ -684,7 +813,8 @@ class Responses:
                 kind = resp.WhichOneof("kind")
                 if kind == "text":
                     if scores is not None:
-                        scored.add(scores(resp.text.logprobs))
+                        aligned.add(scores(resp.text.logprobs))
+                    raw.append(resp.text.text)
                     shown = resp.text.text if calls is None else calls.feed(resp.text.text)
                     if shown:
                         for out in delta(shown):
@@ -694,6 +824,7 @@ class Responses:
                     found: list[Call] = []
                     if calls is not None:
                         rest, found = calls.finish()
+                        cap = _scored_bytes("".join(raw), found)
                         found = made.calls(found)
                         if rest:
                             for out in delta(rest):
@@ -705,11 +836,9 @@ class Responses:
                         whole = "".join(text)
                         part = message["content"][0]
                         part["text"] = whole
-                        if scores is not None:  # (tokens whose text never showed: a call's, say)
-                            part["logprobs"].extend(scored.take())
                         message["status"] = status
                         yield event("response.output_text.done", item_id=message["id"], output_index=0,
-                                    content_index=0, text=whole, logprobs=part.get("logprobs", []))  # fmt: skip
+                                    content_index=0, text=whole, logprobs=part["logprobs"])  # fmt: skip
                         yield event("response.content_part.done", item_id=message["id"], output_index=0,
                                     content_index=0, part=part)  # fmt: skip
                         yield event("response.output_item.done", output_index=0, item=message)
@@ -731,8 +860,13 @@ class Responses:
         def failed(e: GatewayError) -> str:
             error = in_body_terms(from_gateway_error(e), chat.origins)
             code = _ERROR_CODES.get(error.status, "server_error" if error.status >= 500 else "invalid_prompt")
-            return event("response.failed", response=made.object("failed", error={"code": code,
-                                                                                  "message": error.message}))
+            if message is not None:  # what it said before it failed
+                message["content"][0]["text"] = "".join(text)
+                message["status"] = "incomplete"
+            response = made.object("failed", error={"code": code, "message": error.message})
+            if body.store is not False:  # (to read back; not to continue from)
+                self.store.put(response, None)
+            return event("response.failed", response=response)
 
         return ended_well(pieces(), replies, req.request_id, failed)
 

@@ -34,13 +34,16 @@ ITEMS: list[dict[str, Any]] = [
 ]  # fmt: skip
 
 
-def _run(tiny_dir: Path, reply: list[str], calls: list[Any], finish: str = "stop") -> tuple[list[Any], list[Any]]:
+def _run(tiny_dir: Path, reply: list[str], calls: list[Any], finish: str = "stop", logprobs: bool = False,
+         setup: Any = None) -> tuple[list[Any], list[Any]]:  # fmt: skip
     """Each `call(client, http)` in turn (OpenAI's SDK, and plain httpx) on one gateway that
     answers `reply` every time; what they gave, and the gateway requests made."""
     from gateway.app import build_app
 
     async def go() -> tuple[list[Any], list[Any]]:
-        service, seen = served_gateway(tiny_dir, reply, finish)
+        service, seen = served_gateway(tiny_dir, reply, finish, logprobs)
+        if setup is not None:
+            setup(service)
         transport = httpx.ASGITransport(app=build_app(service))
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway/v1") as http:
             client = openai.AsyncOpenAI(base_url="http://gateway/v1", api_key="x", http_client=http, max_retries=0)
@@ -144,7 +147,7 @@ def _shape(response: Any) -> list[Any]:
 @pytest.mark.parametrize("reply", [REPLY, ["Hello ", "there", "."], [CALL], ["A", " ", "<", "tool_call>", CALL[11:]],
                                    ["No <tool_call> here"], []])  # fmt: skip
 def test_a_streamed_response_is_the_whole_one(tiny_dir: Path, reply: list[str]) -> None:
-    """Streamed, every event is one of the SDK's types, in order (numbered from 1), the SDK's
+    """Streamed, every event is one of the SDK's types, in order (numbered from 0), the SDK's
     accumulation of them is the response the last event carries, and that is the whole
     (non-streamed) response: the same message, calls and status."""
     (streamed, whole), _ = _run(tiny_dir, reply, [_stream(input="hi", tools=FLAT), _whole(input="hi", tools=FLAT)])
@@ -152,7 +155,7 @@ def test_a_streamed_response_is_the_whole_one(tiny_dir: Path, reply: list[str]) 
     raw = [e.model_dump(warnings=False) for e in events]
     for e in raw:
         EVENTS.validate_python(e)
-    assert [e["sequence_number"] for e in raw] == list(range(1, len(raw) + 1))
+    assert [e["sequence_number"] for e in raw] == list(range(len(raw)))  # (from 0, as OpenAI's)
     assert raw[0]["type"] == "response.created" and raw[1]["type"] == "response.in_progress"
     assert raw[-1]["type"] == "response.completed" and raw[-1]["response"]["id"] == raw[0]["response"]["id"]
     assert _shape(final) == _shape(whole) and final.output_text == whole.output_text
@@ -195,6 +198,8 @@ def test_stored_responses_chain_and_can_be_read_and_deleted(tiny_dir: Path) -> N
                                              previous_response_id=state["first"].id, input=outputs)  # type: ignore[arg-type]  # fmt: skip
 
     async def read(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> Any:
+        replayed = await http.get(f"/responses/{state['first'].id}?stream=true")  # (its events are not kept)
+        assert replayed.status_code == 400 and replayed.json()["error"]["param"] == "stream", replayed.text
         return await client.responses.retrieve(state["first"].id)
 
     async def delete(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> Any:
@@ -242,7 +247,20 @@ def test_stored_responses_chain_and_can_be_read_and_deleted(tiny_dir: Path) -> N
     ({"input": "hi", "conversation": "conv_1"}, "conversation"),
     ({"input": "hi", "include": ["everything"]}, "include[0]"),
     ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input[0].type"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].id"),
+    ({"input": [{"type": "item_reference"}]}, "input[0].type"),
+    ({}, "input"),
+    ({"input": None}, "input"),
+    ({"input": 5}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0].image_url"),
+    ({"input": [{"role": "user", "content": "a"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_file"}]}]},
+     "input[2].output[0].type"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "r"}]}, "input[0].call_id"),
+    ({"input": [{"role": "user", "content": "a"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}, "input[2].call_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
      "input[0].content[0].file_id"),
@@ -282,23 +300,34 @@ def test_a_refusal_of_a_message_names_the_item_it_came_from(tiny_dir: Path) -> N
 
         return call
 
-    (long, audio), _ = _run(tiny_dir, ["x"], [
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
+    (long, audio, tool_image), _ = _run(tiny_dir, ["x"], [
         post({"instructions": "hi", "input": huge}),
         post({"instructions": "hi", "input": [
             {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
             {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": bad_audio}}]}]}),
+        post({"input": [{"role": "user", "content": "a"},
+                        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                        {"type": "function_call_output", "call_id": "c", "output": [
+                            {"type": "input_text", "text": "x"}, image]}]}),
     ])  # fmt: skip
     assert long.status_code == 400 and long.json()["error"]["param"] == "input", long.text
     assert audio.status_code == 400, audio.text
     assert audio.json()["error"]["param"].startswith("input[1].content[0]"), audio.text
+    # a call output's parts are its `output` (the gateway takes media in user turns alone)
+    assert tool_image.status_code == 400 and tool_image.json()["error"]["param"] == "input[2].output[1]", \
+        tool_image.text
 
 
 def test_a_failure_once_streaming_is_response_failed(tiny_dir: Path) -> None:
+    """A failure once the stream began is its last event, `response.failed`, whose response holds
+    what was said before (its message incomplete); it reads back, and cannot be continued. Each
+    event's SSE name is its type."""
     from gateway.app import build_app
     from gateway.server import GatewayError
     from omnistage.server.grpc_common import Code
 
-    async def go() -> list[Any]:
+    async def go() -> tuple[list[str], Any, Any]:
         service, _ = served_gateway(tiny_dir, ["Hello ", "there"])
         outputs = service._outputs
 
@@ -309,19 +338,27 @@ def test_a_failure_once_streaming_is_response_failed(tiny_dir: Path) -> None:
 
         service._outputs = failing  # type: ignore[method-assign]
         transport = httpx.ASGITransport(app=build_app(service))
-        async with (httpx.AsyncClient(transport=transport, base_url="http://gateway/v1") as http,
-                    http.stream("POST", "/responses", json={"input": "hi", "stream": True}) as r):  # fmt: skip
-            assert r.status_code == 200
-            return [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: ")]
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway/v1") as http:
+            async with http.stream("POST", "/responses", json={"input": "hi", "stream": True}) as r:
+                assert r.status_code == 200
+                lines = [line async for line in r.aiter_lines() if line]
+            rid = json.loads(lines[-1][6:])["response"]["id"]
+            return lines, await http.get(f"/responses/{rid}"), await http.post(
+                "/responses", json={"input": "more", "previous_response_id": rid})
 
-    events = asyncio.run(go())
+    lines, stored, chained = asyncio.run(go())
+    names, events = lines[0::2], [json.loads(line[6:]) for line in lines[1::2]]
+    assert names == [f"event: {e['type']}" for e in events]
     for e in events:
         EVENTS.validate_python(e)
     assert events[-1]["type"] == "response.failed"
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
     assert "replica lost" in failed["error"]["message"]
-    assert any(e["type"] == "response.output_text.delta" for e in events)
+    said = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert said and failed["output"][0]["content"][0]["text"] == said and failed["output"][0]["status"] == "incomplete"
+    assert stored.status_code == 200 and stored.json() == failed
+    assert chained.status_code == 400 and chained.json()["error"]["param"] == "previous_response_id"
 
 
 def test_the_store_is_bounded_by_count_bytes_and_age() -> None:
@@ -329,47 +366,160 @@ def test_the_store_is_bounded_by_count_bytes_and_age() -> None:
     store = ResponseStore(ttl_s=10, capacity=3, max_bytes=2000, clock=lambda: now[0])
 
     def put(i: int, size: int = 10) -> None:
-        store.put({"id": f"r{i}"}, [{"role": "user", "content": "x" * size}])
+        store.put({"id": f"r{i}", "output": [{"id": f"msg{i}"}]}, [{"role": "user", "content": "x" * size}])
 
     for i in range(4):
         put(i)
     assert store.response("r0") is None and store.turns("r3") == [{"role": "user", "content": "x" * 10}]
+    assert store.item("msg0") is None and store.item("msg3") == {"id": "msg3"}  # (an evicted one's items go too)
     put(4, 1500)
     assert store.response("r4") is not None and store.response("r1") is None and store.bytes <= 2000
     put(5, 5000)  # larger than the whole store: not kept, pushes nothing out
     assert store.response("r5") is None and store.response("r4") is not None
     now[0] = 11
-    assert store.response("r4") is None and store.turns("r3") is None
+    assert store.response("r4") is None and store.turns("r3") is None and store.item("msg2") is None
     assert store.delete("r3") is False
 
 
 def test_to_chat_merges_a_call_into_the_words_before_it_only() -> None:
-    """A call joins the assistant message right before it (its words: one turn); after a user
-    or tool turn it is an assistant turn of its own; a chained response's turns are copied, not
-    changed, when a call joins their last."""
+    """A call joins the assistant message right before it in the input (its words: one turn);
+    after a user or tool turn, or first after the turns of the response it continues, it is an
+    assistant turn of its own."""
     body = ResponsesRequest.model_validate({"input": [
         {"role": "user", "content": "a"},
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "c1", "output": "r"},
         {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"}]})  # fmt: skip
-    chat = to_chat(body)
+    chat = to_chat(body, ResponseStore())
     assert [(m.role, len(m.tool_calls or ())) for m in chat.request.messages] == [
         ("user", 0), ("assistant", 1), ("tool", 0), ("assistant", 1)]
     stored = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "words"}]
+    store = ResponseStore()
+    store.put({"id": "r", "output": []}, stored)
     chained = to_chat(ResponsesRequest.model_validate({"previous_response_id": "r", "input": [
-        {"type": "function_call", "call_id": "c3", "name": "f", "arguments": "{}"}]}), lambda _id: stored)  # fmt: skip
-    assert [len(m.tool_calls or ()) for m in chained.request.messages] == [0, 1]
+        {"type": "function_call", "call_id": "c3", "name": "f", "arguments": "{}"}]}), store)  # fmt: skip
+    # (a call after the turns it continues is a turn of its own: the stored ones are never changed)
+    assert [len(m.tool_calls or ()) for m in chained.request.messages] == [0, 0, 1]
     assert stored[1] == {"role": "assistant", "content": "words"}
-    assert chained.origins == ["previous_response_id", "previous_response_id"]
+    assert [o.where for o in chained.origins] == ["previous_response_id", "previous_response_id", "input[0]"]
 
 
-@pytest.mark.parametrize("limit", [{"parallel_tool_calls": False}, {"max_tool_calls": 1}, {}])
-def test_a_reply_gives_as_many_calls_as_asked(tiny_dir: Path, limit: dict[str, Any]) -> None:
-    """`parallel_tool_calls: false` or `max_tool_calls: 1` give a reply's first call alone,
-    streamed or not; by default every call."""
+@pytest.mark.parametrize(("limit", "calls"), [({"parallel_tool_calls": False}, 1), ({"max_tool_calls": 1}, 2), ({}, 2)])
+def test_a_reply_gives_as_many_calls_as_asked(tiny_dir: Path, limit: dict[str, Any], calls: int) -> None:
+    """`parallel_tool_calls: false` gives a reply's first call alone, streamed or not; by default
+    every call (`max_tool_calls` bounds built-in tools' calls, of which there are none here)."""
     kw = {"input": "hi", "tools": FLAT, **limit}
     (whole, (events, final)), _ = _run(tiny_dir, [CALL, "\n", CALL2], [_whole(**kw), _stream(**kw)])
-    names = ["get_weather"] if limit else ["get_weather", "get_time"]
+    names = ["get_weather", "get_time"][:calls]
     assert [o.name for o in whole.output] == names  # type: ignore[union-attr]
     assert _shape(final) == _shape(whole)
     assert [e.name for e in events if e.type == "response.function_call_arguments.done"] == names
+
+
+@pytest.mark.parametrize("tools", [True, False])
+def test_a_messages_logprobs_are_its_texts_tokens_streamed_or_not(tiny_dir: Path, tools: bool) -> None:
+    """With `include: ["message.output_text.logprobs"]`, the message's entries are the tokens of
+    its text before any call (not the call's): the same whole, streamed in the deltas, and in the
+    done event; their token texts join to that text."""
+    kw: dict[str, Any] = {"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2,
+                          **({"tools": FLAT} if tools else {})}  # fmt: skip
+    (whole, (events, final)), _ = _run(tiny_dir, REPLY, [_whole(**kw), _stream(**kw)], logprobs=True)
+    entries = [e.model_dump() for e in whole.output[0].content[0].logprobs]
+    said = "Let me check." if tools else "".join(REPLY)
+    assert "".join(e["token"] for e in entries) == said and all(len(e["top_logprobs"]) == 2 for e in entries)
+    deltas = [lp.model_dump() for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = [lp.model_dump() for e in events if e.type == "response.output_text.done" for lp in e.logprobs]
+    assert [e["token"] for e in deltas] == [e["token"] for e in done] == [e["token"] for e in entries]
+    assert [e["logprob"] for e in deltas] == [e["logprob"] for e in entries]
+    assert [e.model_dump() for e in final.output[0].content[0].logprobs] == entries
+
+
+def test_an_item_reference_stands_for_a_stored_output_item(tiny_dir: Path) -> None:
+    """An `item_reference` to a stored response's message or call (as the Vercel AI SDK sends an
+    earlier turn back) is that item: the same gateway request as sending the items themselves."""
+    state: dict[str, Any] = {}
+
+    async def first(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> Any:
+        state["made"] = await client.responses.create(model="m", input="Weather?", tools=FLAT)  # type: ignore[arg-type]
+        return state["made"]
+
+    def follow(by_reference: bool) -> Any:
+        async def call(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> Any:
+            made = state["made"]
+            items = [{"type": "item_reference", "id": o.id} if by_reference else o.model_dump(exclude_none=True)
+                     for o in made.output]  # fmt: skip
+            calls = [o for o in made.output if o.type == "function_call"]
+            outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": "ok"} for c in calls]
+            return await http.post("/responses", json={"input": [{"role": "user", "content": "Weather?"}, *items,
+                                                                 *outputs], "tools": FLAT})  # fmt: skip
+
+        return call
+
+    (made, by_items, by_refs), seen = _run(tiny_dir, REPLY, [first, follow(False), follow(True)])
+    assert [o.type for o in made.output] == ["message", "function_call", "function_call"]
+    assert by_items.status_code == by_refs.status_code == 200, by_refs.text
+    assert _same_request(seen[1], seen[2])
+    assert [m.role for m in seen[2].messages] == ["user", "assistant", "tool", "tool"]
+    assert len(seen[2].messages[1].tool_calls) == 2
+
+
+def test_a_stored_chain_keeps_each_turn_once_and_its_links_while_used() -> None:
+    """A chain's turns are its links' own turns, each stored once; using a chain keeps its links
+    (least recently used go first, and the hour counts from the last use); a chain whose link is
+    gone, or that ends at a failed response, cannot be continued."""
+    now = [0.0]
+    store = ResponseStore(ttl_s=10, capacity=3, clock=lambda: now[0])
+
+    def turn(text: str) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": text}]
+
+    store.put({"id": "r1", "output": []}, turn("a"))
+    store.put({"id": "r2", "output": []}, turn("b"), parent="r1")
+    store.put({"id": "x", "output": []}, turn("x"))
+    size = store.bytes
+    now[0] = 8
+    assert store.turns("r2") == turn("a") + turn("b")  # (used: r1 and r2 are the most recent now)
+    store.put({"id": "r3", "output": []}, turn("c"), parent="r2")  # over capacity: x goes, not r1
+    assert store.response("x") is None and store.turns("r3") == turn("a") + turn("b") + turn("c")
+    assert store.bytes == size - store_size(turn("x"), "x") + store_size(turn("c"), "r3")
+    now[0] = 17  # 9 s after the chain's last use, 17 after r1 was made: kept
+    assert store.turns("r3") is not None
+    store.delete("r1")
+    assert store.turns("r3") is None and store.response("r3") is not None  # (a broken chain reads back still)
+    store.put({"id": "f", "output": []}, None)  # failed
+    assert store.response("f") is not None and store.turns("f") is None
+
+
+def store_size(turns: list[dict[str, Any]], response_id: str) -> int:
+    other = ResponseStore()
+    other.put({"id": response_id, "output": []}, turns)
+    return other.bytes
+
+
+def test_a_chain_over_the_request_size_limit_is_refused(tiny_dir: Path) -> None:
+    """Chained turns count against media.max_request_bytes as one request's would: a chain cannot
+    grow a conversation past what one body may hold."""
+    import io
+    import wave
+
+    state: dict[str, Any] = {}
+    wav = io.BytesIO()
+    with wave.open(wav, "wb") as w:  # a second of silence: 32 KB, 43 KB as base64
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16_000), w.writeframes(b"\0\0" * 16_000)
+    audio = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav.getvalue()).decode()}}
+
+    def setup(service: Any) -> None:  # (a body of 91 KB of base64 at most: two turns' audio, not three)
+        service.cfg.media.max_request_bytes = 64 * 1024
+
+    async def turn(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> Any:
+        body = {"input": [{"role": "user", "content": [audio]}],
+                **({"previous_response_id": state["id"]} if "id" in state else {})}  # fmt: skip
+        got = await http.post("/responses", json=body)
+        if got.status_code == 200:
+            state["id"] = got.json()["id"]
+        return got
+
+    (one, two, three), seen = _run(tiny_dir, ["ok"], [turn, turn, turn], setup=setup)
+    assert one.status_code == two.status_code == 200, two.text
+    assert three.status_code == 400 and three.json()["error"]["param"] == "previous_response_id", three.text
+    assert len(seen) == 2

@@ -213,10 +213,12 @@ def test_tools_are_refused_where_they_cannot_be_honoured(tiny_dir: Path, q25_dir
 # ---- the HTTP door, through OpenAI's SDK --------------------------------------------------------
 
 
-def served_gateway(tiny_dir: Path, reply: list[str], finish: str = "stop") -> tuple[GatewayService, list[Any]]:
+def served_gateway(tiny_dir: Path, reply: list[str], finish: str = "stop",
+                   logprobs: bool = False) -> tuple[GatewayService, list[Any]]:  # fmt: skip
     """A gateway (made in the running event loop) whose thinker answers every request with the
     tokens of the text pieces `reply`, a chunk each, then ends it (`finish`: "stop", its stop id;
-    "length", its token count); the requests it renders prompts of are collected."""
+    "length", its token count), each token with a log-probability and two alternatives where
+    `logprobs`; the requests it renders prompts of are collected."""
     service = GatewayService(parse_config({"served_model_name": "m"}), open_checkpoint(tiny_dir), "ipv4:127.0.0.1:1")
     seen: list[Any] = []
     prompt = service._prompt
@@ -237,8 +239,13 @@ def served_gateway(tiny_dir: Path, reply: list[str], finish: str = "stop") -> tu
         for k, ids in enumerate(chunks):
             last = k == len(chunks) - 1
             meta = {edges.FINISH_REASON: "stop_id" if finish == "stop" else "max_tokens"} if last else {}
-            yield "thinker", SimpleNamespace(tensors={edges.IDS: torch.tensor(ids)}, meta=meta, offset=offset,
-                                             length=len(ids), finished=last)  # fmt: skip
+            tensors = {edges.IDS: torch.tensor(ids)}
+            if logprobs:  # (token k's log-probability: -k/100, its alternatives itself and id 0)
+                tensors[edges.LOGPROB] = -torch.arange(offset, offset + len(ids), dtype=torch.float32) / 100
+                tensors[edges.TOP_IDS] = torch.stack([torch.tensor(ids), torch.zeros(len(ids), dtype=torch.long)])
+                tensors[edges.TOP_LOGPROBS] = torch.stack([tensors[edges.LOGPROB], tensors[edges.LOGPROB] - 1])
+            yield "thinker", SimpleNamespace(tensors=tensors, meta=meta, offset=offset, length=len(ids),
+                                             finished=last)  # fmt: skip
             offset += len(ids)
 
     service.test_starts = []  # type: ignore[attr-defined]
