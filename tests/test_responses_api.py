@@ -416,16 +416,19 @@ def test_a_reply_gives_as_many_calls_as_asked(tiny_dir: Path, limit: dict[str, A
     assert [e.name for e in events if e.type == "response.function_call_arguments.done"] == names
 
 
-@pytest.mark.parametrize("tools", [True, False])
-def test_a_messages_logprobs_are_its_texts_tokens_streamed_or_not(tiny_dir: Path, tools: bool) -> None:
+@pytest.mark.parametrize(("reply", "tools", "said"), [
+    (REPLY, True, "Let me check."), (REPLY, False, "".join(REPLY)),
+    (["Hi.", "\n", CALL, "\nDone."], True, "Hi."),  # (the text after a call has none: it shows at the end)
+])  # fmt: skip
+def test_a_messages_logprobs_are_its_texts_tokens_streamed_or_not(tiny_dir: Path, reply: list[str], tools: bool,
+                                                                  said: str) -> None:  # fmt: skip
     """With `include: ["message.output_text.logprobs"]`, the message's entries are the tokens of
     its text before any call (not the call's): the same whole, streamed in the deltas, and in the
     done event; their token texts join to that text."""
     kw: dict[str, Any] = {"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2,
                           **({"tools": FLAT} if tools else {})}  # fmt: skip
-    (whole, (events, final)), _ = _run(tiny_dir, REPLY, [_whole(**kw), _stream(**kw)], logprobs=True)
+    (whole, (events, final)), _ = _run(tiny_dir, reply, [_whole(**kw), _stream(**kw)], logprobs=True)
     entries = [e.model_dump() for e in whole.output[0].content[0].logprobs]
-    said = "Let me check." if tools else "".join(REPLY)
     assert "".join(e["token"] for e in entries) == said and all(len(e["top_logprobs"]) == 2 for e in entries)
     deltas = [lp.model_dump() for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
     done = [lp.model_dump() for e in events if e.type == "response.output_text.done" for lp in e.logprobs]
@@ -523,3 +526,22 @@ def test_a_chain_over_the_request_size_limit_is_refused(tiny_dir: Path) -> None:
     assert one.status_code == two.status_code == 200, two.text
     assert three.status_code == 400 and three.json()["error"]["param"] == "previous_response_id", three.text
     assert len(seen) == 2
+
+
+def test_a_thinker_refusal_names_the_bodys_fields() -> None:
+    """A stage's refusal of what chat calls `max_tokens` (its message too), or of a message's part,
+    names this body's field."""
+    import grpc
+
+    from gateway.http_api import from_gateway_error
+    from gateway.responses_api import Origin, in_body_terms
+    from gateway.server import GatewayError
+
+    origins = [Origin("instructions"), Origin("input[0]"), Origin("input[2]", "output")]
+    e = in_body_terms(from_gateway_error(GatewayError(
+        grpc.StatusCode.INVALID_ARGUMENT, "thinker: sampling: max_tokens 1000000 exceeds this stage's limit 2048")),
+        origins)  # fmt: skip
+    assert e.param == "max_output_tokens" and "max_tokens" not in e.message and "max_output_tokens 1000000" in e.message
+    e = in_body_terms(from_gateway_error(GatewayError(
+        grpc.StatusCode.INVALID_ARGUMENT, "messages[2].parts[1] (image): not an image")), origins)  # fmt: skip
+    assert e.param == "input[2].output[1]" and e.message.startswith("input[2].output[1]"), (e.param, e.message)
