@@ -381,7 +381,10 @@ def to_chat(body: ResponsesRequest, store: ResponseStore | None = None) -> Chat:
     own = len(messages)  # this request's own turns from here
     if isinstance(body.input, str) and not body.input:
         raise _refused("input", "no turn to respond to (an empty string)")
+    # each call is answered once, by an output after it (OpenAI's rule; a call's own output left out
+    # would render a prompt the model was never trained on)
     called = {c["id"] for m in messages for c in m.get("tool_calls") or ()}
+    answered = {m["tool_call_id"] for m in messages if m["role"] == "tool"}
     items: list[Any] = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
     for k, item in enumerate(items):
         where = "input" if isinstance(body.input, str) else f"input[{k}]"
@@ -406,11 +409,17 @@ def to_chat(body: ResponsesRequest, store: ResponseStore | None = None) -> Chat:
             if item.call_id not in called:
                 raise _refused(f"{where}.call_id", f"no call {quoted(item.call_id)} before this output in the "
                                                    "conversation")  # fmt: skip
+            if item.call_id in answered:
+                raise _refused(f"{where}.call_id", f"call {quoted(item.call_id)} has an output already")
+            answered.add(item.call_id)
             origin = Origin(where, "output" if isinstance(item.output, list) else "")
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _content(item.output, origin)})
         origins.append(origin)
     if len(messages) == own:
         raise _refused("input", "no turn to respond to")
+    if unanswered := sorted(called - answered):
+        raise _refused("input", f"no function_call_output for call {quoted(unanswered[0])}: each call the "
+                                "conversation holds needs its output")  # fmt: skip
     logprobs = LOGPROBS in (body.include or ()) or bool(body.top_logprobs)
     fields = {
         "messages": messages, "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature,

@@ -259,6 +259,12 @@ def test_stored_responses_chain_and_can_be_read_and_deleted(tiny_dir: Path) -> N
      "input[2].output[0].type"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "r"}]}, "input[0].call_id"),
     ({"input": [{"role": "user", "content": "a"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}, "input"),
+    ({"input": [{"role": "user", "content": "a"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": "r"},
+                {"type": "function_call_output", "call_id": "c", "output": "r"}]}, "input[3].call_id"),
+    ({"input": [{"role": "user", "content": "a"},
                 {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
                 {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}, "input[2].call_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0].type"),
@@ -305,6 +311,7 @@ def test_a_refusal_of_a_message_names_the_item_it_came_from(tiny_dir: Path) -> N
         post({"instructions": "hi", "input": huge}),
         post({"instructions": "hi", "input": [
             {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c", "output": "r"},
             {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": bad_audio}}]}]}),
         post({"input": [{"role": "user", "content": "a"},
                         {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
@@ -313,7 +320,7 @@ def test_a_refusal_of_a_message_names_the_item_it_came_from(tiny_dir: Path) -> N
     ])  # fmt: skip
     assert long.status_code == 400 and long.json()["error"]["param"] == "input", long.text
     assert audio.status_code == 400, audio.text
-    assert audio.json()["error"]["param"].startswith("input[1].content[0]"), audio.text
+    assert audio.json()["error"]["param"].startswith("input[2].content[0]"), audio.text
     # a call output's parts are its `output` (the gateway takes media in user turns alone)
     assert tool_image.status_code == 400 and tool_image.json()["error"]["param"] == "input[2].output[1]", \
         tool_image.text
@@ -389,19 +396,21 @@ def test_to_chat_merges_a_call_into_the_words_before_it_only() -> None:
         {"role": "user", "content": "a"},
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "c1", "output": "r"},
-        {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"}]})  # fmt: skip
+        {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c2", "output": "r"}]})  # fmt: skip
     chat = to_chat(body, ResponseStore())
     assert [(m.role, len(m.tool_calls or ())) for m in chat.request.messages] == [
-        ("user", 0), ("assistant", 1), ("tool", 0), ("assistant", 1)]
+        ("user", 0), ("assistant", 1), ("tool", 0), ("assistant", 1), ("tool", 0)]
     stored = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "words"}]
     store = ResponseStore()
     store.put({"id": "r", "output": []}, stored)
     chained = to_chat(ResponsesRequest.model_validate({"previous_response_id": "r", "input": [
-        {"type": "function_call", "call_id": "c3", "name": "f", "arguments": "{}"}]}), store)  # fmt: skip
+        {"type": "function_call", "call_id": "c3", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c3", "output": "r"}]}), store)  # fmt: skip
     # (a call after the turns it continues is a turn of its own: the stored ones are never changed)
-    assert [len(m.tool_calls or ()) for m in chained.request.messages] == [0, 0, 1]
+    assert [len(m.tool_calls or ()) for m in chained.request.messages] == [0, 0, 1, 0]
     assert stored[1] == {"role": "assistant", "content": "words"}
-    assert [o.where for o in chained.origins] == ["previous_response_id", "previous_response_id", "input[0]"]
+    assert [o.where for o in chained.origins] == [*["previous_response_id"] * 2, "input[0]", "input[1]"]
 
 
 @pytest.mark.parametrize(("limit", "calls"), [({"parallel_tool_calls": False}, 1), ({"max_tool_calls": 1}, 2), ({}, 2)])
