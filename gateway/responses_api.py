@@ -13,8 +13,9 @@ What it takes (OpenAI's shapes; what differs is said here):
   {input_audio: {data, format}}`, and an assistant's `output_text` / `refusal`; `function_call`
   items (an earlier reply's calls: they join the assistant message before them in the input, as
   the model wrote them, in one turn; a call_id the conversation has already is a 400) and
-  `function_call_output` items (their call before them; a list `output`'s parts are text, as
-  the gateway takes media in user turns alone); `item_reference` to a stored response's output
+  `function_call_output` items (each call answered once, after it; a list `output`'s parts are
+  text: an image a tool returns is a 400 naming it, as the gateway takes media in user turns
+  alone); `item_reference` to a stored response's output
   item (as the Vercel AI SDK sends earlier turns) stands for that item. `instructions` is the
   system turn first. Other item types (`reasoning`, ...), `input_file` parts and images by
   `file_id` are a 400 naming them: this server has no file store.
@@ -41,7 +42,8 @@ What it takes (OpenAI's shapes; what differs is said here):
   each piece exists, `.done` events), then each call's item (`response.function_call_arguments.
   delta` / `.done`), then `response.completed` (or `response.incomplete` at `max_output_tokens`);
   a failure once the stream began is `response.failed`, its response holding what was said (it
-  reads back, and cannot be continued). As with chat, nothing is sent before the reply's first
+  reads back, and cannot be continued); a client that leaves mid-stream cancels the request, and
+  its response reads back as `cancelled` with what was said. As with chat, nothing is sent before the reply's first
   piece, so a refused request gets its status streamed or not. A stored response reads back whole
   (`GET ...?stream=true` is a 400: its events are not kept); `input_items` is not served.
 Errors are chat's (an OpenAI error object with the status), naming this body's fields.
@@ -49,6 +51,7 @@ Errors are chat's (an OpenAI error object with the status), naming this body's f
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import uuid
@@ -373,8 +376,8 @@ def to_chat(body: ResponsesRequest, store: ResponseStore | None = None) -> Chat:
         if turns is None:
             raise HttpError(400, f"previous_response_id: no stored response {quoted(body.previous_response_id)} "
                                  f"to continue (one is kept {STORE_TTL_S // 60} minutes unless store is false, in "
-                                 "the process that made it, and one that failed cannot be continued; send the "
-                                 "whole input instead)",
+                                 "the process that made it, and one that failed or was cancelled cannot be "
+                                 "continued; send the whole input instead)",
                             param="previous_response_id", code="previous_response_not_found")  # fmt: skip
         messages.extend(turns)  # (never changed below: a call joins this request's own turns alone)
         origins.extend([Origin("previous_response_id")] * len(turns))
@@ -816,66 +819,78 @@ class Responses:
                 return [*out, event("response.output_text.delta", item_id=message["id"], output_index=0,
                                     content_index=0, delta=shown, logprobs=logprobs)]  # fmt: skip
 
-            yield event("response.created", response=made.object("in_progress"))
-            yield event("response.in_progress", response=made.object("in_progress"))
-            async for resp in chain(first, replies):
-                kind = resp.WhichOneof("kind")
-                if kind == "text":
-                    if scores is not None:
-                        aligned.add(scores(resp.text.logprobs))
-                    raw.append(resp.text.text)
-                    shown = resp.text.text if calls is None else calls.feed(resp.text.text)
-                    if shown:
-                        for out in delta(shown):
-                            yield out
-                elif kind == "final":
-                    status = _status(resp.final)
-                    found: list[Call] = []
-                    if calls is not None:
-                        rest, found = calls.finish()
-                        cap = _scored_bytes("".join(raw), found)
-                        found = made.calls(found)
-                        if rest:
-                            for out in delta(rest):
+            ended = False
+            try:
+                yield event("response.created", response=made.object("in_progress"))
+                yield event("response.in_progress", response=made.object("in_progress"))
+                async for resp in chain(first, replies):
+                    kind = resp.WhichOneof("kind")
+                    if kind == "text":
+                        if scores is not None:
+                            aligned.add(scores(resp.text.logprobs))
+                        raw.append(resp.text.text)
+                        shown = resp.text.text if calls is None else calls.feed(resp.text.text)
+                        if shown:
+                            for out in delta(shown):
                                 yield out
-                    if message is None and not found:  # (a reply that says and calls nothing: an empty message)
-                        for out in opened():
-                            yield out
-                    if message is not None:
-                        whole = "".join(text)
-                        part = message["content"][0]
-                        part["text"] = whole
-                        message["status"] = status
-                        yield event("response.output_text.done", item_id=message["id"], output_index=0,
-                                    content_index=0, text=whole, logprobs=part["logprobs"])  # fmt: skip
-                        yield event("response.content_part.done", item_id=message["id"], output_index=0,
-                                    content_index=0, part=part)  # fmt: skip
-                        yield event("response.output_item.done", output_index=0, item=message)
-                    for call in found:
-                        item = _call(_id("fc"), new_call_id(), call, "in_progress")
-                        made.output.append(item)
-                        index = len(made.output) - 1
-                        yield event("response.output_item.added", output_index=index, item=dict(item))
-                        yield event("response.function_call_arguments.delta", item_id=item["id"],
-                                    output_index=index, delta=call.arguments)  # fmt: skip
-                        yield event("response.function_call_arguments.done", item_id=item["id"],
-                                    output_index=index, name=call.name, arguments=call.arguments)  # fmt: skip
-                        item.update(status="completed", arguments=call.arguments)
-                        yield event("response.output_item.done", output_index=index, item=item)
-                    response = made.object(status, resp.final)
-                    self._kept(body, chat, response, "".join(text) if message is not None else None)
-                    yield event(f"response.{status}", response=response)
+                    elif kind == "final":
+                        status = _status(resp.final)
+                        found: list[Call] = []
+                        if calls is not None:
+                            rest, found = calls.finish()
+                            cap = _scored_bytes("".join(raw), found)
+                            found = made.calls(found)
+                            if rest:
+                                for out in delta(rest):
+                                    yield out
+                        if message is None and not found:  # (a reply that says and calls nothing: an empty message)
+                            for out in opened():
+                                yield out
+                        if message is not None:
+                            whole = "".join(text)
+                            part = message["content"][0]
+                            part["text"] = whole
+                            message["status"] = status
+                            yield event("response.output_text.done", item_id=message["id"], output_index=0,
+                                        content_index=0, text=whole, logprobs=part["logprobs"])  # fmt: skip
+                            yield event("response.content_part.done", item_id=message["id"], output_index=0,
+                                        content_index=0, part=part)  # fmt: skip
+                            yield event("response.output_item.done", output_index=0, item=message)
+                        for call in found:
+                            item = _call(_id("fc"), new_call_id(), call, "in_progress")
+                            made.output.append(item)
+                            index = len(made.output) - 1
+                            yield event("response.output_item.added", output_index=index, item=dict(item))
+                            yield event("response.function_call_arguments.delta", item_id=item["id"],
+                                        output_index=index, delta=call.arguments)  # fmt: skip
+                            yield event("response.function_call_arguments.done", item_id=item["id"],
+                                        output_index=index, name=call.name, arguments=call.arguments)  # fmt: skip
+                            item.update(status="completed", arguments=call.arguments)
+                            yield event("response.output_item.done", output_index=index, item=item)
+                        response = made.object(status, resp.final)
+                        self._kept(body, chat, response, "".join(text) if message is not None else None)
+                        ended = True
+                        yield event(f"response.{status}", response=response)
+            except (GeneratorExit, asyncio.CancelledError):  # the client went away: the request is cancelled
+                if not ended:
+                    cut_short("cancelled")
+                raise
+
+        def cut_short(status: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
+            """The response of a reply cut short (failed, or cancelled: its client went away), with
+            what it said; stored to read back, not to continue from."""
+            if message is not None:
+                message["content"][0]["text"] = "".join(text)
+                message["status"] = "incomplete"
+            response = made.object(status, error=error)
+            if body.store is not False:
+                self.store.put(response, None)
+            return response
 
         def failed(e: GatewayError) -> str:
             error = in_body_terms(from_gateway_error(e), chat.origins)
             code = _ERROR_CODES.get(error.status, "server_error" if error.status >= 500 else "invalid_prompt")
-            if message is not None:  # what it said before it failed
-                message["content"][0]["text"] = "".join(text)
-                message["status"] = "incomplete"
-            response = made.object("failed", error={"code": code, "message": error.message})
-            if body.store is not False:  # (to read back; not to continue from)
-                self.store.put(response, None)
-            return event("response.failed", response=response)
+            return event("response.failed", response=cut_short("failed", {"code": code, "message": error.message}))
 
         return ended_well(pieces(), replies, req.request_id, failed)
 

@@ -554,3 +554,67 @@ def test_a_thinker_refusal_names_the_bodys_fields() -> None:
     e = in_body_terms(from_gateway_error(GatewayError(
         grpc.StatusCode.INVALID_ARGUMENT, "messages[2].parts[1] (image): not an image")), origins)  # fmt: skip
     assert e.param == "input[2].output[1]" and e.message.startswith("input[2].output[1]"), (e.param, e.message)
+
+
+def test_a_stream_its_client_leaves_is_a_cancelled_response(tiny_dir: Path) -> None:
+    """A client that goes away mid-stream cancels its request; the response it was told of
+    (`response.created`) reads back as cancelled, with what it said before, and cannot be
+    continued."""
+    from gateway.app import build_app
+
+    async def go() -> tuple[list[dict[str, Any]], Any, Any, int]:
+        service, _ = served_gateway(tiny_dir, ["Hello ", "there"])
+        outputs = service._outputs
+        stopped = asyncio.Event()
+
+        async def hanging(*args: Any) -> Any:  # the first piece, then nothing until cancelled
+            async for out in outputs(*args):
+                yield out
+                try:
+                    await asyncio.Event().wait()
+                finally:
+                    stopped.set()
+
+        service._outputs = hanging  # type: ignore[method-assign]
+        app = build_app(service)
+        body = json.dumps({"input": "hi", "stream": True}).encode()
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/responses", "raw_path": b"/v1/responses", "query_string": b"",
+                 "root_path": "", "headers": [(b"content-type", b"application/json"), (b"host", b"gateway")],
+                 "client": ("127.0.0.1", 1), "server": ("gateway", 80)}  # fmt: skip
+        sent: list[bytes] = []
+        gone = asyncio.Event()
+        asked = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal asked
+            if not asked:
+                asked = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message.get("body", b""))
+            if b"response.output_text.delta" in message.get("body", b""):
+                gone.set()  # the first words came: the client leaves
+
+        await asyncio.wait_for(app(scope, receive, send), 30)
+        await asyncio.wait_for(stopped.wait(), 30)  # (the thinker's call was cancelled)
+        events = [json.loads(line[6:]) for line in b"".join(sent).decode().splitlines() if line.startswith("data: ")]
+        rid = events[0]["response"]["id"]
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway/v1") as http:
+            stored = await http.get(f"/responses/{rid}")
+            chained = await http.post("/responses", json={"input": "more", "previous_response_id": rid})
+        return events, stored, chained, len(events)
+
+    events, stored, chained, _ = asyncio.run(go())
+    said = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert said and not any(e["type"].startswith("response.completed") for e in events)
+    assert stored.status_code == 200, stored.text
+    response = stored.json()
+    SdkResponse.model_validate(response)
+    assert response["status"] == "cancelled" and response["output"][0]["content"][0]["text"] == said
+    assert response["output"][0]["status"] == "incomplete"
+    assert chained.status_code == 400 and chained.json()["error"]["param"] == "previous_response_id"
