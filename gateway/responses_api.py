@@ -15,8 +15,9 @@ What it takes (OpenAI's shapes; what differs is said here):
   the model wrote them, in one turn; a call_id the conversation has already is a 400) and
   `function_call_output` items (each call answered once, after it; a list `output`'s parts are
   text: an image a tool returns is a 400 naming it, as the gateway takes media in user turns
-  alone); `item_reference` to a stored response's output
-  item (as the Vercel AI SDK sends earlier turns) stands for that item. `instructions` is the
+  alone); `item_reference` (its `type` may be left out) to a stored response's output item
+  (as the Vercel AI SDK sends earlier turns) stands for that item, each item once in a
+  conversation, and its bytes count towards the body's limit. `instructions` is the
   system turn first. Other item types (`reasoning`, ...), `input_file` parts and images by
   `file_id` are a 400 naming them: this server has no file store.
 * `previous_response_id`: that stored response's turns (its chain's inputs, without their
@@ -27,7 +28,8 @@ What it takes (OpenAI's shapes; what differs is said here):
   least recently used go first): a chain that outlives a link gets a 400 saying to send the whole
   input. Behind several gateway replicas, a chain needs its client kept on one (session affinity).
 * `tools`: function tools (the flat form), rendered by the checkpoint's template as chat's are;
-  `tool_choice` auto or none, `parallel_tool_calls` (`max_tool_calls` bounds calls to built-in
+  `strict` is taken, not enforced (there is no constrained decoding; the openai-agents SDK sends it
+  by default); `tool_choice` auto or none, `parallel_tool_calls` (`max_tool_calls` bounds calls to built-in
   tools, of which there are none here: taken, echoed). Other tool types, a forced
   call (`required`, a named function), a non-text `text.format`, `reasoning` settings,
   `truncation: auto`, `background`, `conversation` and `prompt` are a 400: this server cannot
@@ -166,8 +168,8 @@ class CallOutputItem(_Body):
     output: str | list[Part]
 
 
-class OtherItem(_Body):  # any other type: an item_reference, or refused, named
-    type: str
+class OtherItem(_Body):  # any other type: an item_reference (its type may be left out), or refused, named
+    type: str | None = None
     id: str | None = None
 
 
@@ -175,7 +177,11 @@ _ITEM_TYPES = ("message", "function_call", "function_call_output")
 
 
 def _item_kind(value: Any) -> str:
-    kind = value.get("type", "message") if isinstance(value, dict) else "message"
+    if not isinstance(value, dict):
+        return "message"
+    if value.get("type") is None and "id" in value and "role" not in value:
+        return "other"  # an item_reference, whose type may be left out
+    kind = value.get("type", "message")
     return kind if kind in _ITEM_TYPES else "other"
 
 
@@ -340,24 +346,32 @@ class Chat:
     request: ChatRequest
     origins: list[Origin]
     turns: list[dict[str, Any]]
-    size: int = 0  # about the bytes of the turns it continues and its own (counted when it continues one)
+    size: int = 0  # about the bytes of its turns: those it continues or refers to, and the body's own
 
 
 _ITEMS: TypeAdapter[Any] = TypeAdapter(Item)
 
 
-def _referenced(item: OtherItem, where: str, store: ResponseStore) -> Any:
+def _referenced(item: OtherItem, where: str, store: ResponseStore, seen: set[str]) -> Any:
     """The stored output item an `item_reference` names (a message or call of a stored response,
-    as the Vercel AI SDK sends an earlier turn back when responses are stored)."""
-    if item.type != "item_reference" or item.id is None:
+    as the Vercel AI SDK sends an earlier turn back when responses are stored); `seen`: the
+    responses and items the conversation holds already (each once, as OpenAI's)."""
+    if item.type not in (None, "item_reference"):
         raise _refused(f"{where}.type", f"{quoted(item.type)} items are not supported (message, function_call, "
                                         "function_call_output and item_reference to a stored response's output "
                                         "are)")  # fmt: skip
+    if item.id is None:
+        raise _refused(f"{where}.id", "required: the id of the stored item it stands for")
+    owner = store.owner(item.id)
     found = store.item(item.id)
-    if found is None:
-        raise _refused(f"{where}.id", f"no stored item {quoted(item.id)} (an item of a stored response's output, "
-                                      f"kept {STORE_TTL_S // 60} minutes unless store is false; send the item "
-                                      "itself instead)")  # fmt: skip
+    if found is None or owner is None:
+        raise _refused(f"{where}.id", f"no stored item {quoted(item.id)} to continue from (an item of a stored "
+                                      f"response's output, kept {STORE_TTL_S // 60} minutes unless store is false, "
+                                      "and not of one that failed or was cancelled; send the item itself "
+                                      "instead)")  # fmt: skip
+    if item.id in seen or owner in seen:
+        raise _refused(f"{where}.id", f"item {quoted(item.id)} is in the conversation already")
+    seen.add(item.id)
     return _ITEMS.validate_python(found)
 
 
@@ -371,7 +385,9 @@ def to_chat(body: ResponsesRequest, store: ResponseStore | None = None) -> Chat:
     if body.instructions:
         messages.append({"role": "system", "content": body.instructions})
         origins.append(Origin("instructions"))
+    seen: set[str] = set()  # the responses continued, the items referred to
     if body.previous_response_id is not None:
+        seen.update(store.chain(body.previous_response_id))
         turns = store.turns(body.previous_response_id)
         if turns is None:
             raise HttpError(400, f"previous_response_id: no stored response {quoted(body.previous_response_id)} "
@@ -392,7 +408,7 @@ def to_chat(body: ResponsesRequest, store: ResponseStore | None = None) -> Chat:
     for k, item in enumerate(items):
         where = "input" if isinstance(body.input, str) else f"input[{k}]"
         if isinstance(item, OtherItem):
-            item = _referenced(item, where, store)
+            item = _referenced(item, where, store, seen)
         if isinstance(item, MessageItem):
             origin = Origin(where, "content" if isinstance(item.content, list) else "")
             messages.append({"role": item.role, "content": _content(item.content, origin)})
@@ -435,7 +451,7 @@ def to_chat(body: ResponsesRequest, store: ResponseStore | None = None) -> Chat:
     except ValidationError as e:  # (what the body's own checks passed: a check of chat's alone)
         where, message = first_error(e)
         raise in_body_terms(HttpError(400, f"{where}: {message}", param=where), origins) from None
-    return Chat(request, origins, messages[own:], _size(messages) if body.previous_response_id is not None else 0)
+    return Chat(request, origins, messages[own:], _size(messages))
 
 
 _MESSAGE = re.compile(r"\bmessages\[(\d+)\](\.content\b)?")
@@ -524,6 +540,7 @@ class ResponseStore:
         size = _size(turns) + _size(response)
         if size > self.max_bytes:
             return  # (it would push out every other)
+        self._touch(self._links(parent) or [])  # (its chain is used now: it goes after it)
         self.delete(response["id"])
         self._items[response["id"]] = _Stored(self.clock() + self.ttl_s, response, turns, parent, size)
         self._owners.update((o["id"], response["id"]) for o in response["output"])
@@ -542,27 +559,51 @@ class ResponseStore:
         item = self._get(response_id)
         return None if item is None else item.response
 
-    def turns(self, response_id: str) -> list[dict[str, Any]] | None:
-        """The turns of the chain that ends at this response, oldest first; None when it, or a
-        link of its chain, is unknown or failed. Its links count as used now."""
+    def _links(self, response_id: str | None) -> list[_Stored] | None:
+        """The chain that ends at this response, newest first; None when it, or a link of its
+        chain, is unknown or was cut short (failed, cancelled)."""
         links: list[_Stored] = []
-        at: str | None = response_id
+        at = response_id
         while at is not None:
             item = self._get(at)
             if item is None or item.turns is None:
                 return None
             links.append(item)
             at = item.parent
+        return links
+
+    def _touch(self, links: list[_Stored]) -> None:
+        """These count as used now: their hour starts again, and they go out last."""
         expires = self.clock() + self.ttl_s
-        for link in links:
+        for link in reversed(links):
             link.expires = expires
             self._items.move_to_end(link.response["id"])
+
+    def chain(self, response_id: str) -> list[str]:
+        """The ids of the chain that ends at this response ([] when it cannot be continued)."""
+        return [link.response["id"] for link in self._links(response_id) or ()]
+
+    def turns(self, response_id: str) -> list[dict[str, Any]] | None:
+        """The turns of the chain that ends at this response, oldest first; None when it cannot
+        be continued. Its links count as used now."""
+        links = self._links(response_id)
+        if links is None:
+            return None
+        self._touch(links)
         return [turn for link in reversed(links) for turn in link.turns or ()]
 
+    def owner(self, item_id: str) -> str | None:
+        """The id of the response whose output holds this item."""
+        return self._owners.get(item_id)
+
     def item(self, item_id: str) -> dict[str, Any] | None:
-        """A stored response's output item by its id."""
+        """A stored response's output item by its id (None: unknown, or of a response that cannot
+        be continued); its response counts as used now."""
         owner = self._get(self._owners.get(item_id, ""))
-        return None if owner is None else next(o for o in owner.response["output"] if o["id"] == item_id)
+        if owner is None or owner.turns is None:
+            return None
+        self._touch([owner])
+        return next(o for o in owner.response["output"] if o["id"] == item_id)
 
     def delete(self, response_id: str) -> bool:
         item = self._items.pop(response_id, None)
@@ -597,32 +638,38 @@ def _call(item_id: str, call_id: str, call: Call, status: str = "completed") -> 
             "arguments": call.arguments if status == "completed" else ""}  # fmt: skip
 
 
+Scored = list[tuple[dict[str, Any], int]]  # a token's entry, and how many bytes of the text it shows
+
+
 class _Scores:
-    """A message's token entries, each given once the text shown so far holds its token's bytes:
-    the message's logprobs are its text's tokens, not those of a call, a stop text held back or
-    text after a call (streamed or not the same: `upto` the text's bytes)."""
+    """A message's token entries, each given once the text shown so far reaches where its token
+    starts: the message's logprobs are its text's tokens, not those of a call or of text after a
+    call, streamed or not the same (`upto` the text's bytes). A special token shows no bytes
+    (the text leaves it out); one that ends the text with the whitespace before a call (Qwen's
+    `.\n\n`) starts in it, so it counts."""
 
     def __init__(self) -> None:
-        self.entries: list[dict[str, Any]] = []
+        self.entries: Scored = []
         self.given = 0
-        self.covered = 0  # bytes of the entries given
+        self.covered = 0  # bytes of the text the entries given show
 
-    def add(self, entries: list[dict[str, Any]]) -> None:
+    def add(self, entries: Scored) -> None:
         self.entries.extend(entries)
 
     def upto(self, size: float) -> list[dict[str, Any]]:
         out = []
-        while self.given < len(self.entries) and self.covered + len(self.entries[self.given]["bytes"]) <= size:
-            out.append(self.entries[self.given])
-            self.covered += len(out[-1]["bytes"])
+        while self.given < len(self.entries) and self.covered < size:
+            entry, shows = self.entries[self.given]
+            out.append(entry)
+            self.covered += shows
             self.given += 1
         return out
 
 
-def _scored_bytes(text: str, calls: list[Call]) -> float:
+def _scored_bytes(text: str, calls: list[Call]) -> int:
     """How many of a reply's text bytes its message's logprobs cover: those before its first call
     (as streamed: the whitespace before it is never shown), or all of them."""
-    return len(text[: text.find(OPEN)].rstrip().encode()) if calls else float("inf")
+    return len((text[: text.find(OPEN)].rstrip() if calls else text).encode())
 
 
 @dataclass
@@ -681,10 +728,11 @@ class Responses:
             self.chat.check_model(body.model)
             headers_checked()
             chat = to_chat(body, self.store)
-            if chat.size > limit:
-                raise _refused("previous_response_id", f"the conversation with its earlier turns is over "
-                                                       f"media.max_request_bytes ({limit} bytes of base64): start "
-                                                       "a new one")  # fmt: skip
+            if chat.size > limit:  # (its earlier turns, by id, count as sent)
+                where = "previous_response_id" if body.previous_response_id is not None else "input"
+                raise _refused(where, f"the conversation with the earlier turns it names is over "
+                                      f"media.max_request_bytes ({limit} bytes of base64): start a new "
+                                      "one")  # fmt: skip
             try:
                 req = to_generate_request(chat.request, [], self.chat.transcripts.get, self.chat.stop_ids)
             except HttpError as e:
@@ -743,11 +791,18 @@ class Responses:
             "metadata": body.metadata or {}, "user": body.user, "background": False, "incomplete_details": None,
         }  # fmt: skip
 
-    def _scores(self, req: gateway_pb2.GenerateRequest) -> Callable[[Iterable[gateway_pb2.TokenLogprob]], Any] | None:
+    def _scores(self, req: gateway_pb2.GenerateRequest) -> Callable[[list[gateway_pb2.TokenLogprob]], Scored] | None:
+        """The request's tokens' entries, each with the bytes of text it shows (None: not asked for)."""
         if not req.sampling["thinker"].HasField("logprobs"):
             return None
-        ends = self.service.reply_ends(req)
-        return lambda scored: self.service.pieces.entries(scored, ends)
+        ends, pieces = self.service.reply_ends(req), self.service.pieces
+
+        def scored(logprobs: list[gateway_pb2.TokenLogprob]) -> Scored:
+            entries = pieces.entries(logprobs, ends)
+            ids = [lp.token_id for lp in logprobs if lp.token_id not in ends]  # (as `entries` leaves them out)
+            return [(e, 0 if i in pieces.special else len(e["bytes"])) for e, i in zip(entries, ids, strict=True)]
+
+        return scored
 
     def _kept(self, body: ResponsesRequest, chat: Chat, response: dict[str, Any], text: str | None) -> None:
         if body.store is not False:
@@ -794,7 +849,7 @@ class Responses:
             calls = CallStream() if req.tools else None
             raw: list[str] = []  # the reply's text (calls too)
             aligned = _Scores()
-            shown_bytes, cap = 0, float("inf")  # (cap: the bytes before the first call, once known)
+            shown_bytes, cap = 0, float("inf")  # (cap: the bytes the logprobs cover, once known)
 
             def opened() -> list[str]:  # the message item, announced at its first words (a reply
                 nonlocal message  # that only calls has none, as OpenAI's)
@@ -827,7 +882,7 @@ class Responses:
                     kind = resp.WhichOneof("kind")
                     if kind == "text":
                         if scores is not None:
-                            aligned.add(scores(resp.text.logprobs))
+                            aligned.add(scores(list(resp.text.logprobs)))
                         raw.append(resp.text.text)
                         shown = resp.text.text if calls is None else calls.feed(resp.text.text)
                         if shown:

@@ -248,7 +248,7 @@ def test_stored_responses_chain_and_can_be_read_and_deleted(tiny_dir: Path) -> N
     ({"input": "hi", "include": ["everything"]}, "include[0]"),
     ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input[0].type"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].id"),
-    ({"input": [{"type": "item_reference"}]}, "input[0].type"),
+    ({"input": [{"type": "item_reference"}]}, "input[0].id"),
     ({}, "input"),
     ({"input": None}, "input"),
     ({"input": 5}, "input"),
@@ -428,6 +428,7 @@ def test_a_reply_gives_as_many_calls_as_asked(tiny_dir: Path, limit: dict[str, A
 @pytest.mark.parametrize(("reply", "tools", "said"), [
     (REPLY, True, "Let me check."), (REPLY, False, "".join(REPLY)),
     (["Hi.", "\n", CALL, "\nDone."], True, "Hi."),  # (the text after a call has none: it shows at the end)
+    (["Hi ", "<|vision_start|>", " there."], True, "Hi <|vision_start|> there."),  # (a special token: not in the text)
 ])  # fmt: skip
 def test_a_messages_logprobs_are_its_texts_tokens_streamed_or_not(tiny_dir: Path, reply: list[str], tools: bool,
                                                                   said: str) -> None:  # fmt: skip
@@ -455,22 +456,30 @@ def test_an_item_reference_stands_for_a_stored_output_item(tiny_dir: Path) -> No
         state["made"] = await client.responses.create(model="m", input="Weather?", tools=FLAT)  # type: ignore[arg-type]
         return state["made"]
 
-    def follow(by_reference: bool) -> Any:
+    def follow(by_reference: bool, typed: bool = True, twice: bool = False, chained: bool = False) -> Any:
         async def call(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> Any:
             made = state["made"]
-            items = [{"type": "item_reference", "id": o.id} if by_reference else o.model_dump(exclude_none=True)
-                     for o in made.output]  # fmt: skip
+            ref = {"type": "item_reference"} if typed else {}  # (its type may be left out)
+            items = [{**ref, "id": o.id} if by_reference else o.model_dump(exclude_none=True) for o in made.output]
             calls = [o for o in made.output if o.type == "function_call"]
             outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": "ok"} for c in calls]
-            return await http.post("/responses", json={"input": [{"role": "user", "content": "Weather?"}, *items,
-                                                                 *outputs], "tools": FLAT})  # fmt: skip
+            again = [items[0]] if twice else []
+            body = {"input": [{"role": "user", "content": "Weather?"}, *items, *again, *outputs], "tools": FLAT,
+                    **({"previous_response_id": made.id} if chained else {})}  # fmt: skip
+            return await http.post("/responses", json=body)
 
         return call
 
-    (made, by_items, by_refs), seen = _run(tiny_dir, REPLY, [first, follow(False), follow(True)])
+    (made, by_items, by_refs, untyped, twice, chained), seen = _run(tiny_dir, REPLY, [
+        first, follow(False), follow(True), follow(True, typed=False), follow(True, twice=True),
+        follow(True, chained=True)])  # fmt: skip
     assert [o.type for o in made.output] == ["message", "function_call", "function_call"]
-    assert by_items.status_code == by_refs.status_code == 200, by_refs.text
-    assert _same_request(seen[1], seen[2])
+    assert by_items.status_code == by_refs.status_code == untyped.status_code == 200, by_refs.text
+    assert _same_request(seen[1], seen[2]) and _same_request(seen[1], seen[3])
+    # an item is in a conversation once (as OpenAI's): not twice, nor besides the response holding it
+    assert twice.status_code == 400 and twice.json()["error"]["param"] == "input[4].id", twice.text
+    assert chained.status_code == 400 and chained.json()["error"]["param"] == "input[1].id", chained.text
+    assert len(seen) == 4
     assert [m.role for m in seen[2].messages] == ["user", "assistant", "tool", "tool"]
     assert len(seen[2].messages[1].tool_calls) == 2
 
@@ -498,8 +507,19 @@ def test_a_stored_chain_keeps_each_turn_once_and_its_links_while_used() -> None:
     assert store.turns("r3") is not None
     store.delete("r1")
     assert store.turns("r3") is None and store.response("r3") is not None  # (a broken chain reads back still)
-    store.put({"id": "f", "output": []}, None)  # failed
-    assert store.response("f") is not None and store.turns("f") is None
+    store.put({"id": "f", "output": [{"id": "msg_f"}]}, None)  # failed
+    assert store.response("f") is not None and store.turns("f") is None and store.item("msg_f") is None
+    # an item referred to counts as its response's use; a response made counts as its chain's
+    used = ResponseStore(ttl_s=10, capacity=2, clock=lambda: now[0])
+    used.put({"id": "a", "output": [{"id": "msg_a"}]}, turn("a"))
+    used.put({"id": "b", "output": []}, turn("b"))
+    assert used.item("msg_a") == {"id": "msg_a"}
+    used.put({"id": "c", "output": []}, turn("c"))
+    assert used.response("b") is None and used.response("a") is not None
+    now[0] = 20
+    used.put({"id": "d", "output": []}, turn("d"), parent="a")
+    now[0] = 28  # (a was made at 17, its hour over at 27; continued at 20: kept until 30)
+    assert used.turns("d") == turn("a") + turn("d")
 
 
 def store_size(turns: list[dict[str, Any]], response_id: str) -> int:
@@ -618,3 +638,48 @@ def test_a_stream_its_client_leaves_is_a_cancelled_response(tiny_dir: Path) -> N
     assert response["status"] == "cancelled" and response["output"][0]["content"][0]["text"] == said
     assert response["output"][0]["status"] == "incomplete"
     assert chained.status_code == 400 and chained.json()["error"]["param"] == "previous_response_id"
+
+
+def test_logprobs_go_with_the_text_where_their_token_starts() -> None:
+    """`_Scores` gives a token's entry once the text shown reaches where the token starts: one
+    that runs past the text before a call (Qwen's `.\n\n`) counts; a special token, which the text
+    leaves out, goes with the text after it, and none at the very end."""
+    from gateway.responses_api import _Scores
+
+    def entries(*shows: int) -> list[tuple[dict[str, Any], int]]:
+        return [({"token": str(i)}, n) for i, n in enumerate(shows)]
+
+    aligned = _Scores()
+    aligned.add(entries(1, 1, 3, 4))  # "a", "b", ".\n\n", then the call
+    assert [e["token"] for e in aligned.upto(3)] == ["0", "1", "2"] and aligned.upto(3) == []
+    aligned = _Scores()
+    aligned.add(entries(3, 0, 6, 0))  # "Hi ", <special>, " there", <special>
+    assert [e["token"] for e in aligned.upto(3)] == ["0"]
+    assert [e["token"] for e in aligned.upto(9)] == ["1", "2"] and aligned.upto(9) == []
+
+
+def test_items_referred_to_count_against_the_request_size_limit(tiny_dir: Path) -> None:
+    """An item_reference brings its stored item's bytes along: a small body naming big stored
+    items is held to media.max_request_bytes as if it held them (each item once)."""
+    state: dict[str, Any] = {}
+
+    def setup(service: Any) -> None:  # (91 KB of body at most)
+        service.cfg.media.max_request_bytes = 64 * 1024
+
+    async def first(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> Any:
+        state["made"] = (await http.post("/responses", json={"input": "hi"})).json()
+        return state["made"]
+
+    def follow(refer: bool) -> Any:
+        async def call(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> Any:
+            ref = [{"type": "item_reference", "id": state["made"]["output"][0]["id"]}] if refer else []
+            return await http.post("/responses", json={"input": [{"role": "user", "content": "y" * 45_000}, *ref]})
+
+        return call
+
+    (made, referring, alone), _ = _run(tiny_dir, ["word " * 10_000], [first, follow(True), follow(False)],
+                                       setup=setup)  # fmt: skip
+    assert len(made["output"][0]["content"][0]["text"]) == 50_000
+    assert referring.status_code == 400 and referring.json()["error"]["param"] == "input", referring.text
+    assert "media.max_request_bytes" in referring.json()["error"]["message"]
+    assert "media.max_request_bytes" not in alone.text  # (its own fate: the prompt's length)
