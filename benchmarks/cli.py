@@ -44,7 +44,8 @@ def bench(
     model: Annotated[Path | None, typer.Option("--model", help="Checkpoint dir (default: the tiny one).")] = None,
     replicas: Annotated[str | None, typer.Option("--replicas", help="For --serve, e.g. talker=2,code2wav=2.")] = None,
     concurrency: Annotated[str, typer.Option("--concurrency", callback=_ints, help="Closed-loop levels, e.g. "
-                                             "1,4,8,16 (default 1,4,8; with --http or --realtime 1,8).")] = "",
+                                             "1,4,8,16 (default 1,4,8; with a front door: --http, --realtime, "
+                                             "--responses, 1,8).")] = "",
     rate: Annotated[str, typer.Option("--rate", callback=_floats,
                                       help="Poisson arrival rates (req/s), e.g. 2.0 or 1,2. A rate past what "
                                       "the stack takes gets refusals (RESOURCE_EXHAUSTED), failures (exit 1).")] = "",
@@ -77,6 +78,9 @@ def bench(
     realtime: Annotated[bool, typer.Option("--realtime", help="The Realtime WebSocket (/v1/realtime) against "
                                            "gRPC, same run, as --http (the talker's limit: the stack's "
                                            "default on both).")] = False,
+    responses: Annotated[bool, typer.Option("--responses", help="The Responses API (/v1/responses) against "
+                                            "gRPC, same run, as --http, text alone on both (the API has no "
+                                            "speech out).")] = False,
     http_target: Annotated[
         str | None, typer.Option("--http-target", help="HOST:PORT of the gateway's HTTP port (with --target).")
     ] = None,
@@ -109,14 +113,15 @@ def bench(
     opts = (
         BenchOptions(
             target=target, serve=serve, config=config, model=model, replicas=replicas,
-            concurrency=parse_int_list(concurrency) or ([1, 8] if http or realtime else [1, 4, 8]),
+            concurrency=parse_int_list(concurrency) or ([1, 8] if http or realtime or responses else [1, 4, 8]),
             rates=parse_float_list(rate),
             num_requests=num_requests,
             time_limit=time_limit or None, prompts=prompts, seed=seed, thinker_max_tokens=thinker_max_tokens,
             talker_max_tokens=talker_max_tokens, sampled_speech=sampled_speech, baseline_requests=baseline_requests,
             monolithic=monolithic, inprocess=inprocess, full_payload=full_payload, stages=stages, warmup=warmup,
             threads=threads, request_timeout=request_timeout, json_out=json_out, plot_out=plot_out,
-            markdown_out=markdown_out, progress=progress, http=http, realtime=realtime, http_target=http_target,
+            markdown_out=markdown_out, progress=progress, http=http, realtime=realtime, responses=responses,
+            http_target=http_target,
             api_key=api_key,
             tls_ca=tls_ca, server_name=server_name, tls=tls,
         )

@@ -279,7 +279,8 @@ class HttpDriver(Driver):
     def __init__(self, address: str, timeout: float | None = None, access: Access | None = None) -> None:
         self.access = access or Access()
         scheme = "https" if self.access.secure else "http"
-        self.url = f"{scheme}://{address}/v1/chat/completions"
+        self.base = f"{scheme}://{address}/v1"
+        self.url = f"{self.base}/chat/completions"
         self.timeout = timeout
         self._client: Any = None
 
@@ -303,7 +304,7 @@ class HttpDriver(Driver):
 
     async def check(self, timeout: float) -> None:
         """One GET /v1/models: raises unless an omnistage HTTP front door answers it (with the key)."""
-        response = await self._http().get(self.url.replace("/chat/completions", "/models"), timeout=timeout,
+        response = await self._http().get(f"{self.base}/models", timeout=timeout,
                                           extensions=self._named)  # fmt: skip
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]!r}")
@@ -365,6 +366,50 @@ class HttpDriver(Driver):
             self._client = None
 
 
+class ResponsesDriver(HttpDriver):
+    """A running stack's Responses API (`/v1/responses`): each request a streamed response,
+    greedy, text alone (the API has no speech out), not stored, over the HTTP driver's pool."""
+
+    name = "responses"
+
+    def __init__(self, address: str, timeout: float | None = None, access: Access | None = None) -> None:
+        super().__init__(address, timeout, access)
+        self.url = f"{self.base}/responses"
+
+    @staticmethod
+    def body(req: BenchRequest) -> dict[str, Any]:
+        return {"input": req.prompt, "stream": True, "temperature": 0, "max_output_tokens": req.thinker_max_tokens,
+                "store": False}  # fmt: skip
+
+    async def run(self, req: BenchRequest) -> list[StreamEvent]:
+        import json
+
+        if req.want_audio:
+            raise ValueError("the Responses API has no speech out: its requests are text alone")
+        events: list[StreamEvent] = []
+        async with self._http().stream("POST", self.url, json=self.body(req), extensions=self._named) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                now = time.perf_counter()
+                event = json.loads(line[5:])
+                kind = event["type"]
+                if kind == "response.output_text.delta" and event["delta"]:
+                    events.append(StreamEvent("text", now, token_ids=(0,)))  # ids are not in the API
+                elif kind in ("response.completed", "response.incomplete"):
+                    usage = event["response"].get("usage") or {}
+                    tokens = usage.get("output_tokens")
+                    events.append(StreamEvent("final", now, info={"text_tokens": tokens} if isinstance(tokens, int)
+                                              else {}))  # fmt: skip
+                    break
+                elif kind in ("response.failed", "error"):
+                    error = event.get("response", {}).get("error") or event.get("error") or {}
+                    raise RuntimeError(error.get("message", str(event)[:300]))
+        return events
+
+
 class RealtimeDriver(HttpDriver):
     """A running stack's Realtime WebSocket (`/v1/realtime`): each request is a typed turn and a
     response (temperature 0, `max_output_tokens` the thinker's limit, the talker's the stack's
@@ -377,7 +422,7 @@ class RealtimeDriver(HttpDriver):
 
     def __init__(self, address: str, timeout: float | None = None, access: Access | None = None) -> None:
         super().__init__(address, timeout, access)
-        self.ws_url = self.url.replace("/chat/completions", "/realtime").replace("http", "ws", 1)
+        self.ws_url = f"{self.base}/realtime".replace("http", "ws", 1)
         self._idle: list[Any] = []
 
     async def _session(self) -> Any:

@@ -1,10 +1,11 @@
-"""`omnistage bench --http` (`--realtime`): the OpenAI-compatible HTTP front door's streamed chat
-completions (SSE) (its Realtime WebSocket) against the gRPC front door of the same gateway, same
-run, same requests.
+"""`omnistage bench --http` (`--realtime`, `--responses`): the OpenAI-compatible HTTP front door's
+streamed chat completions (SSE) (its Realtime WebSocket; its Responses API) against the gRPC
+front door of the same gateway, same run, same requests.
 
 Both ask for the same work: greedy text and speech (`temperature: 0`; gRPC the same sampling),
 text and audio out (pcm16 in base64 events; gRPC float32 chunks). The Realtime API cannot set the
-talker's limit: with `--realtime` neither door sets it (the stack's default). At each
+talker's limit: with `--realtime` neither door sets it (the stack's default). The Responses API has
+no speech out: with `--responses` both doors ask for text alone (no TTFA). At each
 `--concurrency` level (default 1 and 8) the two run the same request list one after the other,
 in alternating order per level (gRPC first at odd levels) so drift on a shared machine hits both;
 the ratios are HTTP (Realtime) over gRPC of the median TTFT, TTFA and E2E over the requests both
@@ -20,7 +21,7 @@ import time
 from typing import Any
 
 from benchmarks.common import machine_info, ms
-from benchmarks.drivers import BenchRequest, GrpcDriver, HttpDriver, RealtimeDriver
+from benchmarks.drivers import BenchRequest, GrpcDriver, HttpDriver, RealtimeDriver, ResponsesDriver
 from benchmarks.harness import (
     BenchOptions,
     Run,
@@ -43,16 +44,17 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
     levels = opts.concurrency  # the CLI's default here: 1 and 8
     prompts = load_prompts(opts.prompts)
     order = request_sequence(len(prompts), opts.num_requests, opts.seed)
-    door_name = "realtime" if opts.realtime else "http"
-    talker_limit = None if opts.realtime else opts.talker_max_tokens
-    requests = [BenchRequest(i, p, prompts[p], opts.thinker_max_tokens, talker_limit)
+    door_name = "realtime" if opts.realtime else "responses" if opts.responses else "http"
+    talker_limit = None if opts.realtime or opts.responses else opts.talker_max_tokens
+    requests = [BenchRequest(i, p, prompts[p], opts.thinker_max_tokens, talker_limit, want_audio=not opts.responses)
                 for i, p in enumerate(order)]  # fmt: skip
     run = Run(opts, requests, requests)
     rows: list[dict[str, Any]] = []
 
     async def go(grpc_addr: str, http_addr: str, cfg: Any) -> None:
         door = access(opts, cfg)
-        front = (RealtimeDriver if opts.realtime else HttpDriver)(http_addr, timeout=opts.request_timeout, access=door)
+        kind = RealtimeDriver if opts.realtime else ResponsesDriver if opts.responses else HttpDriver
+        front = kind(http_addr, timeout=opts.request_timeout, access=door)
         drivers = {"grpc": GrpcDriver(grpc_addr, timeout=opts.request_timeout, openai_greedy=True, access=door),
                    door_name: front}  # fmt: skip
         try:

@@ -92,6 +92,7 @@ class BenchOptions:
     request_timeout: float = 300.0
     http: bool = False  # compare the HTTP front door with gRPC (benchmarks/front_doors.py)
     realtime: bool = False  # likewise its Realtime WebSocket
+    responses: bool = False  # likewise its Responses API (text alone, on both doors)
     http_target: str | None = None  # HOST:PORT of a running gateway's HTTP port (with --target)
     api_key: str = ""  # a gateway's (--target)
     tls_ca: Path | None = None  # PEM roots of a TLS gateway (--target; --serve takes its config's)
@@ -796,17 +797,20 @@ def check_options(opts: BenchOptions) -> None:
         raise ValueError(f"--concurrency levels must be >= 1, got {opts.concurrency}")
     if opts.target and opts.serve:
         raise ValueError("--target and --serve are exclusive: drive a running stack or start one")
-    if opts.realtime and opts.http:
-        raise ValueError("--realtime and --http are exclusive: each compares one door with gRPC")
-    door = "--realtime" if opts.realtime else "--http"
+    doors = [name for name, on in (("--http", opts.http), ("--realtime", opts.realtime),
+                                   ("--responses", opts.responses)) if on]  # fmt: skip
+    if len(doors) > 1:
+        raise ValueError(f"{' and '.join(doors)} are exclusive: each compares one door with gRPC")
+    door = doors[0] if doors else "--http"
+    front = bool(doors)
     if opts.realtime and opts.thinker_max_tokens > 4096:  # (the Realtime API's max_output_tokens)
         raise ValueError("--thinker-max-tokens: at most 4096 with --realtime (its max_output_tokens)")
-    if (opts.http or opts.realtime) and opts.sampled_speech:
+    if front and opts.sampled_speech:
         raise ValueError(f"--sampled-speech with {door}: the comparison sends temperature 0 (greedy) "
                          "to both front doors")
-    if (opts.http or opts.realtime) and not (opts.serve or (opts.target and opts.http_target)):
+    if front and not (opts.serve or (opts.target and opts.http_target)):
         raise ValueError(f"{door} needs a stack: --serve, or --target HOST:PORT with --http-target HOST:PORT")
-    if (opts.http or opts.realtime) and (opts.rates or opts.plot_out is not None):  # (dropped without a word)
+    if front and (opts.rates or opts.plot_out is not None):  # (dropped without a word)
         raise ValueError(f"{door} compares the front doors at --concurrency levels: it takes no --rate and "
                          "draws no --plot")
 
@@ -814,7 +818,7 @@ def check_options(opts: BenchOptions) -> None:
 def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
     """Runs the benchmark, prints the table, writes --json/--plot/--markdown; returns the result."""
     check_options(opts)
-    if opts.http or opts.realtime:
+    if opts.http or opts.realtime or opts.responses:
         from benchmarks.front_doors import main as front_doors
 
         return front_doors(opts, command)

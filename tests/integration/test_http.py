@@ -512,6 +512,25 @@ def test_the_bench_drives_the_realtime_socket_against_grpc(http_stack: Stack) ->
     assert tokens["realtime c=2"] == tokens["grpc c=2"] and all(t == 5 for t in tokens["grpc c=2"]), tokens
 
 
+def test_the_bench_drives_the_responses_api_against_grpc(http_stack: Stack) -> None:
+    """`omnistage bench --responses`: the same requests, text alone, as streamed responses and over
+    gRPC: the same token counts (the server's), no audio on either door."""
+    from benchmarks.front_doors import main
+    from benchmarks.harness import BenchOptions, failed_levels
+
+    opts = BenchOptions(target=http_stack.gateway_address, responses=True, http_target=http_stack.http_address,
+                        concurrency=[2], num_requests=4, thinker_max_tokens=5, warmup=1, progress=False,
+                        quiet=True)  # fmt: skip
+    result = main(opts)
+    assert failed_levels(result) == [], result["failed"]
+    assert result["door"] == "responses" and result["levels"][0]["e2e"]["responses_over_grpc"] > 0
+    assert result["levels"][0]["ttfa"]["responses_over_grpc"] is None  # (text alone: no audio to time)
+    records = {lv["name"]: lv["requests"] for lv in result["configurations"]}
+    tokens = {name: [r["text_tokens"] for r in rs] for name, rs in records.items()}
+    assert tokens["responses c=2"] == tokens["grpc c=2"] and all(t == 5 for t in tokens["grpc c=2"]), tokens
+    assert all(r["audio_samples"] == 0 for rs in records.values() for r in rs)
+
+
 def test_a_later_turn_names_a_spoken_reply_by_its_audio_id(http_stack: Stack, client: openai.OpenAI) -> None:
     """OpenAI's multi-turn voice chat: the assistant turn is `{"audio": {"id"}}`, no text; the
     model then sees that reply's words, as if the client had sent them as content."""
