@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -324,40 +324,41 @@ class HttpDriver(Driver):
             body["sampling_params_list"] = [{}, {"max_tokens": req.talker_max_tokens}]
         return body
 
-    async def run(self, req: BenchRequest) -> list[StreamEvent]:
-        import base64
-        import json
-
-
-        events: list[StreamEvent] = []
-        info: dict[str, Any] = {}
+    async def _events(self, req: BenchRequest) -> AsyncIterator[tuple[str, float]]:
+        """The streamed reply's SSE data, each with when it came."""
         async with self._http().stream("POST", self.url, json=self.body(req), extensions=self._named) as response:
             if response.status_code != 200:
                 raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
             async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                now = time.perf_counter()
-                if data == "[DONE]":
-                    events.append(StreamEvent("final", now, info=info))
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    raise RuntimeError(event["error"]["message"])
-                if event.get("usage"):  # the text's tokens: a text event is a delta, of any number of them
-                    details = event["usage"].get("completion_tokens_details") or {}
-                    if isinstance(details.get("text_tokens"), int):
-                        info["text_tokens"] = details["text_tokens"]
-                if not event.get("choices"):
-                    continue
-                delta = event["choices"][0]["delta"]
-                if delta.get("content"):
-                    events.append(StreamEvent("text", now, token_ids=(0,)))  # ids are not in the API
-                audio = (delta.get("audio") or {}).get("data")
-                if audio:
-                    n = len(base64.b64decode(audio)) // 2
-                    events.append(StreamEvent("audio", now, samples=n, sample_rate=24000))
+                if line.startswith("data:"):
+                    yield line[5:].strip(), time.perf_counter()
+
+    async def run(self, req: BenchRequest) -> list[StreamEvent]:
+        import base64
+        import json
+
+        events: list[StreamEvent] = []
+        info: dict[str, Any] = {}
+        async for data, now in self._events(req):
+            if data == "[DONE]":
+                events.append(StreamEvent("final", now, info=info))
+                break
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            if event.get("usage"):  # the text's tokens: a text event is a delta, of any number of them
+                details = event["usage"].get("completion_tokens_details") or {}
+                if isinstance(details.get("text_tokens"), int):
+                    info["text_tokens"] = details["text_tokens"]
+            if not event.get("choices"):
+                continue
+            delta = event["choices"][0]["delta"]
+            if delta.get("content"):
+                events.append(StreamEvent("text", now, token_ids=(0,)))  # ids are not in the API
+            audio = (delta.get("audio") or {}).get("data")
+            if audio:
+                n = len(base64.b64decode(audio)) // 2
+                events.append(StreamEvent("audio", now, samples=n, sample_rate=24000))
         return events
 
     async def aclose(self) -> None:
@@ -387,26 +388,20 @@ class ResponsesDriver(HttpDriver):
         if req.want_audio:
             raise ValueError("the Responses API has no speech out: its requests are text alone")
         events: list[StreamEvent] = []
-        async with self._http().stream("POST", self.url, json=self.body(req), extensions=self._named) as response:
-            if response.status_code != 200:
-                raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                now = time.perf_counter()
-                event = json.loads(line[5:])
-                kind = event["type"]
-                if kind == "response.output_text.delta" and event["delta"]:
-                    events.append(StreamEvent("text", now, token_ids=(0,)))  # ids are not in the API
-                elif kind in ("response.completed", "response.incomplete"):
-                    usage = event["response"].get("usage") or {}
-                    tokens = usage.get("output_tokens")
-                    events.append(StreamEvent("final", now, info={"text_tokens": tokens} if isinstance(tokens, int)
-                                              else {}))  # fmt: skip
-                    break
-                elif kind in ("response.failed", "error"):
-                    error = event.get("response", {}).get("error") or event.get("error") or {}
-                    raise RuntimeError(error.get("message", str(event)[:300]))
+        async for data, now in self._events(req):
+            event = json.loads(data)
+            kind = event["type"]
+            if kind == "response.output_text.delta" and event["delta"]:
+                events.append(StreamEvent("text", now, token_ids=(0,)))  # ids are not in the API
+            elif kind in ("response.completed", "response.incomplete"):
+                usage = event["response"].get("usage") or {}
+                tokens = usage.get("output_tokens")
+                events.append(StreamEvent("final", now, info={"text_tokens": tokens} if isinstance(tokens, int)
+                                          else {}))  # fmt: skip
+                break
+            elif kind in ("response.failed", "error"):
+                error = event.get("response", {}).get("error") or event.get("error") or {}
+                raise RuntimeError(error.get("message", str(event)[:300]))
         return events
 
 

@@ -1301,23 +1301,32 @@ def test_every_reply_validates_against_the_sdk_s_types(http_stack: Stack, client
         ErrorObject.model_validate(bad.json()["error"])
 
 
-def test_tools_and_earlier_calls_reach_the_model_as_generate_sees_them(
-        http_stack: Stack, client: openai.OpenAI, tiny_dir: Path, reference: Any) -> None:  # fmt: skip
-    """A chat with tools, an earlier call and its result (tests/test_tool_calls.py reads calls
-    out of replies): the thinker's prompt is apply_chat_template's with the tools, and the reply
-    is the monolithic generate()'s on it (greedy), streamed or not."""
+def _history_generated(tiny_dir: Path, reference: Any) -> tuple[list[int], list[int], str, int]:
+    """tests/test_tool_calls.py's HISTORY with its tools as apply_chat_template renders it, the
+    monolithic generate()'s greedy reply to it (MAX_TOKENS at most), that reply's text, and the
+    id that ends a reply."""
     from omnistage.models import load_tokenizer, open_checkpoint
     from omnistage.models.checkpoint import chat_template
     from tests.test_tool_calls import HISTORY, TIME, WEATHER
 
-    model = client.models.list().data[0].id
     ckpt = open_checkpoint(tiny_dir)
     tokenizer, eos = load_tokenizer(ckpt), ckpt.spec.im_end_id
     rendered = tokenizer.apply_chat_template(HISTORY, tools=[WEATHER, TIME], add_generation_prompt=True, tokenize=True,
                                              chat_template=chat_template(tiny_dir), return_dict=True)  # fmt: skip
     ids = list(rendered["input_ids"])
     want, _, _ = reference.generate(ids, MAX_TOKENS, 0, eos, audio=False)
-    text = tokenizer.decode([i for i in want if i != eos], skip_special_tokens=True)
+    return ids, want, tokenizer.decode([i for i in want if i != eos], skip_special_tokens=True), eos
+
+
+def test_tools_and_earlier_calls_reach_the_model_as_generate_sees_them(
+        http_stack: Stack, client: openai.OpenAI, tiny_dir: Path, reference: Any) -> None:  # fmt: skip
+    """A chat with tools, an earlier call and its result (tests/test_tool_calls.py reads calls
+    out of replies): the thinker's prompt is apply_chat_template's with the tools, and the reply
+    is the monolithic generate()'s on it (greedy), streamed or not."""
+    from tests.test_tool_calls import HISTORY, TIME, WEATHER
+
+    model = client.models.list().data[0].id
+    ids, want, text, _ = _history_generated(tiny_dir, reference)
     reply = client.chat.completions.create(model=model, temperature=0, max_tokens=MAX_TOKENS, messages=HISTORY,
                                            tools=[WEATHER, TIME])  # type: ignore[arg-type]  # fmt: skip
     assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == len(want)
@@ -1379,19 +1388,11 @@ def test_the_responses_api_gives_the_chat_doors_reply(
     chat door's prompt and the monolithic generate()'s greedy reply, streamed or not, with every
     token's logprob once; a response chained to it (`previous_response_id`) is the chat of the
     whole conversation."""
-    from omnistage.models import load_tokenizer, open_checkpoint
-    from omnistage.models.checkpoint import chat_template
     from tests.test_responses_api import FLAT, ITEMS
     from tests.test_tool_calls import HISTORY, TIME, WEATHER
 
     model = client.models.list().data[0].id
-    ckpt = open_checkpoint(tiny_dir)
-    tokenizer, eos = load_tokenizer(ckpt), ckpt.spec.im_end_id
-    rendered = tokenizer.apply_chat_template(HISTORY, tools=[WEATHER, TIME], add_generation_prompt=True, tokenize=True,
-                                             chat_template=chat_template(tiny_dir), return_dict=True)  # fmt: skip
-    ids = list(rendered["input_ids"])
-    want, _, _ = reference.generate(ids, MAX_TOKENS, 0, eos, audio=False)
-    text = tokenizer.decode([i for i in want if i != eos], skip_special_tokens=True)
+    ids, want, text, eos = _history_generated(tiny_dir, reference)
     kw: dict[str, Any] = {"model": model, "temperature": 0, "max_output_tokens": MAX_TOKENS, "tools": FLAT,
                           "instructions": "Be brief.", "include": ["message.output_text.logprobs"]}  # fmt: skip
     whole = client.responses.create(input=ITEMS, **kw)
