@@ -1048,7 +1048,7 @@ class ChatCompletions:
         return body
 
     async def admit(self, request: Request, make: Make[MadeT]
-                     ) -> tuple[MadeT, gateway_pb2.GenerateRequest, float | None] | Response:  # fmt: skip
+                    ) -> tuple[MadeT, gateway_pb2.GenerateRequest, float | None] | Response:  # fmt: skip
         """A request let in: `make(headers_checked)` reads and checks its body (the API key
         first, as over gRPC), calls `headers_checked()` once the body is read (the request-id
         header: refused before any work on the body's media), and gives what it parsed and the
@@ -1084,9 +1084,9 @@ class ChatCompletions:
         body, req, timeout = admitted
         if not body.stream:
             return await self.serve(request, req, timeout,
-                                     lambda responses: _entry_named(self._whole(req, body, responses), body))
+                                    lambda responses: _entry_named(self._whole(req, body, responses), body))
         return await self.serve(request, req, timeout, lambda responses: _entry_named(self.first(responses), body),
-                                 lambda first, responses: self._stream(req, body, first, responses))  # fmt: skip
+                                lambda first, responses: self._stream(req, body, first, responses))  # fmt: skip
 
     async def speech(self, request: Request) -> Response:
         """POST /v1/audio/speech"""
@@ -1111,8 +1111,8 @@ class ChatCompletions:
             media += f";rate={self.service.sample_rate}"
         # the status waits for the first audio: a stage that fails before it gets its own status
         return await self.serve(request, req, timeout, lambda responses: self.first(responses, audio=True),
-                                 lambda first, responses: _speech_stream(first, responses, sse, req.request_id),
-                                 media)  # fmt: skip
+                                lambda first, responses: _speech_stream(first, responses, sse, req.request_id),
+                                media)  # fmt: skip
 
     async def transcriptions(self, request: Request) -> Response:
         """POST /v1/audio/transcriptions"""
@@ -1170,9 +1170,9 @@ class ChatCompletions:
         return response
 
     async def serve(self, request: Request, req: gateway_pb2.GenerateRequest, timeout: float | None,
-                     start: Callable[[Replies], Awaitable[Any]],
-                     stream: Callable[[Any, Replies], AsyncIterator[str | bytes]] | None = None,
-                     media_type: str = "text/event-stream") -> Response:  # fmt: skip
+                    start: Callable[[Replies], Awaitable[Any]],
+                    stream: Callable[[Any, Replies], AsyncIterator[str | bytes]] | None = None,
+                    media_type: str = "text/event-stream") -> Response:  # fmt: skip
         """Run `req`: `start(replies)` gives a whole Response or, with `stream`, the first piece
         that `stream(first, replies)` goes on from. Nothing is sent until `start` returns, so a
         request the gateway or a stage refuses gets its own status; a hang-up meanwhile cancels
@@ -1415,7 +1415,7 @@ PieceT = TypeVar("PieceT", bound=str | bytes)
 
 
 async def ended_well(pieces: AsyncGenerator[PieceT, None], responses: Replies, request_id: str,
-                      failed: Callable[[GatewayError], PieceT | None]) -> AsyncIterator[PieceT]:  # fmt: skip
+                     failed: Callable[[GatewayError], PieceT | None]) -> AsyncIterator[PieceT]:  # fmt: skip
     """A streamed reply's `pieces`, ended as every stream here ends: a failure once the status
     line is out is the stream's last piece, `failed(e)` (None: the connection is cut instead);
     a bug fails the request INTERNAL, as over gRPC (closed first, it would count CANCELLED); the
@@ -1488,7 +1488,7 @@ def _of_file(e: HttpError) -> HttpError:
 
 
 async def whole_of(responses: Replies, reply: Callable[[str, list[bytes], gateway_pb2.Final], Response],
-                    scored: list[gateway_pb2.TokenLogprob] | None = None) -> Response:  # fmt: skip
+                   scored: list[gateway_pb2.TokenLogprob] | None = None) -> Response:  # fmt: skip
     """A whole reply: `reply(text, audio pieces, final)`, made while `responses` waits at its
     final, so that a bug in making it fails the request INTERNAL (once it ended it counts OK).
     `scored` gets the tokens' log-probabilities, where the reply has them."""
