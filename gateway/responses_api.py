@@ -45,9 +45,10 @@ What it takes (OpenAI's shapes; what differs is said here):
   delta` / `.done`), then `response.completed` (or `response.incomplete` at `max_output_tokens`);
   a failure once the stream began is `response.failed`, its response holding what was said (it
   reads back, and cannot be continued); a client that leaves mid-stream cancels the request, and
-  its response reads back as `cancelled` with what was said. As with chat, nothing is sent before the reply's first
-  piece, so a refused request gets its status streamed or not. A stored response reads back whole
-  (`GET ...?stream=true` is a 400: its events are not kept); `input_items` is not served.
+  its response reads back as `cancelled` with what was said. As with chat, nothing is sent before
+  the reply's first piece, so a refused request gets its status streamed or not. A stored
+  response reads back whole (`GET ...?stream=true` is a 400: its events are not kept);
+  `input_items` is not served.
 Errors are chat's (an OpenAI error object with the status), naming this body's fields.
 """
 

@@ -275,6 +275,38 @@ def test_a_watcher_asks_a_peer_that_answers_with_an_error_once_a_poll() -> None:
     asyncio.run(go())
 
 
+def test_a_watcher_sees_a_stage_serve_while_one_of_its_replicas_is_frozen() -> None:
+    """Two replicas behind one target, one frozen (its Info never answers; its connection and
+    health stream still up, as a stopped process's for a while): the stage serves throughout, as
+    the other answers every call. Its health flapped: every other poll went to the frozen one."""
+
+    class Frozen(_Named):
+        async def Info(self, request: object, context: object) -> stage_pb2.InfoResponse:
+            await asyncio.sleep(3600)
+            raise AssertionError("unreachable")
+
+    async def go() -> None:
+        async with _replicas("a", Frozen("b")) as (target, _):
+            router = Router(target, "round_robin", 1 << 20)
+            watcher = ChainWatcher(router.shared, "thinker", target, 0.2)
+            seen: list[bool] = []
+
+            async def polled() -> None:  # (what the gateway's health follows, after each poll)
+                seen.append(watcher.serving)
+
+            task = asyncio.ensure_future(watcher.run(polled))
+            try:
+                await asyncio.sleep(3.0)  # about 10 polls, half of them asking the frozen replica first
+                first = seen.index(True)
+                assert len(seen) - first >= 6 and all(seen[first:]), seen
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await router.close()
+
+    asyncio.run(go())
+
+
 class _Named:
     """A Stage servicer whose Info says its name."""
 
@@ -301,13 +333,14 @@ async def _ready_router(target: str) -> AsyncIterator[Router]:
 
 
 @contextlib.asynccontextmanager
-async def _replicas(*names: str) -> AsyncIterator[tuple[str, list[HealthState]]]:
-    """Stage servers on loopback, SERVING: their target list and health states."""
+async def _replicas(*names: str | Any) -> AsyncIterator[tuple[str, list[HealthState]]]:
+    """Stage servers on loopback, SERVING (each a `_Named` one, or the servicer given): their
+    target list and health states."""
     servers, healths, addresses = [], [], []
     try:
         for name in names:
             server = new_server(1 << 20)
-            add_stage_servicer(_Named(name), server)
+            add_stage_servicer(_Named(name) if isinstance(name, str) else name, server)
             health = HealthState(server, (STAGE_SERVICE,))
             port = bind(server, "127.0.0.1", free_port_block(1), name)
             await server.start()

@@ -312,10 +312,13 @@ class ChainWatcher:
         """The next stage itself serves."""
         return self.chain[0].serving
 
-    async def poll(self, wait: bool = False) -> None:
+    async def poll(self, wait: bool = False, again: bool = True) -> None:
         """One `Info` call. `wait`: the call waits for the channel to connect, up to `poll_s`;
         if it never does, a call that fails at once then says why (a waited call would only say
-        DEADLINE_EXCEEDED)."""
+        DEADLINE_EXCEEDED). A call that fails where the last poll had an answer is made once more
+        at once (`again`): behind a target of several replicas, round robin asks another, so one
+        frozen or lost replica does not make the stage look down, and its health flap, while
+        another serves."""
         try:
             info = await self.stub.Info(stage_pb2.InfoRequest(), timeout=self.poll_s, wait_for_ready=wait)
             head = stage_pb2.StageHealth(stage=self.stage, target=self.target, serving=info.serving,
@@ -325,6 +328,8 @@ class ChainWatcher:
         except grpc.aio.AioRpcError as e:
             if wait and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return await self.poll()
+            if again and self.reached:
+                return await self.poll(again=False)
             detail = f"{e.code().name}: {e.details() or ''}".strip()
             self.chain = [stage_pb2.StageHealth(stage=self.stage, target=self.target, serving=False, detail=detail)]
             self.reached = False
