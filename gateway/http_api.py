@@ -42,7 +42,8 @@ Chat completions (OpenAI's shapes; what differs is said here):
   (Qwen's `<tool_call>` blocks, gateway/tool_calls.py) come as `message.tool_calls` with
   `finish_reason: "tool_calls"`, streamed as one `delta.tool_calls` at the end (the text before
   them streams as content). Earlier turns' `tool_calls` and `tool` messages (`tool_call_id`)
-  are rendered back. `tool_choice` auto (the default) or none (the tools go unread);
+  are rendered back. `tool_choice` auto (the default), none (the tools go unread), or
+  `allowed_tools` in mode auto (the model is shown only those: there is no constrained decoding);
   `parallel_tool_calls: false` gives the first call alone; `strict` is taken, not enforced. With
   audio asked for, the speech is
   the text before the first call (the talker's input ends at the call's first token,
@@ -353,7 +354,7 @@ class ChatRequest(_Body):
     # vLLM-Omni's per-stage sampling, in stage order (thinker, talker, code2wav): over the fields above
     sampling_params_list: list[StageSampling | None] | None = Field(None, max_length=len(STAGES))
     tools: list[dict[str, Any]] | None = Field(None, max_length=128)  # each a `Tool`
-    tool_choice: Any = None  # "auto" (the default with tools) or "none"
+    tool_choice: Any = None  # "auto" (the default with tools), "none" or allowed_tools in mode auto
     parallel_tool_calls: bool | None = None  # false: at most one call a reply
     # Asked for, these would change the reply's shape; this server has none of them, so it says so.
     functions: list[Any] | None = None  # the legacy form of tools
@@ -567,6 +568,31 @@ def _tool_turn(m: Message, i: int, out: gateway_pb2.ChatMessage) -> None:
     out.tool_call_id = m.tool_call_id or ""
 
 
+def _allowed_tools(choice: Any) -> bool:
+    """Whether `tool_choice` is OpenAI's `allowed_tools` (the model may call only these)."""
+    return isinstance(choice, dict) and choice.get("type") == "allowed_tools"
+
+
+def _allowed_names(choice: dict[str, Any], offered: Sequence[str]) -> set[str]:
+    """The names `tool_choice: {"type": "allowed_tools", ...}` allows, each one of `offered`
+    (HttpError naming the field): only mode auto, as there is no constrained decoding to make the
+    model call one."""
+    where = "tool_choice.allowed_tools"
+    allowed = choice.get("allowed_tools")
+    if not isinstance(allowed, dict) or not isinstance(allowed.get("tools"), list):
+        raise HttpError(400, f"{where}: expected {{mode, tools: [...]}}", param=where)
+    if allowed.get("mode", "auto") != "auto":
+        raise HttpError(400, f"{where}.mode: auto only: this server cannot make the model call a tool (it has no "
+                        "constrained decoding)", param=f"{where}.mode")  # fmt: skip
+    names: set[str] = set()
+    for i, tool in enumerate(allowed["tools"]):
+        name = (tool.get("function") or {}).get("name") if isinstance(tool, dict) else None
+        if not isinstance(name, str) or name not in offered:
+            raise HttpError(400, f"{where}.tools[{i}]: not a function of `tools`", param=f"{where}.tools[{i}]")
+        names.add(name)
+    return names
+
+
 def _most_calls(body: ChatRequest) -> int | None:
     """How many of a reply's tool calls it gives (`parallel_tool_calls: false`: the first)."""
     return 1 if body.parallel_tool_calls is False else None
@@ -587,9 +613,9 @@ def _template_kwargs(body: ChatRequest, req: gateway_pb2.GenerateRequest) -> Non
 def _unsupported(body: ChatRequest) -> None:
     """Fields that would change the reply's shape, which this server cannot honour: a 400, not
     a reply the client would misread."""
-    if body.tool_choice not in (None, "none", "auto"):
-        raise HttpError(400, "tool_choice: auto or none: this server cannot make the model call a tool (it has no "
-                        "constrained decoding)", param="tool_choice")  # fmt: skip
+    if body.tool_choice not in (None, "none", "auto") and not _allowed_tools(body.tool_choice):
+        raise HttpError(400, "tool_choice: auto, none or allowed_tools in mode auto: this server cannot make the "
+                        "model call a tool (it has no constrained decoding)", param="tool_choice")  # fmt: skip
     if body.response_format is not None and body.response_format.get("type", "text") != "text":
         raise HttpError(400, 'response_format: only {"type": "text"} is supported', param="response_format")
     if body.top_logprobs and not body.logprobs:  # as OpenAI: the alternatives come with the tokens' own
@@ -729,7 +755,11 @@ def to_generate_request(
                                       audio_format=FORMAT_NAMES[audio.format or "wav"])  # type: ignore[arg-type]  # fmt: skip
     req.speaker = voice_speaker(audio.voice, voices) if want_audio else ""
     tools = [_tool(t, i) for i, t in enumerate(body.tools or ())]  # (checked whether read or not)
-    if body.tool_choice != "none":  # ("none": the client wants no call; the tools go unread)
+    names = [t["function"]["name"] for t in body.tools or ()]
+    if _allowed_tools(body.tool_choice):  # the model is shown those it may call alone
+        allowed = _allowed_names(body.tool_choice, names)
+        req.tools.extend(t for t, name in zip(tools, names, strict=True) if name in allowed)
+    elif body.tool_choice != "none":  # ("none": the client wants no call; the tools go unread)
         req.tools.extend(tools)
     for i, m in enumerate(body.messages):
         role = "system" if m.role == "developer" else m.role

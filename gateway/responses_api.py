@@ -29,7 +29,8 @@ What it takes (OpenAI's shapes; what differs is said here):
   input. Behind several gateway replicas, a chain needs its client kept on one (session affinity).
 * `tools`: function tools (the flat form), rendered by the checkpoint's template as chat's are;
   `strict` is taken, not enforced (there is no constrained decoding; the openai-agents SDK sends it
-  by default); `tool_choice` auto or none, `parallel_tool_calls` (`max_tool_calls` bounds calls to built-in
+  by default); `tool_choice` auto, none, or `allowed_tools` in mode auto (the model is shown only
+  those), `parallel_tool_calls` (`max_tool_calls` bounds calls to built-in
   tools, of which there are none here: taken, echoed). Other tool types, a forced
   call (`required`, a named function), a non-text `text.format`, `reasoning` settings,
   `truncation: auto`, `background`, `conversation` and `prompt` are a 400: this server cannot
@@ -441,10 +442,16 @@ def to_chat(body: ResponsesRequest, store: ResponseStore | None = None) -> Chat:
         raise _refused("input", f"no function_call_output for call {quoted(unanswered[0])}: each call the "
                                 "conversation holds needs its output")  # fmt: skip
     logprobs = LOGPROBS in (body.include or ()) or bool(body.top_logprobs)
+    choice = body.tool_choice
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":  # (the flat form: as chat's)
+        tools = choice.get("tools")
+        choice = {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode", "auto"), "tools": [
+            {"type": "function", "function": {"name": t.get("name")}} if isinstance(t, dict) else t
+            for t in tools] if isinstance(tools, list) else tools}}  # fmt: skip
     fields = {
         "messages": messages, "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature,
         "top_p": body.top_p, "tools": [_tool(t, i) for i, t in enumerate(body.tools or ())] or None,
-        "tool_choice": body.tool_choice, "parallel_tool_calls": body.parallel_tool_calls,
+        "tool_choice": choice, "parallel_tool_calls": body.parallel_tool_calls,
         "logprobs": logprobs or None, "top_logprobs": body.top_logprobs if logprobs else None,
     }  # fmt: skip
     try:
@@ -471,6 +478,7 @@ def in_body_terms(e: HttpError, origins: list[Origin]) -> HttpError:
     def rename(text: str) -> str:
         text = _MESSAGE.sub(origin, text)
         text = re.sub(r"^(tools\[\d+\])\.function\b", r"\1", text)
+        text = re.sub(r"^tool_choice\.allowed_tools\b", "tool_choice", text)
         head, sep, rest = text.partition(":")
         return _CHAT_NAMES.get(head, head) + sep + rest
 

@@ -683,3 +683,38 @@ def test_items_referred_to_count_against_the_request_size_limit(tiny_dir: Path) 
     assert referring.status_code == 400 and referring.json()["error"]["param"] == "input", referring.text
     assert "media.max_request_bytes" in referring.json()["error"]["message"]
     assert "media.max_request_bytes" not in alone.text  # (its own fate: the prompt's length)
+
+
+def test_allowed_tools_show_the_model_those_it_may_call(tiny_dir: Path) -> None:
+    """`tool_choice: allowed_tools` in mode auto, at both doors: the model is shown the tools it
+    may call alone (there is no constrained decoding to keep it from the others); mode required,
+    or a name not among `tools`, is a 400 naming it."""
+
+    def post(path: str, body: dict[str, Any]) -> Any:
+        async def call(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> Any:
+            return await http.post(path, json=body)
+
+        return call
+
+    turn = [{"role": "user", "content": "Weather?"}]
+    chat_choice = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": "get_weather"}}]}}  # fmt: skip
+    flat_choice = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "get_weather"}]}
+    calls = [
+        post("/chat/completions", {"messages": turn, "tools": [WEATHER, TIME], "tool_choice": chat_choice}),
+        post("/responses", {"input": turn, "tools": FLAT, "tool_choice": flat_choice}),
+        post("/responses", {"input": turn, "tools": FLAT}),
+        post("/chat/completions", {"messages": turn, "tools": [WEATHER, TIME], "tool_choice": {
+            "type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": []}}}),
+        post("/responses", {"input": turn, "tools": FLAT, "tool_choice": {**flat_choice, "mode": "required"}}),
+        post("/responses", {"input": turn, "tools": FLAT, "tool_choice": {**flat_choice, "tools": [
+            {"type": "function", "name": "get_weather"}, {"type": "function", "name": "nope"}]}}),
+    ]  # fmt: skip
+    (chat, flat, every, required, flat_required, unknown), seen = _run(tiny_dir, ["Sunny."], calls)
+    assert chat.status_code == flat.status_code == every.status_code == 200, flat.text
+    assert [json.loads(t)["function"]["name"] for t in seen[0].tools] == ["get_weather"]
+    assert list(seen[1].tools) == list(seen[0].tools) and len(seen[2].tools) == 2
+    assert required.json()["error"]["param"] == "tool_choice.allowed_tools.mode", required.text
+    assert flat_required.json()["error"]["param"] == "tool_choice.mode", flat_required.text
+    assert unknown.json()["error"]["param"] == "tool_choice.tools[1]", unknown.text
+    assert len(seen) == 3
