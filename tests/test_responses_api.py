@@ -718,3 +718,39 @@ def test_allowed_tools_show_the_model_those_it_may_call(tiny_dir: Path) -> None:
     assert flat_required.json()["error"]["param"] == "tool_choice.mode", flat_required.text
     assert unknown.json()["error"]["param"] == "tool_choice.tools[1]", unknown.text
     assert len(seen) == 3
+
+
+def test_media_in_a_responses_input_is_the_chat_doors_media(tiny_dir: Path) -> None:
+    """An image and a sound in a Responses message reach the thinker as the chat door's same
+    parts do (the same gateway request, so the same prompt and media: the chat door's parity with
+    generate() for each modality covers them)."""
+    import io
+    import wave
+
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (32, 32), (20, 120, 200)).save(png, format="PNG")
+    image_url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    wav = io.BytesIO()
+    with wave.open(wav, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16_000), w.writeframes(b"\1\0" * 8_000)
+    sound = base64.b64encode(wav.getvalue()).decode()
+
+    async def chat(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> Any:
+        return await http.post("/chat/completions", json={"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": image_url}},
+            {"type": "input_audio", "input_audio": {"data": sound, "format": "wav"}}]}], "temperature": 0})  # fmt: skip
+
+    async def responses(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> Any:
+        return await client.responses.create(model="m", temperature=0, input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "What is this?"}, {"type": "input_image", "image_url": image_url,
+                                                             "detail": "auto"},
+            {"type": "input_audio", "input_audio": {"data": sound, "format": "wav"}}]}])  # type: ignore[list-item,misc]  # fmt: skip
+
+    (chat_reply, made), seen = _run(tiny_dir, ["A blue square."], [chat, responses])
+    assert chat_reply.status_code == 200 and made.output_text == "A blue square."
+    assert [p.WhichOneof("kind") for p in seen[1].messages[0].parts] == ["text", "image", "audio"]
+    assert _same_request(seen[0], seen[1])
+    service = _service(tiny_dir)
+    assert service._prompt(seen[1]).ids == service._prompt(seen[0]).ids
