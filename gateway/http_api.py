@@ -43,7 +43,8 @@ Chat completions (OpenAI's shapes; what differs is said here):
   `finish_reason: "tool_calls"`, streamed as one `delta.tool_calls` at the end (the text before
   them streams as content). Earlier turns' `tool_calls` and `tool` messages (`tool_call_id`)
   are rendered back. `tool_choice` auto (the default), none (the tools go unread), or
-  `allowed_tools` in mode auto (the model is shown only those: there is no constrained decoding);
+  `allowed_tools` in mode auto (the model is shown only those: there is no constrained decoding;
+  a reply that calls another calls nothing);
   `parallel_tool_calls: false` gives the first call alone; `strict` is taken, not enforced. With
   audio asked for, the speech is
   the text before the first call (the talker's input ends at the call's first token,
@@ -579,18 +580,27 @@ def _allowed_names(choice: dict[str, Any], offered: Sequence[str]) -> set[str]:
     model call one."""
     where = "tool_choice.allowed_tools"
     allowed = choice.get("allowed_tools")
-    if not isinstance(allowed, dict) or not isinstance(allowed.get("tools"), list):
+    if not isinstance(allowed, dict) or not isinstance(allowed.get("tools"), list) or "mode" not in allowed:
         raise HttpError(400, f"{where}: expected {{mode, tools: [...]}}", param=where)
-    if allowed.get("mode", "auto") != "auto":
+    if allowed["mode"] != "auto":
         raise HttpError(400, f"{where}.mode: auto only: this server cannot make the model call a tool (it has no "
                         "constrained decoding)", param=f"{where}.mode")  # fmt: skip
     names: set[str] = set()
     for i, tool in enumerate(allowed["tools"]):
-        name = (tool.get("function") or {}).get("name") if isinstance(tool, dict) else None
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str) or name not in offered:
             raise HttpError(400, f"{where}.tools[{i}]: not a function of `tools`", param=f"{where}.tools[{i}]")
         names.add(name)
     return names
+
+
+def callable_names(body: ChatRequest) -> frozenset[str] | None:
+    """The functions a reply may call (`tool_choice: allowed_tools`, checked already): a reply
+    that calls another calls nothing; None: whatever it calls."""
+    if not _allowed_tools(body.tool_choice):
+        return None
+    return frozenset(_allowed_names(body.tool_choice, [t["function"]["name"] for t in body.tools or ()]))
 
 
 def _most_calls(body: ChatRequest) -> int | None:
@@ -1281,7 +1291,7 @@ class ChatCompletions:
                      final: gateway_pb2.Final,
                      scored: Iterable[gateway_pb2.TokenLogprob] = ()) -> Response:  # fmt: skip
         created = int(time.time())
-        content, calls = parse_calls(text) if req.tools else (text, [])
+        content, calls = parse_calls(text, callable_names(body)) if req.tools else (text, [])
         calls = calls[: _most_calls(body)]
         finish = "tool_calls" if calls else final.finish_reason or "stop"
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
@@ -1376,7 +1386,7 @@ class ChatCompletions:
                     held = b""
                     finish = resp.final.finish_reason or "stop"
                     if calls is not None:  # the content held back, and the calls
-                        content, made = calls.finish()
+                        content, made = calls.finish(callable_names(body))
                         made = made[: _most_calls(body)]
                         rest: dict[str, Any] = {"content": content} if content else {}
                         if req.want_audio and (said := calls.spoken_rest()):  # (the words after a call: unsaid)

@@ -72,6 +72,7 @@ from gateway.http_api import (
     ChatCompletions,
     ChatRequest,
     Replies,
+    callable_names,
     chain,
     ended_well,
     first_error,
@@ -303,6 +304,14 @@ def _tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
     return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
 
 
+def _nested(tool: Any) -> Any:
+    """A flat function entry of `allowed_tools` as chat's (`{"type": "function", "function":
+    {"name"}}`); anything else as it is, for chat's check to name."""
+    if isinstance(tool, dict) and tool.get("type") == "function":
+        return {"type": "function", "function": {"name": tool.get("name")}}
+    return tool
+
+
 def _part(part: Any, where: str) -> dict[str, Any]:
     if isinstance(part, InputText | OutputText):
         return {"type": "text", "text": part.text}
@@ -444,10 +453,9 @@ def to_chat(body: ResponsesRequest, store: ResponseStore | None = None) -> Chat:
     logprobs = LOGPROBS in (body.include or ()) or bool(body.top_logprobs)
     choice = body.tool_choice
     if isinstance(choice, dict) and choice.get("type") == "allowed_tools":  # (the flat form: as chat's)
-        tools = choice.get("tools")
-        choice = {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode", "auto"), "tools": [
-            {"type": "function", "function": {"name": t.get("name")}} if isinstance(t, dict) else t
-            for t in tools] if isinstance(tools, list) else tools}}  # fmt: skip
+        choice = {"type": "allowed_tools", "allowed_tools": {k: v for k, v in choice.items() if k != "type"}}
+        if isinstance(tools := choice["allowed_tools"].get("tools"), list):
+            choice["allowed_tools"]["tools"] = [_nested(t) for t in tools]
     fields = {
         "messages": messages, "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature,
         "top_p": body.top_p, "tools": [_tool(t, i) for i, t in enumerate(body.tools or ())] or None,
@@ -824,7 +832,7 @@ class Responses:
         scores = self._scores(req)
 
         def reply(text: str, _audio: list[bytes], final: gateway_pb2.Final) -> Response:
-            content, found = parse_calls(text) if req.tools else (text, [])
+            content, found = parse_calls(text, callable_names(chat.request)) if req.tools else (text, [])
             calls = made.calls(found)
             status = _status(final)
             if content or not calls:
@@ -901,7 +909,7 @@ class Responses:
                         status = _status(resp.final)
                         found: list[Call] = []
                         if calls is not None:
-                            rest, found = calls.finish()
+                            rest, found = calls.finish(callable_names(chat.request))
                             cap = _scored_bytes("".join(raw), found)
                             found = made.calls(found)
                             if rest:

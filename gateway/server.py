@@ -55,7 +55,7 @@ from omnistage.server.grpc_common import (
     lost_peer,
     stage_stream,
 )
-from omnistage.server.routing import Router, unserved
+from omnistage.server.routing import Router, replica_addresses, unserved
 from omnistage.server.tls import name_override, stage_channel_credentials
 from omnistage.topology import STAGES, stage_def
 from omnistage.v1 import gateway_pb2, gateway_pb2_grpc, stage_pb2
@@ -189,7 +189,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.stages = cfg.stage_names()  # the chain's processes; the first is this gateway's downstream
         # what the gRPC health follows: the thinker, or both roles of a split one
         self.thinker_roles = frozenset(s for s in self.stages if stage_def(s).stream == "thinker")
-        self.watcher = ChainWatcher(self.channel, self.stages[0], thinker_target, HEALTH_POLL_S)
+        self.watcher = ChainWatcher(self.router.health_channels(), self.stages[0], thinker_target, HEALTH_POLL_S,
+                                    again=replica_addresses(thinker_target) is None)  # fmt: skip
 
     def _prompt(self, request: gateway_pb2.GenerateRequest, cancelled: threading.Event | None = None,
                 fit: PromptFit | None = None) -> edges.Prompt:  # fmt: skip

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,10 +148,11 @@ def spoken(text: str) -> str:
     return text if start < 0 else text[:start].rstrip()
 
 
-def parse(text: str) -> tuple[str | None, list[Call]]:
+def parse(text: str, names: Collection[str] | None = None) -> tuple[str | None, list[Call]]:
     """A whole reply's content and calls. With calls, the content is the text before the first
     one (its trailing whitespace left out) and any other text outside them, None when that is
-    nothing; without, the whole text."""
+    nothing; without, the whole text. `names`: the only functions it may call (`tool_choice:
+    allowed_tools`); a reply that calls another calls nothing, as one whose block does not read."""
     start = text.find(OPEN)
     if start < 0:
         return text, []
@@ -162,7 +163,7 @@ def parse(text: str) -> tuple[str | None, list[Call]]:
         # the first CLOSE after which the block reads as a call (an argument's text may hold CLOSE)
         read = ((end, _call(rest[len(OPEN) : end])) for end in _finds(rest, CLOSE))
         end, call = next(((end, call) for end, call in read if call is not None), (-1, None))
-        if call is None:
+        if call is None or (names is not None and call.name not in names):
             return text, []
         calls.append(call)
         rest = rest[end + len(CLOSE) :]
@@ -211,9 +212,9 @@ class CallStream:
         self._held, self._shown = held[safe:], self._shown + safe
         return held[:safe]
 
-    def finish(self) -> tuple[str, list[Call]]:
-        """The content not given yet, and the calls."""
-        content, calls = parse("".join(self._text))
+    def finish(self, names: Collection[str] | None = None) -> tuple[str, list[Call]]:
+        """The content not given yet, and the calls (`names`: as `parse`'s)."""
+        content, calls = parse("".join(self._text), names)
         return (content or "")[self._shown :], calls
 
     def spoken_rest(self) -> str:

@@ -710,14 +710,61 @@ def test_allowed_tools_show_the_model_those_it_may_call(tiny_dir: Path) -> None:
         post("/responses", {"input": turn, "tools": FLAT, "tool_choice": {**flat_choice, "tools": [
             {"type": "function", "name": "get_weather"}, {"type": "function", "name": "nope"}]}}),
     ]  # fmt: skip
-    (chat, flat, every, required, flat_required, unknown), seen = _run(tiny_dir, ["Sunny."], calls)
+    nested = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}
+    calls += [  # malformed: each a 400 naming it (a function given as a string was a 500)
+        post("/chat/completions", {"messages": turn, "tools": [WEATHER, TIME], "tool_choice": {**nested,
+              "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": "get_weather"}]}}}),
+        post("/chat/completions", {"messages": turn, "tools": [WEATHER, TIME], "tool_choice": {**nested,
+              "allowed_tools": {"tools": []}}}),
+        post("/responses", {"input": turn, "tools": FLAT, "tool_choice": {**flat_choice, "tools": [
+            {"type": "custom", "name": "get_weather"}]}}),
+    ]  # fmt: skip
+    (chat, flat, every, required, flat_required, unknown, as_string, no_mode, custom), seen = _run(
+        tiny_dir, ["Sunny."], calls)
     assert chat.status_code == flat.status_code == every.status_code == 200, flat.text
     assert [json.loads(t)["function"]["name"] for t in seen[0].tools] == ["get_weather"]
     assert list(seen[1].tools) == list(seen[0].tools) and len(seen[2].tools) == 2
     assert required.json()["error"]["param"] == "tool_choice.allowed_tools.mode", required.text
     assert flat_required.json()["error"]["param"] == "tool_choice.mode", flat_required.text
     assert unknown.json()["error"]["param"] == "tool_choice.tools[1]", unknown.text
+    assert as_string.status_code == 400 and as_string.json()["error"]["param"] == "tool_choice.allowed_tools.tools[0]"
+    assert no_mode.status_code == 400 and no_mode.json()["error"]["param"] == "tool_choice.allowed_tools"
+    assert custom.status_code == 400 and custom.json()["error"]["param"] == "tool_choice.tools[0]", custom.text
     assert len(seen) == 3
+
+
+@pytest.mark.parametrize("door", ["chat", "responses"])
+def test_a_reply_that_calls_a_tool_it_was_not_allowed_calls_nothing(tiny_dir: Path, door: str) -> None:
+    """With `allowed_tools`, a reply that calls another tool (earlier turns may show it) calls
+    nothing: its whole text is its content, streamed or not, as a reply whose block does not read."""
+    turn = [{"role": "user", "content": "Time?"}]
+    if door == "chat":
+        choice = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+            {"type": "function", "function": {"name": "get_weather"}}]}}  # fmt: skip
+
+        async def whole(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> Any:
+            reply = await client.chat.completions.create(model="m", messages=turn, tools=[WEATHER, TIME],  # type: ignore[arg-type]
+                                                         tool_choice=choice)  # type: ignore[arg-type]  # fmt: skip
+            return reply.choices[0].message.content, reply.choices[0].message.tool_calls
+
+        async def streamed(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> Any:
+            chunks = [c async for c in await client.chat.completions.create(
+                model="m", messages=turn, tools=[WEATHER, TIME], tool_choice=choice, stream=True)]  # type: ignore[arg-type,call-overload]  # fmt: skip
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            return content, [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()] or None
+    else:
+        choice = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "get_weather"}]}
+
+        async def whole(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> Any:
+            made = await client.responses.create(model="m", input=turn, tools=FLAT, tool_choice=choice)  # type: ignore[arg-type]
+            return made.output_text, [o for o in made.output if o.type == "function_call"] or None
+
+        async def streamed(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> Any:
+            _, final = await _stream(input=turn, tools=FLAT, tool_choice=choice)(client, http)
+            return final.output_text, [o for o in final.output if o.type == "function_call"] or None
+
+    (got, got_streamed), _ = _run(tiny_dir, ["Let me see.\n", CALL2], [whole, streamed])
+    assert got == got_streamed == ("Let me see.\n" + CALL2, None)
 
 
 def test_media_in_a_responses_input_is_the_chat_doors_media(tiny_dir: Path) -> None:

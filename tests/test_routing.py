@@ -277,8 +277,10 @@ def test_a_watcher_asks_a_peer_that_answers_with_an_error_once_a_poll() -> None:
 
 def test_a_watcher_sees_a_stage_serve_while_one_of_its_replicas_is_frozen() -> None:
     """Two replicas behind one target, one frozen (its Info never answers; its connection and
-    health stream still up, as a stopped process's for a while): the stage serves throughout, as
-    the other answers every call. Its health flapped: every other poll went to the frozen one."""
+    health stream still up, as a stopped process's for a while), with requests on the shared
+    channel meanwhile: the stage serves at every poll, as the other answers every call. Its
+    health flapped: round robin sent every other poll to the frozen one (and a retry, with the
+    requests moving the turn on, a quarter of them)."""
 
     class Frozen(_Named):
         async def Info(self, request: object, context: object) -> stage_pb2.InfoResponse:
@@ -288,20 +290,28 @@ def test_a_watcher_sees_a_stage_serve_while_one_of_its_replicas_is_frozen() -> N
     async def go() -> None:
         async with _replicas("a", Frozen("b")) as (target, _):
             router = Router(target, "round_robin", 1 << 20)
-            watcher = ChainWatcher(router.shared, "thinker", target, 0.2)
+            watcher = ChainWatcher(router.health_channels(), "thinker", target, 0.2)
             seen: list[bool] = []
 
             async def polled() -> None:  # (what the gateway's health follows, after each poll)
                 seen.append(watcher.serving)
 
-            task = asyncio.ensure_future(watcher.run(polled))
+            async def traffic() -> None:  # short calls on the shared channel: they move round robin on
+                stub = stage_pb2_grpc.StageStub(router.shared)
+                while True:
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        await stub.Info(stage_pb2.InfoRequest(), timeout=0.05)
+                    await asyncio.sleep(0.02)
+
+            tasks = [asyncio.ensure_future(watcher.run(polled)), asyncio.ensure_future(traffic())]
             try:
-                await asyncio.sleep(3.0)  # about 10 polls, half of them asking the frozen replica first
+                await asyncio.sleep(3.0)  # about 10 polls
                 first = seen.index(True)
                 assert len(seen) - first >= 6 and all(seen[first:]), seen
             finally:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
                 await router.close()
 
     asyncio.run(go())

@@ -102,6 +102,18 @@ def test_a_streamed_reply_reads_as_the_whole_at_every_split(text: str) -> None:
         assert ("".join(shown) + rest, got) == (content or "", calls), pieces
 
 
+def test_a_call_outside_the_names_allowed_calls_nothing() -> None:
+    """`names` (allowed_tools): a reply that calls another function calls nothing, whole or
+    streamed; one that calls only those reads as ever."""
+    text = "Hi.\n" + CALL + "\n" + CALL2
+    assert parse(text, {"get_weather"}) == (text, [])
+    assert parse(text, {"get_weather", "get_time"}) == parse(text)
+    stream = CallStream()
+    shown = "".join(stream.feed(piece) for piece in (text[:5], text[5:40], text[40:]))
+    rest, calls = stream.finish({"get_weather"})
+    assert (shown + rest, calls) == (text, [])
+
+
 def test_text_that_cannot_start_a_call_shows_at_once() -> None:
     stream = CallStream()
     assert stream.feed("It is ") == "It is"  # (the space waits: it could stand before a call)

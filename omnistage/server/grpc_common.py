@@ -9,7 +9,7 @@ import inspect
 import json
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -294,15 +294,22 @@ def stage_stream(channel: Any, *, relay: bool = False) -> Any:
 
 class ChainWatcher:
     """Polls the next stage's `Info` every `poll_s`: `chain` is that stage's health followed by
-    the chain it reports (so each process knows every stage below it).
+    the chain it reports (so each process knows every stage below it). Given a channel to each
+    of its replicas (Router.health_channels), it asks them all: the stage serves while any
+    answers, its chain the first answer's.
 
     While the next stage cannot be reached, each poll waits (up to `poll_s`) for the channel to
     connect, so a stage that comes up (at start, or restarted after a failure) is seen as soon as
     its channel dials it, not up to `poll_s` later."""
 
-    def __init__(self, channel: grpc.aio.Channel, stage: str, target: str, poll_s: float = 1.0) -> None:
-        self.stub = stage_pb2_grpc.StageStub(channel)
+    def __init__(self, channel: grpc.aio.Channel | Sequence[grpc.aio.Channel], stage: str, target: str,
+                 poll_s: float = 1.0, again: bool = False) -> None:  # fmt: skip
+        channels = [channel] if isinstance(channel, grpc.aio.Channel) else list(channel)
+        self.stubs = [stage_pb2_grpc.StageStub(ch) for ch in channels]
         self.stage, self.target, self.poll_s = stage, target, poll_s
+        # a poll that fails where the last had an answer is made once more at once: behind a name
+        # gRPC resolves to replicas unknown here (a headless Service), round robin asks another
+        self.again = again
         self.chain: list[stage_pb2.StageHealth] = [stage_pb2.StageHealth(stage=stage, target=target, serving=False,
                                                                          detail="not checked yet")]  # fmt: skip
         self.reached = False  # the last poll had an answer
@@ -313,14 +320,12 @@ class ChainWatcher:
         return self.chain[0].serving
 
     async def poll(self, wait: bool = False, again: bool = True) -> None:
-        """One `Info` call. `wait`: the call waits for the channel to connect, up to `poll_s`;
-        if it never does, a call that fails at once then says why (a waited call would only say
-        DEADLINE_EXCEEDED). A call that fails where the last poll had an answer is made once more
-        at once (`again`): behind a target of several replicas, round robin asks another, so one
-        frozen or lost replica does not make the stage look down, and its health flap, while
-        another serves."""
+        """One `Info` call (to each replica, given their channels). `wait`: the call waits for
+        the channel to connect, up to `poll_s`; if it never does, a call that fails at once then
+        says why (a waited call would only say DEADLINE_EXCEEDED). `again`: with `self.again`, a
+        failed call is made once more."""
         try:
-            info = await self.stub.Info(stage_pb2.InfoRequest(), timeout=self.poll_s, wait_for_ready=wait)
+            info = await self._first_answer(wait)
             head = stage_pb2.StageHealth(stage=self.stage, target=self.target, serving=info.serving,
                                          detail="" if info.serving else "draining")  # fmt: skip
             self.chain = [head, *info.chain]
@@ -328,11 +333,35 @@ class ChainWatcher:
         except grpc.aio.AioRpcError as e:
             if wait and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return await self.poll()
-            if again and self.reached:
+            if again and self.again and self.reached:
                 return await self.poll(again=False)
             detail = f"{e.code().name}: {e.details() or ''}".strip()
             self.chain = [stage_pb2.StageHealth(stage=self.stage, target=self.target, serving=False, detail=detail)]
             self.reached = False
+
+    async def _first_answer(self, wait: bool) -> stage_pb2.InfoResponse:
+        """Every replica's `Info` at once: the first that serves, else the first answer, else
+        the first failure (raised)."""
+        calls = [asyncio.ensure_future(stub.Info(stage_pb2.InfoRequest(), timeout=self.poll_s, wait_for_ready=wait))
+                 for stub in self.stubs]  # fmt: skip
+        answered: list[stage_pb2.InfoResponse] = []
+        failed: list[grpc.aio.AioRpcError] = []
+        try:
+            for call in asyncio.as_completed(calls):
+                try:
+                    info = await call
+                except grpc.aio.AioRpcError as e:
+                    failed.append(e)
+                    continue
+                if info.serving:
+                    return info
+                answered.append(info)  # (draining: another may serve)
+        finally:
+            for call in calls:
+                call.cancel()
+        if answered:
+            return answered[0]
+        raise failed[0]
 
     async def run(self, on_poll: Callable[[], Awaitable[None]] | None = None) -> None:
         await self.poll()

@@ -71,6 +71,8 @@ class Router:
             assert addresses is not None
             self.replicas = [(a, aio_channel(a, credentials, options)) for a in addresses]
         self.outstanding = [0] * len(self.replicas)
+        self._polled: list[grpc.aio.Channel] = []  # health_channels' own, under round_robin
+        self._dial = lambda address: aio_channel(address, credentials, options)
         self._turn = itertools.count()
         self.lost_at = -math.inf  # when a call on a serving replica was last lost (lost_replica)
 
@@ -150,9 +152,22 @@ class Router:
             self.lost_replica()
         return await self.wait_for_replica(window_s, timeout, stop)
 
+    def health_channels(self) -> list[grpc.aio.Channel]:
+        """A channel to each replica, for health polls (a frozen replica must not hide one that
+        serves: on the shared channel, round robin sends every other poll to it); the shared one
+        where the target is one address or a name gRPC resolves itself."""
+        if self.replicas:
+            return [ch for _, ch in self.replicas]
+        addresses = replica_addresses(self.target)
+        if addresses is None or len(addresses) < 2:
+            return [self.shared]
+        if not self._polled:
+            self._polled = [self._dial(a) for a in addresses]
+        return self._polled
+
     async def close(self) -> None:
         await self.shared.close()
-        for _, ch in self.replicas:
+        for ch in [*(ch for _, ch in self.replicas), *self._polled]:
             await ch.close()
 
 

@@ -45,7 +45,7 @@ from omnistage.server.grpc_common import (
     wait_for_signal,
 )
 from omnistage.server.handoff import LoopHandoff
-from omnistage.server.routing import Router, unserved
+from omnistage.server.routing import Router, replica_addresses, unserved
 from omnistage.server.tls import name_override, server_credentials, stage_channel_credentials
 from omnistage.topology import PROCESSES, stage_def, stages_below
 from omnistage.v1 import stage_pb2
@@ -381,7 +381,8 @@ class StageService:
         if self.downstream is None:
             return None
         router = self._downstream()
-        self.watcher = ChainWatcher(router.shared, self.downstream_name, self.downstream)
+        self.watcher = ChainWatcher(router.health_channels(), self.downstream_name, self.downstream,
+                                    again=replica_addresses(self.downstream) is None)  # fmt: skip
 
         async def on_poll() -> None:  # a replica serves again, seen by no request: the window is over
             if self.watcher is not None and self.watcher.serving:
