@@ -339,26 +339,27 @@ class HttpDriver(Driver):
 
         events: list[StreamEvent] = []
         info: dict[str, Any] = {}
-        async for data, now in self._events(req):
-            if data == "[DONE]":
-                events.append(StreamEvent("final", now, info=info))
-                break
-            event = json.loads(data)
-            if "error" in event:
-                raise RuntimeError(event["error"]["message"])
-            if event.get("usage"):  # the text's tokens: a text event is a delta, of any number of them
-                details = event["usage"].get("completion_tokens_details") or {}
-                if isinstance(details.get("text_tokens"), int):
-                    info["text_tokens"] = details["text_tokens"]
-            if not event.get("choices"):
-                continue
-            delta = event["choices"][0]["delta"]
-            if delta.get("content"):
-                events.append(StreamEvent("text", now, token_ids=(0,)))  # ids are not in the API
-            audio = (delta.get("audio") or {}).get("data")
-            if audio:
-                n = len(base64.b64decode(audio)) // 2
-                events.append(StreamEvent("audio", now, samples=n, sample_rate=24000))
+        async with contextlib.aclosing(self._events(req)) as stream:  # (a break closes the response)
+            async for data, now in stream:
+                if data == "[DONE]":
+                    events.append(StreamEvent("final", now, info=info))
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    raise RuntimeError(event["error"]["message"])
+                if event.get("usage"):  # the text's tokens: a text event is a delta, of any number of them
+                    details = event["usage"].get("completion_tokens_details") or {}
+                    if isinstance(details.get("text_tokens"), int):
+                        info["text_tokens"] = details["text_tokens"]
+                if not event.get("choices"):
+                    continue
+                delta = event["choices"][0]["delta"]
+                if delta.get("content"):
+                    events.append(StreamEvent("text", now, token_ids=(0,)))  # ids are not in the API
+                audio = (delta.get("audio") or {}).get("data")
+                if audio:
+                    n = len(base64.b64decode(audio)) // 2
+                    events.append(StreamEvent("audio", now, samples=n, sample_rate=24000))
         return events
 
     async def aclose(self) -> None:
@@ -388,20 +389,21 @@ class ResponsesDriver(HttpDriver):
         if req.want_audio:
             raise ValueError("the Responses API has no speech out: its requests are text alone")
         events: list[StreamEvent] = []
-        async for data, now in self._events(req):
-            event = json.loads(data)
-            kind = event["type"]
-            if kind == "response.output_text.delta" and event["delta"]:
-                events.append(StreamEvent("text", now, token_ids=(0,)))  # ids are not in the API
-            elif kind in ("response.completed", "response.incomplete"):
-                usage = event["response"].get("usage") or {}
-                tokens = usage.get("output_tokens")
-                events.append(StreamEvent("final", now, info={"text_tokens": tokens} if isinstance(tokens, int)
-                                          else {}))  # fmt: skip
-                break
-            elif kind in ("response.failed", "error"):
-                error = event.get("response", {}).get("error") or event.get("error") or {}
-                raise RuntimeError(error.get("message", str(event)[:300]))
+        async with contextlib.aclosing(self._events(req)) as stream:  # (a break closes the response)
+            async for data, now in stream:
+                event = json.loads(data)
+                kind = event["type"]
+                if kind == "response.output_text.delta" and event["delta"]:
+                    events.append(StreamEvent("text", now, token_ids=(0,)))  # ids are not in the API
+                elif kind in ("response.completed", "response.incomplete"):
+                    usage = event["response"].get("usage") or {}
+                    tokens = usage.get("output_tokens")
+                    events.append(StreamEvent("final", now, info={"text_tokens": tokens} if isinstance(tokens, int)
+                                              else {}))  # fmt: skip
+                    break
+                elif kind in ("response.failed", "error"):
+                    error = event.get("response", {}).get("error") or event.get("error") or {}
+                    raise RuntimeError(error.get("message", str(event)[:300]))
         return events
 
 
