@@ -442,6 +442,9 @@ class Engine:
             req.inbox.clear()  # what came and was not read (feed keeps nothing once it has ended)
             if self._requests.pop(req.request_id, None) is None:
                 return
+        outcome = _outcome(req, reason)
+        if outcome == "INVALID_ARGUMENT" and req.error is not None:  # a caller's fault: say which and why
+            log.info("%s: request %s refused: %s", self.worker.name, req.request_id, req.error.message)
         if self.observer is not None:
-            self.observer.on_finished(_outcome(req, reason))
+            self.observer.on_finished(outcome)
         req.sink.on_finished(req)

@@ -294,6 +294,14 @@ def test_a_cancel_message_ends_the_request_cancelled_on_every_stage(replicated: 
     assert cancelled == expected, f"before {cancelled_before} after {cancelled} done first {done_first}"
 
 
+def _refusals(stack: Stack) -> str:
+    """What the stages logged as refused (the engine says which request and why), for a failure's
+    message."""
+    lines = [line for log in sorted(stack.run_dir.glob("*.log")) for line in log.read_text().splitlines()
+             if " refused: " in line]  # fmt: skip
+    return "\n".join(lines[-20:]) or "(no refusal logged)"
+
+
 async def _all_idle(addresses: list[str]) -> bool:
     for a in addresses:
         if not await stage_idle(a):
@@ -340,7 +348,7 @@ def test_cancels_at_random_points_leave_nothing_held(replicated: Stack) -> None:
     assert took is not None, f"a stage still holds a cancelled request {HANG_S:g} s after the last cancel"
     # a cancel reaches every stage below as one (the caller's call ended), not as a malformed
     # stream: the stages' teardown half-closed the call below before cancelling it
-    assert ended("INVALID_ARGUMENT") == refused_before
+    assert ended("INVALID_ARGUMENT") == refused_before, _refusals(replicated)
     cancelled = ended("CANCELLED")
     assert all(cancelled[name] > cancelled_before[name] for name in STAGES), (cancelled_before, cancelled)
 
