@@ -103,10 +103,8 @@ async def host_ready(out: OutChunk) -> None:
 # INVALID_ARGUMENT), most of it is still to come, so the cancel delivered just after lands first.
 # The stages themselves send a Cancel message first (below), which no stall confuses; this is for
 # other callers (the gateway, while it still sends a prompt) and a stage's last-resort cancel.
-# (0.25 s was seen passed once more in a suite run, a gateway's cancel on the thinker counted
-# INVALID_ARGUMENT: 0.5 s, still well within the 1 s a malformed call is to be refused in.)
-CANCEL_GRACE_S = 0.5
-CANCEL_GRACE_STEPS = 50
+CANCEL_GRACE_S = 0.25
+CANCEL_GRACE_STEPS = 25
 # A call that ends early asks the stage below to end the request with a Cancel message (which
 # cannot pass for a half-close, whatever the load), then half-closes; the call below is cancelled
 # only if that stage has not ended it within this long (it does not read: stopped, or its worker
