@@ -160,48 +160,48 @@ def refusal_outcome(status: int) -> str:
 # ---- the request body -----------------------------------------------------------------------
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
     # strict: a JSON type other than the field's is refused, as OpenAI does ("stream": "true",
     # "max_tokens": true, "temperature": "0.5"), not coerced; an integer is still a number
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
-class TextPart(_Body):
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class InputAudio(_Body):
+class InputAudio(Body):
     data: str
     format: str | None = None  # None: wav
 
 
-class RefusalPart(_Body):  # an earlier reply's refusal, sent back in its assistant turn
+class RefusalPart(Body):  # an earlier reply's refusal, sent back in its assistant turn
     type: Literal["refusal"]
     refusal: str
 
 
-class AudioPart(_Body):
+class AudioPart(Body):
     type: Literal["input_audio"]
     input_audio: InputAudio
 
 
-class Url(_Body):
+class Url(Body):
     url: str
 
 
 # vLLM also takes a part's URL as a plain string (`"image_url": "data:..."`)
-class AudioUrlPart(_Body):  # vLLM's audio part
+class AudioUrlPart(Body):  # vLLM's audio part
     type: Literal["audio_url"]
     audio_url: Url | str
 
 
-class ImagePart(_Body):
+class ImagePart(Body):
     type: Literal["image_url"]
     image_url: Url | str
 
 
-class VideoPart(_Body):
+class VideoPart(Body):
     type: Literal["video_url"]
     video_url: Url | str
 
@@ -209,22 +209,22 @@ class VideoPart(_Body):
 Part = Annotated[TextPart | RefusalPart | AudioPart | AudioUrlPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
-class AudioRef(_Body):
+class AudioRef(Body):
     id: str
 
 
-class FunctionCall(_Body):
+class FunctionCall(Body):
     name: str = Field(pattern=TOOL_NAME)  # (rendered into the prompt's JSON as it is)
     arguments: str  # a JSON object's text, as the reply gave it
 
 
-class ToolCall(_Body):  # an earlier reply's call (assistant messages)
+class ToolCall(Body):  # an earlier reply's call (assistant messages)
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(_Body):
+class Message(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[Part] | None = None
     audio: AudioRef | None = None  # an earlier reply's audio, by id (assistant messages)
@@ -233,30 +233,30 @@ class Message(_Body):
     tool_call_id: str | None = None  # the call a tool message gives the result of
 
 
-class FunctionDef(_Body):
+class FunctionDef(Body):
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # taken, not enforced: there is no constrained decoding (as vLLM without it)
 
 
-class Tool(_Body):
+class Tool(Body):
     """One of `tools` (each is checked against this, then rendered as the client sent it)."""
 
     type: Literal["function"]
     function: FunctionDef
 
 
-class AudioOut(_Body):
+class AudioOut(Body):
     voice: str | AudioRef | None = None
     format: Literal["wav", "mp3", "flac", "opus", "aac", "pcm16"] | None = None  # None: wav
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool | None = False
 
 
-class ProcessorKwargs(_Body):  # vLLM's `mm_processor_kwargs`
+class ProcessorKwargs(Body):  # vLLM's `mm_processor_kwargs`
     use_audio_in_video: bool | None = None
 
 
@@ -296,7 +296,7 @@ def _changes_nothing(value: Any, neutral: Any) -> bool:
     return bool(value == neutral)
 
 
-class StageSampling(_Body):
+class StageSampling(Body):
     """One stage's entry of vLLM-Omni's `sampling_params_list` (its fields are vLLM's
     `SamplingParams`; ones that only shape vLLM's output objects, such as `detokenize`, are
     ignored)."""
@@ -330,7 +330,7 @@ class StageSampling(_Body):
 
 
 # Fields some clients send as null for "unset" are optional; None means the default.
-class ChatRequest(_Body):
+class ChatRequest(Body):
     # other fields are kept (`model_extra`): vLLM's that would change the reply are refused
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
@@ -368,7 +368,7 @@ class ChatRequest(_Body):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
 
 
-class SpeechRequest(_Body):
+class SpeechRequest(Body):
     """OpenAI's `/v1/audio/speech` body."""
 
     model: str | None = None
@@ -381,7 +381,7 @@ class SpeechRequest(_Body):
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)  # not OpenAI's: the same seed, the same speech
 
 
-BodyT = TypeVar("BodyT", bound=_Body)
+BodyT = TypeVar("BodyT", bound=Body)
 MadeT = TypeVar("MadeT")
 # An endpoint's reading of its request: given the header check to call once its body is read, what
 # it parsed (what the reply's shape needs) and the gateway request
@@ -392,7 +392,7 @@ def _subclasses(cls: type) -> list[type]:
     return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]
 
 
-_MODELS = frozenset(c.__name__ for c in _subclasses(_Body))  # union branches pydantic names in paths
+_MODELS = frozenset(c.__name__ for c in _subclasses(Body))  # union branches pydantic names in paths
 Replies = AsyncGenerator[gateway_pb2.GenerateResponse, None]
 
 

@@ -18,7 +18,7 @@ from gateway.http_error import HttpError
 from gateway.prompt_fit import PromptFit
 from gateway.realtime_vad import VadSettings
 from gateway.tool_calls import NAME as TOOL_NAME
-from gateway.tool_calls import check_nesting
+from gateway.tool_calls import chat_tool, check_nesting
 from gateway.transcription import instruction, transcription_turn
 from omnistage.v1 import gateway_pb2, stage_pb2
 
@@ -670,8 +670,7 @@ def to_generate_request(items: list[Item], settings: Settings) -> gateway_pb2.Ge
             message.tool_calls.extend(call.message().tool_calls)
         req.messages.append(message)
     if settings.tools and settings.tool_choice != "none":  # (as the chat door takes them)
-        req.tools.extend(json.dumps({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
-                         for t in settings.tools)  # fmt: skip
+        req.tools.extend(json.dumps(chat_tool(t)) for t in settings.tools)
     thinker = stage_pb2.SamplingParams()
     if settings.max_output_tokens is not None:
         thinker.max_tokens = settings.max_output_tokens

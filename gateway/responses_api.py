@@ -64,11 +64,12 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
+from pydantic import Discriminator, Field, Tag, TypeAdapter, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.http_api import (
+    Body,
     ChatCompletions,
     ChatRequest,
     Replies,
@@ -85,7 +86,7 @@ from gateway.http_api import (
 from gateway.http_error import HttpError, unauthorized
 from gateway.server import GatewayError
 from gateway.tool_calls import NAME as TOOL_NAME
-from gateway.tool_calls import OPEN, Call, CallStream, new_call_id
+from gateway.tool_calls import OPEN, Call, CallStream, chat_tool, new_call_id
 from gateway.tool_calls import parse as parse_calls
 from omnistage.quoting import quoted
 from omnistage.v1 import gateway_pb2
@@ -107,43 +108,38 @@ INCLUDABLE = frozenset({
 # ---- the request body -----------------------------------------------------------------------
 
 
-class _Body(BaseModel):
-    # as chat's: a JSON type other than the field's is refused, not coerced
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
-
-
-class InputText(_Body):
+class InputText(Body):
     type: Literal["input_text"]
     text: str
 
 
-class OutputText(_Body):  # an earlier reply's text, sent back in its assistant message
+class OutputText(Body):  # an earlier reply's text, sent back in its assistant message
     type: Literal["output_text"]
     text: str
 
 
-class RefusalPart(_Body):
+class RefusalPart(Body):
     type: Literal["refusal"]
     refusal: str
 
 
-class InputImage(_Body):
+class InputImage(Body):
     type: Literal["input_image"]
     image_url: str | None = None
     file_id: str | None = None
 
 
-class AudioData(_Body):
+class AudioData(Body):
     data: str
     format: str | None = None
 
 
-class InputAudio(_Body):
+class InputAudio(Body):
     type: Literal["input_audio"]
     input_audio: AudioData
 
 
-class InputFile(_Body):  # refused: there is no file store
+class InputFile(Body):  # refused: there is no file store
     type: Literal["input_file"]
 
 
@@ -152,26 +148,26 @@ Part = Annotated[InputText | OutputText | RefusalPart | InputImage | InputAudio 
 _PART_TYPES = frozenset({"input_text", "output_text", "refusal", "input_image", "input_audio", "input_file"})
 
 
-class MessageItem(_Body):
+class MessageItem(Body):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[Part]
 
 
-class CallItem(_Body):
+class CallItem(Body):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str = Field(pattern=TOOL_NAME)  # (rendered into the prompt's JSON as it is)
     arguments: str
 
 
-class CallOutputItem(_Body):
+class CallOutputItem(Body):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
     output: str | list[Part]
 
 
-class OtherItem(_Body):  # any other type: an item_reference (its type may be left out), or refused, named
+class OtherItem(Body):  # any other type: an item_reference (its type may be left out), or refused, named
     type: str | None = None
     id: str | None = None
 
@@ -195,7 +191,7 @@ Item = Annotated[
 ]  # fmt: skip
 
 
-class FunctionTool(_Body):
+class FunctionTool(Body):
     type: Literal["function"]
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
@@ -203,7 +199,7 @@ class FunctionTool(_Body):
     strict: bool | None = None  # taken, not enforced (as chat's)
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(Body):
     model: str | None = None
     input: str | list[Item]
     instructions: str | None = None
@@ -301,7 +297,7 @@ def _tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
     except ValidationError as e:
         err = max(e.errors(), key=lambda x: len(x["loc"]))
         raise _refused(f"{where}.{_where(err['loc'])}" if err["loc"] else where, err["msg"]) from None
-    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+    return chat_tool(tool)
 
 
 def _nested(tool: Any) -> Any:
@@ -398,14 +394,15 @@ def to_chat(body: ResponsesRequest, store: ResponseStore | None = None) -> Chat:
         origins.append(Origin("instructions"))
     seen: set[str] = set()  # the responses continued, the items referred to
     if body.previous_response_id is not None:
-        seen.update(store.chain(body.previous_response_id))
-        turns = store.turns(body.previous_response_id)
-        if turns is None:
+        chain = store.continued(body.previous_response_id)
+        if chain is None:
             raise HttpError(400, f"previous_response_id: no stored response {quoted(body.previous_response_id)} "
                                  f"to continue (one is kept {STORE_TTL_S // 60} minutes unless store is false, in "
                                  "the process that made it, and one that failed or was cancelled cannot be "
                                  "continued; send the whole input instead)",
                             param="previous_response_id", code="previous_response_not_found")  # fmt: skip
+        ids, turns = chain
+        seen.update(ids)
         messages.extend(turns)  # (never changed below: a call joins this request's own turns alone)
         origins.extend([Origin("previous_response_id")] * len(turns))
     own = len(messages)  # this request's own turns from here
@@ -596,18 +593,19 @@ class ResponseStore:
             link.expires = expires
             self._items.move_to_end(link.response["id"])
 
-    def chain(self, response_id: str) -> list[str]:
-        """The ids of the chain that ends at this response ([] when it cannot be continued)."""
-        return [link.response["id"] for link in self._links(response_id) or ()]
-
-    def turns(self, response_id: str) -> list[dict[str, Any]] | None:
-        """The turns of the chain that ends at this response, oldest first; None when it cannot
-        be continued. Its links count as used now."""
+    def continued(self, response_id: str) -> tuple[list[str], list[dict[str, Any]]] | None:
+        """The ids and turns (oldest first) of the chain that ends at this response; None when it
+        cannot be continued. Its links count as used now."""
         links = self._links(response_id)
         if links is None:
             return None
         self._touch(links)
-        return [turn for link in reversed(links) for turn in link.turns or ()]
+        return [link.response["id"] for link in links], [turn for link in reversed(links) for turn in link.turns or ()]
+
+    def turns(self, response_id: str) -> list[dict[str, Any]] | None:
+        """The turns of `continued`'s chain."""
+        chain = self.continued(response_id)
+        return None if chain is None else chain[1]
 
     def owner(self, item_id: str) -> str | None:
         """The id of the response whose output holds this item."""

@@ -17,8 +17,8 @@ from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CLOSE", "MAX_DEPTH", "NAME", "OPEN", "Call", "CallStream", "call_start_id", "check_nesting", "nesting",
-           "new_call_id", "parse", "read_tools", "spoken", "takes_tools", "tools_refusal"]
+__all__ = ["CLOSE", "MAX_DEPTH", "NAME", "OPEN", "Call", "CallStream", "call_start_id", "chat_tool", "check_nesting",
+           "nesting", "new_call_id", "parse", "read_tools", "spoken", "takes_tools", "tools_refusal"]
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -40,6 +40,13 @@ class Call:
         out: dict[str, Any] = {"id": new_call_id(), "type": "function",
                                "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
         return out if index is None else {"index": index, **out}
+
+
+def chat_tool(flat: dict[str, Any]) -> dict[str, Any]:
+    """A flat function tool (the Realtime and Responses APIs' `{"type": "function", "name", ...}`)
+    as chat's `{"type": "function", "function": {...}}`, which the template renders as a chat
+    client's."""
+    return {"type": "function", "function": {k: v for k, v in flat.items() if k != "type"}}
 
 
 def takes_tools(template_names: frozenset[str]) -> bool:
