@@ -49,6 +49,7 @@ from omnistage.models.text_stream import TextStream, check_stop_texts
 from omnistage.quoting import quoted
 from omnistage.server.grpc_common import (
     REPLAY_BACKOFF_S,
+    CancellableInput,
     ChainWatcher,
     HealthState,
     failure_status,
@@ -600,12 +601,13 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             was_serving = self.router.serving(channel)  # (a loss then starts the wait)
             ever_served |= was_serving
             # Stage.Stream; responses parsed without copying tensors
-            call = stage_stream(channel)(messages(), timeout=max(deadline - time.monotonic(), 0.001))
+            sent = CancellableInput(messages(), "gateway: its client ended the request")
+            call = sent.call(stage_stream(channel), timeout=max(deadline - time.monotonic(), 0.001))
             call.add_done_callback(done)
             assemblers: dict[str, ChunkAssembler] = {}
             failure: stage_pb2.Failure | None = None  # the call's status as the thinker said it, in band
             try:
-                async for received in call:
+                async for received in sent.responses(call):
                     resp = received.message
                     if resp.HasField("failure"):  # its status follows, unless grpc replaced it (a write under way)
                         failure = resp.failure
@@ -661,8 +663,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             except TensorBlobError as e:
                 raise GatewayError(grpc.StatusCode.INTERNAL, f"gateway: bad chunk from a stage: {e}") from None
             finally:
-                if not call.done():
-                    call.cancel()
+                sent.end_early(call)  # (a no-op once it has ended)
 
     def _audio(self, encoder: AudioEncoder, data: bytes, outcome: Outcome, now: float
                ) -> list[gateway_pb2.GenerateResponse]:  # fmt: skip

@@ -5,11 +5,12 @@ health-check client is `health_check`, which imports no torch.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -290,6 +291,100 @@ def stage_stream(channel: Any, *, relay: bool = False) -> Any:
         response_deserializer=None if relay else parse_response,
         _registered_method=True,
     )
+
+
+# A call that ends early asks the stage below to end the request with a Cancel message (which
+# cannot pass for a half-close, whatever the load), then half-closes; the call below is cancelled
+# only if that stage has not ended it within this long (it does not read: stopped, or its worker
+# holds its input until the request is admitted).
+CANCEL_BELOW_S = 1.0
+
+
+class CancellableInput:
+    """A Stage.Stream call's request messages (`source`: its Start, then its input), for a caller
+    that may end the request early (`end_early`).
+
+    A gRPC cancel cannot end a call whose input may not all have reached the stage: the stage
+    sees its messages end before the finished chunk, as a malformed stream's (INVALID_ARGUMENT),
+    and the cancel that tells the two apart may never reach its handler (seen on this 2-core
+    machine under random cancels: a cancel just after the last message was written, that message
+    lost, no cancel seen within 5 s). So until the stage's first response shows it has the whole
+    input, the call is not half-closed and not cancelled: ending early sends a Cancel message
+    after what is being written, and the call is read to its end; the first response is read
+    apart from the caller's task (a read cancelled with its task cancels the call: grpc aio's)."""
+
+    def __init__(self, source: AsyncIterator[stage_pb2.StageRequest], reason: str) -> None:
+        self._source, self._reason = source, reason
+        self._cancel = False
+        self.acknowledged = False  # the stage answered: it has every message
+        self._release = asyncio.Event()  # acknowledged, cancelled, or the call has ended
+        self._first: asyncio.Future[Any] | None = None
+
+    async def _messages(self) -> AsyncIterator[stage_pb2.StageRequest]:
+        started = False
+        async for message in self._source:  # (each pull comes once the one before is written)
+            if self._cancel and started:
+                break
+            started = True
+            yield message
+        else:
+            await self._release.wait()  # then the half-close
+        if self._cancel:
+            yield stage_pb2.StageRequest(cancel=stage_pb2.Cancel(reason=self._reason))
+
+    def call(self, method: Any, **kwargs: Any) -> Any:
+        """Open the call on `method` (`stage_stream(channel)`) with these messages."""
+        call = method(self._messages(), **kwargs)
+        call.add_done_callback(lambda _: self._release.set())
+        return call
+
+    async def responses(self, call: Any) -> AsyncIterator[Any]:
+        """The call's responses (`call` from `self.call`)."""
+        messages = aiter(call)
+        self._first = asyncio.ensure_future(anext(messages))
+        try:
+            first = await asyncio.shield(self._first)
+        except StopAsyncIteration:
+            return
+        self.acknowledged = True
+        self._release.set()
+        yield first
+        async for message in messages:
+            yield message
+
+    def end_early(self, call: Any) -> None:
+        """End `call` before its end: cancelled at once once acknowledged; else with a Cancel
+        message, whatever the stage still sends read and dropped until the call ends (its status
+        comes only after them), or cancelled after CANCEL_BELOW_S."""
+        if call.done():
+            return
+        if self.acknowledged:
+            call.cancel()
+            return
+        self._cancel = True
+        self._release.set()
+        task = asyncio.ensure_future(_read_then_cancel(call, self._first))
+        _ENDING.add(task)
+        task.add_done_callback(_ENDING.discard)
+
+
+_ENDING: set[asyncio.Future[None]] = set()  # (held: the loop keeps only weak references to tasks)
+
+
+async def _read_then_cancel(call: Any, first: asyncio.Future[Any] | None) -> None:
+    async def read_to_end() -> None:
+        if first is not None:
+            with contextlib.suppress(StopAsyncIteration):
+                await first
+        async for _ in call:
+            pass
+
+    try:
+        await asyncio.wait_for(read_to_end(), CANCEL_BELOW_S)
+    except (TimeoutError, grpc.aio.AioRpcError, asyncio.CancelledError):
+        pass
+    finally:
+        call.cancel()  # (a no-op once it has ended)
 
 
 class ChainWatcher:

@@ -30,6 +30,7 @@ from google.protobuf.message import DecodeError
 from omnistage.config import TlsConfig
 from omnistage.engine import Engine, OutChunk, Request, StepOutput
 from omnistage.server.grpc_common import (
+    CANCEL_BELOW_S,
     REPLAY_BACKOFF_S,
     STAGE_SERVICE,
     ChainWatcher,
@@ -101,15 +102,10 @@ async def host_ready(out: OutChunk) -> None:
 # passed, counted in short sleeps: after a stall past all of it (the process not scheduled, or its
 # loop held up: seen once in a suite run on the loaded 2-core machine, a cancel on code2wav counted
 # INVALID_ARGUMENT), most of it is still to come, so the cancel delivered just after lands first.
-# The stages themselves send a Cancel message first (below), which no stall confuses; this is for
-# other callers (the gateway, while it still sends a prompt) and a stage's last-resort cancel.
+# The stages and the gateway send a Cancel message first (grpc_common.CancellableInput for the
+# gateway), which no stall confuses; this is for other callers and a stage's last-resort cancel.
 CANCEL_GRACE_S = 0.25
 CANCEL_GRACE_STEPS = 25
-# A call that ends early asks the stage below to end the request with a Cancel message (which
-# cannot pass for a half-close, whatever the load), then half-closes; the call below is cancelled
-# only if that stage has not ended it within this long (it does not read: stopped, or its worker
-# holds its input until the request is admitted).
-CANCEL_BELOW_S = 1.0
 
 
 class _Call:

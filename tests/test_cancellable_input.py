@@ -1,0 +1,224 @@
+"""A caller's request messages that it may end early (grpc_common.CancellableInput), against an
+in-process Stage.Stream server: until the stage has answered, ending early is a Cancel message
+after the input (a gRPC cancel there can read as a malformed early close at the stage), the
+half-close waits for that answer, and afterwards a cancel is immediate."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from omnistage.server import grpc_common
+from omnistage.server.grpc_common import CancellableInput, stage_stream
+from omnistage.v1 import stage_pb2
+from omnistage.wire import encode_chunk
+
+Handler = Callable[[AsyncIterator[stage_pb2.StageRequest], grpc.aio.ServicerContext], AsyncIterator[Any]]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _input(n_chunks: int) -> Callable[[], AsyncIterator[stage_pb2.StageRequest]]:
+    async def messages() -> AsyncIterator[stage_pb2.StageRequest]:
+        yield stage_pb2.StageRequest(start=stage_pb2.Start(request_id="r"))
+        for i in range(n_chunks):
+            yield stage_pb2.StageRequest(chunk=encode_chunk({}, offset=i, length=1, finished=i == n_chunks - 1))
+
+    return messages
+
+
+def _answer(text: str) -> bytes:
+    return stage_pb2.StageResponse(stage=text).SerializeToString()
+
+
+async def _serve(handler: Handler, client: Callable[[grpc.aio.Channel], Awaitable[Any]]) -> Any:
+    server = grpc.aio.server()
+    method = grpc.stream_stream_rpc_method_handler(handler, request_deserializer=stage_pb2.StageRequest.FromString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(grpc_common.STAGE_SERVICE,
+                                                                          {"Stream": method}),))  # fmt: skip
+    port = _port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            return await asyncio.wait_for(client(ch), 20)
+    finally:
+        await server.stop(None)
+
+
+def _kind(message: stage_pb2.StageRequest) -> str:
+    return message.WhichOneof("kind") or ""
+
+
+def test_ended_before_the_stage_answers_it_reads_a_cancel_after_the_whole_input() -> None:
+    """The caller ends while the stage has not answered (it has read the whole input): the stage
+    reads a Cancel message after it, not the messages' end (which a gRPC cancel gives: what the
+    stage would take for a caller closing early) nor a cancel of its handler."""
+    seen: list[str] = []
+    how: list[str] = []
+    read_all = asyncio.Event()
+
+    async def stage(requests: AsyncIterator[stage_pb2.StageRequest], context: grpc.aio.ServicerContext
+                    ) -> AsyncIterator[bytes]:  # fmt: skip
+        try:
+            async for message in requests:
+                seen.append(_kind(message))
+                if message.HasField("chunk") and message.chunk.finished:
+                    read_all.set()
+                if message.HasField("cancel"):
+                    how.append("cancel message")
+                    await context.abort(grpc.StatusCode.CANCELLED, "cancelled by its caller")
+            how.append("messages ended")
+        except asyncio.CancelledError:
+            how.append("handler cancelled")
+            raise
+        if False:  # (an async generator that never answers)
+            yield b""
+
+    async def client(ch: grpc.aio.Channel) -> bool:
+        sent = CancellableInput(_input(2)(), "the test")
+        call = sent.call(stage_stream(ch), timeout=10)
+
+        async def read() -> None:
+            try:
+                async for _ in sent.responses(call):
+                    pass
+            finally:
+                sent.end_early(call)
+
+        reader = asyncio.create_task(read())
+        await read_all.wait()
+        reader.cancel()  # the caller's own caller went away
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        for _ in range(200):  # the Cancel's round trip, then the call's end
+            if call.done():
+                break
+            await asyncio.sleep(0.01)
+        return call.done()
+
+    assert asyncio.run(_serve(stage, client))
+    assert seen == ["start", "chunk", "chunk", "cancel"]
+    assert how == ["cancel message"]
+
+
+def test_the_half_close_waits_for_the_stages_first_answer() -> None:
+    """Every input message is written, yet the messages do not end (no half-close) until the
+    stage has answered once: then they end, and the reply comes whole."""
+    closed_early: list[bool] = []
+
+    async def stage(requests: AsyncIterator[stage_pb2.StageRequest], context: grpc.aio.ServicerContext
+                    ) -> AsyncIterator[bytes]:  # fmt: skip
+        it = aiter(requests)
+        kinds = [_kind(await anext(it)) for _ in range(3)]
+        assert kinds == ["start", "chunk", "chunk"]
+        try:
+            await asyncio.wait_for(anext(it), 0.3)
+            closed_early.append(True)
+        except StopAsyncIteration:
+            closed_early.append(True)
+        except TimeoutError:
+            closed_early.append(False)
+        yield _answer("first")
+        with contextlib.suppress(StopAsyncIteration):
+            await asyncio.wait_for(anext(it), 5)  # the half-close, now
+            closed_early.append(True)  # (no message may come instead)
+        yield _answer("last")
+
+    async def client(ch: grpc.aio.Channel) -> list[str]:
+        sent = CancellableInput(_input(2)(), "the test")
+        call = sent.call(grpc_common.stage_stream(ch), timeout=10)
+        got = [r.message.stage async for r in sent.responses(call)]
+        assert sent.acknowledged
+        return got
+
+    assert asyncio.run(_serve(stage, client)) == ["first", "last"]
+    assert closed_early == [False]
+
+
+def test_once_answered_ending_early_cancels_at_once() -> None:
+    """After the stage's first answer the input is whole there: ending early is a gRPC cancel,
+    which the stage's handler sees, with no Cancel message and no wait."""
+    how: list[str] = []
+    answered = asyncio.Event()
+
+    async def stage(requests: AsyncIterator[stage_pb2.StageRequest], context: grpc.aio.ServicerContext
+                    ) -> AsyncIterator[bytes]:  # fmt: skip
+        async def read() -> None:
+            async for message in requests:
+                how.append(_kind(message))
+
+        reader = asyncio.create_task(read())
+        try:
+            yield _answer("first")
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            how.append("handler cancelled")
+            raise
+        finally:
+            reader.cancel()
+
+    async def client(ch: grpc.aio.Channel) -> bool:
+        sent = CancellableInput(_input(1)(), "the test")
+        call = sent.call(stage_stream(ch), timeout=10)
+        async for _ in sent.responses(call):
+            answered.set()
+            break
+        sent.end_early(call)
+        done = call.done()  # at once
+        for _ in range(200):
+            if "handler cancelled" in how:
+                break
+            await asyncio.sleep(0.01)
+        return done
+
+    assert asyncio.run(_serve(stage, client))
+    assert "cancel" not in how and how[-1] == "handler cancelled", how
+
+
+def test_a_stage_that_does_not_read_is_cancelled_after_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage that reads nothing more (stopped, or holding its input until admitted) never
+    takes the Cancel: the call is cancelled after CANCEL_BELOW_S."""
+    monkeypatch.setattr(grpc_common, "CANCEL_BELOW_S", 0.3)
+    how: list[str] = []
+    started = asyncio.Event()
+
+    async def stage(requests: AsyncIterator[stage_pb2.StageRequest], context: grpc.aio.ServicerContext
+                    ) -> AsyncIterator[bytes]:  # fmt: skip
+        await anext(aiter(requests))
+        started.set()
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            how.append("handler cancelled")
+            raise
+        yield b""
+
+    async def client(ch: grpc.aio.Channel) -> tuple[bool, bool]:
+        sent = CancellableInput(_input(1)(), "the test")
+        call = sent.call(stage_stream(ch), timeout=10)
+        reader = asyncio.create_task(anext(sent.responses(call)))
+        await started.wait()
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        sent.end_early(call)
+        at_once = call.done()
+        for _ in range(300):
+            if call.done() and how:
+                break
+            await asyncio.sleep(0.01)
+        return at_once, call.done()
+
+    assert asyncio.run(_serve(stage, client)) == (False, True)
+    assert how == ["handler cancelled"]
