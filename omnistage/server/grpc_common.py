@@ -342,6 +342,7 @@ class CancellableInput:
         """The call's responses (`call` from `self.call`)."""
         messages = aiter(call)
         self._first = asyncio.ensure_future(anext(messages))
+        self._first.add_done_callback(_retrieved)  # (the caller may have gone: no one else reads its error)
         try:
             first = await asyncio.shield(self._first)
         except StopAsyncIteration:
@@ -381,10 +382,15 @@ async def _read_then_cancel(call: Any, first: asyncio.Future[Any] | None) -> Non
 
     try:
         await asyncio.wait_for(read_to_end(), CANCEL_BELOW_S)
-    except (TimeoutError, grpc.aio.AioRpcError, asyncio.CancelledError):
+    except (Exception, asyncio.CancelledError):  # (its end, however it comes, is all that is waited for)
         pass
     finally:
         call.cancel()  # (a no-op once it has ended)
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 class ChainWatcher:
