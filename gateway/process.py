@@ -13,7 +13,16 @@ from collections.abc import Iterator
 from gateway.server import GatewayService
 from omnistage.config import DeployConfig, TlsConfig
 from omnistage.models import Checkpoint
-from omnistage.server.grpc_common import HealthState, add_servicer, bind, drain, new_server, wait_for_signal
+from omnistage.server.grpc_common import (
+    CANCEL_BELOW_S,
+    HealthState,
+    add_servicer,
+    bind,
+    drain,
+    new_server,
+    wait_ended_early,
+    wait_for_signal,
+)
 from omnistage.server.metrics import serve_metrics
 from omnistage.server.ports import PortTaken
 from omnistage.server.tls import server_credentials
@@ -87,6 +96,7 @@ def run_gateway(cfg: DeployConfig, ckpt: Checkpoint, host: str, port: int, think
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
         await drain(health_state, lambda: service.active > 0, cfg.timeouts.drain_grace_s, server)
+        await wait_ended_early(CANCEL_BELOW_S + 0.5)
         if http is not None and http_task is not None:
             http.should_exit = True  # type: ignore[attr-defined]
             with contextlib.suppress(asyncio.CancelledError):

@@ -179,7 +179,8 @@ def test_once_answered_ending_early_cancels_at_once() -> None:
 
 def test_a_stage_that_does_not_read_is_cancelled_after_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stage that reads nothing more (stopped, or holding its input until admitted) never
-    takes the Cancel: the call is cancelled after CANCEL_BELOW_S."""
+    takes the Cancel: the call is cancelled after CANCEL_BELOW_S, which `wait_ended_early`
+    waits for."""
     monkeypatch.setattr(grpc_common, "CANCEL_BELOW_S", 0.3)
     how: list[str] = []
     started = asyncio.Event()
@@ -205,11 +206,13 @@ def test_a_stage_that_does_not_read_is_cancelled_after_the_wait(monkeypatch: pyt
             await reader
         sent.end_early(call)
         at_once = call.done()
+        await grpc_common.wait_ended_early(5)  # (what a gateway waits for before it exits)
+        ended = call.done()
         for _ in range(1000):
-            if call.done() and how:
+            if how:
                 break
             await asyncio.sleep(0.01)
-        return at_once, call.done()
+        return at_once, ended
 
     assert asyncio.run(_serve(stage, client)) == (False, True)
     assert how == ["handler cancelled"]

@@ -388,6 +388,13 @@ async def _read_then_cancel(call: Any, first: asyncio.Future[Any] | None) -> Non
         call.cancel()  # (a no-op once it has ended)
 
 
+async def wait_ended_early(timeout: float) -> None:
+    """Until the calls `end_early` is ending have ended, at most `timeout` (before a process
+    exits: its requests' Cancel messages reach their stages)."""
+    if _ENDING:
+        await asyncio.wait(set(_ENDING), timeout=timeout)
+
+
 def _retrieved(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()
