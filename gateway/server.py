@@ -191,7 +191,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         # what the gRPC health follows: the thinker, or both roles of a split one
         self.thinker_roles = frozenset(s for s in self.stages if stage_def(s).stream == "thinker")
         self.watcher = ChainWatcher(self.router.health_channels(), self.stages[0], thinker_target, HEALTH_POLL_S,
-                                    again=replica_addresses(thinker_target) is None)  # fmt: skip
+                                    again=replica_addresses(thinker_target) is None,
+                                    on_answer=self.router.heard)  # fmt: skip
 
     def _prompt(self, request: gateway_pb2.GenerateRequest, cancelled: threading.Event | None = None,
                 fit: PromptFit | None = None) -> edges.Prompt:  # fmt: skip

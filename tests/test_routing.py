@@ -317,6 +317,57 @@ def test_a_watcher_sees_a_stage_serve_while_one_of_its_replicas_is_frozen() -> N
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("policy", ["round_robin", "least_outstanding"])
+def test_a_replica_that_does_not_answer_its_health_polls_gets_no_new_call(policy: str) -> None:
+    """One of two replicas frozen (its Info never answers; its connection and health stream
+    still up, so gRPC would route to it until keepalive gave up on it): once a health poll has
+    gone unanswered, every new call goes to the other; answering again, it gets calls again."""
+
+    class Freezable(_Named):
+        frozen = True
+
+        async def Info(self, request: object, context: object) -> stage_pb2.InfoResponse:
+            while self.frozen:
+                await asyncio.sleep(0.01)
+            return stage_pb2.InfoResponse(role=self.name, serving=True)
+
+    b = Freezable("b")
+
+    async def go() -> None:
+        async with _replicas("a", b) as (target, _):
+            router = Router(target, policy, 1 << 20)
+            watcher = ChainWatcher(router.health_channels(), "thinker", target, 0.2, on_answer=router.heard)
+
+            async def who_answers() -> list[str]:
+                got = []
+                for _ in range(12):
+                    channel, done = router.pick()
+                    try:
+                        info = await stage_pb2_grpc.StageStub(channel).Info(stage_pb2.InfoRequest(), timeout=0.5)
+                        got.append(info.role)
+                    except grpc.aio.AioRpcError as e:
+                        got.append(e.code().name)
+                    finally:
+                        done(None)
+                return got
+
+            task = asyncio.ensure_future(watcher.run())
+            try:
+                await asyncio.sleep(1.0)  # polls every 0.2 s, each waiting 0.2 s for an answer
+                assert router.unanswering == {1}
+                assert await who_answers() == ["a"] * 12
+                b.frozen = False
+                await asyncio.sleep(1.0)
+                assert router.unanswering == set()
+                assert set(await who_answers()) == {"a", "b"}
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await router.close()
+
+    asyncio.run(go())
+
+
 class _Named:
     """A Stage servicer whose Info says its name."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import json
 import signal
@@ -411,10 +412,12 @@ class ChainWatcher:
     its channel dials it, not up to `poll_s` later."""
 
     def __init__(self, channel: grpc.aio.Channel | Sequence[grpc.aio.Channel], stage: str, target: str,
-                 poll_s: float = 1.0, again: bool = False) -> None:  # fmt: skip
+                 poll_s: float = 1.0, again: bool = False,
+                 on_answer: Callable[[int, bool], None] | None = None) -> None:  # fmt: skip
         channels = [channel] if isinstance(channel, grpc.aio.Channel) else list(channel)
         self.stubs = [stage_pb2_grpc.StageStub(ch) for ch in channels]
         self.stage, self.target, self.poll_s = stage, target, poll_s
+        self.on_answer = on_answer  # (channel index, whether its Info answered), after each poll's call
         # a poll that fails where the last had an answer is made once more at once: behind a name
         # gRPC resolves to replicas unknown here (a headless Service), round robin asks another
         self.again = again
@@ -452,6 +455,8 @@ class ChainWatcher:
         the first failure (raised)."""
         calls = [asyncio.ensure_future(stub.Info(stage_pb2.InfoRequest(), timeout=self.poll_s, wait_for_ready=wait))
                  for stub in self.stubs]  # fmt: skip
+        for i, call in enumerate(calls):  # (the others run on after the first answer, each to its timeout)
+            call.add_done_callback(functools.partial(self._answered, i))
         answered: list[stage_pb2.InfoResponse] = []
         failed: list[grpc.aio.AioRpcError] = []
         try:
@@ -464,12 +469,20 @@ class ChainWatcher:
                 if info.serving:
                     return info
                 answered.append(info)  # (draining: another may serve)
-        finally:
+        except BaseException:
             for call in calls:
                 call.cancel()
+            raise
         if answered:
             return answered[0]
         raise failed[0]
+
+    def _answered(self, index: int, call: asyncio.Future[stage_pb2.InfoResponse]) -> None:
+        if call.cancelled():
+            return
+        answered = call.exception() is None  # (and its error retrieved)
+        if self.on_answer is not None:
+            self.on_answer(index, answered)
 
     async def run(self, on_poll: Callable[[], Awaitable[None]] | None = None) -> None:
         await self.poll()

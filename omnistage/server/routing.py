@@ -75,16 +75,22 @@ class Router:
         self._dial = lambda address: aio_channel(address, credentials, options)
         self._turn = itertools.count()
         self.lost_at = -math.inf  # when a call on a serving replica was last lost (lost_replica)
+        self.unanswering: set[int] = set()  # replicas whose last health poll had no answer (`heard`)
+        self._answered: set[int] = set()  # replicas that have answered one
 
     def pick(self, key: bytes | None = None) -> tuple[grpc.aio.Channel, Callable[[Any], None]]:
         """A channel for one call, and what to call when that call is done. `key`: the call's
         affinity (least_outstanding: the replica it prefers, within its share of the load)."""
         if self.policy == "round_robin":
-            return self.shared, _nothing
+            answering = self._answering()
+            if answering is None:
+                return self.shared, _nothing
+            return answering[next(self._turn) % len(answering)], _nothing
         states = [ch.get_state(try_to_connect=True) for _, ch in self.replicas]
         ready = [i for i, s in enumerate(states) if s == grpc.ChannelConnectivity.READY]
         candidates = ready or [i for i, s in enumerate(states) if s != grpc.ChannelConnectivity.TRANSIENT_FAILURE]
         candidates = candidates or list(range(len(self.replicas)))
+        candidates = [i for i in candidates if i not in self.unanswering] or candidates
         if key is not None:
             # (the calls on the candidates only: a draining replica's long calls raise no one's share)
             share = math.ceil(AFFINITY_LOAD * (sum(self.outstanding[i] for i in candidates) + 1) / len(candidates))
@@ -101,6 +107,37 @@ class Router:
             self.outstanding[best] -= 1
 
         return self.replicas[best][1], done
+
+    def heard(self, index: int, answered: bool) -> None:
+        """A health poll's call to replica `index` (of `health_channels`) answered or not. One
+        that does not (frozen, or its event loop stuck) keeps its connection, and gRPC keeps
+        sending it calls, until keepalive gives up on it (twice `timeouts.keepalive_s`): until
+        it answers again, new calls go to the replicas that do (while any does)."""
+        if len(self.health_channels()) < 2:  # (one address, or a name gRPC resolves: no choice here)
+            return
+        if answered:
+            if index in self.unanswering and index in self._answered:
+                log.info("routing: replica %s of %s answers again", self._address(index), self.target)
+            self.unanswering.discard(index)
+            self._answered.add(index)
+        elif index not in self.unanswering:
+            self.unanswering.add(index)
+            if index in self._answered:  # (not one still starting)
+                log.warning("routing: replica %s of %s did not answer a health poll; new calls go to the others "
+                            "until it does", self._address(index), self.target)  # fmt: skip
+
+    def _address(self, index: int) -> str:
+        addresses = replica_addresses(self.target) or []
+        return addresses[index] if index < len(addresses) else str(index)
+
+    def _answering(self) -> list[grpc.aio.Channel] | None:
+        """Under round_robin, while a replica does not answer its health polls: the channels of
+        those that do and are READY; None (the shared channel) otherwise, or if none is."""
+        if not self.unanswering:
+            return None
+        answering = [ch for i, ch in enumerate(self._polled)
+                     if i not in self.unanswering and ch.get_state() == grpc.ChannelConnectivity.READY]  # fmt: skip
+        return answering or None
 
     def lost_replica(self) -> None:
         """A call this process had opened on a serving replica was lost (the replica died, or

@@ -378,7 +378,8 @@ class StageService:
             return None
         router = self._downstream()
         self.watcher = ChainWatcher(router.health_channels(), self.downstream_name, self.downstream,
-                                    again=replica_addresses(self.downstream) is None)  # fmt: skip
+                                    again=replica_addresses(self.downstream) is None,
+                                    on_answer=router.heard)  # fmt: skip
 
         async def on_poll() -> None:  # a replica serves again, seen by no request: the window is over
             if self.watcher is not None and self.watcher.serving:
