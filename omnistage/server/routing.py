@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 POLICIES = ("round_robin", "least_outstanding")
 AFFINITY_LOAD = 1.25  # a keyed call's replica may hold this many times the mean of open calls (rounded up)
+UNANSWERED_POLLS = 2  # health polls in a row a replica leaves unanswered before it gets no new call
 
 
 def replica_addresses(target: str) -> list[str] | None:
@@ -77,6 +78,7 @@ class Router:
         self.lost_at = -math.inf  # when a call on a serving replica was last lost (lost_replica)
         self.unanswering: set[int] = set()  # replicas whose last health poll had no answer (`heard`)
         self._answered: set[int] = set()  # replicas that have answered one
+        self._misses: dict[int, int] = {}  # health polls in a row each replica left unanswered
 
     def pick(self, key: bytes | None = None) -> tuple[grpc.aio.Channel, Callable[[Any], None]]:
         """A channel for one call, and what to call when that call is done. `key`: the call's
@@ -111,8 +113,9 @@ class Router:
     def heard(self, index: int, answered: bool) -> None:
         """A health poll's call to replica `index` (of `health_channels`) answered or not. One
         that does not (frozen, or its event loop stuck) keeps its connection, and gRPC keeps
-        sending it calls, until keepalive gives up on it (twice `timeouts.keepalive_s`): until
-        it answers again, new calls go to the replicas that do (while any does)."""
+        sending it calls, until keepalive gives up on it (twice `timeouts.keepalive_s`): after
+        UNANSWERED_POLLS in a row, until it answers again, new calls go to the replicas that do
+        (while any does)."""
         if len(self.health_channels()) < 2:  # (one address, or a name gRPC resolves: no choice here)
             return
         if answered:
@@ -120,11 +123,16 @@ class Router:
                 log.info("routing: replica %s of %s answers again", self._address(index), self.target)
             self.unanswering.discard(index)
             self._answered.add(index)
-        elif index not in self.unanswering:
+            self._misses.pop(index, None)
+            return
+        self._misses[index] = self._misses.get(index, 0) + 1
+        # (two in a row: one late answer from a replica merely busy moves no conversation off it)
+        if self._misses[index] >= UNANSWERED_POLLS and index not in self.unanswering:
             self.unanswering.add(index)
             if index in self._answered:  # (not one still starting)
-                log.warning("routing: replica %s of %s did not answer a health poll; new calls go to the others "
-                            "until it does", self._address(index), self.target)  # fmt: skip
+                log.warning("routing: replica %s of %s left %d health polls unanswered; new calls go to the "
+                            "others until it answers", self._address(index), self.target,
+                            UNANSWERED_POLLS)  # fmt: skip
 
     def _address(self, index: int) -> str:
         addresses = replica_addresses(self.target) or []
@@ -135,6 +143,7 @@ class Router:
         those that do and are READY; None (the shared channel) otherwise, or if none is."""
         if not self.unanswering:
             return None
+        self.shared.get_state(try_to_connect=True)  # (kept connected for when they all answer again)
         answering = [ch for i, ch in enumerate(self._polled)
                      if i not in self.unanswering and ch.get_state() == grpc.ChannelConnectivity.READY]  # fmt: skip
         return answering or None
