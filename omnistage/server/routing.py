@@ -76,7 +76,7 @@ class Router:
         self._dial = lambda address: aio_channel(address, credentials, options)
         self._turn = itertools.count()
         self.lost_at = -math.inf  # when a call on a serving replica was last lost (lost_replica)
-        self.unanswering: set[int] = set()  # replicas whose last health poll had no answer (`heard`)
+        self.unanswering: set[int] = set()  # replicas out of the rotation: polls unanswered (`heard`)
         self._answered: set[int] = set()  # replicas that have answered one
         self._misses: dict[int, int] = {}  # health polls in a row each replica left unanswered
 
