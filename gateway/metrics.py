@@ -13,6 +13,8 @@ metrics port and at `/metrics` on its HTTP port:
   omnistage_gateway_replays_total                     thinker calls made again after a replica was lost
   omnistage_gateway_media_cache_lookups_total{result} decoded media reused (hit) or decoded (miss)
   omnistage_gateway_media_cache_bytes                 what the decoded media kept take (media_cache.py)
+  omnistage_gateway_thinker_replicas_out              thinker replicas out of the rotation: health polls
+                                                      unanswered (frozen; routing.Router.heard)
   omnistage_thread_cpu_seconds_total{thread}, omnistage_thread_context_switches_total{thread, switch}
                                                       by kind of thread (omnistage/server/thread_cpu.py)
 """
@@ -81,6 +83,8 @@ class GatewayMetrics:
                                    "decoded ones kept, by result (hit, miss)", ["result"], registry=r)  # fmt: skip
         self.media_cache_bytes = Gauge("omnistage_gateway_media_cache_bytes", "Bytes of decoded media kept",
                                        registry=r)  # fmt: skip
+        self.thinker_replicas_out = Gauge("omnistage_gateway_thinker_replicas_out", "Thinker replicas out of the "
+                                          "rotation: their health polls unanswered", registry=r)  # fmt: skip
 
     def media_lookup(self, hit: bool) -> None:
         self.media_cache.labels("hit" if hit else "miss").inc()

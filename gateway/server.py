@@ -193,6 +193,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         self.watcher = ChainWatcher(self.router.health_channels(), self.stages[0], thinker_target, HEALTH_POLL_S,
                                     again=replica_addresses(thinker_target) is None,
                                     on_answer=self.router.heard)  # fmt: skip
+        self.metrics.thinker_replicas_out.set_function(lambda: float(len(self.router.unanswering)))
 
     def _prompt(self, request: gateway_pb2.GenerateRequest, cancelled: threading.Event | None = None,
                 fit: PromptFit | None = None) -> edges.Prompt:  # fmt: skip

@@ -1657,3 +1657,27 @@ def test_truncation_counts_the_instructions_as_they_read(tiny_dir: Path) -> None
     fit = PromptFit(limit=500, ratio=0.5, fixed=1, instructions=instructions, post_instructions=100)
     prompt = gateway._prompt(req, None, fit)
     assert fit.limit == plain + 100 and fit.target == plain + 50 and fit.dropped == 0 and len(prompt.ids) > plain
+
+
+def test_the_gateway_counts_thinker_replicas_out_of_the_rotation(tiny_dir: Path) -> None:
+    """A thinker replica that leaves two health polls unanswered is out of the rotation, and the
+    gateway's metrics say how many are; answering again, it is back."""
+    from gateway.server import GatewayService
+    from omnistage.config import parse_config
+    from omnistage.models import open_checkpoint
+
+    async def go() -> list[float | None]:
+        service = GatewayService(parse_config({}), open_checkpoint(tiny_dir), "ipv4:127.0.0.1:1,127.0.0.1:2")
+        def value() -> float | None:
+            return service.metrics.registry.get_sample_value("omnistage_gateway_thinker_replicas_out")
+
+        seen = [value()]
+        for _ in range(2):
+            service.watcher.on_answer(1, False)  # (as its health poll reports a call with no answer)
+        seen.append(value())
+        service.watcher.on_answer(1, True)
+        seen.append(value())
+        await service.router.close()
+        return seen
+
+    assert asyncio.run(go()) == [0.0, 1.0, 0.0]

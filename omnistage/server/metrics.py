@@ -35,6 +35,8 @@ A stage's metrics, each labelled with `stage`:
                                               replay it on another replica (failover)
   omnistage_stage_replay_memory_full_total    requests no longer replayable on their hop because the
                                               process's failover.replay_memory_bytes was full
+  omnistage_stage_downstream_replicas_out     replicas of the stage below out of the rotation: health
+                                              polls unanswered (frozen; routing.Router.heard)
 and prometheus_client's process metrics (process_cpu_seconds_total, process_resident_memory_bytes, ...),
 and, in every process, the same CPU by kind of thread (thread_cpu.py):
   omnistage_thread_cpu_seconds_total{thread}  engine, main (the event loop), grpc, other
@@ -79,7 +81,8 @@ class StageMetrics:
                  shm_fallbacks: Callable[[], int] = lambda: 0, replay_bytes: Callable[[], int] = lambda: 0,
                  replay_refusals: Callable[[], int] = lambda: 0, messages_sent: Callable[[], int] = lambda: 0,
                  messages_received: Callable[[], int] = lambda: 0,
-                 open_streams: Callable[[], int] = lambda: 0) -> None:  # fmt: skip
+                 open_streams: Callable[[], int] = lambda: 0,
+                 replicas_out: Callable[[], int] = lambda: 0) -> None:  # fmt: skip
         self.registry = registry = CollectorRegistry()
         ProcessCollector(registry=registry)  # process_cpu_seconds_total and friends (Linux)
         registry.register(ThreadCpuCollector())  # the same by kind of thread: engine, event loop, gRPC
@@ -99,6 +102,8 @@ class StageMetrics:
         streams = Gauge("omnistage_stage_open_streams", "Stage.Stream calls now open", labels, registry=registry)
         replay = Gauge("omnistage_stage_replay_bytes", "Bytes requests keep of what they sent downstream, for "
                        "failover replay", labels, registry=registry)  # fmt: skip
+        out = Gauge("omnistage_stage_downstream_replicas_out", "Replicas of the stage below out of the rotation: "
+                    "their health polls unanswered", labels, registry=registry)  # fmt: skip
         registry.register(_CounterOnScrape("omnistage_stage_requests_opened", "Requests opened", stage,
                                            requests_total))  # fmt: skip
         registry.register(_PromptTokens(stage, load))
@@ -137,6 +142,7 @@ class StageMetrics:
         shm.labels(stage).set_function(lambda: float(shm_segments()))
         streams.labels(stage).set_function(lambda: float(open_streams()))
         replay.labels(stage).set_function(lambda: float(replay_bytes()))
+        out.labels(stage).set_function(lambda: float(replicas_out()))
 
     def on_step(self, batch_size: int, seconds: float, cpu_seconds: float, produced: int) -> None:
         self._batch.observe(batch_size)

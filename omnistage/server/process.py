@@ -85,7 +85,7 @@ def run_stage(name: str, cfg: DeployConfig, model_dir: Path, host: str, port: in
                                lambda: service.requests_total, lambda: service.pool.inline_fallbacks,
                                lambda: service.replay_memory.held, lambda: service.replay_memory.refusals,
                                lambda: service.messages_sent, lambda: service.messages_received,
-                               lambda: service.open_streams)  # fmt: skip
+                               lambda: service.open_streams, service.downstream_replicas_out)  # fmt: skip
         engine.observer = metrics
 
     async def main() -> None:

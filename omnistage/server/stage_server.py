@@ -372,6 +372,10 @@ class StageService:
                                   self.keepalive_s)  # fmt: skip
         return self._router
 
+    def downstream_replicas_out(self) -> int:
+        """Replicas of the stage below that routing leaves out (their health polls unanswered)."""
+        return len(self._router.unanswering) if self._router is not None else 0
+
     def start_watching(self) -> asyncio.Task[None] | None:
         """Poll the downstream stage's health (and the chain below it) for Info."""
         if self.downstream is None:

@@ -1077,6 +1077,7 @@ def test_metrics_count_the_requests(http_stack: Stack, client: openai.OpenAI) ->
     ok = [s for s in after["omnistage_gateway_requests"].samples
           if s.name.endswith("_total") and s.labels == {"api": "http", "outcome": "ok"}]  # fmt: skip
     assert ok and ok[0].value >= 2
+    assert [x.value for x in after["omnistage_gateway_thinker_replicas_out"].samples] == [0.0]  # (all answer)
     # a stage's own metrics port: batches, steps, produced tokens
     port = int(http_stack.addresses("thinker")[0].rsplit(":", 1)[1]) + 1000
     stage = {f.name: f for f in text_string_to_metric_families(httpx.get(f"http://127.0.0.1:{port}/metrics").text)}
@@ -1088,6 +1089,7 @@ def test_metrics_count_the_requests(http_stack: Stack, client: openai.OpenAI) ->
     assert [x.value for x in stage["omnistage_stage_kv_pool_tokens"].samples] == [0.0]  # exact mode: no pool
     assert "omnistage_stage_shm_inline_fallbacks" in stage and "omnistage_stage_replay_bytes" in stage
     assert [x.value for x in stage["omnistage_stage_replay_memory_full"].samples if x.name.endswith("_total")] == [0]
+    assert [x.value for x in stage["omnistage_stage_downstream_replicas_out"].samples] == [0.0]
 
     thinker = http_stack.addresses("thinker")[0]
 
