@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
+import torch
 
 from omnistage.server import grpc_common
 from omnistage.server.grpc_common import CancellableInput, stage_stream
@@ -102,6 +103,50 @@ def test_ended_before_the_stage_answers_it_reads_a_cancel_after_the_whole_input(
     assert asyncio.run(_serve(stage, client))
     assert seen == ["start", "chunk", "chunk", "cancel"]
     assert how == ["cancel message"]
+
+
+def test_ended_while_its_input_is_still_written_it_sends_the_rest_no_more_and_a_cancel() -> None:
+    """A large input held up by flow control (the stage reads slowly): ended early, the caller
+    writes no more of it, then a Cancel message; the stage never sees the finished chunk."""
+    n_chunks, seen = 40, []
+    started = asyncio.Event()
+
+    def big_input() -> AsyncIterator[stage_pb2.StageRequest]:
+        async def messages() -> AsyncIterator[stage_pb2.StageRequest]:
+            yield stage_pb2.StageRequest(start=stage_pb2.Start(request_id="r"))
+            for i in range(n_chunks):  # 256 KiB each: far past the connection's window
+                yield stage_pb2.StageRequest(chunk=encode_chunk({"x": torch.zeros(1 << 16)}, offset=i, length=1,
+                                                                finished=i == n_chunks - 1))  # fmt: skip
+
+        return messages()
+
+    async def stage(requests: AsyncIterator[stage_pb2.StageRequest], context: grpc.aio.ServicerContext
+                    ) -> AsyncIterator[bytes]:  # fmt: skip
+        async for message in requests:
+            seen.append("finished" if message.HasField("chunk") and message.chunk.finished else _kind(message))
+            if message.HasField("start"):
+                started.set()
+                await asyncio.sleep(0.5)  # (the caller ends meanwhile)
+            if message.HasField("cancel"):
+                await context.abort(grpc.StatusCode.CANCELLED, "cancelled by its caller")
+        if False:  # (an async generator that never answers)
+            yield b""
+
+    async def client(ch: grpc.aio.Channel) -> bool:
+        sent = CancellableInput(big_input(), "the test")
+        call = sent.call(stage_stream(ch), timeout=10)
+        reader = asyncio.create_task(anext(sent.responses(call)))
+        await started.wait()
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        sent.end_early(call)
+        await grpc_common.wait_ended_early(5)
+        return call.done()
+
+    assert asyncio.run(_serve(stage, client))
+    assert seen[0] == "start" and seen[-1] == "cancel" and "finished" not in seen, seen
+    assert set(seen[1:-1]) <= {"chunk"} and len(seen) - 2 < n_chunks - 1, seen
 
 
 def test_the_half_close_waits_for_the_stages_first_answer() -> None:
