@@ -101,5 +101,6 @@ def run_gateway(cfg: DeployConfig, ckpt: Checkpoint, host: str, port: int, think
             http.should_exit = True  # type: ignore[attr-defined]
             with contextlib.suppress(asyncio.CancelledError):
                 await http_task
+            await wait_ended_early(CANCEL_BELOW_S + 0.5)  # (what the HTTP server's exit cancelled)
 
     asyncio.run(main())

@@ -11,7 +11,7 @@ import inspect
 import json
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -307,14 +307,16 @@ class CancellableInput:
 
     A gRPC cancel cannot end a call whose input may not all have reached the stage: the stage
     sees its messages end before the finished chunk, as a malformed stream's (INVALID_ARGUMENT),
-    and the cancel that tells the two apart may never reach its handler (seen on this 2-core
-    machine under random cancels: a cancel just after the last message was written, that message
-    lost, no cancel seen within 5 s). So until the stage's first response shows it has the whole
+    and the cancel that tells the two apart may never reach its handler (seen under random
+    cancels on a loaded 2-core machine: a cancel just after the last message was written, that
+    message lost, no cancel seen within 5 s). So until the stage's first response shows it has the whole
     input, the call is not half-closed and not cancelled: ending early sends a Cancel message
     after what is being written, and the call is read to its end; the first response is read
-    apart from the caller's task (a read cancelled with its task cancels the call: grpc aio's)."""
+    apart from the caller's task (a read cancelled with its task cancels the call: grpc aio's).
+    The stage must answer (a token, its Failure) before it waits for the half-close, as every
+    stage does: it waits only once its request has ended."""
 
-    def __init__(self, source: AsyncIterator[stage_pb2.StageRequest], reason: str) -> None:
+    def __init__(self, source: AsyncGenerator[stage_pb2.StageRequest, None], reason: str) -> None:
         self._source, self._reason = source, reason
         self._cancel = False
         self.acknowledged = False  # the stage answered: it has every message
@@ -325,6 +327,7 @@ class CancellableInput:
         started = False
         async for message in self._source:  # (each pull comes once the one before is written)
             if self._cancel and started:
+                await self._source.aclose()  # (no more of it is written)
                 break
             started = True
             yield message

@@ -1,7 +1,9 @@
 """Which replica of the next stage gets a request's call.
 
 - `round_robin`: one channel over every address of the target; gRPC's own round_robin policy
-  (only replicas whose health Watch says SERVING, see grpc_common.SERVICE_CONFIG).
+  (only replicas whose health Watch says SERVING, see grpc_common.SERVICE_CONFIG). While a
+  replica of a listed target leaves its health polls unanswered (`heard`: frozen, which gRPC
+  sees only once keepalive gives up on it), calls go in turn over the others' own channels.
 - `least_outstanding`: one channel per replica; a call goes to the replica with the fewest
   calls this process has open on it (ties in turn), among those whose channel is READY. Long
   requests then stop piling up behind each other on one replica while another idles. Needs the
@@ -72,7 +74,7 @@ class Router:
             assert addresses is not None
             self.replicas = [(a, aio_channel(a, credentials, options)) for a in addresses]
         self.outstanding = [0] * len(self.replicas)
-        self._polled: list[grpc.aio.Channel] = []  # health_channels' own, under round_robin
+        self._polled: list[grpc.aio.Channel] = []  # health_channels' own, under round_robin (and `_answering`'s)
         self._dial = lambda address: aio_channel(address, credentials, options)
         self._turn = itertools.count()
         self.lost_at = -math.inf  # when a call on a serving replica was last lost (lost_replica)
