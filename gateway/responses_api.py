@@ -37,7 +37,8 @@ What it takes (OpenAI's shapes; what differs is said here):
   honour them, so it says so instead of a reply the client would misread.
 * `max_output_tokens`, `temperature`, `top_p`; `include: ["message.output_text.logprobs"]` with
   `top_logprobs` gives the log-probability of each token of the message's text before any call
-  (as chat's `logprobs`). `metadata` is echoed.
+  (as chat's `logprobs`). `metadata` is echoed; `temperature` and `top_p` echo what the reply
+  is drawn with (the request's, else the checkpoint's defaults; greedy: 0 and 1).
 * Text out only: OpenAI's Responses API has no speech output (chat completions and Realtime do).
 * Streamed (`stream: true`; each event named by its type, numbered from 0): `response.created`,
   `response.in_progress`, then the message item
@@ -89,7 +90,9 @@ from gateway.tool_calls import NAME as TOOL_NAME
 from gateway.tool_calls import OPEN, Call, CallStream, chat_tool, new_call_id
 from gateway.tool_calls import parse as parse_calls
 from omnistage.quoting import quoted
-from omnistage.v1 import gateway_pb2
+from omnistage.v1 import gateway_pb2, stage_pb2
+from omnistage.wire import StageError
+from services import edges
 
 __all__ = ["STORE_BYTES", "STORE_CAPACITY", "STORE_TTL_S", "ResponseStore", "Responses", "ResponsesRequest", "to_chat"]
 
@@ -799,12 +802,25 @@ class Responses:
             "id": _id("resp"), "object": "response", "created_at": int(time.time()), "model": self.service.model_name,
             "instructions": body.instructions, "previous_response_id": body.previous_response_id,
             "max_output_tokens": body.max_output_tokens, "max_tool_calls": body.max_tool_calls,
-            "temperature": body.temperature, "top_p": body.top_p, "top_logprobs": body.top_logprobs,
+            **self._drawn_with(req), "top_logprobs": body.top_logprobs,
             "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
             "parallel_tool_calls": body.parallel_tool_calls is not False, "store": body.store is not False,
             "text": {**(body.text or {}), "format": {"type": "text"}}, "truncation": "disabled", "reasoning": None,
             "metadata": body.metadata or {}, "user": body.user, "background": False, "incomplete_details": None,
         }  # fmt: skip
+
+    def _drawn_with(self, req: gateway_pb2.GenerateRequest) -> dict[str, float]:
+        """The `temperature` and `top_p` the reply is drawn with, as OpenAI echoes them: the
+        request's, else the checkpoint's defaults (greedy: 0 and 1)."""
+        start = stage_pb2.Start()
+        start.sampling["thinker"].CopyFrom(req.sampling["thinker"])
+        try:
+            params = edges.sampling("thinker", start, self.service.thinker_defaults)
+        except StageError:  # (the gateway refuses the request, naming why, as it starts it)
+            params = self.service.thinker_defaults
+        if not params.do_sample:
+            return {"temperature": 0.0, "top_p": 1.0}
+        return {"temperature": params.temperature, "top_p": params.top_p}
 
     def _scores(self, req: gateway_pb2.GenerateRequest) -> Callable[[list[gateway_pb2.TokenLogprob]], Scored] | None:
         """The request's tokens' entries, each with the bytes of text it shows (None: not asked for)."""

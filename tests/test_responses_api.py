@@ -801,3 +801,32 @@ def test_media_in_a_responses_input_is_the_chat_doors_media(tiny_dir: Path) -> N
     assert _same_request(seen[0], seen[1])
     service = _service(tiny_dir)
     assert service._prompt(seen[1]).ids == service._prompt(seen[0]).ids
+
+
+def test_a_response_echoes_the_sampling_its_reply_is_drawn_with(tiny_dir: Path) -> None:
+    """`temperature` and `top_p` echo what the reply is drawn with, as OpenAI's do: the request's,
+    else the checkpoint's defaults; greedy (temperature 0, or a greedy default) is 0 and 1. They
+    were the request's alone, null when it left them out."""
+    import dataclasses
+
+    def asks(**sampling: Any) -> Any:
+        async def call(client: openai.AsyncOpenAI, http: httpx.AsyncClient) -> Any:
+            r = await client.responses.create(model="m", input="hi", **sampling)
+            return r.temperature, r.top_p
+
+        return call
+
+    calls = [asks(), asks(temperature=0), asks(temperature=0.5, top_p=0.9), asks(temperature=0.5), asks(top_p=0.5)]
+
+    def sampled(service: Any) -> None:
+        service.thinker_defaults = dataclasses.replace(service.thinker_defaults, do_sample=True, temperature=0.7,
+                                                       top_p=0.8)  # fmt: skip
+
+    got, _ = _run(tiny_dir, ["Hello"], calls, setup=sampled)
+    assert got == [(0.7, 0.8), (0.0, 1.0), (0.5, 0.9), (0.5, 0.8), (0.7, 0.5)]
+
+    def greedy(service: Any) -> None:
+        service.thinker_defaults = dataclasses.replace(service.thinker_defaults, do_sample=False)
+
+    got, _ = _run(tiny_dir, ["Hello"], calls[:3], setup=greedy)
+    assert got == [(0.0, 1.0), (0.0, 1.0), (0.5, 0.9)]
