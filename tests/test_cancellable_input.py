@@ -49,6 +49,17 @@ async def _serve(handler: Handler, client: Callable[[grpc.aio.Channel], Awaitabl
         await server.stop(None)
 
 
+async def _left_once(ready: asyncio.Event, sent: CancellableInput, call: Any) -> None:
+    """The caller's own caller goes away once `ready`, while it waits for the stage's first
+    response: that read is cancelled, then the call is ended early."""
+    reader = asyncio.create_task(anext(sent.responses(call)))
+    await ready.wait()
+    reader.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await reader
+    sent.end_early(call)
+
+
 def _kind(message: stage_pb2.StageRequest) -> str:
     return message.WhichOneof("kind") or ""
 
@@ -137,12 +148,7 @@ def test_ended_while_its_input_is_still_written_it_sends_the_rest_no_more_and_a_
     async def client(ch: grpc.aio.Channel) -> bool:
         sent = CancellableInput(big_input(), "the test")
         call = sent.call(stage_stream(ch), timeout=10)
-        reader = asyncio.create_task(anext(sent.responses(call)))
-        await started.wait()
-        reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reader
-        sent.end_early(call)
+        await _left_once(started, sent, call)
         await grpc_common.wait_ended_early(5)
         return call.done()
 
@@ -246,12 +252,7 @@ def test_a_stage_that_does_not_read_is_cancelled_after_the_wait(monkeypatch: pyt
     async def client(ch: grpc.aio.Channel) -> tuple[bool, bool]:
         sent = CancellableInput(_input(1)(), "the test")
         call = sent.call(stage_stream(ch), timeout=10)
-        reader = asyncio.create_task(anext(sent.responses(call)))
-        await started.wait()
-        reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reader
-        sent.end_early(call)
+        await _left_once(started, sent, call)
         at_once = call.done()
         await grpc_common.wait_ended_early(5)  # (what a gateway waits for before it exits)
         ended = call.done()

@@ -368,25 +368,51 @@ class CancellableInput:
             return
         self._cancel = True
         self._release.set()
-        task = asyncio.ensure_future(_read_then_cancel(call, self._first))
-        _ENDING.add(task)
-        task.add_done_callback(_ENDING.discard)
+        _ENDED_EARLY.start(_read_then_cancel(call, self._first))
 
 
-_ENDING: set[asyncio.Future[None]] = set()  # (held: the loop keeps only weak references to tasks)
+class Endings:
+    """Calls being ended in the background (a Cancel sent, what they still send read to their
+    end), held until done (the loop keeps only weak references to tasks), so that a process can
+    wait for them before it exits."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Future[None]] = set()
+
+    def start(self, ending: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(ending)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def wait(self, timeout: float) -> None:
+        """Until those started have ended, at most `timeout`."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout)
 
 
-async def _read_then_cancel(call: Any, first: asyncio.Future[Any] | None) -> None:
-    async def read_to_end() -> None:
-        if first is not None:
-            with contextlib.suppress(StopAsyncIteration):
-                await first
+_ENDED_EARLY = Endings()  # CancellableInput.end_early's
+
+
+async def read_to_end(call: Any) -> None:
+    """Read and drop what `call` still sends, until it ends (however it ends)."""
+    with contextlib.suppress(Exception):
         async for _ in call:
             pass
 
+
+async def _read_then_cancel(call: Any, first: asyncio.Future[Any] | None) -> None:
+    async def the_rest() -> None:
+        if first is not None:
+            with contextlib.suppress(Exception):  # (StopAsyncIteration, or the call's error)
+                await first
+        await read_to_end(call)
+
     try:
-        await asyncio.wait_for(read_to_end(), CANCEL_BELOW_S)
-    except (Exception, asyncio.CancelledError):  # (its end, however it comes, is all that is waited for)
+        await asyncio.wait_for(the_rest(), CANCEL_BELOW_S)
+    except (TimeoutError, asyncio.CancelledError):
         pass
     finally:
         call.cancel()  # (a no-op once it has ended)
@@ -395,8 +421,7 @@ async def _read_then_cancel(call: Any, first: asyncio.Future[Any] | None) -> Non
 async def wait_ended_early(timeout: float) -> None:
     """Until the calls `end_early` is ending have ended, at most `timeout` (before a process
     exits: its requests' Cancel messages reach their stages)."""
-    if _ENDING:
-        await asyncio.wait(set(_ENDING), timeout=timeout)
+    await _ENDED_EARLY.wait(timeout)
 
 
 def _retrieved(future: asyncio.Future[Any]) -> None:

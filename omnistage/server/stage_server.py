@@ -34,6 +34,7 @@ from omnistage.server.grpc_common import (
     REPLAY_BACKOFF_S,
     STAGE_SERVICE,
     ChainWatcher,
+    Endings,
     HealthState,
     add_stage_servicer,
     bind,
@@ -42,6 +43,7 @@ from omnistage.server.grpc_common import (
     grpc_code,
     lost_peer,
     new_server,
+    read_to_end,
     stage_stream,
     wait_for_signal,
 )
@@ -360,7 +362,7 @@ class StageService:
         # gRPC messages this process sent and received, both directions and every hop (metrics)
         self.messages_sent = self.messages_received = 0
         self.draining = False
-        self._ending: set[asyncio.Task[None]] = set()  # calls below being ended (_end_below)
+        self._ending = Endings()  # calls below being ended (_end_below)
         self._router: Router | None = None
         self.watcher: ChainWatcher | None = None  # the stages below, polled (see start_watching)
 
@@ -556,9 +558,7 @@ class StageService:
             if below:  # (cancelling the relay would cancel the call below: grpc aio does on a cancelled read)
                 if not tell:
                     call.down_call.cancel()
-                ending = asyncio.create_task(self._end_below(call, tasks[1:], req))
-                self._ending.add(ending)
-                ending.add_done_callback(self._ending.discard)
+                self._ending.start(self._end_below(call, tasks[1:], req))
             else:
                 for t in tasks[1:]:
                     t.cancel()
@@ -567,15 +567,11 @@ class StageService:
         """Once the call below has ended (after the Cancel, the relay reads and drops what it
         still sends: its status comes only after them), or after CANCEL_BELOW_S: cancel what is
         left, and free the request's shared memory (the stage below has read what it sent)."""
-        async def read_to_end() -> None:  # (the relay stopped early: on a bad response from below)
-            with contextlib.suppress(Exception):
-                async for _ in call.down_call:
-                    pass
-
         try:
             waiting = [t for t in relay if not t.done()]
             if not waiting and call.down_call is not None and not call.down_call.done():
-                waiting = [asyncio.ensure_future(read_to_end())]
+                # (the relay stopped early: on a bad response from below)
+                waiting = [asyncio.ensure_future(read_to_end(call.down_call))]
             if waiting:
                 await asyncio.wait(waiting, timeout=CANCEL_BELOW_S)
             relay = relay + waiting
@@ -594,8 +590,7 @@ class StageService:
 
     async def wait_ending_below(self, timeout: float) -> None:
         """Until those calls have ended (they read what was sent, shared memory included), at most `timeout`."""
-        if self._ending:
-            await asyncio.wait(set(self._ending), timeout=timeout)
+        await self._ending.wait(timeout)
 
     async def _read_inputs(
         self, req: Request, call: _Call,
