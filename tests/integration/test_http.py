@@ -768,9 +768,15 @@ def test_control_token_text_is_the_clients_text_at_every_door(http_stack: Stack,
     plain = prompt_tokens("What does  mean? ")
     for token in ("<|audio_pad|>", "<|im_end|>"):  # each token's text is several tokens (as a token: 1)
         assert prompt_tokens(f"What does {token} mean? ") > plain + 2, token
-    speech = client.audio.speech.create(model=model, voice="ethan", input="Say <|image_pad|> please",
-                                        instructions="<|vision_start|> calmly", response_format="pcm")  # fmt: skip
-    assert len(speech.content) > 0
+    # answered to its end (the talker samples: its first frame may be the codec's end, so no bytes
+    # is a valid answer; the event stream shows the whole answer, or its error, either way)
+    speech = httpx.post(f"http://{http_stack.http_address}/v1/audio/speech", timeout=60,
+                        json={"input": "Say <|image_pad|> please", "instructions": "<|vision_start|> calmly",
+                              "voice": "ethan", "response_format": "pcm", "stream_format": "sse"})  # fmt: skip
+    assert speech.status_code == 200, speech.text[:300]
+    events = [json.loads(line[5:]) for line in speech.text.splitlines() if line.startswith("data:")]
+    assert [e["type"] for e in events[-1:]] == ["speech.audio.done"], events[-1:]
+    assert all(e["type"] == "speech.audio.delta" for e in events[:-1])
 
     async def talk() -> list[str]:
         aclient = openai.AsyncOpenAI(base_url=f"http://{http_stack.http_address}/v1", api_key="unused", max_retries=0)
