@@ -64,10 +64,12 @@ def _kind(message: stage_pb2.StageRequest) -> str:
     return message.WhichOneof("kind") or ""
 
 
-def test_ended_before_the_stage_answers_it_reads_a_cancel_after_the_whole_input() -> None:
+def test_ended_before_the_stage_answers_it_reads_a_cancel_after_the_whole_input(
+        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The caller ends while the stage has not answered (it has read the whole input): the stage
     reads a Cancel message after it, not the messages' end (which a gRPC cancel gives: what the
     stage would take for a caller closing early) nor a cancel of its handler."""
+    monkeypatch.setattr(grpc_common, "CANCEL_BELOW_S", 10.0)  # (the stage reads it, however loaded the machine)
     seen: list[str] = []
     how: list[str] = []
     read_all = asyncio.Event()

@@ -1162,7 +1162,10 @@ def test_api_key_is_required_on_both_front_doors(http_stack: Stack, tmp_path: Pa
         assert httpx.post(url, json=body, headers={"authorization": "bearer s3cret"}, timeout=60).status_code == 200
         assert httpx.post(url, json=body, headers={"authorization": "Bearer S3CRET"}, timeout=60).status_code == 401
         # /health stays open for probes, but names the stages' addresses only with the key (as Info does)
-        probe = httpx.get(f"http://{http_addr}/health", timeout=10)
+        deadline = time.monotonic() + 15  # (503 until this new gateway's first poll of the thinker)
+        while (probe := httpx.get(f"http://{http_addr}/health", timeout=10)).status_code != 200:
+            assert time.monotonic() < deadline, probe.text
+            time.sleep(0.1)
         assert probe.status_code == 200 and all(set(h) == {"stage", "serving"} for h in probe.json()["stages"])
         inside = httpx.get(f"http://{http_addr}/health", headers={"authorization": "Bearer s3cret"}, timeout=10)
         assert inside.json()["stages"][0]["target"].endswith(http_stack.addresses("thinker")[0])
