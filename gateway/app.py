@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from gateway.completions_api import Completions
 from gateway.http_api import ChatCompletions, unknown_model
 from gateway.http_error import HttpError, unauthorized
 from gateway.realtime import realtime_route
@@ -29,6 +30,7 @@ __all__ = ["build_app"]
 def build_app(service: GatewayService) -> Starlette:
     chat = ChatCompletions(service)
     responses = Responses(chat)
+    completions = Completions(chat)
     page = resources.files("gateway").joinpath("static/playground.html").read_text()
     started = int(time.time())  # the model card's `created`
 
@@ -87,6 +89,7 @@ def build_app(service: GatewayService) -> Starlette:
                              allow_headers=["*"], expose_headers=[REQUEST_ID_KEY])] if origins else []  # fmt: skip
     app = Starlette(routes=[
         Route("/v1/chat/completions", chat.handle, methods=["POST"]),
+        Route("/v1/completions", completions.create, methods=["POST"]),
         Route("/v1/responses", responses.create, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.get, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),

@@ -118,6 +118,7 @@ def build_request(
     stop: list[str] | None = None,
     speed: float = 0.0,
     tools: Sequence[Mapping[str, Any]] = (),
+    raw: bool = False,
 ) -> gateway_pb2.GenerateRequest:
     """`greedy`: both stages greedy (what parity is checked on), unless `temperature` is set
     (and not under 1e-5, which is greedy): then the thinker samples at that temperature (the
@@ -126,7 +127,8 @@ def build_request(
     and media become its last user turn.
     `sampling`: per-stage fields set last (e.g. {"talker": {"do_sample": False}}). `speed`: the
     speech's playback speed, time-stretched by the gateway (0: 1). `tools`: OpenAI tools the model
-    may call (the reply's text holds its calls; the prompt goes as a user message)."""
+    may call (the reply's text holds its calls; the prompt goes as a user message). `raw`: the
+    prompt is the model's input as written, with no chat template (text replies only)."""
     req = gateway_pb2.GenerateRequest(want_audio=want_audio, speaker=speaker, request_id=request_id,
                                       use_audio_in_video=use_audio_in_video, audio_format=audio_format,  # type: ignore[arg-type]
                                       stop=stop or [], speed=speed,
@@ -138,7 +140,7 @@ def build_request(
         if prompt or audio or images or videos:
             req.messages.append(user_message(prompt, audio=audio, images=images, videos=videos))
     else:
-        req.prompt = prompt
+        req.prompt, req.raw_prompt = prompt, raw
     if mode is not None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")

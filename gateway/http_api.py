@@ -3,6 +3,7 @@
 `Gateway.Generate` (`GatewayService.serve`): this module only translates.
 
   POST /v1/chat/completions   chat with text, audio, image and video in; text and audio out
+  POST /v1/completions        a raw prompt continued in text (gateway/completions_api.py)
   POST /v1/audio/speech       a given text spoken (the model's reply, given: `forced_ids`)
   POST /v1/audio/transcriptions, /v1/audio/translations
                               the text of an uploaded file (gateway/transcription.py)
@@ -117,9 +118,9 @@ from omnistage.quoting import quoted
 from omnistage.topology import STAGES
 from omnistage.v1 import gateway_pb2, stage_pb2
 
-__all__ = ["ChatCompletions", "apply_temperature", "data_url", "decode_b64", "from_gateway_error", "lone_surrogate",
-           "pcm16_part", "served_voices", "stt_usage", "to_generate_request", "unknown_model", "voice_speaker",
-           "whole_samples"]
+__all__ = ["ChatCompletions", "apply_temperature", "chat_usage", "data_url", "decode_b64", "from_gateway_error",
+           "lone_surrogate", "pcm16_part", "refuse_no_counterpart", "served_voices", "stt_usage", "thinker_sampling",
+           "to_generate_request", "unknown_model", "voice_speaker", "whole_samples"]
 
 log = logging.getLogger(__name__)
 
@@ -402,7 +403,8 @@ _FIELD = re.compile(r"^[A-Za-z_][\w.\[\]]*$")
 # The gateway names gRPC fields; over HTTP the same things have the chat body's names.
 _PART = re.compile(r"messages\[(\d+)\]\.parts\[(\d+)\](?: \(\w+\))?")
 _HTTP_NAMES = (  # (what the message starts with, param, code)
-    (re.compile(r"prompt: "), "messages", "context_length_exceeded"),
+    (re.compile(r"prompt: "), "messages", None),
+    (re.compile(r"prompt: \d+ (?:characters|tokens)"), "messages", "context_length_exceeded"),
     (re.compile(r"want_audio: "), "modalities", None),
     (re.compile(r"thinker: sampling: max_tokens"), "max_tokens", None),
     # a thinker's refusal of a request too large for it (its scheduler's): the client shortens the
@@ -642,7 +644,13 @@ def _unsupported(body: ChatRequest) -> None:
     if (body.model_extra or {}).get("web_search_options") is not None:  # ({} too: a search with its defaults)
         raise HttpError(400, "web_search_options: web search is not supported by this server",
                         param="web_search_options")  # fmt: skip
-    for name, value in (body.model_extra or {}).items():
+    refuse_no_counterpart(body.model_extra or {})
+
+
+def refuse_no_counterpart(extra: Mapping[str, Any]) -> None:
+    """A body's fields of vLLM's with no counterpart here (`extra`: those the body does not
+    declare), refused (400) unless they change nothing."""
+    for name, value in extra.items():
         if name in _TOP_LEVEL_NO_COUNTERPART and not _changes_nothing(value, _TOP_LEVEL_NO_COUNTERPART[name]):
             raise HttpError(400, f"{name}: not supported by this server", param=name)
 
@@ -792,10 +800,23 @@ def to_generate_request(
     if body.stop is not None:
         req.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
     _template_kwargs(body, req)
-    thinker = stage_pb2.SamplingParams()
+    thinker = thinker_sampling(req, body, (stop_ids or {}).get("thinker", ()))
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is not None:
         thinker.max_tokens = max_tokens
+    if body.logprobs:
+        thinker.logprobs = body.top_logprobs or 0
+    req.sampling["thinker"].CopyFrom(thinker)
+    _apply_sampling_list(req, body.sampling_params_list or (), stop_ids or {})
+    return req
+
+
+def thinker_sampling(req: gateway_pb2.GenerateRequest, body: Any, stop_ids: Sequence[int]) -> stage_pb2.SamplingParams:
+    """The thinker's sampling from the fields chat and completions share: `temperature`, `top_p`,
+    `top_k`, `repetition_penalty`, `seed`, the penalties, `logit_bias` and vLLM's `stop_token_ids`
+    (besides the thinker's own `stop_ids`). With `req.want_audio`, a seed and temperature 0 set
+    the speech stages' too."""
+    thinker = stage_pb2.SamplingParams()
     if body.temperature is not None:
         apply_temperature(req, thinker, body.temperature, seeded=body.seed is not None)
     if body.top_p == 0:  # OpenAI takes 0..1; nothing but the most likely token is greedy
@@ -809,19 +830,15 @@ def to_generate_request(
         thinker.repetition_penalty = body.repetition_penalty
     if body.seed is not None:
         thinker.seed = body.seed
-        if want_audio:  # the same seed gives the same speech too
+        if req.want_audio:  # the same seed gives the same speech too
             _seed_speech(req, body.seed)
-    if body.logprobs:
-        thinker.logprobs = body.top_logprobs or 0
     for name in ("presence_penalty", "frequency_penalty"):  # (0 changes nothing: left unset)
         if getattr(body, name):
             setattr(thinker, name, getattr(body, name))
     thinker.logit_bias.update(_logit_bias(body.logit_bias or {}))
     if body.stop_token_ids:  # besides the thinker's own stop ids, as in vLLM
-        thinker.stop_ids.extend(dict.fromkeys([*(stop_ids or {}).get("thinker", ()), *body.stop_token_ids]))
-    req.sampling["thinker"].CopyFrom(thinker)
-    _apply_sampling_list(req, body.sampling_params_list or (), stop_ids or {})
-    return req
+        thinker.stop_ids.extend(dict.fromkeys([*stop_ids, *body.stop_token_ids]))
+    return thinker
 
 
 def to_speech_request(body: SpeechRequest, voices: list[str], tokenizer: Any,
@@ -1308,7 +1325,7 @@ class ChatCompletions:
             "model": self.service.model_name,
             "choices": [{"index": 0, "message": message, "logprobs": self._logprobs(req, scored),
                          "finish_reason": finish}],
-            "usage": _usage(final.usage),
+            "usage": chat_usage(final.usage),
         })  # fmt: skip
 
     def _stream(self, req: gateway_pb2.GenerateRequest, body: ChatRequest,
@@ -1411,7 +1428,7 @@ class ChatCompletions:
                     if body.stream_options is not None and body.stream_options.include_usage:
                         event = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created,
                                  "model": self.service.model_name, "choices": [],
-                                 "usage": _usage(resp.final.usage)}  # fmt: skip
+                                 "usage": chat_usage(resp.final.usage)}  # fmt: skip
                         yield sse_event(event)
             yield "data: [DONE]\n\n"
 
@@ -1493,7 +1510,7 @@ def _speech_stream(first: list[gateway_pb2.GenerateResponse], responses: Replies
                 event = {"type": "speech.audio.delta", "audio": base64.b64encode(resp.audio.data).decode()}
                 yield sse_event(event)
             elif kind == "final" and sse:
-                u = _usage(resp.final.usage)  # the output counts the speech's frames, as a chat reply's does
+                u = chat_usage(resp.final.usage)  # the output counts the speech's frames, as a chat reply's does
                 usage = _io_usage(u["prompt_tokens"], u["completion_tokens"])
                 yield sse_event({"type": "speech.audio.done", "usage": usage})
 
@@ -1612,7 +1629,7 @@ def stt_usage(u: gateway_pb2.Usage) -> dict[str, Any]:
     return {"type": "tokens", **_io_usage(u.prompt_tokens, u.completion_tokens)}
 
 
-def _usage(u: gateway_pb2.Usage) -> dict[str, Any]:
+def chat_usage(u: gateway_pb2.Usage) -> dict[str, Any]:
     """OpenAI's usage: its completion tokens count the audio's too (here the talker's codec
     frames, one per talker step), broken out in `completion_tokens_details`."""
     completion = u.completion_tokens + u.audio_frames

@@ -228,6 +228,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
     def _built(self, request: gateway_pb2.GenerateRequest, cancelled: threading.Event | None) -> edges.Prompt:
         """`_prompt`'s build, whatever its length."""
+        if request.raw_prompt:
+            return self._raw(request.prompt)
         kwargs = template_kwargs(request.chat_template_kwargs, self.template_names)
         if request.tools:
             kwargs["tools"] = self._tools(request)
@@ -264,6 +266,19 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 field = CHAT_TEMPLATE_KWARGS if kwargs else "messages"  # (rendering is all it does)
                 raise ValueError(f"{field}: cannot render the chat template: {type(e).__name__}: {e}") from None
         return prompt
+
+    def _raw(self, prompt: str) -> edges.Prompt:
+        """A raw prompt's ids: its text as the tokenizer reads it (special-token text is those
+        tokens, as vLLM's completions read a prompt), with none that stands for media."""
+        if not prompt:
+            raise ValueError("prompt: empty prompt")
+        ids = [int(i) for i in self.tokenizer.encode(prompt)]
+        media = set(self.ckpt.spec.multimodal_ids)
+        if (stand_in := next((i for i in ids if i in media), None)) is not None:
+            token = self.tokenizer.convert_ids_to_tokens(stand_in)
+            raise ValueError(f"prompt: {quoted(token)} stands for audio, an image or a video, which a raw prompt "
+                             "cannot carry (send them as chat messages)")  # fmt: skip
+        return edges.Prompt(ids)
 
     def _tools(self, request: gateway_pb2.GenerateRequest) -> list[dict[str, Any]]:
         """The request's tools, as its template renders them (ValueError naming the field)."""
@@ -401,6 +416,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
 
         if request.want_audio and not self.cfg.audio_output:
             raise bad("want_audio: this stack serves text only (deploy config audio_output: false)")
+        if request.raw_prompt and (given := next((f for f in ("messages", "tools", "want_audio")
+                                                  if getattr(request, f)), None)):  # fmt: skip
+            raise bad(f"{given}: a raw prompt goes alone: no messages or tools, and it is answered in text "
+                      "(the talker reads chat turns)")  # fmt: skip
         if request.want_audio and request.speaker:
             try:
                 self.ckpt.spec.speaker_id(request.speaker)

@@ -1239,7 +1239,7 @@ def test_a_bug_before_or_after_the_reply_runs_counts_internal(tiny_dir: Path, mo
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
             got.append(await client.post("/v1/chat/completions", json=body))  # as it is: OK
             with monkeypatch.context() as m:
-                m.setattr(http_api, "_usage", broken)  # the reply's usage, made after the stages are done
+                m.setattr(http_api, "chat_usage", broken)  # the reply's usage, made after the stages are done
                 got.append(await client.post("/v1/chat/completions", json=body))
             with monkeypatch.context() as m:
                 m.setattr(http_api, "to_generate_request", broken)  # before any stage is asked

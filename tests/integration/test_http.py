@@ -731,6 +731,91 @@ def test_logprobs_come_with_their_tokens_streamed_or_not(http_stack: Stack, clie
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs must be from 0 to 20" in e.value.details()
 
 
+def test_a_completion_continues_its_raw_prompt_as_generate_does(http_stack: Stack, client: openai.OpenAI,
+                                                                   reference: Any, pipeline: Any) -> None:  # fmt: skip
+    """/v1/completions: the prompt is the model's input as written (no chat template; special-token
+    text is those tokens): greedy, its text is transformers' generate() on the tokenizer's ids, as
+    the gRPC door's raw prompt gives them; a chat prompt's text written out is that chat's reply."""
+    from gateway.client import Reply
+    from omnistage.models import load_tokenizer, open_checkpoint
+
+    model = client.models.list().data[0].id
+    tok = load_tokenizer(open_checkpoint(http_stack.model_dir))
+    prompt = "Once upon a time, in a quiet town by the sea,"
+    ids = [int(i) for i in tok.encode(prompt)]
+    ref_ids, _, _ = reference.generate(ids, MAX_TOKENS, 1, pipeline.spec.im_end_id, audio=False)
+    reply: Reply = run(generate(http_stack.gateway_address, prompt, raw=True, thinker_max_tokens=MAX_TOKENS,
+                                want_audio=False, timeout=60))  # fmt: skip
+    assert reply.token_ids == ref_ids and len(ref_ids) == MAX_TOKENS
+    done = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS)
+    assert done.object == "text_completion" and done.choices[0].text == reply.text
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ids), MAX_TOKENS)
+    assert done.choices[0].finish_reason == "length"
+    default = client.completions.create(model=model, prompt=prompt, temperature=0)  # 16 tokens, as OpenAI's
+    assert default.usage.completion_tokens == 16 and default.choices[0].text.startswith(reply.text)
+    # the chat door's prompt for QUESTION, written out: its reply
+    written = tok.decode(pipeline.prompt_ids(QUESTION))
+    chat = client.chat.completions.create(model=model, temperature=0, max_tokens=MAX_TOKENS,
+                                          messages=[{"role": "user", "content": QUESTION}])  # fmt: skip
+    same = client.completions.create(model=model, prompt=written, temperature=0, max_tokens=MAX_TOKENS)
+    assert same.usage.prompt_tokens == chat.usage.prompt_tokens
+    assert same.choices[0].text == chat.choices[0].message.content
+
+
+def test_a_completion_streams_echoes_and_scores_its_tokens(http_stack: Stack, client: openai.OpenAI) -> None:
+    model = client.models.list().data[0].id
+    ask: dict[str, Any] = {"model": model, "prompt": "The weather today is", "temperature": 0,
+                           "max_tokens": MAX_TOKENS}  # fmt: skip
+    whole = client.completions.create(**ask, logprobs=3)
+    text, lp, finish = whole.choices[0].text, whole.choices[0].logprobs, whole.choices[0].finish_reason
+    n = whole.usage.completion_tokens - (finish == "stop")  # (the end token, <|im_end|>, has none)
+    assert text and n > 2 and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert top[token] == logprob == max(top.values())  # greedy: its position's most likely
+        assert 1 <= len(top) <= 4  # the 3 most likely and the token (among them, greedy)
+    events = list(client.completions.create(**ask, logprobs=3, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.text for e in events for c in e.choices) == text
+    assert events[-1].choices == [] and events[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.finish_reason for e in events for c in e.choices][-1] == finish
+    streamed = [c.logprobs for e in events for c in e.choices if c.logprobs is not None]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    assert [p for s in streamed for p in s.token_logprobs] == lp.token_logprobs
+    echoed = client.completions.create(**ask, echo=True)
+    assert echoed.choices[0].text == ask["prompt"] + text and echoed.choices[0].logprobs is None
+    pieces = [c.text for e in client.completions.create(**ask, echo=True, stream=True) for c in e.choices]
+    assert pieces[0] == ask["prompt"] and "".join(pieces) == ask["prompt"] + text
+    # cut by a stop text (whole characters: the tiny model's bytes need not be UTF-8): before it
+    at = next(i for i in range(1, len(text) - 1) if "\ufffd" not in text[i : i + 2])
+    cut = client.completions.create(**ask, stop=[text[at : at + 2]])
+    assert cut.choices[0].text == text[: text.index(text[at : at + 2])] and cut.choices[0].finish_reason == "stop"
+
+
+def test_a_completion_it_cannot_serve_is_refused_by_name(http_stack: Stack, client: openai.OpenAI) -> None:
+    """Several prompts, token ids, a suffix, a token standing for media, echo with logprobs, a
+    prompt past the model's length, vLLM's fields with no counterpart: a 400 naming the field,
+    streamed or not; the stack serves the next request."""
+    url = f"http://{http_stack.http_address}/v1/completions"
+    for body, param in (({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, 2]}, "prompt"),
+                        ({"prompt": "a", "suffix": "b"}, "suffix"), ({"prompt": "a", "n": 2}, "n"),
+                        ({"prompt": "a <|image_pad|> b"}, "prompt"), ({"prompt": ""}, "prompt"),
+                        ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+                        ({"prompt": "a", "ignore_eos": True}, "ignore_eos"),
+                        ({"prompt": "a", "logprobs": 21}, "logprobs"),
+                        ({"prompt": "word " * MAX_MODEL_LEN}, "prompt"),
+                        ({"prompt": "a", "max_tokens": MAX_MODEL_LEN + 1}, "max_tokens")):  # fmt: skip
+        for stream in (False, True):
+            r = httpx.post(url, json={**body, "stream": stream}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    r = httpx.post(url, json={"prompt": "word " * MAX_MODEL_LEN}, timeout=60)
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="another", prompt="a")
+    done = client.completions.create(model=client.models.list().data[0].id, prompt="a", max_tokens=2)
+    assert done.usage.completion_tokens == 2
+
+
 def test_a_conversation_without_user_text_is_answered(http_stack: Stack, client: openai.OpenAI) -> None:
     """As OpenAI answers them (each was a 400 "no user message with content"): a system prompt
     alone, a user turn left empty, and an assistant turn holding a refusal part."""

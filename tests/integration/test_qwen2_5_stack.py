@@ -54,6 +54,27 @@ def test_stack_matches_generate(q25_stack: Stack, q25_checkpoints: Any) -> None:
         assert torch.equal(codes, ref_codes)
 
 
+def test_a_raw_prompt_completion_matches_generate(q25_stack: Stack, q25_checkpoints: Any) -> None:
+    """/v1/completions on the second family: the prompt as written (special-token text as those
+    tokens), its greedy text generate()'s on the tokenizer's ids; a media token's text refused."""
+    import httpx
+
+    pipeline, reference = q25_checkpoints("published")
+    prompt = "<|im_start|>user\nWhat is the weather like?<|im_end|>\n<|im_start|>assistant\n"
+    ids = [int(i) for i in pipeline.tokenizer.encode(prompt)]
+    assert ids[0] == pipeline.spec.im_start_id
+    ref_ids, _, _ = reference.generate(ids, 16, 1, pipeline.spec.im_end_id, audio=False)
+    reply = run(generate(q25_stack.gateway_address, prompt, raw=True, want_audio=False, thinker_max_tokens=16,
+                         timeout=120))  # fmt: skip
+    assert reply.token_ids == ref_ids and ref_ids
+    url = f"http://{q25_stack.http_address}/v1/completions"
+    done = httpx.post(url, json={"prompt": prompt, "temperature": 0, "max_tokens": 16}, timeout=120).json()
+    assert done["choices"][0]["text"] == reply.text and done["usage"]["prompt_tokens"] == len(ids)
+    media = pipeline.tokenizer.convert_ids_to_tokens(pipeline.spec.multimodal_ids[0])
+    refused = httpx.post(url, json={"prompt": f"a {media}"}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
+
+
 def test_full_payload_gives_the_same_output(q25_stack: Stack) -> None:
     """Every stage waiting for its whole input (one token2wav window) gives async_chunk's reply."""
     options = {"thinker_max_tokens": 40, "talker_max_tokens": 120, "sampling": SAMPLING, "timeout": 120}
