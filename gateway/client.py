@@ -128,7 +128,11 @@ def build_request(
     `sampling`: per-stage fields set last (e.g. {"talker": {"do_sample": False}}). `speed`: the
     speech's playback speed, time-stretched by the gateway (0: 1). `tools`: OpenAI tools the model
     may call (the reply's text holds its calls; the prompt goes as a user message). `raw`: the
-    prompt is the model's input as written, with no chat template (text replies only)."""
+    prompt is the model's input as written, with no chat template: text replies only (`want_audio`
+    is ignored), and nothing that makes chat turns."""
+    if raw and (system or messages or audio or images or videos or tools):
+        raise ValueError("raw: a raw prompt goes alone (no system, messages, media or tools)")
+    want_audio = want_audio and not raw
     req = gateway_pb2.GenerateRequest(want_audio=want_audio, speaker=speaker, request_id=request_id,
                                       use_audio_in_video=use_audio_in_video, audio_format=audio_format,  # type: ignore[arg-type]
                                       stop=stop or [], speed=speed,

@@ -1,15 +1,16 @@
-"""OpenAI's legacy Completions API, `POST /v1/completions`, as vLLM serves it (its bench and
-lm-eval's completion clients send it): a raw prompt continued in text. The prompt is the model's
+"""OpenAI's legacy Completions API, `POST /v1/completions`, as vLLM serves it (what vLLM's
+`bench serve` sends by default): a raw prompt continued in text. The prompt is the model's
 input as written (no chat template; special-token text such as `<|im_start|>` is those tokens:
 GenerateRequest.raw_prompt), on the chat door's path (ChatCompletions.admit and serve): only
 the shapes differ.
 
 * `prompt`: a string, or a list holding one string. Several prompts, token-id prompts, `n` or
-  `best_of` above 1 and a `suffix` are refused (400), as is the text of a token that stands for
-  audio, an image or a video (a raw prompt carries no media: send those as chat messages).
+  `best_of` above 1, a `suffix` and a non-text `response_format` are refused (400), as is the
+  text of a token that stands for audio, an image or a video (a raw prompt carries no media:
+  send those as chat messages).
 * `max_tokens` is 16 when left out, as OpenAI's and vLLM's (null: up to the model's length).
-* `echo`: the prompt's text before the completion (not with `logprobs`: there are no prompt
-  log-probabilities here).
+* `echo`: the prompt's text before the completion (not with `logprobs`, nor `max_tokens` 0:
+  there are no prompt log-probabilities here).
 * `logprobs` (0 to 20): each token's `tokens`, `token_logprobs`, `top_logprobs` (the most likely
   at its position and the token itself, as OpenAI gives them) and `text_offset`.
 * Sampling as chat's: `temperature`, `top_p`, `top_k`, `seed`, `stop`, `stop_token_ids`,
@@ -38,7 +39,7 @@ from gateway.http_api import (
     chat_usage,
     ended_well,
     from_gateway_error,
-    refuse_no_counterpart,
+    refuse_unhonoured,
     sse_event,
     thinker_sampling,
     whole_of,
@@ -59,7 +60,7 @@ class CompletionRequest(Body):
 
     model: str | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, ge=1, le=1 << 20)
+    max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, ge=0, le=1 << 20)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=1 << 20)
@@ -74,6 +75,7 @@ class CompletionRequest(Body):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = False
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None  # (vLLM's: only text here)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
@@ -102,9 +104,10 @@ def to_completion_request(body: CompletionRequest, stop_ids: Iterable[int]) -> g
                         param="suffix")  # fmt: skip
     if body.echo and body.logprobs is not None:
         raise HttpError(400, "echo: not with logprobs (this server gives no prompt log-probabilities)", param="echo")
-    if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
-        raise HttpError(400, "stream_options: only allowed when stream is true", param="stream_options")
-    refuse_no_counterpart(body.model_extra or {})
+    if body.max_tokens == 0:  # (lm-eval's loglikelihood: the prompt scored, nothing generated)
+        raise HttpError(400, "max_tokens: 0 asks for the prompt's log-probabilities alone, which this server does "
+                             "not give; at least 1", param="max_tokens")  # fmt: skip
+    refuse_unhonoured(body)
     req = gateway_pb2.GenerateRequest(prompt=prompt, raw_prompt=True)
     if body.stop is not None:
         req.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
@@ -117,9 +120,10 @@ def to_completion_request(body: CompletionRequest, stop_ids: Iterable[int]) -> g
     return req
 
 
-def completion_logprobs(entries: Iterable[dict[str, Any]], offset: int) -> dict[str, Any]:
-    """Chat's logprob entries (gateway/logprobs.py) in the Completions shape; `offset`: where the
-    first token's text starts in the choice's text."""
+def completion_logprobs(entries: Iterable[dict[str, Any]], offset: int) -> tuple[dict[str, Any], int]:
+    """Chat's logprob entries (gateway/logprobs.py) in the Completions shape, and where the text
+    after their tokens starts; `offset`: where the first token's text starts in the choice's text
+    (each token's text counts as long as it is: vLLM's offsets)."""
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for e in entries:
         top: dict[str, float] = {}
@@ -131,7 +135,7 @@ def completion_logprobs(entries: Iterable[dict[str, Any]], offset: int) -> dict[
         out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
         offset += len(e["token"])
-    return out
+    return out, offset
 
 
 class Completions:
@@ -169,7 +173,7 @@ class Completions:
         echoed = req.prompt if body.echo else ""
 
         def reply(text: str, _audio: list[bytes], final: gateway_pb2.Final) -> Response:
-            logprobs = completion_logprobs(self._entries(req, scored), 0) if body.logprobs is not None else None
+            logprobs = completion_logprobs(self._entries(req, scored), 0)[0] if body.logprobs is not None else None
             choice = {"index": 0, "text": echoed + text, "logprobs": logprobs,
                       "finish_reason": final.finish_reason or "stop"}  # fmt: skip
             return JSONResponse({**self._head(req, int(time.time())), "choices": [choice],
@@ -195,8 +199,7 @@ class Completions:
                 entries = scored.take() if scores else []
                 if not entries:
                     return None
-                out = completion_logprobs(entries, offset)
-                offset += sum(len(t) for t in out["tokens"])
+                out, offset = completion_logprobs(entries, offset)
                 return out
 
             if body.echo:

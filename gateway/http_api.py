@@ -119,7 +119,7 @@ from omnistage.topology import STAGES
 from omnistage.v1 import gateway_pb2, stage_pb2
 
 __all__ = ["ChatCompletions", "apply_temperature", "chat_usage", "data_url", "decode_b64", "from_gateway_error",
-           "lone_surrogate", "pcm16_part", "refuse_no_counterpart", "served_voices", "stt_usage", "thinker_sampling",
+           "lone_surrogate", "pcm16_part", "refuse_unhonoured", "served_voices", "stt_usage", "thinker_sampling",
            "to_generate_request", "unknown_model", "voice_speaker", "whole_samples"]
 
 log = logging.getLogger(__name__)
@@ -628,8 +628,6 @@ def _unsupported(body: ChatRequest) -> None:
     if body.tool_choice not in (None, "none", "auto") and not _allowed_tools(body.tool_choice):
         raise HttpError(400, "tool_choice: auto, none or allowed_tools in mode auto: this server cannot make the "
                         "model call a tool (it has no constrained decoding)", param="tool_choice")  # fmt: skip
-    if body.response_format is not None and body.response_format.get("type", "text") != "text":
-        raise HttpError(400, 'response_format: only {"type": "text"} is supported', param="response_format")
     if body.top_logprobs and not body.logprobs:  # as OpenAI: the alternatives come with the tokens' own
         raise HttpError(400, "top_logprobs: logprobs must be true to use top_logprobs", param="top_logprobs")
     if body.functions and body.function_call != "none":  # as tools with tool_choice: none
@@ -638,19 +636,22 @@ def _unsupported(body: ChatRequest) -> None:
     if body.function_call not in (None, "none", "auto"):
         raise HttpError(400, "function_call: only allowed with functions, which this server does not support",
                         param="function_call")  # fmt: skip
-    if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
-        # as OpenAI and vLLM refuse it (options of a stream, with none); null or {} passes
-        raise HttpError(400, "stream_options: only allowed when stream is true", param="stream_options")
     if (body.model_extra or {}).get("web_search_options") is not None:  # ({} too: a search with its defaults)
         raise HttpError(400, "web_search_options: web search is not supported by this server",
                         param="web_search_options")  # fmt: skip
-    refuse_no_counterpart(body.model_extra or {})
+    refuse_unhonoured(body)
 
 
-def refuse_no_counterpart(extra: Mapping[str, Any]) -> None:
-    """A body's fields of vLLM's with no counterpart here (`extra`: those the body does not
-    declare), refused (400) unless they change nothing."""
-    for name, value in extra.items():
+def refuse_unhonoured(body: Any) -> None:
+    """What chat and completions bodies share that this server cannot honour (400 naming the
+    field): a non-text `response_format` (no constrained decoding), `stream_options` without a
+    stream (as OpenAI and vLLM refuse it; null or {} passes), and vLLM's fields with no
+    counterpart here that would change the reply."""
+    if body.response_format is not None and body.response_format.get("type", "text") != "text":
+        raise HttpError(400, 'response_format: only {"type": "text"} is supported', param="response_format")
+    if body.stream_options is not None and body.stream_options.model_fields_set and not body.stream:
+        raise HttpError(400, "stream_options: only allowed when stream is true", param="stream_options")
+    for name, value in (body.model_extra or {}).items():
         if name in _TOP_LEVEL_NO_COUNTERPART and not _changes_nothing(value, _TOP_LEVEL_NO_COUNTERPART[name]):
             raise HttpError(400, f"{name}: not supported by this server", param=name)
 

@@ -5,6 +5,7 @@ served endpoint, its parity with generate() and its refusals end to end: tests/i
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,8 @@ def test_the_body_becomes_a_raw_prompt_request_answered_in_text() -> None:
     ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ({"prompt": "a", "ignore_eos": True}, "ignore_eos"),  # vLLM's, with no counterpart here
     ({"prompt": "a", "min_tokens": 3}, "min_tokens"),
+    ({"prompt": "a", "response_format": {"type": "json_object"}}, "response_format"),  # no constrained decoding
+    ({"prompt": "a", "max_tokens": 0, "echo": True}, "max_tokens"),  # the prompt's logprobs alone
 ])  # fmt: skip
 def test_what_it_cannot_honour_is_refused_by_name(body: dict[str, Any], param: str) -> None:
     with pytest.raises(HttpError) as e:
@@ -67,14 +70,15 @@ def test_logprobs_in_the_completions_shape() -> None:
                                                            {"token": "\ufffd", "logprob": -0.3}]},
     ]  # fmt: skip
     out = completion_logprobs(entries, 4)
-    assert out == {"tokens": ["He", "llo"], "token_logprobs": [-0.5, -2.0],
-                   "top_logprobs": [{"He": -0.5, "A": -1.0}, {"\ufffd": -0.1, "llo": -2.0}],
-                   "text_offset": [4, 6]}  # fmt: skip
+    assert out == ({"tokens": ["He", "llo"], "token_logprobs": [-0.5, -2.0],
+                    "top_logprobs": [{"He": -0.5, "A": -1.0}, {"\ufffd": -0.1, "llo": -2.0}],
+                    "text_offset": [4, 6]}, 9)  # fmt: skip
 
 
 def test_the_gateway_reads_a_raw_prompt_as_written(tiny_dir: Path) -> None:
     """Special-token text is those tokens (the chat door's text is sanitized of them); a token that
     stands for media, messages, tools or audio with it are refused by name."""
+    from gateway.client import build_request
     from gateway.server import GatewayError, GatewayService
     from omnistage.config import parse_config
     from omnistage.models import open_checkpoint
@@ -86,11 +90,14 @@ def test_the_gateway_reads_a_raw_prompt_as_written(tiny_dir: Path) -> None:
         service = GatewayService(parse_config({}), ckpt, "ipv4:127.0.0.1:1")
         raw = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
         ids = service._prompt(gateway_pb2.GenerateRequest(prompt=raw, raw_prompt=True)).ids
-        assert list(ids) == [int(i) for i in service.tokenizer.encode(raw)]
         assert ids[0] == spec.im_start_id and list(ids).count(spec.im_end_id) == 1
+        # the chat template's prompt, written out, reads back as its ids
+        chat = ckpt.family.prompt_ids(service.tokenizer, [{"role": "user", "content": "Say hi."}])
+        written = service.tokenizer.decode(chat)
+        assert list(service._prompt(gateway_pb2.GenerateRequest(prompt=written, raw_prompt=True)).ids) == list(chat)
         for media_id in spec.multimodal_ids:
             text = service.tokenizer.convert_ids_to_tokens(media_id)
-            with pytest.raises(ValueError, match=f"prompt: '{text}' stands for audio, an image or a video"):
+            with pytest.raises(ValueError, match=re.escape(f"prompt: '{text}' stands for audio, an image or a video")):
                 service._prompt(gateway_pb2.GenerateRequest(prompt=f"a {text} b", raw_prompt=True))
         with pytest.raises(ValueError, match="prompt: empty prompt"):
             service._prompt(gateway_pb2.GenerateRequest(prompt="", raw_prompt=True))
@@ -103,6 +110,9 @@ def test_the_gateway_reads_a_raw_prompt_as_written(tiny_dir: Path) -> None:
                 setattr(req, field, value)
             with pytest.raises(GatewayError, match=f"gateway: {field}: a raw prompt goes alone"):
                 service._start(req, 10)
+        with pytest.raises(ValueError, match="raw: a raw prompt goes alone"):  # the gRPC client's
+            build_request("hi", raw=True, system="Be brief.")
+        assert not build_request("hi", raw=True).want_audio
         await service.router.close()
 
     asyncio.run(go())

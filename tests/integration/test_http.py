@@ -751,8 +751,17 @@ def test_a_completion_continues_its_raw_prompt_as_generate_does(http_stack: Stac
     assert done.object == "text_completion" and done.choices[0].text == reply.text
     assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(ids), MAX_TOKENS)
     assert done.choices[0].finish_reason == "length"
-    default = client.completions.create(model=model, prompt=prompt, temperature=0)  # 16 tokens, as OpenAI's
-    assert default.usage.completion_tokens == 16 and default.choices[0].text.startswith(reply.text)
+    # 16 tokens when max_tokens is left out, as OpenAI's (the first 12 those above)
+    first, default = (client.completions.create(model=model, prompt=prompt, temperature=0, logprobs=0, **kw)
+                      for kw in ({"max_tokens": MAX_TOKENS}, {}))  # fmt: skip
+    assert default.choices[0].logprobs.tokens[:MAX_TOKENS] == first.choices[0].logprobs.tokens
+    ended = default.choices[0].finish_reason == "stop"  # (on a stop id before 16: it has no entry)
+    assert default.usage.completion_tokens == len(default.choices[0].logprobs.tokens) + ended
+    assert default.usage.completion_tokens == 16 or ended
+    # each token's text stands at its offset, up to the first that is part of a character
+    scored = first.choices[0].logprobs
+    whole = next((i for i, t in enumerate(scored.tokens) if "\ufffd" in t), len(scored.tokens))
+    assert all(reply.text[o : o + len(t)] == t for o, t in zip(scored.text_offset[:whole], scored.tokens, strict=False))
     # the chat door's prompt for QUESTION, written out: its reply
     written = tok.decode(pipeline.prompt_ids(QUESTION))
     chat = client.chat.completions.create(model=model, temperature=0, max_tokens=MAX_TOKENS,
@@ -804,7 +813,9 @@ def test_a_completion_it_cannot_serve_is_refused_by_name(http_stack: Stack, clie
                         ({"prompt": "a", "ignore_eos": True}, "ignore_eos"),
                         ({"prompt": "a", "logprobs": 21}, "logprobs"),
                         ({"prompt": "word " * MAX_MODEL_LEN}, "prompt"),
-                        ({"prompt": "a", "max_tokens": MAX_MODEL_LEN + 1}, "max_tokens")):  # fmt: skip
+                        ({"prompt": "a", "max_tokens": MAX_MODEL_LEN + 1}, "max_tokens"),
+                        ({"prompt": "a", "max_tokens": 0, "echo": True}, "max_tokens"),
+                        ({"prompt": "a", "response_format": {"type": "json_object"}}, "response_format")):  # fmt: skip
         for stream in (False, True):
             r = httpx.post(url, json={**body, "stream": stream}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
