@@ -4,10 +4,10 @@ input as written (no chat template; special-token text such as `<|im_start|>` is
 GenerateRequest.raw_prompt), on the chat door's path (ChatCompletions.admit and serve): only
 the shapes differ.
 
-* `prompt`: a string, or a list holding one string. Several prompts, token-id prompts, `n` or
-  `best_of` above 1, a `suffix` and a non-text `response_format` are refused (400), as is the
-  text of a token that stands for audio, an image or a video (a raw prompt carries no media:
-  send those as chat messages).
+* `prompt`: a string, token ids (lm-eval's default), or a list holding one of either. Several
+  prompts, `n` or `best_of` above 1, a `suffix` and a non-text `response_format` are refused
+  (400), as is a token that stands for audio, an image or a video, as text or id (a raw prompt
+  carries no media: send those as chat messages), and an id outside the vocabulary.
 * `max_tokens` is 16 when left out, as OpenAI's and vLLM's (null: up to the model's length).
 * `echo`: the prompt's text before the completion (not with `logprobs`, nor `max_tokens` 0:
   there are no prompt log-probabilities here).
@@ -46,6 +46,7 @@ from gateway.http_api import (
 )
 from gateway.http_error import HttpError
 from gateway.logprobs import Held
+from omnistage.quoting import quoted
 from omnistage.v1 import gateway_pb2
 
 __all__ = ["CompletionRequest", "Completions", "to_completion_request"]
@@ -59,7 +60,7 @@ class CompletionRequest(Body):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Any = Field()  # a string, token ids, or a list of one of either (`_one_prompt` says what is wrong)
     max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, ge=0, le=1 << 20)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
@@ -82,17 +83,28 @@ class CompletionRequest(Body):
     user: str | None = None
 
 
-def _one_prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> str:
+def _token_ids(value: list[Any], where: str) -> list[int]:
+    for i, t in enumerate(value):
+        if type(t) is not int or not 0 <= t < 1 << 62:  # (a JSON true is no id)
+            raise HttpError(400, f"{where}[{i}]: expected a token id (an integer from 0), got {quoted(repr(t))}",
+                            param=where)  # fmt: skip
+    return value
+
+
+def _one_prompt(prompt: Any) -> str | list[int]:
+    """The request's one prompt: its text, or its token ids."""
     if isinstance(prompt, str):
         return prompt
-    if prompt and all(isinstance(p, str) for p in prompt):
-        if len(prompt) > 1:
-            raise HttpError(400, f"prompt: {len(prompt)} prompts; this server completes one a request (send each "
-                                 "alone)", param="prompt")  # fmt: skip
-        return prompt[0]  # type: ignore[return-value]
-    if not prompt:
-        raise HttpError(400, "prompt: no prompt", param="prompt")
-    raise HttpError(400, "prompt: token ids are not taken here; send the prompt's text", param="prompt")
+    if not isinstance(prompt, list) or not prompt:
+        raise HttpError(400, "prompt: expected a string, token ids, or a list of one of either", param="prompt")
+    if not isinstance(prompt[0], str | list):
+        return _token_ids(prompt, "prompt")
+    if len(prompt) > 1:
+        raise HttpError(400, f"prompt: {len(prompt)} prompts; this server completes one a request (send each "
+                             "alone)", param="prompt")  # fmt: skip
+    if isinstance(prompt[0], str):
+        return prompt[0]
+    return _token_ids(prompt[0], "prompt[0]")
 
 
 def to_completion_request(body: CompletionRequest, stop_ids: Iterable[int]) -> gateway_pb2.GenerateRequest:
@@ -108,7 +120,11 @@ def to_completion_request(body: CompletionRequest, stop_ids: Iterable[int]) -> g
         raise HttpError(400, "max_tokens: 0 asks for the prompt's log-probabilities alone, which this server does "
                              "not give; at least 1", param="max_tokens")  # fmt: skip
     refuse_unhonoured(body)
-    req = gateway_pb2.GenerateRequest(prompt=prompt, raw_prompt=True)
+    req = gateway_pb2.GenerateRequest(raw_prompt=True)
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    else:
+        req.prompt_ids.extend(prompt)
     if body.stop is not None:
         req.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
     thinker = thinker_sampling(req, body, list(stop_ids))
@@ -164,13 +180,17 @@ class Completions:
         return {"id": f"cmpl-{req.request_id}", "object": "text_completion", "created": created,
                 "model": self.service.model_name}  # fmt: skip
 
+    def _echoed(self, req: gateway_pb2.GenerateRequest) -> str:
+        """The prompt's text, as `echo` gives it (a prompt of ids: decoded, special tokens too)."""
+        return req.prompt or self.service.tokenizer.decode(list(req.prompt_ids))
+
     def _entries(self, req: gateway_pb2.GenerateRequest, scored: Iterable[gateway_pb2.TokenLogprob]
                  ) -> list[dict[str, Any]]:  # fmt: skip
         return self.service.pieces.entries(scored, self.service.reply_ends(req))
 
     async def _whole(self, req: gateway_pb2.GenerateRequest, body: CompletionRequest, replies: Replies) -> Response:
         scored: list[gateway_pb2.TokenLogprob] = []
-        echoed = req.prompt if body.echo else ""
+        echoed = self._echoed(req) if body.echo else ""
 
         def reply(text: str, _audio: list[bytes], final: gateway_pb2.Final) -> Response:
             logprobs = completion_logprobs(self._entries(req, scored), 0)[0] if body.logprobs is not None else None
@@ -203,7 +223,7 @@ class Completions:
                 return out
 
             if body.echo:
-                yield event(req.prompt)
+                yield event(self._echoed(req))
             async for resp in chain(first, replies):
                 kind = resp.WhichOneof("kind")
                 if kind == "text":

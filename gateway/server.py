@@ -26,7 +26,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -229,7 +229,7 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
     def _built(self, request: gateway_pb2.GenerateRequest, cancelled: threading.Event | None) -> edges.Prompt:
         """`_prompt`'s build, whatever its length."""
         if request.raw_prompt:
-            return self._raw(request.prompt)
+            return self._raw(request.prompt, request.prompt_ids)
         kwargs = template_kwargs(request.chat_template_kwargs, self.template_names)
         if request.tools:
             kwargs["tools"] = self._tools(request)
@@ -267,12 +267,15 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                 raise ValueError(f"{field}: cannot render the chat template: {type(e).__name__}: {e}") from None
         return prompt
 
-    def _raw(self, prompt: str) -> edges.Prompt:
-        """A raw prompt's ids: its text as the tokenizer reads it (special-token text is those
-        tokens, as vLLM's completions read a prompt), with none that stands for media."""
-        if not prompt:
+    def _raw(self, prompt: str, given: Sequence[int] = ()) -> edges.Prompt:
+        """A raw prompt's ids: `given`, else its text as the tokenizer reads it (special-token text
+        is those tokens, as vLLM's completions read a prompt), with none that stands for media."""
+        if not prompt and not given:
             raise ValueError("prompt: empty prompt")
-        ids = [int(i) for i in self.tokenizer.encode(prompt)]
+        ids = [int(i) for i in given] if given else [int(i) for i in self.tokenizer.encode(prompt)]
+        vocab = self.ckpt.spec.thinker_vocab
+        if bad := [i for i in ids if not 0 <= i < vocab][:8]:
+            raise ValueError(f"prompt: ids outside the vocabulary (0 to {vocab - 1}): {bad}")
         media = set(self.ckpt.spec.multimodal_ids)
         if (stand_in := next((i for i in ids if i in media), None)) is not None:
             token = self.tokenizer.convert_ids_to_tokens(stand_in)
@@ -420,6 +423,10 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
                                                   if getattr(request, f)), None)):  # fmt: skip
             raise bad(f"{given}: a raw prompt goes alone: no messages or tools, and it is answered in text "
                       "(the talker reads chat turns)")  # fmt: skip
+        if request.prompt_ids and not request.raw_prompt:
+            raise bad("prompt_ids: a prompt of ids is a raw one (raw_prompt)")
+        if request.prompt_ids and request.prompt:
+            raise bad("prompt_ids: the prompt is its text or its ids, not both")
         if request.want_audio and request.speaker:
             try:
                 self.ckpt.spec.speaker_id(request.speaker)

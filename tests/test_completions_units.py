@@ -32,6 +32,9 @@ def test_the_body_becomes_a_raw_prompt_request_answered_in_text() -> None:
     assert thinker.top_p == 0.5 and thinker.top_k == 0 and thinker.presence_penalty == 0.5
     assert dict(thinker.logit_bias) == {5: -100}
     assert _request(prompt=["One prompt"]).prompt == "One prompt"
+    for ids in ([5, 6, 7], [[5, 6, 7]]):  # token ids (lm-eval's), alone or in a list
+        by_ids = _request(prompt=ids)
+        assert by_ids.raw_prompt and list(by_ids.prompt_ids) == [5, 6, 7] and not by_ids.prompt
     unset = _request(max_tokens=None)  # null: up to the model's length (vLLM's), not 16
     assert not unset.sampling["thinker"].HasField("max_tokens") and not unset.sampling["thinker"].HasField("logprobs")
     sampled = _request(temperature=0.7, max_tokens=5)
@@ -42,8 +45,8 @@ def test_the_body_becomes_a_raw_prompt_request_answered_in_text() -> None:
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": ["a", "b"]}, "prompt"),  # several prompts: one choice a request
-    ({"prompt": [1, 2, 3]}, "prompt"),  # token ids
-    ({"prompt": [[1, 2]]}, "prompt"),
+    ({"prompt": [[1, 2], [3]]}, "prompt"),
+    ({"prompt": [1, -2]}, "prompt"),  # not a token id
     ({"prompt": []}, "prompt"),
     ({"prompt": "a", "suffix": "z"}, "suffix"),
     ({"prompt": "a", "echo": True, "logprobs": 0}, "echo"),
@@ -101,6 +104,17 @@ def test_the_gateway_reads_a_raw_prompt_as_written(tiny_dir: Path) -> None:
                 service._prompt(gateway_pb2.GenerateRequest(prompt=f"a {text} b", raw_prompt=True))
         with pytest.raises(ValueError, match="prompt: empty prompt"):
             service._prompt(gateway_pb2.GenerateRequest(prompt="", raw_prompt=True))
+        # its ids, given: as they are, each of the vocabulary and none standing for media
+        given = gateway_pb2.GenerateRequest(prompt_ids=chat, raw_prompt=True)
+        assert list(service._prompt(given).ids) == list(chat)
+        for bad, why in (([1, spec.thinker_vocab], "outside the vocabulary"), ([1, spec.multimodal_ids[1]], "stands")):
+            with pytest.raises(ValueError, match=f"prompt: .*{why}"):
+                service._prompt(gateway_pb2.GenerateRequest(prompt_ids=bad, raw_prompt=True))
+        for req, why in ((gateway_pb2.GenerateRequest(prompt_ids=[1], request_id="r"), "is a raw one"),
+                         (gateway_pb2.GenerateRequest(prompt_ids=[1], prompt="a", raw_prompt=True, request_id="r"),
+                          "not both")):  # fmt: skip
+            with pytest.raises(GatewayError, match=f"gateway: prompt_ids: .*{why}"):
+                service._start(req, 10)
         for field, value in (("messages", [gateway_pb2.ChatMessage(role="user", content="hi")]),
                              ("tools", ['{"type": "function"}']), ("want_audio", True)):  # fmt: skip
             req = gateway_pb2.GenerateRequest(prompt="hi", raw_prompt=True, request_id="r")

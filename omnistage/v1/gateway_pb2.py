@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from omnistage.v1 import stage_pb2 as omnistage_dot_v1_dot_stage__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aomnistage/v1/gateway.proto\x12\x0comnistage.v1\x1a\x18omnistage/v1/stage.proto\"\xa3\x01\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x17.omnistage.v1.AudioPartH\x00\x12(\n\x05image\x18\x03 \x01(\x0b\x32\x17.omnistage.v1.ImagePartH\x00\x12(\n\x05video\x18\x04 \x01(\x0b\x32\x17.omnistage.v1.VideoPartH\x00\x42\x06\n\x04kind\"L\n\tAudioPart\x12\x0e\n\x04\x66ile\x18\x01 \x01(\x0cH\x00\x12%\n\x03pcm\x18\x02 \x01(\x0b\x32\x16.omnistage.v1.RawAudioH\x00\x42\x08\n\x06source\".\n\x08RawAudio\x12\r\n\x05\x66\x33\x32le\x18\x01 \x01(\x0c\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\"\x19\n\tImagePart\x12\x0c\n\x04\x66ile\x18\x01 \x01(\x0c\"R\n\tVideoPart\x12\x0e\n\x04\x66ile\x18\x01 \x01(\x0cH\x00\x12+\n\x06\x66rames\x18\x02 \x01(\x0b\x32\x19.omnistage.v1.VideoFramesH\x00\x42\x08\n\x06source\"*\n\x0bVideoFrames\x12\x0e\n\x06images\x18\x01 \x03(\x0c\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x01\"\x98\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\x05parts\x18\x03 \x03(\x0b\x32\x19.omnistage.v1.ContentPart\x12*\n\ntool_calls\x18\x04 \x03(\x0b\x32\x16.omnistage.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xd8\x04\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.omnistage.v1.ChatMessage\x12\x12\n\nwant_audio\x18\x03 \x01(\x08\x12\x0f\n\x07speaker\x18\x04 \x01(\t\x12=\n\x08sampling\x18\x05 \x03(\x0b\x32+.omnistage.v1.GenerateRequest.SamplingEntry\x12$\n\x04mode\x18\x06 \x01(\x0e\x32\x16.omnistage.v1.EdgeMode\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x1a\n\x12use_audio_in_video\x18\x08 \x01(\x08\x12/\n\x0c\x61udio_format\x18\t \x01(\x0e\x32\x19.omnistage.v1.AudioFormat\x12\x0c\n\x04stop\x18\n \x03(\t\x12S\n\x14\x63hat_template_kwargs\x18\x0b \x03(\x0b\x32\x35.omnistage.v1.GenerateRequest.ChatTemplateKwargsEntry\x12\r\n\x05speed\x18\x0c \x01(\x02\x12\r\n\x05tools\x18\r \x03(\t\x12\x12\n\nraw_prompt\x18\x0e \x01(\x08\x1aM\n\rSamplingEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.omnistage.v1.SamplingParams:\x02\x38\x01\x1a\x39\n\x17\x43hatTemplateKwargsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Z\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.omnistage.v1.TokenLogprob\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.omnistage.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\x94\x01\n\nAudioChunk\x12\x11\n\tpcm_f32le\x18\x01 \x01(\x0c\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\x12\x14\n\x0c\x66irst_sample\x18\x03 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12)\n\x06\x66ormat\x18\x05 \x01(\x0e\x32\x19.omnistage.v1.AudioFormat\x12\x0f\n\x07samples\x18\x06 \x01(\x03\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x14\n\x0c\x61udio_frames\x18\x03 \x01(\x03\x12\x15\n\raudio_seconds\x18\x04 \x01(\x01\"6\n\x0bStageTiming\x12\x16\n\x0e\x66irst_output_s\x18\x01 \x01(\x01\x12\x0f\n\x07total_s\x18\x02 \x01(\x01\"\xc0\x01\n\x05\x46inal\x12\"\n\x05usage\x18\x01 \x01(\x0b\x32\x13.omnistage.v1.Usage\x12\x31\n\x07timings\x18\x02 \x03(\x0b\x32 .omnistage.v1.Final.TimingsEntry\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x1aI\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.omnistage.v1.StageTiming:\x02\x38\x01\"\x94\x01\n\x10GenerateResponse\x12\'\n\x04text\x18\x01 \x01(\x0b\x32\x17.omnistage.v1.TextDeltaH\x00\x12)\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x18.omnistage.v1.AudioChunkH\x00\x12$\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x13.omnistage.v1.FinalH\x00\x42\x06\n\x04kind*V\n\x0b\x41udioFormat\x12\r\n\tPCM_F32LE\x10\x00\x12\t\n\x05PCM16\x10\x01\x12\x07\n\x03WAV\x10\x02\x12\x07\n\x03MP3\x10\x03\x12\x08\n\x04\x46LAC\x10\x04\x12\x08\n\x04OPUS\x10\x05\x12\x07\n\x03\x41\x41\x43\x10\x06\x32\x95\x01\n\x07Gateway\x12K\n\x08Generate\x12\x1d.omnistage.v1.GenerateRequest\x1a\x1e.omnistage.v1.GenerateResponse0\x01\x12=\n\x04Info\x12\x19.omnistage.v1.InfoRequest\x1a\x1a.omnistage.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aomnistage/v1/gateway.proto\x12\x0comnistage.v1\x1a\x18omnistage/v1/stage.proto\"\xa3\x01\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x17.omnistage.v1.AudioPartH\x00\x12(\n\x05image\x18\x03 \x01(\x0b\x32\x17.omnistage.v1.ImagePartH\x00\x12(\n\x05video\x18\x04 \x01(\x0b\x32\x17.omnistage.v1.VideoPartH\x00\x42\x06\n\x04kind\"L\n\tAudioPart\x12\x0e\n\x04\x66ile\x18\x01 \x01(\x0cH\x00\x12%\n\x03pcm\x18\x02 \x01(\x0b\x32\x16.omnistage.v1.RawAudioH\x00\x42\x08\n\x06source\".\n\x08RawAudio\x12\r\n\x05\x66\x33\x32le\x18\x01 \x01(\x0c\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\"\x19\n\tImagePart\x12\x0c\n\x04\x66ile\x18\x01 \x01(\x0c\"R\n\tVideoPart\x12\x0e\n\x04\x66ile\x18\x01 \x01(\x0cH\x00\x12+\n\x06\x66rames\x18\x02 \x01(\x0b\x32\x19.omnistage.v1.VideoFramesH\x00\x42\x08\n\x06source\"*\n\x0bVideoFrames\x12\x0e\n\x06images\x18\x01 \x03(\x0c\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x01\"\x98\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\x05parts\x18\x03 \x03(\x0b\x32\x19.omnistage.v1.ContentPart\x12*\n\ntool_calls\x18\x04 \x03(\x0b\x32\x16.omnistage.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xec\x04\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.omnistage.v1.ChatMessage\x12\x12\n\nwant_audio\x18\x03 \x01(\x08\x12\x0f\n\x07speaker\x18\x04 \x01(\t\x12=\n\x08sampling\x18\x05 \x03(\x0b\x32+.omnistage.v1.GenerateRequest.SamplingEntry\x12$\n\x04mode\x18\x06 \x01(\x0e\x32\x16.omnistage.v1.EdgeMode\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x1a\n\x12use_audio_in_video\x18\x08 \x01(\x08\x12/\n\x0c\x61udio_format\x18\t \x01(\x0e\x32\x19.omnistage.v1.AudioFormat\x12\x0c\n\x04stop\x18\n \x03(\t\x12S\n\x14\x63hat_template_kwargs\x18\x0b \x03(\x0b\x32\x35.omnistage.v1.GenerateRequest.ChatTemplateKwargsEntry\x12\r\n\x05speed\x18\x0c \x01(\x02\x12\r\n\x05tools\x18\r \x03(\t\x12\x12\n\nraw_prompt\x18\x0e \x01(\x08\x12\x12\n\nprompt_ids\x18\x0f \x03(\x03\x1aM\n\rSamplingEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.omnistage.v1.SamplingParams:\x02\x38\x01\x1a\x39\n\x17\x43hatTemplateKwargsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"Z\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.omnistage.v1.TokenLogprob\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.omnistage.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"\x94\x01\n\nAudioChunk\x12\x11\n\tpcm_f32le\x18\x01 \x01(\x0c\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\x12\x14\n\x0c\x66irst_sample\x18\x03 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12)\n\x06\x66ormat\x18\x05 \x01(\x0e\x32\x19.omnistage.v1.AudioFormat\x12\x0f\n\x07samples\x18\x06 \x01(\x03\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x14\n\x0c\x61udio_frames\x18\x03 \x01(\x03\x12\x15\n\raudio_seconds\x18\x04 \x01(\x01\"6\n\x0bStageTiming\x12\x16\n\x0e\x66irst_output_s\x18\x01 \x01(\x01\x12\x0f\n\x07total_s\x18\x02 \x01(\x01\"\xc0\x01\n\x05\x46inal\x12\"\n\x05usage\x18\x01 \x01(\x0b\x32\x13.omnistage.v1.Usage\x12\x31\n\x07timings\x18\x02 \x03(\x0b\x32 .omnistage.v1.Final.TimingsEntry\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x1aI\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.omnistage.v1.StageTiming:\x02\x38\x01\"\x94\x01\n\x10GenerateResponse\x12\'\n\x04text\x18\x01 \x01(\x0b\x32\x17.omnistage.v1.TextDeltaH\x00\x12)\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x18.omnistage.v1.AudioChunkH\x00\x12$\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x13.omnistage.v1.FinalH\x00\x42\x06\n\x04kind*V\n\x0b\x41udioFormat\x12\r\n\tPCM_F32LE\x10\x00\x12\t\n\x05PCM16\x10\x01\x12\x07\n\x03WAV\x10\x02\x12\x07\n\x03MP3\x10\x03\x12\x08\n\x04\x46LAC\x10\x04\x12\x08\n\x04OPUS\x10\x05\x12\x07\n\x03\x41\x41\x43\x10\x06\x32\x95\x01\n\x07Gateway\x12K\n\x08Generate\x12\x1d.omnistage.v1.GenerateRequest\x1a\x1e.omnistage.v1.GenerateResponse0\x01\x12=\n\x04Info\x12\x19.omnistage.v1.InfoRequest\x1a\x1a.omnistage.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,8 +38,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST_CHATTEMPLATEKWARGSENTRY']._serialized_options = b'8\001'
   _globals['_FINAL_TIMINGSENTRY']._loaded_options = None
   _globals['_FINAL_TIMINGSENTRY']._serialized_options = b'8\001'
-  _globals['_AUDIOFORMAT']._serialized_start=2220
-  _globals['_AUDIOFORMAT']._serialized_end=2306
+  _globals['_AUDIOFORMAT']._serialized_start=2240
+  _globals['_AUDIOFORMAT']._serialized_end=2326
   _globals['_CONTENTPART']._serialized_start=71
   _globals['_CONTENTPART']._serialized_end=234
   _globals['_AUDIOPART']._serialized_start=236
@@ -57,29 +57,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOOLCALL']._serialized_start=672
   _globals['_TOOLCALL']._serialized_end=727
   _globals['_GENERATEREQUEST']._serialized_start=730
-  _globals['_GENERATEREQUEST']._serialized_end=1330
-  _globals['_GENERATEREQUEST_SAMPLINGENTRY']._serialized_start=1194
-  _globals['_GENERATEREQUEST_SAMPLINGENTRY']._serialized_end=1271
-  _globals['_GENERATEREQUEST_CHATTEMPLATEKWARGSENTRY']._serialized_start=1273
-  _globals['_GENERATEREQUEST_CHATTEMPLATEKWARGSENTRY']._serialized_end=1330
-  _globals['_TEXTDELTA']._serialized_start=1332
-  _globals['_TEXTDELTA']._serialized_end=1422
-  _globals['_TOKENLOGPROB']._serialized_start=1424
-  _globals['_TOKENLOGPROB']._serialized_end=1512
-  _globals['_TOPLOGPROB']._serialized_start=1514
-  _globals['_TOPLOGPROB']._serialized_end=1561
-  _globals['_AUDIOCHUNK']._serialized_start=1564
-  _globals['_AUDIOCHUNK']._serialized_end=1712
-  _globals['_USAGE']._serialized_start=1714
-  _globals['_USAGE']._serialized_end=1816
-  _globals['_STAGETIMING']._serialized_start=1818
-  _globals['_STAGETIMING']._serialized_end=1872
-  _globals['_FINAL']._serialized_start=1875
-  _globals['_FINAL']._serialized_end=2067
-  _globals['_FINAL_TIMINGSENTRY']._serialized_start=1994
-  _globals['_FINAL_TIMINGSENTRY']._serialized_end=2067
-  _globals['_GENERATERESPONSE']._serialized_start=2070
-  _globals['_GENERATERESPONSE']._serialized_end=2218
-  _globals['_GATEWAY']._serialized_start=2309
-  _globals['_GATEWAY']._serialized_end=2458
+  _globals['_GENERATEREQUEST']._serialized_end=1350
+  _globals['_GENERATEREQUEST_SAMPLINGENTRY']._serialized_start=1214
+  _globals['_GENERATEREQUEST_SAMPLINGENTRY']._serialized_end=1291
+  _globals['_GENERATEREQUEST_CHATTEMPLATEKWARGSENTRY']._serialized_start=1293
+  _globals['_GENERATEREQUEST_CHATTEMPLATEKWARGSENTRY']._serialized_end=1350
+  _globals['_TEXTDELTA']._serialized_start=1352
+  _globals['_TEXTDELTA']._serialized_end=1442
+  _globals['_TOKENLOGPROB']._serialized_start=1444
+  _globals['_TOKENLOGPROB']._serialized_end=1532
+  _globals['_TOPLOGPROB']._serialized_start=1534
+  _globals['_TOPLOGPROB']._serialized_end=1581
+  _globals['_AUDIOCHUNK']._serialized_start=1584
+  _globals['_AUDIOCHUNK']._serialized_end=1732
+  _globals['_USAGE']._serialized_start=1734
+  _globals['_USAGE']._serialized_end=1836
+  _globals['_STAGETIMING']._serialized_start=1838
+  _globals['_STAGETIMING']._serialized_end=1892
+  _globals['_FINAL']._serialized_start=1895
+  _globals['_FINAL']._serialized_end=2087
+  _globals['_FINAL_TIMINGSENTRY']._serialized_start=2014
+  _globals['_FINAL_TIMINGSENTRY']._serialized_end=2087
+  _globals['_GENERATERESPONSE']._serialized_start=2090
+  _globals['_GENERATERESPONSE']._serialized_end=2238
+  _globals['_GATEWAY']._serialized_start=2329
+  _globals['_GATEWAY']._serialized_end=2478
 # @@protoc_insertion_point(module_scope)

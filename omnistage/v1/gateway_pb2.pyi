@@ -101,7 +101,7 @@ class ToolCall(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "want_audio", "speaker", "sampling", "mode", "request_id", "use_audio_in_video", "audio_format", "stop", "chat_template_kwargs", "speed", "tools", "raw_prompt")
+    __slots__ = ("prompt", "messages", "want_audio", "speaker", "sampling", "mode", "request_id", "use_audio_in_video", "audio_format", "stop", "chat_template_kwargs", "speed", "tools", "raw_prompt", "prompt_ids")
     class SamplingEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class GenerateRequest(_message.Message):
     SPEED_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     RAW_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     want_audio: bool
@@ -144,7 +145,8 @@ class GenerateRequest(_message.Message):
     speed: float
     tools: _containers.RepeatedScalarFieldContainer[str]
     raw_prompt: bool
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., want_audio: _Optional[bool] = ..., speaker: _Optional[str] = ..., sampling: _Optional[_Mapping[str, _stage_pb2.SamplingParams]] = ..., mode: _Optional[_Union[_stage_pb2.EdgeMode, str]] = ..., request_id: _Optional[str] = ..., use_audio_in_video: _Optional[bool] = ..., audio_format: _Optional[_Union[AudioFormat, str]] = ..., stop: _Optional[_Iterable[str]] = ..., chat_template_kwargs: _Optional[_Mapping[str, str]] = ..., speed: _Optional[float] = ..., tools: _Optional[_Iterable[str]] = ..., raw_prompt: _Optional[bool] = ...) -> None: ...
+    prompt_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., want_audio: _Optional[bool] = ..., speaker: _Optional[str] = ..., sampling: _Optional[_Mapping[str, _stage_pb2.SamplingParams]] = ..., mode: _Optional[_Union[_stage_pb2.EdgeMode, str]] = ..., request_id: _Optional[str] = ..., use_audio_in_video: _Optional[bool] = ..., audio_format: _Optional[_Union[AudioFormat, str]] = ..., stop: _Optional[_Iterable[str]] = ..., chat_template_kwargs: _Optional[_Mapping[str, str]] = ..., speed: _Optional[float] = ..., tools: _Optional[_Iterable[str]] = ..., raw_prompt: _Optional[bool] = ..., prompt_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TextDelta(_message.Message):
     __slots__ = ("text", "token_ids", "logprobs")

@@ -769,6 +769,9 @@ def test_a_completion_continues_its_raw_prompt_as_generate_does(http_stack: Stac
     same = client.completions.create(model=model, prompt=written, temperature=0, max_tokens=MAX_TOKENS)
     assert same.usage.prompt_tokens == chat.usage.prompt_tokens
     assert same.choices[0].text == chat.choices[0].message.content
+    # the prompt as token ids (lm-eval's default): the same; echoed, their text
+    by_ids = client.completions.create(model=model, prompt=ids, temperature=0, max_tokens=MAX_TOKENS, echo=True)
+    assert by_ids.choices[0].text == tok.decode(ids) + reply.text and by_ids.usage.prompt_tokens == len(ids)
 
 
 def test_a_completion_streams_echoes_and_scores_its_tokens(http_stack: Stack, client: openai.OpenAI) -> None:
@@ -806,7 +809,7 @@ def test_a_completion_it_cannot_serve_is_refused_by_name(http_stack: Stack, clie
     prompt past the model's length, vLLM's fields with no counterpart: a 400 naming the field,
     streamed or not; the stack serves the next request."""
     url = f"http://{http_stack.http_address}/v1/completions"
-    for body, param in (({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, 2]}, "prompt"),
+    for body, param in (({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, 1 << 40]}, "prompt"),  # past the vocabulary
                         ({"prompt": "a", "suffix": "b"}, "suffix"), ({"prompt": "a", "n": 2}, "n"),
                         ({"prompt": "a <|image_pad|> b"}, "prompt"), ({"prompt": ""}, "prompt"),
                         ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
