@@ -45,7 +45,7 @@ def bench(
     replicas: Annotated[str | None, typer.Option("--replicas", help="For --serve, e.g. talker=2,code2wav=2.")] = None,
     concurrency: Annotated[str, typer.Option("--concurrency", callback=_ints, help="Closed-loop levels, e.g. "
                                              "1,4,8,16 (default 1,4,8; with a front door: --http, --realtime, "
-                                             "--responses, 1,8).")] = "",
+                                             "--responses, --completions, 1,8).")] = "",
     rate: Annotated[str, typer.Option("--rate", callback=_floats,
                                       help="Poisson arrival rates (req/s), e.g. 2.0 or 1,2. A rate past what "
                                       "the stack takes gets refusals (RESOURCE_EXHAUSTED), failures (exit 1).")] = "",
@@ -81,6 +81,9 @@ def bench(
     responses: Annotated[bool, typer.Option("--responses", help="The Responses API (/v1/responses) against "
                                             "gRPC, same run, as --http, text alone on both (the API has no "
                                             "speech out).")] = False,
+    completions: Annotated[bool, typer.Option("--completions", help="The Completions API (/v1/completions) "
+                                              "against gRPC, same run, as --http, each prompt raw (no chat "
+                                              "template) and text alone on both.")] = False,
     http_target: Annotated[
         str | None, typer.Option("--http-target", help="HOST:PORT of the gateway's HTTP port (with --target).")
     ] = None,
@@ -113,7 +116,8 @@ def bench(
     opts = (
         BenchOptions(
             target=target, serve=serve, config=config, model=model, replicas=replicas,
-            concurrency=parse_int_list(concurrency) or ([1, 8] if http or realtime or responses else [1, 4, 8]),
+            concurrency=parse_int_list(concurrency) or ([1, 8] if http or realtime or responses or completions
+                                                        else [1, 4, 8]),
             rates=parse_float_list(rate),
             num_requests=num_requests,
             time_limit=time_limit or None, prompts=prompts, seed=seed, thinker_max_tokens=thinker_max_tokens,
@@ -121,6 +125,7 @@ def bench(
             monolithic=monolithic, inprocess=inprocess, full_payload=full_payload, stages=stages, warmup=warmup,
             threads=threads, request_timeout=request_timeout, json_out=json_out, plot_out=plot_out,
             markdown_out=markdown_out, progress=progress, http=http, realtime=realtime, responses=responses,
+            completions=completions,
             http_target=http_target,
             api_key=api_key,
             tls_ca=tls_ca, server_name=server_name, tls=tls,

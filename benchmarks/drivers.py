@@ -61,6 +61,7 @@ class BenchRequest:
     want_audio: bool = True
     mode: str | None = None  # "async_chunk" | "full_payload" (gRPC: per request)
     talker_seed: int | None = None  # set: the talker samples (its own defaults) with this seed; None: greedy
+    raw: bool = False  # the prompt as the model's input, written (no chat template): text alone
 
 
 @dataclass(frozen=True)
@@ -249,6 +250,7 @@ class GrpcDriver(Driver):
             thinker_max_tokens=req.thinker_max_tokens,
             talker_max_tokens=req.talker_max_tokens,
             mode=req.mode,
+            raw=req.raw,
             timeout=self.timeout,
             channel=self._channel,
             api_key=self.access.api_key,
@@ -404,6 +406,43 @@ class ResponsesDriver(HttpDriver):
                 elif kind in ("response.failed", "error"):
                     error = event.get("response", {}).get("error") or event.get("error") or {}
                     raise RuntimeError(error.get("message", str(event)[:300]))
+        return events
+
+
+class CompletionsDriver(HttpDriver):
+    """A running stack's Completions API (`/v1/completions`): each request's prompt raw (no chat
+    template, as the gRPC driver sends it with `raw`), streamed, greedy, text alone."""
+
+    name = "completions"
+
+    def __init__(self, address: str, timeout: float | None = None, access: Access | None = None) -> None:
+        super().__init__(address, timeout, access)
+        self.url = f"{self.base}/completions"
+
+    @staticmethod
+    def body(req: BenchRequest) -> dict[str, Any]:
+        return {"prompt": req.prompt, "stream": True, "temperature": 0, "max_tokens": req.thinker_max_tokens,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+
+    async def run(self, req: BenchRequest) -> list[StreamEvent]:
+        import json
+
+        if req.want_audio or not req.raw:
+            raise ValueError("a completion's prompt is raw and its reply text alone")
+        events: list[StreamEvent] = []
+        info: dict[str, Any] = {}
+        async with contextlib.aclosing(self._events(req)) as stream:  # (a break closes the response)
+            async for data, now in stream:
+                if data == "[DONE]":
+                    events.append(StreamEvent("final", now, info=info))
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    raise RuntimeError(event["error"]["message"])
+                if isinstance((event.get("usage") or {}).get("completion_tokens"), int):
+                    info["text_tokens"] = event["usage"]["completion_tokens"]
+                if event.get("choices") and event["choices"][0]["text"]:
+                    events.append(StreamEvent("text", now, token_ids=(0,)))  # ids are not in the API
         return events
 
 

@@ -1,11 +1,12 @@
-"""`omnistage bench --http` (`--realtime`, `--responses`): the OpenAI-compatible HTTP front door's
-streamed chat completions (SSE) (its Realtime WebSocket; its Responses API) against the gRPC
-front door of the same gateway, same run, same requests.
+"""`omnistage bench --http` (`--realtime`, `--responses`, `--completions`): the OpenAI-compatible
+HTTP front door's streamed chat completions (SSE) (its Realtime WebSocket; its Responses API; its
+Completions API) against the gRPC front door of the same gateway, same run, same requests.
 
 Both ask for the same work: greedy text and speech (`temperature: 0`; gRPC the same sampling),
 text and audio out (pcm16 in base64 events; gRPC float32 chunks). The Realtime API cannot set the
 talker's limit: with `--realtime` neither door sets it (the stack's default). The Responses API has
-no speech out: with `--responses` both doors ask for text alone (no TTFA). At each
+no speech out: with `--responses` both doors ask for text alone (no TTFA); with `--completions`
+both send each prompt raw (no chat template: `raw_prompt` over gRPC) and ask for text alone. At each
 `--concurrency` level (default 1 and 8) the two run the same request list one after the other,
 in alternating order per level (gRPC first at odd levels) so drift on a shared machine hits both;
 the ratios are HTTP (Realtime) over gRPC of the median TTFT, TTFA and E2E over the requests both
@@ -21,7 +22,7 @@ import time
 from typing import Any
 
 from benchmarks.common import machine_info, ms
-from benchmarks.drivers import BenchRequest, GrpcDriver, HttpDriver, RealtimeDriver, ResponsesDriver
+from benchmarks.drivers import BenchRequest, CompletionsDriver, GrpcDriver, HttpDriver, RealtimeDriver, ResponsesDriver
 from benchmarks.harness import (
     BenchOptions,
     Run,
@@ -44,16 +45,17 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
     levels = opts.concurrency  # the CLI's default here: 1 and 8
     prompts = load_prompts(opts.prompts)
     order = request_sequence(len(prompts), opts.num_requests, opts.seed)
-    door_name = "realtime" if opts.realtime else "responses" if opts.responses else "http"
-    talker_limit = None if opts.realtime or opts.responses else opts.talker_max_tokens
-    requests = [BenchRequest(i, p, prompts[p], opts.thinker_max_tokens, talker_limit, want_audio=not opts.responses)
-                for i, p in enumerate(order)]  # fmt: skip
+    kind = {"realtime": RealtimeDriver, "responses": ResponsesDriver,
+            "completions": CompletionsDriver}.get(door_name := _door(opts), HttpDriver)  # fmt: skip
+    text_alone = opts.responses or opts.completions
+    talker_limit = None if opts.realtime or text_alone else opts.talker_max_tokens
+    requests = [BenchRequest(i, p, prompts[p], opts.thinker_max_tokens, talker_limit, want_audio=not text_alone,
+                             raw=opts.completions) for i, p in enumerate(order)]  # fmt: skip
     run = Run(opts, requests, requests)
     rows: list[dict[str, Any]] = []
 
     async def go(grpc_addr: str, http_addr: str, cfg: Any) -> None:
         door = access(opts, cfg)
-        kind = RealtimeDriver if opts.realtime else ResponsesDriver if opts.responses else HttpDriver
         front = kind(http_addr, timeout=opts.request_timeout, access=door)
         drivers = {"grpc": GrpcDriver(grpc_addr, timeout=opts.request_timeout, openai_greedy=True, access=door),
                    door_name: front}  # fmt: skip
@@ -109,6 +111,10 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
         opts.json_out.parent.mkdir(parents=True, exist_ok=True)
         opts.json_out.write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def _door(opts: BenchOptions) -> str:
+    return next((name for name in ("realtime", "responses", "completions") if getattr(opts, name)), "http")
 
 
 def _same_audio(run: Run) -> bool:

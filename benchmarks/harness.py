@@ -93,6 +93,7 @@ class BenchOptions:
     http: bool = False  # compare the HTTP front door with gRPC (benchmarks/front_doors.py)
     realtime: bool = False  # likewise its Realtime WebSocket
     responses: bool = False  # likewise its Responses API (text alone, on both doors)
+    completions: bool = False  # likewise its Completions API (raw prompts, text alone, on both doors)
     http_target: str | None = None  # HOST:PORT of a running gateway's HTTP port (with --target)
     api_key: str = ""  # a gateway's (--target)
     tls_ca: Path | None = None  # PEM roots of a TLS gateway (--target; --serve takes its config's)
@@ -798,7 +799,8 @@ def check_options(opts: BenchOptions) -> None:
     if opts.target and opts.serve:
         raise ValueError("--target and --serve are exclusive: drive a running stack or start one")
     doors = [name for name, on in (("--http", opts.http), ("--realtime", opts.realtime),
-                                   ("--responses", opts.responses)) if on]  # fmt: skip
+                                   ("--responses", opts.responses), ("--completions", opts.completions))
+             if on]  # fmt: skip
     if len(doors) > 1:
         raise ValueError(f"{' and '.join(doors)} are exclusive: each compares one door with gRPC")
     door = doors[0] if doors else "--http"
@@ -818,7 +820,7 @@ def check_options(opts: BenchOptions) -> None:
 def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
     """Runs the benchmark, prints the table, writes --json/--plot/--markdown; returns the result."""
     check_options(opts)
-    if opts.http or opts.realtime or opts.responses:
+    if opts.http or opts.realtime or opts.responses or opts.completions:
         from benchmarks.front_doors import main as front_doors
 
         return front_doors(opts, command)

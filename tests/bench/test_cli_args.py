@@ -47,6 +47,8 @@ from tests.integration.conftest import free_port_block
         (["--realtime", "--serve", "--thinker-max-tokens", "5000"], "--thinker-max-tokens"),
         (["--responses", "--http", "--serve"], "--responses"),
         (["--responses", "--target", "127.0.0.1:1"], "--http-target"),
+        (["--completions", "--responses", "--serve"], "--completions"),
+        (["--completions", "--target", "127.0.0.1:1"], "--http-target"),
     ],
 )
 def test_a_value_no_run_can_use_is_a_usage_error(args: list[str], option: str) -> None:

@@ -531,6 +531,24 @@ def test_the_bench_drives_the_responses_api_against_grpc(http_stack: Stack) -> N
     assert all(r["audio_samples"] == 0 for rs in records.values() for r in rs)
 
 
+def test_the_bench_drives_the_completions_api_against_grpc(http_stack: Stack) -> None:
+    """`omnistage bench --completions`: the same raw prompts (no chat template on either door),
+    text alone, as streamed completions and over gRPC: the same token counts (the server's)."""
+    from benchmarks.front_doors import main
+    from benchmarks.harness import BenchOptions, failed_levels
+
+    opts = BenchOptions(target=http_stack.gateway_address, completions=True, http_target=http_stack.http_address,
+                        concurrency=[2], num_requests=6, thinker_max_tokens=40, warmup=1, progress=False,
+                        quiet=True)  # fmt: skip
+    result = main(opts)
+    assert failed_levels(result) == [], result["failed"]
+    assert result["door"] == "completions" and result["levels"][0]["e2e"]["completions_over_grpc"] > 0
+    records = {lv["name"]: lv["requests"] for lv in result["configurations"]}
+    tokens = {name: [r["text_tokens"] for r in rs] for name, rs in records.items()}
+    assert tokens["completions c=2"] == tokens["grpc c=2"] and all(0 < t <= 40 for t in tokens["grpc c=2"]), tokens
+    assert all(r["audio_samples"] == 0 for rs in records.values() for r in rs)
+
+
 def test_a_later_turn_names_a_spoken_reply_by_its_audio_id(http_stack: Stack, client: openai.OpenAI) -> None:
     """OpenAI's multi-turn voice chat: the assistant turn is `{"audio": {"id"}}`, no text; the
     model then sees that reply's words, as if the client had sent them as content."""
