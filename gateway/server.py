@@ -206,6 +206,9 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
             chars = given if request.messages else len(request.prompt)  # `prompt` is ignored with messages
             if chars > MAX_CHARS_PER_TOKEN * self.max_prompt_tokens:  # before tokenizing: it could never fit
                 raise ValueError(f"prompt: {chars} characters of text cannot fit in {self.max_prompt_tokens} tokens")
+            if len(request.prompt_ids) > self.max_prompt_tokens:  # (before each id is read)
+                raise ValueError(f"prompt: {len(request.prompt_ids)} tokens exceeds the model maximum of "
+                                 f"{self.max_prompt_tokens}")  # fmt: skip
             prompt = self._built(request, cancelled)
         else:  # a conversation (the realtime socket's): its oldest turns left out as far as it takes
             prompt = fitted(request, fit, lambda r: self._built(r, cancelled), lambda p: len(p.ids),

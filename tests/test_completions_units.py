@@ -107,7 +107,9 @@ def test_the_gateway_reads_a_raw_prompt_as_written(tiny_dir: Path) -> None:
         # its ids, given: as they are, each of the vocabulary and none standing for media
         given = gateway_pb2.GenerateRequest(prompt_ids=chat, raw_prompt=True)
         assert list(service._prompt(given).ids) == list(chat)
-        for bad, why in (([1, spec.thinker_vocab], "outside the vocabulary"), ([1, spec.multimodal_ids[1]], "stands")):
+        too_many = [1] * (service.max_prompt_tokens + 1)  # (refused before its ids are read)
+        for bad, why in (([1, spec.thinker_vocab], "outside the vocabulary"), ([1, spec.multimodal_ids[1]], "stands"),
+                         (too_many, f"{len(too_many)} tokens exceeds the model maximum")):  # fmt: skip
             with pytest.raises(ValueError, match=f"prompt: .*{why}"):
                 service._prompt(gateway_pb2.GenerateRequest(prompt_ids=bad, raw_prompt=True))
         for req, why in ((gateway_pb2.GenerateRequest(prompt_ids=[1], request_id="r"), "is a raw one"),
