@@ -1554,6 +1554,7 @@ def test_a_failure_after_a_streamed_reply_began_is_its_last_event(tiny_dir: Path
             got["chat"] = await client.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "hi"}], "stream": True})  # fmt: skip
             got["speech sse"] = await client.post("/v1/audio/speech", json={"input": "hi", "stream_format": "sse"})
+            got["completion"] = await client.post("/v1/completions", json={"prompt": "hi", "stream": True})
             got["transcript"] = await client.post("/v1/audio/transcriptions", data={"stream": "true"},
                                                   files={"file": ("a.wav", wav.getvalue())})  # fmt: skip
             try:
@@ -1570,10 +1571,13 @@ def test_a_failure_after_a_streamed_reply_began_is_its_last_event(tiny_dir: Path
     assert events["chat"][-1]["error"]["type"] == "service_unavailable", events["chat"]
     assert "data: [DONE]" not in got["chat"].text  # type: ignore[union-attr]
     assert events["speech sse"][-1]["type"] == "error" and events["speech sse"][0]["type"] == "speech.audio.delta"
+    assert [e.get("object") for e in events["completion"]] == ["text_completion", None], events["completion"]
+    assert events["completion"][-1]["error"]["type"] == "service_unavailable"
+    assert "data: [DONE]" not in got["completion"].text  # type: ignore[union-attr]
     assert [e["type"] for e in events["transcript"]] == ["transcript.text.delta", "error"], events["transcript"]
     assert events["transcript"][-1]["error"]["message"] == "talker: lost"
     assert str(got["speech"]).startswith("cut"), got["speech"]
-    assert service.metrics.requests.labels("http", "UNAVAILABLE")._value.get() == 4
+    assert service.metrics.requests.labels("http", "UNAVAILABLE")._value.get() == 5
 
 
 @pytest.mark.parametrize("speed", [0.25, 0.6, 1.5, 4.0])
