@@ -8,7 +8,8 @@ the shapes differ.
   prompts, `n` or `best_of` above 1, a `suffix` and a non-text `response_format` are refused
   (400), as is a token that stands for audio, an image or a video, as text or id (a raw prompt
   carries no media: send those as chat messages), and an id outside the vocabulary.
-* `max_tokens` is 16 when left out, as OpenAI's and vLLM's (null: up to the model's length).
+* `max_tokens` is 16 when left out, as OpenAI's and vLLM's (null: the checkpoint's default, as
+  chat's).
 * `echo`: the prompt's text before the completion (not with `logprobs`, nor `max_tokens` 0:
   there are no prompt log-probabilities here).
 * `logprobs` (0 to 20): each token's `tokens`, `token_logprobs`, `top_logprobs` (the most likely
@@ -87,7 +88,7 @@ def _token_ids(value: list[Any], where: str) -> list[int]:
     for i, t in enumerate(value):
         if type(t) is not int or not 0 <= t < 1 << 62:  # (a JSON true is no id)
             raise HttpError(400, f"{where}[{i}]: expected a token id (an integer from 0), got {quoted(repr(t))}",
-                            param=where)  # fmt: skip
+                            param="prompt")  # fmt: skip
     return value
 
 

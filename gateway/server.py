@@ -279,7 +279,8 @@ class GatewayService(gateway_pb2_grpc.GatewayServicer):
         vocab = self.ckpt.spec.thinker_vocab
         if bad := [i for i in ids if not 0 <= i < vocab][:8]:
             raise ValueError(f"prompt: ids outside the vocabulary (0 to {vocab - 1}): {bad}")
-        media = set(self.ckpt.spec.multimodal_ids)
+        # (the pads, and an audio's opening token, which the thinker counts as an audio item)
+        media = {*self.ckpt.spec.multimodal_ids, self.ckpt.spec.audio_start_id}
         if (stand_in := next((i for i in ids if i in media), None)) is not None:
             token = self.tokenizer.convert_ids_to_tokens(stand_in)
             raise ValueError(f"prompt: {quoted(token)} stands for audio, an image or a video, which a raw prompt "

@@ -35,7 +35,7 @@ def test_the_body_becomes_a_raw_prompt_request_answered_in_text() -> None:
     for ids in ([5, 6, 7], [[5, 6, 7]]):  # token ids (lm-eval's), alone or in a list
         by_ids = _request(prompt=ids)
         assert by_ids.raw_prompt and list(by_ids.prompt_ids) == [5, 6, 7] and not by_ids.prompt
-    unset = _request(max_tokens=None)  # null: up to the model's length (vLLM's), not 16
+    unset = _request(max_tokens=None)  # null: the checkpoint's default (as chat's), not 16
     assert not unset.sampling["thinker"].HasField("max_tokens") and not unset.sampling["thinker"].HasField("logprobs")
     sampled = _request(temperature=0.7, max_tokens=5)
     assert sampled.sampling["thinker"].do_sample and sampled.sampling["thinker"].max_tokens == 5
@@ -98,7 +98,8 @@ def test_the_gateway_reads_a_raw_prompt_as_written(tiny_dir: Path) -> None:
         chat = ckpt.family.prompt_ids(service.tokenizer, [{"role": "user", "content": "Say hi."}])
         written = service.tokenizer.decode(chat)
         assert list(service._prompt(gateway_pb2.GenerateRequest(prompt=written, raw_prompt=True)).ids) == list(chat)
-        for media_id in spec.multimodal_ids:
+        assert spec.audio_start_id >= 0  # (the thinker counts each as an audio)
+        for media_id in (*spec.multimodal_ids, spec.audio_start_id):
             text = service.tokenizer.convert_ids_to_tokens(media_id)
             with pytest.raises(ValueError, match=re.escape(f"prompt: '{text}' stands for audio, an image or a video")):
                 service._prompt(gateway_pb2.GenerateRequest(prompt=f"a {text} b", raw_prompt=True))

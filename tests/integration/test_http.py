@@ -829,7 +829,8 @@ def test_a_completion_it_cannot_serve_is_refused_by_name(http_stack: Stack, clie
     url = f"http://{http_stack.http_address}/v1/completions"
     for body, param in (({"prompt": ["a", "b"]}, "prompt"), ({"prompt": [1, 1 << 40]}, "prompt"),  # past the vocabulary
                         ({"prompt": "a", "suffix": "b"}, "suffix"), ({"prompt": "a", "n": 2}, "n"),
-                        ({"prompt": "a <|image_pad|> b"}, "prompt"), ({"prompt": ""}, "prompt"),
+                        ({"prompt": "a <|image_pad|> b"}, "prompt"), ({"prompt": "<|audio_start|>"}, "prompt"),
+                        ({"prompt": ""}, "prompt"),
                         ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
                         ({"prompt": "a", "ignore_eos": True}, "ignore_eos"),
                         ({"prompt": "a", "logprobs": 21}, "logprobs"),

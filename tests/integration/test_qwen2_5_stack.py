@@ -70,9 +70,10 @@ def test_a_raw_prompt_completion_matches_generate(q25_stack: Stack, q25_checkpoi
     url = f"http://{q25_stack.http_address}/v1/completions"
     done = httpx.post(url, json={"prompt": prompt, "temperature": 0, "max_tokens": 16}, timeout=120).json()
     assert done["choices"][0]["text"] == reply.text and done["usage"]["prompt_tokens"] == len(ids)
-    media = pipeline.tokenizer.convert_ids_to_tokens(pipeline.spec.multimodal_ids[0])
-    refused = httpx.post(url, json={"prompt": f"a {media}"}, timeout=60)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
+    for media_id in (pipeline.spec.multimodal_ids[0], pipeline.spec.audio_start_id):  # <|AUDIO|>, <|audio_bos|>
+        media = pipeline.tokenizer.convert_ids_to_tokens(media_id)
+        refused = httpx.post(url, json={"prompt": f"a {media}"}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt", refused.text
 
 
 def test_full_payload_gives_the_same_output(q25_stack: Stack) -> None:

@@ -62,6 +62,7 @@ class FamilySpec:
     talker_needs_hidden: bool = True
     # token2wav's DiT looks ahead: a frame's audio waits for later frames
     code2wav_causal: bool = False
+    audio_start_id: int = -1  # an audio's opening token: with the pads, what a prompt holds only with media
 
     @property
     def speakers(self) -> dict[str, int]:
@@ -106,6 +107,7 @@ class FamilySpec:
             im_start_id=-1,  # from the tokenizer (the config does not name it): see with_tokenizer
             im_end_id=-1,
             multimodal_ids=(thinker.audio_token_index, thinker.image_token_index, thinker.video_token_index),
+            audio_start_id=getattr(thinker, "audio_start_token_id", -1),
             thinker_vocab=text.vocab_size,
             thinker_hidden=text.hidden_size,
             accept_hidden_layer=text.num_hidden_layers,

@@ -64,6 +64,7 @@ class FamilySpec:
     talker_needs_hidden: bool = False
     # code2wav is causal: a frame's audio is final once the frame is there (no look-ahead)
     code2wav_causal: bool = True
+    audio_start_id: int = -1  # an audio's opening token: with the pads, what a prompt holds only with media
 
     @property
     def default_speaker(self) -> str:
@@ -84,6 +85,7 @@ class FamilySpec:
             tts_bos_id=config.tts_bos_token_id,
             tts_eos_id=config.tts_eos_token_id,
             multimodal_ids=(thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id),
+            audio_start_id=getattr(thinker, "audio_start_token_id", -1),
             thinker_vocab=thinker.text_config.vocab_size,
             thinker_hidden=thinker.text_config.hidden_size,
             accept_hidden_layer=talker.accept_hidden_layer,
