@@ -336,7 +336,6 @@ class HttpDriver(Driver):
                     yield line[5:].strip(), time.perf_counter()
 
     async def run(self, req: BenchRequest) -> list[StreamEvent]:
-        import base64
         import json
 
         events: list[StreamEvent] = []
@@ -349,20 +348,28 @@ class HttpDriver(Driver):
                 event = json.loads(data)
                 if "error" in event:
                     raise RuntimeError(event["error"]["message"])
-                if event.get("usage"):  # the text's tokens: a text event is a delta, of any number of them
-                    details = event["usage"].get("completion_tokens_details") or {}
-                    if isinstance(details.get("text_tokens"), int):
-                        info["text_tokens"] = details["text_tokens"]
-                if not event.get("choices"):
-                    continue
-                delta = event["choices"][0]["delta"]
-                if delta.get("content"):
-                    events.append(StreamEvent("text", now, token_ids=(0,)))  # ids are not in the API
-                audio = (delta.get("audio") or {}).get("data")
-                if audio:
-                    n = len(base64.b64decode(audio)) // 2
-                    events.append(StreamEvent("audio", now, samples=n, sample_rate=24000))
+                events.extend(self._read(event, now, info))
         return events
+
+    @staticmethod
+    def _read(event: dict[str, Any], now: float, info: dict[str, Any]) -> list[StreamEvent]:
+        """A chat chunk's text and audio events; its usage's text tokens go to `info`."""
+        import base64
+
+        if event.get("usage"):  # the text's tokens: a text event is a delta, of any number of them
+            details = event["usage"].get("completion_tokens_details") or {}
+            if isinstance(details.get("text_tokens"), int):
+                info["text_tokens"] = details["text_tokens"]
+        if not event.get("choices"):
+            return []
+        out = []
+        delta = event["choices"][0]["delta"]
+        if delta.get("content"):
+            out.append(StreamEvent("text", now, token_ids=(0,)))  # ids are not in the API
+        audio = (delta.get("audio") or {}).get("data")
+        if audio:
+            out.append(StreamEvent("audio", now, samples=len(base64.b64decode(audio)) // 2, sample_rate=24000))
+        return out
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -425,25 +432,17 @@ class CompletionsDriver(HttpDriver):
                 "stream_options": {"include_usage": True}}  # fmt: skip
 
     async def run(self, req: BenchRequest) -> list[StreamEvent]:
-        import json
-
         if req.want_audio or not req.raw:
             raise ValueError("a completion's prompt is raw and its reply text alone")
-        events: list[StreamEvent] = []
-        info: dict[str, Any] = {}
-        async with contextlib.aclosing(self._events(req)) as stream:  # (a break closes the response)
-            async for data, now in stream:
-                if data == "[DONE]":
-                    events.append(StreamEvent("final", now, info=info))
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    raise RuntimeError(event["error"]["message"])
-                if isinstance((event.get("usage") or {}).get("completion_tokens"), int):
-                    info["text_tokens"] = event["usage"]["completion_tokens"]
-                if event.get("choices") and event["choices"][0]["text"]:
-                    events.append(StreamEvent("text", now, token_ids=(0,)))  # ids are not in the API
-        return events
+        return await super().run(req)
+
+    @staticmethod
+    def _read(event: dict[str, Any], now: float, info: dict[str, Any]) -> list[StreamEvent]:
+        if isinstance((event.get("usage") or {}).get("completion_tokens"), int):
+            info["text_tokens"] = event["usage"]["completion_tokens"]
+        if event.get("choices") and event["choices"][0]["text"]:
+            return [StreamEvent("text", now, token_ids=(0,))]  # ids are not in the API
+        return []
 
 
 class RealtimeDriver(HttpDriver):
