@@ -812,6 +812,13 @@ def test_a_completion_streams_echoes_and_scores_its_tokens(http_stack: Stack, cl
     assert [t for s in streamed for t in s.tokens] == lp.tokens
     assert [o for s in streamed for o in s.text_offset] == lp.text_offset
     assert [p for s in streamed for p in s.token_logprobs] == lp.token_logprobs
+    # what vLLM's `bench serve` sends (its completions backend), fields that change nothing included
+    vllm = {**ask, "repetition_penalty": 1.0, "logprobs": None, "stream": True, "best_of": 1, "ignore_eos": False,
+            "use_beam_search": False, "stream_options": {"include_usage": True}}  # fmt: skip
+    served = httpx.post(f"http://{http_stack.http_address}/v1/completions", json=vllm, timeout=60)
+    chunks = [json.loads(line[5:]) for line in served.text.splitlines() if line.startswith("data: {")]
+    assert served.status_code == 200 and "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
+    assert chunks[-1]["usage"]["completion_tokens"] == whole.usage.completion_tokens
     echoed = client.completions.create(**ask, echo=True)
     assert echoed.choices[0].text == ask["prompt"] + text and echoed.choices[0].logprobs is None
     pieces = [c.text for e in client.completions.create(**ask, echo=True, stream=True) for c in e.choices]
