@@ -277,12 +277,13 @@ class HttpDriver(Driver):
     text and pcm16 audio, temperature 0, over one kept-alive connection pool."""
 
     name = "http"
+    path = "chat/completions"  # the endpoint under /v1
 
     def __init__(self, address: str, timeout: float | None = None, access: Access | None = None) -> None:
         self.access = access or Access()
         scheme = "https" if self.access.secure else "http"
         self.base = f"{scheme}://{address}/v1"
-        self.url = f"{self.base}/chat/completions"
+        self.url = f"{self.base}/{self.path}"
         self.timeout = timeout
         self._client: Any = None
 
@@ -382,10 +383,7 @@ class ResponsesDriver(HttpDriver):
     greedy, text alone (the API has no speech out), not stored, over the HTTP driver's pool."""
 
     name = "responses"
-
-    def __init__(self, address: str, timeout: float | None = None, access: Access | None = None) -> None:
-        super().__init__(address, timeout, access)
-        self.url = f"{self.base}/responses"
+    path = "responses"
 
     @staticmethod
     def body(req: BenchRequest) -> dict[str, Any]:
@@ -421,10 +419,7 @@ class CompletionsDriver(HttpDriver):
     template, as the gRPC driver sends it with `raw`), streamed, greedy, text alone."""
 
     name = "completions"
-
-    def __init__(self, address: str, timeout: float | None = None, access: Access | None = None) -> None:
-        super().__init__(address, timeout, access)
-        self.url = f"{self.base}/completions"
+    path = "completions"
 
     @staticmethod
     def body(req: BenchRequest) -> dict[str, Any]:

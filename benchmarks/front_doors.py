@@ -45,8 +45,9 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
     levels = opts.concurrency  # the CLI's default here: 1 and 8
     prompts = load_prompts(opts.prompts)
     order = request_sequence(len(prompts), opts.num_requests, opts.seed)
-    kind = {"realtime": RealtimeDriver, "responses": ResponsesDriver,
-            "completions": CompletionsDriver}.get(door_name := _door(opts), HttpDriver)  # fmt: skip
+    # the door the options name (each driver's `name` is its option's), else chat's
+    kind = next((d for d in (RealtimeDriver, ResponsesDriver, CompletionsDriver) if getattr(opts, d.name)), HttpDriver)
+    door_name = kind.name
     text_alone = opts.responses or opts.completions
     talker_limit = None if opts.realtime or text_alone else opts.talker_max_tokens
     requests = [BenchRequest(i, p, prompts[p], opts.thinker_max_tokens, talker_limit, want_audio=not text_alone,
@@ -111,10 +112,6 @@ def main(opts: BenchOptions, command: str | None = None) -> dict[str, Any]:
         opts.json_out.parent.mkdir(parents=True, exist_ok=True)
         opts.json_out.write_text(json.dumps(result, indent=1) + "\n")
     return result
-
-
-def _door(opts: BenchOptions) -> str:
-    return next((name for name in ("realtime", "responses", "completions") if getattr(opts, name)), "http")
 
 
 def _same_audio(run: Run) -> bool:
